@@ -1,0 +1,1 @@
+"""Mooncake-compatible TransferEngine API and the sglang adapter."""

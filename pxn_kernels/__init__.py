@@ -1,0 +1,26 @@
+"""pxn_kernels: Triton kernels that gather scattered pieces into relay chunks and scatter them back.
+
+Public entries (each with a plain-torch reference beside it):
+
+* ``gather(src_ptrs, lengths, out, out_offsets)`` / ``gather_torch``
+* ``scatter(src, src_offsets, dst_ptrs, lengths)`` / ``scatter_torch``
+* ``copy(src_ptrs, dst_ptrs, lengths)`` / ``copy_torch``: batched memcpy in one launch
+* ``pack_chunk(...)``: header + item table + payload of a relay chunk in one launch
+* ``chunk``: the chunk wire format (``build_header_table``, ``parse_chunk``)
+* ``host_copy``: many memmoves on the host (the CPU path)
+
+All index arguments are int64 tensors on the device that runs the copy; addresses are raw integers
+(UVA: device memory of this or a peer GPU, or pinned host memory). Lengths are bytes.
+"""
+from pxn_kernels import chunk  # noqa: F401
+from pxn_kernels._batched_copy import (  # noqa: F401
+    CopyPlan, DeviceBatch, LaunchSettings, launch_batched_copy, launch_settings, plan_batched_copy, plan_host,
+)
+from pxn_kernels._memory import host_copy, host_view, raw_view  # noqa: F401
+from pxn_kernels.batch_copy import copy, copy_torch  # noqa: F401
+from pxn_kernels.gather import gather, gather_torch  # noqa: F401
+from pxn_kernels.pack import pack_chunk  # noqa: F401
+from pxn_kernels.scatter import scatter, scatter_torch  # noqa: F401
+
+__all__ = ["gather", "gather_torch", "scatter", "scatter_torch", "copy", "copy_torch", "pack_chunk",
+           "chunk", "host_copy", "host_view", "raw_view", "plan_batched_copy", "launch_settings", "CopyPlan"]

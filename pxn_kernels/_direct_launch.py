@@ -1,0 +1,87 @@
+"""Launch an already compiled Triton kernel with one ctypes call to ``cuLaunchKernel``.
+
+Why: Triton's Python launch path re-derives every argument's specialisation, reads its knobs and prepares
+scratch allocations on every call: ~18 us of host time per launch measured on the H200 (torch 2.11, Triton
+3.6; benchmarks/NOTES.md), twice the whole cost of a small ``copy_``. The relay gathers small batches
+thousands of times per second, so the launch is the product's hot path. This launcher reads the kernel's
+parameter list from its PTX once and afterwards only writes the argument values and calls the driver.
+
+It declines (returns None, and the caller keeps Triton's own path) whenever the compiled kernel needs more
+than plain parameters: scratch memory, clusters, cooperative or PDL launches.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import threading
+from typing import Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+_PARAM = re.compile(r"\.param\s+\.(u64|b64|s64|u32|b32|s32)\b[^,)]*?(\w+)\s*[,)]")
+_libcuda = None
+
+
+def _driver():
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernel.restype = ctypes.c_int
+        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                       ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        _libcuda = lib
+    return _libcuda
+
+
+class DirectLauncher:
+    """Holds one compiled kernel's parameter buffer; ``launch(grid_x, stream, values)`` enqueues it."""
+
+    def __init__(self, function: int, param_sizes: Sequence[int], n_user: int, num_warps: int, shared: int):
+        self._function = ctypes.c_void_p(function)
+        self._values = [ctypes.c_int64(0) if size == 8 else ctypes.c_int32(0) for size in param_sizes]
+        self._params = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
+        self._user = self._values[:n_user]
+        self._threads = 32 * num_warps
+        self._shared = shared
+        self._lock = threading.Lock()
+        self._launch = _driver().cuLaunchKernel
+
+    @classmethod
+    def create(cls, compiled, n_user: int) -> Optional["DirectLauncher"]:
+        meta = compiled.metadata
+        reasons = []
+        if getattr(meta, "num_ctas", 1) != 1:
+            reasons.append("clusters")
+        if getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False):
+            reasons.append("cooperative/PDL launch")
+        if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0):
+            reasons.append("scratch memory")
+        if getattr(meta, "shared", 0) > 48 * 1024:
+            reasons.append("large shared memory")
+        ptx = compiled.asm.get("ptx", "")
+        entry = ptx.find(".entry")
+        params = [m.group(1) for m in _PARAM.finditer(ptx[entry:ptx.find(")", entry) + 1])] if entry >= 0 else []
+        if len(params) < n_user:
+            reasons.append(f"{len(params)} PTX parameters for {n_user} arguments")
+        sizes = [8 if kind.endswith("64") else 4 for kind in params]
+        if any(size != 8 for size in sizes[n_user:]):
+            reasons.append("unexpected extra parameters")
+        if reasons:
+            log.info("direct launch declined for %s: %s", meta.name, ", ".join(reasons))
+            return None
+        compiled._init_handles()
+        return cls(compiled.function, sizes, n_user, meta.num_warps, getattr(meta, "shared", 0))
+
+    def launch(self, grid_x: int, stream: int, values: Sequence[int]) -> None:
+        with self._lock:
+            for slot, value in zip(self._user, values):
+                slot.value = value
+            err = self._launch(self._function, grid_x, 1, 1, self._threads, 1, 1, self._shared, stream,
+                               self._params, None)
+        if err:
+            name = ctypes.c_char_p()
+            _driver().cuGetErrorName(err, ctypes.byref(name))
+            raise RuntimeError(f"cuLaunchKernel failed: {name.value.decode() if name.value else err}")

@@ -1,0 +1,218 @@
+"""The relay chunk wire format: ``[header 64 B | item table 16 B × n | payload, items at 16-B aligned offsets]``.
+
+A chunk carries many small pieces in one fabric write. The sender builds header + table on the host
+(``build_header_table``), then one gather launch (``pxn_kernels.pack_chunk``) copies header+table and every
+piece into the relay slot. The receiver parses and validates everything it reads from the wire
+(``parse_chunk``) before it scatters anything: the bytes are untrusted until then.
+
+Header (little-endian, 64 bytes)::
+
+    off size field
+      0   4  magic            b"PXN1"
+      4   2  version          1
+      6   2  flags            reserved, 0
+      8   8  seq              sender's sequence number for this (sender, receiver) pair
+     16   4  item_count       n
+     20   4  table_offset     64
+     24   4  payload_offset   align16(64 + 16 n)
+     28   4  chunk_bytes      payload_offset + payload bytes (items at 16-B aligned offsets)
+     32   8  sender_id        sender's 64-bit id
+     40   4  checksum         CRC-32 of header (with this field zero) + item table
+     44  20  reserved, 0
+
+Item table entry (16 bytes)::
+
+      0   8  dst_addr         destination address at the receiver
+      8   4  length           bytes (>= 1)
+     12   4  offset           payload byte offset from the chunk start (16-B aligned)
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from transport.errors import ChunkFormatError
+
+MAGIC = b"PXN1"
+VERSION = 1
+HEADER_BYTES = 64
+ENTRY_BYTES = 16
+PAYLOAD_ALIGN = 16
+MAX_CHUNK_BYTES = (1 << 32) - 1  # offsets and lengths are u32
+
+_HEADER = struct.Struct("<4sHHQIIIIQI20x")
+assert _HEADER.size == HEADER_BYTES
+_ENTRY_DTYPE = np.dtype([("dst_addr", "<u8"), ("length", "<u4"), ("offset", "<u4")])
+assert _ENTRY_DTYPE.itemsize == ENTRY_BYTES
+
+
+def align_up(value: int, alignment: int = PAYLOAD_ALIGN) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def payload_offset_for(item_count: int) -> int:
+    """Byte offset of the payload in a chunk of ``item_count`` items."""
+    return align_up(HEADER_BYTES + ENTRY_BYTES * item_count)
+
+
+def chunk_layout(lengths: Sequence[int]):
+    """Offsets of each item's payload (from the chunk start) and the chunk's total size in bytes.
+
+    Returns ``(item_offsets: np.ndarray[int64], chunk_bytes: int)``.
+    """
+    lengths_np = np.asarray(lengths, dtype=np.int64)
+    if lengths_np.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {lengths_np.shape}")
+    if lengths_np.size and int(lengths_np.min()) < 1:
+        bad = int(np.argmin(lengths_np))
+        raise ValueError(f"lengths[{bad}] = {int(lengths_np[bad])}: chunk items must be >= 1 byte")
+    padded = (lengths_np + (PAYLOAD_ALIGN - 1)) & ~np.int64(PAYLOAD_ALIGN - 1)
+    start = payload_offset_for(lengths_np.size)
+    item_offsets = start + np.concatenate(([0], np.cumsum(padded)[:-1])).astype(np.int64) if lengths_np.size \
+        else np.zeros(0, dtype=np.int64)
+    chunk_bytes = start + int(padded.sum())
+    if chunk_bytes > MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk of {chunk_bytes} bytes exceeds the u32 limit {MAX_CHUNK_BYTES}")
+    return item_offsets, chunk_bytes
+
+
+def chunk_bytes_for(lengths: Sequence[int]) -> int:
+    """Total chunk size in bytes for items of these lengths."""
+    return chunk_layout(lengths)[1]
+
+
+def build_header_table(dst_addrs: Sequence[int], lengths: Sequence[int], seq: int, sender_id: int,
+                       flags: int = 0, out: Optional[np.ndarray] = None):
+    """Header + item table of a chunk, as uint8 bytes, with its checksum.
+
+    Arguments:
+        dst_addrs: destination address of each item at the receiver.
+        lengths: bytes of each item (>= 1).
+        seq: sequence number (u64). sender_id: sender id (u64). flags: u16, reserved.
+        out: optional uint8 array of at least ``payload_offset_for(n)`` bytes to write into (e.g. a pinned
+            staging buffer's numpy view), avoiding an allocation on the hot path.
+    Returns:
+        ``(header_table: np.ndarray[uint8] of payload_offset_for(n) bytes, item_offsets, chunk_bytes)``.
+    """
+    dst_np = np.asarray(dst_addrs, dtype=np.uint64)
+    lengths_np = np.asarray(lengths, dtype=np.int64)
+    if dst_np.shape != lengths_np.shape:
+        raise ValueError(f"dst_addrs has {dst_np.size} entries but lengths has {lengths_np.size}")
+    item_offsets, chunk_bytes = chunk_layout(lengths_np)
+    n = lengths_np.size
+    table_end = payload_offset_for(n)
+    if out is None:
+        out = np.zeros(table_end, dtype=np.uint8)
+    elif out.dtype != np.uint8 or out.size < table_end:
+        raise ValueError(f"out must be uint8 with >= {table_end} bytes, got {out.dtype} of {out.size}")
+    buf = out[:table_end]
+    buf[HEADER_BYTES + ENTRY_BYTES * n:] = 0
+    table = buf[HEADER_BYTES:HEADER_BYTES + ENTRY_BYTES * n].view(_ENTRY_DTYPE)
+    table["dst_addr"] = dst_np
+    table["length"] = lengths_np
+    table["offset"] = item_offsets
+    header = _HEADER.pack(MAGIC, VERSION, flags, seq, n, HEADER_BYTES, table_end, chunk_bytes, sender_id, 0)
+    buf[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
+    checksum = zlib.crc32(buf[:HEADER_BYTES + ENTRY_BYTES * n])
+    buf[40:44] = np.frombuffer(struct.pack("<I", checksum), dtype=np.uint8)
+    return buf, item_offsets, chunk_bytes
+
+
+@dataclass
+class ChunkTable:
+    """A validated chunk's header fields and item table (numpy arrays, one entry per item)."""
+
+    seq: int
+    sender_id: int
+    flags: int
+    chunk_bytes: int
+    payload_offset: int
+    dst_addrs: np.ndarray  # uint64
+    lengths: np.ndarray  # int64
+    offsets: np.ndarray  # int64, from the chunk start
+
+    @property
+    def item_count(self) -> int:
+        return int(self.lengths.size)
+
+
+BufferLike = Union[bytes, bytearray, memoryview, np.ndarray]
+
+
+def parse_chunk(data: BufferLike, available_bytes: Optional[int] = None) -> ChunkTable:
+    """Parse and validate a chunk's header and table (the payload is not read).
+
+    Arguments:
+        data: the chunk's first bytes (at least header + table), host memory.
+        available_bytes: how many bytes actually landed (the slot / write length); the chunk must fit in it.
+    Returns:
+        a ``ChunkTable``.
+    Raises:
+        ``ChunkFormatError`` naming the malformed field and its value.
+    """
+    view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) if not isinstance(data, np.ndarray) \
+        else data.reshape(-1).view(np.uint8)
+    landed = int(view.size if available_bytes is None else available_bytes)
+    if view.size < HEADER_BYTES:
+        raise ChunkFormatError(f"chunk of {view.size} bytes is shorter than its {HEADER_BYTES}-byte header")
+    (magic, version, flags, seq, count, table_offset, payload_offset, chunk_bytes, sender_id,
+     checksum) = _HEADER.unpack(view[:HEADER_BYTES].tobytes())
+    if magic != MAGIC:
+        raise ChunkFormatError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ChunkFormatError(f"unsupported chunk version {version}, expected {VERSION}")
+    if table_offset != HEADER_BYTES:
+        raise ChunkFormatError(f"table_offset {table_offset}, expected {HEADER_BYTES}")
+    table_end = HEADER_BYTES + ENTRY_BYTES * count
+    if payload_offset != align_up(table_end):
+        raise ChunkFormatError(f"payload_offset {payload_offset} does not match item_count {count} "
+                               f"(expected {align_up(table_end)})")
+    if chunk_bytes < payload_offset or chunk_bytes > landed:
+        raise ChunkFormatError(f"chunk_bytes {chunk_bytes} outside [{payload_offset}, {landed}] "
+                               f"(header+table .. bytes that landed)")
+    if view.size < table_end:
+        raise ChunkFormatError(f"item table needs {table_end} bytes, only {view.size} given")
+    scratch = view[:table_end].copy()
+    scratch[40:44] = 0
+    if zlib.crc32(scratch) != checksum:
+        raise ChunkFormatError(f"checksum mismatch: header says 0x{checksum:08x}, "
+                               f"computed 0x{zlib.crc32(scratch):08x}")
+    table = view[HEADER_BYTES:table_end].view(_ENTRY_DTYPE)
+    lengths = table["length"].astype(np.int64)
+    offsets = table["offset"].astype(np.int64)
+    dst = table["dst_addr"].copy()
+    if count:
+        if int(lengths.min()) < 1:
+            bad = int(np.argmin(lengths))
+            raise ChunkFormatError(f"item {bad}: length {int(lengths[bad])} < 1")
+        misaligned = np.nonzero(offsets % PAYLOAD_ALIGN)[0]
+        if misaligned.size:
+            bad = int(misaligned[0])
+            raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} not 16-byte aligned")
+        ends = offsets + lengths
+        below = np.nonzero(offsets < payload_offset)[0]
+        if below.size:
+            bad = int(below[0])
+            raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} inside header/table "
+                                   f"(payload starts at {payload_offset})")
+        beyond = np.nonzero(ends > chunk_bytes)[0]
+        if beyond.size:
+            bad = int(beyond[0])
+            raise ChunkFormatError(f"item {bad}: payload [{int(offsets[bad])}, {int(ends[bad])}) runs past "
+                                   f"chunk_bytes {chunk_bytes}")
+        overflow = np.nonzero(dst > np.uint64((1 << 64) - 1) - lengths.astype(np.uint64))[0]
+        if overflow.size:
+            bad = int(overflow[0])
+            raise ChunkFormatError(f"item {bad}: dst 0x{int(dst[bad]):x} + length {int(lengths[bad])} "
+                                   f"overflows 64 bits")
+        order = np.argsort(offsets, kind="stable")
+        overlap = np.nonzero(ends[order][:-1] > offsets[order][1:])[0]
+        if overlap.size:
+            bad = int(order[overlap[0] + 1])
+            raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} overlaps the previous item")
+    return ChunkTable(seq=seq, sender_id=sender_id, flags=flags, chunk_bytes=chunk_bytes,
+                      payload_offset=payload_offset, dst_addrs=dst, lengths=lengths, offsets=offsets)

@@ -1,0 +1,31 @@
+"""Packaging for pxn (distribution name ``pxn-relay``).
+
+Three top-level packages, as the design card fixes them:
+
+* ``pxn_kernels``  Triton gather / scatter / batched-copy kernels and chunk layout helpers
+* ``transport``    topology, routing, fabrics (tcp, ipc, verbs), relay engine, receiver
+* ``integration``  Mooncake-compatible API and the sglang adapter
+
+torch is deliberately not pinned to a CUDA build: on a GPU-less machine ``pip install torch==2.13.0``
+(the README's commands do this) gives a CPU build; on a GPU box the torch already installed is used.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="pxn-relay",
+    version="0.1.0",
+    description="PXN relay and coalesced small-piece transfer of LLM KV cache between GPUs of different hosts",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pxn_kernels*", "transport*", "integration*"]),
+    install_requires=["torch>=2.4", "triton>=3.0", "numpy>=1.24"],
+    extras_require={
+        "test": ["pytest>=7"],
+        # pyverbs is not on PyPI as a wheel; see README "verbs fabric" for Debian's python3-pyverbs.
+        "verbs": ["pyverbs"],
+        "cuda": ["nvidia-cuda-runtime-cu12", "cuda-bindings"],
+        "bench": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["pxn=transport.cli:main"]},
+)

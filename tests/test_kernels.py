@@ -1,0 +1,374 @@
+"""gather / scatter / copy / pack_chunk against their torch references, byte for byte.
+
+Without a GPU the Triton kernel runs under TRITON_INTERPRET=1 (see conftest), so cases stay small; the same
+tests run at real sizes on a GPU (``gpu`` marker). Every test draws fresh random data (seed in the header),
+poisons outputs with random bytes, and compares whole buffers, so stray and missing writes both show.
+"""
+import numpy as np
+import pytest
+import torch
+
+import pxn_kernels
+from pxn_kernels import chunk as chunk_mod
+from transport.errors import ChunkFormatError
+
+from conftest import HAS_CUDA
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+# On the CPU, "triton" runs the real kernel in the interpreter; "auto" would pick the memmove path.
+BACKENDS = ["triton", "host"] if not HAS_CUDA else ["triton"]
+
+
+@pytest.fixture
+def rng(seed, request):
+    return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
+
+
+def _random_bytes(rng, n, device=DEVICE):
+    return torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)).to(device)
+
+
+def _pieces(rng, lengths, src_misalign, device=DEVICE):
+    """One source buffer with each piece at a chosen misalignment; returns (buffer, addresses)."""
+    starts, cursor = [], 0
+    for i, length in enumerate(lengths):
+        cursor += 64 + (src_misalign[i % len(src_misalign)] if src_misalign else 0)
+        starts.append(cursor)
+        cursor += length
+    buf = _random_bytes(rng, cursor + 64, device)
+    base = buf.data_ptr()
+    assert base % 16 == 0
+    return buf, [base + s for s in starts]
+
+
+def _packed_offsets(lengths, misalign=0, gap=0):
+    offsets, cursor = [], misalign
+    for length in lengths:
+        offsets.append(cursor)
+        cursor += length + gap
+    return offsets, cursor
+
+
+def _t(values, device=DEVICE):
+    return torch.tensor(list(values), dtype=torch.int64, device=device)
+
+
+def _run_gather(rng, lengths, src_misalign=(0,), out_misalign=0, gap=0, backend="triton"):
+    src_buf, src_addrs = _pieces(rng, lengths, list(src_misalign))
+    offsets, size = _packed_offsets(lengths, out_misalign, gap)
+    poison = _random_bytes(rng, size + 32)
+    out, ref = poison.clone(), poison.clone()
+    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), backend=backend)
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    # The reference itself must have moved the pieces (guards against a vacuous comparison).
+    for addr, length, offset in zip(src_addrs, lengths, offsets):
+        if length:
+            start = addr - src_buf.data_ptr()
+            assert torch.equal(ref[offset:offset + length], src_buf[start:start + length])
+    return out
+
+
+ODD_LENGTHS = [1, 3, 63, 65, 16, 0, 17, 200, 48, 15, 1, 129]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("src_misalign,out_misalign", [((0,), 0), ((1, 3, 5, 15), 0), ((0,), 7), ((1, 2), 9),
+                                                       ((8,), 8)])
+def test_gather_odd_lengths_and_alignments(rng, backend, src_misalign, out_misalign):
+    _run_gather(rng, ODD_LENGTHS, src_misalign, out_misalign, gap=3, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_aligned_fast_path(rng, backend):
+    lengths = [16, 32, 64, 4096, 1024, 48, 2048, 4112]
+    _run_gather(rng, lengths, (0,), 0, gap=16, backend=backend)
+
+
+def test_gather_zero_items():
+    out = torch.full((16,), 7, dtype=torch.uint8, device=DEVICE)
+    empty = _t([])
+    pxn_kernels.gather(empty, empty, out, empty, backend="triton")
+    assert torch.equal(out, torch.full_like(out, 7))
+
+
+def test_gather_all_zero_lengths(rng):
+    out = _random_bytes(rng, 64)
+    before = out.clone()
+    pxn_kernels.gather(_t([out.data_ptr(), 0]), _t([0, 0]), out, _t([0, 5]), backend="triton")
+    assert torch.equal(out, before)
+
+
+def test_gather_one_huge_item(rng):
+    # "Huge" relative to the launch: on the interpreter 48 KB spans every program; on a GPU 256 MB.
+    size = (256 << 20) + 5 if HAS_CUDA else (48 << 10) + 5
+    _run_gather(rng, [size], (0,), 0)
+
+
+def test_gather_mixed_small_and_large(rng):
+    lengths = [64, 8192, 1, 2 << 10, 100, 63, 16 << 10, 12] if not HAS_CUDA else \
+        list(rng.integers(1, 8193, 300)) + [2 << 20] * 8
+    rng.shuffle(lengths)
+    _run_gather(rng, [int(x) for x in lengths], (0, 0, 4), 0, gap=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_inverse_of_gather(rng, backend):
+    lengths = ODD_LENGTHS
+    offsets, size = _packed_offsets(lengths, misalign=1, gap=2)
+    src = _random_bytes(rng, size)
+    dst_poison = _random_bytes(rng, size * 2 + 256)
+    out, ref = dst_poison.clone(), dst_poison.clone()
+    dst_offsets, _ = _packed_offsets(lengths, misalign=5, gap=7)
+    pxn_kernels.scatter(src, _t(offsets), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths),
+                        backend=backend)
+    pxn_kernels.scatter_torch(src, _t(offsets), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    for o, d, length in zip(offsets, dst_offsets, lengths):
+        assert torch.equal(out[d:d + length], src[o:o + length])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copy_batched(rng, backend):
+    lengths = [1, 3, 63, 65, 4096, 0, 33, 160]
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 1, 2, 0])
+    poison = _random_bytes(rng, sum(lengths) + 64 * len(lengths))
+    out, ref = poison.clone(), poison.clone()
+    dst_offsets, _ = _packed_offsets(lengths, misalign=3, gap=5)
+    pxn_kernels.copy(_t(src_addrs), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths),
+                     backend=backend)
+    pxn_kernels.copy_torch(_t(src_addrs), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+def test_kernel_runs_with_more_programs_than_bytes(rng):
+    # Many programs whose byte range is empty must exit without touching anything.
+    lengths = [1, 2]
+    src_buf, src_addrs = _pieces(rng, lengths, [0])
+    out = _random_bytes(rng, 32)
+    ref = out.clone()
+    plan = pxn_kernels.plan_batched_copy(
+        _t(lengths), pxn_kernels.LaunchSettings(256, 16, 1, 9))
+    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t([0, 5]), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t([0, 5]))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+# --- chunk packing and parsing -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pack_chunk_round_trip(rng, backend):
+    lengths = [64, 64, 1, 512, 63, 8192, 17]
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
+    dst_addrs = [int(x) for x in rng.integers(1 << 20, 1 << 40, len(lengths))]
+    slot = _random_bytes(rng, chunk_mod.chunk_bytes_for(lengths) + 100)
+    nbytes = pxn_kernels.pack_chunk(src_addrs, lengths, dst_addrs, slot, seq=42, sender_id=7,
+                                    backend="host" if backend == "host" else "auto")
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    host = slot.cpu().numpy()
+    table = chunk_mod.parse_chunk(host, available_bytes=nbytes)
+    assert (table.seq, table.sender_id, table.item_count, table.chunk_bytes) == (42, 7, len(lengths), nbytes)
+    assert table.dst_addrs.tolist() == dst_addrs
+    assert table.lengths.tolist() == lengths
+    for i, (addr, length) in enumerate(zip(src_addrs, lengths)):
+        start = addr - src_buf.data_ptr()
+        off = int(table.offsets[i])
+        assert off % 16 == 0
+        assert np.array_equal(host[off:off + length], src_buf[start:start + length].cpu().numpy())
+
+
+def _good_chunk(rng, n=3):
+    lengths = [5, 64, 17][:n]
+    header, _, nbytes = chunk_mod.build_header_table([0x1000, 0x2000, 0x3000][:n], lengths, seq=1, sender_id=2)
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    buf[:header.size] = header
+    return buf
+
+
+def _recrc(buf):
+    import struct
+    import zlib
+    n = struct.unpack_from("<I", buf, 16)[0]
+    scratch = buf[:64 + 16 * n].copy()
+    scratch[40:44] = 0
+    buf[40:44] = np.frombuffer(struct.pack("<I", zlib.crc32(scratch)), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("field,offset,value,message", [
+    ("magic", 0, b"XXXX", "bad magic"),
+    ("version", 4, (9).to_bytes(2, "little"), "unsupported chunk version 9"),
+    ("table_offset", 20, (32).to_bytes(4, "little"), "table_offset 32"),
+    ("payload_offset", 24, (80).to_bytes(4, "little"), "payload_offset 80"),
+    ("chunk_bytes", 28, (1 << 20).to_bytes(4, "little"), "chunk_bytes 1048576"),
+    ("item_count", 16, (1000).to_bytes(4, "little"), "payload_offset"),
+    ("length0", 64 + 8, (0).to_bytes(4, "little"), "item 0: length 0"),
+    ("offset_misaligned", 64 + 12, (129).to_bytes(4, "little"), "not 16-byte aligned"),
+    ("offset_into_table", 64 + 12, (16).to_bytes(4, "little"), "inside header/table"),
+    ("offset_past_end", 64 + 16 + 12, (4096).to_bytes(4, "little"), "runs past chunk_bytes"),
+    ("dst_overflow", 64, ((1 << 64) - 2).to_bytes(8, "little"), "overflows 64 bits"),
+    ("overlap", 64 + 16 + 12, (112).to_bytes(4, "little"), "overlaps"),
+])
+def test_parse_chunk_rejects_each_malformed_field(rng, field, offset, value, message):
+    buf = _good_chunk(rng)
+    chunk_mod.parse_chunk(buf)  # the untouched chunk is valid
+    buf[offset:offset + len(value)] = np.frombuffer(value, dtype=np.uint8)
+    _recrc(buf)
+    with pytest.raises(ChunkFormatError, match=message):
+        chunk_mod.parse_chunk(buf)
+
+
+def test_parse_chunk_checksum_and_truncation(rng):
+    buf = _good_chunk(rng)
+    buf[64 + 3] ^= 1  # table byte changed, checksum not recomputed
+    with pytest.raises(ChunkFormatError, match="checksum mismatch"):
+        chunk_mod.parse_chunk(buf)
+    good = _good_chunk(rng)
+    with pytest.raises(ChunkFormatError, match="shorter than its 64-byte header"):
+        chunk_mod.parse_chunk(good[:40])
+    with pytest.raises(ChunkFormatError, match="chunk_bytes"):
+        chunk_mod.parse_chunk(good, available_bytes=good.size - 1)
+
+
+# --- bad input: a clear ValueError naming the argument, and nothing written ---------------------------------
+
+def _bad_call_leaves_out_untouched(rng, call, match):
+    out = _random_bytes(rng, 256)
+    before = out.clone()
+    with pytest.raises(ValueError, match=match):
+        call(out)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, before)
+
+
+def test_gather_rejects_bad_input(rng):
+    src = _random_bytes(rng, 256)
+    p = src.data_ptr()
+    g = pxn_kernels.gather
+    cases = [
+        (lambda o: g(_t([p, p]), _t([4]), o, _t([0, 8])), "lengths has 1 items but src_ptrs has 2"),
+        (lambda o: g(_t([p, p]), _t([4, -1]), o, _t([0, 8])), r"lengths\[1\] = -1 is negative"),
+        (lambda o: g(_t([p, p]), _t([8, 8]), o, _t([0, 4])), r"out_offsets\[0\] = 0 \(length 8\) overlaps"),
+        (lambda o: g(_t([p, p]), _t([8, 8]), o, _t([0, 250])), r"out_offsets\[1\] = 250 \+ lengths\[1\] = 8 "
+                                                               r"runs past out \(256 bytes\)"),
+        (lambda o: g(_t([p]), _t([8]), o, _t([-3])), r"out_offsets\[0\] = -3 is negative"),
+        (lambda o: g(_t([0]), _t([8]), o, _t([0])), r"src_ptrs\[0\] = 0 is not a valid address"),
+        (lambda o: g(_t([p]).to(torch.int32), _t([8]), o, _t([0])), "src_ptrs must be int64, got torch.int32"),
+        (lambda o: g(_t([p]), _t([8]), o.to(torch.int16), _t([0])), "out must be uint8"),
+        (lambda o: g(_t([p]).to("meta"), _t([8]), o, _t([0])), r"src_ptrs is on meta"),
+        (lambda o: g([p], _t([8]), o, _t([0])), "src_ptrs must be an int64 torch.Tensor, got list"),
+        (lambda o: g(_t([p]), _t([8]), o, _t([0]), backend="gpu"), "backend must be"),
+    ]
+    for call, match in cases:
+        _bad_call_leaves_out_untouched(rng, call, match)
+
+
+def test_scatter_and_copy_reject_bad_input(rng):
+    src = _random_bytes(rng, 256)
+    cases = [
+        (lambda o: pxn_kernels.scatter(src, _t([0, 8]), _t([o.data_ptr(), o.data_ptr() + 4]), _t([8, 8])),
+         r"dst_ptrs\[0\] = \d+ \(length 8\) overlaps"),
+        (lambda o: pxn_kernels.scatter(src, _t([250]), _t([o.data_ptr()]), _t([8])),
+         r"src_offsets\[0\] = 250 \+ lengths\[0\] = 8 runs past src"),
+        (lambda o: pxn_kernels.copy(_t([src.data_ptr()]), _t([o.data_ptr()]), _t([-2])),
+         r"lengths\[0\] = -2 is negative"),
+        (lambda o: pxn_kernels.copy(_t([src.data_ptr()]), _t([(1 << 63) - 4]), _t([8])),
+         r"dst_ptrs\[0\] = 0x7ffffffffffffffc \+ 8 overflows"),
+    ]
+    for call, match in cases:
+        _bad_call_leaves_out_untouched(rng, call, match)
+
+
+def test_pack_chunk_rejects_bad_input(rng):
+    slot = _random_bytes(rng, 128)
+    with pytest.raises(ValueError, match="must have the same number of items"):
+        pxn_kernels.pack_chunk([1, 2], [4], [5, 6], slot, 0, 0)
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 0: chunk items must be >= 1 byte"):
+        pxn_kernels.pack_chunk([slot.data_ptr()], [0], [5], slot, 0, 0)
+    with pytest.raises(ValueError, match="chunk needs 112 bytes, out has 100"):
+        pxn_kernels.pack_chunk([slot.data_ptr()], [20], [5], slot[:100], 0, 0)
+
+
+# --- GPU-only: other memory kinds --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gather_from_pinned_host_memory(rng):
+    lengths = [int(x) for x in rng.integers(1, 9000, 257)]
+    host = torch.from_numpy(rng.integers(0, 256, sum(lengths) + 4096, dtype=np.uint8)).pin_memory()
+    addrs, cursor = [], 0
+    for length in lengths:
+        cursor += int(rng.integers(0, 16))
+        addrs.append(host.data_ptr() + cursor)
+        cursor += length
+    offsets, size = _packed_offsets(lengths, 0, 16)
+    out = _random_bytes(rng, size)
+    ref = out.clone()
+    pxn_kernels.gather(_t(addrs), _t(lengths), out, _t(offsets))
+    pxn_kernels.gather_torch(_t(addrs), _t(lengths), ref, _t(offsets))
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[64] * 4096, [512] * 4096, [8192] * 4096, [65536] * 1024,
+                                     [2359296] * 78, [8650752] * 78])
+def test_gather_scatter_copy_at_benchmark_sizes(rng, lengths):
+    src_buf, src_addrs = _pieces(rng, lengths, [0])
+    offsets, size = _packed_offsets(lengths)
+    out = _random_bytes(rng, size)
+    ref = out.clone()
+    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets))
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    back = _random_bytes(rng, src_buf.numel())
+    expect = back.clone()
+    dst = _t([back.data_ptr() + a - src_buf.data_ptr() for a in src_addrs])
+    pxn_kernels.scatter(out, _t(offsets), dst, _t(lengths))
+    pxn_kernels.scatter_torch(ref, _t(offsets), _t([expect.data_ptr() + a - src_buf.data_ptr()
+                                                    for a in src_addrs]), _t(lengths))
+    torch.cuda.synchronize()
+    assert torch.equal(back, expect)
+    again = _random_bytes(rng, src_buf.numel())
+    pxn_kernels.copy(_t(src_addrs), _t([again.data_ptr() + a - src_buf.data_ptr() for a in src_addrs]),
+                     _t(lengths))
+    torch.cuda.synchronize()
+    for a, length in zip(src_addrs[:5] + src_addrs[-5:], lengths[:5] + lengths[-5:]):
+        s = a - src_buf.data_ptr()
+        assert torch.equal(again[s:s + length], src_buf[s:s + length])
+
+
+def test_host_plan_matches_device_plan(rng):
+    lengths = [int(x) for x in rng.integers(0, 5000, 37)] + [0, 1, 70000]
+    for programs in (1, 7, 64, 300):
+        settings = pxn_kernels.LaunchSettings(256, 16, 1, programs)
+        device_plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+        pad_ends, bounds, first = pxn_kernels.plan_host(np.asarray(lengths, dtype=np.int64), programs)
+        assert device_plan.pad_ends.cpu().tolist() == pad_ends.tolist()
+        assert device_plan.bounds.cpu().tolist() == bounds.tolist()
+        assert device_plan.first_item.cpu().tolist() == first.tolist()
+
+
+def test_device_batch_copy(rng):
+    lengths = np.asarray([5, 64, 0, 300, 17, 4096], dtype=np.int64)
+    src_buf, src_addrs = _pieces(rng, lengths.tolist(), [0, 1])
+    out = _random_bytes(rng, 8192)
+    ref = out.clone()
+    dst_offsets, _ = _packed_offsets(lengths.tolist(), misalign=2, gap=1)
+    dst = out.data_ptr() + np.asarray(dst_offsets, dtype=np.int64)
+    batch = pxn_kernels.DeviceBatch(np.asarray(src_addrs, dtype=np.int64), dst, lengths, DEVICE,
+                                    pxn_kernels.LaunchSettings(256, 16, 1, 5) if not HAS_CUDA else None)
+    pxn_kernels.launch_batched_copy(batch.src, batch.dst, batch.lengths, 0, 0, batch.plan)
+    pxn_kernels.copy_torch(_t(src_addrs), _t(ref.data_ptr() + np.asarray(dst_offsets)), _t(lengths.tolist()))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)

@@ -1,0 +1,183 @@
+"""The verbs-shaped fabric interface every pxn fabric implements (tcp, ipc, verbs).
+
+The engine only ever talks to this interface, so the same engine code runs over RDMA verbs in production, over
+TCP sockets on machines without RDMA (and in CI), and over CUDA IPC / shared memory between processes of one
+host. One conformance suite (``tests/test_fabric_conformance.py``) runs against every implementation.
+
+Model (the one of RDMA RC queue pairs):
+
+* ``register(addr, length, device)`` pins / exposes memory and returns a ``MemoryRegion`` with an ``lkey`` (used
+  by local posts) and an ``rkey`` (given to peers, who quote it in writes targeting the region).
+* ``descriptor()`` is opaque bytes that a peer passes to ``connect()``; connecting is symmetric: after A connects
+  to B, B also holds an endpoint for A (``endpoint(peer_id)``), so B can write back (credits, acks).
+* ``post_writes(ep, requests)`` posts many one-sided WRITE / WRITE_WITH_IMM work requests with one doorbell.
+  The target side performs a write only after checking that ``[remote_addr, remote_addr + length)`` lies inside
+  one region it registered and that ``rkey`` is that region's; otherwise nothing is written and the sender's
+  completion carries a ``RegionError``.
+* ``poll(max_n, timeout)`` returns completions in batches: sender completions (opcode WRITE / WRITE_WITH_IMM,
+  once the bytes are placed at the target) and target-side RECV_IMM events (one per WRITE_WITH_IMM received,
+  after its bytes are placed), in posting order per endpoint.
+* A peer that dies fails its pending work requests with ``PeerLost`` within a bounded time (a few seconds) and
+  affects nothing else. ``close()`` releases everything; later calls raise ``FabricClosed``.
+
+Addresses are raw integers (host virtual addresses or CUDA UVA device addresses). Lengths are bytes.
+"""
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+DEVICE_HOST = -1
+"""``device`` value meaning host (CPU) memory; a CUDA device index otherwise."""
+
+IMM_MAX = 0xFFFFFFFF
+"""Immediate data is 32 bits, as in RDMA."""
+
+
+class Opcode(enum.IntEnum):
+    WRITE = 1
+    WRITE_WITH_IMM = 2
+    RECV_IMM = 3  # target side: a WRITE_WITH_IMM from a peer has landed
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    """A registered range of memory. ``device`` is ``DEVICE_HOST`` (-1) or a CUDA device index."""
+
+    addr: int
+    length: int
+    lkey: int
+    rkey: int
+    device: int = DEVICE_HOST
+
+    def contains(self, addr: int, length: int) -> bool:
+        """True when ``[addr, addr + length)`` lies inside this region (length >= 1)."""
+        return length >= 1 and addr >= self.addr and addr + length <= self.addr + self.length
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """What a peer advertises of one of its regions (exchanged by the engine's handshake)."""
+
+    addr: int
+    length: int
+    rkey: int
+    device: int = DEVICE_HOST
+
+    def contains(self, addr: int, length: int) -> bool:
+        return length >= 1 and addr >= self.addr and addr + length <= self.addr + self.length
+
+
+@dataclass
+class WriteRequest:
+    """One one-sided write: ``length`` bytes from local ``local_addr`` (inside the region of ``lkey``) to the
+    peer's ``remote_addr`` (inside its region of ``rkey``). ``imm`` set means WRITE_WITH_IMM (32-bit value)."""
+
+    local_addr: int
+    length: int
+    remote_addr: int
+    rkey: int
+    lkey: int
+    imm: Optional[int] = None
+    wr_id: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished work request (sender side) or a received immediate (target side, ``opcode == RECV_IMM``).
+
+    ``error`` is None on success, else the exception naming the cause (``RegionError``, ``PeerLost``, ...).
+    ``peer_id`` names the endpoint the completion belongs to. ``byte_len`` is the write's length.
+    """
+
+    wr_id: int
+    opcode: Opcode
+    peer_id: str
+    byte_len: int = 0
+    imm: Optional[int] = None
+    error: Optional[BaseException] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Endpoint(abc.ABC):
+    """A connection to one peer (possibly several sockets / queue pairs striped underneath)."""
+
+    peer_id: str
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Break the connection abruptly, as a dead link would (used by failover tests); pending work on it
+        completes with ``PeerLost``."""
+
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """False once the connection is known to be broken or closed."""
+
+
+class Fabric(abc.ABC):
+    """Base of every fabric. Thread-safe: posts and polls may come from different threads."""
+
+    name: str = "abstract"
+
+    @property
+    @abc.abstractmethod
+    def local_id(self) -> str:
+        """This fabric instance's id, as peers see it in ``Completion.peer_id`` (e.g. ``"127.0.0.1:40123"``)."""
+
+    @abc.abstractmethod
+    def register(self, addr: int, length: int, device: int = DEVICE_HOST) -> MemoryRegion:
+        """Register ``length`` bytes at ``addr`` on ``device`` (-1 host). Raises ``ValueError`` for a zero /
+        negative length or an overflowing range, ``FabricError`` when the memory cannot be registered."""
+
+    @abc.abstractmethod
+    def deregister(self, mr: MemoryRegion) -> None:
+        """Forget a region; later writes quoting its rkey are refused. Unknown region: ``RegionError``."""
+
+    @abc.abstractmethod
+    def descriptor(self) -> bytes:
+        """Opaque bytes a peer passes to ``connect``."""
+
+    @abc.abstractmethod
+    def connect(self, peer_descriptor: bytes) -> Endpoint:
+        """Connect to a peer (idempotent: the same endpoint comes back for the same peer)."""
+
+    @abc.abstractmethod
+    def endpoint(self, peer_id: str) -> Endpoint:
+        """The endpoint for a peer that connected (either direction). Unknown: ``UnknownPeer``."""
+
+    @abc.abstractmethod
+    def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
+        """Post many writes with one doorbell. Local checks happen before anything is posted: a local range
+        outside the region of its lkey, a zero / negative length, or an overflowing address raise at once
+        (``RegionError`` / ``ValueError``) and none of the requests is posted. A dead endpoint raises
+        ``PeerLost``; a closed fabric ``FabricClosed``."""
+
+    @abc.abstractmethod
+    def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
+        """Up to ``max_n`` completions; waits up to ``timeout`` seconds for the first one."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release sockets, handles, registrations. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def check_range(addr: int, length: int, what: str = "range") -> None:
+    """Raise ``ValueError`` naming the value for a non-positive length or a range that overflows 64 bits."""
+    if not isinstance(length, int) or length <= 0:
+        raise ValueError(f"{what}: length must be a positive int, got {length!r}")
+    if not isinstance(addr, int) or addr < 0:
+        raise ValueError(f"{what}: address must be a non-negative int, got {addr!r}")
+    if addr + length > 1 << 64:
+        raise ValueError(f"{what}: address 0x{addr:x} + length {length} overflows 64 bits")

@@ -16,15 +16,20 @@ SUBCOMMANDS = {
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="pxn", description="pxn: PXN relay for KV-cache transfer")
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
+    # Only the chosen subcommand's module is imported: one broken or heavy subcommand never takes the
+    # others down with it (``pxn topo`` must work on a machine where the engine cannot start).
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    module = None
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        modules[name] = module
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub_parser)
     args = parser.parse_args(argv)
-    return int(modules[args.command].run(args) or 0)
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

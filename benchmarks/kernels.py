@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -80,7 +81,10 @@ def repeats_for(total_bytes: int, n_items: int, method: str) -> int:
 class Case:
     """Device buffers for one mix: scattered pieces (64 B gaps, 16-B aligned) and a packed chunk."""
 
-    def __init__(self, lengths, device):
+    def __init__(self, lengths, device, remote=None):
+        # remote: where the scattered pieces live (another GPU for the NVLink runs); the chunk, and the
+        # kernel, are on ``device``.
+        remote = remote or device
         self.lengths = lengths
         n = len(lengths)
         padded = [(x + 15) // 16 * 16 for x in lengths]
@@ -88,19 +92,23 @@ class Case:
         packed = np.cumsum([0] + padded[:-1]).astype(np.int64)
         self.total = int(sum(lengths))
         span = int(scatter_starts[-1] + padded[-1] + 64)
-        self.scattered_src = torch.randint(0, 256, (span,), dtype=torch.uint8, device=device)
-        self.scattered_dst = torch.empty(span, dtype=torch.uint8, device=device)
+        self.scattered_src = torch.randint(0, 256, (span,), dtype=torch.uint8, device=remote)
+        self.scattered_dst = torch.empty(span, dtype=torch.uint8, device=remote)
+        self.copy_dst = self.scattered_dst if remote == device else torch.empty(span, dtype=torch.uint8,
+                                                                               device=device)
         self.chunk = torch.randint(0, 256, (int(packed[-1] + padded[-1]),), dtype=torch.uint8, device=device)
         self.chunk_out = torch.empty_like(self.chunk)
-        self.contig_src = torch.randint(0, 256, (self.total,), dtype=torch.uint8, device=device)
-        self.contig_dst = torch.empty_like(self.contig_src)
+        self.contig_src = torch.randint(0, 256, (self.total,), dtype=torch.uint8, device=remote)
+        self.contig_dst = torch.empty(self.total, dtype=torch.uint8, device=device)
         host = np.stack([self.scattered_src.data_ptr() + scatter_starts,
                          self.scattered_dst.data_ptr() + scatter_starts,
-                         packed, np.asarray(lengths, dtype=np.int64)])
+                         packed, np.asarray(lengths, dtype=np.int64),
+                         self.copy_dst.data_ptr() + scatter_starts])
         self.host_desc = torch.from_numpy(host).pin_memory()
         self.desc = self.host_desc.to(device)
         self.src_ptrs, self.dst_ptrs, self.offsets, self.len_t = self.desc[0], self.desc[1], self.desc[2], \
             self.desc[3]
+        self.copy_dst_ptrs = self.desc[4]
         self.n = n
 
 
@@ -120,7 +128,7 @@ def batch_api(case: Case, op: str, stream):
     elif op == "scatter":
         srcs, dsts = chunk_base + host[2], host[1]
     else:
-        srcs, dsts = host[0], host[1]
+        srcs, dsts = host[0], host[4]
     srcs, dsts, sizes = [int(x) for x in srcs], [int(x) for x in dsts], [int(x) for x in host[3]]
     attrs = cudart.cudaMemcpyAttributes()
     attrs.srcAccessOrder = cudart.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
@@ -140,7 +148,7 @@ def prepared(case: Case, op: str, plan, graph: bool):
         return PreparedCopy(case.src_ptrs, case.offsets, case.len_t, 0, case.chunk_out.data_ptr(), plan, graph)
     if op == "scatter":
         return PreparedCopy(case.offsets, case.dst_ptrs, case.len_t, case.chunk.data_ptr(), 0, plan, graph)
-    return PreparedCopy(case.src_ptrs, case.dst_ptrs, case.len_t, 0, 0, plan, graph)
+    return PreparedCopy(case.src_ptrs, case.copy_dst_ptrs, case.len_t, 0, 0, plan, graph)
 
 
 def pxn_call(case: Case, op: str, plan):
@@ -150,7 +158,7 @@ def pxn_call(case: Case, op: str, plan):
     if op == "scatter":
         return lambda: pxn_kernels.scatter(case.chunk, case.offsets, case.dst_ptrs, case.len_t, check=False,
                                            plan=plan)
-    return lambda: pxn_kernels.copy(case.src_ptrs, case.dst_ptrs, case.len_t, check=False, plan=plan)
+    return lambda: pxn_kernels.copy(case.src_ptrs, case.copy_dst_ptrs, case.len_t, check=False, plan=plan)
 
 
 def per_item_call(case: Case, op: str):
@@ -160,7 +168,7 @@ def per_item_call(case: Case, op: str):
     for i in range(case.n):
         length = int(host[3, i])
         src_view = pxn_kernels.raw_view(int(host[0, i]), length, device)
-        dst_view = pxn_kernels.raw_view(int(host[1, i]), length, device)
+        dst_view = pxn_kernels.raw_view(int(host[4 if op == "copy" else 1, i]), length, device)
         off = int(host[2, i])
         if op == "gather":
             views.append((case.chunk_out[off:off + length], src_view))
@@ -180,6 +188,7 @@ def verify(case: Case, op: str, plan, call=None) -> None:
     host = case.host_desc.numpy()
     case.chunk_out.fill_(0xA5)
     case.scattered_dst.fill_(0x5A)
+    case.copy_dst.fill_(0x3C)
     (call or pxn_call(case, op, plan))()
     torch.cuda.synchronize()
     src_base, dst_base = case.scattered_src.data_ptr(), case.scattered_dst.data_ptr()
@@ -187,28 +196,45 @@ def verify(case: Case, op: str, plan, call=None) -> None:
         length, off = int(host[3, i]), int(host[2, i])
         s, d = int(host[0, i]) - src_base, int(host[1, i]) - dst_base
         if op == "gather":
-            ok = torch.equal(case.chunk_out[off:off + length], case.scattered_src[s:s + length])
+            ok = torch.equal(case.chunk_out[off:off + length].cpu(), case.scattered_src[s:s + length].cpu())
         elif op == "scatter":
-            ok = torch.equal(case.scattered_dst[d:d + length], case.chunk[off:off + length])
+            ok = torch.equal(case.scattered_dst[d:d + length].cpu(), case.chunk[off:off + length].cpu())
         else:
-            ok = torch.equal(case.scattered_dst[d:d + length], case.scattered_src[s:s + length])
+            ok = torch.equal(case.copy_dst[d:d + length].cpu(), case.scattered_src[s:s + length].cpu())
         if not ok:
             raise AssertionError(f"pxn {op} wrong bytes in item {i} of {case.n}")
 
 
+def enable_peer_access(device: int, peer: int) -> None:
+    """Let kernels on ``device`` read/write ``peer``'s memory through raw pointers (NVLink)."""
+    from cuda.bindings import runtime as cudart
+    if not torch.cuda.can_device_access_peer(device, peer):
+        raise SystemExit(f"GPU {device} cannot access GPU {peer} as a peer")
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        err, = cudart.cudaDeviceEnablePeerAccess(peer, 0)
+        if int(err) not in (0, int(cudart.cudaError_t.cudaErrorPeerAccessAlreadyEnabled)):
+            raise SystemExit(f"cudaDeviceEnablePeerAccess({peer}) failed: {err}")
+
+
 def run(args) -> list:
-    device = torch.device("cuda")
+    device = torch.device("cuda", 0)
+    remote = torch.device("cuda", 1) if args.nvlink else device
+    if args.nvlink:
+        enable_peer_access(0, 1)
     rng = np.random.default_rng(0)
     mixes = dict(MIXES)
     mixes["mixed"] = mixed_lengths(rng)
     if args.quick:
         mixes = {k: v for k, v in mixes.items() if k in ("aux11", "64Bx4096", "8KBx4096", "2.25MBx78")}
     meta = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat()}
+            "date": datetime.date.today().isoformat(), "machine": platform.node(),
+            "placement": (f"pieces on {remote}, chunk and kernel on {device} (NVLink peer access)"
+                          if args.nvlink else f"all on {device}")}
     stream = torch.cuda.Stream()
     rows = []
     for mix, lengths in mixes.items():
-        case = Case(lengths, device)
+        case = Case(lengths, device, remote)
         settings = launch_settings(case.n, device, case.total)
         plan = plan_batched_copy(case.len_t, settings)
         plan_s = timed(lambda: plan_batched_copy(case.len_t, settings), 50)
@@ -289,6 +315,29 @@ def sweep(args) -> list:
     return out
 
 
+@triton.jit
+def _plain_copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    # Calibration only: the simplest Triton copy of one contiguous buffer, one tile per program.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def calibrate() -> dict:
+    """How close the simplest Triton copy gets to ``copy_`` at 674 MB: the ceiling for any Triton copy."""
+    device = torch.device("cuda", 0)
+    n = 78 * 8650752
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    out = {"bytes": n, "copy_gbps": n / timed(lambda: dst.copy_(src), 5) / 1e9}
+    for block in (4096, 16384, 32768):
+        for warps in (4, 8, 16):
+            fn = lambda: _plain_copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=warps)
+            out[f"plain_triton_b{block}_w{warps}_gbps"] = n / timed(fn, 5) / 1e9
+    print("calibrate:", json.dumps(out), flush=True)
+    return out
+
+
 def probe() -> dict:
     """Where host time goes on the aux batch: Triton's launch, the direct launch, a graph replay, a copy_."""
     import pxn_kernels._batched_copy as bc
@@ -358,19 +407,28 @@ def print_table(rows) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kernels-h200.json"))
+    parser.add_argument("--out", default=None, help="JSON path (default results/kernels-h200.json)")
     parser.add_argument("--sweep", metavar="PATH", help="also sweep launch settings, JSON to PATH")
     parser.add_argument("--probe", metavar="PATH", help="host-overhead probe on the aux batch, JSON to PATH")
+    parser.add_argument("--nvlink", action="store_true",
+                        help="pieces on GPU 1, chunk and kernel on GPU 0 (needs 2 GPUs); default --out "
+                             "results/kernels-nvlink.json")
     parser.add_argument("--quick", action="store_true", help="four mixes only")
     parser.add_argument("--skip-per-item", action="store_true", help="skip the slow per-item loop")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU; none is visible. (CPU runs: pxn bench)", file=sys.stderr)
         return 2
+    if args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                "kernels-nvlink.json" if args.nvlink else "kernels-h200.json")
+    if args.nvlink and torch.cuda.device_count() < 2:
+        print("--nvlink needs 2 GPUs", file=sys.stderr)
+        return 2
     t0 = time.time()
     if args.probe:
         with open(args.probe, "w") as f:
-            json.dump(probe(), f, indent=1)
+            json.dump({"aux11": probe(), "calibration": calibrate()}, f, indent=1)
     if args.sweep:
         sweep_rows = sweep(args)
         with open(args.sweep, "w") as f:

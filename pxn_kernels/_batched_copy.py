@@ -112,12 +112,13 @@ def _env_int(name: str, default: int) -> int:
 
 
 # Read once: PXN_KERNEL_* let a benchmark sweep the settings without code changes.
-_BLOCK_BYTES = _env_int("PXN_KERNEL_BLOCK_BYTES", 4096)
-_NUM_WARPS = _env_int("PXN_KERNEL_NUM_WARPS", 4)
-_PROGRAMS_PER_SM = _env_int("PXN_KERNEL_PROGRAMS_PER_SM", 8)
+# Defaults from the H200 sweeps in benchmarks/NOTES.md (best on the 78-block mixes, neutral on small ones).
+_BLOCK_BYTES = _env_int("PXN_KERNEL_BLOCK_BYTES", 32768)
+_NUM_WARPS = _env_int("PXN_KERNEL_NUM_WARPS", 8)
+_PROGRAMS_PER_SM = _env_int("PXN_KERNEL_PROGRAMS_PER_SM", 32)
 _MAX_PROGRAMS = _env_int("PXN_KERNEL_MAX_PROGRAMS", 1 << 16)
 _STREAMING = bool(_env_int("PXN_KERNEL_STREAMING", 0))
-_RANGE_BYTES = _env_int("PXN_KERNEL_RANGE_BYTES", 64 << 10)
+_RANGE_BYTES = _env_int("PXN_KERNEL_RANGE_BYTES", 32 << 10)
 _MAX_ROUNDS = _env_int("PXN_KERNEL_MAX_ROUNDS", 16)
 _LAUNCHER = os.environ.get("PXN_KERNEL_LAUNCHER", "direct")
 _COMPILED = {}

@@ -1,0 +1,364 @@
+"""One conformance suite for every fabric (tcp, same-host ipc on host and GPU memory, verbs).
+
+The writer is this process; the target lives in a separate spawned process (``fabric_helpers.Target``) with its
+registered region between poison guards. Data is fresh random bytes every run (seed in the report header).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fabric_helpers import Buffer, RemoteError, Target, digest, wait_completions
+from transport.errors import FabricClosed, FabricUnavailable, PeerLost, RegionError, UnknownPeer
+from transport.fabric import make_fabric
+from transport.fabric.base import Opcode, WriteRequest
+
+try:
+    import torch
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    HAS_CUDA = False
+
+REGION = 80 << 20
+SIZES = [1, 63, 4096, 65536 + 7, 1 << 20, (8 << 20) + 5, 64 << 20]
+
+CASES = [
+    pytest.param(("tcp", -1), id="tcp"),
+    pytest.param(("tcp", 0), id="tcp-gpu", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="tcp-gpu needs a CUDA GPU")]),
+    pytest.param(("ipc", -1), id="ipc-host"),
+    pytest.param(("ipc", 0), id="ipc-gpu", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="ipc-gpu needs a CUDA GPU")]),
+    pytest.param(("verbs", -1), id="verbs"),
+]
+
+
+def _seed():
+    return int(os.environ.get("PXN_TEST_SEED", "0")) or int.from_bytes(os.urandom(4), "little")
+
+
+class Case:
+    def __init__(self, name: str, device: int):
+        self.name, self.device = name, device
+        try:
+            self.fab = make_fabric(name)
+        except FabricUnavailable as e:
+            pytest.skip(f"{name}: {e}")
+        try:
+            self.target = Target(name, REGION, device)
+        except RemoteError as e:
+            self.fab.close()
+            if e.kind == "FabricUnavailable":
+                pytest.skip(f"{name} target: {e.message}")
+            raise
+        self.src = Buffer(REGION, device)
+        self.mr = self.fab.register(self.src.addr, REGION, device)
+        self.ep = self.fab.connect(self.target.desc)
+        self.rng = np.random.default_rng(_seed())
+
+    def fresh(self, n: int) -> np.ndarray:
+        """Random source bytes for the first ``n`` bytes of the source buffer (returned for comparison)."""
+        data = self.rng.integers(0, 256, n, dtype=np.uint8)
+        self.src.write(0, data)
+        return data
+
+    def req(self, src_off, n, dst_off, imm=None, wr_id=0, rkey=None):
+        return WriteRequest(self.src.addr + src_off, n, self.target.addr + dst_off,
+                            self.target.rkey if rkey is None else rkey, self.mr.lkey, imm, wr_id)
+
+    def close(self):
+        self.target.close()
+        self.fab.close()
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request):
+    name, device = request.param
+    c = Case(name, device)
+    yield c
+    c.close()
+
+
+def _ok(comps):
+    bad = [c for c in comps if not c.ok]
+    assert not bad, bad[:3]
+
+
+def test_sizes_byte_exact(case):
+    case.target.call("poison")
+    data = case.fresh(sum(SIZES) + 64)
+    reqs, src_off, dst_off, written = [], 0, 3, []
+    for i, n in enumerate(SIZES):
+        reqs.append(case.req(src_off, n, dst_off, wr_id=i))
+        written.append((src_off, n, dst_off))
+        src_off += n + 1
+        dst_off += n + 5  # odd offsets: no alignment assumptions
+    for r in reqs:  # one post per size, then all completions
+        case.fab.post_writes(case.ep, [r])
+    comps = wait_completions(case.fab, len(reqs))
+    assert [c.wr_id for c in comps] == list(range(len(SIZES)))
+    _ok(comps)
+    for c, n in zip(comps, SIZES):
+        assert c.opcode == Opcode.WRITE and c.byte_len == n and c.peer_id == case.target.id
+    for s, n, d in written:
+        assert case.target.call("hash", d, n) == digest(data[s:s + n]), f"{n} B write differs"
+    bad, nbad, nsmall = case.target.call("untouched", [(d, n) for _, n, d in written])
+    assert nbad == 0 and nsmall == 0, f"bytes outside the written ranges changed (first at region+{bad})"
+
+
+def test_imm_delivery_and_order(case):
+    case.target.call("poll", 4096, 0.0)  # drain
+    data = case.fresh(300 * 64)
+    posts = [list(range(i, i + 75)) for i in range(0, 300, 75)]
+    for p in posts:
+        case.fab.post_writes(case.ep, [case.req(64 * i, 64, 64 * i, imm=(i * 7919) & 0xFFFFFFFF
+                                                if i % 3 else None, wr_id=i) for i in p])
+    comps = wait_completions(case.fab, 300)
+    _ok(comps)
+    assert [c.wr_id for c in comps] == list(range(300)), "sender completions out of posting order"
+    assert all(c.opcode == (Opcode.WRITE_WITH_IMM if c.wr_id % 3 else Opcode.WRITE) for c in comps)
+    imms = case.target.poll_until(200, opcode=int(Opcode.RECV_IMM))
+    assert [c[4] for c in imms] == [(i * 7919) & 0xFFFFFFFF for i in range(300) if i % 3]
+    assert all(c[3] == 64 and c[2] == case.fab.local_id and c[5] is None for c in imms)
+    assert case.target.call("hash", 0, 300 * 64) == digest(data)
+
+
+def test_many_writes_per_post_scattered(case):
+    n = 4096
+    data = case.fresh(n * 64)
+    perm = case.rng.permutation(n)
+    case.fab.post_writes(case.ep, [case.req(64 * i, 64, 64 * int(perm[i]), wr_id=i) for i in range(n)])
+    comps = wait_completions(case.fab, n)
+    _ok(comps)
+    assert len(comps) == n
+    expect = np.empty_like(data)
+    expect.reshape(n, 64)[perm] = data.reshape(n, 64)
+    assert case.target.call("hash", 0, n * 64) == digest(expect)
+
+
+def test_concurrent_posters(case):
+    threads, per, size = 4, 40, 5000
+    data = case.fresh(threads * per * size)
+    errors = []
+
+    def poster(t):
+        try:
+            for k in range(0, per, 8):
+                case.fab.post_writes(case.ep, [case.req((t * per + i) * size, size, (t * per + i) * size,
+                                                        wr_id=t * 1000 + i) for i in range(k, k + 8)])
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=poster, args=(t,)) for t in range(threads)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors
+    comps = wait_completions(case.fab, threads * per)
+    _ok(comps)
+    assert sorted(c.wr_id for c in comps) == sorted(t * 1000 + i for t in range(threads) for i in range(per))
+    assert case.target.call("hash", 0, len(data)) == digest(data)
+
+
+def test_refused_writes_write_nothing(case):
+    case.target.call("poison")
+    case.fresh(REGION)
+    t = case.target
+    bad = [
+        case.req(0, 4096, 0, rkey=(t.rkey ^ 0x5A5A5A5A) or 1, wr_id=1),  # wrong rkey
+        WriteRequest(case.src.addr, 4096, t.addr - 100, t.rkey, case.mr.lkey, None, 2),  # starts before
+        case.req(0, 4096, REGION - 100, wr_id=3),  # crosses the end
+        case.req(0, 64, REGION + 10, wr_id=4),  # entirely after
+        case.req(0, REGION, 1, wr_id=5, imm=9),  # whole region + 1: striped pieces must all be refused
+        WriteRequest(case.src.addr, 100, t.info["small_addr"], t.rkey, case.mr.lkey, None, 6),  # other region
+    ]
+    case.fab.post_writes(case.ep, bad + [case.req(0, 128, 1000, wr_id=7)])
+    comps = wait_completions(case.fab, len(bad) + 1)
+    assert [c.wr_id for c in comps] == [1, 2, 3, 4, 5, 6, 7]
+    for c in comps[:-1]:
+        assert isinstance(c.error, RegionError), c
+        assert hex(t.rkey)[2:] in str(c.error) or "rkey" in str(c.error)
+    assert comps[-1].ok
+    bad_at, nbad, nsmall = t.call("untouched", [(1000, 128)])
+    assert nbad == 0 and nsmall == 0, f"a refused write changed memory (first at region+{bad_at})"
+    assert not [c for c in t.call("poll", 100, 0.2) if c[1] == int(Opcode.RECV_IMM)], "IMM of a refused write"
+
+
+def test_deregistered_region_refused(case):
+    # a fresh target, since deregistering changes its state
+    t = case.target
+    t.call("poison")
+    case.fresh(64)
+    small_rkey = t.info["small_rkey"]
+    t.call("deregister_small")
+    case.fab.post_writes(case.ep, [WriteRequest(case.src.addr, 64, t.info["small_addr"], small_rkey,
+                                                case.mr.lkey, None, 11)])
+    (c,) = wait_completions(case.fab, 1)
+    assert isinstance(c.error, RegionError)
+    assert t.call("untouched", [])[1:] == (0, 0)
+
+
+def test_symmetric_write_back(case):
+    """After we connected, the target has endpoint(our id) and can write into our registered memory."""
+    data = case.rng.integers(0, 256, 10000, dtype=np.uint8)
+    case.target.call("fill", 0, data)
+    case.src.fill(0)
+    got = case.target.call("writeback", case.fab.local_id,
+                           [(0, 10000, case.src.addr + 5, case.mr.rkey, 77, 1), (0, 10, case.src.addr, 0xDEAD, None, 2)])
+    assert [g[0] for g in got] == [1, 2]
+    assert got[0][5] is None and got[1][5][0] == "RegionError"
+    assert digest(case.src.read(5, 10000)) == digest(data)
+    assert not case.src.read(0, 5).any() and not case.src.read(10005, 100).any()
+    imm = wait_completions(case.fab, 1, sender_only=False)
+    assert imm and imm[0].opcode == Opcode.RECV_IMM and imm[0].imm == 77 and imm[0].peer_id == case.target.id
+
+
+def test_bad_input_named_exceptions(case):
+    f, ep, t = case.fab, case.ep, case.target
+    t.call("poison")
+    ok = case.req(0, 64, 0)
+    cases = [
+        (WriteRequest(case.src.addr + REGION, 64, t.addr, t.rkey, case.mr.lkey), RegionError),  # outside lkey
+        (WriteRequest(case.src.addr, 64, t.addr, t.rkey, case.mr.lkey ^ 0xFFFF), RegionError),  # unknown lkey
+        (case.req(0, 0, 0), ValueError),
+        (case.req(0, -5, 0), ValueError),
+        (WriteRequest(case.src.addr, 100, (1 << 64) - 10, t.rkey, case.mr.lkey), ValueError),  # overflow
+        (case.req(0, 64, 0, imm=1 << 32), ValueError),
+    ]
+    for bad, exc in cases:
+        with pytest.raises(exc) as ei:
+            f.post_writes(ep, [ok, bad])  # the valid one must not be posted either
+        assert str(ei.value)
+    assert wait_completions(f, 1, timeout=0.3) == []
+    assert t.call("untouched", [])[1:] == (0, 0)
+    with pytest.raises(ValueError):
+        f.register(case.src.addr, 0)
+    with pytest.raises(ValueError):
+        f.register((1 << 64) - 8, 64)
+    with pytest.raises(UnknownPeer):
+        f.endpoint("10.255.255.1:1")
+    with pytest.raises(RegionError):
+        f.deregister(type(case.mr)(case.src.addr, 64, 123, 123, case.device))
+
+
+def test_closed_fabric(case):
+    f = make_fabric(case.name)
+    buf = Buffer(4096, case.device)
+    mr = f.register(buf.addr, 4096, case.device)
+    ep = f.connect(case.target.desc)
+    f.close()
+    f.close()  # idempotent
+    for call in (lambda: f.register(buf.addr, 64, case.device), lambda: f.poll(1),
+                 lambda: f.post_writes(ep, [WriteRequest(buf.addr, 64, case.target.addr, case.target.rkey, mr.lkey)]),
+                 lambda: f.connect(case.target.desc), lambda: f.descriptor(), lambda: f.deregister(mr)):
+        with pytest.raises(FabricClosed):
+            call()
+
+
+def test_abort_then_reconnect(case):
+    ep = case.fab.connect(case.target.desc)
+    assert ep.alive
+    ep.abort()
+    assert not ep.alive
+    with pytest.raises(PeerLost):
+        case.fab.post_writes(ep, [case.req(0, 64, 0)])
+    ep2 = case.fab.connect(case.target.desc)
+    assert ep2.alive and ep2 is not ep
+    case.ep = ep2
+    data = case.fresh(1000)
+    case.fab.post_writes(ep2, [case.req(0, 1000, 0, wr_id=5)])
+    comps = wait_completions(case.fab, 1)
+    _ok(comps)
+    assert case.target.call("hash", 0, 1000) == digest(data)
+
+
+def test_peer_death_fails_pending_in_bounded_time(case):
+    """A target killed mid-stream fails its pending work with PeerLost within seconds; the other endpoint
+    (the module's target) keeps working."""
+    dying = Target(case.name, 64 << 20, case.device)
+    try:
+        ep = case.fab.connect(dying.desc)
+        n, size = 64, 4 << 20
+        case.fresh(n * size // 4)
+        reqs = [WriteRequest(case.src.addr + (i % 4) * size, size, dying.addr + (i % 16) * size, dying.rkey,
+                             case.mr.lkey, None, 100 + i) for i in range(n)]
+        case.fab.post_writes(ep, reqs)
+        dying.kill()
+        t0 = time.monotonic()
+        comps = wait_completions(case.fab, n, timeout=10)
+        elapsed = time.monotonic() - t0
+        assert sorted(c.wr_id for c in comps) == [100 + i for i in range(n)]
+        assert elapsed < 8, f"pending work took {elapsed:.1f} s to fail"
+        for c in comps:
+            assert c.ok or isinstance(c.error, PeerLost), c
+        assert any(isinstance(c.error, PeerLost) for c in comps), "the peer died after the stream finished"
+        deadline = time.monotonic() + 5
+        while ep.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(PeerLost):
+            case.fab.post_writes(ep, [reqs[0]])
+    finally:
+        dying.close()
+    data = case.fresh(4096)
+    case.fab.post_writes(case.ep, [case.req(0, 4096, 0, wr_id=1)])
+    comps = wait_completions(case.fab, 1)
+    _ok(comps)
+    assert case.target.call("hash", 0, 4096) == digest(data)
+
+
+def test_unregistered_target_addresses_never_written_by_huge_stream(case):
+    """Many refused large writes interleaved with valid ones: valid land, refused touch nothing."""
+    t = case.target
+    t.call("poison")
+    data = case.fresh(8 << 20)
+    reqs = []
+    for i in range(8):
+        reqs.append(case.req(i << 20, 1 << 20, i << 20, wr_id=2 * i))
+        reqs.append(case.req(0, 2 << 20, REGION - (1 << 20), wr_id=2 * i + 1))
+    case.fab.post_writes(case.ep, reqs)
+    comps = wait_completions(case.fab, len(reqs))
+    assert [c.ok for c in comps] == [True, False] * 8
+    assert t.call("hash", 0, 8 << 20) == digest(data)
+    assert t.call("untouched", [(0, 8 << 20)])[1:] == (0, 0)
+
+
+def test_hung_peer_fails_after_ack_timeout(case):
+    """A peer process that stops answering (SIGSTOP: its kernel keeps TCP up) fails pending work with PeerLost
+    after the ack timeout, not never."""
+    if case.name not in ("tcp", "ipc"):
+        pytest.skip("ack_timeout is a tcp/ipc option")
+    fab = make_fabric(case.name, ack_timeout=1.5)
+    hung = Target(case.name, 1 << 20, case.device)
+    try:
+        buf = Buffer(4096, case.device)
+        mr = fab.register(buf.addr, 4096, case.device)
+        ep = fab.connect(hung.desc)
+        os.kill(hung.proc.pid, signal.SIGSTOP)
+        fab.post_writes(ep, [WriteRequest(buf.addr, 4096, hung.addr, hung.rkey, mr.lkey, None, 9)])
+        t0 = time.monotonic()
+        comps = wait_completions(fab, 1, timeout=8)
+        assert len(comps) == 1 and isinstance(comps[0].error, PeerLost), comps
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
+        hung.close()
+        fab.close()
+
+
+def test_ipc_refuses_forged_descriptor(case):
+    """An ipc descriptor whose pid/token do not match a live fabric is refused before anything is written."""
+    if case.name != "ipc":
+        pytest.skip("ipc only")
+    import json
+    d = json.loads(case.target.desc)
+    for forged in ({**d, "token": "00" * 32}, {**d, "pid": os.getpid()}, {**d, "boot": "another-host"}):
+        f = make_fabric("ipc")
+        try:
+            with pytest.raises(FabricUnavailable):
+                f.connect(json.dumps(forged).encode())
+        finally:
+            f.close()

@@ -1,0 +1,432 @@
+"""Same-host IPC fabric: the writer copies straight into the target process's memory.
+
+Why cross-memory attach for host memory: a region is *arbitrary* memory the target already owns (a torch tensor,
+a numpy array), and existing anonymous memory cannot be re-exported as shared memory after the fact. Linux's
+``process_vm_writev`` (the mechanism of UCX's ``cma`` transport) copies from our address space into another
+process's in one kernel copy, for any address, batched as iovec lists (1024 per call). It needs ptrace
+permission over the target: same user, and with Yama ``ptrace_scope=1`` the target must allow us, which every
+``IpcFabric`` does at start (``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``); ``connect`` probes it and raises
+``FabricUnavailable`` with the fix when it is denied (``ptrace_scope`` 2/3, seccomp, different user).
+
+GPU memory: the target exports its regions with CUDA IPC handles (``cudaIpcGetMemHandle`` of the allocation base
+from ``cuMemGetAddressRange``); the writer opens each handle once (``cudaIpcOpenMemHandle``, lazy peer access) and
+copies device to device (over NVLink between GPUs) with one ``pxn_kernels.copy`` launch per message when the
+sources are on one GPU, else with torch copies; then it synchronises its stream before reporting.
+
+The doorbell is the tcp fabric's socket protocol without payload (several sockets per peer, so large writes run
+as parallel copies): REQ (piece table) -> the target validates every piece against its own regions, pins them
+(``deregister`` waits) and answers GRANT (per-piece status + what it describes of the regions involved, which the
+writer checks bounds against again) -> the writer copies the granted pieces -> DONE (per-piece status) -> the
+target unpins, delivers RECV_IMM in order and ACKs -> sender completions. The target only describes regions it
+registered, and only pieces it accepted are ever copied.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Dict, List
+
+from transport.errors import FabricError, FabricUnavailable
+from transport.fabric.base import DEVICE_HOST, MemoryRegion
+from transport.fabric.tcp import (
+    BIG_GPU_PIECE, HDR, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_REQ, TcpEndpoint, TcpFabric, _OutMsg,
+    _Sock, cuda_stream, cuda_tensor, gpu_batch_copy, memcpy_async, raw_view,
+)
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)
+IOV_BATCH = 1024  # IOV_MAX
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_pvw = _libc.process_vm_writev
+_pvw.argtypes = (ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                 ctypes.c_ulong)
+_pvw.restype = ctypes.c_ssize_t
+_pvr = _libc.process_vm_readv
+_pvr.argtypes = _pvw.argtypes
+_pvr.restype = ctypes.c_ssize_t
+
+
+def process_vm_read(pid: int, remote: int, n: int) -> bytes:
+    """Read ``n`` bytes at ``remote`` in process ``pid`` (used only to authenticate a peer: reading never
+    modifies it). Raises ``OSError``."""
+    buf = ctypes.create_string_buffer(n)
+    liov, riov = _Iovec(ctypes.addressof(buf), n), _Iovec(remote, n)
+    got = _pvr(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+    if got != n:
+        err = ctypes.get_errno()
+        raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err) if got < 0 else f'{got} of {n} B'}")
+    return buf.raw
+
+
+def process_vm_write(pid: int, local: List[int], remote: List[int], lengths: List[int]) -> None:
+    """Copy ``lengths[i]`` bytes from our ``local[i]`` to process ``pid``'s ``remote[i]`` (batched syscalls).
+
+    Raises ``OSError`` (errno set: EPERM, ESRCH for a gone process, EFAULT for a bad remote range)."""
+    n = len(lengths)
+    i = 0
+    while i < n:
+        k = min(IOV_BATCH, n - i)
+        liov = (_Iovec * k)()
+        riov = (_Iovec * k)()
+        want = 0
+        for j in range(k):
+            ln = lengths[i + j]
+            liov[j].base, liov[j].len = local[i + j], ln
+            riov[j].base, riov[j].len = remote[i + j], ln
+            want += ln
+        got = _pvw(pid, liov, k, riov, k, 0)
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"process_vm_writev to pid {pid}: {os.strerror(err)}")
+        if got == want:
+            i += k
+            continue
+        # Partial transfer: it stops at an iovec boundary or inside one; continue from there.
+        done = 0
+        for j in range(k):
+            ln = lengths[i + j]
+            if got >= done + ln:
+                done += ln
+                continue
+            part = got - done
+            if part == 0 and j == 0:
+                raise OSError(0, f"process_vm_writev to pid {pid} made no progress at 0x{remote[i]:x}")
+            local, remote, lengths = list(local), list(remote), list(lengths)
+            local[i + j] += part
+            remote[i + j] += part
+            lengths[i + j] -= part
+            i += j
+            break
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+class _Cuda:
+    """The few CUDA runtime/driver calls ipc needs, through cuda-bindings (imported on first GPU use)."""
+
+    def __init__(self):
+        try:
+            from cuda.bindings import driver, runtime
+        except ImportError:
+            try:
+                from cuda import cuda as driver, cudart as runtime  # cuda-python < 12.6 layout
+            except ImportError as e:
+                raise FabricUnavailable("ipc on GPU memory needs cuda-bindings: pip install cuda-bindings") from e
+        self.rt, self.drv = runtime, driver
+
+    def _ok(self, res, what):
+        err, *rest = res if isinstance(res, tuple) else (res,)
+        if int(err) != 0:
+            raise FabricError(f"{what} failed: {err!r}")
+        return rest[0] if len(rest) == 1 else rest
+
+    def export(self, addr: int, length: int, device: int) -> dict:
+        import torch
+        with torch.cuda.device(device):  # cudaSetDevice makes the primary context current for driver calls
+            base, size = self._ok(self.drv.cuMemGetAddressRange(addr), f"cuMemGetAddressRange(0x{addr:x})")
+            base, size = int(base), int(size)
+            if addr + length > base + size:
+                raise FabricError(f"ipc: region 0x{addr:x}+{length} spans several CUDA allocations (the one at "
+                                  f"0x{base:x} has {size} B); register each allocation separately")
+            handle = self._ok(self.rt.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle(0x{base:x})")
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+        return {"handle": bytes(handle.reserved).hex(), "base": base, "uuid": uuid}
+
+    def open(self, handle_hex: str, device: int) -> int:
+        import torch
+        h = self.rt.cudaIpcMemHandle_t()
+        h.reserved = bytes.fromhex(handle_hex)
+        with torch.cuda.device(device):
+            ptr = self._ok(self.rt.cudaIpcOpenMemHandle(h, getattr(self.rt, "cudaIpcMemLazyEnablePeerAccess", 1)),
+                           "cudaIpcOpenMemHandle")
+        return int(ptr)
+
+    def close(self, ptr: int) -> None:
+        try:
+            self.rt.cudaIpcCloseMemHandle(ptr)
+        except Exception:  # noqa: BLE001 — best effort at shutdown
+            pass
+
+
+class IpcFabric(TcpFabric):
+    """Same-host one-sided writes by direct copies (cross-memory attach for host memory, CUDA IPC for GPU).
+
+    Options as ``TcpFabric`` (``connections_per_peer`` = parallel copy workers per peer, default
+    min(4, cores); ``message_bytes`` default 16 MiB).
+    """
+
+    name = "ipc"
+
+    def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: int = None,
+                 message_bytes: int = 16 << 20, grant_timeout: float = 30.0, **kw):
+        if connections_per_peer is None:
+            connections_per_peer = max(2, min(4, os.cpu_count() or 2))
+        super().__init__(hostname, port, connections_per_peer=connections_per_peer, message_bytes=message_bytes,
+                         **kw)
+        self.grant_timeout = float(grant_timeout)
+        self._pid = os.getpid()
+        # Let same-user peers write into us under Yama ptrace_scope=1 (no-op/EINVAL without Yama).
+        _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
+        # A random token at a known address: a connecting peer reads it back through process_vm_readv, which
+        # proves both the ptrace permission and that the pid in our descriptor really is this process.
+        self._probe_token = os.urandom(32)
+        self._probe = ctypes.create_string_buffer(self._probe_token, 32)
+        self._exports: Dict[int, dict] = {}
+        self._opened: Dict[tuple, int] = {}
+        self._open_lock = threading.Lock()
+        self._cuda = None
+        self._uuid_to_index = None
+
+    def _cuda_api(self) -> _Cuda:
+        if self._cuda is None:
+            self._cuda = _Cuda()
+        return self._cuda
+
+    def _descriptor_extra(self) -> dict:
+        return {"pid": self._pid, "boot": _boot_id(), "pidns": _pid_ns(), "probe": ctypes.addressof(self._probe),
+                "token": self._probe_token.hex()}
+
+    def _check_peer(self, d: dict) -> None:
+        try:
+            pid, boot, pidns, probe = int(d["pid"]), d["boot"], int(d["pidns"]), int(d["probe"])
+            token = bytes.fromhex(d["token"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"ipc: peer descriptor lacks pid/boot/pidns/probe/token: {e}") from e
+        if boot != _boot_id() or pidns != _pid_ns():
+            raise FabricUnavailable(f"ipc: peer {d.get('id')} is on another host or pid namespace "
+                                    f"(boot {boot} / pidns {pidns}); use the tcp or verbs fabric")
+        try:
+            seen = process_vm_read(pid, probe, len(token))
+        except OSError as e:
+            raise FabricUnavailable(
+                f"ipc: cannot access peer pid {pid} by cross-memory attach ({e}); it needs the same user and "
+                f"ptrace permission (kernel.yama.ptrace_scope <= 1, no seccomp filter blocking "
+                f"process_vm_readv/writev, or CAP_SYS_PTRACE); use the tcp fabric otherwise") from e
+        if seen != token:
+            raise FabricUnavailable(f"ipc: pid {pid} does not hold peer {d.get('id')}'s token: the descriptor does "
+                                    f"not describe a live ipc fabric of this host")
+
+    def _on_register(self, mr: MemoryRegion) -> None:
+        if mr.device >= 0:
+            try:
+                self._exports[mr.rkey] = self._cuda_api().export(mr.addr, mr.length, mr.device)
+            except Exception:
+                with self._lock:
+                    self._regions.pop(mr.rkey, None)
+                raise
+
+    def deregister(self, mr: MemoryRegion) -> None:
+        super().deregister(mr)
+        self._exports.pop(mr.rkey, None)
+
+    def _describe(self, mr: MemoryRegion) -> dict:
+        d = {"addr": mr.addr, "length": mr.length, "device": mr.device, "pid": self._pid}
+        if mr.device >= 0:
+            d.update(self._exports[mr.rkey])
+        return d
+
+    # --- target side ----------------------------------------------------------------------------------------
+    def _send_ctrl(self, ep: TcpEndpoint, s: _Sock, payload: bytes) -> None:
+        # Sent from the receiver thread itself: ipc messages are small, and a sender thread may be parked
+        # waiting for a grant, so queueing behind it could deadlock two peers writing to each other.
+        with s.send_lock:
+            s.sock.sendall(payload)
+
+    def _on_message(self, ep, s, typ, seq, table, payload, st) -> None:
+        if typ != T_REQ or payload:
+            raise ValueError(f"ipc fabric got message type {typ} with {payload} B payload")
+        statuses, regions, pinned = self._validate_pieces(table)
+        info = {}
+        for mr in regions:
+            if mr is not None and mr.rkey not in info:
+                info[mr.rkey] = self._describe(mr)
+        s.granted[seq] = (table, statuses, pinned)
+        body = bytes(statuses) + json.dumps({str(k): v for k, v in info.items()}).encode()
+        try:
+            self._send_ctrl(ep, s, HDR.pack(MAGIC, T_GRANT, 0, 0, len(statuses), seq, len(body)) + body)
+        except OSError:
+            self._release(s, seq)
+            raise
+
+    def _release(self, s: _Sock, seq: int):
+        g = s.granted.pop(seq, None)
+        if g is not None:
+            self._unpin(g[2])
+        return g
+
+    def _on_other(self, ep, s, typ, count, seq, body) -> None:
+        if typ == T_GRANT:
+            with s.grant_cv:
+                s.grants[seq] = (body[:count], body[count:])
+                s.grant_cv.notify_all()
+        elif typ == T_DONE:
+            g = self._release(s, seq)
+            if g is None:
+                raise ValueError(f"DONE for unknown message {seq}")
+            table, statuses, _ = g
+            if len(body) != len(statuses):
+                raise ValueError(f"DONE carries {len(body)} statuses for {len(statuses)} pieces")
+            for i, b in enumerate(body):
+                if b and not statuses[i]:
+                    statuses[i] = b
+            self._finish_message(ep, s, seq, table, statuses)
+        else:
+            raise ValueError(f"ipc fabric got unexpected message type {typ}")
+
+    def _recv_loop(self, ep, s) -> None:
+        try:
+            super()._recv_loop(ep, s)
+        finally:
+            # a writer that died between GRANT and DONE must not keep our regions pinned
+            for seq in list(s.granted):
+                self._release(s, seq)
+
+    # --- writer side ----------------------------------------------------------------------------------------
+    def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
+        table = msg.table
+        tb = table.tobytes()
+        with s.send_lock:
+            s.sock.sendall(HDR.pack(MAGIC, T_REQ, 0, 0, len(table), msg.seq, len(tb)) + tb)
+        deadline = time.monotonic() + self.grant_timeout
+        with s.grant_cv:
+            while msg.seq not in s.grants:
+                if not ep.alive:
+                    return  # fail() already completed this message with PeerLost
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no GRANT for message {msg.seq} within {self.grant_timeout} s")
+                s.grant_cv.wait(0.5)
+            st_bytes, info_json = s.grants.pop(msg.seq)
+        statuses = bytearray(st_bytes)
+        info = {int(k): v for k, v in json.loads(info_json or b"{}").items()}
+        try:
+            self._copy(ep, s, msg, statuses, info)
+        except OSError as e:
+            if e.errno in (3,):  # ESRCH: the target process is gone
+                raise ConnectionError(f"peer process gone: {e}") from e
+            raise
+        with s.send_lock:
+            s.sock.sendall(HDR.pack(MAGIC, T_DONE, 0, 0, len(statuses), msg.seq, len(statuses)) + bytes(statuses))
+
+    def _copy(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
+        t = msg.table
+        pid = int(ep.peer_desc["pid"])  # verified at connect (token read back), not taken from the GRANT
+        addrs, lens, waddrs, wlens, rkeys = (t[k].tolist() for k in ("addr", "len", "waddr", "wlen", "rkey"))
+        pvm = ([], [], [], None)  # local, remote, lengths, pid
+        staged = []  # GPU source -> remote host: (piece, local gpu addr, dev)
+        gpu = []  # -> remote GPU: (piece, src addr, src dev, dst info)
+        for i in range(len(t)):
+            if statuses[i] != ST_OK:
+                continue
+            reg = info.get(rkeys[i])
+            # defense in depth: the target granted it, and what it described must contain it too
+            if reg is None or not (reg["addr"] <= waddrs[i] and waddrs[i] + wlens[i] <= reg["addr"] + reg["length"]
+                                   and waddrs[i] <= addrs[i] and addrs[i] + lens[i] <= waddrs[i] + wlens[i]):
+                statuses[i] = ST_BOUNDS
+                continue
+            src_addr, n, src_dev = msg.src[i]
+            if reg["device"] == DEVICE_HOST:
+                if src_dev == DEVICE_HOST:
+                    pvm[0].append(src_addr)
+                    pvm[1].append(addrs[i])
+                    pvm[2].append(n)
+                else:
+                    staged.append((i, src_addr, src_dev))
+            else:
+                gpu.append((i, src_addr, src_dev, reg))
+        if pvm[2]:
+            process_vm_write(pid, pvm[0], pvm[1], pvm[2])
+        if staged:
+            for i, src_addr, dev in staged:
+                host = cuda_tensor(src_addr, lens[i], dev).cpu()
+                process_vm_write(pid, [host.data_ptr()], [addrs[i]], [lens[i]])
+        if gpu:
+            try:
+                self._copy_gpu(s, gpu, addrs, lens)
+            except Exception as e:  # noqa: BLE001 — a CUDA failure fails these pieces, not the link
+                log.error("ipc GPU copy of %d piece(s) to %s failed: %s", len(gpu), ep.peer_id, e)
+                for i, *_ in gpu:
+                    statuses[i] = ST_FAILED
+
+    def _local_index(self, uuid: str) -> int:
+        import torch
+        if self._uuid_to_index is None:
+            self._uuid_to_index = {str(torch.cuda.get_device_properties(d).uuid): d
+                                   for d in range(torch.cuda.device_count())}
+        try:
+            return self._uuid_to_index[uuid]
+        except KeyError:
+            raise FabricError(f"ipc: the target's GPU {uuid} is not visible in this process "
+                              f"(CUDA_VISIBLE_DEVICES?)") from None
+
+    def _mapped(self, reg: dict, open_dev: int) -> int:
+        key = (reg["handle"], open_dev)
+        with self._open_lock:
+            ptr = self._opened.get(key)
+            if ptr is None:
+                ptr = self._opened[key] = self._cuda_api().open(reg["handle"], open_dev)
+        return ptr
+
+    def _copy_gpu(self, s: _Sock, items, addrs, lens) -> None:
+        """Copy pieces into the target's GPU memory through its IPC-mapped allocations: per source GPU, big pieces
+        one device copy each (copy engine; over NVLink between GPUs), small ones one batched launch; then sync."""
+        import torch
+        by_dev: Dict[int, list] = {}
+        host_src = []
+        for i, src_addr, src_dev, reg in items:
+            dst_dev = self._local_index(reg["uuid"])
+            # Map the target's allocation in the context that runs the copy (the source GPU pushes over NVLink)
+            open_dev = src_dev if src_dev >= 0 else dst_dev
+            dst = self._mapped(reg, open_dev) + (addrs[i] - reg["base"])
+            if src_dev >= 0:
+                by_dev.setdefault(src_dev, []).append((src_addr, dst, lens[i]))
+            else:
+                host_src.append((src_addr, dst, lens[i], dst_dev))
+        for dev, pieces in by_dev.items():
+            stream = cuda_stream(s.tx_cache, dev)
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
+                small = [p for p in pieces if p[2] < BIG_GPU_PIECE]
+                for src, dst, n in pieces:
+                    if n >= BIG_GPU_PIECE:
+                        memcpy_async(dst, src, n, stream)
+                if small:
+                    gpu_batch_copy([p[0] for p in small], [p[1] for p in small], [p[2] for p in small], dev)
+            stream.synchronize()
+        for src_addr, dst, n, dst_dev in host_src:
+            stream = cuda_stream(s.tx_cache, dst_dev)
+            with torch.cuda.device(dst_dev), torch.cuda.stream(stream):
+                host = torch.frombuffer(raw_view(src_addr, n, writable=True), dtype=torch.uint8)
+                cuda_tensor(dst, n, dst_dev).copy_(host)
+            stream.synchronize()
+
+    def _on_close(self) -> None:
+        if self._cuda is not None:
+            for ptr in self._opened.values():
+                self._cuda.close(ptr)
+        self._opened.clear()
+
+

@@ -1,0 +1,1061 @@
+"""TCP fabric: one-sided writes over real sockets, the fallback for machines without RDMA and the CI stand-in.
+
+Wire protocol (little-endian), per socket, in both directions:
+
+* HELLO / HELLO_ACK at connect time (JSON body), so that the accepting side builds the symmetric endpoint.
+* WRITE: a 32-byte header, a table of ``count`` 48-byte piece descriptors, then the pieces' payloads back to
+  back. One message carries many writes (4 KB writes cost one table row, not one syscall each), and a large
+  write is cut into pieces spread over the peer's sockets (striping). Every piece carries the bounds of its
+  *whole* write, so all pieces of a write are accepted or refused together.
+* ACK: header + one status byte per piece; the sender reports completions only from acks, i.e. after the bytes
+  are placed at the target.
+
+The target validates every piece (rkey known, whole write inside that region) before placing anything; a refused
+piece's payload is read and discarded, so nothing outside a registered region is ever written. Host pieces are
+received straight into the destination (``recv_into`` a memoryview on the raw address, no extra copy); GPU pieces
+land in a host staging buffer and are copied to the device by torch.
+
+Ordering: messages of one endpoint carry a sequence number across all its sockets; the sender releases
+completions and the target releases RECV_IMM events in sequence order, so a RECV_IMM means that every write
+posted before it on that endpoint has landed, as on an RDMA RC queue pair.
+
+Threads: one listener per fabric; per socket one receiver thread (never blocks on sending) and one sender thread
+(owns all sends on the socket, control messages first), which rules out the cross-peer deadlock where both
+sides block sending while nobody drains.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+import uuid
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from transport.errors import FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
+from transport.fabric.base import (
+    DEVICE_HOST, IMM_MAX, Completion, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest, check_range,
+)
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PXNT"
+T_HELLO, T_HELLO_ACK, T_WRITE, T_ACK, T_REQ, T_GRANT, T_DONE = 1, 2, 3, 4, 5, 6, 7
+# magic, type, flags, reserved, count, seq, body bytes (table/JSON + payload)
+HDR = struct.Struct("<4sBBHIQQ4x")
+assert HDR.size == 32
+PIECE_DT = np.dtype([("addr", "<u8"), ("len", "<u8"), ("waddr", "<u8"), ("wlen", "<u8"),
+                     ("rkey", "<u4"), ("flags", "<u4"), ("imm", "<u4"), ("wr", "<u4")])
+assert PIECE_DT.itemsize == 48
+F_IMM = 1
+
+ST_OK, ST_BAD_RKEY, ST_BOUNDS, ST_FAILED = 0, 1, 2, 3
+_STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range outside the target's region",
+                ST_FAILED: "target failed to place the bytes"}
+
+# Pieces under this size are received into a staging run and scattered by memmove: one recv per run instead of
+# one syscall per 64 B piece.
+SMALL_PIECE = 32 << 10
+MAX_TABLE = 1 << 16  # pieces per message; a peer claiming more is broken or hostile
+
+_PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
+_PyMemoryView_FromMemory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PyMemoryView_FromMemory.restype = ctypes.py_object
+_PyBUF_READ, _PyBUF_WRITE = 0x100, 0x200
+
+
+def raw_view(addr: int, length: int, writable: bool = False) -> memoryview:
+    """A memoryview of ``length`` bytes of host memory at ``addr`` (no copy; the caller vouches for the range)."""
+    return _PyMemoryView_FromMemory(addr, length, _PyBUF_WRITE if writable else _PyBUF_READ)
+
+
+class _CudaView:
+    """Exposes a raw CUDA address range as ``__cuda_array_interface__`` so torch can wrap it without a copy."""
+
+    def __init__(self, addr: int, length: int):
+        self.__cuda_array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (addr, False),
+                                         "version": 3, "strides": None}
+
+
+def cuda_tensor(addr: int, length: int, device: int):
+    """A torch uint8 tensor viewing ``length`` bytes of device memory at ``addr`` (no copy).
+
+    No ``device=`` goes to torch: it finds the owning GPU from the pointer, and a mismatching ``device`` would make
+    it *copy* (a write into that copy would be lost). ``device`` only selects the current device meanwhile."""
+    import torch
+    with torch.cuda.device(device):
+        return torch.as_tensor(_CudaView(addr, length))
+
+
+BIG_GPU_PIECE = 256 << 10
+"""Pieces of at least this many bytes get their own cudaMemcpy (copy engine, full bandwidth); smaller ones share
+one batched-copy launch, whose cost does not grow with the piece count."""
+
+_batched_copy_fn = None
+
+
+def gpu_batch_copy(src_ptrs: List[int], dst_ptrs: List[int], lengths: List[int], device: int) -> None:
+    """Copy piece i (``lengths[i]`` bytes, device/UVA addresses) on the current stream of ``device``: one
+    ``pxn_kernels.copy`` launch when that package works here, else one torch copy per piece."""
+    global _batched_copy_fn
+    import torch
+    if _batched_copy_fn is None:
+        try:
+            from pxn_kernels import copy as fn
+        except Exception as e:  # noqa: BLE001 — missing package or a Triton that cannot load
+            log.info("pxn_kernels.copy unavailable (%s); device pieces are copied one by one", e)
+            fn = False
+        _batched_copy_fn = fn
+    if _batched_copy_fn and len(lengths) > 1:
+        as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=f"cuda:{device}")  # noqa: E731
+        _batched_copy_fn(as_t(src_ptrs), as_t(dst_ptrs), as_t(lengths), check=False)
+        return
+    for s_, d_, n_ in zip(src_ptrs, dst_ptrs, lengths):
+        cuda_tensor(d_, n_, device).copy_(cuda_tensor(s_, n_, device))
+
+
+_memcpy_rt = None
+
+
+def memcpy_async(dst: int, src: int, n: int, stream) -> None:
+    """``n`` bytes from ``src`` to ``dst`` (device, UVA or pinned host addresses) on the torch ``stream``, via
+    ``cudaMemcpyAsync`` from cuda-bindings (a few µs of Python per call, where wrapping both sides as torch
+    tensors costs tens); falls back to a torch copy when cuda-bindings is missing."""
+    global _memcpy_rt
+    if _memcpy_rt is None:
+        try:
+            from cuda.bindings import runtime as rt
+            _memcpy_rt = rt
+        except ImportError:
+            _memcpy_rt = False
+    if _memcpy_rt:
+        rt = _memcpy_rt
+        err, = rt.cudaMemcpyAsync(dst, src, n, rt.cudaMemcpyKind.cudaMemcpyDefault, stream.cuda_stream)
+        if int(err) != 0:
+            raise FabricError(f"cudaMemcpyAsync(0x{dst:x} <- 0x{src:x}, {n} B) failed: {err!r}")
+        return
+    import torch
+    with torch.cuda.stream(stream):
+        _any_tensor(dst, n).copy_(_any_tensor(src, n), non_blocking=True)
+
+
+def _any_tensor(addr: int, n: int):
+    import torch
+    try:
+        return cuda_tensor(addr, n, torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 — a host (pinned) address: view it on the CPU
+        return torch.frombuffer(raw_view(addr, n, writable=True), dtype=torch.uint8)
+
+
+def pinned_buffer(cache: dict, n: int):
+    """A pinned host uint8 tensor of at least ``n`` bytes, reused from ``cache`` (grows by doubling)."""
+    import torch
+    t = cache.get("pinned")
+    if t is None or t.numel() < n:
+        size = max(n, 2 * (t.numel() if t is not None else 0), 1 << 20)
+        t = cache["pinned"] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    return t
+
+
+def device_scratch(cache: dict, device: int, n: int):
+    """A device uint8 tensor of at least ``n`` bytes on ``device``, reused from ``cache``."""
+    import torch
+    d = cache.setdefault("dev", {})
+    t = d.get(device)
+    if t is None or t.numel() < n:
+        size = max(n, 2 * (t.numel() if t is not None else 0), 1 << 20)
+        t = d[device] = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
+    return t
+
+
+def cuda_stream(cache: dict, device: int):
+    import torch
+    d = cache.setdefault("streams", {})
+    st = d.get(device)
+    if st is None:
+        st = d[device] = torch.cuda.Stream(device=device)
+    return st
+
+
+def _check_device(device: int) -> None:
+    if not isinstance(device, int) or device < DEVICE_HOST:
+        raise ValueError(f"device must be -1 (host) or a CUDA index, got {device!r}")
+    if device >= 0:
+        try:
+            import torch
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except ImportError:
+            n = 0
+        if device >= n:
+            raise FabricError(f"cannot register memory on CUDA device {device}: {n} CUDA device(s) visible")
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; EOF raises ``ConnectionError``."""
+    while len(view):
+        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("connection closed by peer")
+        view = view[n:]
+
+
+def send_buffers(sock: socket.socket, bufs: List) -> None:
+    """Send every buffer in order with gathered ``sendmsg`` calls (at most IOV_MAX buffers per call)."""
+    i = 0
+    while i < len(bufs):
+        batch = bufs[i:i + 1000]
+        sent = sock.sendmsg(batch)
+        total = sum(len(b) for b in batch)
+        if sent == total:
+            i += len(batch)
+            continue
+        # Partial send (signal / tiny buffers): skip what went out and continue from inside the buffer.
+        for j, b in enumerate(batch):
+            if sent >= len(b):
+                sent -= len(b)
+                continue
+            bufs = [memoryview(b)[sent:]] + batch[j + 1:] + bufs[i + len(batch):]
+            i = 0
+            break
+
+
+class _WrRecord:
+    """Sender-side state of one posted write (possibly cut into several pieces)."""
+
+    __slots__ = ("wr_id", "opcode", "length", "imm", "remote_addr", "rkey", "error")
+
+    def __init__(self, r: WriteRequest):
+        self.wr_id = r.wr_id
+        self.opcode = Opcode.WRITE if r.imm is None else Opcode.WRITE_WITH_IMM
+        self.length = r.length
+        self.imm = r.imm
+        self.remote_addr = r.remote_addr
+        self.rkey = r.rkey
+        self.error: Optional[BaseException] = None
+
+
+class _OutMsg:
+    """One WRITE message on the wire: its pieces and where each piece's bytes come from."""
+
+    __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at")
+
+    def __init__(self, seq: int):
+        self.seq = seq
+        self.posted_at = 0.0
+        self.table: Optional[np.ndarray] = None
+        self.recs: List[_WrRecord] = []  # per piece
+        self.last: List[bool] = []  # per piece: is this the write's final piece
+        self.src: List[tuple] = []  # per piece: (local_addr, length, device)
+        self.statuses: Optional[bytes] = None
+        self.done = False
+
+
+class _Sock:
+    """One socket of an endpoint with its sender queue."""
+
+    def __init__(self, sock: socket.socket, index: int):
+        self.sock = sock
+        self.index = index
+        self.cv = threading.Condition()
+        self.ctrl: collections.deque = collections.deque()  # small control messages, sent first
+        self.data: collections.deque = collections.deque()  # _OutMsg
+        self.closed = False
+        self.threads: List[threading.Thread] = []
+        # ipc uses these to hand a GRANT from the receiver thread to the waiting sender thread
+        self.grant_cv = threading.Condition()
+        self.grants: Dict[int, tuple] = {}
+        self.send_lock = threading.Lock()  # ipc sends small messages from several threads
+        self.granted: Dict[int, tuple] = {}  # ipc target: seq -> (table, statuses, pinned) until DONE
+        self.tx_cache: dict = {}  # sender thread's pinned / device staging buffers and CUDA streams
+
+
+class TcpEndpoint(Endpoint):
+    """A connection to one peer: ``n`` sockets striped, one sequence space per direction."""
+
+    def __init__(self, fabric: "TcpFabric", peer_id: str, socks: List[socket.socket]):
+        self.fabric = fabric
+        self.peer_id = peer_id
+        self.socks = [_Sock(s, i) for i, s in enumerate(socks)]
+        self._lock = threading.Lock()
+        self._out_seq = 0
+        self._pending: "collections.OrderedDict[int, _OutMsg]" = collections.OrderedDict()
+        self._rr = 0
+        self._in_lock = threading.Lock()
+        self._in_next = 0
+        self._in_done: Dict[int, List[Completion]] = {}
+        self._alive = True
+        self._cause: Optional[str] = None
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def __repr__(self):
+        return f"TcpEndpoint({self.peer_id!r}, sockets={len(self.socks)}, alive={self._alive})"
+
+    def start(self) -> None:
+        for s in self.socks:
+            for fn, role in ((self.fabric._recv_loop, "recv"), (self.fabric._send_loop, "send")):
+                t = threading.Thread(target=fn, args=(self, s), daemon=True,
+                                     name=f"pxn-{self.fabric.name}-{role}-{self.peer_id}-{s.index}")
+                s.threads.append(t)
+                t.start()
+
+    def abort(self) -> None:
+        """Break every socket of this endpoint abruptly (RST); pending work fails with ``PeerLost``."""
+        for s in self.socks:
+            try:
+                s.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        self.fail("aborted locally")
+
+    def fail(self, cause: str) -> None:
+        """Mark the endpoint dead, wake its threads, and fail every pending write with ``PeerLost``."""
+        with self._lock:
+            if not self._alive:
+                return
+            self._alive = False
+            self._cause = cause
+            pending = list(self._pending.values())
+            self._pending.clear()
+        log.log(logging.WARNING if pending else logging.INFO,
+                "%s: connection to %s lost (%s); failing %d pending message(s)",
+                self.fabric.local_id, self.peer_id, cause, len(pending))
+        for s in self.socks:
+            with s.cv:
+                s.closed = True
+                s.cv.notify_all()
+            with s.grant_cv:
+                s.grant_cv.notify_all()
+            try:
+                s.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        out = []
+        for m in pending:
+            for rec, last in zip(m.recs, m.last):
+                if rec.error is None:
+                    rec.error = PeerLost(f"peer {self.peer_id} lost ({cause}) before wr_id={rec.wr_id} "
+                                         f"({rec.length} B to 0x{rec.remote_addr:x}) was acknowledged")
+                if last:
+                    out.append(Completion(rec.wr_id, rec.opcode, self.peer_id, rec.length, rec.imm, rec.error))
+        self.fabric._push(out)
+
+    def close_sockets(self) -> None:
+        for s in self.socks:
+            try:
+                s.sock.close()
+            except OSError:
+                pass
+
+    def check_alive(self) -> None:
+        if not self._alive:
+            raise PeerLost(f"endpoint {self.peer_id} is dead ({self._cause}); reconnect first")
+
+    # --- sender side ----------------------------------------------------------------------------------------
+    def enqueue(self, msgs: List[_OutMsg]) -> None:
+        """Register ``msgs`` as pending and hand them to the sockets round-robin (under one lock: seq order)."""
+        with self._lock:
+            self.check_alive()
+            n = len(self.socks)
+            for m in msgs:
+                m.seq = self._out_seq
+                m.posted_at = time.monotonic()
+                self._out_seq += 1
+                self._pending[m.seq] = m
+                s = self.socks[self._rr % n]
+                self._rr += 1
+                with s.cv:
+                    s.data.append(m)
+                    s.cv.notify()
+
+    def on_ack(self, seq: int, statuses: bytes) -> None:
+        """Record an ack and release completions of every message acked so far, in sequence order."""
+        out = []
+        with self._lock:
+            m = self._pending.get(seq)
+            if m is None:
+                return
+            m.statuses = statuses
+            m.done = True
+            while self._pending:
+                first = next(iter(self._pending.values()))
+                if not first.done:
+                    break
+                del self._pending[first.seq]
+                st = first.statuses
+                for i, (rec, last) in enumerate(zip(first.recs, first.last)):
+                    code = st[i]
+                    if code and rec.error is None:
+                        rec.error = RegionError(
+                            f"peer {self.peer_id} refused wr_id={rec.wr_id}: {rec.length} B at "
+                            f"0x{rec.remote_addr:x} rkey 0x{rec.rkey:x}: {_STATUS_TEXT.get(code, code)}")
+                    if last:
+                        out.append(Completion(rec.wr_id, rec.opcode, self.peer_id, rec.length, rec.imm,
+                                              rec.error))
+        self.fabric._push(out)
+
+    # --- target side ----------------------------------------------------------------------------------------
+    def deliver_in_order(self, seq: int, events: List[Completion]) -> None:
+        """Release RECV_IMM events of message ``seq`` once every earlier message of this endpoint has landed."""
+        out = []
+        with self._in_lock:
+            self._in_done[seq] = events
+            while self._in_next in self._in_done:
+                out.extend(self._in_done.pop(self._in_next))
+                self._in_next += 1
+        if out:
+            self.fabric._push(out)
+
+    def send_ctrl(self, s: _Sock, payload: bytes) -> None:
+        with s.cv:
+            if s.closed:
+                return
+            s.ctrl.append(payload)
+            s.cv.notify()
+
+
+class TcpFabric(Fabric):
+    """One-sided writes over TCP sockets.
+
+    Options: ``hostname`` to bind (default 127.0.0.1), ``port`` (0 = ephemeral), ``connections_per_peer``
+    (sockets striped per endpoint, default 2..4 by core count), ``message_bytes`` (target payload bytes per wire message,
+    default 4 MiB: big enough to amortise the per-message Python cost, small enough to spread one 64 MB write
+    over every socket), ``connect_timeout`` (seconds), ``keepalive`` (seconds of silence before a vanished
+    host is declared dead via TCP keepalive / TCP_USER_TIMEOUT, default 3), ``ack_timeout`` (seconds the oldest
+    pending message may wait for its ack before the endpoint is failed, default 30: catches a peer process that
+    hangs while its kernel keeps the TCP connection up).
+    """
+
+    name = "tcp"
+
+    def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: Optional[int] = None,
+                 message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
+                 ack_timeout: float = 30.0):
+        if connections_per_peer is None:
+            # loopback on a 2-core box peaks at 2 sockets (more threads only contend); bigger hosts use 4
+            connections_per_peer = max(2, min(4, (os.cpu_count() or 2) // 2))
+        if not isinstance(connections_per_peer, int) or not 1 <= connections_per_peer <= 64:
+            raise ValueError(f"connections_per_peer must be an int in 1..64, got {connections_per_peer!r}")
+        if not isinstance(message_bytes, int) or message_bytes < 4096:
+            raise ValueError(f"message_bytes must be an int >= 4096, got {message_bytes!r}")
+        self.connections_per_peer = connections_per_peer
+        self.message_bytes = message_bytes
+        self.connect_timeout = float(connect_timeout)
+        self.keepalive = float(keepalive)
+        self.ack_timeout = float(ack_timeout)
+        self._closed = False
+        self._stop = threading.Event()
+        self._lock = threading.RLock()
+        self._regions: Dict[int, MemoryRegion] = {}
+        self._region_use: Dict[int, int] = {}  # rkey -> pieces being placed right now (deregister waits)
+        self._region_cv = threading.Condition(threading.Lock())
+        self._endpoints: Dict[str, TcpEndpoint] = {}
+        self._all_eps: List[TcpEndpoint] = []
+        self._cq: collections.deque = collections.deque()
+        self._cq_cv = threading.Condition()
+        self._cuda_streams: Dict[int, object] = {}
+        try:
+            self._listener = socket.create_server((hostname, port), backlog=128)
+        except OSError as e:
+            raise FabricError(f"{self.name}: cannot listen on {hostname}:{port}: {e}") from e
+        self.hostname = hostname
+        self.port = self._listener.getsockname()[1]
+        self._id = f"{hostname}:{self.port}"
+        self._listen_thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                               name=f"pxn-{self.name}-listen-{self.port}")
+        self._listen_thread.start()
+        self._watchdog = threading.Thread(target=self._watchdog_loop, daemon=True,
+                                          name=f"pxn-{self.name}-watchdog-{self.port}")
+        self._watchdog.start()
+        log.debug("%s fabric listening on %s", self.name, self._id)
+
+    # --- Fabric API -----------------------------------------------------------------------------------------
+    @property
+    def local_id(self) -> str:
+        return self._id
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FabricClosed(f"{self.name} fabric {self._id} is closed")
+
+    def register(self, addr: int, length: int, device: int = DEVICE_HOST) -> MemoryRegion:
+        self._check_open()
+        check_range(addr, length, "register")
+        _check_device(device)
+        if addr == 0:
+            raise ValueError("register: address 0 (NULL) cannot be registered")
+        with self._lock:
+            while True:
+                key = secrets.randbits(32)
+                # random keys: a stale rkey of a deregistered region is unlikely to match a new one
+                if key and key not in self._regions:
+                    break
+            mr = MemoryRegion(addr=addr, length=length, lkey=key, rkey=key, device=device)
+            self._regions[key] = mr
+        self._on_register(mr)
+        return mr
+
+    def _on_register(self, mr: MemoryRegion) -> None:
+        """Hook for subclasses (ipc exports GPU handles)."""
+
+    def deregister(self, mr: MemoryRegion) -> None:
+        self._check_open()
+        with self._lock:
+            cur = self._regions.get(getattr(mr, "rkey", None))
+            if cur is None or cur != mr:
+                raise RegionError(f"deregister: region {mr!r} is not registered with {self._id}")
+            del self._regions[mr.rkey]
+        # A write being placed right now may still touch the memory: wait until it is done so the caller can
+        # free the memory safely once we return.
+        deadline = time.monotonic() + 10.0
+        with self._region_cv:
+            while self._region_use.get(mr.rkey, 0) > 0:
+                if not self._region_cv.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    log.warning("deregister of rkey 0x%x: placements still running after 10 s", mr.rkey)
+                    break
+
+    def descriptor(self) -> bytes:
+        self._check_open()
+        return json.dumps({"fabric": self.name, "id": self._id, "host": self.hostname, "port": self.port,
+                           **self._descriptor_extra()}).encode()
+
+    def _descriptor_extra(self) -> dict:
+        return {}
+
+    def connect(self, peer_descriptor: bytes) -> Endpoint:
+        self._check_open()
+        try:
+            d = json.loads(bytes(peer_descriptor))
+            peer_id, host, port = d["id"], d["host"], int(d["port"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"connect: malformed peer descriptor {bytes(peer_descriptor)[:100]!r}: {e}") from e
+        if d.get("fabric") != self.name:
+            raise ValueError(f"connect: descriptor is for fabric {d.get('fabric')!r}, this is {self.name!r}")
+        self._check_peer(d)
+        with self._lock:
+            ep = self._endpoints.get(peer_id)
+            if ep is not None and ep.alive:
+                return ep
+        conn_id = uuid.uuid4().hex
+        n = self.connections_per_peer
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.create_connection((host, port), timeout=self.connect_timeout)
+                self._tune(s)
+                hello = json.dumps({"id": self._id, "conn": conn_id, "index": i, "n": n,
+                                    "desc": json.loads(self.descriptor())}).encode()
+                s.sendall(HDR.pack(MAGIC, T_HELLO, 0, 0, 0, 0, len(hello)) + hello)
+                socks.append(s)
+            for s in socks:
+                hdr = bytearray(HDR.size)
+                recv_exact(s, memoryview(hdr))
+                magic, typ, _, _, status, _, blen = HDR.unpack(hdr)
+                body = bytearray(blen)
+                recv_exact(s, memoryview(body))
+                if magic != MAGIC or typ != T_HELLO_ACK or status != 0:
+                    raise FabricError(f"connect to {peer_id}: handshake refused: {bytes(body)[:200]!r}")
+                s.settimeout(None)
+        except (OSError, ConnectionError) as e:
+            for s in socks:
+                s.close()
+            raise PeerLost(f"connect to {peer_id} ({host}:{port}) failed: {e}") from e
+        except BaseException:
+            for s in socks:
+                s.close()
+            raise
+        ep = self._make_endpoint(peer_id, socks, d)
+        return ep
+
+    def _check_peer(self, desc: dict) -> None:
+        """Hook: ipc refuses peers on another host."""
+
+    def _make_endpoint(self, peer_id: str, socks: List[socket.socket], desc: dict) -> TcpEndpoint:
+        ep = TcpEndpoint(self, peer_id, socks)
+        ep.peer_desc = desc
+        with self._lock:
+            if self._closed:
+                ep.close_sockets()
+                raise FabricClosed(f"{self.name} fabric {self._id} closed during connect")
+            old = self._endpoints.get(peer_id)
+            if old is not None and old.alive:
+                # Simultaneous connects: keep both working, newest answers endpoint(peer_id).
+                log.info("%s: second connection to %s; both stay usable", self._id, peer_id)
+            self._endpoints[peer_id] = ep
+            # forget dead endpoints whose threads are gone (their sockets were only shut down so far)
+            keep = []
+            for old_ep in self._all_eps:
+                if old_ep.alive or any(t.is_alive() for s in old_ep.socks for t in s.threads):
+                    keep.append(old_ep)
+                else:
+                    old_ep.close_sockets()
+            self._all_eps = keep + [ep]
+        ep.start()
+        return ep
+
+    def endpoint(self, peer_id: str) -> Endpoint:
+        self._check_open()
+        with self._lock:
+            ep = self._endpoints.get(peer_id)
+        if ep is None:
+            raise UnknownPeer(f"{self._id} has no endpoint for peer {peer_id!r}; connect first")
+        return ep
+
+    def _lookup_local(self, r: WriteRequest) -> MemoryRegion:
+        mr = self._regions.get(r.lkey)
+        if mr is None:
+            raise RegionError(f"wr_id={r.wr_id}: lkey 0x{r.lkey:x} is not a region registered with {self._id}")
+        if not mr.contains(r.local_addr, r.length):
+            raise RegionError(f"wr_id={r.wr_id}: local range 0x{r.local_addr:x}+{r.length} lies outside the "
+                              f"region of lkey 0x{r.lkey:x} (0x{mr.addr:x}+{mr.length})")
+        return mr
+
+    def _validate(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> List[MemoryRegion]:
+        self._check_open()
+        if not isinstance(ep, TcpEndpoint) or ep.fabric is not self:
+            raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {self.name} fabric {self._id}")
+        ep.check_alive()
+        mrs = []
+        for r in requests:
+            check_range(r.local_addr, r.length, f"wr_id={r.wr_id} local")
+            check_range(r.remote_addr, r.length, f"wr_id={r.wr_id} remote")
+            if not isinstance(r.rkey, int) or not 0 <= r.rkey <= 0xFFFFFFFF:
+                raise ValueError(f"wr_id={r.wr_id}: rkey must be a 32-bit unsigned int, got {r.rkey!r}")
+            if r.imm is not None and (not isinstance(r.imm, int) or not 0 <= r.imm <= IMM_MAX):
+                raise ValueError(f"wr_id={r.wr_id}: imm must be a 32-bit unsigned int, got {r.imm!r}")
+            mrs.append(self._lookup_local(r))
+        return mrs
+
+    def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
+        requests = list(requests)
+        mrs = self._validate(ep, requests)
+        if not requests:
+            return
+        ep.enqueue(self._build_messages(requests, mrs, len(ep.socks)))
+
+    def _build_messages(self, requests, mrs, nsocks: int) -> List[_OutMsg]:
+        """Cut the writes into messages of about ``message_bytes`` (fewer, smaller ones when the batch is small,
+        so that every socket gets a share); a write spanning a boundary becomes several pieces."""
+        total = sum(r.length for r in requests)
+        target = max(64 << 10, min(self.message_bytes, -(-total // nsocks)))
+        msgs: List[_OutMsg] = []
+        rows: List[tuple] = []
+        cur = _OutMsg(0)
+        cur_bytes = 0
+
+        def flush():
+            nonlocal cur, rows, cur_bytes
+            cur.table = np.array(rows, dtype=PIECE_DT)
+            msgs.append(cur)
+            cur, rows, cur_bytes = _OutMsg(0), [], 0
+
+        for r, mr in zip(requests, mrs):
+            rec = _WrRecord(r)
+            flags = F_IMM if r.imm is not None else 0
+            imm = r.imm or 0
+            off = 0
+            while off < r.length:
+                room = target - cur_bytes
+                if room <= 0 or len(rows) >= MAX_TABLE:
+                    flush()
+                    continue
+                n = min(r.length - off, room)
+                last = off + n == r.length
+                rows.append((r.remote_addr + off, n, r.remote_addr, r.length, r.rkey,
+                             flags if last else 0, imm, 0))
+                cur.recs.append(rec)
+                cur.last.append(last)
+                cur.src.append((r.local_addr + off, n, mr.device))
+                cur_bytes += n
+                off += n
+        if rows:
+            flush()
+        return msgs
+
+    def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
+        self._check_open()
+        out: List[Completion] = []
+        with self._cq_cv:
+            if not self._cq and timeout > 0:
+                self._cq_cv.wait_for(lambda: self._cq or self._closed, timeout=timeout)
+            while self._cq and len(out) < max_n:
+                out.append(self._cq.popleft())
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+            eps = list(self._all_eps)
+            self._endpoints.clear()
+            self._all_eps.clear()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # close() alone does not wake a thread blocked in accept()
+        except OSError:
+            pass
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        for ep in eps:
+            ep.fail("fabric closed")
+        for ep in eps:
+            for s in ep.socks:
+                for t in s.threads:
+                    if t is not threading.current_thread():
+                        t.join(timeout=2.0)
+            ep.close_sockets()
+        self._listen_thread.join(timeout=2.0)
+        self._watchdog.join(timeout=2.0)
+        with self._cq_cv:
+            self._cq_cv.notify_all()
+        self._on_close()
+
+    def _on_close(self) -> None:
+        """Hook for subclasses."""
+
+    # --- internals ------------------------------------------------------------------------------------------
+    def _watchdog_loop(self) -> None:
+        while not self._stop.wait(0.5):
+            now = time.monotonic()
+            with self._lock:
+                eps = list(self._all_eps)
+            for ep in eps:
+                with ep._lock:
+                    oldest = next(iter(ep._pending.values()), None) if ep._alive else None
+                if oldest is not None and now - oldest.posted_at > self.ack_timeout:
+                    ep.fail(f"message {oldest.seq} unacknowledged for {self.ack_timeout:g} s")
+
+    def _push(self, comps: List[Completion]) -> None:
+        if not comps:
+            return
+        with self._cq_cv:
+            self._cq.extend(comps)
+            self._cq_cv.notify_all()
+
+    def _tune(self, s: socket.socket) -> None:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A peer host that vanishes (no FIN/RST) is detected by keepalive when idle and TCP_USER_TIMEOUT when
+        # data is unacknowledged, so pending work fails within a few seconds instead of ~15 minutes.
+        k = max(1, int(self.keepalive))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for opt, val in (("TCP_KEEPIDLE", k), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3),
+                         ("TCP_USER_TIMEOUT", int(self.keepalive * 1000) + 2000)):
+            if hasattr(socket, opt):
+                try:
+                    s.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+                except OSError:
+                    pass
+
+    def _accept_loop(self) -> None:
+        pending: Dict[str, dict] = {}
+        while not self._closed:
+            try:
+                s, addr = self._listener.accept()
+            except OSError:
+                return
+            try:
+                s.settimeout(self.connect_timeout)
+                self._tune(s)
+                hdr = bytearray(HDR.size)
+                recv_exact(s, memoryview(hdr))
+                magic, typ, _, _, _, _, blen = HDR.unpack(hdr)
+                if magic != MAGIC or typ != T_HELLO or blen > 1 << 16:
+                    raise ValueError(f"bad hello header {bytes(hdr)!r}")
+                body = bytearray(blen)
+                recv_exact(s, memoryview(body))
+                hello = json.loads(bytes(body))
+                conn, idx, n = hello["conn"], int(hello["index"]), int(hello["n"])
+                if not 1 <= n <= 64 or not 0 <= idx < n:
+                    raise ValueError(f"bad hello index {idx} of {n}")
+                self._check_peer(hello["desc"])
+            except Exception as e:  # a broken client must not kill the listener
+                log.warning("%s: refused connection from %s: %s", self._id, addr, e)
+                try:
+                    msg = str(e).encode()
+                    s.sendall(HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 1, 0, len(msg)) + msg)
+                except OSError:
+                    pass
+                s.close()
+                continue
+            entry = pending.setdefault(conn, {"socks": {}, "hello": hello, "t": time.monotonic()})
+            entry["socks"][idx] = s
+            if len(entry["socks"]) == n:
+                del pending[conn]
+                socks = [entry["socks"][i] for i in range(n)]
+                try:
+                    ep = self._make_endpoint(hello["id"], socks, hello["desc"])
+                except FabricClosed:
+                    return
+                for sk in socks:
+                    try:
+                        sk.sendall(HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0))
+                        sk.settimeout(None)
+                    except OSError as e:
+                        ep.fail(f"handshake: {e}")
+                        break
+            # drop half-finished handshakes of clients that died
+            for c in [c for c, e in pending.items() if time.monotonic() - e["t"] > 2 * self.connect_timeout]:
+                for sk in pending.pop(c)["socks"].values():
+                    sk.close()
+
+    def _send_loop(self, ep: TcpEndpoint, s: _Sock) -> None:
+        try:
+            while True:
+                with s.cv:
+                    while not s.ctrl and not s.data and not s.closed:
+                        s.cv.wait()
+                    if s.closed:
+                        return
+                    ctrl = list(s.ctrl)
+                    s.ctrl.clear()
+                    msg = s.data.popleft() if (not ctrl and s.data) else None
+                if ctrl:
+                    send_buffers(s.sock, ctrl)
+                if msg is not None:
+                    self._transmit(ep, s, msg)
+        except Exception as e:  # noqa: BLE001 — any send failure means the link is gone
+            if ep.alive and not self._closed:
+                log.debug("send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
+            ep.fail(f"send failed: {e}")
+
+    def _source_buffers(self, s: _Sock, msg: _OutMsg) -> List:
+        gpu = [(i, a, n, d) for i, (a, n, d) in enumerate(msg.src) if d != DEVICE_HOST]
+        if not gpu:
+            return [raw_view(a, n) for a, n, _ in msg.src]
+        # GPU sources: the socket cannot read device memory, so pack them into pinned host memory first
+        # (big pieces: one D2H each; small ones: one gather launch on the device, then one D2H).
+        import torch
+        total = sum(n for _, _, n, _ in gpu)
+        host = pinned_buffer(s.tx_cache, total)
+        hbase = host.data_ptr()
+        where, off = {}, 0
+        by_dev: Dict[int, list] = {}
+        for i, a, n, d in gpu:
+            where[i] = off
+            by_dev.setdefault(d, []).append((off, a, n))
+            off += n
+        for dev, items in by_dev.items():
+            stream = cuda_stream(s.tx_cache, dev)
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
+                small = [it for it in items if it[2] < BIG_GPU_PIECE]
+                for o, a, n in items:
+                    if n >= BIG_GPU_PIECE:
+                        memcpy_async(hbase + o, a, n, stream)
+                if small:
+                    lo, hi = small[0][0], small[-1][0] + small[-1][2]
+                    scratch = device_scratch(s.tx_cache, dev, hi - lo)
+                    sp = scratch.data_ptr() - lo
+                    gpu_batch_copy([a for _, a, _ in small], [sp + o for o, _, _ in small],
+                                   [n for _, _, n in small], dev)
+                    host[lo:hi].copy_(scratch[:hi - lo], non_blocking=True)
+            stream.synchronize()
+        return [raw_view(hbase + where[i], n) if d != DEVICE_HOST else raw_view(a, n)
+                for i, (a, n, d) in enumerate(msg.src)]
+
+    def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
+        table = msg.table.tobytes()
+        payload = int(msg.table["len"].sum())
+        hdr = HDR.pack(MAGIC, T_WRITE, 0, 0, len(msg.table), msg.seq, len(table) + payload)
+        send_buffers(s.sock, [hdr + table] + self._source_buffers(s, msg))
+
+    def _recv_loop(self, ep: TcpEndpoint, s: _Sock) -> None:
+        hdr = bytearray(HDR.size)
+        hview = memoryview(hdr)
+        st = {"table": bytearray(64 * 48), "stage": bytearray(1 << 20)}
+        try:
+            while True:
+                recv_exact(s.sock, hview)
+                magic, typ, _, _, count, seq, blen = HDR.unpack(hdr)
+                if magic != MAGIC:
+                    raise ValueError(f"bad magic {magic!r}")
+                if typ == T_ACK:
+                    body = bytearray(count)
+                    recv_exact(s.sock, memoryview(body))
+                    ep.on_ack(seq, bytes(body))
+                elif typ in (T_WRITE, T_REQ):
+                    if count > MAX_TABLE:
+                        raise ValueError(f"piece count {count} above {MAX_TABLE}")
+                    tb = count * PIECE_DT.itemsize
+                    if blen < tb:
+                        raise ValueError(f"body {blen} B shorter than its table {tb} B")
+                    if len(st["table"]) < tb:
+                        st["table"] = bytearray(tb)
+                    tview = memoryview(st["table"])[:tb]
+                    recv_exact(s.sock, tview)
+                    table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
+                    self._on_message(ep, s, typ, seq, table, blen - tb, st)
+                else:
+                    if blen > 1 << 24:
+                        raise ValueError(f"control message of {blen} B is implausible")
+                    body = bytearray(blen)
+                    recv_exact(s.sock, memoryview(body))
+                    self._on_other(ep, s, typ, count, seq, bytes(body))
+        except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
+            if ep.alive and not self._closed:
+                log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)
+            ep.fail(f"receive failed: {e}")
+
+    def _on_other(self, ep: TcpEndpoint, s: _Sock, typ: int, count: int, seq: int, body: bytes) -> None:
+        raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
+
+    def _send_ctrl(self, ep: TcpEndpoint, s: _Sock, payload: bytes) -> None:
+        """Send a small control message (ack); tcp queues it to the socket's sender thread."""
+        ep.send_ctrl(s, payload)
+
+    def _validate_pieces(self, table: np.ndarray) -> tuple:
+        """Check every piece against this fabric's regions and pin the regions it uses (deregister waits).
+        Returns (statuses bytearray, regions per piece, pinned rkeys)."""
+        n = len(table)
+        statuses = bytearray(n)
+        regions: List[Optional[MemoryRegion]] = [None] * n
+        addrs, lens = table["addr"].tolist(), table["len"].tolist()
+        waddrs, wlens, rkeys = table["waddr"].tolist(), table["wlen"].tolist(), table["rkey"].tolist()
+        pinned = set()
+        with self._region_cv:
+            for i in range(n):
+                mr = self._regions.get(rkeys[i])
+                if mr is None:
+                    statuses[i] = ST_BAD_RKEY
+                    continue
+                a, ln, wa, wl = addrs[i], lens[i], waddrs[i], wlens[i]
+                # the whole write must be inside the region and the piece inside the whole write
+                if not (ln >= 1 and mr.contains(wa, wl) and wa <= a and a + ln <= wa + wl):
+                    statuses[i] = ST_BOUNDS
+                    continue
+                regions[i] = mr
+                pinned.add(mr.rkey)
+            for k in pinned:
+                self._region_use[k] = self._region_use.get(k, 0) + 1
+        return statuses, regions, pinned
+
+    def _unpin(self, pinned) -> None:
+        with self._region_cv:
+            for k in pinned:
+                c = self._region_use.get(k, 0) - 1
+                if c <= 0:
+                    self._region_use.pop(k, None)
+                else:
+                    self._region_use[k] = c
+            self._region_cv.notify_all()
+
+    def _on_message(self, ep: TcpEndpoint, s: _Sock, typ: int, seq: int, table: np.ndarray, payload: int,
+                    st: dict) -> None:
+        if typ != T_WRITE:
+            raise ValueError(f"tcp fabric got message type {typ}")
+        lens = table["len"].tolist()
+        if sum(lens) != payload:
+            raise ValueError(f"payload {payload} B does not match the table's {sum(lens)} B")
+        statuses, regions, pinned = self._validate_pieces(table)
+        try:
+            self._place(s.sock, table, lens, statuses, regions, st)
+        finally:
+            self._unpin(pinned)
+        self._finish_message(ep, s, seq, table, statuses)
+
+    def _finish_message(self, ep: TcpEndpoint, s: _Sock, seq: int, table: np.ndarray, statuses) -> None:
+        """Ack the sender, then release this message's RECV_IMM events in order."""
+        events = []
+        flags = table["flags"]
+        if flags.any():
+            for i in np.nonzero(flags & F_IMM)[0].tolist():
+                if statuses[i] == ST_OK:
+                    events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, int(table["wlen"][i]),
+                                             int(table["imm"][i])))
+        self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, len(statuses), seq, len(statuses)) + bytes(statuses))
+        ep.deliver_in_order(seq, events)
+
+    def _place(self, sock: socket.socket, table, lens, statuses, regions, st: dict) -> None:
+        """Read the message payload from ``sock`` and put each accepted piece at its address."""
+        addrs = table["addr"].tolist()
+        n = len(lens)
+        i = 0
+        gpu_pieces = []
+        while i < n:
+            ln = lens[i]
+            mr = regions[i]
+            if ln >= SMALL_PIECE and mr is not None and mr.device == DEVICE_HOST:
+                recv_exact(sock, raw_view(addrs[i], ln, writable=True))  # zero copy: straight to its place
+                i += 1
+                continue
+            if ln >= SMALL_PIECE and mr is None:
+                self._discard(sock, ln, st)
+                i += 1
+                continue
+            # a run of small pieces (or a GPU piece): one recv into staging, then scatter
+            j, run = i, 0
+            while j < n and (lens[j] < SMALL_PIECE or (regions[j] is not None and regions[j].device >= 0)) \
+                    and (run == 0 or run + lens[j] <= (8 << 20)):
+                run += lens[j]
+                j += 1
+            if any(regions[k] is not None and regions[k].device >= 0 for k in range(i, j)):
+                stage = pinned_buffer(st, run)  # pinned: the H2D copies run async on the copy engine
+                base = stage.data_ptr()
+                recv_exact(sock, raw_view(base, run, writable=True))
+            else:
+                if len(st["stage"]) < run:
+                    st["stage"] = bytearray(run)
+                stage = st["stage"]
+                recv_exact(sock, memoryview(stage)[:run])
+                base = ctypes.addressof(ctypes.c_char.from_buffer(stage))
+            off = 0
+            for k in range(i, j):
+                mr = regions[k]
+                if mr is not None:
+                    if mr.device == DEVICE_HOST:
+                        ctypes.memmove(addrs[k], base + off, lens[k])
+                    else:
+                        gpu_pieces.append((k, off, lens[k]))
+                off += lens[k]
+            if gpu_pieces:
+                self._place_gpu(stage, gpu_pieces, addrs, regions, statuses, st)
+                gpu_pieces = []
+            i = j
+
+    def _discard(self, sock: socket.socket, n: int, st: dict) -> None:
+        stage = memoryview(st["stage"])
+        while n:
+            k = min(n, len(stage))
+            recv_exact(sock, stage[:k])
+            n -= k
+
+    def _place_gpu(self, host, pieces, addrs, regions, statuses, st: dict) -> None:
+        """Copy GPU pieces from the pinned staging tensor ``host`` (offsets increasing) to their devices: big
+        pieces one H2D copy each, small ones one H2D of their span into device scratch + one scatter launch."""
+        import torch
+        by_dev: Dict[int, list] = {}
+        for k, off, ln in pieces:
+            by_dev.setdefault(regions[k].device, []).append((k, off, ln))
+        for dev, items in by_dev.items():
+            stream = cuda_stream(st, dev)
+            try:
+                with torch.cuda.device(dev), torch.cuda.stream(stream):
+                    small = [it for it in items if it[2] < BIG_GPU_PIECE]
+                    for k, off, ln in items:
+                        if ln >= BIG_GPU_PIECE:
+                            memcpy_async(addrs[k], host.data_ptr() + off, ln, stream)
+                    if small:
+                        lo, hi = small[0][1], small[-1][1] + small[-1][2]
+                        scratch = device_scratch(st, dev, hi - lo)
+                        scratch[:hi - lo].copy_(host[lo:hi], non_blocking=True)
+                        sp = scratch.data_ptr() - lo
+                        gpu_batch_copy([sp + off for _, off, _ in small], [addrs[k] for k, _, _ in small],
+                                       [ln for _, _, ln in small], dev)
+                # the staging buffers are reused next and the ack promises placed bytes: wait for the copies
+                stream.synchronize()
+            except Exception as e:  # noqa: BLE001
+                log.error("placing %d piece(s) on cuda:%d failed: %s", len(items), dev, e)
+                for k, _, _ in items:
+                    statuses[k] = ST_FAILED

@@ -112,10 +112,17 @@ def _env_int(name: str, default: int) -> int:
 
 
 # Read once: PXN_KERNEL_* let a benchmark sweep the settings without code changes.
-# Defaults from the H200 sweeps in benchmarks/NOTES.md (best on the 78-block mixes, neutral on small ones).
-_BLOCK_BYTES = _env_int("PXN_KERNEL_BLOCK_BYTES", 32768)
-_NUM_WARPS = _env_int("PXN_KERNEL_NUM_WARPS", 8)
-_PROGRAMS_PER_SM = _env_int("PXN_KERNEL_PROGRAMS_PER_SM", 32)
+# Defaults from the H200 sweeps in benchmarks/NOTES.md. Two regimes: batches of large pieces want big tiles
+# and many resident programs (32 KB, 8 warps, 32 programs/SM: 0.94 of copy_ on the 78-block mixes, against
+# 0.86 with the small settings); batches of small pieces want little device time per launch (4 KB, 4 warps,
+# 8 programs/SM: 2.2 us on the aux batch, against 6.0 us with the large settings).
+_BLOCK_BYTES = _env_int("PXN_KERNEL_BLOCK_BYTES", 4096)
+_NUM_WARPS = _env_int("PXN_KERNEL_NUM_WARPS", 4)
+_PROGRAMS_PER_SM = _env_int("PXN_KERNEL_PROGRAMS_PER_SM", 8)
+_LARGE_BLOCK_BYTES = _env_int("PXN_KERNEL_LARGE_BLOCK_BYTES", 32768)
+_LARGE_NUM_WARPS = _env_int("PXN_KERNEL_LARGE_NUM_WARPS", 8)
+_LARGE_PROGRAMS_PER_SM = _env_int("PXN_KERNEL_LARGE_PROGRAMS_PER_SM", 32)
+_LARGE_MEAN_BYTES = _env_int("PXN_KERNEL_LARGE_MEAN_BYTES", 512 << 10)
 _MAX_PROGRAMS = _env_int("PXN_KERNEL_MAX_PROGRAMS", 1 << 16)
 _STREAMING = bool(_env_int("PXN_KERNEL_STREAMING", 0))
 _RANGE_BYTES = _env_int("PXN_KERNEL_RANGE_BYTES", 32 << 10)
@@ -131,15 +138,19 @@ def launch_settings(n_items: int, device: torch.device, total_bytes: Optional[in
     and at least one per item (capped) so that thousands of tiny pieces are copied in parallel rather than a
     few per program in sequence. Under the CPU interpreter each program costs ~0.5 ms, so few are used.
     Rounds: when the caller knows the batch's bytes, it is cut into ranges of about ``RANGE_BYTES`` so that
-    resident programs work on neighbouring memory (see the kernel).
+    resident programs work on neighbouring memory (see the kernel); and a batch whose mean piece is at least
+    ``LARGE_MEAN_BYTES`` gets the large-piece tile settings.
     """
     if device.type != "cuda":
         return LaunchSettings(block_bytes=256, tail_block_bytes=16, num_warps=1,
                               programs=max(1, min(n_items, 16)))
-    floor = _PROGRAMS_PER_SM * _multiprocessors(device.index if device.index is not None else 0)
+    large = bool(total_bytes) and n_items > 0 and total_bytes // n_items >= _LARGE_MEAN_BYTES
+    block, warps, per_sm = ((_LARGE_BLOCK_BYTES, _LARGE_NUM_WARPS, _LARGE_PROGRAMS_PER_SM) if large
+                            else (_BLOCK_BYTES, _NUM_WARPS, _PROGRAMS_PER_SM))
+    floor = per_sm * _multiprocessors(device.index if device.index is not None else 0)
     programs = max(1, min(max(n_items, floor), _MAX_PROGRAMS))
     rounds = 1 if not total_bytes else max(1, min(total_bytes // (programs * _RANGE_BYTES), _MAX_ROUNDS))
-    return LaunchSettings(block_bytes=_BLOCK_BYTES, tail_block_bytes=1024, num_warps=_NUM_WARPS,
+    return LaunchSettings(block_bytes=block, tail_block_bytes=1024, num_warps=warps,
                           programs=programs, streaming=_STREAMING, rounds=int(rounds))
 
 

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Reproduce the field chunk-size table on the fabric at hand: per-transfer size x relay slot size, relayed vs
+direct, plus the coalesced path.
+
+Field table (Mooncake PXN prototype, B300, 400G): rows = per-transfer size 64 KB .. 8 MB, columns = relay buffer
+512 KB / 1 MB / 8 MB and direct. Here two local processes run pxn TransferEngines over ``--fabric`` (tcp by
+default) with host memory; on a CPU box the "relay" is a host staging slot (copy into a registered slot, then
+one write from it), so ``relayed / direct`` shows what the relay pipeline costs on this fabric.
+
+Paths:
+* ``direct``     every piece is one zero-copy write from its source (``relay="never"``);
+* ``relayed``    every piece goes through relay slots of ``slot_bytes`` (``relay="always"``);
+* ``coalesced``  pieces are gathered into chunks of up to ``slot_bytes`` (one write each), validated and
+  scattered by the receiver (``coalesce_bytes = piece + 1``).
+
+Each cell writes ``--total-mb`` MB as ``total / piece`` pieces in one batch, ``--repeat`` times after a warm-up,
+and reports the median. Output: a JSON list of rows ``{piece_bytes, slot_bytes, path, gbps, fabric, date, ...}``
+in ``benchmarks/results/relay-table-<fabric>.json``, and the table on stdout.
+
+Run:  python3 benchmarks/relay_table.py [--fabric tcp] [--total-mb 128] [--repeat 5]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from transport.bench_cli import LocalPeer, _Mem, measure  # noqa: E402
+from transport.engine import TransferEngine  # noqa: E402
+
+KB, MB = 1 << 10, 1 << 20
+PIECES = [64 * KB, 512 * KB, 1 * MB, 2 * MB, 4 * MB, 8 * MB]
+SLOTS = [512 * KB, 1 * MB, 8 * MB]
+CHUNK_OVERHEAD = 64 + 16 + 16
+
+
+def _label(n: int) -> str:
+    return f"{n // MB}MB" if n >= MB else f"{n // KB}KB"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fabric", default="tcp", choices=["tcp", "ipc", "verbs"])
+    ap.add_argument("--total-mb", type=int, default=128, help="MB written per call (default 128)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed calls per cell (median reported)")
+    ap.add_argument("--rails", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/relay-table-<fabric>.json)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"relay-table-{args.fabric}.json")
+    total = args.total_mb * MB
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    rows = []
+    t_start = time.perf_counter()
+    common = {"fabric": args.fabric, "rails": args.rails}
+    print(f"relay table on {args.fabric}, {args.rails} rails, host memory, {args.total_mb} MB per call, "
+          f"median of {args.repeat}", flush=True)
+    with LocalPeer({"dst": (total, -1)}, **common) as peer:
+        src = _Mem(total, -1, random_seed=11)
+
+        def cell(engine_kwargs, piece, slot, path):
+            with TransferEngine(**common, **engine_kwargs) as eng:
+                eng.register(src.addr, total)
+                n = total // piece
+                offs = np.arange(n, dtype=np.int64) * piece
+                shape = {"src": offs, "dst": offs[::-1].copy(), "len": np.full(n, piece, dtype=np.int64)}
+                r = measure(eng, peer.session, src.addr, peer.addrs["dst"], shape, args.repeat, warmup=1)
+                st = eng.stats()
+            row = {"piece_bytes": piece, "slot_bytes": slot, "path": path, "gbps": round(r["gbps"], 4),
+                   "gbps_best": round(r["gbps_best"], 4), "median_s": round(r["median_s"], 6), "pieces": n,
+                   "fabric": args.fabric, "date": date,
+                   "units": {k: v["units"] for k, v in st["paths"].items()},
+                   "time_s": st["time_s"]}
+            rows.append(row)
+            print(f"  {path:<9} piece {_label(piece):>5} slot {_label(slot) if slot else '-':>5}: "
+                  f"{r['gbps']:7.3f} GB/s", flush=True)
+            return row
+
+        for piece in PIECES:
+            # direct: pieces above stripe_bytes would be cut; keep each piece one write
+            cell({"relay": "never", "coalesce_bytes": 0, "stripe_bytes": 16 * MB}, piece, None, "direct")
+            for slot in SLOTS:
+                cell({"relay": "always", "coalesce_bytes": 0, "relay_slot_bytes": slot}, piece, slot, "relayed")
+            for slot in SLOTS:
+                if piece + CHUNK_OVERHEAD + 16 <= slot:
+                    cell({"relay": "never", "coalesce_bytes": piece + 1, "relay_slot_bytes": slot}, piece, slot,
+                         "coalesced")
+    for r in rows:
+        d = next(x for x in rows if x["path"] == "direct" and x["piece_bytes"] == r["piece_bytes"])
+        r["ratio_to_direct"] = round(r["gbps"] / d["gbps"], 4)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
+
+    def get(path, piece, slot):
+        for r in rows:
+            if r["path"] == path and r["piece_bytes"] == piece and r["slot_bytes"] == slot:
+                return r["gbps"]
+        return None
+
+    cols = [("relayed", s) for s in SLOTS] + [("direct", None)] + [("coalesced", s) for s in SLOTS]
+    head = "".join(f"{(p[:5] + ' ' + _label(s)) if s else 'direct':>14}" for p, s in cols)
+    print()
+    print(f"GB/s on {args.fabric} ({platform.node()}), rows = per-transfer size")
+    print(f"{'size':>6}{head}")
+    for piece in PIECES:
+        cells = ""
+        for p, s in cols:
+            v = get(p, piece, s)
+            cells += f"{v:14.3f}" if v is not None else f"{'-':>14}"
+        print(f"{_label(piece):>6}{cells}")
+    worst = min((r["ratio_to_direct"], r["piece_bytes"], r["slot_bytes"]) for r in rows if r["path"] == "relayed")
+    d8 = get("direct", 8 * MB, None)
+    c64 = max(v for v in (get("coalesced", 64 * KB, s) for s in SLOTS) if v is not None)
+    print(f"\nworst relayed/direct: {worst[0]:.3f} (piece {_label(worst[1])}, slot {_label(worst[2])}); "
+          f"goal >= 0.95")
+    print(f"best coalesced 64KB / direct 8MB: {c64 / d8:.3f}; goal >= 0.9")
+    print(f"wrote {out} in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Helpers for the engine tests: a receiving TransferEngine in a separate (spawned) process.
+
+The peer allocates ``GUARD + size + GUARD`` bytes (host, or GPU with ``device >= 0``), poisons all of it and
+registers only the middle, so a test proves that nothing outside the written ranges changed -- guards included --
+by comparing a hash of the peer's whole buffer with the hash of the expected buffer built in the test process
+(``Expected``). On a mismatch the peer sends the buffer back and the test names the first wrong byte.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+GUARD = 1 << 20
+POISON = 0x5A
+
+
+def _digest(arr: np.ndarray) -> str:
+    return hashlib.blake2b(memoryview(arr), digest_size=20).hexdigest()
+
+
+class _Mem:
+    def __init__(self, nbytes: int, device: int):
+        self.device = device
+        if device < 0:
+            self.arr = np.empty(nbytes, dtype=np.uint8)
+            self.addr = self.arr.ctypes.data
+        else:
+            import torch
+            self.arr = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+            self.addr = self.arr.data_ptr()
+
+    def fill(self, value):
+        self.arr.fill(value) if self.device < 0 else self.arr.fill_(value)
+
+    def host(self) -> np.ndarray:
+        return self.arr if self.device < 0 else self.arr.cpu().numpy()
+
+
+def _peer_main(conn, size: int, device: int, engine_kwargs: dict, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="peer %(levelname)s %(name)s: %(message)s")
+    try:
+        from transport import TransferEngine
+        engine = TransferEngine(**engine_kwargs)
+        mem = _Mem(GUARD + size + GUARD, device)
+        mem.fill(POISON)
+        engine.register(mem.addr + GUARD, size, device=device)
+        extras = {}
+        conn.send({"ok": True, "session": engine.session_id, "base": mem.addr + GUARD})
+    except BaseException as e:  # noqa: BLE001
+        conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        return
+    while True:
+        try:
+            cmd, kw = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "poison":
+                mem.fill(kw.get("value", POISON))
+                for x in extras.values():
+                    x.fill(kw.get("value", POISON))
+                rep = None
+            elif cmd == "digest":
+                if device >= 0:
+                    import torch
+                    torch.cuda.synchronize(device)
+                rep = _digest(mem.host())
+            elif cmd == "dump":
+                rep = mem.host().tobytes()
+            elif cmd == "register_extra":
+                x = _Mem(kw["size"], device)
+                x.fill(POISON)
+                engine.register(x.addr, kw["size"], device=device)
+                extras[x.addr] = x
+                rep = x.addr
+            elif cmd == "deregister":
+                engine.deregister(kw["addr"])
+                rep = None
+            elif cmd == "extra_digest":
+                rep = _digest(extras[kw["addr"]].host())
+            elif cmd == "stats":
+                rep = engine.stats()
+            elif cmd == "close":
+                engine.close()
+                conn.send({"ok": True, "value": None})
+                break
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send({"ok": True, "value": rep})
+        except BaseException as e:  # noqa: BLE001
+            conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+class PeerProcess:
+    """A receiving engine in a spawned process with ``size`` registered bytes at ``base`` (between guards)."""
+
+    def __init__(self, size: int, device: int = -1, log_level: int = logging.WARNING, **engine_kwargs):
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self.device = device
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, size, device, engine_kwargs, log_level),
+                                daemon=True, name="pxn-test-peer")
+        self.proc.start()
+        deadline = time.monotonic() + 120
+        while not self._conn.poll(0.2):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"peer process did not start (exit code {self.proc.exitcode})")
+        msg = self._conn.recv()
+        if not msg["ok"]:
+            raise RuntimeError(f"peer process failed to start: {msg['error']}")
+        self.session = msg["session"]
+        self.base = msg["base"]
+
+    def call(self, cmd: str, timeout: float = 120.0, **kw):
+        self._conn.send((cmd, kw))
+        if not self._conn.poll(timeout):
+            raise RuntimeError(f"peer did not answer {cmd!r} within {timeout} s")
+        msg = self._conn.recv()
+        if not msg["ok"]:
+            raise RuntimeError(f"peer command {cmd!r} failed: {msg['error']}")
+        return msg["value"]
+
+    def poison(self) -> None:
+        self.call("poison")
+
+    def check(self, expected: "Expected") -> None:
+        """Assert the peer's whole buffer (guards included) equals ``expected``; name the first wrong byte."""
+        got = self.call("digest")
+        if got == expected.digest():
+            return
+        data = np.frombuffer(self.call("dump"), dtype=np.uint8)
+        bad = np.nonzero(data != expected.full)[0]
+        first = int(bad[0])
+        raise AssertionError(f"peer buffer differs in {bad.size} byte(s); first at offset {first - GUARD} from "
+                             f"the registered base (got 0x{data[first]:02x}, expected "
+                             f"0x{expected.full[first]:02x}); last at {int(bad[-1]) - GUARD}")
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close", timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class Expected:
+    """The peer buffer as it must look: poison everywhere, written pieces where they were written."""
+
+    def __init__(self, size: int):
+        self.full = np.full(GUARD + size + GUARD, POISON, dtype=np.uint8)
+        self.view = self.full[GUARD:GUARD + size]
+
+    def apply(self, src: np.ndarray, src_offsets, dst_offsets, lengths) -> None:
+        for s, d, n in zip(src_offsets, dst_offsets, lengths):
+            self.view[d:d + n] = src[s:s + n]
+
+    def digest(self) -> str:
+        return _digest(self.full)
+
+
+def disjoint_offsets(rng: np.random.Generator, lengths, space: int, align: int = 1) -> np.ndarray:
+    """Random non-overlapping offsets for pieces of ``lengths`` inside ``space`` bytes (shuffled order, random
+    gaps), each a multiple of ``align``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    padded = (lengths + align - 1) // align * align
+    slack = space - int(padded.sum())
+    if slack < 0:
+        raise ValueError(f"{int(padded.sum())} B of pieces do not fit {space} B")
+    order = rng.permutation(lengths.size)
+    gaps = rng.multinomial(slack // align, np.ones(lengths.size + 1) / (lengths.size + 1))[:-1] * align
+    offs = np.empty(lengths.size, dtype=np.int64)
+    pos = 0
+    for k, i in enumerate(order):
+        pos += int(gaps[k])
+        offs[i] = pos
+        pos += int(padded[i])
+    return offs

@@ -1,0 +1,455 @@
+"""End-to-end engine tests: two processes, tcp fabric, host memory (the CI acceptance cases).
+
+Every case writes fresh random data (seeded by conftest's SEED) into a poisoned peer buffer and compares the
+peer's WHOLE buffer (guards included) with the expected image, so stray writes anywhere are caught.
+"""
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine_helpers import GUARD, Expected, PeerProcess, disjoint_offsets
+from transport import (InvalidTransfer, RemoteRejected, TransferEngine, TransferError, TransferTimeout,
+                       UnknownSession)
+
+MB = 1 << 20
+SHAPES = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traffic",
+                                     "sglang_shapes.json"))) if os.path.exists(
+    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traffic", "sglang_shapes.json")) else None
+AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
+BLOCK_1K = 2359296
+PEER_BYTES = 78 * BLOCK_1K + 8 * MB
+SRC_BYTES = PEER_BYTES
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = PeerProcess(PEER_BYTES, fabric="tcp")
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def sender():
+    eng = TransferEngine(fabric="tcp")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def src(sender):
+    from conftest import SEED
+    rng = np.random.default_rng(SEED)
+    buf = np.frombuffer(rng.bytes(SRC_BYTES), dtype=np.uint8).copy()
+    sender.register(buf)
+    return buf
+
+
+@pytest.fixture
+def rng(seed, request):
+    return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
+
+
+def run_case(sender, peer, src, src_offs, dst_offs, lengths, timeout=120.0):
+    """Poison the peer, write, compare its whole buffer with the expected image."""
+    peer.poison()
+    exp = Expected(peer.size)
+    exp.apply(src, src_offs, dst_offs, lengths)
+    base = src.ctypes.data
+    sender.batch_write(peer.session, [base + int(o) for o in src_offs], [peer.base + int(o) for o in dst_offs],
+                       [int(n) for n in lengths], timeout=timeout)
+    peer.check(exp)
+
+
+# --- the sglang shapes ---------------------------------------------------------------------------------------
+def test_shapes_file_matches():
+    if SHAPES is None:
+        pytest.skip("shared/traffic/sglang_shapes.json not present")
+    assert SHAPES["calls"]["aux_metadata"]["lengths"] == AUX
+    assert SHAPES["calls"]["mla_latent_1k"]["length"] == BLOCK_1K
+
+
+def test_aux_batch(sender, peer, src, rng):
+    src_offs = disjoint_offsets(rng, AUX, 1 << 20)
+    dst_offs = disjoint_offsets(rng, AUX, 1 << 20)
+    run_case(sender, peer, src, src_offs, dst_offs, AUX)
+
+
+def test_78_blocks_1k(sender, peer, src, rng):
+    lengths = [BLOCK_1K] * 78
+    src_offs = np.arange(78) * BLOCK_1K
+    dst_offs = rng.permutation(78) * BLOCK_1K  # layers land in a shuffled order
+    t0 = time.perf_counter()
+    run_case(sender, peer, src, src_offs, dst_offs, lengths)
+    assert time.perf_counter() - t0 < 60
+
+
+def test_78_blocks_then_aux_like_sglang(sender, peer, src, rng):
+    """sglang sends the KV blocks, then the aux batch, as two calls into the same peer."""
+    peer.poison()
+    exp = Expected(peer.size)
+    kv_dst = np.arange(20) * BLOCK_1K
+    exp.apply(src, kv_dst, kv_dst, [BLOCK_1K] * 20)
+    aux_dst = 20 * BLOCK_1K + disjoint_offsets(rng, AUX, 1 << 20)
+    aux_src = 40 * BLOCK_1K + disjoint_offsets(rng, AUX, 1 << 20)
+    exp.apply(src, aux_src, aux_dst, AUX)
+    b = src.ctypes.data
+    sender.batch_write(peer.session, [b + int(o) for o in kv_dst], [peer.base + int(o) for o in kv_dst],
+                       [BLOCK_1K] * 20)
+    sender.batch_write(peer.session, [b + int(o) for o in aux_src], [peer.base + int(o) for o in aux_dst], AUX)
+    peer.check(exp)
+
+
+def test_4096_x_64B(sender, peer, src, rng):
+    lengths = [64] * 4096
+    run_case(sender, peer, src, disjoint_offsets(rng, lengths, 4 * MB), disjoint_offsets(rng, lengths, 4 * MB),
+             lengths)
+    st = sender.stats()
+    assert st["paths"]["coalesced"]["chunks"] >= 1
+
+
+def test_random_mix_with_2MB_blocks(sender, peer, src, rng):
+    small = rng.integers(1, 8193, size=1500).tolist()
+    lengths = small + [2 * MB] * 6
+    order = rng.permutation(len(lengths))
+    lengths = [lengths[i] for i in order]
+    space = 24 * MB
+    run_case(sender, peer, src, disjoint_offsets(rng, lengths, space), disjoint_offsets(rng, lengths, space),
+             lengths)
+
+
+def test_page_scattered_mha(sender, peer, src, rng):
+    """Llama-3-8B MHA shape: 2 KiB per token, pages scattered on both sides (K and V of a few layers)."""
+    n = 8192
+    lengths = [2048] * n
+    src_offs = rng.permutation(n) * 2048  # page-granular scatter on both sides
+    dst_offs = rng.permutation(n) * 2048 + 4096
+    run_case(sender, peer, src, src_offs, dst_offs, lengths)
+
+
+def test_unaligned_pieces_and_odd_sizes(sender, peer, src, rng):
+    lengths = [1, 3, 15, 17, 65535, 65536, 65537, 1 * MB + 3, 7]
+    run_case(sender, peer, src, disjoint_offsets(rng, lengths, 8 * MB) + 1, disjoint_offsets(rng, lengths, 8 * MB) + 3,
+             lengths)
+
+
+def test_relayed_path_through_host_slots(peer, src, rng):
+    """relay="always": every large piece is copied into a relay slot first (the PXN path), byte-exact."""
+    with TransferEngine(fabric="tcp", relay="always", relay_slot_bytes=512 * 1024, relay_slots=2) as eng:
+        eng.register(src)
+        lengths = rng.integers(64 * 1024, 3 * MB, size=40).tolist() + [64] * 100
+        run_case(eng, peer, src, disjoint_offsets(rng, lengths, 150 * MB), disjoint_offsets(rng, lengths, peer.size),
+                 lengths)
+        st = eng.stats()
+    assert st["paths"]["relayed"]["bytes"] == sum(x for x in lengths if x >= 64 * 1024)
+    assert st["paths"]["direct"]["units"] == 0
+
+
+# --- invalid destinations and bad input: named errors, nothing written --------------------------------------
+def test_destination_outside_registered_memory_writes_nothing(sender, peer, src, rng):
+    peer.poison()
+    b = src.ctypes.data
+    # valid small + large pieces, and one piece that runs 1 byte past the end of the registered region
+    srcs = [b, b + 4096, b + 8 * MB]
+    dsts = [peer.base, peer.base + 4096, peer.base + peer.size - 100]
+    lens = [64, 3 * MB, 101]
+    with pytest.raises(InvalidTransfer, match=r"dsts\[2\].*outside"):
+        sender.batch_write(peer.session, srcs, dsts, lens)
+    # entirely outside (in the guard below the region)
+    with pytest.raises(InvalidTransfer, match="outside"):
+        sender.batch_write(peer.session, [b, b + 64], [peer.base, peer.base - GUARD // 2], [64, 64])
+    time.sleep(0.2)
+    peer.check(Expected(peer.size))  # all poison: not even the batch's valid pieces were written
+
+
+@pytest.mark.parametrize("case", ["mismatched", "zero", "negative", "unregistered_src", "src_past_region",
+                                  "not_int"])
+def test_bad_input_raises_named_errors(sender, peer, src, case):
+    peer.poison()
+    b = src.ctypes.data
+    args = {
+        "mismatched": ([b, b + 64], [peer.base], [64, 64]),
+        "zero": ([b], [peer.base], [0]),
+        "negative": ([b], [peer.base], [-5]),
+        "unregistered_src": ([b - (64 * MB)], [peer.base], [64]),
+        "src_past_region": ([b + SRC_BYTES - 10], [peer.base], [64]),
+        "not_int": ([b], [float(peer.base)], [64]),
+    }[case]
+    with pytest.raises(InvalidTransfer) as info:
+        sender.batch_write(peer.session, *args)
+    assert str(info.value)
+    peer.check(Expected(peer.size))
+
+
+def test_unknown_session(sender, src):
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nobody listens there now
+    b = src.ctypes.data
+    with pytest.raises(UnknownSession, match=str(port)):
+        sender.batch_write(f"127.0.0.1:{port}", [b], [b], [64])
+    with pytest.raises(UnknownSession):
+        sender.batch_write("no-port-here", [b], [b], [64])
+
+
+def test_empty_batch_is_a_no_op(sender, peer):
+    sender.batch_write(peer.session, [], [], [])
+
+
+# --- the receiver's own checks --------------------------------------------------------------------------------
+def test_receiver_rejects_chunk_into_deregistered_region(sender, peer, src):
+    """The sender's region list is stale (the peer deregistered after the sender learnt it): the receiver's
+    validation must refuse the chunk, fail the batch with RemoteRejected, and write nothing."""
+    peer.poison()
+    extra = peer.call("register_extra", size=1 * MB)
+    b = src.ctypes.data
+    sender.batch_write(peer.session, [b], [extra], [64])  # refreshes the sender's view of the peer's regions
+    peer.call("poison")
+    clean = peer.call("extra_digest", addr=extra)
+    peer.call("deregister", addr=extra)
+    with pytest.raises(RemoteRejected, match="outside every region"):
+        sender.batch_write(peer.session, [b + i * 128 for i in range(100)], [extra + i * 64 for i in range(100)],
+                           [64] * 100)
+    assert peer.call("extra_digest", addr=extra) == clean
+    with pytest.raises(RemoteRejected):  # a large (direct) write is refused by the fabric's rkey check
+        sender.batch_write(peer.session, [b], [extra], [512 * 1024])
+    assert peer.call("extra_digest", addr=extra) == clean
+    peer.check(Expected(peer.size))
+    assert peer.call("stats")["receiver"]["rejected"] >= 1
+
+
+def test_region_list_refreshes_when_peer_registers_more(sender, peer, src):
+    extra = peer.call("register_extra", size=2 * MB)
+    b = src.ctypes.data
+    sender.batch_write(peer.session, [b, b + 4096], [extra, extra + MB], [100, MB])
+    assert sender.stats()["time_s"].get("validate", 0) > 0
+
+
+# --- concurrency --------------------------------------------------------------------------------------------
+def test_8_threads_x_50_batches(sender, peer, src, rng):
+    peer.poison()
+    exp = Expected(peer.size)
+    threads, errors = [], []
+    per_thread = peer.size // 8
+    plans = []
+    for t in range(8):
+        batches = []
+        space = per_thread // 50
+        for k in range(50):
+            n = int(rng.integers(1, 25))
+            lens = rng.integers(1, 8193, size=n).tolist()
+            if k % 5 == 0:
+                lens.append(int(rng.integers(65536, 256 * 1024)))
+            base = t * per_thread + k * space
+            d = base + disjoint_offsets(rng, lens, space)
+            s = disjoint_offsets(rng, lens, SRC_BYTES // 8) + t * (SRC_BYTES // 8)
+            exp.apply(src, s, d, lens)
+            batches.append((s, d, lens))
+        plans.append(batches)
+    b = src.ctypes.data
+
+    def worker(batches):
+        try:
+            for s, d, lens in batches:
+                sender.batch_write(peer.session, [b + int(x) for x in s], [peer.base + int(x) for x in d], lens,
+                                   timeout=60)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    for batches in plans:
+        th = threading.Thread(target=worker, args=(batches,))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join(120)
+    assert not errors, errors[:3]
+    peer.check(exp)
+
+
+def test_async_handles(sender, peer, src, rng):
+    peer.poison()
+    exp = Expected(peer.size)
+    b = src.ctypes.data
+    handles = []
+    for k in range(6):
+        lens = [4096] * 50 + [300 * 1024]
+        d = k * 4 * MB + disjoint_offsets(rng, lens, 4 * MB)
+        s = disjoint_offsets(rng, lens, 16 * MB)
+        exp.apply(src, s, d, lens)
+        handles.append(sender.batch_write_async(peer.session, [b + int(x) for x in s],
+                                                [peer.base + int(x) for x in d], lens))
+    for h in handles:
+        h.wait(60)
+        assert h.done()
+    peer.check(exp)
+
+
+# --- failover -----------------------------------------------------------------------------------------------
+def test_rail_killed_mid_batch_fails_over(peer, src, rng):
+    peer.poison()
+    with TransferEngine(fabric="tcp", rails=2) as eng:
+        b = src.ctypes.data
+        eng.register(src)
+        eng.batch_write(peer.session, [b], [peer.base], [64])  # handshake
+        n = 60
+        lens = [BLOCK_1K] * n + [4096] * 2000
+        s = disjoint_offsets(rng, lens, SRC_BYTES)
+        d = disjoint_offsets(rng, lens, peer.size)
+        exp = Expected(peer.size)
+        exp.apply(src, [0], [0], [64])
+        exp.apply(src, s, d, lens)
+        ep = eng.rail_endpoint(peer.session, 0)
+        before = eng.stats()["rails"][0].get("bytes_completed", 0)
+
+        def killer():
+            # abort as soon as rail 0 has completed something of this batch: it is mid-batch then
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                if eng.stats()["rails"][0].get("bytes_completed", 0) > before:
+                    break
+                time.sleep(0.0005)
+            ep.abort()
+
+        th = threading.Thread(target=killer)
+        th.start()
+        eng.batch_write(peer.session, [b + int(x) for x in s], [peer.base + int(x) for x in d], lens, timeout=90)
+        th.join()
+        st = eng.stats()
+        assert st["failover"]["rail_failures"] == 1
+        assert st["failover"]["redispatched_units"] >= 1, st["failover"]
+        peer.check(exp)
+        # the surviving rail keeps working
+        eng.batch_write(peer.session, [b], [peer.base + 5], [3 * MB])
+
+
+def test_all_rails_dead_fails_with_every_cause(peer, src):
+    with TransferEngine(fabric="tcp", rails=2) as eng:
+        eng.register(src)
+        b = src.ctypes.data
+        eng.batch_write(peer.session, [b], [peer.base], [64])
+        for rail in range(2):
+            eng.rail_endpoint(peer.session, rail).abort()
+        time.sleep(0.3)
+        with pytest.raises(TransferError) as info:
+            eng.batch_write(peer.session, [b, b + MB], [peer.base, peer.base + MB], [64, 2 * MB], timeout=30)
+        assert len(info.value.causes) == 2
+        assert "rail 0" in str(info.value) and "rail 1" in str(info.value)
+
+
+# --- telemetry ----------------------------------------------------------------------------------------------
+def test_stats_and_trace(peer, src, tmp_path, rng):
+    trace = tmp_path / "trace.json"
+    with TransferEngine(fabric="tcp", trace_path=str(trace)) as eng:
+        eng.register(src)
+        b = src.ctypes.data
+        for _ in range(3):
+            lens = [64] * 500 + [BLOCK_1K] * 4
+            eng.batch_write(peer.session, [b + int(x) for x in disjoint_offsets(rng, lens, 32 * MB)],
+                            [peer.base + int(x) for x in disjoint_offsets(rng, lens, 32 * MB)], lens)
+        st = eng.stats()
+    assert st["batches"]["ok"] == 3 and st["batches"]["failed"] == 0
+    lat = st["batches"]["latency"]
+    assert lat["p50_ms"] <= lat["p90_ms"] <= lat["p99_ms"]
+    assert st["paths"]["coalesced"]["chunks"] >= 3 and st["paths"]["direct"]["units"] >= 12
+    assert sum(r.get("bytes_completed", 0) for r in st["rails"]) >= 12 * BLOCK_1K
+    ring = st["rings"]["host/rail0"]
+    assert ring["lanes"][0]["counts"]["filling"] + ring["lanes"][1]["counts"]["filling"] >= 1
+    for key in ("validate", "plan", "dispatch", "wait", "fill"):
+        assert key in st["time_s"], st["time_s"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events}
+    assert any(n.startswith("batch ") for n in names) and "post" in names and "gather" in names
+
+
+def test_timeout_is_named(peer, src):
+    with TransferEngine(fabric="tcp") as eng:
+        eng.register(src)
+        b = src.ctypes.data
+        with pytest.raises(TransferTimeout):
+            eng.batch_write(peer.session, [b], [peer.base], [64 * MB], timeout=1e-4)
+
+
+# --- the same engine over the ipc fabric (same host, host memory) -------------------------------------------
+def test_ipc_fabric_end_to_end(src, rng):
+    try:
+        peer = PeerProcess(64 * MB, fabric="ipc")
+    except RuntimeError as e:
+        pytest.skip(f"ipc fabric unavailable here: {e}")
+    try:
+        with TransferEngine(fabric="ipc") as eng:
+            eng.register(src)
+            lengths = AUX + [BLOCK_1K] * 20 + [64] * 4096 + rng.integers(1, 8193, size=300).tolist()
+            run_case(eng, peer, src, disjoint_offsets(rng, lengths, 100 * MB), disjoint_offsets(rng, lengths, 64 * MB),
+                     lengths)
+            st = eng.stats()
+        assert st["paths"]["coalesced"]["chunks"] >= 1 and st["paths"]["direct"]["units"] >= 20
+    finally:
+        peer.close()
+
+
+def test_peer_process_killed_mid_batch_fails_with_every_rail_cause(src):
+    """The receiver dies mid-batch: no rail survives, so the batch fails (it must not hang) with one cause per
+    rail; the engine stays usable for other peers."""
+    victim = PeerProcess(200 * MB, fabric="tcp")
+    with TransferEngine(fabric="tcp") as eng:
+        eng.register(src)
+        b = src.ctypes.data
+        eng.batch_write(victim.session, [b], [victim.base], [64])
+        lens = [BLOCK_1K] * 78 + [4096] * 3000
+        srcs = [b + (i * 65536) % (SRC_BYTES - BLOCK_1K) for i in range(len(lens))]
+        dsts = [victim.base + i * BLOCK_1K for i in range(78)] + [victim.base + 185 * MB + i * 4096
+                                                                   for i in range(3000)]
+        h = eng.batch_write_async(victim.session, srcs, dsts, lens, timeout=60)
+        time.sleep(0.005)
+        victim.proc.kill()
+        t0 = time.time()
+        with pytest.raises(TransferError) as info:
+            h.wait(60)
+        assert time.time() - t0 < 30
+        assert not isinstance(info.value, TransferTimeout), info.value
+        assert len(info.value.causes) == 2, info.value
+        assert "rail 0" in str(info.value) and "rail 1" in str(info.value)
+    victim.proc.join(5)
+
+
+# --- routing from a topology ------------------------------------------------------------------------------------
+def test_topology_rails_and_relay_choice(src, rng):
+    """With a topology, NIC ports become rails and routing decides locality: GPU 1 has no NIC of its own, so its
+    data must be relayed through GPU 0's slots; host memory uses every rail directly. The host transfer runs."""
+    from transport.topology import synthetic
+    topo = synthetic(2, {0: ["mlx5_0"]})
+    peer = PeerProcess(16 * MB, fabric="tcp", rails=1)
+    try:
+        with TransferEngine(fabric="tcp", topology=topo) as eng:
+            assert eng.rails == 1 and eng.stats()["rails"][0]["key"] == "mlx5_0:1"
+            eng.register(src)
+            lengths = [64] * 100 + [3 * MB]
+            run_case(eng, peer, src, disjoint_offsets(rng, lengths, 32 * MB), disjoint_offsets(rng, lengths, 16 * MB),
+                     lengths)
+            p = eng._peer(peer.session)
+            assert eng._rail_choices(0, p)[0].local and eng._rail_choices(0, p)[0].relay_device == 0
+            c1 = eng._rail_choices(1, p)[0]
+            assert not c1.local and c1.relay_device == 0 and c1.rail == 0
+            assert eng._rail_choices(-1, p)[0].local
+    finally:
+        peer.close()
+
+
+def test_receiver_releases_landing_of_departed_sender(peer, src):
+    before = peer.call("stats")["receiver"]
+    with TransferEngine(fabric="tcp") as eng:
+        eng.register(src)
+        eng.batch_write(peer.session, [src.ctypes.data], [peer.base], [64])
+        assert peer.call("stats")["receiver"]["senders"] >= 1
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        rx = peer.call("stats")["receiver"]
+        if rx.get("senders_released", 0) > before.get("senders_released", 0):
+            break
+        time.sleep(0.2)
+    assert rx.get("senders_released", 0) > before.get("senders_released", 0), rx

@@ -1,0 +1,680 @@
+"""Integration layer tests: the Mooncake-compatible API and the sglang adapter, two processes over tcp.
+
+The receiving side runs in a spawned process with the SAME API as the sender (a Mooncake-shim receiver for the
+Mooncake tests, an sglang-adapter receiver registering a KV region and an aux region through ``batch_register``
+for the sglang tests). Its buffer is ``GUARD + size + GUARD`` bytes, poisoned, only the middle registered; every
+case writes fresh random data (conftest's SEED) and compares the peer's WHOLE buffer, guards included, with the
+expected image, so a missing, misplaced or stray byte anywhere fails the case.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import inspect
+import json
+import logging
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import types
+
+import numpy as np
+import pytest
+
+from engine_helpers import GUARD, POISON, Expected, _digest, disjoint_offsets
+
+from integration import mooncake as mc
+from integration.mooncake import TransferEngine as MooncakeEngine
+from integration.sglang import PxnMooncakeTransferEngine
+
+MB = 1 << 20
+AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]   # sglang's aux metadata batch (bytes per piece)
+BLOCK_1K = 2359296                                        # MLA latent of 1K tokens of one layer (bytes)
+PEER_BYTES = 48 * MB
+SRC_BYTES = 48 * MB
+
+
+# ============================================================================================================
+# the receiving process
+# ============================================================================================================
+def _peer_main(conn, kind: str, size: int, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="peer %(levelname)s %(name)s: %(message)s")
+    try:
+        mem = np.full(GUARD + size + GUARD, POISON, dtype=np.uint8)
+        base = mem.ctypes.data + GUARD
+        half = size // 2
+        if kind == "mooncake":
+            eng = MooncakeEngine()
+            ret = eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+            if ret != 0:
+                raise RuntimeError(f"initialize returned {ret}")
+            ret = eng.register_memory(base, size)
+            session = eng.get_session_id()
+            shim = eng
+        else:  # sglang adapter on the decode side: KV region + aux region in one batch_register, as conn.py does
+            eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0, ib_device=None, protocol="tcp")
+            ret = eng.batch_register([base, base + half], [half, size - half])
+            session = eng.get_session_id()
+            shim = eng.engine
+        if ret != 0:
+            raise RuntimeError(f"registration returned {ret}")
+        conn.send({"ok": True, "session": session, "base": base})
+    except BaseException as e:  # noqa: BLE001
+        conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        return
+    extras = {}
+    while True:
+        try:
+            cmd, kw = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "poison":
+                mem.fill(POISON)
+                rep = None
+            elif cmd == "digest":
+                rep = _digest(mem)
+            elif cmd == "dump":
+                rep = mem.tobytes()
+            elif cmd == "register_extra":
+                x = np.full(kw["size"], POISON, dtype=np.uint8)
+                rc = shim.register_memory(x.ctypes.data, x.nbytes)
+                if rc != 0:
+                    raise RuntimeError(f"register_memory returned {rc}")
+                extras[x.ctypes.data] = x
+                rep = x.ctypes.data
+            elif cmd == "unregister":
+                rep = shim.unregister_memory(kw["addr"])
+            elif cmd == "extra_digest":
+                rep = _digest(extras[kw["addr"]])
+            elif cmd == "close":
+                eng.close()
+                conn.send({"ok": True, "value": None})
+                break
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send({"ok": True, "value": rep})
+        except BaseException as e:  # noqa: BLE001
+            conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+class Peer:
+    """A receiving engine (``kind`` "mooncake" or "sglang") in a spawned process; ``size`` registered bytes at
+    ``base`` (for "sglang": two regions, ``[base, base + size/2)`` and ``[base + size/2, base + size)``)."""
+
+    def __init__(self, kind: str, size: int):
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, kind, size, logging.WARNING), daemon=True,
+                                name=f"pxn-integration-peer-{kind}")
+        self.proc.start()
+        deadline = time.monotonic() + 120
+        while not self._conn.poll(0.2):
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"peer process did not start (exit code {self.proc.exitcode})")
+        msg = self._conn.recv()
+        if not msg["ok"]:
+            raise RuntimeError(f"peer failed to start: {msg['error']}")
+        self.session = msg["session"]
+        self.base = msg["base"]
+
+    def call(self, cmd: str, timeout: float = 60.0, **kw):
+        self._conn.send((cmd, kw))
+        if not self._conn.poll(timeout):
+            raise RuntimeError(f"peer did not answer {cmd!r} within {timeout} s")
+        msg = self._conn.recv()
+        if not msg["ok"]:
+            raise RuntimeError(f"peer command {cmd!r} failed: {msg['error']}")
+        return msg["value"]
+
+    def poison(self) -> None:
+        self.call("poison")
+
+    def check(self, expected: Expected) -> None:
+        """Assert the peer's whole buffer (guards included) equals ``expected``; name the first wrong byte."""
+        if self.call("digest") == expected.digest():
+            return
+        data = np.frombuffer(self.call("dump"), dtype=np.uint8)
+        bad = np.nonzero(data != expected.full)[0]
+        first = int(bad[0])
+        raise AssertionError(f"peer buffer differs in {bad.size} byte(s); first at offset {first - GUARD} from the "
+                             f"registered base (got 0x{data[first]:02x}, expected 0x{expected.full[first]:02x})")
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close", timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# ============================================================================================================
+# fixtures
+# ============================================================================================================
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    # these change which fabric initialize() picks; the cases below say what they want
+    for name in ("PXN_FABRIC", "MC_FORCE_TCP", "MOONCAKE_PROTOCOL", "MC_TRANSFER_TIMEOUT", "PXN_SGLANG_PLUGIN"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def mc_peer():
+    p = Peer("mooncake", PEER_BYTES)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def sgl_peer():
+    p = Peer("sglang", PEER_BYTES)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def src():
+    from conftest import SEED
+    rng = np.random.default_rng([SEED, 7])
+    return np.frombuffer(rng.bytes(SRC_BYTES), dtype=np.uint8).copy()
+
+
+@pytest.fixture(scope="module")
+def mc_sender(src):
+    eng = MooncakeEngine()
+    assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert eng.register_memory(src.ctypes.data, src.nbytes) == 0
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def sgl_sender(src):
+    eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0, ib_device=None, protocol="tcp")
+    # prefill registers KV (first half of src) and aux (second half) as sglang does: one batch_register
+    half = SRC_BYTES // 2
+    assert eng.batch_register([src.ctypes.data, src.ctypes.data + half], [half, SRC_BYTES - half]) == 0
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def rng(seed, request):
+    return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
+
+
+def _addrs(base: int, offs):
+    return [base + int(o) for o in offs]
+
+
+# ============================================================================================================
+# Mooncake API: byte-exact round trips
+# ============================================================================================================
+def test_mooncake_aux_batch(mc_sender, mc_peer, src, rng):
+    mc_peer.poison()
+    s = disjoint_offsets(rng, AUX, 1 * MB)
+    d = disjoint_offsets(rng, AUX, 1 * MB)
+    exp = Expected(mc_peer.size)
+    exp.apply(src, s, d, AUX)
+    ret = mc_sender.batch_transfer_sync_write(mc_peer.session, _addrs(src.ctypes.data, s),
+                                              _addrs(mc_peer.base, d), AUX)
+    assert ret == 0
+    mc_peer.check(exp)
+
+
+def test_mooncake_large_pieces(mc_sender, mc_peer, src, rng):
+    """KV-block-sized pieces (direct path), mid-size and odd sizes, in a shuffled layout on both sides."""
+    lengths = [BLOCK_1K] * 12 + rng.integers(64 * 1024, 1 * MB, size=8).tolist() + [65535, 65536, 65537, 1, 7]
+    lengths = [lengths[i] for i in rng.permutation(len(lengths))]
+    mc_peer.poison()
+    s = disjoint_offsets(rng, lengths, SRC_BYTES)
+    d = disjoint_offsets(rng, lengths, mc_peer.size)
+    exp = Expected(mc_peer.size)
+    exp.apply(src, s, d, lengths)
+    assert mc_sender.batch_transfer_sync_write(mc_peer.session, _addrs(src.ctypes.data, s),
+                                               _addrs(mc_peer.base, d), lengths) == 0
+    mc_peer.check(exp)
+
+
+def test_mooncake_single_and_async(mc_sender, mc_peer, src, rng):
+    mc_peer.poison()
+    exp = Expected(mc_peer.size)
+    b = src.ctypes.data
+    # one piece, sync
+    assert mc_sender.transfer_sync_write(mc_peer.session, b + 12345, mc_peer.base + 3, 5000) == 0
+    exp.apply(src, [12345], [3], [5000])
+    # three async batches into disjoint 8 MB windows, waited together
+    ids = []
+    for k in range(3):
+        lens = AUX + [300 * 1024, BLOCK_1K]
+        s = disjoint_offsets(rng, lens, 16 * MB)
+        d = (k + 1) * 8 * MB + disjoint_offsets(rng, lens, 8 * MB)
+        exp.apply(src, s, d, lens)
+        bid = mc_sender.batch_transfer_async_write(mc_peer.session, _addrs(b, s), _addrs(mc_peer.base, d), lens)
+        assert bid >= 1
+        ids.append(bid)
+    assert len(set(ids)) == 3
+    assert mc_sender.get_batch_transfer_status(ids) == 0
+    mc_peer.check(exp)
+    # the ids were freed by get_batch_transfer_status
+    assert mc_sender.get_batch_transfer_status([ids[0]]) == mc.ERR_INVALID_ARGUMENT
+    # non-blocking poll: 1 once done (then freed), like Mooncake's transfer_check_status
+    bid = mc_sender.transfer_submit_write(mc_peer.session, b, mc_peer.base + 40 * MB, 64)
+    exp.apply(src, [0], [40 * MB], [64])
+    deadline = time.monotonic() + 30
+    st = 0
+    while st == 0 and time.monotonic() < deadline:
+        st = mc_sender.transfer_check_status(bid)
+        time.sleep(0.001)
+    assert st == 1
+    assert mc_sender.check_batch_transfer_status(bid) == mc.ERR_INVALID_ARGUMENT
+    mc_peer.check(exp)
+
+
+def test_mooncake_async_failure_codes(mc_sender, mc_peer, src):
+    mc_peer.poison()
+    b = src.ctypes.data
+    # refused at submission (destination not registered at the peer): Mooncake's "0 on failure"
+    assert mc_sender.batch_transfer_async_write(mc_peer.session, [b], [mc_peer.base - 4096], [64]) == 0
+    # refused at submission by the one-piece variant: a negative code, as Mooncake's transfer_submit_write
+    assert mc_sender.transfer_submit_write(mc_peer.session, b, mc_peer.base + mc_peer.size, 64) == \
+        mc.ERR_ADDRESS_NOT_REGISTERED
+    mc_peer.check(Expected(mc_peer.size))
+
+
+# ============================================================================================================
+# sglang adapter: byte-exact round trips, sglang's call pattern
+# ============================================================================================================
+def test_sglang_kv_then_aux(sgl_sender, sgl_peer, src, rng):
+    """As conn.py: the KV blocks of a request (into the peer's KV region), then its aux batch (aux region)."""
+    sgl_peer.poison()
+    exp = Expected(sgl_peer.size)
+    half = sgl_peer.size // 2
+    b = src.ctypes.data
+    kv_len = [BLOCK_1K] * 8 + [64 * 1024] * 16 + [2048] * 64
+    kv_s = disjoint_offsets(rng, kv_len, SRC_BYTES // 2)
+    kv_d = disjoint_offsets(rng, kv_len, half)
+    exp.apply(src, kv_s, kv_d, kv_len)
+    assert sgl_sender.batch_transfer_sync(sgl_peer.session, _addrs(b, kv_s), _addrs(sgl_peer.base, kv_d),
+                                          kv_len) == 0
+    aux_s = SRC_BYTES // 2 + disjoint_offsets(rng, AUX, 1 * MB)
+    aux_d = half + disjoint_offsets(rng, AUX, 1 * MB)
+    exp.apply(src, aux_s, aux_d, AUX)
+    assert sgl_sender.batch_transfer_sync(sgl_peer.session, _addrs(b, aux_s), _addrs(sgl_peer.base, aux_d),
+                                          AUX) == 0
+    assert sgl_sender.transfer_sync(sgl_peer.session, b + 99, sgl_peer.base + half + 2 * MB, 777) == 0
+    exp.apply(src, [99], [half + 2 * MB], [777])
+    sgl_peer.check(exp)
+
+
+def test_sglang_4_threads_at_once(sgl_sender, sgl_peer, src, rng):
+    """sglang's transfer workers call batch_transfer_sync concurrently: 4 threads x 10 batches (aux batches,
+    KV-like pages and a large block each), each thread into its own window; every call returns 0 and the whole
+    peer buffer is exact."""
+    sgl_peer.poison()
+    exp = Expected(sgl_peer.size)
+    b = src.ctypes.data
+    n_threads, n_batches = 4, 10
+    window = sgl_peer.size // 2 // n_threads          # inside the KV region
+    per_batch = window // n_batches
+    plans = []
+    for t in range(n_threads):
+        batches = []
+        for k in range(n_batches):
+            lens = list(AUX) if k % 3 == 0 else rng.integers(1, 8193, size=int(rng.integers(2, 31))).tolist()
+            if k % 4 == 1:
+                lens.append(int(rng.integers(128 * 1024, per_batch // 2)))
+            d = t * window + k * per_batch + disjoint_offsets(rng, lens, per_batch)
+            s = disjoint_offsets(rng, lens, SRC_BYTES // 2)
+            exp.apply(src, s, d, lens)
+            batches.append((_addrs(b, s), _addrs(sgl_peer.base, d), lens))
+        plans.append(batches)
+    results = [[] for _ in range(n_threads)]
+    errors = []
+    start = threading.Barrier(n_threads)
+
+    def worker(t):
+        try:
+            start.wait(30)
+            for s, d, lens in plans[t]:
+                results[t].append(sgl_sender.batch_transfer_sync(sgl_peer.session, s, d, lens))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    assert results == [[0] * n_batches] * n_threads
+    sgl_peer.check(exp)
+
+
+def test_sglang_session_id_port_is_int(sgl_sender, sgl_peer):
+    sid = sgl_sender.get_session_id()
+    host, port = sid.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    assert int(port) == sgl_sender.engine.get_rpc_port() > 0
+    # conn.py shards by the sum of the decode sessions' ports
+    assert sum(int(s.rsplit(":", 1)[1]) for s in (sid, sgl_peer.session)) > 0
+
+
+def test_sglang_register_one_buffer(sgl_sender, sgl_peer, src, rng):
+    extra = np.frombuffer(rng.bytes(8192), dtype=np.uint8).copy()
+    sgl_sender.register(extra.ctypes.data, extra.nbytes)
+    sgl_peer.poison()
+    exp = Expected(sgl_peer.size)
+    assert sgl_sender.transfer_sync(sgl_peer.session, extra.ctypes.data + 100, sgl_peer.base + 10, 5000) == 0
+    exp.apply(extra, [100], [10], [5000])
+    sgl_peer.check(exp)
+    sgl_sender.deregister(extra.ctypes.data)
+    # the source is no longer registered: refused, nothing written
+    assert sgl_sender.transfer_sync(sgl_peer.session, extra.ctypes.data, sgl_peer.base, 64) == \
+        mc.ERR_ADDRESS_NOT_REGISTERED
+    with pytest.raises(RuntimeError):
+        sgl_sender.deregister(extra.ctypes.data)
+    with pytest.raises(RuntimeError):  # overlaps the registered src range
+        sgl_sender.register(src.ctypes.data + 64, 128)
+    sgl_peer.check(exp)
+
+
+def test_sglang_send_probe(sgl_sender, sgl_peer, mc_peer):
+    assert sgl_sender.send_probe(sgl_peer.session) == 0
+    assert sgl_sender.send_probe(mc_peer.session) == 0
+    assert sgl_sender.send_probe(f"127.0.0.1:{_dead_port()}") < 0
+    assert sgl_sender.send_probe("no-port-here") < 0
+    # something listening that is not a pxn engine: not alive as a peer
+    srv = socket.create_server(("127.0.0.1", 0))
+    th = threading.Thread(target=lambda: srv.accept()[0].close(), daemon=True)
+    th.start()
+    try:
+        assert sgl_sender.send_probe(f"127.0.0.1:{srv.getsockname()[1]}") < 0
+    finally:
+        srv.close()
+
+
+def test_sglang_adapter_matches_sglang_signatures():
+    """Parameter names and order of sglang 0.5.23's MooncakeTransferEngine (device_communicators/
+    mooncake_transfer_engine.py): conn.py calls some of them with keywords."""
+    expected = {
+        "__init__": ["self", "hostname", "gpu_id", "ib_device"],
+        "register": ["self", "ptr", "length"],
+        "deregister": ["self", "ptr"],
+        "batch_register": ["self", "ptrs", "lengths"],
+        "batch_deregister": ["self", "ptrs"],
+        "initialize": ["self", "hostname", "device_name"],
+        "transfer_sync": ["self", "session_id", "buffer", "peer_buffer_address", "length"],
+        "batch_transfer_sync": ["self", "session_id", "buffers", "peer_buffer_addresses", "lengths"],
+        "get_session_id": ["self"],
+        "send_probe": ["self", "peer_session_id"],
+        "get_engine": ["self"],
+        "get_ib_device": ["self"],
+    }
+    for name, params in expected.items():
+        sig = inspect.signature(getattr(PxnMooncakeTransferEngine, name))
+        positional = [p.name for p in sig.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        assert positional == params, (name, positional)
+    init = inspect.signature(PxnMooncakeTransferEngine.__init__).parameters
+    assert init["gpu_id"].default is None and init["ib_device"].default is None
+
+
+# ============================================================================================================
+# failures: negative ints, nothing written
+# ============================================================================================================
+def _dead_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.mark.parametrize("api", ["mooncake", "sglang"])
+def test_destination_outside_peer_memory(api, mc_sender, sgl_sender, mc_peer, sgl_peer, src):
+    peer = mc_peer if api == "mooncake" else sgl_peer
+    call = mc_sender.batch_transfer_sync_write if api == "mooncake" else sgl_sender.batch_transfer_sync
+    peer.poison()
+    b = src.ctypes.data
+    # valid small and large pieces, then one that runs 1 byte past the registered end
+    srcs = [b, b + 4096, b + 8 * MB]
+    dsts = [peer.base, peer.base + 4096, peer.base + peer.size - 100]
+    ret = call(peer.session, srcs, dsts, [64, 3 * MB, 101])
+    assert ret < 0 and ret == mc.ERR_ADDRESS_NOT_REGISTERED
+    # entirely outside (in the guard below the region)
+    assert call(peer.session, [b, b + 64], [peer.base, peer.base - GUARD // 2], [64, 64]) == \
+        mc.ERR_ADDRESS_NOT_REGISTERED
+    # the source is not registered here
+    assert call(peer.session, [b - 64 * MB], [peer.base], [64]) == mc.ERR_ADDRESS_NOT_REGISTERED
+    # malformed batches
+    assert call(peer.session, [b, b + 64], [peer.base], [64, 64]) == mc.ERR_INVALID_ARGUMENT
+    assert call(peer.session, [b], [peer.base], [0]) == mc.ERR_INVALID_ARGUMENT
+    time.sleep(0.2)
+    peer.check(Expected(peer.size))  # all poison: not even the valid pieces were written
+
+
+def test_sglang_piece_across_its_two_regions_is_refused(sgl_sender, sgl_peer, src):
+    """The sglang peer registered two adjacent regions: a piece straddling them is inside no single region."""
+    sgl_peer.poison()
+    half = sgl_peer.size // 2
+    assert sgl_sender.batch_transfer_sync(sgl_peer.session, [src.ctypes.data], [sgl_peer.base + half - 32],
+                                          [64]) == mc.ERR_ADDRESS_NOT_REGISTERED
+    sgl_peer.check(Expected(sgl_peer.size))
+
+
+@pytest.mark.parametrize("api", ["mooncake", "sglang"])
+def test_unknown_session(api, mc_sender, sgl_sender, src):
+    b = src.ctypes.data
+    call = mc_sender.batch_transfer_sync_write if api == "mooncake" else sgl_sender.batch_transfer_sync
+    port = _dead_port()
+    assert call(f"127.0.0.1:{port}", [b], [b], [64]) == mc.ERR_METADATA
+    assert call("no-port-here", [b], [b], [64]) < 0
+    assert call(f"[::1]:{port}", [b], [b], [64]) < 0
+
+
+def test_remote_rejected_when_peer_deregistered(mc_sender, mc_peer, src):
+    """The sender's view of the peer's regions is stale: the receiver refuses -> ERR_REMOTE_REJECTED, and
+    nothing is written into the deregistered buffer."""
+    extra = mc_peer.call("register_extra", size=1 * MB)
+    b = src.ctypes.data
+    assert mc_sender.transfer_sync_write(mc_peer.session, b, extra, 64) == 0  # the sender learns the region
+    mc_peer.poison()
+    clean = mc_peer.call("extra_digest", addr=extra)
+    assert mc_peer.call("unregister", addr=extra) == 0
+    assert mc_peer.call("unregister", addr=extra) == mc.ERR_ADDRESS_NOT_REGISTERED
+    ret = mc_sender.batch_transfer_sync_write(mc_peer.session, [b + i * 128 for i in range(100)],
+                                              [extra + i * 64 for i in range(100)], [64] * 100)
+    assert ret == mc.ERR_REMOTE_REJECTED
+    assert mc_peer.call("extra_digest", addr=extra) == clean
+    mc_peer.check(Expected(mc_peer.size))
+
+
+def test_timeout_code(mc_peer, src):
+    with MooncakeEngine(timeout=1e-4) as eng:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.register_memory(src.ctypes.data, src.nbytes) == 0
+        assert eng.batch_transfer_sync_write(mc_peer.session, [src.ctypes.data], [mc_peer.base],
+                                             [32 * MB]) == mc.ERR_TIMEOUT
+
+
+# ============================================================================================================
+# initialization, registration, codes
+# ============================================================================================================
+def test_initialize_codes(caplog):
+    eng = MooncakeEngine()
+    try:
+        assert eng.get_rpc_port() == 0 and eng.get_session_id() == ""
+        assert eng.batch_transfer_sync_write("127.0.0.1:1", [1], [1], [1]) == mc.ERR_CONTEXT
+        assert eng.register_memory(4096, 4096) == mc.ERR_CONTEXT
+        with caplog.at_level(logging.ERROR, logger="integration.mooncake"):
+            assert eng.initialize("127.0.0.1", "etcd://10.0.0.1:2379", "tcp", "") == mc.ERR_NOT_IMPLEMENTED
+        assert "P2PHANDSHAKE" in caplog.text  # the cause is logged, not swallowed
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == mc.ERR_NOT_IMPLEMENTED
+        assert eng.initialize("127.0.0.1:4242", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.get_session_id() == f"127.0.0.1:{eng.get_rpc_port()}"
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == mc.ERR_CONTEXT
+        assert isinstance(json.loads(eng.get_local_topology()), dict)
+    finally:
+        eng.close()
+    assert eng.get_rpc_port() == 0
+
+
+def test_rdma_without_device_fails_cleanly(monkeypatch):
+    from transport.engine import TransferEngine as PxnEngine
+    if PxnEngine._pick_fabric("auto") == "verbs":
+        pytest.skip("an RDMA device is usable here")
+    with MooncakeEngine() as eng:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == mc.ERR_DEVICE_NOT_FOUND
+    with MooncakeEngine() as eng:  # "auto" falls back to tcp
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "auto", "") == 0
+        assert eng.pxn_engine.fabric_name == "tcp"
+    monkeypatch.setenv("MC_FORCE_TCP", "1")  # as Mooncake: forces tcp whatever the protocol says
+    with MooncakeEngine() as eng:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+        assert eng.pxn_engine.fabric_name == "tcp"
+    monkeypatch.delenv("MC_FORCE_TCP")
+    with pytest.raises(RuntimeError, match="initialization failed"):  # sglang's wrapper raises here too
+        PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0)           # MOONCAKE_PROTOCOL unset -> "rdma"
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0)
+    try:
+        assert eng.get_engine().fabric_name == "tcp"
+    finally:
+        eng.close()
+
+
+def test_batch_register_is_all_or_nothing():
+    bufs = [np.zeros(4096, dtype=np.uint8) for _ in range(3)]
+    with MooncakeEngine() as eng:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        a0, a1, a2 = (x.ctypes.data for x in bufs)
+        assert eng.register_memory(a2, 4096) == 0
+        # the third entry overlaps the range registered above: the first two must be rolled back
+        assert eng.batch_register_memory([a0, a1, a2 + 16], [4096, 4096, 64]) == mc.ERR_ADDRESS_OVERLAPPED
+        assert sorted(r.addr for r in eng.pxn_engine.regions()) == [a2]
+        assert eng.batch_register_memory([a0, a1], [4096]) == mc.ERR_INVALID_ARGUMENT
+        assert eng.batch_register_memory([a0, a1], [4096, 0]) == mc.ERR_INVALID_ARGUMENT
+        assert eng.batch_register_memory([a0, a1], [4096, 4096]) == 0
+        assert eng.register_memory(a0, 4096) == 0  # the same range again: fine
+        assert eng.register_memory(a0, 4096, "cuda:x") == mc.ERR_INVALID_ARGUMENT
+        assert eng.register_memory(a0, 4096, "cpu:0") == 0
+        assert sorted(r.addr for r in eng.pxn_engine.regions()) == sorted([a0, a1, a2])
+        # unregister: every address is tried, the first failure is returned
+        assert eng.batch_unregister_memory([a0, 12345, a1]) == mc.ERR_ADDRESS_NOT_REGISTERED
+        assert sorted(r.addr for r in eng.pxn_engine.regions()) == [a2]
+
+
+def test_error_code_mapping():
+    from transport.engine import UnknownSession
+    from transport.errors import (FabricClosed, FabricUnavailable, InvalidTransfer, PeerLost, RemoteRejected,
+                                  TransferError, TransferTimeout)
+    cases = [
+        (InvalidTransfer("lengths[0] = 0: every length must be >= 1"), mc.ERR_INVALID_ARGUMENT),
+        (InvalidTransfer("dsts[2] = 0x10 + lengths[2] = 1 is outside every region session x registered"),
+         mc.ERR_ADDRESS_NOT_REGISTERED),
+        (UnknownSession("no pxn engine answers"), mc.ERR_METADATA),
+        (TransferTimeout("late"), mc.ERR_TIMEOUT),
+        (RemoteRejected("refused"), mc.ERR_REMOTE_REJECTED),
+        (TransferError("every rail failed", [PeerLost("a"), PeerLost("b")]), mc.ERR_ENDPOINT),
+        (PeerLost("gone"), mc.ERR_ENDPOINT),
+        (FabricClosed("closed"), mc.ERR_CONTEXT),
+        (FabricUnavailable("no device"), mc.ERR_DEVICE_NOT_FOUND),
+        (TransferError("other"), mc.ERR_TRANSFER),
+        (RuntimeError("bug"), mc.ERR_INTERNAL),
+    ]
+    codes = [mc.error_code(e) for e, _ in cases]
+    assert codes == [c for _, c in cases]
+    assert all(c < 0 for c in codes)
+    named = {mc.error_name(c) for c in set(codes)}
+    assert len(named) == len(set(codes)) and not any(n.startswith("ERR_-") for n in named)
+
+
+def test_normalize_session_and_hostnames():
+    assert mc.normalize_session("[::1]:5000") == "::1:5000"
+    assert mc.normalize_session("10.0.0.1:5000") == "10.0.0.1:5000"
+    assert mc._split_hostname("10.0.0.1:17000") == ("10.0.0.1", "17000")
+    assert mc._split_hostname("[fe80::1]:17000") == ("fe80::1", "17000")
+    assert mc._split_hostname("fe80::1") == ("fe80::1", None)
+    assert mc._split_hostname("node-3") == ("node-3", None)
+
+
+def test_ib_device_forms(tmp_path):
+    from integration.sglang import get_ib_devices_for_gpu
+    assert get_ib_devices_for_gpu(None, 0) is None
+    assert get_ib_devices_for_gpu("mlx5_0,mlx5_1", 3) == "mlx5_0,mlx5_1"
+    assert get_ib_devices_for_gpu('{"0": "mlx5_0", "1": "mlx5_1, mlx5_2"}', 1) == "mlx5_1, mlx5_2"
+    f = tmp_path / "ib.json"
+    f.write_text(json.dumps({"2": "mlx5_4"}))
+    assert get_ib_devices_for_gpu(str(f), 2) == "mlx5_4"
+    with pytest.raises(ValueError):
+        get_ib_devices_for_gpu(str(f), 0)
+
+
+def test_device_name_filters_topology():
+    from transport.errors import FabricUnavailable
+    from transport.topology import Gpu, NicPort, Topology
+    topo = Topology([Gpu(0, "0000:01:00.0")],
+                    [NicPort("mlx5_0", 1, "0000:02:00.0"), NicPort("mlx5_1", 1, "0000:03:00.0")], {}, [])
+    only = mc._filter_topology(topo, ["mlx5_1"])
+    assert [p.key for p in only.usable_ports()] == ["mlx5_1:1"]
+    assert [p.key for p in mc._filter_topology(topo, ["mlx5_0:1", "mlx5_1"]).usable_ports()] == \
+        ["mlx5_0:1", "mlx5_1:1"]
+    with pytest.raises(FabricUnavailable, match="mlx5_9"):
+        mc._filter_topology(topo, ["mlx5_9"])
+
+
+def test_pointer_device_of_host_memory():
+    x = np.zeros(64, dtype=np.uint8)
+    assert mc.pointer_device(x.ctypes.data) == -1
+
+
+# ============================================================================================================
+# the sglang plugin hook, against a stand-in of sglang's HookRegistry
+# ============================================================================================================
+def _fake_module(name: str, monkeypatch, **attrs):
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_plugin_registers_class_replace(monkeypatch, which):
+    from integration.sglang import SGLANG_TARGETS, register_sglang_plugin
+    calls = []
+
+    class HookType:
+        REPLACE = "replace"
+
+    class HookRegistry:
+        @classmethod
+        def register(cls, target, hook, hook_type):
+            calls.append((target, hook, hook_type))
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
+        _fake_module(name, monkeypatch)
+    _fake_module("sglang.srt.plugins.hook_registry", monkeypatch, HookRegistry=HookRegistry, HookType=HookType)
+    target = SGLANG_TARGETS[which]
+    parts = target.rsplit(".", 1)[0].split(".")
+    for i in range(2, len(parts) + 1):
+        name = ".".join(parts[:i])
+        if name not in sys.modules or not name.startswith("sglang.srt.plugins"):
+            _fake_module(name, monkeypatch)
+    if which == 1:  # the older location only: the new one must not be found
+        monkeypatch.delitem(sys.modules, SGLANG_TARGETS[0].rsplit(".", 1)[0], raising=False)
+    assert register_sglang_plugin() == target
+    assert calls == [(target, PxnMooncakeTransferEngine, "replace")]
+    monkeypatch.setenv("PXN_SGLANG_PLUGIN", "0")
+    assert register_sglang_plugin() is None
+    assert len(calls) == 1

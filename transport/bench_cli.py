@@ -1,0 +1,350 @@
+"""``pxn bench``: the engine end to end on sglang's transfer shapes between two local processes.
+
+A receiving engine runs in a spawned process (``LocalPeer``); this process is the sender. Each shape is written
+``--repeat`` times into the peer's registered memory and the first write of every shape is verified byte for byte
+(digest of the peer's whole buffer against the expected image). Fabric: ``--fabric auto`` picks ipc + GPU memory
+when CUDA is available, else tcp + host memory. Prints GB/s per shape and where the time went (the engine's
+``stats()``); ``--json PATH`` writes rows + stats.
+
+``LocalPeer`` and ``measure`` are also used by ``benchmarks/relay_table.py`` and ``benchmarks/engine_gpu.py``.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+import traceback
+from typing import Dict, List, Optional
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
+SHAPES_FILE = os.environ.get("PXN_SHAPES", "/work/shared/traffic/sglang_shapes.json")
+MLA = {"mla_latent_1k": 2359296, "mla_latent_8k": 4316928, "mla_latent_64k": 8650752}
+POISON = 0x5A
+
+
+def _digest(arr) -> str:
+    return hashlib.blake2b(memoryview(arr), digest_size=20).hexdigest()
+
+
+class _Mem:
+    """Host (numpy) or GPU (torch) bytes with a raw address."""
+
+    def __init__(self, nbytes: int, device: int, fill: Optional[int] = None, random_seed: Optional[int] = None):
+        self.nbytes = nbytes
+        self.device = device
+        if device < 0:
+            if random_seed is not None:
+                self.arr = np.frombuffer(np.random.default_rng(random_seed).bytes(nbytes), dtype=np.uint8).copy()
+            else:
+                self.arr = np.full(nbytes, POISON if fill is None else fill, dtype=np.uint8)
+            self.addr = self.arr.ctypes.data
+        else:
+            import torch
+            if random_seed is not None:
+                g = torch.Generator(device=f"cuda:{device}").manual_seed(random_seed)
+                self.arr = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{device}", generator=g)
+            else:
+                self.arr = torch.full((nbytes,), POISON if fill is None else fill, dtype=torch.uint8,
+                                      device=f"cuda:{device}")
+            self.addr = self.arr.data_ptr()
+
+    def host(self) -> np.ndarray:
+        if self.device < 0:
+            return self.arr
+        return self.arr.cpu().numpy()
+
+    def fill(self, value: int) -> None:
+        self.arr.fill(value) if self.device < 0 else self.arr.fill_(value)
+
+
+def _peer_main(conn, sizes: Dict[str, tuple], engine_kwargs: dict, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="peer %(levelname)s %(name)s: %(message)s")
+    try:
+        from transport.engine import TransferEngine
+        engine = TransferEngine(**engine_kwargs)
+        mems = {}
+        for name, (nbytes, device) in sizes.items():
+            mems[name] = _Mem(nbytes, device)
+            engine.register(mems[name].addr, nbytes, device=device)
+        conn.send({"ok": True, "session": engine.session_id, "addrs": {k: m.addr for k, m in mems.items()}})
+    except BaseException as e:  # noqa: BLE001
+        conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        return
+    while True:
+        try:
+            cmd, kw = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "poison":
+                for m in mems.values():
+                    m.fill(POISON)
+                if any(m.device >= 0 for m in mems.values()):
+                    import torch
+                    torch.cuda.synchronize()
+                rep = None
+            elif cmd == "digest":
+                if mems[kw["name"]].device >= 0:
+                    import torch
+                    torch.cuda.synchronize()
+                rep = _digest(mems[kw["name"]].host())
+            elif cmd == "stats":
+                rep = engine.stats()
+            elif cmd == "close":
+                engine.close()
+                conn.send({"ok": True, "value": None})
+                break
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+            conn.send({"ok": True, "value": rep})
+        except BaseException as e:  # noqa: BLE001
+            conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+class LocalPeer:
+    """A receiving ``TransferEngine`` in a spawned process with named registered buffers.
+
+    Arguments:
+        sizes: name -> (bytes, device) of each buffer to allocate (poisoned) and register.
+        engine_kwargs: passed to the peer's TransferEngine.
+    """
+
+    def __init__(self, sizes: Dict[str, tuple], log_level: int = logging.WARNING, **engine_kwargs):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, sizes, engine_kwargs, log_level), daemon=True,
+                                name="pxn-bench-peer")
+        self.proc.start()
+        deadline = time.monotonic() + 180
+        while not self._conn.poll(0.2):  # a child that dies at start must not cost the whole timeout
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"bench peer did not start (exit code {self.proc.exitcode}); a script that "
+                                   f"starts it needs an `if __name__ == '__main__':` guard")
+        msg = self._conn.recv()
+        if not msg["ok"]:
+            raise RuntimeError(f"bench peer failed to start: {msg['error']}")
+        self.session = msg["session"]
+        self.addrs = msg["addrs"]
+
+    def call(self, cmd: str, timeout: float = 300.0, **kw):
+        self._conn.send((cmd, kw))
+        if not self._conn.poll(timeout):
+            raise RuntimeError(f"bench peer did not answer {cmd!r} within {timeout} s")
+        msg = self._conn.recv()
+        if not msg["ok"]:
+            raise RuntimeError(f"bench peer command {cmd!r} failed: {msg['error']}")
+        return msg["value"]
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close", timeout=30)
+        except Exception:  # noqa: BLE001
+            pass
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# --- shapes -------------------------------------------------------------------------------------------------
+def sglang_shapes(layers: int = 78, device: int = -1, quick: bool = False) -> List[dict]:
+    """The sglang call shapes: name, memory device, and (src_off, dst_off, length) lists into 'kv'/'aux' buffers.
+
+    Offsets are relative to the sender's / peer's buffer of that memory kind. MLA calls are ``layers`` runs of
+    one length (contiguous per layer); the MHA call is page-scattered 2 KiB pieces; aux is host memory.
+    """
+    lengths = dict(MLA)
+    try:
+        with open(SHAPES_FILE, encoding="utf-8") as f:
+            calls = json.load(f)["calls"]
+        lengths = {k: int(calls[k]["length"]) for k in MLA if k in calls}
+        aux = [int(x) for x in calls["aux_metadata"]["lengths"]]
+    except (OSError, KeyError, ValueError):
+        aux = AUX
+    rng = np.random.default_rng(1234)
+    out = [{"name": "aux_metadata", "buffer": "aux", "device": -1, "src": np.cumsum([0] + aux[:-1]) * 2,
+            "dst": np.cumsum([0] + aux[:-1]) * 2 + 16, "len": np.array(aux)}]
+    for name, L in lengths.items():
+        if quick and name == "mla_latent_64k":
+            continue
+        out.append({"name": f"{name} ({layers}x{L})", "buffer": "kv", "device": device,
+                    "src": np.arange(layers) * L, "dst": rng.permutation(layers) * L,
+                    "len": np.full(layers, L)})
+    n = 4096
+    out.append({"name": "4096x64B", "buffer": "kv", "device": device, "src": rng.permutation(n) * 256,
+                "dst": rng.permutation(n) * 64, "len": np.full(n, 64)})
+    n = 8192 if quick else 32768
+    out.append({"name": f"mha_pages ({n}x2KiB)", "buffer": "kv", "device": device,
+                "src": rng.permutation(n) * 2048, "dst": rng.permutation(n) * 2048, "len": np.full(n, 2048)})
+    small = rng.integers(1, 8193, size=2000)
+    lens = np.concatenate([small, np.full(8, 2 << 20)])
+    rng.shuffle(lens)
+    off = np.concatenate(([0], np.cumsum((lens + 15) // 16 * 16)[:-1]))
+    out.append({"name": "mix 1B-8KB + 8x2MB", "buffer": "kv", "device": device, "src": off,
+                "dst": off.copy(), "len": lens})
+    return out
+
+
+def buffer_sizes(shapes: List[dict]) -> Dict[str, int]:
+    need: Dict[str, int] = {}
+    for s in shapes:
+        end = int(max((s["src"] + s["len"]).max(), (s["dst"] + s["len"]).max()))
+        need[s["buffer"]] = max(need.get(s["buffer"], 0), end)
+    return need
+
+
+def expected_digest(src_host: np.ndarray, size: int, shape: dict) -> str:
+    img = np.full(size, POISON, dtype=np.uint8)
+    for s, d, n in zip(shape["src"].tolist(), shape["dst"].tolist(), shape["len"].tolist()):
+        img[d:d + n] = src_host[s:s + n]
+    return _digest(img)
+
+
+def measure(engine, session: str, src_addr: int, dst_addr: int, shape: dict, repeat: int, warmup: int = 1,
+            sync=None) -> dict:
+    """Write ``shape`` ``warmup + repeat`` times; returns seconds per call (median, best) and GB/s of the median.
+    ``sync`` (optional) runs before each timed call (e.g. a CUDA synchronize)."""
+    srcs = (src_addr + shape["src"]).tolist()
+    dsts = (dst_addr + shape["dst"]).tolist()
+    lens = shape["len"].tolist()
+    nbytes = int(shape["len"].sum())
+    times = []
+    for i in range(warmup + repeat):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        engine.batch_write(session, srcs, dsts, lens)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+    med = float(np.median(times))
+    return {"bytes": nbytes, "pieces": len(lens), "median_s": med, "best_s": float(min(times)),
+            "gbps": nbytes / med / 1e9, "gbps_best": nbytes / min(times) / 1e9}
+
+
+# --- CLI ----------------------------------------------------------------------------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--fabric", default="auto", choices=["auto", "tcp", "ipc", "verbs"],
+                        help="auto: ipc + GPU memory when CUDA is available, else tcp + host memory")
+    parser.add_argument("--layers", type=int, default=78, help="layers per MLA call (default 78)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed calls per shape (default 3)")
+    parser.add_argument("--quick", action="store_true", help="skip the 64k shape, fewer MHA pages")
+    parser.add_argument("--rails", type=int, default=None, help="rails (loopback fabric instances)")
+    parser.add_argument("--json", metavar="PATH", help="write rows and stats() as JSON here")
+    parser.add_argument("--no-verify", action="store_true", help="skip the byte-exact check of each shape")
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version(), "host": platform.node()}
+    try:
+        import torch
+        out["torch"] = torch.__version__
+        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def _print(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    fabric = args.fabric
+    if fabric == "auto":
+        fabric = "ipc" if cuda else "tcp"
+    device = 0 if (cuda and fabric in ("ipc", "verbs")) else -1
+    kw = {"fabric": fabric}
+    if args.rails:
+        kw["rails"] = args.rails
+    shapes = sglang_shapes(args.layers, device, args.quick)
+    need = buffer_sizes(shapes)
+    devs = {s["buffer"]: s["device"] for s in shapes}
+    _print(f"pxn bench: fabric {fabric}, {'GPU cuda:0' if device >= 0 else 'host'} memory, "
+           f"{len(shapes)} shapes x {args.repeat} calls; starting the peer process...")
+    from transport.engine import TransferEngine
+    from transport.errors import PxnError
+    rows = []
+    t_start = time.perf_counter()
+    try:
+        with LocalPeer({k: (v, devs[k]) for k, v in need.items()}, **kw) as peer, TransferEngine(**kw) as eng:
+            srcs = {k: _Mem(v, devs[k], random_seed=7 + i) for i, (k, v) in enumerate(sorted(need.items()))}
+            for m in srcs.values():
+                eng.register(m.addr, m.nbytes, device=m.device)
+            sync = (lambda: torch.cuda.synchronize()) if device >= 0 else None
+            for i, shape in enumerate(shapes):
+                buf = shape["buffer"]
+                verified = "skipped"
+                if not args.no_verify:
+                    peer.call("poison")
+                    eng.batch_write(peer.session, (srcs[buf].addr + shape["src"]).tolist(),
+                                    (peer.addrs[buf] + shape["dst"]).tolist(), shape["len"].tolist())
+                    ok = peer.call("digest", name=buf) == expected_digest(srcs[buf].host(), need[buf], shape)
+                    verified = "byte-exact" if ok else "MISMATCH"
+                r = measure(eng, peer.session, srcs[buf].addr, peer.addrs[buf], shape, args.repeat,
+                            warmup=0 if not args.no_verify else 1, sync=sync)
+                r.update({"shape": shape["name"], "verified": verified})
+                rows.append(r)
+                _print(f"  [{i + 1}/{len(shapes)}] {shape['name']:<32} {r['gbps']:8.3f} GB/s  "
+                       f"{r['median_s'] * 1e3:9.2f} ms/call  {verified}")
+            stats = eng.stats()
+            peer_stats = peer.call("stats")
+    except (PxnError, RuntimeError, OSError) as e:
+        print(f"pxn bench: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    _print()
+    _print(f"{'shape':<34}{'pieces':>8}{'MB':>10}{'ms/call':>10}{'GB/s':>9}  check")
+    for r in rows:
+        _print(f"{r['shape']:<34}{r['pieces']:>8}{r['bytes'] / 1e6:>10.2f}{r['median_s'] * 1e3:>10.2f}"
+               f"{r['gbps']:>9.3f}  {r['verified']}")
+    _print()
+    _print("where the time went (sender, seconds summed over all calls):")
+    for k, v in sorted(stats["time_s"].items(), key=lambda kv: -kv[1]):
+        _print(f"  {k:<14}{v:10.3f}")
+    p = stats["paths"]
+    _print(f"paths: direct {p['direct']['units']} writes / {p['direct']['bytes'] / 1e6:.1f} MB, relayed "
+           f"{p['relayed']['units']} / {p['relayed']['bytes'] / 1e6:.1f} MB, coalesced {p['coalesced']['chunks']} "
+           f"chunks of {p['coalesced']['items']} pieces / {p['coalesced']['bytes'] / 1e6:.1f} MB")
+    lat = stats["batches"]["latency"]
+    _print(f"batch latency: p50 {lat['p50_ms']} ms, p90 {lat['p90_ms']} ms, p99 {lat['p99_ms']} ms "
+           f"({lat['count']} batches)")
+    rx = peer_stats["receiver"]
+    _print(f"receiver: {rx.get('chunks', 0)} chunks, validate {rx.get('validate_s', 0):.3f} s, scatter "
+           f"{rx.get('scatter_s', 0):.3f} s, rejected {rx.get('rejected', 0)}")
+    _print(f"total {time.perf_counter() - t_start:.1f} s")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"fabric": fabric, "memory": "gpu" if device >= 0 else "host",
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       **_versions(), "rows": rows, "stats": stats, "peer_stats": peer_stats}, f, indent=1)
+        _print(f"wrote {args.json}")
+    return 0 if all(r["verified"] != "MISMATCH" for r in rows) else 1

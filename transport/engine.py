@@ -1,0 +1,1331 @@
+"""The relay engine: one object that owns every resource of pxn's data path.
+
+``TransferEngine`` moves batches of (src, dst, length) pieces from this process's registered memory into a
+peer's registered memory (another ``TransferEngine``, named by its ``session_id``):
+
+* small pieces (< ``coalesce_bytes``) are gathered into coalesced chunks (one fabric write each) that the
+  peer's receiver validates and scatters (``transport.receiver``);
+* large pieces go direct (zero copy, one WRITE from the source address) when the rail is local to their
+  memory, else through relay slots on the rail's relay GPU (``transport.relay``);
+* work is striped over the device's rails, balanced by bytes in flight (``transport.planner``);
+* a rail that fails (connection lost, completion error) has its unfinished work re-sent on another rail of the
+  same device; the batch fails only when every rail failed (``TransferError.causes`` lists each cause).
+
+Handshake: the engine runs a small TCP control listener (its port is in ``session_id``). On first use of a
+session the sender connects to it, sends its rail descriptors and the address / rkeys of a small credit region
+(where the receiver writes acks), and receives the peer's descriptors, its landing slots for this sender and
+the list of regions the peer registered. Then each rail connects (fabric connect is symmetric). The region list
+is re-fetched when a destination is not covered (the peer may have registered more since).
+
+Threads: per rail one completion poller; per (relay device, rail) ring a copy and a submit thread; one receiver
+progress thread; the control listener (one thread per control connection). ``batch_write`` is thread-safe.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from transport.errors import (FabricClosed, FabricError, FabricUnavailable, InvalidTransfer, PeerLost,
+                              RegionError, RemoteRejected, TransferError, TransferTimeout, UnknownPeer)
+from transport.fabric.base import DEVICE_HOST, Opcode, WriteRequest
+from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, Unit
+from transport.receiver import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, Receiver, chunk_imm, decode_ack,
+                                decode_ack_payload)
+from transport.regions import Region, RegionTable, first_bad
+from transport.relay import HostBuffer, RelayRing, gpu_pack, host_memmove
+from transport.telemetry import POSTED, WAITING, Counters, LatencyWindow, Trace, now_ns
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TransferEngine", "UnknownSession", "BatchHandle"]
+
+
+class UnknownSession(InvalidTransfer, UnknownPeer):
+    """The session id is malformed or nobody answers at it (no engine listens there). Nothing was written."""
+
+
+_MSG = struct.Struct("<I")
+
+
+def _send_msg(sock: socket.socket, obj: dict) -> None:
+    body = json.dumps(obj).encode()
+    sock.sendall(_MSG.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        k = sock.recv_into(view)
+        if k == 0:
+            raise ConnectionError("control connection closed")
+        view = view[k:]
+    return bytes(buf)
+
+
+def _recv_msg(sock: socket.socket) -> dict:
+    (n,) = _MSG.unpack(_recv_exact(sock, 4))
+    if n > 64 << 20:
+        raise ValueError(f"control message of {n} bytes is too large")
+    return json.loads(_recv_exact(sock, n))
+
+
+def _env(name: str, default, cast=int):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return cast(value)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={value!r} is not a valid {cast.__name__}") from e
+
+
+def _size(value) -> int:
+    """Parse sizes like ``65536``, ``64K``, ``1M``, ``8MiB``."""
+    if isinstance(value, int):
+        return value
+    s = str(value).strip().upper().replace("IB", "").replace("B", "")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+_size.__name__ = "size"
+
+
+def _close_listener(sock: socket.socket) -> None:
+    # shutdown() wakes a thread blocked in accept() (close() alone does not, on Linux)
+    for fn in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+        try:
+            fn()
+        except OSError:
+            pass
+
+
+class BatchHandle:
+    """What ``batch_write_async`` returns: ``wait(timeout)`` raises the batch's error, ``done()`` polls."""
+
+    def __init__(self, engine: "TransferEngine", batch: "_Batch", timeout: Optional[float]):
+        self._engine = engine
+        self._batch = batch
+        self._timeout = timeout
+
+    def done(self) -> bool:
+        """True once the batch finished (successfully or not)."""
+        return self._batch.event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Wait for the batch. Arguments: timeout in seconds (default: the one given at submission).
+        Raises the batch's ``TransferError`` (``TransferTimeout`` when it did not finish in time)."""
+        self._engine._wait(self._batch, self._timeout if timeout is None else timeout)
+
+    @property
+    def nbytes(self) -> int:
+        return self._batch.nbytes
+
+
+class _Batch:
+    __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
+                 "peer", "n_items")
+
+    def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int):
+        self.id = bid
+        self.peer = peer
+        self.srcs, self.dsts, self.lengths = srcs, dsts, lengths
+        self.n_items = len(lengths)
+        self.nbytes = nbytes
+        self.remaining = 0
+        self.event = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.t0 = now_ns()
+        self.lock = threading.Lock()
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+class _Attempt:
+    """One try of one work unit on one rail. A failed-over unit gets a fresh attempt on another rail; the old
+    one is marked cancelled and only gives its resources back when the fabric is done with them."""
+
+    __slots__ = ("unit", "batch", "prail", "ring", "slot", "landing", "wr_id", "cancelled", "posted",
+                 "write_done", "acked", "finished", "reqs", "engine", "pending")
+
+    def __init__(self, engine, unit: Unit, batch: _Batch, prail: "_PeerRail"):
+        self.engine = engine
+        self.unit = unit
+        self.batch = batch
+        self.prail = prail
+        self.ring: Optional[RelayRing] = None
+        self.slot = None
+        self.landing: Optional[int] = None
+        self.wr_id = 0
+        self.cancelled = False
+        self.posted = False
+        self.write_done = False
+        self.acked = False
+        self.finished = False
+        self.reqs: List[WriteRequest] = []
+        self.pending = 0  # writes posted and not completed
+
+    def fail_local(self, exc: BaseException) -> None:
+        """A copy into a slot failed (the ring gives the slot back): fail the batch, retire the attempt."""
+        self.engine._fail_batch(self.batch, exc if isinstance(exc, TransferError)
+                                else TransferError(f"local copy failed: {exc}", [exc]))
+        self.engine._drop(self)
+
+
+class _PeerRail:
+    """This engine's view of one rail to one peer: endpoint, landing-slot credits, work in flight."""
+
+    def __init__(self, rail: int, ep, remote_id: str, landing_addr: int, landing_rkey: int, slots: int,
+                 slot_bytes: int):
+        self.rail = rail
+        self.ep = ep
+        self.remote_id = remote_id
+        self.landing_addr = landing_addr
+        self.landing_rkey = landing_rkey
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.free_landing = list(range(slots))[::-1]
+        self.landing_owner: Dict[int, _Attempt] = {}
+        self.cv = threading.Condition()
+        self.inflight: set = set()
+        self.alive = True
+        self.cause: Optional[BaseException] = None
+        self.bytes_in_flight = 0
+
+    def usable(self) -> bool:
+        return self.alive and self.ep.alive
+
+
+class _Peer:
+    def __init__(self, session: str):
+        self.session = session
+        self.lock = threading.Lock()  # handshake and control socket
+        self.ready = False
+        self.engine_id = 0
+        self.rails: List[_PeerRail] = []
+        self.regions = RegionTable()
+        self.ctrl: Optional[socket.socket] = None
+        self.credit: Optional[HostBuffer] = None
+        self.credit_mrs: List = []
+        self.seq = itertools.count(1)
+        self.landing_device = DEVICE_HOST
+
+
+class TransferEngine:
+    """Moves batches of pieces into a peer engine's registered memory (see the module docstring).
+
+    Arguments (each falls back to a ``PXN_*`` environment variable, read once here, then to a default):
+        hostname: address to listen on and to advertise (default "127.0.0.1").
+        fabric: "auto" (verbs when an RDMA device is usable, else tcp) | "tcp" | "ipc" | "verbs"
+            (``PXN_FABRIC``).
+        topology: a ``transport.topology.Topology`` (e.g. ``transport.topology.discover()``); its usable NIC
+            ports become the rails and ``transport.routing.plan_routes`` says which rail is local to which GPU.
+            None: a trivial topology, ``rails`` fabric instances, local to every device.
+        rails: rail count for the trivial topology (``PXN_RAILS``, default 2).
+        coalesce_bytes: pieces below this are coalesced into chunks (``PXN_COALESCE_BYTES``, default 64 KiB).
+        relay_slot_bytes: relay / landing slot size = largest chunk and relayed piece (``PXN_RELAY_SLOT_BYTES``,
+            default 4 MiB: on tcp, 64 KB pieces coalesce at 1.9 GB/s with 4 MiB chunks, 1.2 with 1 MiB).
+        relay_slots: slots per lane (``PXN_RELAY_SLOTS``, default 8). lanes: lanes per ring (``PXN_LANES``, 2).
+        landing_slots: landing slots per peer and rail = chunk credits (``PXN_LANDING_SLOTS``, default 16).
+        stripe_bytes: direct pieces above this are split across rails (``PXN_STRIPE_BYTES``, default 16 MiB).
+        relay: "auto" | "always" | "never" (``PXN_RELAY``): force large pieces through relay slots or direct.
+        landing_device: device of landing slots (-1 host); None: the first CUDA device with a registered region
+            at handshake time, else host.
+        timeout: default batch timeout in seconds (``PXN_TIMEOUT``, default 120).
+        trace_path: write a Chrome trace JSON there at close (``PXN_TRACE``).
+        fabric_options: extra keyword arguments for ``make_fabric`` (tcp defaults to 2 connections per rail, ipc
+            to 256 MiB messages).
+        switch_interval: if set, ``sys.setswitchinterval`` for the whole process (``PXN_SWITCH_INTERVAL``), e.g.
+            0.0002: the engine's threads hand work to each other, and the default 5 ms GIL interval can stall
+            each hand-off while another thread runs Python.
+    """
+
+    def __init__(self, hostname: str = "127.0.0.1", fabric: Optional[str] = None, topology=None,
+                 rails: Optional[int] = None, coalesce_bytes=None, relay_slot_bytes=None,
+                 relay_slots: Optional[int] = None, lanes: Optional[int] = None,
+                 landing_slots: Optional[int] = None, stripe_bytes=None, relay: Optional[str] = None,
+                 landing_device: Optional[int] = None, timeout: Optional[float] = None,
+                 trace_path: Optional[str] = None, fabric_options: Optional[dict] = None,
+                 switch_interval: Optional[float] = None):
+        self.hostname = hostname
+        switch_interval = switch_interval if switch_interval is not None else _env("PXN_SWITCH_INTERVAL", None,
+                                                                                   float)
+        if switch_interval:
+            # process-wide: how long a thread that released the GIL (socket / CUDA wait) may wait to get it
+            # back while another thread runs Python; the default 5 ms stalls every hand-off of the pipeline
+            sys.setswitchinterval(float(switch_interval))
+        fabric = fabric or _env("PXN_FABRIC", "auto", str)
+        self.coalesce_bytes = _size(coalesce_bytes if coalesce_bytes is not None
+                                    else _env("PXN_COALESCE_BYTES", 64 << 10, _size))
+        self.slot_bytes = _size(relay_slot_bytes if relay_slot_bytes is not None
+                                else _env("PXN_RELAY_SLOT_BYTES", 4 << 20, _size))
+        self.relay_slots = int(relay_slots if relay_slots is not None else _env("PXN_RELAY_SLOTS", 8))
+        self.lanes = int(lanes if lanes is not None else _env("PXN_LANES", 2))
+        self.landing_slots = int(landing_slots if landing_slots is not None else _env("PXN_LANDING_SLOTS", 16))
+        self.stripe_bytes = _size(stripe_bytes if stripe_bytes is not None
+                                  else _env("PXN_STRIPE_BYTES", 16 << 20, _size))
+        self.relay_mode = relay or _env("PXN_RELAY", "auto", str)
+        self.default_timeout = float(timeout if timeout is not None else _env("PXN_TIMEOUT", 120.0, float))
+        self.landing_device = landing_device
+        trace_path = trace_path or _env("PXN_TRACE", None, str)
+        for name, value, lo in (("relay_slots", self.relay_slots, 1), ("lanes", self.lanes, 1),
+                                ("landing_slots", self.landing_slots, 1), ("relay_slot_bytes", self.slot_bytes, 4096),
+                                ("stripe_bytes", self.stripe_bytes, 4096)):
+            if value < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {value}")
+        if self.landing_slots > 0xFFFF:
+            raise ValueError(f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
+        self.planner = Planner(self.coalesce_bytes, self.slot_bytes, self.stripe_bytes, self.slot_bytes,
+                               self.relay_mode)
+        self.engine_id = secrets.randbits(63) | 1
+        self.trace = Trace(trace_path) if trace_path else None
+        self.counters = Counters()
+        self.latency = LatencyWindow()
+        self._closed = False
+        self._lock = threading.RLock()  # attempt state, peers
+        self._wr_ids = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._inflight: Dict[int, _Attempt] = {}
+        self._peers: Dict[str, _Peer] = {}
+        self._by_remote_rail: Dict[str, Tuple[_Peer, _PeerRail]] = {}
+        self._regions = RegionTable()
+        self._rings: Dict[Tuple[int, int], RelayRing] = {}
+        self._rail_stats = []
+
+        # --- rails -------------------------------------------------------------------------------------------
+        from transport.fabric import make_fabric
+        options = dict(fabric_options or {})
+        self.routes = None
+        rail_specs: List[dict] = []
+        if topology is not None:
+            from transport.routing import plan_routes
+            self.routes = plan_routes(topology)
+            ports = list(topology.usable_ports())
+            if not ports:
+                raise FabricUnavailable("topology has no usable NIC port; pass topology=None for loopback rails")
+            self._rail_keys = [p.key for p in ports]
+            rail_specs = [{"device": p.name, "port_num": p.port} for p in ports]
+        else:
+            n = int(rails if rails is not None else _env("PXN_RAILS", 2))
+            if n < 1:
+                raise ValueError(f"rails must be >= 1, got {n}")
+            self._rail_keys = [f"rail{i}" for i in range(n)]
+            rail_specs = [{} for _ in range(n)]
+        self.fabric_name = self._pick_fabric(fabric)
+        if self.fabric_name == "tcp":
+            # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
+            options.setdefault("connections_per_peer", 2)
+        if self.fabric_name == "ipc":
+            # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages
+            # took the 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES-engine.md)
+            options.setdefault("message_bytes", 256 << 20)
+        self.fabrics = []
+        try:
+            for spec in rail_specs:
+                opts = dict(options)
+                if self.fabric_name == "verbs":
+                    opts.update(spec)
+                self.fabrics.append(make_fabric(self.fabric_name, hostname=hostname, **opts))
+            self._rail_stats = [Counters() for _ in self.fabrics]
+            self.receiver = Receiver(self.fabrics, self._regions, self.landing_slots, self.slot_bytes,
+                                     self.counters, self.trace)
+            for rail in range(len(self.fabrics)):
+                self._ring(DEVICE_HOST, rail)
+            self._ctrl = socket.create_server((hostname, 0), backlog=64)
+        except BaseException:
+            self._teardown()
+            raise
+        self.port = self._ctrl.getsockname()[1]
+        self.session_id = f"{hostname}:{self.port}"
+        self._threads: List[threading.Thread] = []
+        t = threading.Thread(target=self._ctrl_loop, name=f"pxn-ctrl-{self.port}", daemon=True)
+        t.start()
+        self._threads.append(t)
+        for rail in range(len(self.fabrics)):
+            t = threading.Thread(target=self._poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("pxn engine %s: fabric %s, %d rail(s), coalesce < %d B, slots %d x %d x %d B",
+                 self.session_id, self.fabric_name, len(self.fabrics), self.coalesce_bytes, self.lanes,
+                 self.relay_slots, self.slot_bytes)
+
+    # ========================================================================================================
+    # configuration helpers
+    # ========================================================================================================
+    @staticmethod
+    def _pick_fabric(name: str) -> str:
+        if name not in ("auto", "tcp", "ipc", "verbs"):
+            raise ValueError(f"fabric must be 'auto', 'tcp', 'ipc' or 'verbs', got {name!r}")
+        if name != "auto":
+            return name
+        try:
+            from transport.fabric.verbs import VerbsFabric  # noqa: F401
+            import pyverbs.device as d  # noqa: F401
+            if d.get_device_list():
+                return "verbs"
+        except Exception:  # noqa: BLE001 — no pyverbs / no device: tcp is the fallback
+            pass
+        return "tcp"
+
+    @property
+    def rails(self) -> int:
+        return len(self.fabrics)
+
+    def _rail_choices(self, device: int, peer: _Peer) -> List[RailChoice]:
+        """Usable rails for data on ``device`` to ``peer``, best first."""
+        out = []
+        if self.routes is not None and device >= 0:
+            for r in self.routes.rails(device):
+                idx = self._rail_keys.index(r.key) if r.key in self._rail_keys else -1
+                if idx >= 0 and peer.rails[idx].usable():
+                    out.append(RailChoice(idx, r.relay_gpu == device, r.relay_gpu))
+            return out
+        for i, pr in enumerate(peer.rails):
+            if pr.usable():
+                out.append(RailChoice(i, True, device))
+        return out
+
+    def _ring(self, device: int, rail: int) -> RelayRing:
+        key = (device, rail)
+        ring = self._rings.get(key)
+        if ring is None:
+            with self._lock:
+                ring = self._rings.get(key)
+                if ring is None:
+                    name = f"{'host' if device < 0 else f'cuda{device}'}/rail{rail}"
+                    ring = RelayRing(name, self.fabrics[rail], device, self.lanes, self.relay_slots,
+                                     self.slot_bytes, self._fill, self._post, self.trace)
+                    self._rings[key] = ring
+        return ring
+
+    # ========================================================================================================
+    # registration
+    # ========================================================================================================
+    @staticmethod
+    def _describe(obj, length: Optional[int], device: Optional[int]) -> Tuple[int, int, int]:
+        if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # torch tensor
+            if not obj.is_contiguous():
+                raise InvalidTransfer(f"register: tensor of shape {tuple(obj.shape)} is not contiguous")
+            addr = obj.data_ptr()
+            nbytes = obj.numel() * obj.element_size()
+            dev = obj.device.index if obj.device.type == "cuda" else DEVICE_HOST
+            if dev is None:
+                dev = 0
+            return addr, (nbytes if length is None else int(length)), dev
+        if hasattr(obj, "__array_interface__"):  # numpy array
+            addr = obj.__array_interface__["data"][0]
+            return addr, (obj.nbytes if length is None else int(length)), DEVICE_HOST
+        if isinstance(obj, bool) or not isinstance(obj, int):
+            raise InvalidTransfer(f"register: expected a tensor, array or int address, got {type(obj).__name__}")
+        if length is None:
+            raise InvalidTransfer(f"register: a raw address 0x{obj:x} needs length=")
+        return obj, int(length), DEVICE_HOST if device is None else int(device)
+
+    def register(self, tensor_or_ptr, length: Optional[int] = None, device: Optional[int] = None) -> Region:
+        """Register memory as a valid source (for this engine's writes) and destination (for peers' writes).
+
+        Arguments:
+            tensor_or_ptr: a contiguous torch tensor, a numpy array, or a raw address (int).
+            length: bytes (required for a raw address; default: the whole tensor / array).
+            device: for a raw address: -1 host (default) or the CUDA device index.
+        Returns:
+            the ``Region`` (addr, length, device, per-rail keys). Registering the same range again returns it.
+        Raises:
+            InvalidTransfer for a bad length / address / overlapping range; FabricError when a rail refuses.
+        """
+        self._check_open()
+        addr, nbytes, dev = self._describe(tensor_or_ptr, length, device)
+        if nbytes <= 0 or addr <= 0:
+            raise InvalidTransfer(f"register: address 0x{addr:x} length {nbytes}: need a positive address and "
+                                  f"length")
+        existing = self._regions.find(addr, nbytes)
+        if existing is not None and existing.addr == addr and existing.length == nbytes:
+            return existing
+        mrs = []
+        try:
+            for fab in self.fabrics:
+                mrs.append(fab.register(addr, nbytes, dev))
+            region = Region(addr, nbytes, dev, tuple(mrs))
+            return self._regions.add(region)
+        except ValueError as e:
+            for fab, mr in zip(self.fabrics, mrs):
+                fab.deregister(mr)
+            raise InvalidTransfer(f"register 0x{addr:x}+{nbytes}: {e}") from e
+        except BaseException:
+            for fab, mr in zip(self.fabrics, mrs):
+                fab.deregister(mr)
+            raise
+
+    def deregister(self, tensor_or_ptr) -> None:
+        """Forget a region (tensor, array, address, or the Region ``register`` returned); peers learn it at their
+        next region refresh, and their writes into it are refused meanwhile. Unknown: ``InvalidTransfer``."""
+        self._check_open()
+        addr = tensor_or_ptr.addr if isinstance(tensor_or_ptr, Region) else \
+            self._describe(tensor_or_ptr, 1, None)[0]
+        try:
+            region = self._regions.remove(addr)
+        except KeyError as e:
+            raise InvalidTransfer(f"deregister: {e.args[0]}") from None
+        for fab, mr in zip(self.fabrics, region.keys):
+            try:
+                fab.deregister(mr)
+            except FabricError as e:
+                log.warning("deregister 0x%x on %s: %s", addr, fab.local_id, e)
+
+    def regions(self) -> List[Region]:
+        return self._regions.regions()
+
+    # ========================================================================================================
+    # handshake
+    # ========================================================================================================
+    def _regions_wire(self) -> List[dict]:
+        return [{"addr": r.addr, "length": r.length, "device": r.device, "keys": [mr.rkey for mr in r.keys]}
+                for r in self._regions.regions()]
+
+    def _ctrl_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._ctrl.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), name="pxn-ctrl-conn", daemon=True)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while not self._closed:
+                try:
+                    req = _recv_msg(conn)
+                except (OSError, ConnectionError, ValueError):
+                    return
+                try:
+                    op = req.get("op")
+                    if op == "hello":
+                        rep = self._on_hello(req)
+                    elif op == "regions":
+                        rep = {"ok": True, "regions": self._regions_wire()}
+                    else:
+                        rep = {"ok": False, "error": f"unknown control op {op!r}"}
+                except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
+                    log.warning("control request %s failed: %s", req.get("op"), e)
+                    rep = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                try:
+                    _send_msg(conn, rep)
+                except OSError:
+                    return
+
+    def _auto_landing_device(self) -> int:
+        if self.landing_device is not None:
+            return self.landing_device
+        devs = sorted({r.device for r in self._regions.regions() if r.device >= 0})
+        return devs[0] if devs else DEVICE_HOST
+
+    def _on_hello(self, req: dict) -> dict:
+        landing = self.receiver.accept_sender(req, self._auto_landing_device())
+        return {"ok": True, "engine_id": self.engine_id, "rail_ids": [f.local_id for f in self.fabrics],
+                "rail_descs": [base64.b64encode(f.descriptor()).decode() for f in self.fabrics],
+                "regions": self._regions_wire(), **landing}
+
+    def _peer(self, session_id: str) -> _Peer:
+        if not isinstance(session_id, str) or session_id.count(":") < 1:
+            raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
+        peer = self._peers.get(session_id)
+        if peer is not None and peer.ready:
+            return peer
+        with self._lock:
+            peer = self._peers.setdefault(session_id, _Peer(session_id))
+        with peer.lock:
+            if not peer.ready:
+                t0 = now_ns()
+                self._handshake(peer)
+                self.counters.add("handshake_s", (now_ns() - t0) / 1e9)
+        return peer
+
+    def _handshake(self, peer: _Peer) -> None:
+        host, _, port_s = peer.session.rpartition(":")
+        try:
+            port = int(port_s)
+        except ValueError:
+            raise UnknownSession(f"session id {peer.session!r}: port {port_s!r} is not a number") from None
+        try:
+            sock = socket.create_connection((host, port), timeout=10.0)
+        except OSError as e:
+            raise UnknownSession(f"no pxn engine answers at session {peer.session!r}: {e}") from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        n = len(self.fabrics)
+        credit = HostBuffer(n * self.landing_slots * ACK_BYTES)
+        mrs = []
+        try:
+            for fab in self.fabrics:
+                mrs.append(fab.register(credit.addr, credit.nbytes, DEVICE_HOST))
+            _send_msg(sock, {"op": "hello", "engine_id": self.engine_id, "session": self.session_id,
+                             "rail_ids": [f.local_id for f in self.fabrics],
+                             "credit_addr": credit.addr, "credit_rkeys": [m.rkey for m in mrs],
+                             "credit_slots": self.landing_slots, "slot_bytes": self.slot_bytes})
+            rep = _recv_msg(sock)
+            if not rep.get("ok"):
+                raise UnknownSession(f"session {peer.session!r} refused the handshake: {rep.get('error')}")
+            if len(rep["rail_ids"]) != n:
+                raise UnknownSession(f"session {peer.session!r} has {len(rep['rail_ids'])} rails, this engine {n}")
+            slots = min(int(rep["landing_slots"]), self.landing_slots)
+            if int(rep["landing_slot_bytes"]) < self.slot_bytes:
+                raise UnknownSession(f"session {peer.session!r} offers {rep['landing_slot_bytes']} B landing slots, "
+                                     f"smaller than this engine's {self.slot_bytes} B chunks")
+            rails = []
+            for i, fab in enumerate(self.fabrics):
+                ep = fab.connect(base64.b64decode(rep["rail_descs"][i]))
+                rails.append(_PeerRail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
+                                       int(rep["landing_rkeys"][i]), slots, int(rep["landing_slot_bytes"])))
+        except (OSError, ConnectionError, ValueError, KeyError, FabricError) as e:
+            sock.close()
+            for fab, mr in zip(self.fabrics, mrs):
+                try:
+                    fab.deregister(mr)
+                except FabricError:
+                    pass
+            if isinstance(e, UnknownSession):
+                raise
+            raise UnknownSession(f"handshake with session {peer.session!r} failed: {e}") from e
+        sock.settimeout(30.0)
+        peer.ctrl = sock
+        peer.credit = credit
+        peer.credit_mrs = mrs
+        peer.engine_id = int(rep["engine_id"])
+        peer.rails = rails
+        peer.landing_device = int(rep.get("landing_device", DEVICE_HOST))
+        peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
+        with self._lock:
+            for pr in rails:
+                self._by_remote_rail[pr.remote_id] = (peer, pr)
+        peer.ready = True
+        log.info("engine %s connected to %s over %d rail(s)", self.session_id, peer.session, n)
+
+    def _refresh_regions(self, peer: _Peer) -> None:
+        with peer.lock:
+            try:
+                _send_msg(peer.ctrl, {"op": "regions"})
+                rep = _recv_msg(peer.ctrl)
+            except (OSError, ConnectionError, ValueError) as e:
+                raise TransferError(f"cannot refresh the region list of {peer.session}: {e}", [e]) from e
+        peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
+        self.counters.add("region_refreshes")
+
+    # ========================================================================================================
+    # batch API
+    # ========================================================================================================
+    def batch_write(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
+                    timeout: Optional[float] = None) -> None:
+        """Write ``lengths[i]`` bytes from local ``srcs[i]`` to ``dsts[i]`` in the peer's memory, for every i.
+
+        Arguments:
+            session_id: the peer engine's ``session_id`` ("host:port").
+            srcs: source addresses, each piece inside a region registered here (GPU or host).
+            dsts: destination addresses, each piece inside a region the peer registered.
+            lengths: bytes per piece (>= 1).
+            timeout: seconds (default: the engine's ``timeout``).
+        Returns:
+            None, once every byte is placed at the peer.
+        Raises:
+            InvalidTransfer (nothing written): mismatched lists, bad length, unregistered source, destination
+            outside the peer's regions; UnknownSession (nothing written); RemoteRejected: the peer refused a chunk
+            or write; TransferTimeout; TransferError with ``causes`` when every rail failed.
+        """
+        batch = self._submit(session_id, srcs, dsts, lengths)
+        if batch is not None:
+            self._wait(batch, self.default_timeout if timeout is None else timeout)
+
+    def batch_write_async(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
+                          lengths: Sequence[int], timeout: Optional[float] = None) -> BatchHandle:
+        """As ``batch_write`` but returns at once with a ``BatchHandle`` (``wait(timeout)``, ``done()``).
+        Validation errors are raised here, before anything is posted."""
+        batch = self._submit(session_id, srcs, dsts, lengths)
+        if batch is None:
+            batch = _Batch(0, None, None, None, [], 0)
+            batch.event.set()
+        return BatchHandle(self, batch, self.default_timeout if timeout is None else timeout)
+
+    def write_tensors(self, session_id: str, pairs: Iterable[Tuple[object, int]],
+                      timeout: Optional[float] = None) -> None:
+        """Write whole contiguous tensors: ``pairs`` of (src tensor inside a registered region, dst address)."""
+        srcs, dsts, lengths = [], [], []
+        for t, dst in pairs:
+            if not t.is_contiguous():
+                raise InvalidTransfer(f"write_tensors: tensor of shape {tuple(t.shape)} is not contiguous")
+            srcs.append(t.data_ptr())
+            dsts.append(int(dst))
+            lengths.append(t.numel() * t.element_size())
+        self.batch_write(session_id, srcs, dsts, lengths, timeout)
+
+    def rail_endpoint(self, session_id: str, rail: int):
+        """The fabric endpoint of ``rail`` to a connected peer (diagnostics, failover tests)."""
+        peer = self._peer(session_id)
+        return peer.rails[rail].ep
+
+    # --- submission ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _as_array(name: str, values) -> np.ndarray:
+        """int64 array of a sequence of ints (list, tuple, numpy array, CPU tensor); anything else (floats,
+        bools, strings, nested lists) raises InvalidTransfer naming the first bad entry."""
+        if hasattr(values, "tolist") and not isinstance(values, np.ndarray):  # torch tensor
+            values = values.tolist()
+        try:
+            arr = np.asarray(values)
+        except (TypeError, ValueError) as e:
+            raise InvalidTransfer(f"{name}: not a sequence of ints: {e}") from None
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if arr.ndim != 1:
+            raise InvalidTransfer(f"{name} must be a flat sequence of ints, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            # numpy picked float / bool / object: name the first entry that is not an int
+            for i, v in enumerate(values if isinstance(values, (list, tuple)) else arr.tolist()):
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
+            raise InvalidTransfer(f"{name}: entries do not fit 64 bits")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 1 << 63:
+            i = int(np.argmax(arr))
+            raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} does not fit a 64-bit address")
+        return arr.astype(np.int64, copy=False)
+
+    def _submit(self, session_id, srcs, dsts, lengths) -> Optional[_Batch]:
+        self._check_open()
+        t0 = now_ns()
+        src = self._as_array("srcs", srcs)
+        dst = self._as_array("dsts", dsts)
+        ln = self._as_array("lengths", lengths)
+        if not (src.size == dst.size == ln.size):
+            raise InvalidTransfer(f"srcs, dsts and lengths must have the same length, got {src.size}, "
+                                  f"{dst.size}, {ln.size}")
+        if ln.size and int(ln.min()) < 1:
+            i = int(np.argmin(ln))
+            raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
+        for name, arr in (("srcs", src), ("dsts", dst)):
+            if arr.size and int(arr.min()) < 0:
+                i = int(np.argmin(arr))
+                raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} is negative")
+        peer = self._peer(session_id)
+        if ln.size == 0:
+            return None
+        # sources: every piece inside one local region
+        lsnap = self._regions.snapshot()
+        idx, ok = self._regions.locate(src, ln, lsnap)
+        if not ok.all():
+            i = first_bad(ok)
+            raise InvalidTransfer(f"srcs[{i}] = 0x{int(src[i]):x} + lengths[{i}] = {int(ln[i])} is not inside a "
+                                  f"region registered with this engine")
+        devices = lsnap.devices[idx]
+        # destinations: every piece inside a region the peer advertised (refresh once: it may have registered
+        # more since the handshake)
+        _, ok = peer.regions.locate(dst, ln)
+        if not ok.all():
+            self._refresh_regions(peer)
+            _, ok = peer.regions.locate(dst, ln)
+            if not ok.all():
+                i = first_bad(ok)
+                raise InvalidTransfer(f"dsts[{i}] = 0x{int(dst[i]):x} + lengths[{i}] = {int(ln[i])} is outside "
+                                      f"every region session {session_id} registered; nothing was written")
+        t1 = now_ns()
+        batch = _Batch(next(self._batch_ids), peer, src, dst, ln, int(ln.sum()))
+        rails_of = {}
+        for dev in np.unique(devices).tolist():
+            rails_of[dev] = self._rail_choices(dev, peer)
+            if not rails_of[dev]:
+                raise self._all_rails_failed(peer, f"no usable rail to {session_id} for device {dev}")
+        load = {pr.rail: pr.bytes_in_flight for pr in peer.rails}
+        units = self.planner.plan(src, dst, ln, devices, rails_of, load)
+        t2 = now_ns()
+        batch.remaining = len(units)
+        self._dispatch(batch, units)
+        t3 = now_ns()
+        self.counters.add_many((("batches_submitted", 1), ("items", int(ln.size)), ("bytes", batch.nbytes),
+                                ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
+                                ("time_dispatch_s", (t3 - t2) / 1e9)))
+        return batch
+
+    def _dispatch(self, batch: _Batch, units: List[Unit], from_engine: bool = False) -> None:
+        """Create attempts for units and hand them to rings (chunks, relayed pieces) or post them (direct)."""
+        direct: Dict[int, List[_Attempt]] = {}
+        to_copy: Dict[Tuple[int, int], List[_Attempt]] = {}
+        with self._lock:
+            attempts = []
+            for u in units:
+                pr = batch.peer.rails[u.rail]
+                a = _Attempt(self, u, batch, pr)
+                pr.inflight.add(a)
+                pr.bytes_in_flight += u.wire_bytes or u.nbytes
+                attempts.append(a)
+        for a in attempts:
+            u = a.unit
+            if u.kind == DIRECT:
+                direct.setdefault(u.rail, []).append(a)
+            else:
+                # host pieces are gathered on the CPU; GPU pieces on the rail's relay GPU
+                to_copy.setdefault((u.relay_device if u.device >= 0 else DEVICE_HOST, u.rail), []).append(a)
+        for (dev, rail), atts in to_copy.items():
+            ring = self._ring(dev if dev >= 0 else DEVICE_HOST, rail)
+            for a in atts:
+                a.ring = ring
+            ring.enqueue_copy(atts)
+        for rail, atts in direct.items():
+            try:
+                self._direct_requests(atts, batch.peer, rail)
+            except InvalidTransfer as e:  # a region was deregistered while the batch was being planned
+                self._fail_batch(batch, e)
+                for a in atts:
+                    self._drop(a)
+                continue
+            if from_engine:
+                # redispatch from a poller: let the rail's submit thread post it, keep the poller polling
+                self._ring(DEVICE_HOST, rail).enqueue_post(atts)
+            else:
+                self._post(atts)  # the caller posts zero-copy writes itself: no thread hand-off
+
+    def _keys(self, a: _Attempt, src: int, dst: int, n: int) -> Tuple[int, int]:
+        rail = a.prail.rail
+        r = self._regions.find(src, n)
+        if r is None:
+            raise InvalidTransfer(f"source 0x{src:x}+{n} was deregistered during the transfer")
+        remote = a.batch.peer.regions.find(dst, n)
+        if remote is None:
+            raise InvalidTransfer(f"destination 0x{dst:x}+{n} is no longer advertised by {a.batch.peer.session}")
+        return r.keys[rail].lkey, remote.keys[rail]
+
+    def _direct_requests(self, atts: List[_Attempt], peer: _Peer, rail: int) -> None:
+        """Write requests of direct attempts on one rail, their keys looked up for all at once (78 scalar
+        lookups cost more host time than the post itself)."""
+        src = np.fromiter((a.unit.src for a in atts), dtype=np.int64, count=len(atts))
+        dst = np.fromiter((a.unit.dst for a in atts), dtype=np.int64, count=len(atts))
+        n = np.fromiter((a.unit.nbytes for a in atts), dtype=np.int64, count=len(atts))
+        lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
+        li, lok = self._regions.locate(src, n, lsnap)
+        ri, rok = peer.regions.locate(dst, n, rsnap)
+        if not (lok.all() and rok.all()):  # a region went away since validation: name it
+            for a in atts:
+                a.reqs = [self._direct_request(a)]
+            return
+        for a, i, j in zip(atts, li.tolist(), ri.tolist()):
+            u = a.unit
+            a.reqs = [WriteRequest(u.src, u.nbytes, u.dst, rsnap.regions[j].keys[rail],
+                                   lsnap.regions[i].keys[rail].lkey)]
+
+    def _direct_request(self, a: _Attempt) -> WriteRequest:
+        u = a.unit
+        lkey, rkey = self._keys(a, u.src, u.dst, u.nbytes)
+        return WriteRequest(u.src, u.nbytes, u.dst, rkey, lkey)
+
+    # --- copy thread ---------------------------------------------------------------------------------------
+    def _fill(self, a: _Attempt, slot) -> bool:
+        """Fill ``slot`` for attempt ``a`` (runs in the ring's copy thread). False: cancelled, slot unused."""
+        if a.cancelled or a.batch.failed:
+            return False
+        u = a.unit
+        t0 = now_ns()
+        if u.kind == COALESCED:
+            landing = self._acquire_landing(a)
+            if landing is None:
+                if not (a.cancelled or a.batch.failed):
+                    # the rail died while we waited for a credit: fail it over (this attempt included)
+                    self._rail_failed(a.prail, a.prail.cause or PeerLost(
+                        f"rail {a.prail.rail} endpoint to {a.batch.peer.session} died"))
+                return False
+            b = a.batch
+            items = u.items
+            srcs, dsts, lens = b.srcs[items], b.dsts[items], b.lengths[items]
+            seq = next(b.peer.seq)
+            if slot.tensor is None:
+                from pxn_kernels.chunk import build_header_table
+                view = slot.ring._buf.array[slot.addr - slot.ring._buf.addr:][:slot.nbytes]
+                _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view)
+                host_memmove(srcs.tolist(), (slot.addr + offsets).tolist(), lens.tolist())
+            else:
+                chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id)
+            pr = a.prail
+            a.reqs = [WriteRequest(slot.addr, chunk_bytes, pr.landing_addr + landing * pr.slot_bytes,
+                                   pr.landing_rkey, slot.ring.lkey, imm=chunk_imm(landing, seq))]
+        else:  # RELAYED: copy the piece(s) into the slot, then one write per piece to its final address
+            segs = u.segments()
+            offs = [0]
+            for _, _, n in segs[:-1]:
+                offs.append(offs[-1] + n)
+            if slot.tensor is None:
+                host_memmove([sg[0] for sg in segs], [slot.addr + o for o in offs], [sg[2] for sg in segs])
+            elif u.device < 0:
+                from pxn_kernels import host_view
+                for (s_addr, _, n), o in zip(segs, offs):
+                    slot.tensor[o:o + n].copy_(host_view(s_addr, n))
+            else:
+                import torch
+                import pxn_kernels
+                stream = slot.ring.stream(slot.lane)
+                with torch.cuda.stream(stream):
+                    dev = slot.tensor.device
+                    pxn_kernels.copy(torch.tensor([sg[0] for sg in segs], dtype=torch.int64, device=dev),
+                                     torch.tensor([slot.addr + o for o in offs], dtype=torch.int64, device=dev),
+                                     torch.tensor([sg[2] for sg in segs], dtype=torch.int64, device=dev),
+                                     check=False)
+                stream.synchronize()
+            a.reqs = []
+            for (s_addr, d_addr, n), o in zip(segs, offs):
+                _, rkey = self._keys(a, s_addr, d_addr, n)
+                a.reqs.append(WriteRequest(slot.addr + o, n, d_addr, rkey, slot.ring.lkey))
+        with self._lock:
+            if a.cancelled or a.finished:
+                landing, a.landing = a.landing, None
+            else:
+                a.slot = slot
+                landing = None
+        if landing is not None:
+            self._release_landing(a.prail, landing)
+            return False  # the ring gives the slot back
+        t1 = now_ns()
+        self.counters.add("time_fill_s", (t1 - t0) / 1e9)
+        if self.trace is not None:
+            self.trace.complete("gather" if u.kind == COALESCED else "relay copy", "copy", f"copy/{slot.ring.name}",
+                                t0, t1, {"bytes": u.nbytes, "batch": a.batch.id})
+        return True
+
+    def _acquire_landing(self, a: _Attempt) -> Optional[int]:
+        """A free landing slot (credit) at the peer on the attempt's rail; waits (back-pressure). None when the
+        rail died or the attempt was cancelled meanwhile."""
+        pr = a.prail
+        t0 = None
+        with pr.cv:
+            while True:
+                if a.cancelled or a.batch.failed or not pr.alive or not pr.ep.alive:
+                    return None
+                if pr.free_landing:
+                    s = pr.free_landing.pop()
+                    pr.landing_owner[s] = a
+                    a.landing = s
+                    if t0 is not None:
+                        self.counters.add("time_wait_credit_s", (now_ns() - t0) / 1e9)
+                    return s
+                if t0 is None:
+                    t0 = now_ns()
+                    self.counters.add("credit_waits")
+                pr.cv.wait(0.25)
+
+    def _release_landing(self, pr: _PeerRail, slot: int) -> None:
+        with pr.cv:
+            if pr.landing_owner.pop(slot, None) is not None:
+                pr.free_landing.append(slot)
+            pr.cv.notify()
+
+    # --- submit --------------------------------------------------------------------------------------------
+    def _post(self, attempts: List[_Attempt]) -> None:
+        """Post attempts (one doorbell per rail endpoint). Runs in a submit thread or the caller."""
+        groups: Dict[int, List[_Attempt]] = {}
+        for a in attempts:
+            groups.setdefault(id(a.prail), []).append(a)
+        for atts in groups.values():
+            pr = atts[0].prail
+            live = []
+            with self._lock:
+                for a in atts:
+                    if a.cancelled or a.batch.failed:
+                        self._drop(a)
+                        continue
+                    for r in a.reqs:
+                        r.wr_id = next(self._wr_ids)
+                        self._inflight[r.wr_id] = a
+                    a.pending = len(a.reqs)
+                    a.posted = True
+                    live.append(a)
+            if not live:
+                continue
+            for a in live:
+                if a.slot is not None:
+                    a.slot.enter(POSTED)
+            t0 = now_ns()
+            try:
+                if not pr.ep.alive:
+                    raise PeerLost(f"rail {pr.rail} endpoint to {pr.remote_id} is dead")
+                self.fabrics[pr.rail].post_writes(pr.ep, [r for a in live for r in a.reqs])
+            except (PeerLost, FabricClosed, FabricError, OSError) as e:
+                if isinstance(e, RegionError):
+                    with self._lock:
+                        for a in live:
+                            self._unpost(a)
+                    for a in live:
+                        self._fail_batch(a.batch, RemoteRejected(f"post refused: {e}", [e]))
+                        self._drop(a)
+                    continue
+                with self._lock:
+                    for a in live:
+                        self._unpost(a)
+                self._rail_failed(pr, e)
+                continue
+            except ValueError as e:  # a local check failed: a bug or a racing deregister
+                with self._lock:
+                    for a in live:
+                        self._unpost(a)
+                for a in live:
+                    self._fail_batch(a.batch, InvalidTransfer(f"post refused locally: {e}", [e]))
+                    self._drop(a)
+                continue
+            t1 = now_ns()
+            nbytes = sum(r.length for a in live for r in a.reqs)
+            self._rail_stats[pr.rail].add_many((("post_calls", 1), ("writes_posted", sum(len(a.reqs) for a in live)),
+                                                ("bytes_posted", nbytes), ("time_post_s", (t1 - t0) / 1e9)))
+            if self.trace is not None:
+                self.trace.complete("post", "fabric", f"post/rail{pr.rail}", t0, t1,
+                                    {"writes": len(live), "bytes": nbytes})
+
+    def _unpost(self, a: _Attempt) -> None:
+        """Called with the lock held when a post failed: the attempt's writes are not in flight."""
+        for r in a.reqs:
+            self._inflight.pop(r.wr_id, None)
+        a.posted = False
+        a.pending = 0
+
+    def _retire_locked(self, a: _Attempt):
+        """With ``self._lock`` held: take the attempt out of flight (once) and hand back (slot, landing) for the
+        caller to release outside the lock. Returns whether this call retired it."""
+        first = not a.finished
+        if first:
+            a.finished = True
+            a.prail.inflight.discard(a)
+            a.prail.bytes_in_flight -= a.unit.wire_bytes or a.unit.nbytes
+        slot, a.slot = a.slot, None
+        landing, a.landing = a.landing, None
+        return first, slot, landing
+
+    def _release(self, a: _Attempt, slot, landing) -> None:
+        if slot is not None:
+            slot.ring.release(slot)
+        if landing is not None:
+            self._release_landing(a.prail, landing)
+
+    def _drop(self, a: _Attempt) -> None:
+        """Give back an attempt's resources when it will not be (or is no longer) in flight. Idempotent."""
+        with self._lock:
+            _, slot, landing = self._retire_locked(a)
+        self._release(a, slot, landing)
+
+    # --- completions ---------------------------------------------------------------------------------------
+    def _poll_loop(self, rail: int) -> None:
+        fab = self.fabrics[rail]
+        last_check = time.monotonic()
+        while not self._closed:
+            try:
+                comps = fab.poll(256, timeout=0.05)
+            except FabricClosed:
+                return
+            except Exception:  # noqa: BLE001
+                log.exception("poll on rail %d failed", rail)
+                time.sleep(0.05)
+                continue
+            for c in comps:
+                try:
+                    self._on_completion(rail, c)
+                except Exception:  # noqa: BLE001 — one bad completion must not stop the poller
+                    log.exception("rail %d: handling completion %r failed", rail, c)
+            now = time.monotonic()
+            if now - last_check > 0.1:
+                last_check = now
+                self._watchdog(rail)
+
+    def _watchdog(self, rail: int) -> None:
+        """A rail whose endpoint died with work in flight (e.g. chunks waiting for acks) fails over even when
+        no completion reports it."""
+        for peer in list(self._peers.values()):
+            if peer.ready and rail < len(peer.rails):
+                pr = peer.rails[rail]
+                if pr.alive and not pr.ep.alive:
+                    self._rail_failed(pr, PeerLost(f"rail {rail} endpoint to {peer.session} died"))
+
+    def _on_completion(self, rail: int, c) -> None:
+        if c.opcode == Opcode.RECV_IMM:
+            if c.imm is not None and c.imm & ACK_FLAG:
+                self._on_ack(rail, c)
+            else:
+                self.receiver.on_chunk(rail, c.peer_id, c.imm or 0, c.byte_len)
+            return
+        if c.wr_id >= ACK_WR_BASE:
+            if c.error is not None:
+                self.counters.add("rx_ack_errors")
+                log.info("ack write on rail %d failed: %s", rail, c.error)
+            return
+        with self._lock:
+            a = self._inflight.pop(c.wr_id, None)
+            if a is not None:
+                a.pending -= 1
+                more = a.pending > 0
+        if a is None:
+            return
+        stats = self._rail_stats[rail]
+        if c.error is None:
+            stats.add_many((("completions", 1), ("bytes_completed", c.byte_len)))
+            if more:
+                return
+            if a.unit.kind == COALESCED and not a.cancelled:
+                with self._lock:
+                    a.write_done = True
+                    done = a.acked
+                if done:
+                    self._finish(a)
+                elif a.slot is not None:
+                    a.slot.enter(WAITING)
+                return
+            self._finish(a)
+            return
+        stats.add("completion_errors")
+        if a.cancelled:
+            self._drop(a)
+            return
+        if isinstance(c.error, RegionError):
+            self._drop(a)
+            self._fail_batch(a.batch, RemoteRejected(f"{a.batch.peer.session} refused a write on rail {rail}: "
+                                                     f"{c.error}", [c.error]))
+            return
+        with self._lock:
+            a.write_done = True
+        self._rail_failed(a.prail, c.error)
+
+    def _on_ack(self, rail: int, c) -> None:
+        entry = self._by_remote_rail.get(c.peer_id)
+        if entry is None:
+            return
+        peer, pr = entry
+        slot, status = decode_ack(c.imm)
+        with pr.cv:
+            a = pr.landing_owner.get(slot)
+        if a is None:
+            return
+        if status != ST_OK:
+            off = (pr.rail * pr.slots + slot) * ACK_BYTES
+            reason = decode_ack_payload(peer.credit.array[off:off + ACK_BYTES])
+            self._drop(a)
+            self._fail_batch(a.batch, RemoteRejected(f"{peer.session} rejected a chunk of batch {a.batch.id}: "
+                                                     f"{reason}"))
+            return
+        with self._lock:
+            a.acked = True
+            done = a.write_done
+        if done:
+            self._finish(a)
+
+    def _finish(self, a: _Attempt) -> None:
+        """An attempt succeeded: give back its resources and count its unit done."""
+        # one lock section decides between success and failover: _rail_failed only takes attempts that are
+        # neither finished nor cancelled, so a unit is never counted done twice
+        with self._lock:
+            claimed = not a.finished and not a.cancelled
+            _, slot, landing = self._retire_locked(a)
+        self._release(a, slot, landing)
+        if not claimed:
+            return
+        b = a.batch
+        u = a.unit
+        self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes)))
+        if u.kind == COALESCED:
+            self.counters.add_many((("chunks", 1), ("chunk_items", int(u.items.size)),
+                                    ("chunk_wire_bytes", u.wire_bytes)))
+        with b.lock:
+            b.remaining -= 1
+            last = b.remaining == 0 and not b.event.is_set()
+        if last:
+            t = now_ns()
+            self.latency.add((t - b.t0) / 1e9)
+            self.counters.add("batches_ok")
+            if self.trace is not None:
+                self.trace.complete(f"batch {b.id}", "batch", "batches", b.t0, t,
+                                    {"items": b.n_items, "bytes": b.nbytes})
+            b.event.set()
+
+    # --- failure handling ----------------------------------------------------------------------------------
+    def _fail_batch(self, b: _Batch, exc: BaseException) -> None:
+        with b.lock:
+            if b.event.is_set():
+                return
+            b.error = exc
+        self.counters.add("batches_failed")
+        if self.trace is not None:
+            self.trace.instant(f"batch {b.id} failed", "batch", "batches", {"error": str(exc)[:200]})
+        b.event.set()
+
+    def _all_rails_failed(self, peer: _Peer, what: str) -> TransferError:
+        causes = [pr.cause or PeerLost(f"rail {pr.rail}: endpoint dead") for pr in peer.rails]
+        text = "; ".join(f"rail {pr.rail}: {c}" for pr, c in zip(peer.rails, causes))
+        return TransferError(f"{what}: every rail failed ({text})", causes)
+
+    def _rail_failed(self, pr: _PeerRail, cause: BaseException) -> None:
+        """Mark a rail to a peer dead and re-send its unfinished work on the device's other rails."""
+        with self._lock:
+            if pr.alive:
+                pr.alive = False
+                pr.cause = cause
+                # a peer that closed with nothing in flight is routine; lost work is worth a warning
+                log.log(logging.WARNING if pr.inflight and not self._closed else logging.INFO,
+                        "rail %d to %s failed (%s); re-dispatching %d unit(s)", pr.rail, pr.remote_id, cause,
+                        len(pr.inflight))
+                self.counters.add("rail_failures")
+            victims = [a for a in pr.inflight if not a.cancelled and not a.finished]
+            for a in victims:
+                a.cancelled = True
+        with pr.cv:
+            pr.cv.notify_all()
+        for a in victims:
+            # the fabric may still read a slot of a posted write whose completion has not come: that slot is
+            # given back by the completion; everything else now
+            if not a.posted or a.write_done:
+                self._drop(a)
+            if a.batch.failed:
+                continue
+            self._redispatch(a)
+
+    def _redispatch(self, old: _Attempt) -> None:
+        b = old.batch
+        u = old.unit
+        choices = self._rail_choices(u.device, b.peer)
+        if not choices:
+            self._fail_batch(b, self._all_rails_failed(b.peer, f"batch {b.id} to {b.peer.session}"))
+            return
+        load = {pr.rail: pr.bytes_in_flight for pr in b.peer.rails}
+        c = min(choices, key=lambda ch: load.get(ch.rail, 0))
+        self.counters.add("failovers")
+        relay_now = self.relay_mode == "always" or (self.relay_mode == "auto" and not c.local)
+        if u.kind == COALESCED or (u.kind == RELAYED) == relay_now:
+            units = [dataclasses.replace(u, rail=c.rail, relay_device=c.relay_device)]
+        elif relay_now:  # direct piece, and the new rail is not local to its memory: relay it in slot pieces
+            units = []
+            off = 0
+            while off < u.nbytes:
+                n = min(self.slot_bytes, u.nbytes - off)
+                units.append(Unit(RELAYED, u.device, c.rail, c.relay_device, n, src=u.src + off, dst=u.dst + off,
+                                  wire_bytes=n, segs=[(u.src + off, u.dst + off, n)]))
+                off += n
+        else:  # relayed piece(s), and the new rail is local: write each straight from its source
+            units = [Unit(DIRECT, u.device, c.rail, c.relay_device, n, src=s_, dst=d_, wire_bytes=n)
+                     for s_, d_, n in u.segments()]
+        if len(units) > 1:
+            with b.lock:
+                b.remaining += len(units) - 1
+        self._dispatch(b, units, from_engine=True)
+
+    def _wait(self, b: _Batch, timeout: Optional[float]) -> None:
+        t0 = now_ns()
+        if not b.event.wait(timeout):
+            self._fail_batch(b, TransferTimeout(f"batch {b.id} ({b.n_items} pieces, {b.nbytes} B) to "
+                                                f"{b.peer.session} did not finish within {timeout} s"))
+        self.counters.add("time_wait_s", (now_ns() - t0) / 1e9)
+        if b.error is not None:
+            # cancel what is still queued so the rings do not work for a dead batch
+            raise b.error
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FabricClosed(f"engine {getattr(self, 'session_id', '?')} is closed")
+
+    # ========================================================================================================
+    # telemetry
+    # ========================================================================================================
+    def stats(self) -> dict:
+        """Where the time and bytes went: see docs/README-engine.md for every field."""
+        c = self.counters.to_dict()
+        rails = []
+        for i, fab in enumerate(self.fabrics):
+            d = self._rail_stats[i].to_dict()
+            d.update({"rail": i, "key": self._rail_keys[i], "id": fab.local_id,
+                      "peers_alive": sum(1 for p in list(self._peers.values())
+                                         if p.ready and p.rails[i].usable())})
+            rails.append(d)
+        paths = {k: {"units": c.get(f"path_{k}_units", 0), "bytes": c.get(f"path_{k}_bytes", 0)}
+                 for k in (DIRECT, RELAYED, COALESCED)}
+        paths[COALESCED].update({"chunks": c.get("chunks", 0), "items": c.get("chunk_items", 0),
+                                 "wire_bytes": c.get("chunk_wire_bytes", 0)})
+        time_s = {k[len("time_"):-2]: v for k, v in c.items() if k.startswith("time_")}
+        receiver = {k[3:]: v for k, v in c.items() if k.startswith("rx_")}
+        receiver.update(self.receiver.stats())
+        return {
+            "engine": {"session_id": self.session_id, "fabric": self.fabric_name, "rails": len(self.fabrics),
+                       "coalesce_bytes": self.coalesce_bytes, "relay_slot_bytes": self.slot_bytes,
+                       "relay_slots": self.relay_slots, "lanes": self.lanes, "landing_slots": self.landing_slots,
+                       "stripe_bytes": self.stripe_bytes, "relay": self.relay_mode},
+            "batches": {"submitted": c.get("batches_submitted", 0), "ok": c.get("batches_ok", 0),
+                        "failed": c.get("batches_failed", 0), "items": c.get("items", 0),
+                        "bytes": c.get("bytes", 0), "latency": self.latency.summary()},
+            "paths": paths,
+            "time_s": time_s,
+            "rails": rails,
+            "rings": {ring.name: ring.stats() for ring in list(self._rings.values())},
+            "receiver": receiver,
+            "failover": {"rail_failures": c.get("rail_failures", 0), "redispatched_units": c.get("failovers", 0)},
+            "credits": {"waits": c.get("credit_waits", 0), "wait_s": c.get("time_wait_credit_s", 0)},
+            "handshake_s": c.get("handshake_s", 0),
+        }
+
+    # ========================================================================================================
+    # lifetime
+    # ========================================================================================================
+    def close(self) -> None:
+        """Stop every thread, close the fabrics, release all memory; write the trace. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _close_listener(self._ctrl)
+        with self._lock:
+            pending = list(self._inflight.values())
+        for a in pending:
+            self._fail_batch(a.batch, TransferError(f"engine {self.session_id} closed"))
+        self._teardown()
+        for t in getattr(self, "_threads", []):
+            if t is not threading.current_thread():
+                t.join(timeout=2.0)
+        if self.trace is not None:
+            self.trace.write()
+
+    def _teardown(self) -> None:
+        receiver = getattr(self, "receiver", None)
+        if receiver is not None:
+            receiver.close()
+        for ring in list(getattr(self, "_rings", {}).values()):
+            ring.close()
+        for peer in list(getattr(self, "_peers", {}).values()):
+            if peer.ctrl is not None:
+                try:
+                    peer.ctrl.close()
+                except OSError:
+                    pass
+        for fab in getattr(self, "fabrics", []):
+            # close() of a listening socket does not wake a thread blocked in accept() on Linux, shutdown()
+            # does; without this a tcp fabric's close waits 2 s for its listener thread
+            listener = getattr(fab, "_listener", None)
+            if listener is not None:
+                try:
+                    listener.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            try:
+                fab.close()
+            except Exception:  # noqa: BLE001
+                log.exception("closing fabric failed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001
+                pass

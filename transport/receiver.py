@@ -1,0 +1,363 @@
+"""The receiver: landing slots per peer, chunk validation, scatter, and the credit / ack back to the sender.
+
+Per connected sender and rail, ``landing_slots`` slots of ``slot_bytes`` are registered with the rail's fabric;
+the sender learns their address and rkey at the handshake and owns a slot from the moment it writes a chunk into
+it until our ack arrives, so slots double as credits (a sender never has more chunks in flight than slots).
+
+A chunk arrives as a WRITE_WITH_IMM (imm = landing slot index). The progress thread then
+
+1. parses and validates it (``pxn_kernels.chunk.parse_chunk``: magic, version, counts, offsets, checksum, size
+   against the bytes that landed), checks the sender id, and checks every destination against the regions this
+   receiver registered (exposed to every peer) -- landing and credit buffers are never valid destinations;
+2. only then scatters the items (host: memmove; GPU: one scatter kernel launch);
+3. writes an ack back into the sender's credit region: WRITE_WITH_IMM with imm = ACK | status << 16 | slot and,
+   for a rejection, the reason text (UTF-8, up to ``ACK_BYTES - 8``) as the payload.
+
+A rejected chunk writes nothing.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from transport.errors import ChunkFormatError
+from transport.fabric.base import DEVICE_HOST, WriteRequest
+from transport.regions import RegionTable, first_bad
+from transport.relay import HostBuffer, gpu_scatter, host_memmove, scatter_words
+from transport.telemetry import Counters, Trace, now_ns
+
+log = logging.getLogger(__name__)
+
+ACK_FLAG = 1 << 31
+ACK_BYTES = 256
+MAX_LANDING_SLOT = 64 << 20
+ST_OK, ST_REJECTED, ST_FAILED = 0, 1, 2
+ACK_WR_BASE = 1 << 62  # wr_ids of ack writes: the engine's poller ignores their completions unless they fail
+SWEEP_S = 1.0  # how often the progress thread looks for departed senders
+_ACK_HDR = struct.Struct("<II")  # status, reason length
+
+
+def chunk_imm(slot: int, seq: int) -> int:
+    return ((seq & 0x7FFF) << 16) | (slot & 0xFFFF)
+
+
+def ack_imm(slot: int, status: int) -> int:
+    return ACK_FLAG | ((status & 0xFF) << 16) | (slot & 0xFFFF)
+
+
+def decode_ack(imm: int) -> Tuple[int, int]:
+    """(slot, status) of an ack immediate."""
+    return imm & 0xFFFF, (imm >> 16) & 0xFF
+
+
+def decode_ack_payload(buf: np.ndarray) -> str:
+    status, n = _ACK_HDR.unpack(buf[:8].tobytes())
+    n = min(int(n), ACK_BYTES - 8)
+    return buf[8:8 + n].tobytes().decode("utf-8", "replace")
+
+
+@dataclass
+class SenderState:
+    """What the receiver keeps per connected sender."""
+
+    engine_id: int
+    session: str
+    rail_ids: List[str]  # the sender's fabric local_id per rail
+    credit_addr: int
+    credit_rkeys: List[int]
+    slots: int
+    slot_bytes: int
+    device: int
+    landing: List = field(default_factory=list)  # per rail: (buffer, mr, tensor-or-None)
+    acks: List = field(default_factory=list)  # per rail: (HostBuffer, mr)
+
+    def landing_addr(self, rail: int, slot: int) -> int:
+        buf = self.landing[rail][0]
+        return buf.addr + slot * self.slot_bytes
+
+
+class Receiver:
+    """Receives chunks for one engine.
+
+    Arguments:
+        fabrics: the engine's rail fabrics (index = rail).
+        exposed: the RegionTable of regions this engine registered (valid chunk destinations).
+        landing_slots, slot_bytes: per sender and rail.
+        counters: shared telemetry counters; trace: optional Trace.
+    """
+
+    def __init__(self, fabrics, exposed: RegionTable, landing_slots: int, slot_bytes: int, counters: Counters,
+                 trace: Optional[Trace] = None):
+        self.fabrics = fabrics
+        self.exposed = exposed
+        self.landing_slots = landing_slots
+        self.slot_bytes = slot_bytes
+        self.counters = counters
+        self.trace = trace
+        self._lock = threading.Lock()
+        self._senders: Dict[int, SenderState] = {}
+        self._by_rail_id: Dict[str, Tuple[SenderState, int]] = {}
+        self._q: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="pxn-receiver", daemon=True)
+        self._thread.start()
+        self._scratch = None
+
+    # --- handshake ------------------------------------------------------------------------------------------
+    def accept_sender(self, hello: dict, device: int = DEVICE_HOST) -> dict:
+        """Set up (or reuse) landing slots for the sender described by ``hello``; returns what it must know."""
+        engine_id = int(hello["engine_id"])
+        # landing slots follow the sender's chunk size (its relay slot size), so both ends agree on the largest
+        # chunk; their count is ours, capped by the sender's credit region
+        slot_bytes = int(hello.get("slot_bytes", self.slot_bytes))
+        if not 4096 <= slot_bytes <= MAX_LANDING_SLOT:
+            raise ValueError(f"sender slot size {slot_bytes} B outside [4096, {MAX_LANDING_SLOT}]")
+        slots = max(1, min(self.landing_slots, int(hello.get("credit_slots", self.landing_slots))))
+        with self._lock:
+            st = self._senders.get(engine_id)
+            if st is None:
+                st = SenderState(engine_id=engine_id, session=str(hello.get("session", "?")),
+                                 rail_ids=list(hello["rail_ids"]), credit_addr=int(hello["credit_addr"]),
+                                 credit_rkeys=[int(k) for k in hello["credit_rkeys"]],
+                                 slots=slots, slot_bytes=slot_bytes, device=device)
+                if len(st.rail_ids) != len(self.fabrics):
+                    raise ValueError(f"sender {st.session} has {len(st.rail_ids)} rails, this engine "
+                                     f"{len(self.fabrics)}; both ends must use the same rail count")
+                for rail, fab in enumerate(self.fabrics):
+                    nbytes = st.slots * st.slot_bytes
+                    if device < 0:
+                        buf = HostBuffer(nbytes)
+                        tensor = None
+                    else:
+                        import torch
+                        tensor = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+                        buf = _TensorBuffer(tensor)
+                    mr = fab.register(buf.addr, nbytes, device)
+                    st.landing.append((buf, mr, tensor))
+                    ack = HostBuffer(st.slots * ACK_BYTES)
+                    st.acks.append((ack, fab.register(ack.addr, ack.nbytes, DEVICE_HOST)))
+                self._senders[engine_id] = st
+                for rail, rid in enumerate(st.rail_ids):
+                    self._by_rail_id[rid] = (st, rail)
+        return {"landing_addrs": [b.addr for b, _, _ in st.landing],
+                "landing_rkeys": [mr.rkey for _, mr, _ in st.landing],
+                "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes, "landing_device": device}
+
+    # --- progress -------------------------------------------------------------------------------------------
+    def on_chunk(self, rail: int, peer_id: str, imm: int, byte_len: int) -> None:
+        """Called by the engine's poller for a chunk's RECV_IMM; the work happens in the progress thread."""
+        with self._cv:
+            self._q.append((rail, peer_id, imm, byte_len, now_ns()))
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        last_sweep = time.monotonic()
+        while True:
+            with self._cv:
+                while not self._q and not self._closed:
+                    if not self._cv.wait(SWEEP_S):
+                        break
+                if self._closed:
+                    return
+                items = list(self._q)
+                self._q.clear()
+            if time.monotonic() - last_sweep >= SWEEP_S:
+                last_sweep = time.monotonic()
+                try:
+                    self._sweep()
+                except Exception:  # noqa: BLE001
+                    log.exception("receiver: sweeping departed senders failed")
+            for item in items:
+                try:
+                    self._handle(*item)
+                except Exception:  # noqa: BLE001 — one bad chunk must not stop the receiver
+                    log.exception("receiver: handling a chunk failed")
+
+    def _sweep(self) -> None:
+        """Free the landing and ack buffers of senders whose every rail is dead (the sender closed or died):
+        without this a long-running receiver keeps landing_slots x slot size per rail for every sender it ever
+        saw. A sender that has not connected its rails yet (``UnknownPeer``) is kept. Runs in the progress
+        thread, so no chunk of that sender is being handled meanwhile."""
+        gone = []
+        with self._lock:
+            for engine_id, st in list(self._senders.items()):
+                alive = False
+                for rail, fab in enumerate(self.fabrics):
+                    try:
+                        alive = fab.endpoint(st.rail_ids[rail]).alive
+                    except Exception:  # noqa: BLE001 — not connected yet (or fabric closing): keep it
+                        alive = True
+                    if alive:
+                        break
+                if not alive:
+                    gone.append(self._senders.pop(engine_id))
+                    for rid in st.rail_ids:
+                        self._by_rail_id.pop(rid, None)
+        for st in gone:
+            self._free(st)
+            self.counters.add("rx_senders_released")
+            log.info("receiver: sender %s is gone; released its landing slots", st.session)
+
+    def _free(self, st: SenderState) -> None:
+        for rail, fab in enumerate(self.fabrics):
+            for mr in (st.landing[rail][1], st.acks[rail][1]):
+                try:
+                    fab.deregister(mr)
+                except Exception:  # noqa: BLE001 — fabric may be closed already
+                    pass
+
+    def _handle(self, rail: int, peer_id: str, imm: int, byte_len: int, t_landed: int) -> None:
+        entry = self._by_rail_id.get(peer_id)
+        if entry is None:
+            log.warning("receiver: chunk from unknown peer %s (imm 0x%x) ignored", peer_id, imm)
+            self.counters.add("rx_unknown_peer")
+            return
+        st, st_rail = entry
+        slot = imm & 0xFFFF
+        t0 = now_ns()
+        if slot >= st.slots or byte_len > st.slot_bytes or st_rail != rail:
+            self._ack(st, rail, slot % st.slots, ST_REJECTED,
+                      f"chunk imm 0x{imm:x} names slot {slot} / {byte_len} B (have {st.slots} slots of "
+                      f"{st.slot_bytes} B) on rail {rail}")
+            return
+        buf, _, tensor = st.landing[rail]
+        base = buf.addr + slot * st.slot_bytes
+        try:
+            header_bytes = self._read_header(buf, tensor, slot, st.slot_bytes, byte_len)
+            from pxn_kernels.chunk import parse_chunk
+            table = parse_chunk(header_bytes, available_bytes=byte_len)
+            if table.sender_id != st.engine_id:
+                raise ChunkFormatError(f"chunk sender_id 0x{table.sender_id:x} is not the connected sender "
+                                       f"0x{st.engine_id:x}")
+            dst = table.dst_addrs.astype(np.uint64)
+            _, ok = self.exposed.locate(dst, table.lengths)
+            if not ok.all():
+                i = first_bad(ok)
+                raise ChunkFormatError(f"item {i}: destination 0x{int(dst[i]):x} + {int(table.lengths[i])} B is "
+                                       f"outside every region this receiver registered")
+        except ChunkFormatError as e:
+            self.counters.add("rx_rejected")
+            log.warning("receiver: rejected chunk from %s slot %d: %s", st.session, slot, e)
+            self._ack(st, rail, slot, ST_REJECTED, f"receiver rejected chunk (slot {slot}): {e}")
+            return
+        t1 = now_ns()
+        try:
+            self._scatter(buf, tensor, slot, st.slot_bytes, table)
+        except Exception as e:  # noqa: BLE001
+            log.exception("receiver: scatter failed")
+            self._ack(st, rail, slot, ST_FAILED, f"receiver scatter failed: {e}")
+            return
+        t2 = now_ns()
+        self._ack(st, rail, slot, ST_OK, "")
+        t3 = now_ns()
+        self.counters.add_many((("rx_chunks", 1), ("rx_items", table.item_count),
+                                ("rx_bytes", int(table.lengths.sum())),
+                                ("rx_queue_s", (t0 - t_landed) / 1e9), ("rx_validate_s", (t1 - t0) / 1e9),
+                                ("rx_scatter_s", (t2 - t1) / 1e9), ("rx_ack_s", (t3 - t2) / 1e9)))
+        if self.trace is not None:
+            self.trace.complete("validate", "receiver", f"rx/rail{rail}", t0, t1, {"items": table.item_count})
+            self.trace.complete("scatter", "receiver", f"rx/rail{rail}", t1, t2, {"bytes": int(table.lengths.sum())})
+        del base
+
+    def _pinned(self, need: int, device):
+        """One pinned + one device scratch buffer for the progress thread (GPU landing slots), grown on demand."""
+        import torch
+        st = self._scratch
+        if st is None or st[0].numel() < need:
+            cap = 1 << (max(need, 64 << 10) - 1).bit_length()
+            st = self._scratch = (torch.empty(cap, dtype=torch.uint8, pin_memory=True),
+                                  torch.empty(cap, dtype=torch.uint8, device=device))
+        return st
+
+    def _read_header(self, buf, tensor, slot: int, slot_bytes: int, byte_len: int) -> np.ndarray:
+        """Header + table of the chunk in ``slot`` as host bytes (a copy for GPU landing slots: one D2H of the
+        first 64 KiB covers chunks of up to ~4000 items; a longer table takes a second copy)."""
+        from pxn_kernels.chunk import ENTRY_BYTES, HEADER_BYTES
+        off = slot * slot_bytes
+        if tensor is None:
+            return buf.array[off:off + byte_len]
+        first = min(byte_len, 64 << 10)
+        pinned, _ = self._pinned(first, tensor.device)
+        pinned[:first].copy_(tensor[off:off + first])
+        head = pinned[:first].numpy()
+        count = int(head[16:20].view(np.uint32)[0])
+        need = min(byte_len, HEADER_BYTES + ENTRY_BYTES * count + 16)
+        if need <= first:
+            return head[:need].copy()
+        return tensor[off:off + need].cpu().numpy()
+
+    def _scatter(self, buf, tensor, slot: int, slot_bytes: int, table) -> None:
+        off = slot * slot_bytes
+        if tensor is None:
+            base = buf.addr + off
+            host_memmove((base + table.offsets).tolist(), table.dst_addrs.tolist(), table.lengths.tolist())
+            return
+        import torch
+        snap = self.exposed.snapshot()
+        idx, _ = self.exposed.locate(table.dst_addrs, table.lengths)
+        on_host = snap.devices[idx] < 0
+        if on_host.any():
+            # GPU landing slot, host destination: bring the chunk over once, then memmove
+            host = tensor[off:off + table.chunk_bytes].cpu()
+            base = host.data_ptr()
+            sel = np.nonzero(on_host)[0]
+            host_memmove((base + table.offsets[sel]).tolist(), table.dst_addrs[sel].tolist(),
+                         table.lengths[sel].tolist())
+        sel = np.nonzero(~on_host)[0]
+        if sel.size:
+            lens = table.lengths[sel]
+            pinned, dev_buf = self._pinned(scatter_words(int(sel.size), tensor.device, int(lens.sum())),
+                                           tensor.device)
+            gpu_scatter(pinned, dev_buf, tensor[off:off + table.chunk_bytes], table.offsets[sel],
+                        table.dst_addrs[sel].astype(np.int64), lens, torch.cuda.current_stream(tensor.device))
+
+    def _ack(self, st: SenderState, rail: int, slot: int, status: int, reason: str) -> None:
+        ack_buf, ack_mr = st.acks[rail]
+        off = slot * ACK_BYTES
+        data = reason.encode("utf-8")[:ACK_BYTES - 8]
+        ack_buf.array[off:off + 8] = np.frombuffer(_ACK_HDR.pack(status, len(data)), dtype=np.uint8)
+        if data:
+            ack_buf.array[off + 8:off + 8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        length = 8 + len(data)
+        remote = st.credit_addr + (rail * st.slots + slot) * ACK_BYTES
+        fab = self.fabrics[rail]
+        try:
+            ep = fab.endpoint(st.rail_ids[rail])
+            fab.post_writes(ep, [WriteRequest(ack_buf.addr + off, length, remote, st.credit_rkeys[rail],
+                                              ack_mr.lkey, imm=ack_imm(slot, status),
+                                              wr_id=ACK_WR_BASE + slot)])
+        except Exception as e:  # noqa: BLE001 — the sender fails over when the rail is dead
+            self.counters.add("rx_ack_failed")
+            log.info("receiver: ack for slot %d on rail %d to %s failed: %s", slot, rail, st.session, e)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=2.0)
+        with self._lock:
+            senders = list(self._senders.values())
+            self._senders.clear()
+            self._by_rail_id.clear()
+        for st in senders:
+            self._free(st)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"senders": len(self._senders), "landing_slots": self.landing_slots,
+                    "slot_bytes": self.slot_bytes}
+
+
+class _TensorBuffer:
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.addr = tensor.data_ptr()
+        self.nbytes = tensor.numel()

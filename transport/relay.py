@@ -1,0 +1,349 @@
+"""Relay rings: ``lanes × slots`` staging slots per (relay device, rail), each with a copy and a submit thread.
+
+A slot goes FREE -> FILLING (gather / copy into it) -> READY (queued for the fabric) -> POSTED (write in flight)
+-> [WAITING (chunk written, waiting for the receiver's ack)] -> FREE. The buffer behind all slots of a ring is
+allocated once and registered once with the rail's fabric (one lkey), on the relay device: host memory on a
+GPU-less machine, the NIC-local GPU otherwise.
+
+Threads (the field prototype reached 97 % of direct only after this split): the copy thread launches the
+gathers / copies into slots, the submit thread posts fabric writes, many per doorbell; completions are polled
+in batches by the engine's per-rail poller, which releases slots. Back-pressure: the copy thread waits for a
+free slot; nothing that releases slots ever waits for one, so the ring cannot deadlock.
+
+Lanes: slots are split into lanes; on CUDA each lane has its own stream, so copies of different lanes overlap
+with each other and with the fabric. The copy thread takes the lane with the most free slots.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import threading
+from typing import Callable, List, Optional
+
+import numpy as np
+
+from transport.telemetry import FILLING, FREE, READY, SlotStats, Trace, now_ns
+
+log = logging.getLogger(__name__)
+
+
+class Slot:
+    """One staging slot: ``nbytes`` at ``addr`` (registered; ``lkey`` of the ring's rail)."""
+
+    __slots__ = ("ring", "lane", "index", "addr", "nbytes", "stats", "owner", "tensor", "staging")
+
+    def __init__(self, ring: "RelayRing", lane: int, index: int, addr: int, nbytes: int, tensor=None):
+        self.ring = ring
+        self.lane = lane
+        self.index = index
+        self.addr = addr
+        self.nbytes = nbytes
+        self.stats = SlotStats()
+        self.owner = None  # the attempt using the slot
+        self.tensor = tensor  # uint8 tensor view (CUDA rings) for kernels
+        self.staging = None  # CUDA rings: (pinned host, device) descriptor buffers, reused (see gpu_pack)
+
+    def enter(self, state: str) -> None:
+        t = now_ns()
+        with self.ring.stats_lock:
+            prev = self.stats.state
+            since = self.stats.enter(state, t)
+        trace = self.ring.trace
+        if trace is not None and prev != FREE:  # FREE time is idle, not worth an event
+            trace.complete(prev, "slot", f"{self.ring.name}/lane{self.lane}", since, t, {"slot": self.index})
+
+
+class HostBuffer:
+    """Page-aligned host memory that stays put (numpy-owned)."""
+
+    def __init__(self, nbytes: int, align: int = 4096):
+        self._raw = np.empty(nbytes + align, dtype=np.uint8)
+        self._raw.fill(0)  # fault every page in now, not during the first transfers that use it
+        base = self._raw.ctypes.data
+        offset = (-base) % align
+        self.array = self._raw[offset:offset + nbytes]
+        self.addr = base + offset
+        self.nbytes = nbytes
+
+
+class RelayRing:
+    """Staging slots and the two threads of one (relay device, rail).
+
+    Arguments:
+        name: label for stats / trace (e.g. "host/rail0").
+        fabric: the rail's fabric; the slot buffer is registered with it.
+        device: relay device (-1 host, else CUDA index).
+        lanes, slots: lanes and slots per lane. slot_bytes: bytes per slot.
+        fill: ``fill(attempt, slot) -> bool`` runs in the copy thread; returns False when the attempt was
+            cancelled meanwhile (the slot is then released).
+        post: ``post(attempts)`` runs in the submit thread with every READY attempt (one doorbell per peer).
+        trace: optional Trace.
+    """
+
+    def __init__(self, name: str, fabric, device: int, lanes: int, slots: int, slot_bytes: int,
+                 fill: Callable, post: Callable, trace: Optional[Trace] = None):
+        self.name = name
+        self.fabric = fabric
+        self.device = device
+        self.slot_bytes = slot_bytes
+        self.trace = trace
+        self.stats_lock = threading.Lock()
+        self._fill = fill
+        self._post = post
+        total = lanes * slots * slot_bytes
+        self._tensor = None
+        self._streams: List = []
+        if device < 0:
+            self._buf = HostBuffer(total)
+            base = self._buf.addr
+        else:
+            import torch
+            self._tensor = torch.empty(total, dtype=torch.uint8, device=f"cuda:{device}")
+            base = self._tensor.data_ptr()
+            self._streams = [torch.cuda.Stream(device=device) for _ in range(lanes)]
+        self.mr = fabric.register(base, total, device)
+        self.lkey = self.mr.lkey
+        self.slots: List[Slot] = []
+        self._free: List[collections.deque] = [collections.deque() for _ in range(lanes)]
+        for lane in range(lanes):
+            for i in range(slots):
+                off = (lane * slots + i) * slot_bytes
+                view = self._tensor[off:off + slot_bytes] if self._tensor is not None else None
+                s = Slot(self, lane, lane * slots + i, base + off, slot_bytes, view)
+                self.slots.append(s)
+                self._free[lane].append(s)
+        self.lanes = lanes
+        self._cv = threading.Condition()
+        self._copy_q: collections.deque = collections.deque()
+        self._post_q: collections.deque = collections.deque()
+        self._post_cv = threading.Condition()
+        self._closed = False
+        self.waits_for_slot = 0
+        self.wait_slot_ns = 0
+        self._threads = [
+            threading.Thread(target=self._copy_loop, name=f"pxn-copy-{name}", daemon=True),
+            threading.Thread(target=self._submit_loop, name=f"pxn-submit-{name}", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def stream(self, lane: int):
+        return self._streams[lane] if self._streams else None
+
+    # --- queues ---------------------------------------------------------------------------------------------
+    def enqueue_copy(self, attempts) -> None:
+        with self._cv:
+            self._copy_q.extend(attempts)
+            self._cv.notify_all()
+
+    def enqueue_post(self, attempts) -> None:
+        with self._post_cv:
+            self._post_q.extend(attempts)
+            self._post_cv.notify()
+
+    def release(self, slot: Slot) -> None:
+        """Give a slot back (any thread, never blocks on the ring's queues)."""
+        slot.owner = None
+        slot.enter(FREE)
+        with self._cv:
+            self._free[slot.lane].append(slot)
+            self._cv.notify_all()
+
+    def free_slots(self) -> int:
+        with self._cv:
+            return sum(len(q) for q in self._free)
+
+    # --- threads --------------------------------------------------------------------------------------------
+    def _acquire(self) -> Optional[Slot]:
+        """Called with ``self._cv`` held: a free slot from the lane with the most, waiting when none."""
+        t0 = None
+        while not self._closed:
+            lane = max(range(self.lanes), key=lambda i: len(self._free[i]))
+            if self._free[lane]:
+                if t0 is not None:
+                    self.wait_slot_ns += now_ns() - t0
+                return self._free[lane].popleft()
+            if t0 is None:
+                t0 = now_ns()
+                self.waits_for_slot += 1
+            self._cv.wait(0.5)
+        return None
+
+    def _copy_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._copy_q and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                # take as many queued attempts as there are free slots (at least one, waiting for it): they
+                # are filled back to back and handed to the submit thread together, one doorbell for all
+                work = [(self._copy_q.popleft(), self._acquire())]
+                if work[0][1] is None:
+                    return
+                while self._copy_q and any(self._free):
+                    work.append((self._copy_q.popleft(), self._acquire()))
+            ready = []
+            for attempt, slot in work:
+                slot.owner = attempt
+                slot.enter(FILLING)
+                try:
+                    ok = self._fill(attempt, slot)
+                except Exception as e:  # noqa: BLE001 — a failed copy fails its batch, not the ring
+                    log.exception("%s: filling a slot failed", self.name)
+                    ok = False
+                    attempt.fail_local(e)
+                if not ok:
+                    self.release(slot)
+                    continue
+                slot.enter(READY)
+                ready.append(attempt)
+            if ready:
+                self.enqueue_post(ready)
+
+    def _submit_loop(self) -> None:
+        while True:
+            with self._post_cv:
+                while not self._post_q and not self._closed:
+                    self._post_cv.wait()
+                if self._closed:
+                    return
+                batch = list(self._post_q)
+                self._post_q.clear()
+            try:
+                self._post(batch)
+            except Exception:  # noqa: BLE001 — post() handles its own failures; this is a last resort
+                log.exception("%s: submit failed", self.name)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        with self._post_cv:
+            self._post_cv.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=2.0)
+        try:
+            self.fabric.deregister(self.mr)
+        except Exception:  # noqa: BLE001 — fabric may already be closed
+            pass
+
+    def stats(self) -> dict:
+        with self.stats_lock:
+            slots = [s.stats.to_dict() for s in self.slots]
+        lanes = []
+        per_lane = len(self.slots) // self.lanes
+        for lane in range(self.lanes):
+            mine = slots[lane * per_lane:(lane + 1) * per_lane]
+            agg_counts = collections.Counter()
+            agg_time = collections.Counter()
+            for s in mine:
+                agg_counts.update(s["counts"])
+                agg_time.update(s["time_s"])
+            lanes.append({"lane": lane, "counts": dict(agg_counts),
+                          "time_s": {k: round(v, 6) for k, v in agg_time.items()}, "slots": mine})
+        return {"device": self.device, "slot_bytes": self.slot_bytes, "slots": len(self.slots),
+                "free": self.free_slots(), "waits_for_slot": self.waits_for_slot,
+                "wait_for_slot_s": round(self.wait_slot_ns / 1e9, 6), "lanes": lanes}
+
+
+def host_memmove(srcs, dsts, lengths) -> None:
+    """Many memmoves (ctypes releases the GIL during each)."""
+    mm = ctypes.memmove
+    for s, d, n in zip(srcs, dsts, lengths):
+        mm(d, s, n)
+
+
+def _staging(slot: Slot, need: int):
+    """The slot's pinned + device descriptor buffers, grown to ``need`` bytes (allocating pinned memory costs
+    far more than a chunk's copy, so it happens once per slot, not per chunk)."""
+    import torch
+    st = slot.staging
+    if st is None or st[0].numel() < need:
+        cap = max(need, 64 << 10)
+        cap = 1 << (cap - 1).bit_length()
+        st = slot.staging = (torch.empty(cap, dtype=torch.uint8, pin_memory=True),
+                             torch.empty(cap, dtype=torch.uint8, device=slot.tensor.device))
+    return st
+
+
+def gpu_pack(slot: Slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, seq: int, sender_id: int) -> int:
+    """Build a chunk in a CUDA slot with one H2D copy and one gather launch, synchronising the lane's stream.
+
+    The slot's pinned staging buffer holds, as int64: src | dst-offset | lengths | plan (pad_ends, bounds,
+    first_item, computed on the host: ``plan_host``), followed by the chunk's header + table. Item 0 of the
+    copy is the header + table itself (source: its place in the device copy of the staging buffer), items 1..n
+    the pieces, so one launch writes the whole chunk -- the layout of ``pxn_kernels.pack_chunk``, without its
+    per-call pinned allocation and device-side plan. Returns the chunk's bytes.
+    """
+    import torch
+    from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, launch_settings, plan_host
+    from pxn_kernels.chunk import build_header_table, payload_offset_for
+    n = int(lens.size) + 1
+    table_bytes = payload_offset_for(n - 1)
+    device = slot.tensor.device
+    settings = launch_settings(n, device, int(lens.sum()) + table_bytes)
+    ranges = settings.ranges
+    words = 4 * n + 2 * ranges + 1
+    desc_bytes = words * 8
+    need = desc_bytes + table_bytes
+    pinned, dev_buf = _staging(slot, need)
+    host = pinned.numpy()
+    _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, sender_id, out=host[desc_bytes:need])
+    if chunk_bytes > slot.nbytes:
+        raise ValueError(f"chunk of {chunk_bytes} B does not fit slot of {slot.nbytes} B")
+    w = host[:desc_bytes].view(np.int64)
+    w[0] = dev_buf.data_ptr() + desc_bytes
+    w[1:n] = srcs
+    w[n] = 0
+    w[n + 1:2 * n] = offsets
+    w[2 * n] = table_bytes
+    w[2 * n + 1:3 * n] = lens
+    pad_ends, bounds, first_item = plan_host(w[2 * n:3 * n], ranges)
+    w[3 * n:4 * n] = pad_ends
+    w[4 * n:4 * n + ranges + 1] = bounds
+    w[4 * n + ranges + 1:words] = first_item
+    stream = slot.ring.stream(slot.lane)
+    with torch.cuda.stream(stream):
+        dev_buf[:need].copy_(pinned[:need], non_blocking=True)
+        d = dev_buf[:desc_bytes].view(torch.int64)
+        plan = CopyPlan(d[3 * n:4 * n], d[4 * n:4 * n + ranges + 1], d[4 * n + ranges + 1:words], settings)
+        launch_batched_copy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, slot.tensor.data_ptr(), plan)
+    stream.synchronize()
+    return chunk_bytes
+
+
+def gpu_scatter(pinned, dev_buf, src, offsets: np.ndarray, dsts: np.ndarray, lens: np.ndarray, stream) -> None:
+    """Scatter pieces of the CUDA byte tensor ``src`` (a landed chunk) to raw device addresses: descriptors and
+    a host-computed plan in one H2D copy through the caller's (pinned, device) buffers, one launch, then a
+    synchronise of ``stream`` (the buffers are reused for the next chunk)."""
+    import torch
+    from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, launch_settings, plan_host
+    n = int(lens.size)
+    settings = launch_settings(n, src.device, int(lens.sum()))
+    ranges = settings.ranges
+    words = 4 * n + 2 * ranges + 1
+    if pinned.numel() < words * 8:
+        raise ValueError(f"scatter staging of {pinned.numel()} B is smaller than the {words * 8} B needed")
+    w = pinned[:words * 8].numpy().view(np.int64)
+    w[0:n] = offsets
+    w[n:2 * n] = dsts
+    w[2 * n:3 * n] = lens
+    pad_ends, bounds, first_item = plan_host(lens, ranges)
+    w[3 * n:4 * n] = pad_ends
+    w[4 * n:4 * n + ranges + 1] = bounds
+    w[4 * n + ranges + 1:] = first_item
+    with torch.cuda.stream(stream):
+        dev_buf[:words * 8].copy_(pinned[:words * 8], non_blocking=True)
+        d = dev_buf[:words * 8].view(torch.int64)
+        plan = CopyPlan(d[3 * n:4 * n], d[4 * n:4 * n + ranges + 1], d[4 * n + ranges + 1:], settings)
+        launch_batched_copy(d[0:n], d[n:2 * n], d[2 * n:3 * n], src.data_ptr(), 0, plan)
+    stream.synchronize()
+
+
+def scatter_words(n: int, device, nbytes: int) -> int:
+    """Bytes of staging ``gpu_scatter`` needs for ``n`` pieces of ``nbytes`` in total."""
+    from pxn_kernels._batched_copy import launch_settings
+    return (4 * n + 2 * launch_settings(n, device, nbytes).ranges + 1) * 8

@@ -498,6 +498,27 @@ def test_remote_rejected_when_peer_deregistered(mc_sender, mc_peer, src):
     mc_peer.check(Expected(mc_peer.size))
 
 
+def test_peer_death_is_an_endpoint_error(mc_sender, src):
+    """The decode process dies: sync and async writes to it return ERR_ENDPOINT (every rail failed) instead of
+    hanging, the probe reports it dead, and the sender keeps serving other peers."""
+    victim = Peer("mooncake", 8 * MB)
+    try:
+        b = src.ctypes.data
+        assert mc_sender.transfer_sync_write(victim.session, b, victim.base, 64) == 0  # handshake done
+        assert mc_sender.send_probe(victim.session) == 0
+        victim.proc.kill()
+        victim.proc.join(10)
+        t0 = time.monotonic()
+        assert mc_sender.batch_transfer_sync_write(victim.session, [b, b + MB], [victim.base, victim.base + MB],
+                                                   [64, 2 * MB]) == mc.ERR_ENDPOINT
+        bid = mc_sender.batch_transfer_async_write(victim.session, [b], [victim.base], [3 * MB])
+        assert bid == 0 or mc_sender.get_batch_transfer_status([bid]) == mc.ERR_ENDPOINT
+        assert time.monotonic() - t0 < 20
+        assert mc_sender.send_probe(victim.session) < 0
+    finally:
+        victim.close()
+
+
 def test_timeout_code(mc_peer, src):
     with MooncakeEngine(timeout=1e-4) as eng:
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0

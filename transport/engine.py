@@ -1304,14 +1304,6 @@ class TransferEngine:
                 except OSError:
                     pass
         for fab in getattr(self, "fabrics", []):
-            # close() of a listening socket does not wake a thread blocked in accept() on Linux, shutdown()
-            # does; without this a tcp fabric's close waits 2 s for its listener thread
-            listener = getattr(fab, "_listener", None)
-            if listener is not None:
-                try:
-                    listener.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
             try:
                 fab.close()
             except Exception:  # noqa: BLE001

@@ -333,7 +333,7 @@ class TransferEngine:
             options.setdefault("connections_per_peer", 2)
         if self.fabric_name == "ipc":
             # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages
-            # took the 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES-engine.md)
+            # took the 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES.md, section Engine)
             options.setdefault("message_bytes", 256 << 20)
         self.fabrics = []
         try:

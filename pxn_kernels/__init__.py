@@ -14,7 +14,8 @@ All index arguments are int64 tensors on the device that runs the copy; addresse
 """
 from pxn_kernels import chunk  # noqa: F401
 from pxn_kernels._batched_copy import (  # noqa: F401
-    CopyPlan, DeviceBatch, LaunchSettings, launch_batched_copy, launch_settings, plan_batched_copy, plan_host,
+    CopyPlan, DeviceBatch, LaunchSettings, PreparedCopy, launch_batched_copy, launch_settings, plan_batched_copy,
+    plan_host,
 )
 from pxn_kernels._memory import host_copy, host_view, raw_view  # noqa: F401
 from pxn_kernels.batch_copy import copy, copy_torch  # noqa: F401
@@ -23,4 +24,5 @@ from pxn_kernels.pack import pack_chunk  # noqa: F401
 from pxn_kernels.scatter import scatter, scatter_torch  # noqa: F401
 
 __all__ = ["gather", "gather_torch", "scatter", "scatter_torch", "copy", "copy_torch", "pack_chunk",
-           "chunk", "host_copy", "host_view", "raw_view", "plan_batched_copy", "launch_settings", "CopyPlan"]
+           "chunk", "host_copy", "host_view", "raw_view", "plan_batched_copy", "plan_host", "launch_settings",
+           "launch_batched_copy", "LaunchSettings", "CopyPlan", "DeviceBatch", "PreparedCopy"]

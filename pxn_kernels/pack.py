@@ -1,7 +1,7 @@
 """pack_chunk: header + item table + every piece into one relay chunk with a single gather launch."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch

@@ -25,9 +25,11 @@ Addresses are raw integers (host virtual addresses or CUDA UVA device addresses)
 from __future__ import annotations
 
 import abc
+import collections
 import enum
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+import threading
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence
 
 DEVICE_HOST = -1
 """``device`` value meaning host (CPU) memory; a CUDA device index otherwise."""
@@ -171,6 +173,39 @@ class Fabric(abc.ABC):
 
     def __exit__(self, *exc):
         self.close()
+
+
+class CompletionQueue:
+    """Completions waiting for ``Fabric.poll``: progress threads ``push``, ``take`` waits for the first one.
+
+    Shared by the fabrics so that batching, the wait and the wake-up at close behave the same in all of them.
+    """
+
+    def __init__(self):
+        self._items: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def push(self, completions: Iterable[Completion]) -> None:
+        with self._cv:
+            self._items.extend(completions)
+            self._cv.notify_all()
+
+    def take(self, max_n: int, timeout: float) -> List[Completion]:
+        """Up to ``max_n`` completions; waits up to ``timeout`` seconds for the first unless closed."""
+        out: List[Completion] = []
+        with self._cv:
+            if not self._items and timeout > 0:
+                self._cv.wait_for(lambda: self._items or self._closed, timeout=timeout)
+            while self._items and len(out) < max_n:
+                out.append(self._items.popleft())
+        return out
+
+    def close(self) -> None:
+        """Wake every waiter; later ``take`` calls return what is left without waiting."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
 
 def check_range(addr: int, length: int, what: str = "range") -> None:

@@ -42,7 +42,8 @@ import numpy as np
 
 from transport.errors import FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
-    DEVICE_HOST, IMM_MAX, Completion, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest, check_range,
+    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest,
+    check_range,
 )
 
 log = logging.getLogger(__name__)
@@ -461,8 +462,7 @@ class TcpFabric(Fabric):
         self._region_cv = threading.Condition(threading.Lock())
         self._endpoints: Dict[str, TcpEndpoint] = {}
         self._all_eps: List[TcpEndpoint] = []
-        self._cq: collections.deque = collections.deque()
-        self._cq_cv = threading.Condition()
+        self._cq = CompletionQueue()
         self._cuda_streams: Dict[int, object] = {}
         try:
             self._listener = socket.create_server((hostname, port), backlog=128)
@@ -684,13 +684,7 @@ class TcpFabric(Fabric):
 
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
         self._check_open()
-        out: List[Completion] = []
-        with self._cq_cv:
-            if not self._cq and timeout > 0:
-                self._cq_cv.wait_for(lambda: self._cq or self._closed, timeout=timeout)
-            while self._cq and len(out) < max_n:
-                out.append(self._cq.popleft())
-        return out
+        return self._cq.take(max_n, timeout)
 
     def close(self) -> None:
         with self._lock:
@@ -719,8 +713,7 @@ class TcpFabric(Fabric):
             ep.close_sockets()
         self._listen_thread.join(timeout=2.0)
         self._watchdog.join(timeout=2.0)
-        with self._cq_cv:
-            self._cq_cv.notify_all()
+        self._cq.close()
         self._on_close()
 
     def _on_close(self) -> None:
@@ -739,11 +732,8 @@ class TcpFabric(Fabric):
                     ep.fail(f"message {oldest.seq} unacknowledged for {self.ack_timeout:g} s")
 
     def _push(self, comps: List[Completion]) -> None:
-        if not comps:
-            return
-        with self._cq_cv:
-            self._cq.extend(comps)
-            self._cq_cv.notify_all()
+        if comps:
+            self._cq.push(comps)
 
     def _tune(self, s: socket.socket) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

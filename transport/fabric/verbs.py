@@ -31,7 +31,8 @@ from typing import Dict, List, Optional, Sequence
 
 from transport.errors import FabricClosed, FabricError, FabricUnavailable, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
-    DEVICE_HOST, IMM_MAX, Completion, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest, check_range,
+    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest,
+    check_range,
 )
 
 log = logging.getLogger(__name__)
@@ -144,8 +145,7 @@ class VerbsFabric(Fabric):
         self._eps: Dict[str, VerbsEndpoint] = {}
         self._by_qpn: Dict[int, VerbsEndpoint] = {}
         self._wr_seq = itertools.count(1)  # next() is atomic under the GIL: unique across endpoints
-        self._cq_out: collections.deque = collections.deque()
-        self._cq_cv = threading.Condition()
+        self._cq_out = CompletionQueue()
         self._space_cv = threading.Condition()
         try:
             self._listener = socket.create_server((hostname, port))
@@ -467,19 +467,11 @@ class VerbsFabric(Fabric):
 
     def _push(self, comps: List[Completion]) -> None:
         if comps:
-            with self._cq_cv:
-                self._cq_out.extend(comps)
-                self._cq_cv.notify_all()
+            self._cq_out.push(comps)
 
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
         self._check_open()
-        out: List[Completion] = []
-        with self._cq_cv:
-            if not self._cq_out and timeout > 0:
-                self._cq_cv.wait_for(lambda: self._cq_out or self._closed, timeout=timeout)
-            while self._cq_out and len(out) < max_n:
-                out.append(self._cq_out.popleft())
-        return out
+        return self._cq_out.take(max_n, timeout)
 
     def close(self) -> None:
         with self._lock:
@@ -494,6 +486,7 @@ class VerbsFabric(Fabric):
             pass
         for ep in eps:
             self._fail(ep, "fabric closed")
+        self._cq_out.close()
         for t in self._threads:
             t.join(timeout=2.0)
         for region, mr, fd in list(self._regions.values()):

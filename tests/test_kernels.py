@@ -372,3 +372,27 @@ def test_device_batch_copy(rng):
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("graph", [False, True] if HAS_CUDA else [False])
+def test_prepared_copy_relaunches_with_rewritten_descriptors(rng, graph):
+    # The relay rewrites a slot's descriptor buffers in place and relaunches: the second launch must copy
+    # the new pieces, not replay the old ones.
+    lengths = [5, 64, 300, 17]
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
+    out = _random_bytes(rng, 1024)
+    offsets, _ = _packed_offsets(lengths, misalign=1, gap=2)
+    src_t, len_t, off_t = _t(src_addrs), _t(lengths), _t(offsets)
+    settings = pxn_kernels.LaunchSettings(256, 16, 1, 4) if not HAS_CUDA else \
+        pxn_kernels.launch_settings(len(lengths), DEVICE)
+    plan = pxn_kernels.plan_batched_copy(len_t, settings)
+    launch = pxn_kernels.PreparedCopy(src_t, off_t, len_t, 0, out.data_ptr(), plan, graph=graph)
+    for _ in range(2):
+        fresh = _random_bytes(rng, src_buf.numel())
+        src_t.copy_(_t([fresh.data_ptr() + a - src_buf.data_ptr() for a in src_addrs]))
+        ref = out.clone()
+        pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
+        launch()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(out, ref)

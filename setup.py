@@ -27,5 +27,9 @@ setup(
         "cuda": ["nvidia-cuda-runtime-cu12", "cuda-bindings"],
         "bench": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["pxn=transport.cli:main"]},
+    entry_points={
+        "console_scripts": ["pxn=transport.cli:main"],
+        # sglang loads this at start-up; it swaps its MooncakeTransferEngine for pxn's (PXN_SGLANG_PLUGIN=0: off)
+        "sglang.srt.plugins": ["pxn = integration.sglang:register_sglang_plugin"],
+    },
 )

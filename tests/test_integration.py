@@ -13,7 +13,6 @@ import inspect
 import json
 import logging
 import multiprocessing as mp
-import os
 import socket
 import sys
 import threading

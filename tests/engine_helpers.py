@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import multiprocessing as mp
 import os
 import sys
-import time
 import traceback
 
 import numpy as np
@@ -20,6 +18,8 @@ import numpy as np
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+from transport.peer_process import PeerProcess  # noqa: E402
 
 GUARD = 1 << 20
 POISON = 0x5A
@@ -102,44 +102,21 @@ def _peer_main(conn, size: int, device: int, engine_kwargs: dict, log_level: int
             conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
 
 
-class PeerProcess:
-    """A receiving engine in a spawned process with ``size`` registered bytes at ``base`` (between guards)."""
+class GuardedPeer(PeerProcess):
+    """A peer process whose ready message names ``session`` and ``base``, with poison / check commands."""
 
-    def __init__(self, size: int, device: int = -1, log_level: int = logging.WARNING, **engine_kwargs):
-        ctx = mp.get_context("spawn")
+    def __init__(self, target, args, name: str, size: int):
+        super().__init__(target, args, name=name)
         self.size = size
-        self.device = device
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(child, size, device, engine_kwargs, log_level),
-                                daemon=True, name="pxn-test-peer")
-        self.proc.start()
-        deadline = time.monotonic() + 120
-        while not self._conn.poll(0.2):
-            if not self.proc.is_alive() or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"peer process did not start (exit code {self.proc.exitcode})")
-        msg = self._conn.recv()
-        if not msg["ok"]:
-            raise RuntimeError(f"peer process failed to start: {msg['error']}")
-        self.session = msg["session"]
-        self.base = msg["base"]
-
-    def call(self, cmd: str, timeout: float = 120.0, **kw):
-        self._conn.send((cmd, kw))
-        if not self._conn.poll(timeout):
-            raise RuntimeError(f"peer did not answer {cmd!r} within {timeout} s")
-        msg = self._conn.recv()
-        if not msg["ok"]:
-            raise RuntimeError(f"peer command {cmd!r} failed: {msg['error']}")
-        return msg["value"]
+        self.session = self.ready["session"]
+        self.base = self.ready["base"]
 
     def poison(self) -> None:
         self.call("poison")
 
     def check(self, expected: "Expected") -> None:
         """Assert the peer's whole buffer (guards included) equals ``expected``; name the first wrong byte."""
-        got = self.call("digest")
-        if got == expected.digest():
+        if self.call("digest") == expected.digest():
             return
         data = np.frombuffer(self.call("dump"), dtype=np.uint8)
         bad = np.nonzero(data != expected.full)[0]
@@ -148,15 +125,13 @@ class PeerProcess:
                              f"the registered base (got 0x{data[first]:02x}, expected "
                              f"0x{expected.full[first]:02x}); last at {int(bad[-1]) - GUARD}")
 
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("close", timeout=30)
-        except Exception:  # noqa: BLE001
-            pass
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
+
+class EnginePeer(GuardedPeer):
+    """A receiving engine in a spawned process with ``size`` registered bytes at ``base`` (between guards)."""
+
+    def __init__(self, size: int, device: int = -1, log_level: int = logging.WARNING, **engine_kwargs):
+        self.device = device
+        super().__init__(_peer_main, (size, device, engine_kwargs, log_level), "pxn-test-peer", size)
 
 
 class Expected:

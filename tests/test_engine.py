@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from engine_helpers import GUARD, Expected, PeerProcess, disjoint_offsets
+from engine_helpers import GUARD, EnginePeer, Expected, disjoint_offsets
 from transport import (InvalidTransfer, RemoteRejected, TransferEngine, TransferError, TransferTimeout,
                        UnknownSession)
 
@@ -27,7 +27,7 @@ SRC_BYTES = PEER_BYTES
 
 @pytest.fixture(scope="module")
 def peer():
-    p = PeerProcess(PEER_BYTES, fabric="tcp")
+    p = EnginePeer(PEER_BYTES, fabric="tcp")
     yield p
     p.close()
 
@@ -377,7 +377,7 @@ def test_timeout_is_named(peer, src):
 # --- the same engine over the ipc fabric (same host, host memory) -------------------------------------------
 def test_ipc_fabric_end_to_end(src, rng):
     try:
-        peer = PeerProcess(64 * MB, fabric="ipc")
+        peer = EnginePeer(64 * MB, fabric="ipc")
     except RuntimeError as e:
         pytest.skip(f"ipc fabric unavailable here: {e}")
     try:
@@ -395,7 +395,7 @@ def test_ipc_fabric_end_to_end(src, rng):
 def test_peer_process_killed_mid_batch_fails_with_every_rail_cause(src):
     """The receiver dies mid-batch: no rail survives, so the batch fails (it must not hang) with one cause per
     rail; the engine stays usable for other peers."""
-    victim = PeerProcess(200 * MB, fabric="tcp")
+    victim = EnginePeer(200 * MB, fabric="tcp")
     with TransferEngine(fabric="tcp") as eng:
         eng.register(src)
         b = src.ctypes.data
@@ -423,7 +423,7 @@ def test_topology_rails_and_relay_choice(src, rng):
     data must be relayed through GPU 0's slots; host memory uses every rail directly. The host transfer runs."""
     from transport.topology import synthetic
     topo = synthetic(2, {0: ["mlx5_0"]})
-    peer = PeerProcess(16 * MB, fabric="tcp", rails=1)
+    peer = EnginePeer(16 * MB, fabric="tcp", rails=1)
     try:
         with TransferEngine(fabric="tcp", topology=topo) as eng:
             assert eng.rails == 1 and eng.stats()["rails"][0]["key"] == "mlx5_0:1"

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from engine_helpers import Expected, PeerProcess, disjoint_offsets
+from engine_helpers import EnginePeer, Expected, disjoint_offsets
 from transport import TransferEngine
 
 MB = 1 << 20
@@ -13,7 +13,7 @@ def test_gpu_kv_and_host_aux_over_ipc(seed):
     import torch
     rng = np.random.default_rng(seed)
     size = 64 * MB
-    peer = PeerProcess(size, device=0, fabric="ipc")
+    peer = EnginePeer(size, device=0, fabric="ipc")
     try:
         with TransferEngine(fabric="ipc") as eng:
             g = torch.Generator(device="cuda:0").manual_seed(seed)

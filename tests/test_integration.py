@@ -12,7 +12,6 @@ import importlib.machinery
 import inspect
 import json
 import logging
-import multiprocessing as mp
 import socket
 import sys
 import threading
@@ -23,7 +22,7 @@ import types
 import numpy as np
 import pytest
 
-from engine_helpers import GUARD, POISON, Expected, _digest, disjoint_offsets
+from engine_helpers import GUARD, POISON, Expected, GuardedPeer, _digest, disjoint_offsets
 
 from integration import mooncake as mc
 from integration.mooncake import TransferEngine as MooncakeEngine
@@ -100,59 +99,12 @@ def _peer_main(conn, kind: str, size: int, log_level: int) -> None:
             conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
 
 
-class Peer:
+class Peer(GuardedPeer):
     """A receiving engine (``kind`` "mooncake" or "sglang") in a spawned process; ``size`` registered bytes at
     ``base`` (for "sglang": two regions, ``[base, base + size/2)`` and ``[base + size/2, base + size)``)."""
 
     def __init__(self, kind: str, size: int):
-        ctx = mp.get_context("spawn")
-        self.size = size
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(child, kind, size, logging.WARNING), daemon=True,
-                                name=f"pxn-integration-peer-{kind}")
-        self.proc.start()
-        deadline = time.monotonic() + 120
-        while not self._conn.poll(0.2):
-            if not self.proc.is_alive() or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"peer process did not start (exit code {self.proc.exitcode})")
-        msg = self._conn.recv()
-        if not msg["ok"]:
-            raise RuntimeError(f"peer failed to start: {msg['error']}")
-        self.session = msg["session"]
-        self.base = msg["base"]
-
-    def call(self, cmd: str, timeout: float = 60.0, **kw):
-        self._conn.send((cmd, kw))
-        if not self._conn.poll(timeout):
-            raise RuntimeError(f"peer did not answer {cmd!r} within {timeout} s")
-        msg = self._conn.recv()
-        if not msg["ok"]:
-            raise RuntimeError(f"peer command {cmd!r} failed: {msg['error']}")
-        return msg["value"]
-
-    def poison(self) -> None:
-        self.call("poison")
-
-    def check(self, expected: Expected) -> None:
-        """Assert the peer's whole buffer (guards included) equals ``expected``; name the first wrong byte."""
-        if self.call("digest") == expected.digest():
-            return
-        data = np.frombuffer(self.call("dump"), dtype=np.uint8)
-        bad = np.nonzero(data != expected.full)[0]
-        first = int(bad[0])
-        raise AssertionError(f"peer buffer differs in {bad.size} byte(s); first at offset {first - GUARD} from the "
-                             f"registered base (got 0x{data[first]:02x}, expected 0x{expected.full[first]:02x})")
-
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("close", timeout=30)
-        except Exception:  # noqa: BLE001
-            pass
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
+        super().__init__(_peer_main, (kind, size, logging.WARNING), f"pxn-integration-peer-{kind}", size)
 
 
 # ============================================================================================================

@@ -14,7 +14,6 @@ import datetime
 import hashlib
 import json
 import logging
-import multiprocessing as mp
 import os
 import platform
 import sys
@@ -23,6 +22,8 @@ import traceback
 from typing import Dict, List, Optional
 
 import numpy as np
+
+from transport.peer_process import PeerProcess
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def _peer_main(conn, sizes: Dict[str, tuple], engine_kwargs: dict, log_level: in
             conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
 
 
-class LocalPeer:
+class LocalPeer(PeerProcess):
     """A receiving ``TransferEngine`` in a spawned process with named registered buffers.
 
     Arguments:
@@ -120,50 +121,12 @@ class LocalPeer:
     """
 
     def __init__(self, sizes: Dict[str, tuple], log_level: int = logging.WARNING, **engine_kwargs):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(child, sizes, engine_kwargs, log_level), daemon=True,
-                                name="pxn-bench-peer")
-        self.proc.start()
-        deadline = time.monotonic() + 180
-        while not self._conn.poll(0.2):  # a child that dies at start must not cost the whole timeout
-            if not self.proc.is_alive() or time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"bench peer did not start (exit code {self.proc.exitcode}); a script that "
-                                   f"starts it needs an `if __name__ == '__main__':` guard")
-        msg = self._conn.recv()
-        if not msg["ok"]:
-            raise RuntimeError(f"bench peer failed to start: {msg['error']}")
-        self.session = msg["session"]
-        self.addrs = msg["addrs"]
-
-    def call(self, cmd: str, timeout: float = 300.0, **kw):
-        self._conn.send((cmd, kw))
-        if not self._conn.poll(timeout):
-            raise RuntimeError(f"bench peer did not answer {cmd!r} within {timeout} s")
-        msg = self._conn.recv()
-        if not msg["ok"]:
-            raise RuntimeError(f"bench peer command {cmd!r} failed: {msg['error']}")
-        return msg["value"]
-
-    def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("close", timeout=30)
-        except Exception:  # noqa: BLE001
-            pass
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__(_peer_main, (sizes, engine_kwargs, log_level), name="pxn-bench-peer",
+                         start_timeout=180.0, call_timeout=300.0)
+        self.session = self.ready["session"]
+        self.addrs = self.ready["addrs"]
 
 
-# --- shapes -------------------------------------------------------------------------------------------------
 def sglang_shapes(layers: int = 78, device: int = -1, quick: bool = False) -> List[dict]:
     """The sglang call shapes: name, memory device, and (src_off, dst_off, length) lists into 'kv'/'aux' buffers.
 

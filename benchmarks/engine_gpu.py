@@ -122,7 +122,8 @@ def main(argv=None) -> int:
         return 2
     import triton
     import pxn_kernels
-    from transport.bench_cli import LocalPeer, _digest
+    from transport.bench_cli import LocalPeer
+    from transport.peer_process import digest as _digest
     from transport.engine import TransferEngine
 
     dev = torch.device("cuda:0")

@@ -36,7 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from transport.bench_cli import LocalPeer, _Mem, measure  # noqa: E402
+from transport.bench_cli import LocalPeer, measure  # noqa: E402
+from transport.peer_process import Buffer  # noqa: E402
 from transport.engine import TransferEngine  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     print(f"relay table on {args.fabric}, {args.rails} rails, host memory, {args.total_mb} MB per call, "
           f"median of {args.repeat}", flush=True)
     with LocalPeer({"dst": (total, -1)}, **common) as peer:
-        src = _Mem(total, -1, random_seed=11)
+        src = Buffer(total, -1, random_seed=11)
 
         def cell(engine_kwargs, piece, slot, path):
             with TransferEngine(**common, **engine_kwargs) as eng:

@@ -7,11 +7,9 @@ by comparing a hash of the peer's whole buffer with the hash of the expected buf
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import sys
-import traceback
 
 import numpy as np
 
@@ -19,87 +17,51 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from transport.peer_process import PeerProcess  # noqa: E402
+from transport.peer_process import POISON, Buffer, PeerProcess, serve  # noqa: E402
+from transport.peer_process import digest as _digest  # noqa: E402
 
 GUARD = 1 << 20
-POISON = 0x5A
-
-
-def _digest(arr: np.ndarray) -> str:
-    return hashlib.blake2b(memoryview(arr), digest_size=20).hexdigest()
-
-
-class _Mem:
-    def __init__(self, nbytes: int, device: int):
-        self.device = device
-        if device < 0:
-            self.arr = np.empty(nbytes, dtype=np.uint8)
-            self.addr = self.arr.ctypes.data
-        else:
-            import torch
-            self.arr = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
-            self.addr = self.arr.data_ptr()
-
-    def fill(self, value):
-        self.arr.fill(value) if self.device < 0 else self.arr.fill_(value)
-
-    def host(self) -> np.ndarray:
-        return self.arr if self.device < 0 else self.arr.cpu().numpy()
 
 
 def _peer_main(conn, size: int, device: int, engine_kwargs: dict, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="peer %(levelname)s %(name)s: %(message)s")
-    try:
+    state = {"extras": {}}
+
+    def start():
         from transport import TransferEngine
-        engine = TransferEngine(**engine_kwargs)
-        mem = _Mem(GUARD + size + GUARD, device)
-        mem.fill(POISON)
+        engine = state["engine"] = TransferEngine(**engine_kwargs)
+        mem = state["mem"] = Buffer(GUARD + size + GUARD, device)
         engine.register(mem.addr + GUARD, size, device=device)
-        extras = {}
-        conn.send({"ok": True, "session": engine.session_id, "base": mem.addr + GUARD})
-    except BaseException as e:  # noqa: BLE001
-        conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-        return
-    while True:
-        try:
-            cmd, kw = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "poison":
-                mem.fill(kw.get("value", POISON))
-                for x in extras.values():
-                    x.fill(kw.get("value", POISON))
-                rep = None
-            elif cmd == "digest":
-                if device >= 0:
-                    import torch
-                    torch.cuda.synchronize(device)
-                rep = _digest(mem.host())
-            elif cmd == "dump":
-                rep = mem.host().tobytes()
-            elif cmd == "register_extra":
-                x = _Mem(kw["size"], device)
-                x.fill(POISON)
-                engine.register(x.addr, kw["size"], device=device)
-                extras[x.addr] = x
-                rep = x.addr
-            elif cmd == "deregister":
-                engine.deregister(kw["addr"])
-                rep = None
-            elif cmd == "extra_digest":
-                rep = _digest(extras[kw["addr"]].host())
-            elif cmd == "stats":
-                rep = engine.stats()
-            elif cmd == "close":
-                engine.close()
-                conn.send({"ok": True, "value": None})
-                break
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-            conn.send({"ok": True, "value": rep})
-        except BaseException as e:  # noqa: BLE001
-            conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        return {"session": engine.session_id, "base": mem.addr + GUARD}
+
+    def handle(cmd, kw):
+        engine, mem, extras = state["engine"], state["mem"], state["extras"]
+        if cmd == "poison":
+            for x in [mem, *extras.values()]:
+                x.fill(kw.get("value", POISON))
+            return None
+        if cmd == "digest":
+            if device >= 0:
+                import torch
+                torch.cuda.synchronize(device)
+            return _digest(mem.host())
+        if cmd == "dump":
+            return mem.host().tobytes()
+        if cmd == "register_extra":
+            x = Buffer(kw["size"], device)
+            engine.register(x.addr, kw["size"], device=device)
+            extras[x.addr] = x
+            return x.addr
+        if cmd == "deregister":
+            engine.deregister(kw["addr"])
+            return None
+        if cmd == "extra_digest":
+            return _digest(extras[kw["addr"]].host())
+        if cmd == "stats":
+            return engine.stats()
+        raise ValueError(f"unknown command {cmd!r}")
+
+    serve(conn, start, handle, lambda: state["engine"].close())
 
 
 class GuardedPeer(PeerProcess):

@@ -16,13 +16,12 @@ import socket
 import sys
 import threading
 import time
-import traceback
 import types
 
 import numpy as np
 import pytest
 
-from engine_helpers import GUARD, POISON, Expected, GuardedPeer, _digest, disjoint_offsets
+from engine_helpers import GUARD, POISON, Expected, GuardedPeer, _digest, disjoint_offsets, serve
 
 from integration import mooncake as mc
 from integration.mooncake import TransferEngine as MooncakeEngine
@@ -40,8 +39,10 @@ SRC_BYTES = 48 * MB
 # ============================================================================================================
 def _peer_main(conn, kind: str, size: int, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="peer %(levelname)s %(name)s: %(message)s")
-    try:
-        mem = np.full(GUARD + size + GUARD, POISON, dtype=np.uint8)
+    state = {"extras": {}}
+
+    def start():
+        mem = state["mem"] = np.full(GUARD + size + GUARD, POISON, dtype=np.uint8)
         base = mem.ctypes.data + GUARD
         half = size // 2
         if kind == "mooncake":
@@ -50,53 +51,39 @@ def _peer_main(conn, kind: str, size: int, log_level: int) -> None:
             if ret != 0:
                 raise RuntimeError(f"initialize returned {ret}")
             ret = eng.register_memory(base, size)
-            session = eng.get_session_id()
             shim = eng
         else:  # sglang adapter on the decode side: KV region + aux region in one batch_register, as conn.py does
             eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0, ib_device=None, protocol="tcp")
             ret = eng.batch_register([base, base + half], [half, size - half])
-            session = eng.get_session_id()
             shim = eng.engine
+        state["eng"], state["shim"] = eng, shim
         if ret != 0:
             raise RuntimeError(f"registration returned {ret}")
-        conn.send({"ok": True, "session": session, "base": base})
-    except BaseException as e:  # noqa: BLE001
-        conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-        return
-    extras = {}
-    while True:
-        try:
-            cmd, kw = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "poison":
-                mem.fill(POISON)
-                rep = None
-            elif cmd == "digest":
-                rep = _digest(mem)
-            elif cmd == "dump":
-                rep = mem.tobytes()
-            elif cmd == "register_extra":
-                x = np.full(kw["size"], POISON, dtype=np.uint8)
-                rc = shim.register_memory(x.ctypes.data, x.nbytes)
-                if rc != 0:
-                    raise RuntimeError(f"register_memory returned {rc}")
-                extras[x.ctypes.data] = x
-                rep = x.ctypes.data
-            elif cmd == "unregister":
-                rep = shim.unregister_memory(kw["addr"])
-            elif cmd == "extra_digest":
-                rep = _digest(extras[kw["addr"]])
-            elif cmd == "close":
-                eng.close()
-                conn.send({"ok": True, "value": None})
-                break
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-            conn.send({"ok": True, "value": rep})
-        except BaseException as e:  # noqa: BLE001
-            conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        return {"session": eng.get_session_id(), "base": base}
+
+    def handle(cmd, kw):
+        mem, shim, extras = state["mem"], state["shim"], state["extras"]
+        if cmd == "poison":
+            mem.fill(POISON)
+            return None
+        if cmd == "digest":
+            return _digest(mem)
+        if cmd == "dump":
+            return mem.tobytes()
+        if cmd == "register_extra":
+            x = np.full(kw["size"], POISON, dtype=np.uint8)
+            rc = shim.register_memory(x.ctypes.data, x.nbytes)
+            if rc != 0:
+                raise RuntimeError(f"register_memory returned {rc}")
+            extras[x.ctypes.data] = x
+            return x.ctypes.data
+        if cmd == "unregister":
+            return shim.unregister_memory(kw["addr"])
+        if cmd == "extra_digest":
+            return _digest(extras[kw["addr"]])
+        raise ValueError(f"unknown command {cmd!r}")
+
+    serve(conn, start, handle, lambda: state["eng"].close())
 
 
 class Peer(GuardedPeer):

@@ -11,105 +11,57 @@ when CUDA is available, else tcp + host memory. Prints GB/s per shape and where 
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
 import platform
 import sys
 import time
-import traceback
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import numpy as np
 
-from transport.peer_process import PeerProcess
+from transport.peer_process import POISON, Buffer, PeerProcess, digest, serve
 
 log = logging.getLogger(__name__)
 
 AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
 SHAPES_FILE = os.environ.get("PXN_SHAPES", "/work/shared/traffic/sglang_shapes.json")
 MLA = {"mla_latent_1k": 2359296, "mla_latent_8k": 4316928, "mla_latent_64k": 8650752}
-POISON = 0x5A
-
-
-def _digest(arr) -> str:
-    return hashlib.blake2b(memoryview(arr), digest_size=20).hexdigest()
-
-
-class _Mem:
-    """Host (numpy) or GPU (torch) bytes with a raw address."""
-
-    def __init__(self, nbytes: int, device: int, fill: Optional[int] = None, random_seed: Optional[int] = None):
-        self.nbytes = nbytes
-        self.device = device
-        if device < 0:
-            if random_seed is not None:
-                self.arr = np.frombuffer(np.random.default_rng(random_seed).bytes(nbytes), dtype=np.uint8).copy()
-            else:
-                self.arr = np.full(nbytes, POISON if fill is None else fill, dtype=np.uint8)
-            self.addr = self.arr.ctypes.data
-        else:
-            import torch
-            if random_seed is not None:
-                g = torch.Generator(device=f"cuda:{device}").manual_seed(random_seed)
-                self.arr = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{device}", generator=g)
-            else:
-                self.arr = torch.full((nbytes,), POISON if fill is None else fill, dtype=torch.uint8,
-                                      device=f"cuda:{device}")
-            self.addr = self.arr.data_ptr()
-
-    def host(self) -> np.ndarray:
-        if self.device < 0:
-            return self.arr
-        return self.arr.cpu().numpy()
-
-    def fill(self, value: int) -> None:
-        self.arr.fill(value) if self.device < 0 else self.arr.fill_(value)
 
 
 def _peer_main(conn, sizes: Dict[str, tuple], engine_kwargs: dict, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="peer %(levelname)s %(name)s: %(message)s")
-    try:
+    state = {}
+
+    def start():
         from transport.engine import TransferEngine
-        engine = TransferEngine(**engine_kwargs)
-        mems = {}
+        engine = state["engine"] = TransferEngine(**engine_kwargs)
+        mems = state["mems"] = {}
         for name, (nbytes, device) in sizes.items():
-            mems[name] = _Mem(nbytes, device)
+            mems[name] = Buffer(nbytes, device)
             engine.register(mems[name].addr, nbytes, device=device)
-        conn.send({"ok": True, "session": engine.session_id, "addrs": {k: m.addr for k, m in mems.items()}})
-    except BaseException as e:  # noqa: BLE001
-        conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
-        return
-    while True:
-        try:
-            cmd, kw = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "poison":
-                for m in mems.values():
-                    m.fill(POISON)
-                if any(m.device >= 0 for m in mems.values()):
-                    import torch
-                    torch.cuda.synchronize()
-                rep = None
-            elif cmd == "digest":
-                if mems[kw["name"]].device >= 0:
-                    import torch
-                    torch.cuda.synchronize()
-                rep = _digest(mems[kw["name"]].host())
-            elif cmd == "stats":
-                rep = engine.stats()
-            elif cmd == "close":
-                engine.close()
-                conn.send({"ok": True, "value": None})
-                break
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-            conn.send({"ok": True, "value": rep})
-        except BaseException as e:  # noqa: BLE001
-            conn.send({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+        return {"session": engine.session_id, "addrs": {k: m.addr for k, m in mems.items()}}
+
+    def handle(cmd, kw):
+        mems = state["mems"]
+        if cmd == "poison":
+            for m in mems.values():
+                m.fill(POISON)
+            if any(m.device >= 0 for m in mems.values()):
+                import torch
+                torch.cuda.synchronize()
+            return None
+        if cmd == "digest":
+            if mems[kw["name"]].device >= 0:
+                import torch
+                torch.cuda.synchronize()
+            return digest(mems[kw["name"]].host())
+        if cmd == "stats":
+            return state["engine"].stats()
+        raise ValueError(f"unknown command {cmd!r}")
+
+    serve(conn, start, handle, lambda: state["engine"].close())
 
 
 class LocalPeer(PeerProcess):
@@ -173,11 +125,11 @@ def buffer_sizes(shapes: List[dict]) -> Dict[str, int]:
     return need
 
 
-def expected_digest(src_host: np.ndarray, size: int, shape: dict) -> str:
+def expecteddigest(src_host: np.ndarray, size: int, shape: dict) -> str:
     img = np.full(size, POISON, dtype=np.uint8)
     for s, d, n in zip(shape["src"].tolist(), shape["dst"].tolist(), shape["len"].tolist()):
         img[d:d + n] = src_host[s:s + n]
-    return _digest(img)
+    return digest(img)
 
 
 def measure(engine, session: str, src_addr: int, dst_addr: int, shape: dict, repeat: int, warmup: int = 1,
@@ -259,7 +211,7 @@ def run(args) -> int:
     t_start = time.perf_counter()
     try:
         with LocalPeer({k: (v, devs[k]) for k, v in need.items()}, **kw) as peer, TransferEngine(**kw) as eng:
-            srcs = {k: _Mem(v, devs[k], random_seed=7 + i) for i, (k, v) in enumerate(sorted(need.items()))}
+            srcs = {k: Buffer(v, devs[k], random_seed=7 + i) for i, (k, v) in enumerate(sorted(need.items()))}
             for m in srcs.values():
                 eng.register(m.addr, m.nbytes, device=m.device)
             sync = (lambda: torch.cuda.synchronize()) if device >= 0 else None
@@ -270,7 +222,7 @@ def run(args) -> int:
                     peer.call("poison")
                     eng.batch_write(peer.session, (srcs[buf].addr + shape["src"]).tolist(),
                                     (peer.addrs[buf] + shape["dst"]).tolist(), shape["len"].tolist())
-                    ok = peer.call("digest", name=buf) == expected_digest(srcs[buf].host(), need[buf], shape)
+                    ok = peer.call("digest", name=buf) == expecteddigest(srcs[buf].host(), need[buf], shape)
                     verified = "byte-exact" if ok else "MISMATCH"
                 r = measure(eng, peer.session, srcs[buf].addr, peer.addrs[buf], shape, args.repeat,
                             warmup=0 if not args.no_verify else 1, sync=sync)

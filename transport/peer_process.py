@@ -7,9 +7,90 @@ starts with a clean CUDA and thread state.
 """
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import time
+import traceback
 from typing import Callable, Optional, Tuple
+
+import numpy as np
+
+POISON = 0x5A
+"""Byte value peers fill their buffers with before a write, so unwritten and stray bytes both show."""
+
+
+def digest(arr) -> str:
+    """Hash of a host byte array (compare a peer's whole buffer without shipping it)."""
+    return hashlib.blake2b(memoryview(arr), digest_size=20).hexdigest()
+
+
+class Buffer:
+    """Host (numpy) or GPU (torch, ``device >= 0``) bytes with a raw address: a peer's or a sender's memory.
+
+    Filled with ``fill`` (default ``POISON``), or with seeded random bytes when ``random_seed`` is given.
+    """
+
+    def __init__(self, nbytes: int, device: int, fill: Optional[int] = None, random_seed: Optional[int] = None):
+        self.nbytes = nbytes
+        self.device = device
+        if device < 0:
+            if random_seed is not None:
+                self.arr = np.frombuffer(np.random.default_rng(random_seed).bytes(nbytes), dtype=np.uint8).copy()
+            else:
+                self.arr = np.full(nbytes, POISON if fill is None else fill, dtype=np.uint8)
+            self.addr = self.arr.ctypes.data
+        else:
+            import torch
+            if random_seed is not None:
+                g = torch.Generator(device=f"cuda:{device}").manual_seed(random_seed)
+                self.arr = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{device}", generator=g)
+            else:
+                self.arr = torch.full((nbytes,), POISON if fill is None else fill, dtype=torch.uint8,
+                                      device=f"cuda:{device}")
+            self.addr = self.arr.data_ptr()
+
+    def host(self) -> np.ndarray:
+        """The bytes on the host (a copy for GPU memory, after the device's pending work)."""
+        if self.device < 0:
+            return self.arr
+        return self.arr.cpu().numpy()
+
+    def fill(self, value: int) -> None:
+        self.arr.fill(value) if self.device < 0 else self.arr.fill_(value)
+
+
+def _error(exc: BaseException) -> dict:
+    return {"ok": False, "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+
+
+def serve(conn, start: Callable[[], dict], handle: Callable[[str, dict], object], close: Callable[[], None]):
+    """The child's side of ``PeerProcess``.
+
+    Arguments:
+        conn: the pipe end ``PeerProcess`` passed as the target's first argument.
+        start: sets the child up; its dict goes into the ready message (``PeerProcess.ready``).
+        handle: ``handle(command, kwargs)`` -> the value sent back; raise to refuse (the caller gets the error).
+        close: called on the ``"close"`` command, after which the child returns.
+    """
+    try:
+        ready = start()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(_error(exc))
+        return
+    conn.send({"ok": True, **ready})
+    while True:
+        try:
+            cmd, kw = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "close":
+                close()
+                conn.send({"ok": True, "value": None})
+                break
+            conn.send({"ok": True, "value": handle(cmd, kw)})
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(_error(exc))
 
 
 class PeerProcess:

@@ -250,7 +250,9 @@ def _resolve(src_index, dst_index, lengths, src_base, dst_base, plan):
             src_base - anchor_addr, dst_base - anchor_addr, settings.ranges)
     constexprs = dict(BLOCK=settings.block_bytes, TAIL_BLOCK=settings.tail_block_bytes,
                       STREAMING=settings.streaming, num_warps=settings.num_warps)
-    if _LAUNCHER != "direct" or lengths.device.type != "cuda":
+    # Triton turns an int argument equal to 1 into a constant and drops its parameter; the direct launcher
+    # fills parameters by position, so such a launch goes through Triton's own path.
+    if _LAUNCHER != "direct" or lengths.device.type != "cuda" or 1 in args[7:]:
         return None, None, args, constexprs
     key = (lengths.device.index, settings.block_bytes, settings.tail_block_bytes, settings.num_warps,
            settings.streaming, tuple(t.data_ptr() % 16 == 0 for t in args[1:7]),

@@ -27,9 +27,10 @@ ERR_DEVICE_NOT_FOUND     -6   the fabric cannot run here (protocol "rdma" withou
 ERR_ADDRESS_OVERLAPPED   -7   ``register_memory`` of a range overlapping a registered one
 ERR_SOCKET             -102   ``send_probe``: nothing answers at the peer's control port
 ERR_METADATA           -200   unknown session: malformed "host:port", nobody listens there, handshake refused
-                              (``UnknownSession``); nothing was written
+                              (``UnknownSession``), also a dead peer once the engine forgot it; nothing written
 ERR_ENDPOINT           -201   every rail to the peer failed (peer died, connections reset) (``PeerLost`` /
-                              ``TransferError`` with per-rail ``causes``); part may have been written
+                              ``TransferError`` with per-rail ``causes``); part may have been written. The engine
+                              then forgets the peer: a later call to the session handshakes again
 ERR_CONTEXT            -202   not initialized yet, or closed (``FabricClosed``)
 ERR_NOT_IMPLEMENTED    -303   a metadata server other than P2PHANDSHAKE, a protocol pxn has no fabric for
 ERR_REMOTE_REJECTED    -501   the receiver refused a chunk / write (e.g. the peer deregistered the region

@@ -188,7 +188,9 @@ class PxnMooncakeTransferEngine:
         return self.session_id
 
     def send_probe(self, peer_session_id: str) -> int:
-        """Cheap liveness probe of a peer (sglang un-blacklists a failed session when this returns 0)."""
+        """Cheap liveness probe of a peer (sglang un-blacklists a failed session when this returns 0). A fresh
+        control connection, independent of transfer state: 0 means an engine answers at that session now, and the
+        next ``batch_transfer_sync`` to it handshakes again if every rail of the old connection had failed."""
         return self.engine.send_probe(peer_session_id)
 
     def get_engine(self):

@@ -327,18 +327,190 @@ def test_rail_killed_mid_batch_fails_over(peer, src, rng):
         eng.batch_write(peer.session, [b], [peer.base + 5], [3 * MB])
 
 
-def test_all_rails_dead_fails_with_every_cause(peer, src):
+def _abort_all_rails_mid_batch(eng, session, rails, src_offs, dsts, lens, base):
+    """Submit a batch, abort every rail as soon as rail 0 completed part of it; return the batch's error."""
+    before = eng.stats()["rails"][0].get("bytes_completed", 0)
+    eps = [eng.rail_endpoint(session, r) for r in range(rails)]
+    h = eng.batch_write_async(session, [base + int(x) for x in src_offs], dsts, lens, timeout=60)
+    deadline = time.time() + 30
+    while time.time() < deadline and eng.stats()["rails"][0].get("bytes_completed", 0) <= before:
+        time.sleep(0.0005)
+    for ep in eps:
+        ep.abort()
+    with pytest.raises(TransferError) as info:
+        h.wait(60)
+    return info.value
+
+
+def test_all_rails_dead_fails_with_every_cause_then_reconnects(peer, src, rng):
+    """Every rail dies mid-batch (a network blip; the peer process lives on): the batch fails with one cause
+    per rail, the engine forgets the peer, and the next batch to the same session id handshakes again and is
+    byte-exact."""
+    with TransferEngine(fabric="tcp", rails=2) as eng:
+        eng.register(src)
+        b = src.ctypes.data
+        eng.batch_write(peer.session, [b], [peer.base], [64])
+        lens = [BLOCK_1K] * 60 + [4096] * 2000
+        s = disjoint_offsets(rng, lens, SRC_BYTES)
+        d = [peer.base + int(x) for x in disjoint_offsets(rng, lens, peer.size)]
+        err = _abort_all_rails_mid_batch(eng, peer.session, 2, s, d, lens, b)
+        assert not isinstance(err, TransferTimeout), err
+        assert len(err.causes) == 2, err
+        assert "rail 0" in str(err) and "rail 1" in str(err)
+        st = eng.stats()["failover"]
+        assert st["peers_lost"] == 1 and st["reconnects"] == 0, st
+        lengths = [64] * 300 + [BLOCK_1K] * 3 + [100000]
+        run_case(eng, peer, src, disjoint_offsets(rng, lengths, 32 * MB), disjoint_offsets(rng, lengths, 32 * MB),
+                 lengths, timeout=30)
+        st = eng.stats()
+        assert st["failover"]["reconnects"] == 1, st["failover"]
+        assert all(r["peers_alive"] == 1 for r in st["rails"]), st["rails"]
+
+
+def test_reconnect_survives_receiver_sweep_while_rails_connect(peer, src, rng, monkeypatch):
+    """After every rail died, the re-handshake's rails connect slowly (longer than the receiver's sweep period):
+    the receiver must keep the sender's new landing slots meanwhile although its old endpoints are dead."""
+    from transport.receiver import SWEEP_S
     with TransferEngine(fabric="tcp", rails=2) as eng:
         eng.register(src)
         b = src.ctypes.data
         eng.batch_write(peer.session, [b], [peer.base], [64])
         for rail in range(2):
             eng.rail_endpoint(peer.session, rail).abort()
-        time.sleep(0.3)
-        with pytest.raises(TransferError) as info:
-            eng.batch_write(peer.session, [b, b + MB], [peer.base, peer.base + MB], [64, 2 * MB], timeout=30)
-        assert len(info.value.causes) == 2
-        assert "rail 0" in str(info.value) and "rail 1" in str(info.value)
+        assert _settle(lambda: eng.stats()["failover"]["peers_lost"], 1) == 1
+        time.sleep(0.2)  # the peer sees its ends of the old rails die
+        connect = eng.fabrics[0].connect
+
+        def slow_connect(desc):
+            time.sleep(2.2 * SWEEP_S)  # at least one sweep of the receiver runs before the rails connect
+            return connect(desc)
+
+        monkeypatch.setattr(eng.fabrics[0], "connect", slow_connect)
+        lengths = [64] * 200 + [8192] * 20
+        run_case(eng, peer, src, disjoint_offsets(rng, lengths, 8 * MB), disjoint_offsets(rng, lengths, 8 * MB),
+                 lengths, timeout=30)
+        assert eng.stats()["failover"]["reconnects"] == 1
+
+
+def test_control_connection_drop_is_reopened(peer, src):
+    """Only the control connection dies (e.g. an idle-timeout on a firewall; the rails keep their keepalive): the
+    next region refresh re-opens it, the rails are kept, the batch succeeds."""
+    import socket
+    with TransferEngine(fabric="tcp") as eng:
+        eng.register(src)
+        b = src.ctypes.data
+        eng.batch_write(peer.session, [b], [peer.base], [64])
+        eng._peers[peer.session].ctrl.shutdown(socket.SHUT_RDWR)
+        extra = peer.call("register_extra", size=1 * MB)  # not in the sender's list: forces a refresh
+        eng.batch_write(peer.session, [b, b + 4096], [extra, extra + 4096], [64, 512 * 1024])
+        st = eng.stats()["failover"]
+        assert st["ctrl_reconnects"] == 1 and st["peers_lost"] == 0 and st["reconnects"] == 0, st
+
+
+def _pxn_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("pxn-"))
+
+
+def _tcp_sockets() -> int:
+    """TCP sockets open in this process (spawning a peer adds a unix socket and pipes, which are not counted)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        n += sum(1 for row in rows if row.split()[9] in mine)
+    return n
+
+
+def _settle(fn, want, timeout=5.0):
+    """Poll ``fn()`` until it equals ``want`` (threads and sockets of a dead peer go away asynchronously)."""
+    deadline = time.time() + timeout
+    got = fn()
+    while got != want and time.time() < deadline:
+        time.sleep(0.05)
+        got = fn()
+    return got
+
+
+def test_restarted_peer_on_same_port_is_reached_again(peer, src, rng):
+    """The decode process dies mid-stream and a NEW one starts on the same control port (same session id): in
+    between, batches fail with UnknownSession naming the loss (again and again, no poisoning); then the same
+    session id reaches the new process byte-exact, and nothing of the old connection is left (threads, sockets).
+    Meanwhile another peer's batches from the same engine keep succeeding, byte-exact."""
+    victim = EnginePeer(64 * MB, fabric="tcp")
+    session = victim.session
+    port = int(session.rpartition(":")[2])
+    reborn = None
+    stop, errors, rounds = threading.Event(), [], [0]
+    try:
+        with TransferEngine(fabric="tcp") as eng:
+            eng.register(src)
+            b = src.ctypes.data
+            run_case(eng, victim, src, [0], [0], [64])  # handshake
+            # the bystander: one batch to the other peer, written again and again until the end
+            peer.poison()
+            by_lens = [64] * 200 + [BLOCK_1K] * 2
+            by_src, by_dst = disjoint_offsets(rng, by_lens, 16 * MB), disjoint_offsets(rng, by_lens, 16 * MB)
+            by_exp = Expected(peer.size)
+            by_exp.apply(src, by_src, by_dst, by_lens)
+            eng.batch_write(peer.session, [b + int(x) for x in by_src], [peer.base + int(x) for x in by_dst],
+                            by_lens)
+
+            def bystander():
+                try:
+                    while not stop.is_set():
+                        eng.batch_write(peer.session, [b + int(x) for x in by_src],
+                                        [peer.base + int(x) for x in by_dst], by_lens, timeout=30)
+                        rounds[0] += 1
+                except BaseException as e:  # noqa: BLE001
+                    errors.append(e)
+
+            by = threading.Thread(target=bystander)
+            threads, socks = _pxn_threads(), _tcp_sockets()
+            by.start()
+            lens = [BLOCK_1K] * 20 + [4096] * 2000
+            srcs = [b + (i * 65536) % (SRC_BYTES - BLOCK_1K) for i in range(len(lens))]
+            dsts = [victim.base + i * BLOCK_1K for i in range(20)] + [victim.base + 50 * MB + i * 4096
+                                                                      for i in range(2000)]
+            h = eng.batch_write_async(session, srcs, dsts, lens, timeout=60)
+            time.sleep(0.005)
+            victim.proc.kill()
+            victim.proc.join(10)
+            with pytest.raises(TransferError) as info:
+                h.wait(60)
+            assert not isinstance(info.value, TransferTimeout), info.value
+            for _ in range(2):  # nobody listens at the session now: a named error every time, nothing cached
+                with pytest.raises(UnknownSession, match=f"no pxn engine answers at session '{session}'.*"
+                                                         f"previous connection was lost"):
+                    eng.batch_write(session, [b], [victim.base], [64], timeout=10)
+            reborn = EnginePeer(64 * MB, fabric="tcp", port=port)
+            assert reborn.session == session
+            lengths = AUX + [BLOCK_1K] * 4 + [64] * 500
+            run_case(eng, reborn, src, disjoint_offsets(rng, lengths, 32 * MB),
+                     disjoint_offsets(rng, lengths, 60 * MB), lengths)
+            stop.set()
+            by.join(60)
+            assert not errors and rounds[0] >= 1, (errors, rounds)
+            peer.check(by_exp)
+            st = eng.stats()["failover"]
+            assert st["peers_lost"] == 1 and st["reconnects"] == 1, st
+            # the old connection's threads and sockets are gone: same count as with one connected peer before
+            assert _settle(_pxn_threads, threads) == threads
+            assert _settle(_tcp_sockets, socks) == socks
+    finally:
+        stop.set()
+        victim.close()
+        if reborn is not None:
+            reborn.close()
 
 
 # --- telemetry ----------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ SRC_BYTES = 48 * MB
 # ============================================================================================================
 # the receiving process
 # ============================================================================================================
-def _peer_main(conn, kind: str, size: int, log_level: int) -> None:
+def _peer_main(conn, kind: str, size: int, log_level: int, port: int = 0) -> None:
     logging.basicConfig(level=log_level, format="peer %(levelname)s %(name)s: %(message)s")
     state = {"extras": {}}
 
@@ -46,14 +46,14 @@ def _peer_main(conn, kind: str, size: int, log_level: int) -> None:
         base = mem.ctypes.data + GUARD
         half = size // 2
         if kind == "mooncake":
-            eng = MooncakeEngine()
+            eng = MooncakeEngine(port=port)
             ret = eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
             if ret != 0:
                 raise RuntimeError(f"initialize returned {ret}")
             ret = eng.register_memory(base, size)
             shim = eng
         else:  # sglang adapter on the decode side: KV region + aux region in one batch_register, as conn.py does
-            eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0, ib_device=None, protocol="tcp")
+            eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0, ib_device=None, protocol="tcp", port=port)
             ret = eng.batch_register([base, base + half], [half, size - half])
             shim = eng.engine
         state["eng"], state["shim"] = eng, shim
@@ -88,10 +88,11 @@ def _peer_main(conn, kind: str, size: int, log_level: int) -> None:
 
 class Peer(GuardedPeer):
     """A receiving engine (``kind`` "mooncake" or "sglang") in a spawned process; ``size`` registered bytes at
-    ``base`` (for "sglang": two regions, ``[base, base + size/2)`` and ``[base + size/2, base + size)``)."""
+    ``base`` (for "sglang": two regions, ``[base, base + size/2)`` and ``[base + size/2, base + size)``).
+    ``port``: its control port (0: any free one), to restart a peer under the same session id."""
 
-    def __init__(self, kind: str, size: int):
-        super().__init__(_peer_main, (kind, size, logging.WARNING), f"pxn-integration-peer-{kind}", size)
+    def __init__(self, kind: str, size: int, port: int = 0):
+        super().__init__(_peer_main, (kind, size, logging.WARNING, port), f"pxn-integration-peer-{kind}", size)
 
 
 # ============================================================================================================
@@ -437,8 +438,9 @@ def test_remote_rejected_when_peer_deregistered(mc_sender, mc_peer, src):
 
 
 def test_peer_death_is_an_endpoint_error(mc_sender, src):
-    """The decode process dies: sync and async writes to it return ERR_ENDPOINT (every rail failed) instead of
-    hanging, the probe reports it dead, and the sender keeps serving other peers."""
+    """The decode process dies: sync and async writes to it fail instead of hanging -- ERR_ENDPOINT while the
+    engine still held the dead connection, ERR_METADATA once it forgot it and nobody answers at the session --
+    the probe reports it dead, and the sender keeps serving other peers."""
     victim = Peer("mooncake", 8 * MB)
     try:
         b = src.ctypes.data
@@ -447,14 +449,49 @@ def test_peer_death_is_an_endpoint_error(mc_sender, src):
         victim.proc.kill()
         victim.proc.join(10)
         t0 = time.monotonic()
+        dead = (mc.ERR_ENDPOINT, mc.ERR_METADATA)
         assert mc_sender.batch_transfer_sync_write(victim.session, [b, b + MB], [victim.base, victim.base + MB],
-                                                   [64, 2 * MB]) == mc.ERR_ENDPOINT
+                                                   [64, 2 * MB]) in dead
         bid = mc_sender.batch_transfer_async_write(victim.session, [b], [victim.base], [3 * MB])
-        assert bid == 0 or mc_sender.get_batch_transfer_status([bid]) == mc.ERR_ENDPOINT
+        assert bid == 0 or mc_sender.get_batch_transfer_status([bid]) in dead
         assert time.monotonic() - t0 < 20
         assert mc_sender.send_probe(victim.session) < 0
     finally:
         victim.close()
+
+
+def test_sglang_recovers_when_decode_restarts_on_same_port(sgl_sender, src):
+    """sglang's recovery flow: a transfer to a decode process that died fails (< 0) and keeps failing while
+    nothing listens (send_probe < 0 too); a NEW decode process comes up on the same port, i.e. the same session
+    id: send_probe returns 0 and batch_transfer_sync to that session id succeeds, byte-exact."""
+    victim = Peer("sglang", 8 * MB)
+    session = victim.session
+    reborn = None
+    try:
+        b = src.ctypes.data
+        assert sgl_sender.transfer_sync(session, b, victim.base, 64) == 0
+        victim.proc.kill()
+        victim.proc.join(10)
+        assert sgl_sender.batch_transfer_sync(session, [b, b + MB], [victim.base, victim.base + MB],
+                                              [64, 2 * MB]) in (mc.ERR_ENDPOINT, mc.ERR_METADATA)
+        assert sgl_sender.send_probe(session) < 0
+        assert sgl_sender.batch_transfer_sync(session, [b], [victim.base], [64]) == mc.ERR_METADATA
+        reborn = Peer("sglang", 8 * MB, port=int(session.rpartition(":")[2]))
+        assert reborn.session == session
+        assert sgl_sender.send_probe(session) == 0
+        reborn.poison()
+        exp = Expected(reborn.size)
+        half = reborn.size // 2
+        s_off = [0] + [4 * MB + 4096 * i for i in range(len(AUX))]          # KV block, then aux pieces
+        d_off = [0] + [half + 4096 * i for i in range(len(AUX))]            # KV region, then aux region
+        lens = [BLOCK_1K] + AUX
+        exp.apply(src, s_off, d_off, lens)
+        assert sgl_sender.batch_transfer_sync(session, _addrs(b, s_off), _addrs(reborn.base, d_off), lens) == 0
+        reborn.check(exp)
+    finally:
+        victim.close()
+        if reborn is not None:
+            reborn.close()
 
 
 def test_timeout_code(mc_peer, src):

@@ -17,6 +17,11 @@ session the sender connects to it, sends its rail descriptors and the address / 
 the list of regions the peer registered. Then each rail connects (fabric connect is symmetric). The region list
 is re-fetched when a destination is not covered (the peer may have registered more since).
 
+Reconnect: when every rail to a peer has failed (the peer process died or restarted, the link dropped), the
+engine forgets that peer (rails, landing-slot credits, credit region, region list, control socket); batches in
+flight to it fail with every rail's cause, and the next batch to the same session id handshakes again from
+scratch, with whatever engine listens at that host:port by then.
+
 Threads: per rail one completion poller; per (relay device, rail) ring a copy and a submit thread; one receiver
 progress thread; the control listener (one thread per control connection). ``batch_write`` is thread-safe.
 """
@@ -192,8 +197,9 @@ class _PeerRail:
     """This engine's view of one rail to one peer: endpoint, landing-slot credits, work in flight."""
 
     def __init__(self, rail: int, ep, remote_id: str, landing_addr: int, landing_rkey: int, slots: int,
-                 slot_bytes: int):
+                 slot_bytes: int, peer: Optional["_Peer"] = None):
         self.rail = rail
+        self.peer = peer  # the peer incarnation this rail belongs to (the one to forget when every rail is dead)
         self.ep = ep
         self.remote_id = remote_id
         self.landing_addr = landing_addr
@@ -213,10 +219,17 @@ class _PeerRail:
 
 
 class _Peer:
+    """One incarnation of a connection to a session: made at the handshake, forgotten (``retired``) when every
+    rail failed. A later batch to the same session builds a new ``_Peer``; batches still holding this one fail
+    with its rails' causes."""
+
     def __init__(self, session: str):
         self.session = session
         self.lock = threading.Lock()  # handshake and control socket
         self.ready = False
+        self.retired = False
+        self.lost_work = False  # a rail failed with work in flight (the forget is then worth a warning)
+        self.error: Optional[BaseException] = None  # why its handshake failed (shared with callers that waited)
         self.engine_id = 0
         self.rails: List[_PeerRail] = []
         self.regions = RegionTable()
@@ -226,12 +239,17 @@ class _Peer:
         self.seq = itertools.count(1)
         self.landing_device = DEVICE_HOST
 
+    def connected(self) -> bool:
+        return any(pr.usable() for pr in self.rails)
+
 
 class TransferEngine:
     """Moves batches of pieces into a peer engine's registered memory (see the module docstring).
 
     Arguments (each falls back to a ``PXN_*`` environment variable, read once here, then to a default):
         hostname: address to listen on and to advertise (default "127.0.0.1").
+        port: TCP port of the control listener, i.e. the port in ``session_id`` (default 0: any free port). A
+            fixed port lets a restarted process come back under the same session id, which senders reconnect to.
         fabric: "auto" (verbs when an RDMA device is usable, else tcp) | "tcp" | "ipc" | "verbs"
             (``PXN_FABRIC``).
         topology: a ``transport.topology.Topology`` (e.g. ``transport.topology.discover()``); its usable NIC
@@ -257,13 +275,15 @@ class TransferEngine:
     """
 
     def __init__(self, hostname: str = "127.0.0.1", fabric: Optional[str] = None, topology=None,
-                 rails: Optional[int] = None, coalesce_bytes=None, relay_slot_bytes=None,
+                 rails: Optional[int] = None, port: int = 0, coalesce_bytes=None, relay_slot_bytes=None,
                  relay_slots: Optional[int] = None, lanes: Optional[int] = None,
                  landing_slots: Optional[int] = None, stripe_bytes=None, relay: Optional[str] = None,
                  landing_device: Optional[int] = None, timeout: Optional[float] = None,
                  trace_path: Optional[str] = None, fabric_options: Optional[dict] = None,
                  switch_interval: Optional[float] = None):
         self.hostname = hostname
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
         switch_interval = switch_interval if switch_interval is not None else _env("PXN_SWITCH_INTERVAL", None,
                                                                                    float)
         if switch_interval:
@@ -304,6 +324,7 @@ class TransferEngine:
         self._inflight: Dict[int, _Attempt] = {}
         self._peers: Dict[str, _Peer] = {}
         self._by_remote_rail: Dict[str, Tuple[_Peer, _PeerRail]] = {}
+        self._lost: Dict[str, str] = {}  # session -> why its last connection was forgotten (for error messages)
         self._regions = RegionTable()
         self._rings: Dict[Tuple[int, int], RelayRing] = {}
         self._rail_stats = []
@@ -347,7 +368,10 @@ class TransferEngine:
                                      self.counters, self.trace)
             for rail in range(len(self.fabrics)):
                 self._ring(DEVICE_HOST, rail)
-            self._ctrl = socket.create_server((hostname, 0), backlog=64)
+            try:
+                self._ctrl = socket.create_server((hostname, port), backlog=64)
+            except OSError as e:
+                raise FabricError(f"control listener: cannot listen on {hostname}:{port}: {e}") from e
         except BaseException:
             self._teardown()
             raise
@@ -519,7 +543,9 @@ class TransferEngine:
                     if op == "hello":
                         rep = self._on_hello(req)
                     elif op == "regions":
-                        rep = {"ok": True, "regions": self._regions_wire()}
+                        # the engine id lets a sender whose control connection was re-opened tell a restarted
+                        # peer (new id) from the same one
+                        rep = {"ok": True, "engine_id": self.engine_id, "regions": self._regions_wire()}
                     else:
                         rep = {"ok": False, "error": f"unknown control op {op!r}"}
                 except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
@@ -543,34 +569,67 @@ class TransferEngine:
                 "regions": self._regions_wire(), **landing}
 
     def _peer(self, session_id: str) -> _Peer:
+        """The connected peer of ``session_id``, handshaking first when there is none (first use, or every rail
+        of the previous connection failed). Raises UnknownSession naming why the handshake failed; the next
+        call tries again (nothing is remembered but the reason, for the message)."""
         if not isinstance(session_id, str) or session_id.count(":") < 1:
             raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
         peer = self._peers.get(session_id)
-        if peer is not None and peer.ready:
-            return peer
-        with self._lock:
-            peer = self._peers.setdefault(session_id, _Peer(session_id))
-        with peer.lock:
-            if not peer.ready:
+        if peer is not None and peer.ready and not peer.retired:
+            if peer.connected():
+                return peer
+            # every endpoint died while nothing was in flight to notice (the peer restarted while idle): fail
+            # the rails now so the peer is forgotten, then handshake again below
+            self._fail_peer(peer, None)
+        while True:
+            with self._lock:
+                peer = self._peers.get(session_id)
+                if peer is None or peer.retired:
+                    peer = self._peers[session_id] = _Peer(session_id)
+            with peer.lock:
+                if peer.ready:
+                    return peer
+                if self._peers.get(session_id) is not peer:
+                    if peer.error is not None:
+                        # another caller's handshake failed while this one waited for it: report that instead
+                        # of queueing one more connect (up to 10 s each towards a host that drops packets)
+                        raise UnknownSession(str(peer.error)) from peer.error
+                    continue
                 t0 = now_ns()
-                self._handshake(peer)
+                try:
+                    self._handshake(peer)
+                except BaseException as e:
+                    peer.error = e
+                    with self._lock:
+                        # no half-made peer stays behind: the next call starts over with a fresh one
+                        if self._peers.get(session_id) is peer:
+                            del self._peers[session_id]
+                    raise
                 self.counters.add("handshake_s", (now_ns() - t0) / 1e9)
-        return peer
+                return peer
 
-    def _handshake(self, peer: _Peer) -> None:
-        host, _, port_s = peer.session.rpartition(":")
+    def _ctrl_connect(self, session: str, timeout: float = 10.0) -> socket.socket:
+        """A control connection to ``session``'s listener; UnknownSession naming why not."""
+        host, _, port_s = session.rpartition(":")
         try:
             port = int(port_s)
         except ValueError:
-            raise UnknownSession(f"session id {peer.session!r}: port {port_s!r} is not a number") from None
+            raise UnknownSession(f"session id {session!r}: port {port_s!r} is not a number") from None
         try:
-            sock = socket.create_connection((host, port), timeout=10.0)
+            sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
-            raise UnknownSession(f"no pxn engine answers at session {peer.session!r}: {e}") from e
+            lost = self._lost.get(session)
+            raise UnknownSession(f"no pxn engine answers at session {session!r}: {e}"
+                                 + (f" (its previous connection was lost: {lost})" if lost else "")) from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _handshake(self, peer: _Peer) -> None:
+        sock = self._ctrl_connect(peer.session)
         n = len(self.fabrics)
         credit = HostBuffer(n * self.landing_slots * ACK_BYTES)
         mrs = []
+        rails = []
         try:
             for fab in self.fabrics:
                 mrs.append(fab.register(credit.addr, credit.nbytes, DEVICE_HOST))
@@ -587,11 +646,10 @@ class TransferEngine:
             if int(rep["landing_slot_bytes"]) < self.slot_bytes:
                 raise UnknownSession(f"session {peer.session!r} offers {rep['landing_slot_bytes']} B landing slots, "
                                      f"smaller than this engine's {self.slot_bytes} B chunks")
-            rails = []
             for i, fab in enumerate(self.fabrics):
                 ep = fab.connect(base64.b64decode(rep["rail_descs"][i]))
                 rails.append(_PeerRail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
-                                       int(rep["landing_rkeys"][i]), slots, int(rep["landing_slot_bytes"])))
+                                       int(rep["landing_rkeys"][i]), slots, int(rep["landing_slot_bytes"]), peer))
         except (OSError, ConnectionError, ValueError, KeyError, FabricError) as e:
             sock.close()
             for fab, mr in zip(self.fabrics, mrs):
@@ -613,18 +671,68 @@ class TransferEngine:
         with self._lock:
             for pr in rails:
                 self._by_remote_rail[pr.remote_id] = (peer, pr)
+            again = self._lost.pop(peer.session, None) is not None
         peer.ready = True
-        log.info("engine %s connected to %s over %d rail(s)", self.session_id, peer.session, n)
+        if again:
+            self.counters.add("reconnects")
+        log.log(logging.WARNING if again else logging.INFO, "engine %s %sconnected to %s over %d rail(s)",
+                self.session_id, "re" if again else "", peer.session, n)
 
     def _refresh_regions(self, peer: _Peer) -> None:
+        """Fetch the peer's region list again over the control connection. The control connection alone can
+        drop (an idle NAT / firewall timeout: unlike the rails it has no keepalive), so a failed request is
+        retried once on a new connection; when nobody answers there any more, or a different engine does (the
+        peer restarted), the peer is forgotten. Raises TransferError naming the cause."""
+        gone = None
         with peer.lock:
             try:
-                _send_msg(peer.ctrl, {"op": "regions"})
-                rep = _recv_msg(peer.ctrl)
-            except (OSError, ConnectionError, ValueError) as e:
-                raise TransferError(f"cannot refresh the region list of {peer.session}: {e}", [e]) from e
+                rep = self._ctrl_request(peer, {"op": "regions"})
+            except (OSError, ConnectionError, ValueError) as first:
+                self._close_ctrl_locked(peer)
+                if peer.retired:
+                    raise TransferError(f"cannot refresh the region list of {peer.session}: {first} (every rail "
+                                        f"to it failed meanwhile)", [first]) from first
+                try:
+                    peer.ctrl = self._ctrl_connect(peer.session)
+                    peer.ctrl.settimeout(30.0)
+                    rep = self._ctrl_request(peer, {"op": "regions"})
+                except UnknownSession as e:
+                    gone = e
+                except (OSError, ConnectionError, ValueError) as e:
+                    self._close_ctrl_locked(peer)
+                    raise TransferError(f"cannot refresh the region list of {peer.session}: {first}; again on a "
+                                        f"new control connection: {e}", [first, e]) from e
+                else:
+                    self.counters.add("ctrl_reconnects")
+            if gone is None and int(rep.get("engine_id", peer.engine_id)) != peer.engine_id:
+                gone = PeerLost(f"a different engine (id 0x{int(rep['engine_id']):x}, was 0x{peer.engine_id:x}) "
+                                f"answers at {peer.session} now: the peer restarted")
+        if gone is not None:
+            self._fail_peer(peer, PeerLost(f"control connection to {peer.session}: {gone}"))
+            raise TransferError(f"cannot refresh the region list of {peer.session}: {gone}; forgot the peer, the "
+                                f"next batch to it handshakes again", [gone])
         peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
         self.counters.add("region_refreshes")
+
+    @staticmethod
+    def _ctrl_request(peer: _Peer, msg: dict) -> dict:
+        """One request / reply on the peer's control connection (``peer.lock`` held)."""
+        if peer.ctrl is None:
+            raise ConnectionError("no control connection")
+        _send_msg(peer.ctrl, msg)
+        rep = _recv_msg(peer.ctrl)
+        if not rep.get("ok"):
+            raise ValueError(f"peer refused {msg.get('op')!r}: {rep.get('error')}")
+        return rep
+
+    @staticmethod
+    def _close_ctrl_locked(peer: _Peer) -> None:
+        sock, peer.ctrl = peer.ctrl, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
 
     # ========================================================================================================
     # batch API
@@ -1179,8 +1287,15 @@ class TransferEngine:
             victims = [a for a in pr.inflight if not a.cancelled and not a.finished]
             for a in victims:
                 a.cancelled = True
+            peer = pr.peer
+            if peer is not None and victims:
+                peer.lost_work = True
+            lost = peer is not None and peer.ready and not peer.retired and not any(r.alive for r in peer.rails)
         with pr.cv:
             pr.cv.notify_all()
+        if lost:
+            # before the re-dispatch below: it finds no rail and fails the batches with every rail's cause
+            self._forget_peer(peer)
         for a in victims:
             # the fabric may still read a slot of a posted write whose completion has not come: that slot is
             # given back by the completion; everything else now
@@ -1190,11 +1305,71 @@ class TransferEngine:
                 continue
             self._redispatch(a)
 
+    def _fail_peer(self, peer: _Peer, cause: Optional[BaseException]) -> None:
+        """Fail every rail of ``peer`` (``cause``, or each rail's own: its endpoint died), which forgets it."""
+        for pr in list(peer.rails):
+            self._rail_failed(pr, cause or pr.cause or PeerLost(f"rail {pr.rail} endpoint to {peer.session} died"))
+        self._forget_peer(peer)  # a peer without rails (cannot happen after a handshake) is forgotten too
+
+    def _forget_peer(self, peer: _Peer) -> None:
+        """Every rail to ``peer`` failed: drop what this engine holds for it (session entry, rails, credit region,
+        control socket), so that the next batch to its session handshakes from scratch -- with the same process
+        back after a network blip, or a new one at the same host:port. Batches still holding this peer keep
+        its dead rails and fail with their causes; other peers are not touched. Idempotent."""
+        with self._lock:
+            if peer.retired:
+                return
+            peer.retired = True  # from now on _peer() replaces it instead of handing it out
+            why = "; ".join(f"rail {pr.rail}: {pr.cause or 'endpoint dead'}" for pr in peer.rails)
+            if not self._closed:
+                self._lost[peer.session] = why[:500]
+                while len(self._lost) > 1024:  # only for error messages: keep the newest
+                    self._lost.pop(next(iter(self._lost)))
+        # an ack of the old connection still on its way is refused by the fabric (unknown rkey) from now on,
+        # instead of landing in a credit region nobody reads
+        mrs, peer.credit_mrs = peer.credit_mrs, []
+        for fab, mr in zip(self.fabrics, mrs):
+            try:
+                fab.deregister(mr)
+            except FabricError as e:  # a closed fabric released it already
+                log.debug("forgetting %s: deregistering the credit region: %s", peer.session, e)
+        with self._lock:
+            if self._peers.get(peer.session) is peer:
+                del self._peers[peer.session]
+            for pr in peer.rails:
+                if self._by_remote_rail.get(pr.remote_id, (None, None))[0] is peer:
+                    del self._by_remote_rail[pr.remote_id]
+        # the control socket: shutdown() wakes a region refresh blocked on it from any thread; close it here
+        # unless that refresh holds the peer's lock (it closes it on the error it gets)
+        sock = peer.ctrl
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if peer.lock.acquire(blocking=False):
+                try:
+                    self._close_ctrl_locked(peer)
+                finally:
+                    peer.lock.release()
+        if self._closed:
+            return
+        self.counters.add("peers_lost")
+        # a peer that closed while idle is routine; one that took batches down with it is worth a warning
+        log.log(logging.WARNING if peer.lost_work else logging.INFO,
+                "engine %s: every rail to %s failed (%s); forgot the peer, the next batch to it handshakes again",
+                self.session_id, peer.session, why)
+
     def _redispatch(self, old: _Attempt) -> None:
         b = old.batch
         u = old.unit
         choices = self._rail_choices(u.device, b.peer)
         if not choices:
+            # rails whose endpoint died without a completion saying so yet: fail them now, so that the batch
+            # names their real causes and a peer without any rail left is forgotten before the caller retries
+            for pr in b.peer.rails:
+                if pr.alive and not pr.ep.alive:
+                    self._rail_failed(pr, PeerLost(f"rail {pr.rail} endpoint to {b.peer.session} died"))
             self._fail_batch(b, self._all_rails_failed(b.peer, f"batch {b.id} to {b.peer.session}"))
             return
         load = {pr.rail: pr.bytes_in_flight for pr in b.peer.rails}
@@ -1266,7 +1441,9 @@ class TransferEngine:
             "rails": rails,
             "rings": {ring.name: ring.stats() for ring in list(self._rings.values())},
             "receiver": receiver,
-            "failover": {"rail_failures": c.get("rail_failures", 0), "redispatched_units": c.get("failovers", 0)},
+            "failover": {"rail_failures": c.get("rail_failures", 0), "redispatched_units": c.get("failovers", 0),
+                         "peers_lost": c.get("peers_lost", 0), "reconnects": c.get("reconnects", 0),
+                         "ctrl_reconnects": c.get("ctrl_reconnects", 0)},
             "credits": {"waits": c.get("credit_waits", 0), "wait_s": c.get("time_wait_credit_s", 0)},
             "handshake_s": c.get("handshake_s", 0),
         }

@@ -14,6 +14,11 @@ A chunk arrives as a WRITE_WITH_IMM (imm = landing slot index). The progress thr
    for a rejection, the reason text (UTF-8, up to ``ACK_BYTES - 8``) as the payload.
 
 A rejected chunk writes nothing.
+
+A sender that lost every rail to this engine forgets it and handshakes again (same engine id, new credit
+region): its previous state is retired at the new hello, chunks of the old connection still queued are
+dropped unacknowledged (the sender gave up on them), and it gets fresh landing slots, so nothing of the old
+connection can be mistaken for the new one's.
 """
 from __future__ import annotations
 
@@ -41,6 +46,10 @@ MAX_LANDING_SLOT = 64 << 20
 ST_OK, ST_REJECTED, ST_FAILED = 0, 1, 2
 ACK_WR_BASE = 1 << 62  # wr_ids of ack writes: the engine's poller ignores their completions unless they fail
 SWEEP_S = 1.0  # how often the progress thread looks for departed senders
+# A sender that handshakes again still has its old, dead endpoint here until its new rails connect; the sweep
+# gives it this long to connect before it counts as departed (rails connect one after the other, each within the
+# fabric's connect timeout, 10 s on tcp).
+CONNECT_GRACE_S = 30.0
 _ACK_HDR = struct.Struct("<II")  # status, reason length
 
 
@@ -77,6 +86,9 @@ class SenderState:
     device: int
     landing: List = field(default_factory=list)  # per rail: (buffer, mr, tensor-or-None)
     acks: List = field(default_factory=list)  # per rail: (HostBuffer, mr)
+    hello_at: float = 0.0  # time.monotonic() of the handshake
+    stale_eps: Dict = field(default_factory=dict)  # rail -> endpoint of an earlier connection, dead or dying
+    retired: bool = False  # replaced by a newer handshake of the same sender, or released
 
     def landing_addr(self, rail: int, slot: int) -> int:
         buf = self.landing[rail][0]
@@ -113,7 +125,8 @@ class Receiver:
 
     # --- handshake ------------------------------------------------------------------------------------------
     def accept_sender(self, hello: dict, device: int = DEVICE_HOST) -> dict:
-        """Set up (or reuse) landing slots for the sender described by ``hello``; returns what it must know."""
+        """Set up landing slots for the sender described by ``hello``; returns what it must know. A sender seen
+        before (it handshakes again after losing every rail) gets fresh ones; its old state is retired."""
         engine_id = int(hello["engine_id"])
         # landing slots follow the sender's chunk size (its relay slot size), so both ends agree on the largest
         # chunk; their count is ours, capped by the sender's credit region
@@ -121,16 +134,29 @@ class Receiver:
         if not 4096 <= slot_bytes <= MAX_LANDING_SLOT:
             raise ValueError(f"sender slot size {slot_bytes} B outside [4096, {MAX_LANDING_SLOT}]")
         slots = max(1, min(self.landing_slots, int(hello.get("credit_slots", self.landing_slots))))
-        with self._lock:
-            st = self._senders.get(engine_id)
-            if st is None:
-                st = SenderState(engine_id=engine_id, session=str(hello.get("session", "?")),
-                                 rail_ids=list(hello["rail_ids"]), credit_addr=int(hello["credit_addr"]),
-                                 credit_rkeys=[int(k) for k in hello["credit_rkeys"]],
-                                 slots=slots, slot_bytes=slot_bytes, device=device)
-                if len(st.rail_ids) != len(self.fabrics):
-                    raise ValueError(f"sender {st.session} has {len(st.rail_ids)} rails, this engine "
-                                     f"{len(self.fabrics)}; both ends must use the same rail count")
+        st = SenderState(engine_id=engine_id, session=str(hello.get("session", "?")),
+                         rail_ids=list(hello["rail_ids"]), credit_addr=int(hello["credit_addr"]),
+                         credit_rkeys=[int(k) for k in hello["credit_rkeys"]],
+                         slots=slots, slot_bytes=slot_bytes, device=device, hello_at=time.monotonic())
+        if len(st.rail_ids) != len(self.fabrics):
+            raise ValueError(f"sender {st.session} has {len(st.rail_ids)} rails, this engine "
+                             f"{len(self.fabrics)}; both ends must use the same rail count")
+        old = None
+        try:
+            with self._lock:
+                # a sender says hello again only after it forgot this engine (every rail failed): retire what it
+                # had, so that stale chunks and acks of the old connection cannot touch the new one's slots
+                old = self._senders.pop(engine_id, None)
+                if old is not None:
+                    old.retired = True
+                    for rid in old.rail_ids:
+                        if self._by_rail_id.get(rid, (None, 0))[0] is old:
+                            del self._by_rail_id[rid]
+                for rail, fab in enumerate(self.fabrics):
+                    try:
+                        st.stale_eps[rail] = fab.endpoint(st.rail_ids[rail])  # replaced when the rail connects
+                    except Exception:  # noqa: BLE001 — never connected: nothing stale
+                        pass
                 for rail, fab in enumerate(self.fabrics):
                     nbytes = st.slots * st.slot_bytes
                     if device < 0:
@@ -147,6 +173,11 @@ class Receiver:
                 self._senders[engine_id] = st
                 for rail, rid in enumerate(st.rail_ids):
                     self._by_rail_id[rid] = (st, rail)
+        finally:
+            if old is not None:
+                self._free(old)
+                self.counters.add("rx_senders_replaced")
+                log.info("receiver: sender %s handshook again; replaced its landing slots", old.session)
         return {"landing_addrs": [b.addr for b, _, _ in st.landing],
                 "landing_rkeys": [mr.rkey for _, mr, _ in st.landing],
                 "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes, "landing_device": device}
@@ -154,8 +185,11 @@ class Receiver:
     # --- progress -------------------------------------------------------------------------------------------
     def on_chunk(self, rail: int, peer_id: str, imm: int, byte_len: int) -> None:
         """Called by the engine's poller for a chunk's RECV_IMM; the work happens in the progress thread."""
+        # the sender state is looked up now, when the chunk has landed: if the sender handshakes again before
+        # the progress thread gets to it, the chunk still belongs to (and is dropped with) the old state
+        entry = self._by_rail_id.get(peer_id)
         with self._cv:
-            self._q.append((rail, peer_id, imm, byte_len, now_ns()))
+            self._q.append((rail, peer_id, entry, imm, byte_len, now_ns()))
             self._cv.notify()
 
     def _loop(self) -> None:
@@ -187,18 +221,24 @@ class Receiver:
         saw. A sender that has not connected its rails yet (``UnknownPeer``) is kept. Runs in the progress
         thread, so no chunk of that sender is being handled meanwhile."""
         gone = []
+        now = time.monotonic()
         with self._lock:
             for engine_id, st in list(self._senders.items()):
                 alive = False
                 for rail, fab in enumerate(self.fabrics):
                     try:
-                        alive = fab.endpoint(st.rail_ids[rail]).alive
+                        ep = fab.endpoint(st.rail_ids[rail])
                     except Exception:  # noqa: BLE001 — not connected yet (or fabric closing): keep it
                         alive = True
+                        break
+                    # the dead endpoint of an earlier connection of this sender: its new rail is still
+                    # connecting, unless that takes longer than any connect could
+                    alive = ep.alive or (ep is st.stale_eps.get(rail) and now - st.hello_at < CONNECT_GRACE_S)
                     if alive:
                         break
                 if not alive:
                     gone.append(self._senders.pop(engine_id))
+                    st.retired = True
                     for rid in st.rail_ids:
                         self._by_rail_id.pop(rid, None)
         for st in gone:
@@ -214,13 +254,16 @@ class Receiver:
                 except Exception:  # noqa: BLE001 — fabric may be closed already
                     pass
 
-    def _handle(self, rail: int, peer_id: str, imm: int, byte_len: int, t_landed: int) -> None:
-        entry = self._by_rail_id.get(peer_id)
+    def _handle(self, rail: int, peer_id: str, entry, imm: int, byte_len: int, t_landed: int) -> None:
         if entry is None:
             log.warning("receiver: chunk from unknown peer %s (imm 0x%x) ignored", peer_id, imm)
             self.counters.add("rx_unknown_peer")
             return
         st, st_rail = entry
+        if st.retired:
+            # the sender forgot this connection and handshook again (or left): nobody waits for this ack
+            self.counters.add("rx_stale_chunks")
+            return
         slot = imm & 0xFFFF
         t0 = now_ns()
         if slot >= st.slots or byte_len > st.slot_bytes or st_rail != rail:
@@ -320,6 +363,9 @@ class Receiver:
                         table.dst_addrs[sel].astype(np.int64), lens, torch.cuda.current_stream(tensor.device))
 
     def _ack(self, st: SenderState, rail: int, slot: int, status: int, reason: str) -> None:
+        if st.retired:  # replaced while this chunk was handled: its credit region is not the sender's any more
+            self.counters.add("rx_stale_chunks")
+            return
         ack_buf, ack_mr = st.acks[rail]
         off = slot * ACK_BYTES
         data = reason.encode("utf-8")[:ACK_BYTES - 8]

@@ -579,6 +579,15 @@ def _fail(src: str, where: str, msg: str):
     raise TopologyError("override %s: %s: %s" % (src, where, msg))
 
 
+def _check_fields(src, where, entry, fields, refusal):
+    """``entry`` must be an object whose keys are in ``fields`` (key -> type), each value of its type."""
+    _check_type(src, where, entry, dict)
+    for k, v in entry.items():
+        if k not in fields:
+            _fail(src, "%s.%s" % (where, k), "%s; allowed: %s" % (refusal, sorted(fields)))
+        _check_type(src, "%s.%s" % (where, k), v, fields[k])
+
+
 def _check_type(src, where, value, typ):
     typs = typ if isinstance(typ, tuple) else (typ,)
     if isinstance(value, bool) and bool not in typs:
@@ -650,11 +659,7 @@ def validate_override(data, source: str = "<dict>") -> Override:
         seen = set()
         for i, g in enumerate(gpus):
             where = "gpus[%d]" % i
-            _check_type(src, where, g, dict)
-            for k, v in g.items():
-                if k not in _GPU_FIELDS:
-                    _fail(src, "%s.%s" % (where, k), "unknown key; allowed: %s" % sorted(_GPU_FIELDS))
-                _check_type(src, "%s.%s" % (where, k), v, _GPU_FIELDS[k])
+            _check_fields(src, where, g, _GPU_FIELDS, "unknown key")
             if "pci" not in g:
                 _fail(src, where, "missing \"pci\" (the GPU's PCI address, DDDD:BB:DD.F)")
             if not _BDF_RE.match(g["pci"]):
@@ -673,11 +678,7 @@ def validate_override(data, source: str = "<dict>") -> Override:
         _check_type(src, "nics", nics, list)
         for i, n in enumerate(nics):
             where = "nics[%d]" % i
-            _check_type(src, where, n, dict)
-            for k, v in n.items():
-                if k not in _NIC_FIELDS:
-                    _fail(src, "%s.%s" % (where, k), "unknown key; allowed: %s" % sorted(_NIC_FIELDS))
-                _check_type(src, "%s.%s" % (where, k), v, _NIC_FIELDS[k])
+            _check_fields(src, where, n, _NIC_FIELDS, "unknown key")
             for req in ("name", "pci"):
                 if req not in n:
                     _fail(src, where, "missing %r" % req)
@@ -691,12 +692,8 @@ def validate_override(data, source: str = "<dict>") -> Override:
         _check_type(src, "nics", nics, dict)
         for name, patch in nics.items():
             where = "nics.%s" % name
-            _check_type(src, where, patch, dict)
-            for k, v in patch.items():
-                if k not in _NIC_FIELDS or k in ("name", "port", "pci"):
-                    _fail(src, "%s.%s" % (where, k), "cannot override this key; allowed: %s"
-                          % sorted(set(_NIC_FIELDS) - {"name", "port", "pci"}))
-                _check_type(src, "%s.%s" % (where, k), v, _NIC_FIELDS[k])
+            overridable = {k: t for k, t in _NIC_FIELDS.items() if k not in ("name", "port", "pci")}
+            _check_fields(src, where, patch, overridable, "cannot override this key")
     dist = data.get("distances", {})
     _check_type(src, "distances", dist, dict)
     for g, row in dist.items():

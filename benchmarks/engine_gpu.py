@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--message-mb", type=int, default=None,
                     help="fabric message size in MiB (tcp/ipc option message_bytes); default: the fabric's")
     ap.add_argument("--no-verify", action="store_true")
+    ap.add_argument("--loadstore", choices=("on", "off"), default="on",
+                    help="ipc: write GPU->GPU and host->host batches by load/store from the caller's thread (on, the "
+                         "default) or through the message path with relay chunks and the receiver's scatter (off)")
     ap.add_argument("--switch-interval", type=float, default=0.0002,
                     help="PXN_SWITCH_INTERVAL for both engines (GIL hand-off; 0 = Python's default 5 ms)")
     ap.add_argument("--profile", action="store_true",
@@ -165,7 +168,8 @@ def main(argv=None) -> int:
     add("mix 1B-8KB + 8x2MB", "kv", off, off, lens)
 
     rows = []
-    engine_kwargs = {"fabric": args.fabric, "rails": args.rails}
+    engine_kwargs = {"fabric": args.fabric, "rails": args.rails, "loadstore": args.loadstore == "on"}
+    meta["loadstore"] = args.loadstore
     if args.message_mb:
         engine_kwargs["fabric_options"] = {"message_bytes": args.message_mb * MB}
         meta["message_bytes"] = args.message_mb * MB

@@ -547,21 +547,72 @@ def test_timeout_is_named(peer, src):
 
 
 # --- the same engine over the ipc fabric (same host, host memory) -------------------------------------------
-def test_ipc_fabric_end_to_end(src, rng):
+@pytest.fixture(scope="module")
+def ipc_peer():
     try:
         peer = EnginePeer(64 * MB, fabric="ipc")
     except RuntimeError as e:
         pytest.skip(f"ipc fabric unavailable here: {e}")
-    try:
-        with TransferEngine(fabric="ipc") as eng:
-            eng.register(src)
-            lengths = AUX + [BLOCK_1K] * 20 + [64] * 4096 + rng.integers(1, 8193, size=300).tolist()
-            run_case(eng, peer, src, disjoint_offsets(rng, lengths, 100 * MB), disjoint_offsets(rng, lengths, 64 * MB),
-                     lengths)
-            st = eng.stats()
-        assert st["paths"]["coalesced"]["chunks"] >= 1 and st["paths"]["direct"]["units"] >= 20
-    finally:
-        peer.close()
+    yield peer
+    peer.close()
+
+
+def test_ipc_fabric_end_to_end_message_path(src, rng, ipc_peer):
+    """loadstore=False: coalesced chunks + receiver scatter + direct writes through the ipc message path."""
+    with TransferEngine(fabric="ipc", loadstore=False) as eng:
+        eng.register(src)
+        lengths = AUX + [BLOCK_1K] * 20 + [64] * 4096 + rng.integers(1, 8193, size=300).tolist()
+        run_case(eng, ipc_peer, src, disjoint_offsets(rng, lengths, 100 * MB),
+                 disjoint_offsets(rng, lengths, 64 * MB), lengths)
+        st = eng.stats()
+    assert st["paths"]["coalesced"]["chunks"] >= 1 and st["paths"]["direct"]["units"] >= 20
+    assert st["paths"]["loadstore"]["units"] == 0
+
+
+def test_ipc_loadstore_path_is_byte_exact(src, rng, ipc_peer):
+    """The default on ipc: the whole batch by cross-memory attach from the caller's thread, no chunks."""
+    with TransferEngine(fabric="ipc") as eng:
+        eng.register(src)
+        for lengths in (AUX, [1, 3, 63, 65], [BLOCK_1K] * 20 + [64] * 4096 + rng.integers(1, 8193, 300).tolist()):
+            run_case(eng, ipc_peer, src, disjoint_offsets(rng, lengths, 100 * MB),
+                     disjoint_offsets(rng, lengths, 64 * MB), lengths)
+        h = eng.batch_write_async(ipc_peer.session, [src.ctypes.data], [ipc_peer.base], [4096])
+        h.wait()
+        assert h.done()
+        st = eng.stats()
+    assert st["paths"]["loadstore"]["units"] == 4 and st["batches"]["ok"] == 4
+    assert st["paths"]["coalesced"]["chunks"] == 0 and st["paths"]["direct"]["units"] == 0
+    assert "loadstore" in st["time_s"] and st["batches"]["latency"]["p50_ms"] > 0
+
+
+def test_ipc_loadstore_rejects_outside_and_writes_nothing(src, ipc_peer):
+    ipc_peer.poison()
+    b = src.ctypes.data
+    with TransferEngine(fabric="ipc") as eng:
+        eng.register(src)
+        with pytest.raises(InvalidTransfer, match="outside every region"):
+            eng.batch_write(ipc_peer.session, [b, b + 64], [ipc_peer.base, ipc_peer.base + ipc_peer.size - 10],
+                            [64, 64])
+    ipc_peer.check(Expected(ipc_peer.size))
+
+
+def test_ipc_loadstore_never_writes_a_region_deregistered_before_the_batch(src, ipc_peer):
+    """The sender learnt a region, the peer deregistered it: the next batch must see the peer's deregistration
+    counter move, re-fetch the list, refuse the batch, and write nothing (the region's memory stays allocated
+    in the peer, so a stale write would land)."""
+    b = src.ctypes.data
+    with TransferEngine(fabric="ipc") as eng:
+        eng.register(src)
+        extra = ipc_peer.call("register_extra", size=1 * MB)
+        eng.batch_write(ipc_peer.session, [b], [extra], [64])  # learns the region
+        ipc_peer.call("poison")
+        clean = ipc_peer.call("extra_digest", addr=extra)
+        ipc_peer.call("deregister", addr=extra)
+        with pytest.raises(InvalidTransfer, match="outside every region"):
+            eng.batch_write(ipc_peer.session, [b + i * 128 for i in range(10)], [extra + i * 64 for i in range(10)],
+                            [64] * 10)
+        assert ipc_peer.call("extra_digest", addr=extra) == clean
+        assert eng.stats()["paths"]["loadstore"]["units"] == 1
 
 
 def test_peer_process_killed_mid_batch_fails_with_every_rail_cause(src):

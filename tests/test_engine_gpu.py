@@ -9,18 +9,21 @@ MB = 1 << 20
 pytestmark = pytest.mark.gpu
 
 
-def test_gpu_kv_and_host_aux_over_ipc(seed):
+@pytest.mark.parametrize("loadstore", [False, True], ids=["message-path", "loadstore"])
+def test_gpu_kv_over_ipc(seed, loadstore):
+    """GPU -> GPU pieces of every sglang kind, byte-exact with the peer's guards; through relay chunks and the
+    receiver's scatter (message path), or one copy launch into the peer's IPC-mapped memory (load/store)."""
     import torch
     rng = np.random.default_rng(seed)
     size = 64 * MB
     peer = EnginePeer(size, device=0, fabric="ipc")
     try:
-        with TransferEngine(fabric="ipc") as eng:
+        with TransferEngine(fabric="ipc", loadstore=loadstore) as eng:
             g = torch.Generator(device="cuda:0").manual_seed(seed)
             src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda:0", generator=g)
             eng.register(src)
             src_host = src.cpu().numpy()
-            for lengths in ([2359296] * 8, [64] * 4096, [2048] * 2000,
+            for lengths in ([2359296] * 8, [64] * 4096, [2048] * 2000, [1, 3, 63, 65],
                             rng.integers(1, 8193, size=500).tolist() + [2 * MB] * 3):
                 peer.poison()
                 s = disjoint_offsets(rng, lengths, size)
@@ -30,7 +33,44 @@ def test_gpu_kv_and_host_aux_over_ipc(seed):
                 eng.batch_write(peer.session, [src.data_ptr() + int(x) for x in s],
                                 [peer.base + int(x) for x in d], lengths)
                 peer.check(exp)
+            # async: the handle completes once the launch is done
+            peer.poison()
+            exp = Expected(size)
+            exp.apply(src_host, [5], [7], [3 * MB])
+            h = eng.batch_write_async(peer.session, [src.data_ptr() + 5], [peer.base + 7], [3 * MB])
+            h.wait()
+            assert h.done()
+            peer.check(exp)
             st = eng.stats()
-        assert st["paths"]["coalesced"]["chunks"] >= 3 and any(k.startswith("cuda0/") for k in st["rings"])
+        if loadstore:
+            assert st["paths"]["loadstore"]["units"] == 6 and st["paths"]["coalesced"]["chunks"] == 0
+        else:
+            assert st["paths"]["coalesced"]["chunks"] >= 3 and any(k.startswith("cuda0/") for k in st["rings"])
+            assert st["paths"]["loadstore"]["units"] == 0
+    finally:
+        peer.close()
+
+
+def test_gpu_loadstore_host_to_gpu_takes_message_path(seed):
+    """Host -> GPU pieces are not for the load/store path: the message path stages them, byte-exact."""
+    import torch
+    rng = np.random.default_rng(seed)
+    size = 16 * MB
+    peer = EnginePeer(size, device=0, fabric="ipc")
+    try:
+        with TransferEngine(fabric="ipc") as eng:
+            host_src = np.frombuffer(rng.bytes(size), dtype=np.uint8).copy()
+            eng.register(host_src)
+            lengths = [64, 512, 8192, 1, 63]
+            s = disjoint_offsets(rng, lengths, size)
+            d = disjoint_offsets(rng, lengths, size)
+            peer.poison()
+            exp = Expected(size)
+            exp.apply(host_src, s, d, lengths)
+            eng.batch_write(peer.session, [host_src.ctypes.data + int(x) for x in s],
+                            [peer.base + int(x) for x in d], lengths)  # host -> GPU: message path
+            peer.check(exp)
+            st = eng.stats()
+        assert st["paths"]["loadstore"]["units"] == 0 and st["batches"]["ok"] == 1
     finally:
         peer.close()

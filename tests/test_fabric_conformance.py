@@ -349,6 +349,29 @@ def test_hung_peer_fails_after_ack_timeout(case):
         fab.close()
 
 
+def test_idle_connection_outlives_the_handshake_timeout(case):
+    """A connection with no traffic for longer than ``connect_timeout`` stays up on both sides (the accepting side
+    once left its handshake timeout on the sockets its receive threads block on, killing idle rails)."""
+    if case.name not in ("tcp", "ipc"):
+        pytest.skip("connect_timeout is a tcp/ipc option")
+    fab = make_fabric(case.name, connect_timeout=0.5)
+    target = Target(case.name, 1 << 20, case.device, options={"connect_timeout": 0.5})
+    try:
+        buf = Buffer(4096, case.device)
+        data = np.random.default_rng(_seed()).integers(0, 256, 4096, dtype=np.uint8)
+        buf.write(0, data)
+        mr = fab.register(buf.addr, 4096, case.device)
+        ep = fab.connect(target.desc)
+        time.sleep(2.0)
+        assert ep.alive
+        fab.post_writes(ep, [WriteRequest(buf.addr, 4096, target.addr + 5, target.rkey, mr.lkey, None, 1)])
+        _ok(wait_completions(fab, 1, timeout=10))
+        assert target.call("hash", 5, 4096) == digest(data)
+    finally:
+        target.close()
+        fab.close()
+
+
 def test_ipc_refuses_forged_descriptor(case):
     """An ipc descriptor whose pid/token do not match a live fabric is refused before anything is written."""
     if case.name != "ipc":

@@ -28,6 +28,7 @@ progress thread; the control listener (one thread per control connection). ``bat
 from __future__ import annotations
 
 import base64
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -129,6 +130,9 @@ class BatchHandle:
 
     def done(self) -> bool:
         """True once the batch finished (successfully or not)."""
+        pending = self._batch.pending
+        if pending is not None:
+            return pending.done()
         return self._batch.event.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> None:
@@ -143,7 +147,7 @@ class BatchHandle:
 
 class _Batch:
     __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
-                 "peer", "n_items")
+                 "peer", "n_items", "pending")
 
     def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int):
         self.id = bid
@@ -156,6 +160,7 @@ class _Batch:
         self.error: Optional[BaseException] = None
         self.t0 = now_ns()
         self.lock = threading.Lock()
+        self.pending = None  # load/store path: the device work still running (transport.loadstore.Pending)
 
     @property
     def failed(self) -> bool:
@@ -238,6 +243,7 @@ class _Peer:
         self.credit_mrs: List = []
         self.seq = itertools.count(1)
         self.landing_device = DEVICE_HOST
+        self.loadstore = None  # transport.loadstore.LoadStoreWriter for a same-host peer on the ipc fabric
 
     def connected(self) -> bool:
         return any(pr.usable() for pr in self.rails)
@@ -272,6 +278,9 @@ class TransferEngine:
         switch_interval: if set, ``sys.setswitchinterval`` for the whole process (``PXN_SWITCH_INTERVAL``), e.g.
             0.0002: the engine's threads hand work to each other, and the default 5 ms GIL interval can stall
             each hand-off while another thread runs Python.
+        loadstore: on the ipc fabric, write batches between GPU memories (and between host memories) straight
+            from the caller's thread with one copy launch, skipping the message path (``PXN_LOADSTORE``,
+            default on; see ``transport.loadstore``).
     """
 
     def __init__(self, hostname: str = "127.0.0.1", fabric: Optional[str] = None, topology=None,
@@ -280,7 +289,7 @@ class TransferEngine:
                  landing_slots: Optional[int] = None, stripe_bytes=None, relay: Optional[str] = None,
                  landing_device: Optional[int] = None, timeout: Optional[float] = None,
                  trace_path: Optional[str] = None, fabric_options: Optional[dict] = None,
-                 switch_interval: Optional[float] = None):
+                 switch_interval: Optional[float] = None, loadstore: Optional[bool] = None):
         self.hostname = hostname
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
@@ -303,6 +312,9 @@ class TransferEngine:
         self.relay_mode = relay or _env("PXN_RELAY", "auto", str)
         self.default_timeout = float(timeout if timeout is not None else _env("PXN_TIMEOUT", 120.0, float))
         self.landing_device = landing_device
+        self.use_loadstore = bool(loadstore if loadstore is not None else _env("PXN_LOADSTORE", 1))
+        # Bumped by every deregister; same-host peers writing by load/store read it before each batch.
+        self._region_gen = ctypes.c_int64(0)
         trace_path = trace_path or _env("PXN_TRACE", None, str)
         for name, value, lo in (("relay_slots", self.relay_slots, 1), ("lanes", self.lanes, 1),
                                 ("landing_slots", self.landing_slots, 1), ("relay_slot_bytes", self.slot_bytes, 4096),
@@ -506,6 +518,8 @@ class TransferEngine:
             region = self._regions.remove(addr)
         except KeyError as e:
             raise InvalidTransfer(f"deregister: {e.args[0]}") from None
+        with self._lock:
+            self._region_gen.value += 1
         for fab, mr in zip(self.fabrics, region.keys):
             try:
                 fab.deregister(mr)
@@ -518,9 +532,20 @@ class TransferEngine:
     # ========================================================================================================
     # handshake
     # ========================================================================================================
-    def _regions_wire(self) -> List[dict]:
-        return [{"addr": r.addr, "length": r.length, "device": r.device, "keys": [mr.rkey for mr in r.keys]}
-                for r in self._regions.regions()]
+    def _regions_wire(self) -> dict:
+        """The region list a peer validates destinations against, with the deregistration counter read before
+        it (a peer writing by load/store re-fetches the list when the counter moves past this value)."""
+        gen = self._region_gen.value
+        fab = self.fabrics[0]
+        regions = []
+        for r in self._regions.regions():
+            d = {"addr": r.addr, "length": r.length, "device": r.device, "keys": [mr.rkey for mr in r.keys]}
+            access = fab.access_info(r.keys[0])
+            if access is not None:
+                d["access"] = access
+            regions.append(d)
+        return {"regions": regions, "region_gen": gen, "region_gen_addr": ctypes.addressof(self._region_gen),
+                "pid": os.getpid()}
 
     def _ctrl_loop(self) -> None:
         while not self._closed:
@@ -545,7 +570,7 @@ class TransferEngine:
                     elif op == "regions":
                         # the engine id lets a sender whose control connection was re-opened tell a restarted
                         # peer (new id) from the same one
-                        rep = {"ok": True, "engine_id": self.engine_id, "regions": self._regions_wire()}
+                        rep = {"ok": True, "engine_id": self.engine_id, **self._regions_wire()}
                     else:
                         rep = {"ok": False, "error": f"unknown control op {op!r}"}
                 except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
@@ -566,7 +591,7 @@ class TransferEngine:
         landing = self.receiver.accept_sender(req, self._auto_landing_device())
         return {"ok": True, "engine_id": self.engine_id, "rail_ids": [f.local_id for f in self.fabrics],
                 "rail_descs": [base64.b64encode(f.descriptor()).decode() for f in self.fabrics],
-                "regions": self._regions_wire(), **landing}
+                **self._regions_wire(), **landing}
 
     def _peer(self, session_id: str) -> _Peer:
         """The connected peer of ``session_id``, handshaking first when there is none (first use, or every rail
@@ -668,6 +693,7 @@ class TransferEngine:
         peer.rails = rails
         peer.landing_device = int(rep.get("landing_device", DEVICE_HOST))
         peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
+        peer.loadstore = self._loadstore_writer(peer, rep)
         with self._lock:
             for pr in rails:
                 self._by_remote_rail[pr.remote_id] = (peer, pr)
@@ -677,6 +703,18 @@ class TransferEngine:
             self.counters.add("reconnects")
         log.log(logging.WARNING if again else logging.INFO, "engine %s %sconnected to %s over %d rail(s)",
                 self.session_id, "re" if again else "", peer.session, n)
+
+    def _loadstore_writer(self, peer: _Peer, rep: dict):
+        """A ``LoadStoreWriter`` for a same-host ipc peer that advertised its deregistration counter, else None."""
+        if not (self.use_loadstore and self.fabric_name == "ipc" and "region_gen_addr" in rep):
+            return None
+        from transport.loadstore import LoadStoreWriter
+        fab, ep = self.fabrics[0], peer.rails[0].ep
+        if int(rep.get("pid", -1)) != fab.peer_pid(ep):
+            log.warning("session %s: control pid %s differs from the ipc endpoint's %s; no load/store path",
+                        peer.session, rep.get("pid"), fab.peer_pid(ep))
+            return None
+        return LoadStoreWriter(fab, ep, int(rep["region_gen_addr"]), int(rep.get("region_gen", 0)))
 
     def _refresh_regions(self, peer: _Peer) -> None:
         """Fetch the peer's region list again over the control connection. The control connection alone can
@@ -712,6 +750,8 @@ class TransferEngine:
             raise TransferError(f"cannot refresh the region list of {peer.session}: {gone}; forgot the peer, the "
                                 f"next batch to it handshakes again", [gone])
         peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
+        if peer.loadstore is not None:
+            peer.loadstore.gen_seen = int(rep.get("region_gen", peer.loadstore.gen_seen))
         self.counters.add("region_refreshes")
 
     @staticmethod
@@ -762,7 +802,7 @@ class TransferEngine:
                           lengths: Sequence[int], timeout: Optional[float] = None) -> BatchHandle:
         """As ``batch_write`` but returns at once with a ``BatchHandle`` (``wait(timeout)``, ``done()``).
         Validation errors are raised here, before anything is posted."""
-        batch = self._submit(session_id, srcs, dsts, lengths)
+        batch = self._submit(session_id, srcs, dsts, lengths, async_=True)
         if batch is None:
             batch = _Batch(0, None, None, None, [], 0)
             batch.event.set()
@@ -811,7 +851,7 @@ class TransferEngine:
             raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} does not fit a 64-bit address")
         return arr.astype(np.int64, copy=False)
 
-    def _submit(self, session_id, srcs, dsts, lengths) -> Optional[_Batch]:
+    def _submit(self, session_id, srcs, dsts, lengths, async_: bool = False) -> Optional[_Batch]:
         self._check_open()
         t0 = now_ns()
         src = self._as_array("srcs", srcs)
@@ -830,6 +870,9 @@ class TransferEngine:
         peer = self._peer(session_id)
         if ln.size == 0:
             return None
+        writer = peer.loadstore
+        if writer is not None and writer.stale():
+            self._refresh_regions(peer)  # the peer deregistered something: never write by a stale list
         # sources: every piece inside one local region
         lsnap = self._regions.snapshot()
         idx, ok = self._regions.locate(src, ln, lsnap)
@@ -840,16 +883,31 @@ class TransferEngine:
         devices = lsnap.devices[idx]
         # destinations: every piece inside a region the peer advertised (refresh once: it may have registered
         # more since the handshake)
-        _, ok = peer.regions.locate(dst, ln)
+        rsnap = peer.regions.snapshot()
+        ridx, ok = peer.regions.locate(dst, ln, rsnap)
         if not ok.all():
             self._refresh_regions(peer)
-            _, ok = peer.regions.locate(dst, ln)
+            rsnap = peer.regions.snapshot()
+            ridx, ok = peer.regions.locate(dst, ln, rsnap)
             if not ok.all():
                 i = first_bad(ok)
                 raise InvalidTransfer(f"dsts[{i}] = 0x{int(dst[i]):x} + lengths[{i}] = {int(ln[i])} is outside "
                                       f"every region session {session_id} registered; nothing was written")
         t1 = now_ns()
         batch = _Batch(next(self._batch_ids), peer, src, dst, ln, int(ln.sum()))
+        if writer is not None and peer.connected():
+            try:
+                pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_)
+            except TransferError:
+                self.counters.add_many((("batches_submitted", 1), ("batches_failed", 1)))
+                raise
+            if pending is not None:
+                t2 = now_ns()
+                batch.pending = pending
+                self.counters.add_many((("batches_submitted", 1), ("items", int(ln.size)), ("bytes", batch.nbytes),
+                                        ("path_loadstore_units", 1), ("path_loadstore_bytes", batch.nbytes),
+                                        ("time_validate_s", (t1 - t0) / 1e9), ("time_loadstore_s", (t2 - t1) / 1e9)))
+                return batch
         rails_of = {}
         for dev in np.unique(devices).tolist():
             rails_of[dev] = self._rail_choices(dev, peer)
@@ -1396,6 +1454,26 @@ class TransferEngine:
 
     def _wait(self, b: _Batch, timeout: Optional[float]) -> None:
         t0 = now_ns()
+        if b.pending is not None:
+            if not b.event.is_set():
+                try:
+                    b.pending.wait()
+                except RuntimeError as e:  # a CUDA error reported at the synchronise
+                    b.error = TransferError(f"batch {b.id}: load/store copy failed: {e}", [e])
+                t = now_ns()
+                with b.lock:
+                    first = not b.event.is_set()
+                    b.event.set()
+                if first:
+                    self.latency.add((t - b.t0) / 1e9)
+                    self.counters.add_many((("batches_failed" if b.error else "batches_ok", 1),
+                                            ("time_wait_s", (t - t0) / 1e9)))
+                    if self.trace is not None:
+                        self.trace.complete(f"batch {b.id}", "batch", "batches", b.t0, t,
+                                            {"items": b.n_items, "bytes": b.nbytes, "path": "loadstore"})
+            if b.error is not None:
+                raise b.error
+            return
         if not b.event.wait(timeout):
             self._fail_batch(b, TransferTimeout(f"batch {b.id} ({b.n_items} pieces, {b.nbytes} B) to "
                                                 f"{b.peer.session} did not finish within {timeout} s"))
@@ -1422,7 +1500,7 @@ class TransferEngine:
                                          if p.ready and p.rails[i].usable())})
             rails.append(d)
         paths = {k: {"units": c.get(f"path_{k}_units", 0), "bytes": c.get(f"path_{k}_bytes", 0)}
-                 for k in (DIRECT, RELAYED, COALESCED)}
+                 for k in (DIRECT, RELAYED, COALESCED, "loadstore")}
         paths[COALESCED].update({"chunks": c.get("chunks", 0), "items": c.get("chunk_items", 0),
                                  "wire_bytes": c.get("chunk_wire_bytes", 0)})
         time_s = {k[len("time_"):-2]: v for k, v in c.items() if k.startswith("time_")}

@@ -24,13 +24,16 @@ class Region:
     """One registered (or advertised) range.
 
     ``keys`` holds one key per rail (each rail is its own fabric instance, so each has its own lkey/rkey):
-    locally ``(lkey, rkey)`` pairs, for a peer's region just the rkeys.
+    locally ``(lkey, rkey)`` pairs, for a peer's region just the rkeys. ``access``: for a peer's region on a
+    fabric with load/store access to peer memory (ipc), what it takes to map the region here (see
+    ``transport.loadstore``); None otherwise.
     """
 
     addr: int
     length: int
     device: int = DEVICE_HOST
     keys: Tuple = field(default=())
+    access: Optional[dict] = field(default=None, compare=False, hash=False)
 
     @property
     def end(self) -> int:
@@ -40,11 +43,16 @@ class Region:
         return length >= 1 and addr >= self.addr and addr + length <= self.end
 
     def to_wire(self) -> dict:
-        return {"addr": self.addr, "length": self.length, "device": self.device, "keys": list(self.keys)}
+        d = {"addr": self.addr, "length": self.length, "device": self.device, "keys": list(self.keys)}
+        if self.access is not None:
+            d["access"] = self.access
+        return d
 
     @staticmethod
     def from_wire(d: dict) -> "Region":
-        return Region(int(d["addr"]), int(d["length"]), int(d["device"]), tuple(int(k) for k in d["keys"]))
+        access = d.get("access")
+        return Region(int(d["addr"]), int(d["length"]), int(d["device"]), tuple(int(k) for k in d["keys"]),
+                      dict(access) if isinstance(access, dict) else None)
 
 
 class _Snapshot:

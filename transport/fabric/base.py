@@ -168,6 +168,11 @@ class Fabric(abc.ABC):
     def close(self) -> None:
         """Release sockets, handles, registrations. Idempotent."""
 
+    def access_info(self, mr: MemoryRegion) -> Optional[dict]:
+        """What a peer of this host needs to load/store ``mr`` directly (``transport.loadstore``), or None when
+        this fabric offers no such access (the default: tcp, verbs). JSON-serialisable."""
+        return None
+
     def __enter__(self):
         return self
 

@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Dict, List
 
+import numpy as np
+
 from transport.errors import FabricError, FabricUnavailable
 from transport.fabric.base import DEVICE_HOST, MemoryRegion
 from transport.fabric.tcp import (
@@ -70,23 +72,26 @@ def process_vm_read(pid: int, remote: int, n: int) -> bytes:
     return buf.raw
 
 
-def process_vm_write(pid: int, local: List[int], remote: List[int], lengths: List[int]) -> None:
+def process_vm_write(pid: int, local, remote, lengths) -> None:
     """Copy ``lengths[i]`` bytes from our ``local[i]`` to process ``pid``'s ``remote[i]`` (batched syscalls).
 
-    Raises ``OSError`` (errno set: EPERM, ESRCH for a gone process, EFAULT for a bad remote range)."""
-    n = len(lengths)
+    Arguments are sequences or int64 arrays. Raises ``OSError`` (errno set: EPERM, ESRCH for a gone process,
+    EFAULT for a bad remote range)."""
+    local = np.asarray(local, dtype=np.uint64)
+    remote = np.asarray(remote, dtype=np.uint64)
+    lengths = np.asarray(lengths, dtype=np.uint64)
+    n = int(lengths.size)
     i = 0
     while i < n:
         k = min(IOV_BATCH, n - i)
-        liov = (_Iovec * k)()
-        riov = (_Iovec * k)()
-        want = 0
-        for j in range(k):
-            ln = lengths[i + j]
-            liov[j].base, liov[j].len = local[i + j], ln
-            riov[j].base, riov[j].len = remote[i + j], ln
-            want += ln
-        got = _pvw(pid, liov, k, riov, k, 0)
+        # iovec arrays built by numpy (base, len pairs): a Python loop over 4096 pieces cost ~4 ms
+        liov = np.empty((k, 2), dtype=np.uint64)
+        riov = np.empty((k, 2), dtype=np.uint64)
+        liov[:, 0], liov[:, 1] = local[i:i + k], lengths[i:i + k]
+        riov[:, 0], riov[:, 1] = remote[i:i + k], lengths[i:i + k]
+        want = int(lengths[i:i + k].sum())
+        got = _pvw(pid, liov.ctypes.data_as(ctypes.POINTER(_Iovec)), k,
+                   riov.ctypes.data_as(ctypes.POINTER(_Iovec)), k, 0)
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_writev to pid {pid}: {os.strerror(err)}")
@@ -94,21 +99,16 @@ def process_vm_write(pid: int, local: List[int], remote: List[int], lengths: Lis
             i += k
             continue
         # Partial transfer: it stops at an iovec boundary or inside one; continue from there.
-        done = 0
-        for j in range(k):
-            ln = lengths[i + j]
-            if got >= done + ln:
-                done += ln
-                continue
-            part = got - done
-            if part == 0 and j == 0:
-                raise OSError(0, f"process_vm_writev to pid {pid} made no progress at 0x{remote[i]:x}")
-            local, remote, lengths = list(local), list(remote), list(lengths)
-            local[i + j] += part
-            remote[i + j] += part
-            lengths[i + j] -= part
-            i += j
-            break
+        if got == 0:
+            raise OSError(0, f"process_vm_writev to pid {pid} made no progress at 0x{int(remote[i]):x}")
+        done = np.cumsum(lengths[i:i + k])
+        j = int(np.searchsorted(done, got, side="right"))  # first piece not completely written
+        part = got - (int(done[j - 1]) if j else 0)
+        local, remote, lengths = local.copy(), remote.copy(), lengths.copy()
+        local[i + j] += np.uint64(part)
+        remote[i + j] += np.uint64(part)
+        lengths[i + j] -= np.uint64(part)
+        i += j
 
 
 def _boot_id() -> str:
@@ -147,7 +147,11 @@ class _Cuda:
 
     def export(self, addr: int, length: int, device: int) -> dict:
         import torch
-        with torch.cuda.device(device):  # cudaSetDevice makes the primary context current for driver calls
+        with torch.cuda.device(device):
+            # torch skips cudaSetDevice when it believes ``device`` is already current, and a thread that got its
+            # tensors from the caching allocator never made a runtime call: the driver call below would then find
+            # no current context (CUDA_ERROR_INVALID_CONTEXT, seen on an engine's second handshake on the H200)
+            self._ok(self.rt.cudaSetDevice(device), f"cudaSetDevice({device})")
             base, size = self._ok(self.drv.cuMemGetAddressRange(addr), f"cuMemGetAddressRange(0x{addr:x})")
             base, size = int(base), int(size)
             if addr + length > base + size:
@@ -243,6 +247,24 @@ class IpcFabric(TcpFabric):
     def deregister(self, mr: MemoryRegion) -> None:
         super().deregister(mr)
         self._exports.pop(mr.rkey, None)
+
+    def access_info(self, mr: MemoryRegion) -> dict:
+        """The region as ``_describe`` gives it (pid; for GPU memory the CUDA IPC handle): a same-host peer maps
+        it once and then writes with its own loads/stores (``transport.loadstore``)."""
+        return self._describe(mr)
+
+    def peer_pid(self, ep: TcpEndpoint) -> int:
+        """The peer's pid, as verified at connect (it read back the token at the address its descriptor named)."""
+        return int(ep.peer_desc["pid"])
+
+    def map_gpu(self, access: dict, device: int) -> int:
+        """Device pointer, valid in ``device``'s context, of the start of the peer allocation ``access``
+        describes (``access["base"]``): opened once, cached until close."""
+        return self._mapped(access, device)
+
+    def local_device(self, uuid: str) -> int:
+        """This process's index of the GPU with ``uuid``; FabricError when it is not visible here."""
+        return self._local_index(uuid)
 
     def _describe(self, mr: MemoryRegion) -> dict:
         d = {"addr": mr.addr, "length": mr.length, "device": mr.device, "pid": self._pid}

@@ -785,6 +785,11 @@ class TcpFabric(Fabric):
             if len(entry["socks"]) == n:
                 del pending[conn]
                 socks = [entry["socks"][i] for i in range(n)]
+                for sk in socks:
+                    # Blocking before the endpoint's receive threads start: a recv entered while the handshake
+                    # timeout was still set kept it, and an idle rail then died after connect_timeout seconds
+                    # ("receive failed: timed out" after 10 s without traffic).
+                    sk.settimeout(None)
                 try:
                     ep = self._make_endpoint(hello["id"], socks, hello["desc"])
                 except FabricClosed:
@@ -792,7 +797,6 @@ class TcpFabric(Fabric):
                 for sk in socks:
                     try:
                         sk.sendall(HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0))
-                        sk.settimeout(None)
                     except OSError as e:
                         ep.fail(f"handshake: {e}")
                         break

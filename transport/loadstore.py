@@ -1,0 +1,240 @@
+"""Same-host load/store path: a whole batch written into a peer process's memory from the caller's thread.
+
+Why: on the ipc fabric every write message is a socket round trip (REQ -> GRANT -> copy -> DONE -> ACK) handed
+between Python threads, and on the H200 that, not the bytes, was the whole cost (675 MB in 4-6 ms end to end
+where one device copy takes 0.34 ms; benchmarks/NOTES.md, section Engine). A peer on the same host needs none of
+it: its GPU allocations can be mapped here once (CUDA IPC) and its host memory written by cross-memory attach,
+so a batch is one ``pxn_kernels.copy`` launch (every GPU piece, any mix of sizes, straight to its destination:
+no relay chunk, no receiver scatter) plus one ``process_vm_writev`` for host pieces. This is what NCCL does
+inside a node: the NIC path, relay slots and coalesced chunks exist for peers on other hosts.
+
+What replaces the receiver's check: the sender already checks every destination against the regions the peer
+advertised before anything is written (``TransferEngine._submit``), and the peer only advertises (and exports
+IPC handles for) memory it registered. A peer's ``deregister`` bumps a generation counter in its memory; every
+batch reads it first (one 8-byte ``process_vm_readv``) and re-fetches the region list when it moved, so a batch
+submitted after ``deregister`` returned never writes into the removed region. As with an RDMA write, a batch
+racing a ``deregister`` of its own destination is the caller's error (the tcp/ipc message path pins regions and
+refuses; this path cannot).
+
+Batches this path does not take (the caller uses the message path): pieces between host and GPU memory, a peer
+GPU that is not visible in this process, a peer whose rails are down.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Optional
+
+import numpy as np
+
+from transport.errors import FabricError, PeerLost, TransferError
+from transport.fabric.ipc import process_vm_read, process_vm_write
+
+log = logging.getLogger(__name__)
+
+_PLAN_CACHE = 64  # plans kept per writer (sglang repeats the same piece lengths call after call)
+
+
+class Pending:
+    """The device work of one batch: ``wait()`` returns once every byte is in place, ``done()`` polls."""
+
+    __slots__ = ("_event", "_staging")
+
+    def __init__(self, event=None, staging=None):
+        self._event = event
+        self._staging = staging
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        if self._staging is not None:
+            self._staging.busy = None
+
+
+class _Staging:
+    """Pinned host + device int64 buffers for one thread's descriptors (src | dst | lengths)."""
+
+    __slots__ = ("host", "host_np", "device_buf", "busy")
+
+    def __init__(self, words: int, device):
+        import torch
+        cap = 1 << max(10, (words - 1).bit_length())
+        self.host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.device_buf = torch.empty(cap, dtype=torch.int64, device=device)
+        self.busy = None  # the event of an async batch still reading these buffers
+
+
+class LoadStoreWriter:
+    """Writes batches into one same-host peer (an ``IpcFabric`` endpoint's process) by direct loads/stores.
+
+    Arguments:
+        fabric: the rail-0 ``IpcFabric`` (it opens and caches the peer's CUDA IPC handles).
+        ep: its endpoint to the peer (the pid verified at connect).
+        gen_addr: address, in the peer, of its int64 deregistration counter.
+        gen_seen: the counter's value when the peer built the region list this engine holds.
+    """
+
+    def __init__(self, fabric, ep, gen_addr: int, gen_seen: int):
+        self.fabric = fabric
+        self.ep = ep
+        self.pid = fabric.peer_pid(ep)
+        self.gen_addr = int(gen_addr)
+        self.gen_seen = int(gen_seen)
+        self._maps = {}  # source device -> (region snapshot, int64 array: mapped start per region or -1)
+        self._plans = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    # --- region freshness ------------------------------------------------------------------------------------
+    def stale(self) -> bool:
+        """True when the peer deregistered something since its region list was fetched. Raises PeerLost when
+        the peer process cannot be read any more."""
+        try:
+            raw = process_vm_read(self.pid, self.gen_addr, 8)
+        except OSError as e:
+            raise PeerLost(f"same-host peer pid {self.pid} cannot be read: {e}") from e
+        return int.from_bytes(raw, "little", signed=True) != self.gen_seen
+
+    # --- the write ---------------------------------------------------------------------------------------------
+    def write(self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, src_dev: np.ndarray,
+              dst_index: np.ndarray, rsnap, wait: bool = True) -> Optional[Pending]:
+        """Write piece i (``lengths[i]`` bytes from local ``src[i]`` on ``src_dev[i]``) to the peer's ``dst[i]``,
+        which lies in region ``rsnap.regions[dst_index[i]]`` (the caller validated both sides).
+
+        Returns None, having written nothing, when the batch is not for this path; else a ``Pending`` (already
+        waited for when ``wait``). Raises TransferError (PeerLost when the peer is gone) on a failed copy.
+        """
+        dst_dev = rsnap.devices[dst_index]
+        gpu = (src_dev >= 0) & (dst_dev >= 0)
+        host = (src_dev < 0) & (dst_dev < 0)
+        all_gpu = bool(gpu.all())
+        if not all_gpu and not bool((gpu | host).all()):
+            return None  # host <-> GPU pieces: the message path stages them
+        gpu_groups = []
+        if all_gpu or gpu.any():
+            sel = slice(None) if all_gpu else gpu
+            g_src, g_dst, g_len, g_dev, g_idx = src[sel], dst[sel], lengths[sel], src_dev[sel], dst_index[sel]
+            devices = np.unique(g_dev).tolist()
+            for d in devices:
+                m = slice(None) if len(devices) == 1 else g_dev == d
+                starts = self._mapped_starts(rsnap, d)
+                base = starts[g_idx[m]]
+                if (base < 0).any():
+                    return None  # a destination GPU not mappable here
+                mapped = base + (g_dst[m] - rsnap.starts[g_idx[m]].astype(np.int64))
+                gpu_groups.append((d, g_src[m], mapped, g_len[m]))
+        # From here on bytes move: host pieces first (synchronous), then the GPU launches.
+        if not all_gpu and host.any():
+            try:
+                process_vm_write(self.pid, src[host], dst[host], lengths[host])
+            except OSError as e:
+                if e.errno == 3:  # ESRCH
+                    raise PeerLost(f"same-host peer pid {self.pid} is gone: {e}") from e
+                raise TransferError(f"cross-memory write to pid {self.pid} failed: {e}", [e]) from e
+        pending = None
+        for d, s, m, n in gpu_groups:
+            pending = self._launch(d, s, m, n, wait)
+        return pending or Pending()
+
+    # --- GPU pieces ----------------------------------------------------------------------------------------------
+    def _mapped_starts(self, rsnap, device: int) -> np.ndarray:
+        """Per region of ``rsnap``: the device pointer (in ``device``'s context) of its first byte, -1 when the
+        region is host memory or its GPU cannot be mapped here. Cached per snapshot (snapshots are immutable)."""
+        cached = self._maps.get(device)
+        if cached is not None and cached[0] is rsnap:
+            return cached[1]
+        out = np.full(len(rsnap.regions), -1, dtype=np.int64)
+        for i, r in enumerate(rsnap.regions):
+            acc = r.access
+            if r.device < 0 or not acc or "handle" not in acc:
+                continue
+            try:
+                out[i] = self.fabric.map_gpu(acc, device) + (r.addr - int(acc["base"]))
+            except Exception as e:  # noqa: BLE001 — the message path still works for this region
+                log.info("load/store: cannot map peer region 0x%x on device %d (%s); message path instead",
+                         r.addr, device, e)
+        self._maps[device] = (rsnap, out)
+        return out
+
+    def _plan(self, lengths: np.ndarray, device) -> dict:
+        """The kernel's work split for these lengths on the device, and the launches prepared with it (one per
+        staging buffer): cached by the lengths themselves, since sglang repeats the same lengths call after call.
+        """
+        from pxn_kernels._batched_copy import CopyPlan, launch_settings, plan_host
+        import torch
+        n = int(lengths.size)
+        total = int(lengths.sum())
+        lo = int(lengths[0])
+        key = (device.index, n, total, lo) if int(lengths.min()) == lo == int(lengths.max()) else \
+            (device.index, n, total, lengths.tobytes())
+        with self._lock:
+            entry = self._plans.get(key)
+            if entry is not None:
+                self._plans.move_to_end(key)
+                return entry
+        settings = launch_settings(n, device, total)
+        pad_ends, bounds, first_item = plan_host(lengths, settings.ranges)
+        words = np.concatenate([pad_ends, bounds, first_item]).astype(np.int64)
+        dev = torch.from_numpy(words).to(device)
+        r = settings.ranges
+        entry = {"plan": CopyPlan(dev[:n], dev[n:n + r + 1], dev[n + r + 1:], settings), "launches": {}}
+        with self._lock:
+            self._plans[key] = entry
+            while len(self._plans) > _PLAN_CACHE:
+                self._plans.popitem(last=False)
+        return entry
+
+    def _staging(self, device, words: int) -> _Staging:
+        per_dev = getattr(self._local, "staging", None)
+        if per_dev is None:
+            per_dev = self._local.staging = {}
+        st = per_dev.get(device.index)
+        if st is not None and st.busy is not None and not st.busy.query():
+            st = None  # an async batch still reads it: this one gets its own
+        elif st is not None and st.host.numel() < words:
+            st = None
+        if st is None:
+            st = per_dev[device.index] = _Staging(words, device)
+        return st
+
+    def _launch(self, device_index: int, src, mapped, lengths, wait: bool) -> Pending:
+        import torch
+        from pxn_kernels._batched_copy import PreparedCopy
+        from transport.fabric.tcp import memcpy_async
+        device = torch.device("cuda", device_index)
+        n = int(lengths.size)
+        entry = self._plan(lengths, device)
+        st = self._staging(device, 3 * n)
+        d = st.device_buf
+        # The launch bound to this staging buffer and plan is prepared once: a plain launch then costs one
+        # driver call, not Triton's per-call argument handling (benchmarks/NOTES.md: 10 us against 25-35 us).
+        # Keyed by the device buffer's address: the PreparedCopy keeps that buffer alive, so it is never reused.
+        launch = entry["launches"].get(d.data_ptr())
+        if launch is None:
+            launch = entry["launches"].setdefault(
+                d.data_ptr(), PreparedCopy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, 0, entry["plan"]))
+        w = st.host_np
+        w[0:n], w[n:2 * n], w[2 * n:3 * n] = src, mapped, lengths
+        stream = torch.cuda.current_stream(device)
+        try:
+            # On the caller's current stream: ordered after whatever the caller queued that wrote the sources.
+            memcpy_async(d.data_ptr(), st.host.data_ptr(), 3 * n * 8, stream)
+            if torch.cuda.current_device() == device_index:
+                launch()
+            else:  # the driver launches in the calling thread's current context
+                with torch.cuda.device(device):
+                    launch()
+            if wait:
+                stream.synchronize()
+                return Pending()
+            event = torch.cuda.Event()
+            event.record(stream)
+        except (RuntimeError, TransferError, FabricError) as e:  # CUDA errors surface here (launch or sync)
+            raise TransferError(f"load/store copy of {n} piece(s) on cuda:{device_index} failed: {e}", [e]) from e
+        st.busy = event
+        return Pending(event, st)

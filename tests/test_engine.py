@@ -342,6 +342,21 @@ def _abort_all_rails_mid_batch(eng, session, rails, src_offs, dsts, lens, base):
     return info.value
 
 
+def _wait_until_quiet(peer, timeout: float = 20.0) -> None:
+    """Wait until the peer's buffer stops changing. A failed batch's bytes may still land after the failure is
+    reported (the receiver finishes messages it had already taken off the dead connections, as an RDMA NIC may
+    complete writes of a QP that went to error), so a test that poisons and rewrites must let them drain."""
+    deadline = time.time() + timeout
+    last = peer.call("digest")
+    while time.time() < deadline:
+        time.sleep(0.2)
+        now = peer.call("digest")
+        if now == last:
+            return
+        last = now
+    raise AssertionError(f"peer buffer still changing {timeout} s after the batch failed")
+
+
 def test_all_rails_dead_fails_with_every_cause_then_reconnects(peer, src, rng):
     """Every rail dies mid-batch (a network blip; the peer process lives on): the batch fails with one cause
     per rail, the engine forgets the peer, and the next batch to the same session id handshakes again and is
@@ -359,6 +374,7 @@ def test_all_rails_dead_fails_with_every_cause_then_reconnects(peer, src, rng):
         assert "rail 0" in str(err) and "rail 1" in str(err)
         st = eng.stats()["failover"]
         assert st["peers_lost"] == 1 and st["reconnects"] == 0, st
+        _wait_until_quiet(peer)
         lengths = [64] * 300 + [BLOCK_1K] * 3 + [100000]
         run_case(eng, peer, src, disjoint_offsets(rng, lengths, 32 * MB), disjoint_offsets(rng, lengths, 32 * MB),
                  lengths, timeout=30)

@@ -894,7 +894,7 @@ class TransferEngine:
                 raise InvalidTransfer(f"dsts[{i}] = 0x{int(dst[i]):x} + lengths[{i}] = {int(ln[i])} is outside "
                                       f"every region session {session_id} registered; nothing was written")
         t1 = now_ns()
-        batch = _Batch(next(self._batch_ids), peer, src, dst, ln, int(ln.sum()))
+        nbytes = int(ln.sum())
         if writer is not None and peer.connected():
             try:
                 pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_)
@@ -903,11 +903,21 @@ class TransferEngine:
                 raise
             if pending is not None:
                 t2 = now_ns()
+                counts = [("batches_submitted", 1), ("items", int(ln.size)), ("bytes", nbytes),
+                          ("path_loadstore_units", 1), ("path_loadstore_bytes", nbytes),
+                          ("time_validate_s", (t1 - t0) / 1e9), ("time_loadstore_s", (t2 - t1) / 1e9)]
+                if not async_:  # already complete: account for it here, nothing to wait for
+                    self.counters.add_many(counts + [("batches_ok", 1)])
+                    self.latency.add((t2 - t0) / 1e9)
+                    if self.trace is not None:
+                        self.trace.complete("batch", "batch", "batches", t0, t2,
+                                            {"items": int(ln.size), "bytes": nbytes, "path": "loadstore"})
+                    return None
+                self.counters.add_many(counts)
+                batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
                 batch.pending = pending
-                self.counters.add_many((("batches_submitted", 1), ("items", int(ln.size)), ("bytes", batch.nbytes),
-                                        ("path_loadstore_units", 1), ("path_loadstore_bytes", batch.nbytes),
-                                        ("time_validate_s", (t1 - t0) / 1e9), ("time_loadstore_s", (t2 - t1) / 1e9)))
                 return batch
+        batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
         rails_of = {}
         for dev in np.unique(devices).tolist():
             rails_of[dev] = self._rail_choices(dev, peer)

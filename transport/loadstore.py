@@ -37,22 +37,21 @@ _PLAN_CACHE = 64  # plans kept per writer (sglang repeats the same piece lengths
 
 
 class Pending:
-    """The device work of one batch: ``wait()`` returns once every byte is in place, ``done()`` polls."""
+    """The device work of one batch (one CUDA event per source GPU): ``wait()`` returns once every byte is in
+    place, ``done()`` polls."""
 
-    __slots__ = ("_event", "_staging")
+    __slots__ = ("_work",)
 
-    def __init__(self, event=None, staging=None):
-        self._event = event
-        self._staging = staging
+    def __init__(self, work=()):
+        self._work = list(work)  # (event, staging) pairs
 
     def done(self) -> bool:
-        return self._event is None or self._event.query()
+        return all(event.query() for event, _ in self._work)
 
     def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-        if self._staging is not None:
-            self._staging.busy = None
+        for event, staging in self._work:
+            event.synchronize()
+            staging.busy = None
 
 
 class _Staging:
@@ -110,36 +109,44 @@ class LoadStoreWriter:
         waited for when ``wait``). Raises TransferError (PeerLost when the peer is gone) on a failed copy.
         """
         dst_dev = rsnap.devices[dst_index]
-        gpu = (src_dev >= 0) & (dst_dev >= 0)
-        host = (src_dev < 0) & (dst_dev < 0)
-        all_gpu = bool(gpu.all())
-        if not all_gpu and not bool((gpu | host).all()):
-            return None  # host <-> GPU pieces: the message path stages them
+        # Four reductions classify the usual batches (all GPU, all host) without building masks.
+        s_lo, s_hi, d_lo, d_hi = int(src_dev.min()), int(src_dev.max()), int(dst_dev.min()), int(dst_dev.max())
+        all_host = s_hi < 0 and d_hi < 0
+        all_gpu = s_lo >= 0 and d_lo >= 0
+        host = gpu = None
+        if not (all_host or all_gpu):
+            gpu = (src_dev >= 0) & (dst_dev >= 0)
+            host = (src_dev < 0) & (dst_dev < 0)
+            if not bool((gpu | host).all()):
+                return None  # host <-> GPU pieces: the message path stages them
         gpu_groups = []
-        if all_gpu or gpu.any():
+        if not all_host:
             sel = slice(None) if all_gpu else gpu
             g_src, g_dst, g_len, g_dev, g_idx = src[sel], dst[sel], lengths[sel], src_dev[sel], dst_index[sel]
-            devices = np.unique(g_dev).tolist()
+            devices = [s_lo] if all_gpu and s_lo == s_hi else np.unique(g_dev).tolist()
             for d in devices:
                 m = slice(None) if len(devices) == 1 else g_dev == d
                 starts = self._mapped_starts(rsnap, d)
-                base = starts[g_idx[m]]
-                if (base < 0).any():
+                idx = g_idx[m]
+                base = starts[idx]
+                if int(base.min()) < 0:
                     return None  # a destination GPU not mappable here
-                mapped = base + (g_dst[m] - rsnap.starts[g_idx[m]].astype(np.int64))
+                starts_i64 = rsnap.starts_i64 if rsnap.starts_i64 is not None else rsnap.starts.astype(np.int64)
+                mapped = base + (g_dst[m] - starts_i64[idx])
                 gpu_groups.append((d, g_src[m], mapped, g_len[m]))
         # From here on bytes move: host pieces first (synchronous), then the GPU launches.
-        if not all_gpu and host.any():
+        if all_host or (host is not None and host.any()):
             try:
-                process_vm_write(self.pid, src[host], dst[host], lengths[host])
+                if all_host:
+                    process_vm_write(self.pid, src, dst, lengths)
+                else:
+                    process_vm_write(self.pid, src[host], dst[host], lengths[host])
             except OSError as e:
                 if e.errno == 3:  # ESRCH
                     raise PeerLost(f"same-host peer pid {self.pid} is gone: {e}") from e
                 raise TransferError(f"cross-memory write to pid {self.pid} failed: {e}", [e]) from e
-        pending = None
-        for d, s, m, n in gpu_groups:
-            pending = self._launch(d, s, m, n, wait)
-        return pending or Pending()
+        work = [self._launch(d, s, m, n, wait) for d, s, m, n in gpu_groups]
+        return Pending(w for w in work if w is not None)
 
     # --- GPU pieces ----------------------------------------------------------------------------------------------
     def _mapped_starts(self, rsnap, device: int) -> np.ndarray:
@@ -202,7 +209,9 @@ class LoadStoreWriter:
             st = per_dev[device.index] = _Staging(words, device)
         return st
 
-    def _launch(self, device_index: int, src, mapped, lengths, wait: bool) -> Pending:
+    def _launch(self, device_index: int, src, mapped, lengths, wait: bool):
+        """One H2D copy of the descriptors and one launch on ``device_index``'s current stream. Returns None once
+        synchronised (``wait``), else the (event, staging) pair to wait for."""
         import torch
         from pxn_kernels._batched_copy import PreparedCopy
         from transport.fabric.tcp import memcpy_async
@@ -231,10 +240,10 @@ class LoadStoreWriter:
                     launch()
             if wait:
                 stream.synchronize()
-                return Pending()
+                return None
             event = torch.cuda.Event()
             event.record(stream)
         except (RuntimeError, TransferError, FabricError) as e:  # CUDA errors surface here (launch or sync)
             raise TransferError(f"load/store copy of {n} piece(s) on cuda:{device_index} failed: {e}", [e]) from e
         st.busy = event
-        return Pending(event, st)
+        return event, st

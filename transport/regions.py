@@ -56,13 +56,17 @@ class Region:
 
 
 class _Snapshot:
-    __slots__ = ("regions", "starts", "ends", "devices")
+    __slots__ = ("regions", "starts", "ends", "devices", "starts_i64", "ends_i64")
 
     def __init__(self, regions: List[Region]):
         self.regions = sorted(regions, key=lambda r: r.addr)
         self.starts = np.array([r.addr for r in self.regions], dtype=np.uint64)
         self.ends = np.array([r.end for r in self.regions], dtype=np.uint64)
         self.devices = np.array([r.device for r in self.regions], dtype=np.int64)
+        # int64 copies for the sender's lookups (its arrays are int64 already: no conversions per batch)
+        fits = not self.regions or int(self.ends.max()) < 1 << 63
+        self.starts_i64 = self.starts.astype(np.int64) if fits else None
+        self.ends_i64 = self.ends.astype(np.int64) if fits else None
 
 
 class RegionTable:
@@ -129,6 +133,14 @@ class RegionTable:
         n = len(addrs)
         if not snap.regions:
             return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+        if snap.starts_i64 is not None and getattr(addrs, "dtype", None) == np.int64 \
+                and getattr(lengths, "dtype", None) == np.int64:
+            # the sender's case, on its hot path: int64 throughout; an end past 2**63 wraps negative and fails
+            # ``e > addrs``, a negative address finds no region
+            e = addrs + lengths
+            idx = np.searchsorted(snap.starts_i64, addrs, side="right") - 1
+            ok = (e <= snap.ends_i64[idx]) & (idx >= 0) & (e > addrs)
+            return np.maximum(idx, 0), ok
         a = np.asarray(addrs).astype(np.uint64)
         e = a + np.asarray(lengths).astype(np.uint64)
         idx = np.searchsorted(snap.starts, a, side="right").astype(np.int64) - 1

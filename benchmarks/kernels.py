@@ -9,7 +9,9 @@ hides host overhead, so it is not used). Item descriptors are already on the dev
 work plan are timed separately and reported in the pxn rows (``upload_us``, ``plan_us``).
 
 Usage: python3 benchmarks/kernels.py [--out benchmarks/results/kernels-h200.json] [--sweep] [--quick]
-Needs a CUDA GPU; cuda-bindings for the batch_api rows (skipped with a message without it).
+       python3 benchmarks/kernels.py --variants PATH [--resources PATH2]   (variants x mixes table only)
+       python3 benchmarks/kernels.py --resources PATH   (no GPU needed: registers/spills per variant kernel)
+Needs a CUDA GPU (except --resources); cuda-bindings for the batch_api rows (skipped with a message without it).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -30,8 +33,9 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import pxn_kernels  # noqa: E402
+from pxn_kernels._grid_copy import GridCopy, grid_fits  # noqa: E402
 from pxn_kernels._batched_copy import (  # noqa: E402
-    LaunchSettings, PreparedCopy, launch_settings, plan_batched_copy,
+    LaunchSettings, PreparedCopy, Regime, launch_settings, plan_batched_copy, plan_for_lengths, settings_for,
 )
 
 MIXES = {
@@ -235,9 +239,12 @@ def run(args) -> list:
     rows = []
     for mix, lengths in mixes.items():
         case = Case(lengths, device, remote)
-        settings = launch_settings(case.n, device, case.total)
-        plan = plan_batched_copy(case.len_t, settings)
-        plan_s = timed(lambda: plan_batched_copy(case.len_t, settings), 50)
+        # The plan from the host lengths (what the engine and the checked public calls do): the grid kernel
+        # for large pieces of one size, else the range plan built with numpy and moved in one copy.
+        host_lengths = np.asarray(lengths, dtype=np.int64)
+        plan = plan_for_lengths(host_lengths, device)
+        settings = plan.settings
+        plan_s = timed(lambda: plan_for_lengths(host_lengths, device), 50)
         upload_s = timed(lambda: case.desc.copy_(case.host_desc, non_blocking=True), 50)
         contiguous_s = timed(lambda: case.contig_dst.copy_(case.contig_src),
                              repeats_for(case.total, 1, "contiguous"))
@@ -267,8 +274,12 @@ def run(args) -> list:
                     row.update(launch="cuda graph replay of the prepared launch (PreparedCopy(graph=True))",
                                rounds=settings.rounds, streaming=settings.streaming)
                     row.update(plan_us=plan_s * 1e6, upload_us=upload_s * 1e6,
-                               ratio_to_contiguous=contiguous_s / seconds, programs=settings.programs,
-                               block_bytes=settings.block_bytes, num_warps=settings.num_warps)
+                               ratio_to_contiguous=contiguous_s / seconds)
+                    if plan.grid is not None:
+                        row.update(kernel="grid", grid=asdict(plan.grid))
+                    else:
+                        row.update(kernel="range", programs=settings.programs, block_bytes=settings.block_bytes,
+                                   num_warps=settings.num_warps)
                 rows.append(row)
             print(f"  {mix:>10} {op:>7}: " + "  ".join(f"{m} {case.total / s / 1e9:8.2f} GB/s"
                                                      for m, s in results.items()), flush=True)
@@ -391,6 +402,376 @@ def timeit_us(fn, n=10000):
     return (time.perf_counter() - t) / n * 1e6
 
 
+# --- variants: kernel/plan variants against the current defaults (--variants), and their resources ---------
+
+def _variant(name, tests, predict, small, large=None):
+    return {"name": name, "tests": tests, "predict": dict(zip(VARIANT_MIXES, predict)), "small": small,
+            "large": large or small}
+
+
+VARIANT_MIXES = ("8KBx4096", "64KBx1024", "2.25MBx78", "8.25MBx78", "mixed", "64Bx4096", "aux11")
+COPY_TOO = ("2.25MBx78", "8.25MBx78")  # mixes timed for copy as well as gather
+
+
+def variants() -> list:
+    """The candidate settings, current defaults first (and again last, to show the run's drift).
+
+    Each variant is a pair of ``Regime``s: ``small`` for batches whose mean piece is under LARGE_MEAN_BYTES,
+    ``large`` for the others (the split ``launch_settings`` makes); one Regime for both where the variant is a
+    single policy. Aligned variants fall back to the equal split on small batches (see ``settings_for``).
+    ``predict``: the gather ratio to copy_ predicted for each of VARIANT_MIXES before the first measurement
+    (base: the v2b measurement). Resources of each kernel: ``--resources``.
+    """
+    from pxn_kernels._batched_copy import _LARGE, _SMALL
+    from dataclasses import replace
+    small, large = _SMALL, _LARGE
+    r32 = replace(small, max_registers=32)
+
+    def uni(block, warps, range_kb, persistent=False, per_sm=8, prefetch=0, eager=True, regs=32):
+        return Regime(block_bytes=block, num_warps=warps, programs_per_sm=per_sm, range_bytes=range_kb << 10,
+                      persistent=persistent, prefetch=prefetch, eager=eager, max_registers=regs)
+    #               8KBx4096 64KBx1024 2.25MBx78 8.25MBx78 mixed 64Bx4096 aux11
+    return [
+        _variant("base", "current defaults", (0.79, 0.88, 0.93, 0.925, 0.82, 1.33, 1.87), small, large),
+        _variant("r32", "small regime capped at 32 registers: 16 programs/SM instead of 9 (occupancy alone)",
+                 (0.86, 0.88, 0.93, 0.925, 0.82, 1.6, 1.87), r32, large),
+        _variant("r32+eager", "r32 + an item's 4 descriptors in one round trip (H2; large: eager, 64 regs)",
+                 (0.89, 0.885, 0.93, 0.925, 0.85, 1.7, 1.87), replace(r32, eager=True),
+                 replace(large, eager=True, max_registers=64)),
+        _variant("L:aligned32k", "large regime: ranges of exactly 32 KB = 1 tile, no partial tile (H1 alone)",
+                 (0.79, 0.88, 0.935, 0.93, 0.82, 1.33, 1.87), small, replace(large, range_bytes=32 << 10)),
+        _variant("L:aligned32k+pf2", "large: aligned 32 KB, eager, prefetch 2, 4 programs/SM = resident only, "
+                 "64 regs; small as r32+eager", (0.89, 0.885, 0.94, 0.935, 0.85, 1.7, 1.87),
+                 replace(r32, eager=True),
+                 replace(large, range_bytes=32 << 10, eager=True, prefetch=2, programs_per_sm=4, max_registers=64)),
+        _variant("np4k", "plain-copy shape: aligned 4 KB ranges, 1 per program, 4 KB/4 warps, eager, 32 regs",
+                 (0.88, 0.93, 0.96, 0.96, 0.90, 1.7, 1.87), uni(4096, 4, 4)),
+        _variant("np4k-lazy", "np4k with lazy descriptor loads (eager alone, one-range programs)",
+                 (0.85, 0.92, 0.955, 0.955, 0.88, 1.6, 1.87), uni(4096, 4, 4, eager=False)),
+        _variant("np16k/4k", "aligned 16 KB ranges, 4 KB tiles/4 warps: descriptors paid once per 4 tiles",
+                 (0.88, 0.93, 0.955, 0.955, 0.89, 1.7, 1.87), uni(4096, 4, 16)),
+        _variant("np8k/8k", "aligned 8 KB ranges, 8 KB tiles/4 warps (64 B per thread in flight)",
+                 (0.91, 0.94, 0.96, 0.96, 0.90, 1.7, 1.87), uni(8192, 4, 8)),
+        _variant("np4k/w2", "aligned 4 KB ranges, 4 KB tiles/2 warps: 32 programs/SM, 64 B per thread",
+                 (0.90, 0.93, 0.96, 0.96, 0.90, 1.75, 1.87), uni(4096, 2, 4, per_sm=16)),
+        _variant("np16k/16k/w8", "aligned 16 KB ranges, 16 KB tiles/8 warps, 32 regs (8 programs/SM)",
+                 (0.88, 0.93, 0.95, 0.95, 0.88, 1.25, 1.85), uni(16384, 8, 16)),
+        _variant("np32k/32k/w8", "aligned 32 KB ranges, 32 KB tiles/8 warps, 64 regs (the base large tile)",
+                 (0.80, 0.90, 0.935, 0.935, 0.84, 0.8, 1.85), uni(32768, 8, 32, regs=64)),
+        _variant("p16k/4k+pf2", "persistent, 16 programs/SM (one resident wave), aligned 16 KB, 4 KB tiles, "
+                 "eager, prefetch 2", (0.90, 0.92, 0.955, 0.955, 0.88, 1.65, 1.85),
+                 uni(4096, 4, 16, persistent=True, per_sm=16, prefetch=2)),
+        _variant("p16k/8k+pf2", "as p16k/4k+pf2 with 8 KB tiles (64 B per thread in flight)",
+                 (0.92, 0.93, 0.96, 0.96, 0.89, 1.65, 1.85),
+                 uni(8192, 4, 16, persistent=True, per_sm=16, prefetch=2)),
+        _variant("p16k/4k+pf1-lazy", "as p16k/4k+pf2 with prefetch 1 and lazy loads",
+                 (0.87, 0.91, 0.95, 0.95, 0.86, 1.6, 1.85),
+                 uni(4096, 4, 16, persistent=True, per_sm=16, prefetch=1, eager=False)),
+        _variant("base-again", "current defaults, repeated: the run's drift and noise",
+                 (0.79, 0.88, 0.93, 0.925, 0.82, 1.33, 1.87), small, large),
+        # --- call 3: the 2-D grid kernel (pxn_kernels/_grid_copy.py), one descriptor round trip, no plan.
+        # Only for batches of (nearly) equal pieces; other mixes are skipped. Predictions written before call 3.
+        _variant("np32k-lazy", "np32k/32k/w8 without eager loads, no register cap",
+                 (0.87, 0.95, 0.95, 0.95, 0.79, 0.5, 1.7), uni(32768, 8, 32, eager=False, regs=0)),
+        _variant("np64k/32k/w8", "aligned 64 KB ranges, 32 KB tiles/8 warps: descriptors paid once per 2 tiles",
+                 (0.86, 0.95, 0.955, 0.955, 0.79, 0.5, 1.7), uni(32768, 8, 64, regs=64)),
+        _grid("g4k/4k/w4", "grid: 4 KB per program, 4 KB tiles, 4 warps (the plain copy's shape + 1 round trip)",
+              (0.93, 0.95, 0.95, 0.95), 4096, 4096, 4),
+        _grid("g8k/8k/w4", "grid: 8 KB per program, 8 KB tiles, 4 warps (64 B per thread in flight)",
+              (0.94, 0.955, 0.955, 0.955), 8192, 8192, 4),
+        _grid("g16k/4k/w4", "grid: 16 KB per program as 4 tiles of 4 KB, 4 warps",
+              (0.92, 0.96, 0.96, 0.96), 16384, 4096, 4),
+        _grid("g16k/16k/w8", "grid: 16 KB per program, 16 KB tiles, 8 warps",
+              (0.93, 0.95, 0.95, 0.95), 16384, 16384, 8),
+        _grid("g32k/32k/w8", "grid: 32 KB per program, 32 KB tiles, 8 warps (np32k without the range plan)",
+              (0.90, 0.955, 0.955, 0.955), 32768, 32768, 8),
+        _grid("g64k/32k/w8", "grid: 64 KB per program as 2 tiles of 32 KB, 8 warps",
+              (0.87, 0.955, 0.955, 0.955), 65536, 32768, 8),
+    ]
+
+
+def _grid(name, tests, predict, seg, block, warps):
+    """A variant run by the 2-D grid kernel (GridCopy) instead of the range plan."""
+    from pxn_kernels._batched_copy import _SMALL
+    v = _variant(name, tests, tuple(predict) + (None, None, None), _SMALL)
+    v["grid"] = {"seg_bytes": seg, "block_bytes": block, "num_warps": warps}
+    return v
+
+
+def variant_settings(variant: dict, n_items: int, total_bytes: int, multiprocessors: int) -> LaunchSettings:
+    """LaunchSettings of ``variant`` for one batch: the regime ``launch_settings`` would pick, fitted."""
+    from pxn_kernels._batched_copy import _LARGE_MEAN_BYTES
+    large = bool(total_bytes) and n_items > 0 and total_bytes // n_items >= _LARGE_MEAN_BYTES
+    return settings_for(variant["large" if large else "small"], n_items, total_bytes, multiprocessors)
+
+
+def check_full(case: Case, op: str, call, rng_gen) -> None:
+    """Byte-exact check of one op against the torch reference on fresh random data, whole output compared.
+
+    The source is redrawn and the output poisoned with random bytes before the call, so unwritten bytes,
+    stray writes and stale data all show.
+    """
+    case.scattered_src.random_(0, 256, generator=rng_gen)
+    out = case.chunk_out if op == "gather" else case.copy_dst
+    out.random_(0, 256, generator=rng_gen)
+    ref = out.clone()
+    call()
+    if op == "gather":
+        pxn_kernels.gather_torch(case.src_ptrs, case.len_t, ref, case.offsets)
+    else:
+        pxn_kernels.copy_torch(case.src_ptrs, case.copy_dst_ptrs - out.data_ptr() + ref.data_ptr(), case.len_t)
+    torch.cuda.synchronize()
+    if not torch.equal(out, ref):
+        bad = (out != ref).nonzero()
+        raise AssertionError(f"{op}: {bad.numel()} wrong bytes, first at {int(bad[0])} of {out.numel()}")
+    # The reference itself moved the last piece (guards against a vacuous comparison).
+    host = case.host_desc.numpy()
+    i = case.n - 1
+    s = int(host[0, i]) - case.scattered_src.data_ptr()
+    d = int(host[2, i]) if op == "gather" else int(host[4, i]) - case.copy_dst.data_ptr()
+    length = int(host[3, i])
+    assert torch.equal(ref[d:d + length], case.scattered_src[s:s + length]), "reference did not copy"
+    del ref
+
+
+def device_us(fn, launches: int = 20) -> float:
+    """Device time per launch: ``launches`` calls captured in one CUDA graph, replays timed."""
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(launches):
+                fn()
+    torch.cuda.synchronize()
+    return timed(graph.replay, 10) * 1e6 / launches
+
+
+def variants_run(args, device=None, multiprocessors=None) -> dict:
+    """Every variant x mix: gather (and copy on the 78-block mixes) as a ratio of one contiguous copy_, each
+    cell checked byte-exact (``check_full``) before it is timed. The JSON at ``args.variants`` is rewritten
+    after every mix, so a run cut short keeps what it measured.
+
+    ``device``/``multiprocessors`` default to CUDA device 0 and its SM count (a CPU dry run passes others).
+    """
+    device = device or torch.device("cuda", 0)
+    sms = multiprocessors or torch.cuda.get_device_properties(device).multi_processor_count
+    rng = np.random.default_rng(0)
+    all_mixes = dict(MIXES)
+    all_mixes["mixed"] = mixed_lengths(rng)
+    names = args.variant_mixes.split(",") if args.variant_mixes else list(VARIANT_MIXES)
+    chosen = [v for v in variants() if not args.variant_names or v["name"] in args.variant_names.split(",")]
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    t0 = time.time()
+    result = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+              "multiprocessors": sms, "torch": torch.__version__, "triton": triton.__version__,
+              "machine": platform.node(), "date": datetime.date.today().isoformat(),
+              "variants": [{"name": v["name"], "tests": v["tests"], "predict": v["predict"],
+                            "small": asdict(v["small"]), "large": asdict(v["large"])} for v in chosen],
+              "mixes": {}, "rows": []}
+    for mix in names:
+        try:
+            _variants_one_mix(args, mix, all_mixes[mix], chosen, device, sms, gen, t0, result)
+        except Exception as exc:  # keep the other mixes; say why this one is missing
+            print(f"  {mix}: {exc!r}", flush=True)
+            result["mixes"].setdefault(mix, {})["error"] = repr(exc)[:300]
+        torch.cuda.empty_cache()
+        result["seconds"] = time.time() - t0
+        if getattr(args, "variants", None):
+            with open(args.variants, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+def _variants_one_mix(args, mix, lengths, chosen, device, sms, gen, t0, result) -> None:
+    case = Case(lengths, device)
+    contig = lambda: case.contig_dst.copy_(case.contig_src)
+    # Each timed trial ~target_ms of back-to-back calls (estimate: bytes at ~1.8 TB/s, >= 6 us per call).
+    est = max(6e-6, 2 * case.total / 3.6e12)
+    reps = max(3, min(400, int(args.target_ms * 1e-3 / est)))
+    meta = result["mixes"][mix] = {"n_items": case.n, "total_bytes": case.total, "repeats": reps,
+                                   "trials": args.trials}
+    meta["contiguous_us_before"] = timed(contig, reps, args.trials) * 1e6
+    small = case.total < (4 << 20)
+    if small:
+        meta["contiguous_device_us"] = device_us(contig)
+    rows = []
+    for v in chosen:
+        if time.time() - t0 > args.budget_s:
+            rows.append({"mix": mix, "variant": v["name"], "skipped": "time budget"})
+            continue
+        settings = variant_settings(v, case.n, case.total, sms)
+        grid = v.get("grid")
+        if grid and not grid_fits(case.n, case.total, max(lengths)):
+            rows.append({"mix": mix, "variant": v["name"], "skipped": "grid kernel: pieces not of one size"})
+            continue
+        for op in ("gather", "copy") if mix in COPY_TOO else ("gather",):
+            row = {"mix": mix, "variant": v["name"], "op": op, **({"grid": grid} if grid else {
+                k: getattr(settings, k) for k in ("block_bytes", "num_warps", "programs", "rounds", "range_bytes",
+                                                  "persistent", "prefetch", "eager", "max_registers")})}
+            try:
+                if grid:
+                    if op == "gather":
+                        call = GridCopy(case.src_ptrs, case.offsets, case.len_t, 0, case.chunk_out.data_ptr(),
+                                        max(lengths), **grid)
+                    else:
+                        call = GridCopy(case.src_ptrs, case.copy_dst_ptrs, case.len_t, 0, 0, max(lengths), **grid)
+                else:
+                    plan = plan_batched_copy(case.len_t, settings)
+                    call = prepared(case, op, plan, graph=True)
+                check_full(case, op, call, gen)
+                seconds = timed(call, reps, args.trials)
+                row.update(time_us=seconds * 1e6, gbps=case.total / seconds / 1e9, verified=True)
+                if small and not grid:
+                    row["device_us"] = device_us(prepared(case, op, plan, graph=False))
+                del call
+            except Exception as exc:  # keep the other cells; say why this one is missing
+                row["error"] = repr(exc)[:300]
+                print(f"  {mix} {v['name']} {op}: {exc!r}", flush=True)
+            rows.append(row)
+    meta["contiguous_us_after"] = timed(contig, reps, args.trials) * 1e6
+    contiguous_us = (meta["contiguous_us_before"] + meta["contiguous_us_after"]) / 2
+    meta["contiguous_gbps"] = case.total / contiguous_us / 1e3
+    for row in rows:
+        if "time_us" in row:
+            row["ratio"] = contiguous_us / row["time_us"]
+    result["rows"].extend(rows)
+    print(f"  {mix}: contiguous {meta['contiguous_us_before']:.2f} / {meta['contiguous_us_after']:.2f} us, "
+          f"{time.time() - t0:.0f} s", flush=True)
+    del case
+
+
+def print_variant_table(result: dict) -> None:
+    """Variant x mix: measured ratio to copy_ | the ratio predicted before the run (gather; copy columns too)."""
+    cols = []
+    for mix in result["mixes"]:
+        cols.append((mix, "gather"))
+        if mix in COPY_TOO:
+            cols.append((mix, "copy"))
+    cell = {(r["variant"], r["mix"], r.get("op")): r for r in result["rows"]}
+    heads = [(m if op == "gather" else m.split("x")[0] + "-copy") for m, op in cols]
+    print("\nratio to one contiguous copy_ of the same bytes: measured|predicted (pxn gather unless -copy)")
+    print(f"{'variant':>16} " + " ".join(f"{h[:10]:>10}" for h in heads))
+    for v in result["variants"]:
+        vals = []
+        for mix, op in cols:
+            r = cell.get((v["name"], mix, op))
+            measured = "  -  " if r is None or "ratio" not in r else f"{r['ratio']:.3f}"
+            p = v["predict"].get(mix)
+            p = float("nan") if p is None else p
+            vals.append(f"{measured}|{f'{p:.3f}'[1:] if p < 1 else f'{p:.2f}'}".rjust(10))
+        print(f"{v['name'][:16]:>16} " + " ".join(vals))
+    spread = " ".join(f"{m}: {x['contiguous_us_before']:.1f}/{x['contiguous_us_after']:.1f}"
+                      for m, x in result["mixes"].items() if "contiguous_us_after" in x)
+    print(f"contiguous copy_ us before/after: {spread}")
+
+
+def kernel_resources(target_cc: int = 90) -> list:
+    """Compile every kernel configuration the variants use for sm_``target_cc`` (no GPU needed) and report
+    registers, spills, local memory, 16-byte accesses in the PTX and the resident programs per SM they allow.
+
+    Registers come from Triton's own cubin (``cuobjdump --dump-resource-usage``), spills from ``ptxas -v``
+    on its PTX, both with the tools Triton bundles. Needs the real (not interpreted) kernel: run without
+    TRITON_INTERPRET=1.
+    """
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from pxn_kernels._batched_copy import _batched_copy_kernel
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    configs = {}
+    for v in variants():
+        for regime_name in ("small", "large"):
+            r = v[regime_name]
+            key = (r.block_bytes, r.tail_block_bytes, r.num_warps, r.streaming, r.persistent,
+                   r.prefetch if r.persistent else 0, r.eager, r.max_registers)
+            users = configs.setdefault(key, [])
+            if v["name"] not in users:
+                users.append(v["name"])
+    pointer = {"anchor": "*u8", **{k: "*i64" for k in ("src_index", "dst_index", "lengths", "pad_ends", "bounds",
+                                                        "first_item")}}
+    signature = {**pointer, "src_base": "i64", "dst_base": "i64", "n_ranges": "i32"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}  # aligned pointers, 16-divisible bases
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for (block, tail, warps, streaming, persistent, prefetch, eager, regs), users in configs.items():
+            constexprs = dict(BLOCK=block, TAIL_BLOCK=tail, STREAMING=streaming, PERSISTENT=persistent,
+                              PREFETCH=prefetch, EAGER=eager)
+            options = dict(num_warps=warps, **({"maxnreg": regs} if regs else {}))
+            compiled = triton.compile(ASTSource(fn=_batched_copy_kernel,
+                                                signature={**signature, **{k: "constexpr" for k in constexprs}},
+                                                constexprs=constexprs, attrs=attrs),
+                                      target=GPUTarget("cuda", target_cc, 32), options=options)
+            ptx = compiled.asm["ptx"]
+            cubin, ptx_path = os.path.join(tmp, "k.cubin"), os.path.join(tmp, "k.ptx")
+            with open(cubin, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            with open(ptx_path, "w") as f:
+                f.write(ptx)
+            usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin],
+                                   capture_output=True, text=True).stdout
+            arch = f"sm_{target_cc}a" if target_cc >= 90 else f"sm_{target_cc}"
+            # Triton's own ptxas flags (make_cubin): -lineinfo -v --gpu-name=sm_90a.
+            for ptxas in ("ptxas", "ptxas-blackwell"):  # the PTX may need the newer of the two bundled
+                verbose = subprocess.run([os.path.join(tools, ptxas), "-lineinfo", "-v", f"--gpu-name={arch}",
+                                          ptx_path, "-o", os.path.join(tmp, "v.cubin")],
+                                         capture_output=True, text=True).stderr
+                if "spill stores" in verbose:
+                    break
+            sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", cubin], capture_output=True,
+                                  text=True).stdout
+            n_regs = int(re.search(r"REG:(\d+)", usage).group(1))
+            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", verbose)
+            per_warp = -(-n_regs * 32 // 256) * 256
+            resident = min(32, 64 // warps, 65536 // (per_warp * warps))
+            rows.append({"block_bytes": block, "num_warps": warps, "tail_block_bytes": tail, "persistent": persistent,
+                         "prefetch": prefetch, "eager": eager, "max_registers": regs, "n_regs": n_regs,
+                         "local_bytes": int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+                         "spill_stores": int(spill.group(1)) if spill else None,
+                         "spill_loads": int(spill.group(2)) if spill else None,
+                         **({} if spill else {"ptxas_error": verbose[-300:]}),
+                         "ld_v4": len(re.findall(r"ld\.global[^\n;]*\.v4", ptx)),
+                         "st_v4": len(re.findall(r"st\.global[^\n;]*\.v4", ptx)),
+                         "ld_b8": ptx.count("ld.global.b8"), "tile_loop_local_ops": _tile_loop_local_ops(sass),
+                         "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+                         "resident_programs_per_sm": resident,
+                         "resident_warps_per_sm": resident * warps, "used_by": users})
+    return rows
+
+
+def _tile_loop_local_ops(sass: str) -> int:
+    """Local-memory loads/stores (spill traffic) inside the innermost SASS loop that holds unpredicated 16-byte
+    loads (the whole-tile loop); -1 when no such loop is found."""
+    import re
+    lines = [(int(m.group(1), 16), line) for line in sass.splitlines()
+             for m in [re.search(r"/\*([0-9a-f]{4,})\*/", line)] if m]
+    best = None
+    for address, line in lines:
+        target = re.search(r"BRA (0x[0-9a-f]+)", line)
+        if not target or int(target.group(1), 16) >= address:
+            continue
+        body = [text for a, text in lines if int(target.group(1), 16) <= a <= address]
+        if any("LDG.E.128" in text and "@" not in text.split("LDG")[0] for text in body):
+            if best is None or len(body) < len(best):
+                best = body
+    return -1 if best is None else sum(("LDL" in text or "STL" in text) for text in best)
+
+
+def print_resources(rows, version: str) -> None:
+    print(f"\nTriton {version}, sm_90 offline compile: registers, spills and 16-byte accesses per configuration")
+    print(f"{'block':>6} {'w':>2} {'pers':>4} {'pf':>2} {'eager':>5} {'cap':>3} {'regs':>4} {'spill':>5} "
+          f"{'v4 ld/st':>8} {'loopLDL':>7} {'res/SM':>6} {'warps':>5}  used by")
+    for r in rows:
+        print(f"{r['block_bytes']:6d} {r['num_warps']:2d} {int(r['persistent']):4d} {r['prefetch']:2d} "
+              f"{int(r['eager']):5d} {r['max_registers']:3d} {r['n_regs']:4d} "
+              f"{'?' if r['spill_stores'] is None else r['spill_stores']:>5} {r['ld_v4']:>3}/{r['st_v4']:<4} "
+              f"{r['tile_loop_local_ops']:7d} {r['resident_programs_per_sm']:6d} {r['resident_warps_per_sm']:5d}"
+              f"  {', '.join(r['used_by'])}")
+
+
 def print_table(rows) -> None:
     by_key = {(r["mix"], r["op"], r["method"]): r for r in rows}
     print(f"\n{'mix':>10} {'op':>7} {'pxn GB/s':>9} {'contig':>8} {'ratio':>6} {'batch_api':>10} {'per_item':>9} "
@@ -415,7 +796,31 @@ def main() -> int:
                              "results/kernels-nvlink.json")
     parser.add_argument("--quick", action="store_true", help="four mixes only")
     parser.add_argument("--skip-per-item", action="store_true", help="skip the slow per-item loop")
+    parser.add_argument("--variants", metavar="PATH",
+                        help="only the kernel variants x mixes table (see variants()), JSON to PATH")
+    parser.add_argument("--variant-names", default="", help="comma-separated subset of the variants")
+    parser.add_argument("--variant-mixes", default="", help="comma-separated subset of " + ",".join(VARIANT_MIXES))
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="--variants: skip the remaining cells after this many seconds of measuring")
+    parser.add_argument("--target-ms", type=float, default=8.0, help="--variants: ms per timed trial")
+    parser.add_argument("--trials", type=int, default=9, help="--variants: timed trials per cell (median)")
+    parser.add_argument("--resources", metavar="PATH",
+                        help="registers/spills/16-B accesses of every variant's kernel, compiled for sm_90 "
+                             "(no GPU needed), JSON to PATH; with --variants on a GPU, also run there")
     args = parser.parse_args()
+    if args.resources:
+        try:
+            rows = kernel_resources()
+        except Exception as exc:  # with --variants, the GPU table matters more: report and go on
+            if not args.variants:
+                raise
+            print(f"--resources failed: {exc!r}", flush=True)
+            rows = []
+        with open(args.resources, "w") as f:
+            json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, f, indent=1)
+        if not args.variants:
+            print_resources(rows, triton.__version__)
+            return 0
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU; none is visible. (CPU runs: pxn bench)", file=sys.stderr)
         return 2
@@ -426,6 +831,13 @@ def main() -> int:
         print("--nvlink needs 2 GPUs", file=sys.stderr)
         return 2
     t0 = time.time()
+    if args.variants:
+        result = variants_run(args)  # writes args.variants after every mix
+        print(f"\nwrote {len(result['rows'])} cells to {args.variants} in {time.time() - t0:.0f} s")
+        if args.resources and rows:
+            print_resources(rows, triton.__version__)
+        print_variant_table(result)
+        return 0
     if args.probe:
         with open(args.probe, "w") as f:
             json.dump({"aux11": probe(), "calibration": calibrate()}, f, indent=1)

@@ -75,11 +75,11 @@ class DirectLauncher:
         compiled._init_handles()
         return cls(compiled.function, sizes, n_user, meta.num_warps, getattr(meta, "shared", 0))
 
-    def launch(self, grid_x: int, stream: int, values: Sequence[int]) -> None:
+    def launch(self, grid_x: int, stream: int, values: Sequence[int], grid_y: int = 1) -> None:
         with self._lock:
             for slot, value in zip(self._user, values):
                 slot.value = value
-            err = self._launch(self._function, grid_x, 1, 1, self._threads, 1, 1, self._shared, stream,
+            err = self._launch(self._function, grid_x, grid_y, 1, self._threads, 1, 1, self._shared, stream,
                                self._params, None)
         if err:
             name = ctypes.c_char_p()

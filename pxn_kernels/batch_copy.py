@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks
-from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, plan_batched_copy
+from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
 from pxn_kernels._memory import host_copy, raw_view
 from pxn_kernels.gather import _use_host
 
@@ -37,7 +37,7 @@ def copy(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, lengths: torch.Tensor, 
         host_copy(src_ptrs, dst_ptrs, lengths)
         return
     launch_batched_copy(src_ptrs, dst_ptrs, lengths, 0, 0,
-                        plan if plan is not None else plan_batched_copy(lengths))
+                        plan if plan is not None else _default_plan(lengths, len_np if check and count else None))
 
 
 def copy_torch(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, lengths: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks
-from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, plan_batched_copy
+from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
 from pxn_kernels._memory import host_copy, raw_view
 
 
@@ -21,7 +21,9 @@ def gather(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, out
         out: contiguous uint8 tensor receiving the pieces.
         out_offsets: int64 [n] byte offsets into ``out``; written ranges must not overlap.
         check: validate every argument first (one host synchronisation). The engine passes False.
-        plan: a ``plan_batched_copy(lengths)`` result to reuse (same lengths); built on the device if None.
+        plan: a ``plan_for_lengths`` / ``plan_batched_copy`` result to reuse (same lengths). If None: built from
+            the checks' host copy of the lengths when ``check`` (so the grid kernel can be picked), else on the
+            device with no host synchronisation (range kernel).
         backend: "auto" (Triton on CUDA, memmove on CPU), "triton" (also on CPU under TRITON_INTERPRET=1),
             or "host" (memmove; CPU tensors only).
     Returns:
@@ -44,7 +46,7 @@ def gather(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, out
         host_copy(src_ptrs, [base + int(o) for o in out_offsets.tolist()], lengths)
         return out
     launch_batched_copy(src_ptrs, out_offsets, lengths, 0, out.data_ptr(),
-                        plan if plan is not None else plan_batched_copy(lengths))
+                        plan if plan is not None else _default_plan(lengths, len_np if check and count else None))
     return out
 
 

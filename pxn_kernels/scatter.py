@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks
-from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, plan_batched_copy
+from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
 from pxn_kernels._memory import host_copy, raw_view
 from pxn_kernels.gather import _use_host
 
@@ -39,7 +39,7 @@ def scatter(src: torch.Tensor, src_offsets: torch.Tensor, dst_ptrs: torch.Tensor
         host_copy([base + int(o) for o in src_offsets.tolist()], dst_ptrs, lengths)
         return
     launch_batched_copy(src_offsets, dst_ptrs, lengths, src.data_ptr(), 0,
-                        plan if plan is not None else plan_batched_copy(lengths))
+                        plan if plan is not None else _default_plan(lengths, len_np if check and count else None))
 
 
 def scatter_torch(src: torch.Tensor, src_offsets: torch.Tensor, dst_ptrs: torch.Tensor,

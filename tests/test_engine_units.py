@@ -8,7 +8,7 @@ import pytest
 from pxn_kernels.chunk import chunk_layout
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, chunk_splits
 from transport.receiver import ACK_FLAG, ack_imm, chunk_imm, decode_ack
-from transport.regions import Region, RegionTable
+from transport.regions import Region, RegionTable, span_region
 
 KB, MB = 1 << 10, 1 << 20
 
@@ -121,6 +121,23 @@ def test_region_table_lookups():
     assert t.find(2500) is None
     with pytest.raises(KeyError, match="0x7d0"):
         t.remove(2000)
+
+
+def test_span_region_finds_the_one_region_or_none():
+    t = RegionTable([Region(1000, 100), Region(2000, 1000, 0), Region(5000, 10)])
+    snap = t.snapshot()
+
+    def span(addrs, lens):
+        a, n = np.array(addrs, dtype=np.int64), np.array(lens, dtype=np.int64)
+        return span_region(snap, int(a.min()), int(a.max()), int((a + n).max()), int(n.max()))
+    assert span([2000, 2500, 2999], [1, 500, 1]) == 1  # every piece in [2000, 3000)
+    assert span([2000, 2999], [1, 2]) is None  # the last byte is past the region
+    assert span([1000, 2000], [1, 1]) is None  # two regions: per-piece lookup needed
+    assert span([999], [1]) is None and span([3000], [1]) is None and span([0], [1]) is None
+    assert span([5000], [10]) == 2 and span([5000], [11]) is None
+    # an end that wraps int64 must not hide: a huge length is refused, not looked up
+    assert span_region(snap, 2000, 2000, -5, 1 << 63 - 1) is None
+    assert span_region(RegionTable().snapshot(), 1, 1, 2, 1) is None
 
 
 def test_imm_encoding_round_trips():

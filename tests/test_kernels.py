@@ -319,32 +319,38 @@ def test_gather_from_pinned_host_memory(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["auto", "range"])
 @pytest.mark.parametrize("lengths", [[64] * 4096, [512] * 4096, [8192] * 4096, [65536] * 1024,
                                      [2359296] * 78, [8650752] * 78])
-def test_gather_scatter_copy_at_benchmark_sizes(rng, lengths):
+def test_gather_scatter_copy_at_benchmark_sizes(rng, lengths, kernel):
+    """Checked calls pick their kernel from the host lengths (the grid kernel from 8 KB pieces up); "range"
+    forces the range plan on the same sizes."""
+    plan = pxn_kernels.plan_batched_copy(_t(lengths)) if kernel == "range" else None
     src_buf, src_addrs = _pieces(rng, lengths, [0])
     offsets, size = _packed_offsets(lengths)
     out = _random_bytes(rng, size)
     ref = out.clone()
-    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets))
+    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan)
     pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
     back = _random_bytes(rng, src_buf.numel())
     expect = back.clone()
     dst = _t([back.data_ptr() + a - src_buf.data_ptr() for a in src_addrs])
-    pxn_kernels.scatter(out, _t(offsets), dst, _t(lengths))
+    pxn_kernels.scatter(out, _t(offsets), dst, _t(lengths), plan=plan)
     pxn_kernels.scatter_torch(ref, _t(offsets), _t([expect.data_ptr() + a - src_buf.data_ptr()
                                                     for a in src_addrs]), _t(lengths))
     torch.cuda.synchronize()
     assert torch.equal(back, expect)
-    again = _random_bytes(rng, src_buf.numel())
+    expect_again = _random_bytes(rng, src_buf.numel())
+    again = expect_again.clone()
     pxn_kernels.copy(_t(src_addrs), _t([again.data_ptr() + a - src_buf.data_ptr() for a in src_addrs]),
-                     _t(lengths))
-    torch.cuda.synchronize()
-    for a, length in zip(src_addrs[:5] + src_addrs[-5:], lengths[:5] + lengths[-5:]):
+                     _t(lengths), plan=plan)
+    for a, length in zip(src_addrs, lengths):  # the expected image: poison outside the pieces
         s = a - src_buf.data_ptr()
-        assert torch.equal(again[s:s + length], src_buf[s:s + length])
+        expect_again[s:s + length] = src_buf[s:s + length]
+    torch.cuda.synchronize()
+    assert torch.equal(again, expect_again)
 
 
 def test_host_plan_matches_device_plan(rng):
@@ -396,3 +402,274 @@ def test_prepared_copy_relaunches_with_rewritten_descriptors(rng, graph):
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
         assert torch.equal(out, ref)
+
+
+# --- kernel variants: aligned ranges, one range per program, eager descriptors, prefetch ---------------------
+
+# Interpreter-sized: 64-byte tiles, 128-byte aligned ranges, so ranges hold several tiles and pieces span ranges.
+_VARIANT_LENGTHS = [1, 3, 63, 65, 0, 700, 16, 333, 17, 48, 5, 0, 129, 64]
+
+
+def _variant_settings(lengths, mode):
+    """LaunchSettings for one kernel mode over ``lengths`` (interpreter sizes)."""
+    padded = sum((x + 15) // 16 * 16 for x in lengths)
+    aligned = -(-padded // 128)  # ranges of exactly 128 B
+    s = pxn_kernels.LaunchSettings
+    return {
+        "aligned_persistent": s(64, 16, 1, programs=3, rounds=-(-aligned // 3), range_bytes=128),
+        "aligned_np_lazy": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False),
+        "aligned_np_eager": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False, eager=True),
+        "aligned_np_extra_ranges": s(64, 16, 1, programs=aligned + 3, range_bytes=128, persistent=False,
+                                     eager=True),  # trailing empty ranges
+        "aligned_np_few_ranges": s(64, 16, 1, programs=max(1, aligned - 4), range_bytes=128, persistent=False,
+                                   eager=True),  # the last range runs to the end of the stream
+        "equal_np_eager": s(64, 16, 1, programs=7, persistent=False, eager=True),
+        "eager_persistent": s(64, 16, 1, programs=2, rounds=4, eager=True, max_registers=32),
+        "prefetch1_lazy": s(64, 16, 1, programs=3, rounds=-(-aligned // 3) + 1, range_bytes=128, prefetch=1),
+        "prefetch1_eager": s(64, 16, 1, programs=3, rounds=-(-aligned // 3), range_bytes=128, prefetch=1,
+                             eager=True),
+        "prefetch2": s(64, 16, 1, programs=2, rounds=-(-aligned // 2) + 1, range_bytes=128, prefetch=2,
+                       eager=True),
+        "prefetch2_one_program": s(64, 16, 1, programs=1, rounds=5, prefetch=2, eager=True),
+    }[mode]
+
+
+_MODES = ["aligned_persistent", "aligned_np_lazy", "aligned_np_eager", "aligned_np_extra_ranges",
+          "aligned_np_few_ranges", "equal_np_eager", "eager_persistent", "prefetch1_lazy", "prefetch1_eager",
+          "prefetch2", "prefetch2_one_program"]
+
+
+@pytest.mark.parametrize("mode", _MODES)
+def test_kernel_modes_gather_and_copy(rng, mode):
+    lengths = list(_VARIANT_LENGTHS)
+    rng.shuffle(lengths)
+    settings = _variant_settings(lengths, mode)
+    plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+    # gather: sources misaligned by 0/1/3/8, chunk offsets aligned except for a few pieces
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 1, 0, 3, 8])
+    offsets, size = _packed_offsets(lengths, misalign=0, gap=16)
+    offsets = [o + (5 if i % 4 == 3 else 0) for i, o in enumerate(offsets)]
+    poison = _random_bytes(rng, size + 64)
+    out, ref = poison.clone(), poison.clone()
+    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    for addr, length, offset in zip(src_addrs, lengths, offsets):
+        start = addr - src_buf.data_ptr()
+        assert torch.equal(ref[offset:offset + length], src_buf[start:start + length])
+    # copy with fresh data, odd destination alignment
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 2])
+    poison = _random_bytes(rng, sum(lengths) + 80 * len(lengths))
+    out, ref = poison.clone(), poison.clone()
+    dst_offsets, _ = _packed_offsets(lengths, misalign=3, gap=13)
+    pxn_kernels.copy(_t(src_addrs), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths), plan=plan,
+                     backend="triton")
+    pxn_kernels.copy_torch(_t(src_addrs), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["aligned_np_eager", "prefetch2"])
+def test_kernel_modes_scatter(rng, mode):
+    lengths = list(_VARIANT_LENGTHS)
+    settings = _variant_settings(lengths, mode)
+    offsets, size = _packed_offsets(lengths, misalign=0, gap=16)
+    src = _random_bytes(rng, size)
+    dst_offsets, dst_size = _packed_offsets(lengths, misalign=16, gap=32)
+    poison = _random_bytes(rng, dst_size + 64)
+    out, ref = poison.clone(), poison.clone()
+    plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+    pxn_kernels.scatter(src, _t(offsets), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths), plan=plan,
+                        backend="triton")
+    pxn_kernels.scatter_torch(src, _t(offsets), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["aligned_np_eager", "prefetch2", "aligned_persistent"])
+def test_kernel_modes_zero_length_tail_and_empty_batch(rng, mode):
+    # Zero-length items at both ends, and a batch that is all zero lengths.
+    lengths = [0, 0, 40, 1, 0, 0]
+    settings = _variant_settings(lengths, mode)
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 1])
+    out = _random_bytes(rng, 128)
+    ref = out.clone()
+    offsets = [0, 0, 16, 96, 100, 100]
+    plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    zeros = [0, 0, 0]
+    empty_plan = pxn_kernels.plan_batched_copy(_t(zeros), settings)
+    pxn_kernels.gather(_t(src_addrs[:3]), _t(zeros), out, _t([0, 0, 0]), plan=empty_plan, backend="triton")
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("range_bytes", [16, 128, 4096])
+def test_aligned_host_plan_matches_device_plan(rng, range_bytes):
+    lengths = [int(x) for x in rng.integers(0, 5000, 37)] + [0, 1, 70000]
+    padded = sum((x + 15) // 16 * 16 for x in lengths)
+    exact = -(-padded // range_bytes)
+    for ranges in (1, max(1, exact - 3), exact, exact + 5):
+        settings = pxn_kernels.LaunchSettings(256, 16, 1, ranges, range_bytes=range_bytes, persistent=False)
+        device_plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+        pad_ends, bounds, first = pxn_kernels.plan_host(np.asarray(lengths, dtype=np.int64), ranges, range_bytes)
+        assert device_plan.pad_ends.cpu().tolist() == pad_ends.tolist()
+        assert device_plan.bounds.cpu().tolist() == bounds.tolist()
+        assert device_plan.first_item.cpu().tolist() == first.tolist()
+        expect = [min(r * range_bytes, padded) for r in range(ranges)] + [padded]
+        assert bounds.tolist() == expect
+
+
+def test_device_batch_aligned_non_persistent(rng):
+    lengths = np.asarray([5, 64, 0, 300, 17, 4096, 1], dtype=np.int64)
+    src_buf, src_addrs = _pieces(rng, lengths.tolist(), [0, 1])
+    out = _random_bytes(rng, 8192)
+    ref = out.clone()
+    dst_offsets, _ = _packed_offsets(lengths.tolist(), misalign=0, gap=16)
+    dst = out.data_ptr() + np.asarray(dst_offsets, dtype=np.int64)
+    padded = int(((lengths + 15) // 16 * 16).sum())
+    settings = pxn_kernels.LaunchSettings(256, 16, 1, -(-padded // 512), range_bytes=512, persistent=False,
+                                          eager=True)
+    batch = pxn_kernels.DeviceBatch(np.asarray(src_addrs, dtype=np.int64), dst, lengths, DEVICE, settings)
+    assert batch.plan.bounds.cpu().tolist()[:-1] == [512 * r for r in range(settings.ranges)]
+    pxn_kernels.launch_batched_copy(batch.src, batch.dst, batch.lengths, 0, 0, batch.plan)
+    pxn_kernels.copy_torch(_t(src_addrs), _t(ref.data_ptr() + np.asarray(dst_offsets)), _t(lengths.tolist()))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+def test_prepared_copy_with_variant_settings(rng):
+    lengths = [5, 64, 300, 17, 1]
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
+    out = _random_bytes(rng, 1024)
+    offsets, _ = _packed_offsets(lengths, misalign=0, gap=16)
+    src_t, len_t, off_t = _t(src_addrs), _t(lengths), _t(offsets)
+    plan = pxn_kernels.plan_batched_copy(len_t, _variant_settings(lengths, "prefetch2"))
+    launch = pxn_kernels.PreparedCopy(src_t, off_t, len_t, 0, out.data_ptr(), plan)
+    for _ in range(2):
+        fresh = _random_bytes(rng, src_buf.numel())
+        src_t.copy_(_t([fresh.data_ptr() + a - src_buf.data_ptr() for a in src_addrs]))
+        ref = out.clone()
+        pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
+        launch()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
+def test_settings_for_defaults_and_aligned(monkeypatch):
+    import pxn_kernels._batched_copy as bc
+    sms = 132
+    monkeypatch.setattr(bc, "_multiprocessors", lambda index: sms)
+    cuda = torch.device("cuda", 0)
+    # The default regimes reproduce the pre-variant formula.
+    for n, total in [(11, 9900), (4096, 64 * 4096), (4096, 8192 * 4096), (1024, 65536 * 1024),
+                     (78, 2359296 * 78), (78, 8650752 * 78), (5, None)]:
+        got = pxn_kernels.launch_settings(n, cuda, total)
+        large = bool(total) and total // n >= 512 << 10
+        block, warps, per_sm = (32768, 8, 32) if large else (4096, 4, 8)
+        programs = max(1, min(max(n, per_sm * sms), 1 << 16))
+        rounds = 1 if not total else max(1, min(total // (programs * (32 << 10)), 16))
+        assert got == pxn_kernels.LaunchSettings(block, 1024, warps, programs, False, rounds)
+    # Aligned, one range per program: enough ranges for the padded stream (upper bound total + 15 n).
+    regime = pxn_kernels.Regime(4096, 4, 8, range_bytes=4096, persistent=False, eager=True, max_registers=32)
+    s = pxn_kernels.settings_for(regime, 4096, 8192 * 4096, sms)
+    assert (s.programs, s.rounds, s.range_bytes, s.persistent, s.eager, s.max_registers) == \
+        (8192 + 15, 1, 4096, False, True, 32)
+    # Aligned persistent: programs_per_sm x SMs programs, rounds to cover every range.
+    s = pxn_kernels.settings_for(pxn_kernels.Regime(4096, 4, 16, range_bytes=16384, prefetch=2, eager=True),
+                                 78, 8650752 * 78, sms)
+    assert s.persistent and s.programs == 16 * sms and s.ranges * 16384 >= 8650752 * 78
+    # Small batches keep the equal split (latency, not bandwidth): aux-like and many tiny pieces.
+    for n, total in [(11, 9900), (4096, 64 * 4096), (4096, 512 * 4096)]:
+        s = pxn_kernels.settings_for(regime, n, total, sms)
+        assert s.range_bytes == 0 and s.programs == max(n, 8 * sms) and s.rounds == 1 and not s.persistent
+    # Bytes unknown: equal split.
+    assert pxn_kernels.settings_for(regime, 100, None, sms).range_bytes == 0
+
+
+def test_launch_settings_validation():
+    with pytest.raises(ValueError, match="rounds == 1"):
+        pxn_kernels.LaunchSettings(256, 16, 1, 4, rounds=2, persistent=False)
+    with pytest.raises(ValueError, match="2 needs eager"):
+        pxn_kernels.LaunchSettings(256, 16, 1, 4, prefetch=2)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pxn_kernels.LaunchSettings(256, 16, 1, 4, range_bytes=100)
+
+
+# --- the two kernels: range plan (any mix) and 2-D grid (large pieces of one size) ---------------------------
+
+@pytest.mark.parametrize("kernel", ["grid", "range"])
+@pytest.mark.parametrize("lengths,src_misalign,out_misalign", [
+    ([5000] * 3, (0,), 0), ([4099] * 4, (1, 3), 7), ([4096] * 5, (8,), 8), ([9000, 8999, 9001], (0,), 16),
+    ([20000] * 2, (0,), 0), ([262147], (3,), 1)])  # several 8 KB segments; 4 KB segments past 256 KB
+def test_grid_and_range_kernels_byte_exact(rng, kernel, lengths, src_misalign, out_misalign):
+    """gather, scatter and copy through each kernel on pieces the grid kernel takes: odd sizes (one byte short
+    of, or past, a segment), unaligned sources and outputs, fresh random data, poisoned outputs."""
+    plan = (pxn_kernels.plan_for_lengths(np.asarray(lengths), DEVICE) if kernel == "grid"
+            else pxn_kernels.plan_batched_copy(_t(lengths)))
+    assert (plan.grid is not None) == (kernel == "grid")
+    src_buf, src_addrs = _pieces(rng, lengths, list(src_misalign))
+    offsets, size = _packed_offsets(lengths, out_misalign, 5)
+    out = _random_bytes(rng, size + 32)
+    ref = out.clone()
+    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    back, expect = _random_bytes(rng, src_buf.numel()), None
+    expect = back.clone()
+    shift = back.data_ptr() - src_buf.data_ptr()
+    pxn_kernels.scatter(out, _t(offsets), _t([a + shift for a in src_addrs]), _t(lengths), plan=plan,
+                        backend="triton")
+    pxn_kernels.scatter_torch(ref, _t(offsets), _t([a + expect.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
+                              _t(lengths))
+    copied = _random_bytes(rng, src_buf.numel())
+    copied_ref = copied.clone()
+    pxn_kernels.copy(_t(src_addrs), _t([a + copied.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
+                     _t(lengths), plan=plan, backend="triton")
+    pxn_kernels.copy_torch(_t(src_addrs), _t([a + copied_ref.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
+                           _t(lengths))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert torch.equal(back, expect)
+    assert torch.equal(copied, copied_ref)
+    start = src_addrs[-1] - src_buf.data_ptr()
+    assert torch.equal(ref[offsets[-1]:offsets[-1] + lengths[-1]], src_buf[start:start + lengths[-1]])
+
+
+def test_prepared_copy_through_the_grid_kernel(rng):
+    lengths = [4100] * 3
+    plan = pxn_kernels.plan_for_lengths(np.asarray(lengths), DEVICE)
+    assert plan.grid is not None
+    src_buf, src_addrs = _pieces(rng, lengths, [0])
+    dst = _random_bytes(rng, src_buf.numel())
+    dsts = _t([a + dst.data_ptr() - src_buf.data_ptr() for a in src_addrs])
+    launch = pxn_kernels.PreparedCopy(_t(src_addrs), dsts, _t(lengths), 0, 0, plan)
+    for _ in range(2):  # relaunch after the source changed: the launch reads the descriptors again
+        src_buf.copy_(_random_bytes(rng, src_buf.numel()))
+        launch()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        for a, n in zip(src_addrs, lengths):
+            s = a - src_buf.data_ptr()
+            assert torch.equal(dst[s:s + n], src_buf[s:s + n])
+
+
+def test_plan_for_lengths_picks_the_kernel():
+    pick = lambda lengths: pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE).grid
+    assert pick([8192] * 10) == pxn_kernels.GridSettings(8192, 8192, 4, 8192)
+    assert pick([2359296] * 3) == pxn_kernels.GridSettings(4096, 4096, 4, 2359296)
+    assert pick([64] * 100) is None  # small pieces: the range kernel packs many per program
+    assert pick([64, 2 << 20]) is None  # unequal sizes: most of the grid would idle
+    assert pick([5000, 5000, 6000]) is None  # 12.5 % of the grid wasted, over the 10 % allowed
+    assert pick([5000, 5000, 5400]) is not None
+    assert pick([]) is None
+    with pytest.raises(ValueError, match="seg_bytes 1000 must be a multiple of block_bytes 512"):
+        pxn_kernels.GridCopy(_t([0]), _t([0]), _t([1]), 0, 0, 1, seg_bytes=1000, block_bytes=512)

@@ -103,37 +103,31 @@ class LoadStoreWriter:
     def write(self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, src_dev: np.ndarray,
               dst_index: np.ndarray, rsnap, wait: bool = True) -> Optional[Pending]:
         """Write piece i (``lengths[i]`` bytes from local ``src[i]`` on ``src_dev[i]``) to the peer's ``dst[i]``,
-        which lies in region ``rsnap.regions[dst_index[i]]`` (the caller validated both sides).
+        which lies in region ``rsnap.regions[dst_index[i]]`` (the caller validated both sides). ``src_dev`` and
+        ``dst_index`` may be scalars: one device / one region for every piece.
 
         Returns None, having written nothing, when the batch is not for this path; else a ``Pending`` (already
         waited for when ``wait``). Raises TransferError (PeerLost when the peer is gone) on a failed copy.
         """
-        dst_dev = rsnap.devices[dst_index]
-        # Four reductions classify the usual batches (all GPU, all host) without building masks.
-        s_lo, s_hi, d_lo, d_hi = int(src_dev.min()), int(src_dev.max()), int(dst_dev.min()), int(dst_dev.max())
-        all_host = s_hi < 0 and d_hi < 0
-        all_gpu = s_lo >= 0 and d_lo >= 0
-        host = gpu = None
-        if not (all_host or all_gpu):
-            gpu = (src_dev >= 0) & (dst_dev >= 0)
-            host = (src_dev < 0) & (dst_dev < 0)
-            if not bool((gpu | host).all()):
-                return None  # host <-> GPU pieces: the message path stages them
-        gpu_groups = []
-        if not all_host:
-            sel = slice(None) if all_gpu else gpu
-            g_src, g_dst, g_len, g_dev, g_idx = src[sel], dst[sel], lengths[sel], src_dev[sel], dst_index[sel]
-            devices = [s_lo] if all_gpu and s_lo == s_hi else np.unique(g_dev).tolist()
-            for d in devices:
-                m = slice(None) if len(devices) == 1 else g_dev == d
-                starts = self._mapped_starts(rsnap, d)
-                idx = g_idx[m]
-                base = starts[idx]
-                if int(base.min()) < 0:
-                    return None  # a destination GPU not mappable here
-                starts_i64 = rsnap.starts_i64 if rsnap.starts_i64 is not None else rsnap.starts.astype(np.int64)
-                mapped = base + (g_dst[m] - starts_i64[idx])
-                gpu_groups.append((d, g_src[m], mapped, g_len[m]))
+        if np.ndim(dst_index) == 0 and np.ndim(src_dev) == 0:
+            # every piece in one local and one peer region (the caller's span check): no per-piece work
+            s_dev, d_dev = int(src_dev), int(rsnap.devices[dst_index])
+            all_host, all_gpu = s_dev < 0 and d_dev < 0, s_dev >= 0 and d_dev >= 0
+            if not (all_host or all_gpu):
+                return None  # host <-> GPU: the message path stages them
+            host = None
+            gpu_groups = []
+            if all_gpu:
+                start = int(self._mapped_starts(rsnap, s_dev)[dst_index])
+                if start < 0:
+                    return None  # the peer's GPU is not mappable here
+                gpu_groups.append((s_dev, src, dst + (start - int(rsnap.start_list[dst_index])), lengths))
+        else:
+            src_dev = np.broadcast_to(src_dev, lengths.shape)
+            dst_index = np.broadcast_to(dst_index, lengths.shape)
+            all_host, all_gpu, host, gpu_groups = self._classify(src, dst, lengths, src_dev, dst_index, rsnap)
+            if gpu_groups is None:
+                return None
         # From here on bytes move: host pieces first (synchronous), then the GPU launches.
         if all_host or (host is not None and host.any()):
             try:
@@ -147,6 +141,35 @@ class LoadStoreWriter:
                 raise TransferError(f"cross-memory write to pid {self.pid} failed: {e}", [e]) from e
         work = [self._launch(d, s, m, n, wait) for d, s, m, n in gpu_groups]
         return Pending(w for w in work if w is not None)
+
+    def _classify(self, src, dst, lengths, src_dev, dst_index, rsnap):
+        """Per-piece split of a batch spread over several regions: (all_host, all_gpu, host mask or None, GPU
+        groups per source device); groups None when the batch is not for this path."""
+        dst_dev = rsnap.devices[dst_index]
+        # Four reductions classify the usual batches (all GPU, all host) without building masks.
+        s_lo, s_hi, d_lo, d_hi = int(src_dev.min()), int(src_dev.max()), int(dst_dev.min()), int(dst_dev.max())
+        all_host = s_hi < 0 and d_hi < 0
+        all_gpu = s_lo >= 0 and d_lo >= 0
+        host = gpu = None
+        if not (all_host or all_gpu):
+            gpu = (src_dev >= 0) & (dst_dev >= 0)
+            host = (src_dev < 0) & (dst_dev < 0)
+            if not bool((gpu | host).all()):
+                return all_host, all_gpu, host, None  # host <-> GPU pieces: the message path stages them
+        gpu_groups = []
+        if not all_host:
+            sel = slice(None) if all_gpu else gpu
+            g_src, g_dst, g_len, g_dev, g_idx = src[sel], dst[sel], lengths[sel], src_dev[sel], dst_index[sel]
+            devices = [s_lo] if all_gpu and s_lo == s_hi else np.unique(g_dev).tolist()
+            starts_i64 = rsnap.starts_i64 if rsnap.starts_i64 is not None else rsnap.starts.astype(np.int64)
+            for d in devices:
+                m = slice(None) if len(devices) == 1 else g_dev == d
+                idx = g_idx[m]
+                base = self._mapped_starts(rsnap, d)[idx]
+                if int(base.min()) < 0:
+                    return all_host, all_gpu, host, None  # a destination GPU not mappable here
+                gpu_groups.append((d, g_src[m], base + (g_dst[m] - starts_i64[idx]), g_len[m]))
+        return all_host, all_gpu, host, gpu_groups
 
     # --- GPU pieces ----------------------------------------------------------------------------------------------
     def _mapped_starts(self, rsnap, device: int) -> np.ndarray:
@@ -172,8 +195,7 @@ class LoadStoreWriter:
         """The kernel's work split for these lengths on the device, and the launches prepared with it (one per
         staging buffer): cached by the lengths themselves, since sglang repeats the same lengths call after call.
         """
-        from pxn_kernels._batched_copy import CopyPlan, launch_settings, plan_host
-        import torch
+        from pxn_kernels._batched_copy import plan_for_lengths
         n = int(lengths.size)
         total = int(lengths.sum())
         lo = int(lengths[0])
@@ -184,12 +206,8 @@ class LoadStoreWriter:
             if entry is not None:
                 self._plans.move_to_end(key)
                 return entry
-        settings = launch_settings(n, device, total)
-        pad_ends, bounds, first_item = plan_host(lengths, settings.ranges)
-        words = np.concatenate([pad_ends, bounds, first_item]).astype(np.int64)
-        dev = torch.from_numpy(words).to(device)
-        r = settings.ranges
-        entry = {"plan": CopyPlan(dev[:n], dev[n:n + r + 1], dev[n + r + 1:], settings), "launches": {}}
+        # the grid kernel for sglang's equal per-layer blocks, the range plan for anything else
+        entry = {"plan": plan_for_lengths(lengths, device), "launches": {}}
         with self._lock:
             self._plans[key] = entry
             while len(self._plans) > _PLAN_CACHE:

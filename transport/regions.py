@@ -10,6 +10,7 @@ immutable snapshot without a lock, writers replace it under a lock, so many send
 """
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Tuple
@@ -56,13 +57,14 @@ class Region:
 
 
 class _Snapshot:
-    __slots__ = ("regions", "starts", "ends", "devices", "starts_i64", "ends_i64")
+    __slots__ = ("regions", "starts", "ends", "devices", "starts_i64", "ends_i64", "start_list")
 
     def __init__(self, regions: List[Region]):
         self.regions = sorted(regions, key=lambda r: r.addr)
         self.starts = np.array([r.addr for r in self.regions], dtype=np.uint64)
         self.ends = np.array([r.end for r in self.regions], dtype=np.uint64)
         self.devices = np.array([r.device for r in self.regions], dtype=np.int64)
+        self.start_list = [r.addr for r in self.regions]
         # int64 copies for the sender's lookups (its arrays are int64 already: no conversions per batch)
         fits = not self.regions or int(self.ends.max()) < 1 << 63
         self.starts_i64 = self.starts.astype(np.int64) if fits else None
@@ -151,6 +153,25 @@ class RegionTable:
     def snapshot(self) -> _Snapshot:
         """The current immutable snapshot (``regions``, ``starts``, ``ends``, ``devices``)."""
         return self._snap
+
+
+def span_region(snap: _Snapshot, lo: int, hi_start: int, hi_end: int, max_length: int) -> Optional[int]:
+    """Index in ``snap`` of the one region that holds every piece of a batch, or None when there is no such
+    region (the caller then looks pieces up one by one with ``RegionTable.locate``).
+
+    ``lo``/``hi_start``: the smallest / largest piece start; ``hi_end``: the largest start + length, computed in
+    int64; ``max_length``: the longest piece. Every piece lies in ``[lo, hi_end)``, so one region containing
+    that span contains them all; ``hi_start`` and ``max_length`` guard the int64 sum against wrapping (a
+    wrapped end would be negative and hide from the maximum).
+    """
+    if not snap.regions or lo < 0 or max_length >= 1 << 62:
+        return None
+    i = bisect.bisect_right(snap.start_list, lo) - 1
+    if i < 0:
+        return None
+    r = snap.regions[i]
+    end = r.addr + r.length
+    return i if hi_start < end and hi_end <= end and end < 1 << 62 else None
 
 
 def first_bad(ok: np.ndarray) -> int:

@@ -72,11 +72,13 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-# Read once. Defaults from the H200 sweep of call 3 (benchmarks/NOTES.md): 4 KB programs of 4 warps took the
-# 78-block mixes to 0.98 of copy_ (range kernel 0.93); 8 KB programs were best on 64 KB pieces (0.95 vs 0.93).
+# Read once. Defaults from the H200 sweeps of calls 3 and 4 (benchmarks/NOTES.md): 4 KB programs took the
+# 78-block mixes to 0.98 of copy_ (range kernel 0.93); with 2 warps (32 programs resident per SM) also the best
+# on 8 KB and 64 KB pieces (0.945 / 0.949, range kernel 0.79 / 0.88).
 _GRID = bool(_env_int("PXN_KERNEL_GRID", 1))
 _GRID_MIN_MEAN_BYTES = _env_int("PXN_KERNEL_GRID_MIN_MEAN_BYTES", 4096)
-_GRID_SMALL_MAX_BYTES = _env_int("PXN_KERNEL_GRID_SMALL_MAX_BYTES", 256 << 10)
+_GRID_SEG_BYTES = _env_int("PXN_KERNEL_GRID_SEG_BYTES", 4096)
+_GRID_NUM_WARPS = _env_int("PXN_KERNEL_GRID_NUM_WARPS", 2)
 
 
 def grid_settings(lengths: np.ndarray) -> Optional[GridSettings]:
@@ -90,9 +92,7 @@ def grid_settings(lengths: np.ndarray) -> Optional[GridSettings]:
     total, longest = int(lengths.sum()), int(lengths.max())
     if total < n * _GRID_MIN_MEAN_BYTES or not grid_fits(n, total, longest):
         return None
-    if longest <= _GRID_SMALL_MAX_BYTES:
-        return GridSettings(8192, 8192, 4, longest)
-    return GridSettings(4096, 4096, 4, longest)
+    return GridSettings(_GRID_SEG_BYTES, _GRID_SEG_BYTES, _GRID_NUM_WARPS, longest)
 
 
 def grid_fits(n_items: int, total_bytes: int, max_bytes: int, waste: float = 0.1) -> bool:

@@ -621,6 +621,7 @@ def test_ipc_loadstore_never_writes_a_region_deregistered_before_the_batch(src, 
         eng.register(src)
         extra = ipc_peer.call("register_extra", size=1 * MB)
         eng.batch_write(ipc_peer.session, [b], [extra], [64])  # learns the region
+        assert eng._peers[ipc_peer.session].loadstore._counter._map is not None  # the counter is mapped (memfd)
         ipc_peer.call("poison")
         clean = ipc_peer.call("extra_digest", addr=extra)
         ipc_peer.call("deregister", addr=extra)

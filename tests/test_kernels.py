@@ -609,7 +609,7 @@ def test_launch_settings_validation():
 @pytest.mark.parametrize("kernel", ["grid", "range"])
 @pytest.mark.parametrize("lengths,src_misalign,out_misalign", [
     ([5000] * 3, (0,), 0), ([4099] * 4, (1, 3), 7), ([4096] * 5, (8,), 8), ([9000, 8999, 9001], (0,), 16),
-    ([20000] * 2, (0,), 0), ([262147], (3,), 1)])  # several 8 KB segments; 4 KB segments past 256 KB
+    ([20000] * 2, (0,), 0), ([70001], (3,), 1)])  # several 4 KB segments, a short last one
 def test_grid_and_range_kernels_byte_exact(rng, kernel, lengths, src_misalign, out_misalign):
     """gather, scatter and copy through each kernel on pieces the grid kernel takes: odd sizes (one byte short
     of, or past, a segment), unaligned sources and outputs, fresh random data, poisoned outputs."""
@@ -664,8 +664,8 @@ def test_prepared_copy_through_the_grid_kernel(rng):
 
 def test_plan_for_lengths_picks_the_kernel():
     pick = lambda lengths: pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE).grid
-    assert pick([8192] * 10) == pxn_kernels.GridSettings(8192, 8192, 4, 8192)
-    assert pick([2359296] * 3) == pxn_kernels.GridSettings(4096, 4096, 4, 2359296)
+    assert pick([8192] * 10) == pxn_kernels.GridSettings(4096, 4096, 2, 8192)
+    assert pick([2359296] * 3) == pxn_kernels.GridSettings(4096, 4096, 2, 2359296)
     assert pick([64] * 100) is None  # small pieces: the range kernel packs many per program
     assert pick([64, 2 << 20]) is None  # unequal sizes: most of the grid would idle
     assert pick([5000, 5000, 6000]) is None  # 12.5 % of the grid wasted, over the 10 % allowed

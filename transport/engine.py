@@ -28,7 +28,6 @@ progress thread; the control listener (one thread per control connection). ``bat
 from __future__ import annotations
 
 import base64
-import ctypes
 import dataclasses
 import itertools
 import json
@@ -314,7 +313,8 @@ class TransferEngine:
         self.landing_device = landing_device
         self.use_loadstore = bool(loadstore if loadstore is not None else _env("PXN_LOADSTORE", 1))
         # Bumped by every deregister; same-host peers writing by load/store read it before each batch.
-        self._region_gen = ctypes.c_int64(0)
+        from transport.loadstore import GenerationCounter
+        self._region_gen = GenerationCounter()
         trace_path = trace_path or _env("PXN_TRACE", None, str)
         for name, value, lo in (("relay_slots", self.relay_slots, 1), ("lanes", self.lanes, 1),
                                 ("landing_slots", self.landing_slots, 1), ("relay_slot_bytes", self.slot_bytes, 4096),
@@ -518,8 +518,7 @@ class TransferEngine:
             region = self._regions.remove(addr)
         except KeyError as e:
             raise InvalidTransfer(f"deregister: {e.args[0]}") from None
-        with self._lock:
-            self._region_gen.value += 1
+        self._region_gen.bump()
         for fab, mr in zip(self.fabrics, region.keys):
             try:
                 fab.deregister(mr)
@@ -535,7 +534,7 @@ class TransferEngine:
     def _regions_wire(self) -> dict:
         """The region list a peer validates destinations against, with the deregistration counter read before
         it (a peer writing by load/store re-fetches the list when the counter moves past this value)."""
-        gen = self._region_gen.value
+        gen = self._region_gen.wire()  # read before the list: a deregister in between shows as a newer value
         fab = self.fabrics[0]
         regions = []
         for r in self._regions.regions():
@@ -544,8 +543,7 @@ class TransferEngine:
             if access is not None:
                 d["access"] = access
             regions.append(d)
-        return {"regions": regions, "region_gen": gen, "region_gen_addr": ctypes.addressof(self._region_gen),
-                "pid": os.getpid()}
+        return {"regions": regions, **gen}
 
     def _ctrl_loop(self) -> None:
         while not self._closed:
@@ -714,7 +712,8 @@ class TransferEngine:
             log.warning("session %s: control pid %s differs from the ipc endpoint's %s; no load/store path",
                         peer.session, rep.get("pid"), fab.peer_pid(ep))
             return None
-        return LoadStoreWriter(fab, ep, int(rep["region_gen_addr"]), int(rep.get("region_gen", 0)))
+        return LoadStoreWriter(fab, ep, int(rep["region_gen_addr"]), int(rep.get("region_gen", 0)),
+                               int(rep.get("region_gen_fd", -1)))
 
     def _refresh_regions(self, peer: _Peer) -> None:
         """Fetch the peer's region list again over the control connection. The control connection alone can
@@ -909,7 +908,8 @@ class TransferEngine:
         nbytes = int(ln.sum())
         if writer is not None and peer.connected():
             try:
-                pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_)
+                pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_,
+                                       length_stats=(nbytes, lmin, lmax))
             except TransferError:
                 self.counters.add_many((("batches_submitted", 1), ("batches_failed", 1)))
                 raise
@@ -1577,6 +1577,8 @@ class TransferEngine:
         for ring in list(getattr(self, "_rings", {}).values()):
             ring.close()
         for peer in list(getattr(self, "_peers", {}).values()):
+            if peer.loadstore is not None:
+                peer.loadstore.close()
             if peer.ctrl is not None:
                 try:
                     peer.ctrl.close()
@@ -1587,6 +1589,9 @@ class TransferEngine:
                 fab.close()
             except Exception:  # noqa: BLE001
                 log.exception("closing fabric failed")
+        gen = getattr(self, "_region_gen", None)
+        if gen is not None:
+            gen.close()
 
     def __enter__(self):
         return self

@@ -22,7 +22,11 @@ GPU that is not visible in this process, a peer whose rails are down.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
+import mmap
+import os
+import struct
 import threading
 from typing import Optional
 
@@ -34,6 +38,82 @@ from transport.fabric.ipc import process_vm_read, process_vm_write
 log = logging.getLogger(__name__)
 
 _PLAN_CACHE = 64  # plans kept per writer (sglang repeats the same piece lengths call after call)
+
+
+_I64 = struct.Struct("<q")
+
+
+class GenerationCounter:
+    """The receiving engine's deregistration counter, in an 8-byte shared-memory file (``memfd``): a same-host
+    sender maps it read-only through ``/proc/<pid>/fd/<fd>`` and reads it with a plain memory load before every
+    batch (a ``process_vm_readv`` per batch cost ~5-10 us on the H200 VM; senders that cannot open the file fall
+    back to it, at the address ``wire()`` gives). Without memfd (non-Linux) it lives in ordinary memory."""
+
+    def __init__(self):
+        self._fd = -1
+        try:
+            self._fd = os.memfd_create("pxn-region-gen", 0)
+            os.ftruncate(self._fd, 8)
+            self._buf = mmap.mmap(self._fd, 8)
+        except (AttributeError, OSError):
+            if self._fd >= 0:
+                os.close(self._fd)
+            self._fd = -1
+            self._buf = bytearray(8)
+        view = (ctypes.c_char * 8).from_buffer(self._buf)
+        self._addr = ctypes.addressof(view)
+        del view  # a live export would keep the mmap from closing
+        self._lock = threading.Lock()
+
+    @property
+    def value(self) -> int:
+        return _I64.unpack_from(self._buf, 0)[0]
+
+    def bump(self) -> None:
+        with self._lock:
+            _I64.pack_into(self._buf, 0, self.value + 1)
+
+    def wire(self) -> dict:
+        return {"region_gen": self.value, "region_gen_addr": self._addr, "region_gen_fd": self._fd,
+                "pid": os.getpid()}
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._buf.close()
+            os.close(self._fd)
+            self._fd = -1
+
+
+class _CounterReader:
+    """Reads a peer's ``GenerationCounter``: mapped when its memfd can be opened, else by process_vm_readv."""
+
+    def __init__(self, pid: int, fd: int, addr: int):
+        self.pid, self.addr = pid, addr
+        self._map = None
+        if fd >= 0:
+            try:
+                f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
+                try:
+                    self._map = mmap.mmap(f, 8, prot=mmap.PROT_READ)
+                finally:
+                    os.close(f)
+            except OSError as e:
+                log.info("peer pid %d's region counter cannot be mapped (%s); reading it per batch instead",
+                         pid, e)
+
+    def read(self) -> int:
+        if self._map is not None:
+            return _I64.unpack_from(self._map, 0)[0]
+        try:
+            raw = process_vm_read(self.pid, self.addr, 8)
+        except OSError as e:
+            raise PeerLost(f"same-host peer pid {self.pid} cannot be read: {e}") from e
+        return int.from_bytes(raw, "little", signed=True)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
 
 
 class Pending:
@@ -74,15 +154,15 @@ class LoadStoreWriter:
     Arguments:
         fabric: the rail-0 ``IpcFabric`` (it opens and caches the peer's CUDA IPC handles).
         ep: its endpoint to the peer (the pid verified at connect).
-        gen_addr: address, in the peer, of its int64 deregistration counter.
+        gen_addr, gen_fd: address and memfd, in the peer, of its ``GenerationCounter``.
         gen_seen: the counter's value when the peer built the region list this engine holds.
     """
 
-    def __init__(self, fabric, ep, gen_addr: int, gen_seen: int):
+    def __init__(self, fabric, ep, gen_addr: int, gen_seen: int, gen_fd: int = -1):
         self.fabric = fabric
         self.ep = ep
         self.pid = fabric.peer_pid(ep)
-        self.gen_addr = int(gen_addr)
+        self._counter = _CounterReader(self.pid, int(gen_fd), int(gen_addr))
         self.gen_seen = int(gen_seen)
         self._maps = {}  # source device -> (region snapshot, int64 array: mapped start per region or -1)
         self._plans = collections.OrderedDict()
@@ -93,18 +173,19 @@ class LoadStoreWriter:
     def stale(self) -> bool:
         """True when the peer deregistered something since its region list was fetched. Raises PeerLost when
         the peer process cannot be read any more."""
-        try:
-            raw = process_vm_read(self.pid, self.gen_addr, 8)
-        except OSError as e:
-            raise PeerLost(f"same-host peer pid {self.pid} cannot be read: {e}") from e
-        return int.from_bytes(raw, "little", signed=True) != self.gen_seen
+        return self._counter.read() != self.gen_seen
+
+    def close(self) -> None:
+        """Unmap the peer's counter (the IPC mappings belong to the fabric and go with it)."""
+        self._counter.close()
 
     # --- the write ---------------------------------------------------------------------------------------------
     def write(self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, src_dev: np.ndarray,
-              dst_index: np.ndarray, rsnap, wait: bool = True) -> Optional[Pending]:
+              dst_index: np.ndarray, rsnap, wait: bool = True, length_stats=None) -> Optional[Pending]:
         """Write piece i (``lengths[i]`` bytes from local ``src[i]`` on ``src_dev[i]``) to the peer's ``dst[i]``,
         which lies in region ``rsnap.regions[dst_index[i]]`` (the caller validated both sides). ``src_dev`` and
-        ``dst_index`` may be scalars: one device / one region for every piece.
+        ``dst_index`` may be scalars: one device / one region for every piece. ``length_stats``: (sum, min, max)
+        of ``lengths`` when the caller has them (saves three passes over the lengths).
 
         Returns None, having written nothing, when the batch is not for this path; else a ``Pending`` (already
         waited for when ``wait``). Raises TransferError (PeerLost when the peer is gone) on a failed copy.
@@ -139,7 +220,9 @@ class LoadStoreWriter:
                 if e.errno == 3:  # ESRCH
                     raise PeerLost(f"same-host peer pid {self.pid} is gone: {e}") from e
                 raise TransferError(f"cross-memory write to pid {self.pid} failed: {e}", [e]) from e
-        work = [self._launch(d, s, m, n, wait) for d, s, m, n in gpu_groups]
+        if len(gpu_groups) != 1 or gpu_groups[0][3] is not lengths:
+            length_stats = None  # they describe the whole batch, not a subset
+        work = [self._launch(d, s, m, n, wait, length_stats) for d, s, m, n in gpu_groups]
         return Pending(w for w in work if w is not None)
 
     def _classify(self, src, dst, lengths, src_dev, dst_index, rsnap):
@@ -191,16 +274,14 @@ class LoadStoreWriter:
         self._maps[device] = (rsnap, out)
         return out
 
-    def _plan(self, lengths: np.ndarray, device) -> dict:
+    def _plan(self, lengths: np.ndarray, device, length_stats=None) -> dict:
         """The kernel's work split for these lengths on the device, and the launches prepared with it (one per
         staging buffer): cached by the lengths themselves, since sglang repeats the same lengths call after call.
         """
         from pxn_kernels._batched_copy import plan_for_lengths
         n = int(lengths.size)
-        total = int(lengths.sum())
-        lo = int(lengths[0])
-        key = (device.index, n, total, lo) if int(lengths.min()) == lo == int(lengths.max()) else \
-            (device.index, n, total, lengths.tobytes())
+        total, lmin, lmax = length_stats or (int(lengths.sum()), int(lengths.min()), int(lengths.max()))
+        key = (device.index, n, total, lmin) if lmin == lmax else (device.index, n, total, lengths.tobytes())
         with self._lock:
             entry = self._plans.get(key)
             if entry is not None:
@@ -227,7 +308,7 @@ class LoadStoreWriter:
             st = per_dev[device.index] = _Staging(words, device)
         return st
 
-    def _launch(self, device_index: int, src, mapped, lengths, wait: bool):
+    def _launch(self, device_index: int, src, mapped, lengths, wait: bool, length_stats=None):
         """One H2D copy of the descriptors and one launch on ``device_index``'s current stream. Returns None once
         synchronised (``wait``), else the (event, staging) pair to wait for."""
         import torch
@@ -235,7 +316,7 @@ class LoadStoreWriter:
         from transport.fabric.tcp import memcpy_async
         device = torch.device("cuda", device_index)
         n = int(lengths.size)
-        entry = self._plan(lengths, device)
+        entry = self._plan(lengths, device, length_stats)
         st = self._staging(device, 3 * n)
         d = st.device_buf
         # The launch bound to this staging buffer and plan is prepared once: a plain launch then costs one

@@ -487,6 +487,17 @@ def variants() -> list:
               (0.90, 0.955, 0.955, 0.955), 32768, 32768, 8),
         _grid("g64k/32k/w8", "grid: 64 KB per program as 2 tiles of 32 KB, 8 warps",
               (0.87, 0.955, 0.955, 0.955), 65536, 32768, 8),
+        # --- call 4: the 8 KB and 64 KB pieces (call 3: 0.925 and 0.949 at best; targets 0.95)
+        _grid("g4k/4k/w2", "grid: 4 KB per program, 2 warps: 32 programs/SM resident, 64 B per thread",
+              (0.935, 0.95, 0.975, 0.975), 4096, 4096, 2),
+        _grid("g8k/8k/w2", "grid: 8 KB per program, 2 warps: 128 B per thread in flight",
+              (0.93, 0.95, 0.97, 0.97), 8192, 8192, 2),
+        _grid("g8k/8k/w8", "grid: 8 KB per program, 8 warps: 32 B per thread",
+              (0.92, 0.945, 0.97, 0.97), 8192, 8192, 8),
+        _grid("g16k/16k/w4", "grid: 16 KB per program, 4 warps: 128 B per thread",
+              (0.91, 0.95, 0.96, 0.96), 16384, 16384, 4),
+        _grid("g2k/2k/w2", "grid: 2 KB per program, 2 warps (the plain copy's bytes per warp, twice the programs)",
+              (0.92, 0.94, 0.97, 0.97), 2048, 2048, 2),
     ]
 
 

@@ -120,6 +120,23 @@ def _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base,
 
 
 @triton.jit
+def _copy_one_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
+                    BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr, EAGER: tl.constexpr):
+    # Range [lo, hi) from ``item`` on: EAGER loads the first item's four descriptors in one round trip here.
+    if EAGER:
+        has = lo < hi
+        _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
+                          lo, hi, item, tl.load(lengths + item, mask=has, other=0),
+                          tl.load(pad_ends + item, mask=has, other=0),
+                          tl.load(src_index + item, mask=has, other=0),
+                          tl.load(dst_index + item, mask=has, other=0),
+                          BLOCK, TAIL_BLOCK, STREAMING)
+    else:
+        _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
+                    lo, hi, item, BLOCK, TAIL_BLOCK, STREAMING)
+
+
+@triton.jit
 def _batched_copy_kernel(anchor, src_index, dst_index, lengths, pad_ends, bounds, first_item,
                          src_base, dst_base, n_ranges,
                          BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr,
@@ -144,17 +161,8 @@ def _batched_copy_kernel(anchor, src_index, dst_index, lengths, pad_ends, bounds
                 lo = tl.load(bounds + r)
                 hi = tl.load(bounds + r + 1)
                 item = tl.load(first_item + r)
-                if EAGER:
-                    has = lo < hi
-                    _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                                      lo, hi, item, tl.load(lengths + item, mask=has, other=0),
-                                      tl.load(pad_ends + item, mask=has, other=0),
-                                      tl.load(src_index + item, mask=has, other=0),
-                                      tl.load(dst_index + item, mask=has, other=0),
-                                      BLOCK, TAIL_BLOCK, STREAMING)
-                else:
-                    _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                                lo, hi, item, BLOCK, TAIL_BLOCK, STREAMING)
+                _copy_one_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
+                                BLOCK, TAIL_BLOCK, STREAMING, EAGER)
         elif PREFETCH == 1:
             # Indices past the last range are clamped to it: those loads are valid and their values unused.
             r0 = tl.minimum(tl.program_id(0), last)
@@ -166,17 +174,8 @@ def _batched_copy_kernel(anchor, src_index, dst_index, lengths, pad_ends, bounds
                 next_lo = tl.load(bounds + rn)
                 next_hi = tl.load(bounds + rn + 1)
                 next_item = tl.load(first_item + rn)
-                if EAGER:
-                    has = lo < hi
-                    _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                                      lo, hi, item, tl.load(lengths + item, mask=has, other=0),
-                                      tl.load(pad_ends + item, mask=has, other=0),
-                                      tl.load(src_index + item, mask=has, other=0),
-                                      tl.load(dst_index + item, mask=has, other=0),
-                                      BLOCK, TAIL_BLOCK, STREAMING)
-                else:
-                    _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                                lo, hi, item, BLOCK, TAIL_BLOCK, STREAMING)
+                _copy_one_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
+                                BLOCK, TAIL_BLOCK, STREAMING, EAGER)
                 lo = next_lo
                 hi = next_hi
                 item = next_item
@@ -223,17 +222,8 @@ def _batched_copy_kernel(anchor, src_index, dst_index, lengths, pad_ends, bounds
             lo = tl.load(bounds + r)
             hi = tl.load(bounds + r + 1)
             item = tl.load(first_item + r)
-            if EAGER:
-                has = lo < hi
-                _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                                  lo, hi, item, tl.load(lengths + item, mask=has, other=0),
-                                  tl.load(pad_ends + item, mask=has, other=0),
-                                  tl.load(src_index + item, mask=has, other=0),
-                                  tl.load(dst_index + item, mask=has, other=0),
-                                  BLOCK, TAIL_BLOCK, STREAMING)
-            else:
-                _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                            lo, hi, item, BLOCK, TAIL_BLOCK, STREAMING)
+            _copy_one_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
+                            BLOCK, TAIL_BLOCK, STREAMING, EAGER)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ inside a node: the NIC path, relay slots and coalesced chunks exist for peers on
 
 What replaces the receiver's check: the sender already checks every destination against the regions the peer
 advertised before anything is written (``TransferEngine._submit``), and the peer only advertises (and exports
-IPC handles for) memory it registered. A peer's ``deregister`` bumps a generation counter in its memory; every
-batch reads it first (one 8-byte ``process_vm_readv``) and re-fetches the region list when it moved, so a batch
-submitted after ``deregister`` returned never writes into the removed region. As with an RDMA write, a batch
+IPC handles for) memory it registered. A peer's ``deregister`` bumps a generation counter (``GenerationCounter``,
+an 8-byte memfd the sender maps read-only); every batch reads it first and re-fetches the region list when it
+moved, so a batch submitted after ``deregister`` returned never writes into the removed region. As with an RDMA write, a batch
 racing a ``deregister`` of its own destination is the caller's error (the tcp/ipc message path pins regions and
 refuses; this path cannot).
 
@@ -38,6 +38,7 @@ from transport.fabric.ipc import process_vm_read, process_vm_write
 log = logging.getLogger(__name__)
 
 _PLAN_CACHE = 64  # plans kept per writer (sglang repeats the same piece lengths call after call)
+_LAUNCHES_PER_PLAN = 8  # prepared launches kept per plan (one per staging buffer)
 
 
 _I64 = struct.Struct("<q")
@@ -322,10 +323,16 @@ class LoadStoreWriter:
         # The launch bound to this staging buffer and plan is prepared once: a plain launch then costs one
         # driver call, not Triton's per-call argument handling (benchmarks/NOTES.md: 10 us against 25-35 us).
         # Keyed by the device buffer's address: the PreparedCopy keeps that buffer alive, so it is never reused.
-        launch = entry["launches"].get(d.data_ptr())
+        launches = entry["launches"]
+        launch = launches.get(d.data_ptr())
         if launch is None:
-            launch = entry["launches"].setdefault(
-                d.data_ptr(), PreparedCopy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, 0, entry["plan"]))
+            with self._lock:
+                if len(launches) >= _LAUNCHES_PER_PLAN:
+                    # async batches that overlap each get a fresh staging buffer: keep only the newest
+                    # launches, so that the buffers of old ones can be freed
+                    launches.pop(next(iter(launches)))
+                launch = launches.setdefault(
+                    d.data_ptr(), PreparedCopy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, 0, entry["plan"]))
         w = st.host_np
         w[0:n], w[n:2 * n], w[2 * n:3 * n] = src, mapped, lengths
         stream = torch.cuda.current_stream(device)

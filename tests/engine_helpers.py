@@ -48,8 +48,9 @@ def _peer_main(conn, size: int, device: int, engine_kwargs: dict, log_level: int
         if cmd == "dump":
             return mem.host().tobytes()
         if cmd == "register_extra":
-            x = Buffer(kw["size"], device)
-            engine.register(x.addr, kw["size"], device=device)
+            dev = kw.get("device", device)
+            x = Buffer(kw["size"], dev)
+            engine.register(x.addr, kw["size"], device=dev)
             extras[x.addr] = x
             return x.addr
         if cmd == "deregister":

@@ -74,3 +74,40 @@ def test_gpu_loadstore_host_to_gpu_takes_message_path(seed):
         assert st["paths"]["loadstore"]["units"] == 0 and st["batches"]["ok"] == 1
     finally:
         peer.close()
+
+
+def test_gpu_loadstore_one_batch_of_gpu_and_host_pieces(seed):
+    """KV blocks (GPU -> GPU) and aux pieces (host -> host) in one batch: one load/store unit, the host pieces
+    written while the device copies, both memories byte-exact (the GPU buffer with its guards)."""
+    import torch
+    from transport.peer_process import POISON, digest
+    rng = np.random.default_rng(seed)
+    size = 32 * MB
+    peer = EnginePeer(size, device=0, fabric="ipc")
+    try:
+        host_dst = peer.call("register_extra", size=MB, device=-1)
+        with TransferEngine(fabric="ipc") as eng:
+            g = torch.Generator(device="cuda:0").manual_seed(seed)
+            src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda:0", generator=g)
+            host_src = np.frombuffer(rng.bytes(MB), dtype=np.uint8).copy()
+            eng.register(src)
+            eng.register(host_src)
+            kv = [2 * MB] * 8
+            aux = [64, 64, 512, 8192, 1, 63]
+            ks, kd = disjoint_offsets(rng, kv, size), disjoint_offsets(rng, kv, size)
+            hs, hd = disjoint_offsets(rng, aux, MB), disjoint_offsets(rng, aux, MB)
+            peer.poison()
+            exp = Expected(size)
+            exp.apply(src.cpu().numpy(), ks, kd, kv)
+            host_img = np.full(MB, POISON, dtype=np.uint8)
+            for s_, d_, n_ in zip(hs, hd, aux):
+                host_img[d_:d_ + n_] = host_src[s_:s_ + n_]
+            eng.batch_write(peer.session,
+                            [src.data_ptr() + int(x) for x in ks] + [host_src.ctypes.data + int(x) for x in hs],
+                            [peer.base + int(x) for x in kd] + [host_dst + int(x) for x in hd], kv + aux)
+            peer.check(exp)
+            assert peer.call("extra_digest", addr=host_dst) == digest(host_img)
+            st = eng.stats()
+        assert st["paths"]["loadstore"]["units"] == 1 and st["paths"]["coalesced"]["chunks"] == 0
+    finally:
+        peer.close()

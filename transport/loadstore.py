@@ -32,7 +32,7 @@ from typing import Optional
 
 import numpy as np
 
-from transport.errors import FabricError, PeerLost, TransferError
+from transport.errors import PeerLost, TransferError
 from transport.fabric.ipc import process_vm_read, process_vm_write
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,32 @@ _LAUNCHES_PER_PLAN = 8  # prepared launches kept per plan (one per staging buffe
 
 
 _I64 = struct.Struct("<q")
+
+
+_driver_lib = None
+
+
+def _driver():
+    """libcuda through ctypes for the two calls of the hot path (H2D copy, stream synchronise): a ctypes call is
+    ~1 us of host time, a cuda-bindings or torch stream call several (the H200 VM's per-call costs are in
+    benchmarks/NOTES.md, section Engine)."""
+    global _driver_lib
+    if _driver_lib is None:
+        from pxn_kernels._direct_launch import _driver as launch_driver
+        lib = launch_driver()
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuMemcpyHtoDAsync_v2.restype = ctypes.c_int
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuStreamSynchronize.restype = ctypes.c_int
+        _driver_lib = lib
+    return _driver_lib
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(err, ctypes.byref(name))
+        raise TransferError(f"{what} failed: {name.value.decode() if name.value else err}")
 
 
 class GenerationCounter:
@@ -210,21 +236,43 @@ class LoadStoreWriter:
             all_host, all_gpu, host, gpu_groups = self._classify(src, dst, lengths, src_dev, dst_index, rsnap)
             if gpu_groups is None:
                 return None
-        # From here on bytes move: host pieces first (synchronous), then the GPU launches.
-        if all_host or (host is not None and host.any()):
-            try:
-                if all_host:
-                    process_vm_write(self.pid, src, dst, lengths)
-                else:
-                    process_vm_write(self.pid, src[host], dst[host], lengths[host])
-            except OSError as e:
-                if e.errno == 3:  # ESRCH
-                    raise PeerLost(f"same-host peer pid {self.pid} is gone: {e}") from e
-                raise TransferError(f"cross-memory write to pid {self.pid} failed: {e}", [e]) from e
+        # From here on bytes move. GPU pieces first: their copy runs on the device while this thread writes the
+        # host pieces (a batch of KV blocks + aux metadata costs max(copy, host write), not their sum).
         if len(gpu_groups) != 1 or gpu_groups[0][3] is not lengths:
             length_stats = None  # they describe the whole batch, not a subset
-        work = [self._launch(d, s, m, n, wait, length_stats) for d, s, m, n in gpu_groups]
-        return Pending(w for w in work if w is not None)
+        launched = [self._launch(d, s, m, n, length_stats) for d, s, m, n in gpu_groups]
+        try:
+            if all_host or (host is not None and host.any()):
+                try:
+                    if all_host:
+                        process_vm_write(self.pid, src, dst, lengths)
+                    else:
+                        process_vm_write(self.pid, src[host], dst[host], lengths[host])
+                except OSError as e:
+                    if e.errno == 3:  # ESRCH
+                        raise PeerLost(f"same-host peer pid {self.pid} is gone: {e}") from e
+                    raise TransferError(f"cross-memory write to pid {self.pid} failed: {e}", [e]) from e
+        finally:
+            work = self._finish_launches(launched, wait)
+        return Pending(work)
+
+    @staticmethod
+    def _finish_launches(launched, wait: bool) -> list:
+        """Synchronise the launches' streams (``wait``), or record an event on each: (event, staging) pairs."""
+        import torch
+        work = []
+        for device_index, raw_stream, st in launched:
+            if wait:
+                _check(_driver().cuStreamSynchronize(raw_stream), f"load/store copy on cuda:{device_index}")
+                continue
+            try:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device_index))
+            except RuntimeError as e:
+                raise TransferError(f"load/store copy on cuda:{device_index}: {e}", [e]) from e
+            st.busy = event
+            work.append((event, st))
+        return work
 
     def _classify(self, src, dst, lengths, src_dev, dst_index, rsnap):
         """Per-piece split of a batch spread over several regions: (all_host, all_gpu, host mask or None, GPU
@@ -309,12 +357,12 @@ class LoadStoreWriter:
             st = per_dev[device.index] = _Staging(words, device)
         return st
 
-    def _launch(self, device_index: int, src, mapped, lengths, wait: bool, length_stats=None):
-        """One H2D copy of the descriptors and one launch on ``device_index``'s current stream. Returns None once
-        synchronised (``wait``), else the (event, staging) pair to wait for."""
+    def _launch(self, device_index: int, src, mapped, lengths, length_stats=None):
+        """One H2D copy of the descriptors and one launch on ``device_index``'s current stream, not waited for.
+        Returns (device index, raw stream, staging): the staging buffer must not be reused before that stream
+        passed the launch."""
         import torch
         from pxn_kernels._batched_copy import PreparedCopy
-        from transport.fabric.tcp import memcpy_async
         device = torch.device("cuda", device_index)
         n = int(lengths.size)
         entry = self._plan(lengths, device, length_stats)
@@ -335,21 +383,18 @@ class LoadStoreWriter:
                     d.data_ptr(), PreparedCopy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, 0, entry["plan"]))
         w = st.host_np
         w[0:n], w[n:2 * n], w[2 * n:3 * n] = src, mapped, lengths
-        stream = torch.cuda.current_stream(device)
+        # On the caller's current stream: ordered after whatever the caller queued that wrote the sources.
+        raw_stream = torch._C._cuda_getCurrentRawStream(device_index)
+        what = f"load/store copy of {n} piece(s) on cuda:{device_index}"
         try:
-            # On the caller's current stream: ordered after whatever the caller queued that wrote the sources.
-            memcpy_async(d.data_ptr(), st.host.data_ptr(), 3 * n * 8, stream)
             if torch.cuda.current_device() == device_index:
+                _check(_driver().cuMemcpyHtoDAsync_v2(d.data_ptr(), st.host.data_ptr(), 3 * n * 8, raw_stream), what)
                 launch()
-            else:  # the driver launches in the calling thread's current context
+            else:  # the driver works in the calling thread's current context
                 with torch.cuda.device(device):
+                    _check(_driver().cuMemcpyHtoDAsync_v2(d.data_ptr(), st.host.data_ptr(), 3 * n * 8, raw_stream),
+                           what)
                     launch()
-            if wait:
-                stream.synchronize()
-                return None
-            event = torch.cuda.Event()
-            event.record(stream)
-        except (RuntimeError, TransferError, FabricError) as e:  # CUDA errors surface here (launch or sync)
-            raise TransferError(f"load/store copy of {n} piece(s) on cuda:{device_index} failed: {e}", [e]) from e
-        st.busy = event
-        return event, st
+        except RuntimeError as e:  # a failed launch
+            raise TransferError(f"{what} failed: {e}", [e]) from e
+        return device_index, raw_stream, st

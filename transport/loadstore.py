@@ -175,6 +175,56 @@ class _Staging:
         self.busy = None  # the event of an async batch still reading these buffers
 
 
+class _BoundCopy:
+    """The H2D copy of one staging buffer's first ``3 n`` words and the copy kernel of ``plan`` over them.
+
+    Why a graph: on the H200 VM each driver call costs ~10-20 us of host time, and the copy and the launch were
+    ~43 us of every load/store batch (benchmarks/NOTES.md, section Engine); one graph replay does both. The
+    capture is thread-local (other threads' CUDA calls are not disturbed) and happens once per plan and
+    staging buffer; if it fails, both calls are made one by one.
+    """
+
+    def __init__(self, device_index: int, staging: _Staging, n: int, plan):
+        import torch
+        from pxn_kernels._batched_copy import PreparedCopy
+        d = staging.device_buf
+        self._copy_args = (d.data_ptr(), staging.host.data_ptr(), 3 * n * 8)
+        self._kernel = PreparedCopy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, 0, plan)
+        self._keep = staging
+        self._graph = None
+        device = torch.device("cuda", device_index)
+        try:
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    # One real run outside the capture (module load, lazy init) on the descriptors the caller
+                    # has already staged: the device buffer holds stale or no descriptors before this copy, and
+                    # a kernel run on those faults. The caller's own launch repeats it (same bytes, same place).
+                    self._copy(side.cuda_stream)
+                    self._kernel()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                        self._copy(side.cuda_stream)
+                        self._kernel()
+                torch.cuda.current_stream(device).wait_stream(side)
+                side.synchronize()
+            self._graph = graph
+        except Exception as e:  # noqa: BLE001 — the two plain calls still work
+            log.info("load/store: graph capture failed (%s); copying and launching one by one", e)
+
+    def _copy(self, raw_stream) -> None:
+        _check(_driver().cuMemcpyHtoDAsync_v2(*self._copy_args, raw_stream), "descriptor copy")
+
+    def __call__(self, raw_stream) -> None:
+        """Enqueue the descriptor copy and the kernel on the current stream (``raw_stream`` is its handle)."""
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._copy(raw_stream)
+            self._kernel()
+
+
 class LoadStoreWriter:
     """Writes batches into one same-host peer (an ``IpcFabric`` endpoint's process) by direct loads/stores.
 
@@ -358,19 +408,20 @@ class LoadStoreWriter:
         return st
 
     def _launch(self, device_index: int, src, mapped, lengths, length_stats=None):
-        """One H2D copy of the descriptors and one launch on ``device_index``'s current stream, not waited for.
+        """The descriptors' H2D copy and the copy kernel on ``device_index``'s current stream, not waited for.
         Returns (device index, raw stream, staging): the staging buffer must not be reused before that stream
         passed the launch."""
         import torch
-        from pxn_kernels._batched_copy import PreparedCopy
         device = torch.device("cuda", device_index)
         n = int(lengths.size)
         entry = self._plan(lengths, device, length_stats)
         st = self._staging(device, 3 * n)
         d = st.device_buf
-        # The launch bound to this staging buffer and plan is prepared once: a plain launch then costs one
-        # driver call, not Triton's per-call argument handling (benchmarks/NOTES.md: 10 us against 25-35 us).
-        # Keyed by the device buffer's address: the PreparedCopy keeps that buffer alive, so it is never reused.
+        w = st.host_np
+        w[0:n], w[n:2 * n], w[2 * n:3 * n] = src, mapped, lengths  # before binding: its first run reads them
+        # Bound once per (plan, staging buffer), keyed by the device buffer's address (what is bound keeps that
+        # buffer alive, so the address is never reused): a CUDA graph of [H2D copy of the descriptors, kernel],
+        # replayed with one driver call, or, if capture fails, the prepared launch.
         launches = entry["launches"]
         launch = launches.get(d.data_ptr())
         if launch is None:
@@ -379,22 +430,16 @@ class LoadStoreWriter:
                     # async batches that overlap each get a fresh staging buffer: keep only the newest
                     # launches, so that the buffers of old ones can be freed
                     launches.pop(next(iter(launches)))
-                launch = launches.setdefault(
-                    d.data_ptr(), PreparedCopy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, 0, entry["plan"]))
-        w = st.host_np
-        w[0:n], w[n:2 * n], w[2 * n:3 * n] = src, mapped, lengths
+                launch = launches.get(d.data_ptr()) or launches.setdefault(
+                    d.data_ptr(), _BoundCopy(device_index, st, n, entry["plan"]))
         # On the caller's current stream: ordered after whatever the caller queued that wrote the sources.
         raw_stream = torch._C._cuda_getCurrentRawStream(device_index)
-        what = f"load/store copy of {n} piece(s) on cuda:{device_index}"
         try:
             if torch.cuda.current_device() == device_index:
-                _check(_driver().cuMemcpyHtoDAsync_v2(d.data_ptr(), st.host.data_ptr(), 3 * n * 8, raw_stream), what)
-                launch()
+                launch(raw_stream)
             else:  # the driver works in the calling thread's current context
                 with torch.cuda.device(device):
-                    _check(_driver().cuMemcpyHtoDAsync_v2(d.data_ptr(), st.host.data_ptr(), 3 * n * 8, raw_stream),
-                           what)
-                    launch()
-        except RuntimeError as e:  # a failed launch
-            raise TransferError(f"{what} failed: {e}", [e]) from e
+                    launch(raw_stream)
+        except RuntimeError as e:  # a failed launch or graph replay
+            raise TransferError(f"load/store copy of {n} piece(s) on cuda:{device_index} failed: {e}", [e]) from e
         return device_index, raw_stream, st

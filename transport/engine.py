@@ -829,6 +829,8 @@ class TransferEngine:
     def _as_array(name: str, values) -> np.ndarray:
         """int64 array of a sequence of ints (list, tuple, numpy array, CPU tensor); anything else (floats,
         bools, strings, nested lists) raises InvalidTransfer naming the first bad entry."""
+        if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+            return values  # the common case of callers with many pieces: nothing to convert or check
         if hasattr(values, "tolist") and not isinstance(values, np.ndarray):  # torch tensor
             values = values.tolist()
         try:
@@ -865,11 +867,17 @@ class TransferEngine:
         # One pass of reductions serves the argument checks and the common case of the region lookups below
         # (every source in one registered buffer, every destination in one of the peer's): per-call host time
         # is the cost that matters for small batches, and each numpy call is ~1-2 us on the H200 VM.
-        lmin, lmax = int(ln.min()), int(ln.max())
+        # rows: src, dst, lengths, src + lengths, dst + lengths (int64: an end past 2**63 wraps negative, which
+        # span_region's checks catch); two axis reductions instead of eight whole-array ones
+        n = ln.size
+        rows = np.empty((5, n), dtype=np.int64)
+        rows[0], rows[1], rows[2] = src, dst, ln
+        np.add(rows[0:2], ln, out=rows[3:5])
+        smin, dmin, lmin, _, _ = rows.min(axis=1).tolist()
+        smax, dmax, lmax, send, dend = rows.max(axis=1).tolist()
         if lmin < 1:
             i = int(np.argmin(ln))
             raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
-        smin, dmin = int(src.min()), int(dst.min())
         for name, arr, lo in (("srcs", src, smin), ("dsts", dst, dmin)):
             if lo < 0:
                 i = int(np.argmin(arr))
@@ -880,7 +888,7 @@ class TransferEngine:
             self._refresh_regions(peer)  # the peer deregistered something: never write by a stale list
         # sources: every piece inside one local region
         lsnap = self._regions.snapshot()
-        idx = span_region(lsnap, smin, int(src.max()), int((src + ln).max()), lmax)
+        idx = span_region(lsnap, smin, smax, send, lmax)
         if idx is None:
             idx, ok = self._regions.locate(src, ln, lsnap)
             if not ok.all():
@@ -891,7 +899,6 @@ class TransferEngine:
         # destinations: every piece inside a region the peer advertised (refresh once: it may have registered
         # more since the handshake)
         rsnap = peer.regions.snapshot()
-        dmax, dend = int(dst.max()), int((dst + ln).max())
         ridx = span_region(rsnap, dmin, dmax, dend, lmax)
         if ridx is None:
             ridx, ok = peer.regions.locate(dst, ln, rsnap)

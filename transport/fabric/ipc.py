@@ -52,11 +52,12 @@ class _Iovec(ctypes.Structure):
 
 
 _pvw = _libc.process_vm_writev
-_pvw.argtypes = (ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                 ctypes.c_ulong)
+# iovec arrays are passed as plain addresses (of numpy buffers): a pointer cast per call cost ~2.5 us
+_pvw.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
 _pvw.restype = ctypes.c_ssize_t
 _pvr = _libc.process_vm_readv
-_pvr.argtypes = _pvw.argtypes
+_pvr.argtypes = (ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
+                 ctypes.c_ulong)
 _pvr.restype = ctypes.c_ssize_t
 
 
@@ -84,14 +85,13 @@ def process_vm_write(pid: int, local, remote, lengths) -> None:
     i = 0
     while i < n:
         k = min(IOV_BATCH, n - i)
-        # iovec arrays built by numpy (base, len pairs): a Python loop over 4096 pieces cost ~4 ms
-        liov = np.empty((k, 2), dtype=np.uint64)
-        riov = np.empty((k, 2), dtype=np.uint64)
-        liov[:, 0], liov[:, 1] = local[i:i + k], lengths[i:i + k]
-        riov[:, 0], riov[:, 1] = remote[i:i + k], lengths[i:i + k]
+        # Both iovec arrays (base, len pairs) in one numpy buffer: a Python loop over 4096 pieces cost ~4 ms.
+        iov = np.empty((2, k, 2), dtype=np.uint64)
+        iov[0, :, 0], iov[0, :, 1] = local[i:i + k], lengths[i:i + k]
+        iov[1, :, 0], iov[1, :, 1] = remote[i:i + k], lengths[i:i + k]
         want = int(lengths[i:i + k].sum())
-        got = _pvw(pid, liov.ctypes.data_as(ctypes.POINTER(_Iovec)), k,
-                   riov.ctypes.data_as(ctypes.POINTER(_Iovec)), k, 0)
+        base = iov.ctypes.data
+        got = _pvw(pid, base, k, base + 16 * k, k, 0)
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_writev to pid {pid}: {os.strerror(err)}")

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pxn_kernels._copy_piece import _copy_piece
 from pxn_kernels._direct_launch import DirectLauncher
 
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: the piece count
@@ -31,29 +32,13 @@ def _grid_copy_kernel(anchor, src_index, dst_index, lengths, src_base, dst_base,
     # Addresses are int64 offsets from ``anchor`` (16-byte aligned): see _batched_copy for why not int->pointer.
     item = tl.program_id(1)
     begin = tl.program_id(0).to(tl.int64) * SEG
+    # all three descriptor loads depend on the program id only: one round trip before the data
     length = tl.load(lengths + item)
-    src = src_base + tl.load(src_index + item) + begin
-    dst = dst_base + tl.load(dst_index + item) + begin
+    src_i = tl.load(src_index + item)
+    dst_i = tl.load(dst_index + item)
     n = tl.minimum(length - begin, SEG)
     if n > 0:
-        vec_offs = tl.arange(0, BLOCK)
-        if ((src | dst) & 15) == 0:
-            body = tl.multiple_of(n & -16, 16)
-            full = body // BLOCK * BLOCK
-            src_vec = anchor + tl.multiple_of(src, 16)
-            dst_vec = anchor + tl.multiple_of(dst, 16)
-            for off in range(0, full, BLOCK):
-                tl.store(dst_vec + off + vec_offs, tl.load(src_vec + off + vec_offs))
-            if full < body:
-                mask = vec_offs < body - full
-                tl.store(dst_vec + full + vec_offs, tl.load(src_vec + full + vec_offs, mask=mask), mask=mask)
-            src = src + body
-            dst = dst + body
-            n = n - body
-        byte_offs = tl.arange(0, TAIL_BLOCK)
-        for off in range(0, n, TAIL_BLOCK):
-            mask = byte_offs < n - off
-            tl.store(anchor + dst + off + byte_offs, tl.load(anchor + src + off + byte_offs, mask=mask), mask=mask)
+        _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n, BLOCK, TAIL_BLOCK, False)
 
 
 @dataclass(frozen=True)

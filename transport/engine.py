@@ -926,11 +926,8 @@ class TransferEngine:
                           ("path_loadstore_units", 1), ("path_loadstore_bytes", nbytes),
                           ("time_validate_s", (t1 - t0) / 1e9), ("time_loadstore_s", (t2 - t1) / 1e9)]
                 if not async_:  # already complete: account for it here, nothing to wait for
-                    self.counters.add_many(counts + [("batches_ok", 1)])
-                    self.latency.add((t2 - t0) / 1e9)
-                    if self.trace is not None:
-                        self.trace.complete("batch", "batch", "batches", t0, t2,
-                                            {"items": int(ln.size), "bytes": nbytes, "path": "loadstore"})
+                    self.counters.add_many(counts)
+                    self._account_done("batch", t0, t2, int(ln.size), nbytes, True, "loadstore")
                     return None
                 self.counters.add_many(counts)
                 batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
@@ -1338,13 +1335,19 @@ class TransferEngine:
             b.remaining -= 1
             last = b.remaining == 0 and not b.event.is_set()
         if last:
-            t = now_ns()
-            self.latency.add((t - b.t0) / 1e9)
-            self.counters.add("batches_ok")
-            if self.trace is not None:
-                self.trace.complete(f"batch {b.id}", "batch", "batches", b.t0, t,
-                                    {"items": b.n_items, "bytes": b.nbytes})
+            self._account_done(f"batch {b.id}", b.t0, now_ns(), b.n_items, b.nbytes, True)
             b.event.set()
+
+    def _account_done(self, name: str, t0: int, t: int, n_items: int, nbytes: int, ok: bool,
+                      path: Optional[str] = None) -> None:
+        """A batch finished at ``t`` (ns; submitted at ``t0``): latency window, ok/failed count, trace event."""
+        self.latency.add((t - t0) / 1e9)
+        self.counters.add("batches_ok" if ok else "batches_failed")
+        if self.trace is not None:
+            args = {"items": n_items, "bytes": nbytes}
+            if path:
+                args["path"] = path
+            self.trace.complete(name, "batch", "batches", t0, t, args)
 
     # --- failure handling ----------------------------------------------------------------------------------
     def _fail_batch(self, b: _Batch, exc: BaseException) -> None:
@@ -1496,12 +1499,8 @@ class TransferEngine:
                     first = not b.event.is_set()
                     b.event.set()
                 if first:
-                    self.latency.add((t - b.t0) / 1e9)
-                    self.counters.add_many((("batches_failed" if b.error else "batches_ok", 1),
-                                            ("time_wait_s", (t - t0) / 1e9)))
-                    if self.trace is not None:
-                        self.trace.complete(f"batch {b.id}", "batch", "batches", b.t0, t,
-                                            {"items": b.n_items, "bytes": b.nbytes, "path": "loadstore"})
+                    self.counters.add("time_wait_s", (t - t0) / 1e9)
+                    self._account_done(f"batch {b.id}", b.t0, t, b.n_items, b.nbytes, b.error is None, "loadstore")
             if b.error is not None:
                 raise b.error
             return

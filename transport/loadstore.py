@@ -12,9 +12,9 @@ What replaces the receiver's check: the sender already checks every destination 
 advertised before anything is written (``TransferEngine._submit``), and the peer only advertises (and exports
 IPC handles for) memory it registered. A peer's ``deregister`` bumps a generation counter (``GenerationCounter``,
 an 8-byte memfd the sender maps read-only); every batch reads it first and re-fetches the region list when it
-moved, so a batch submitted after ``deregister`` returned never writes into the removed region. As with an RDMA write, a batch
-racing a ``deregister`` of its own destination is the caller's error (the tcp/ipc message path pins regions and
-refuses; this path cannot).
+moved, so a batch submitted after ``deregister`` returned never writes into the removed region. As with an RDMA
+write, a batch racing a ``deregister`` of its own destination is the caller's error (the tcp/ipc message path
+pins regions and refuses; this path cannot).
 
 Batches this path does not take (the caller uses the message path): pieces between host and GPU memory, a peer
 GPU that is not visible in this process, a peer whose rails are down.

@@ -385,12 +385,18 @@ def test_prepared_copy_relaunches_with_rewritten_descriptors(rng, graph):
     # The relay rewrites a slot's descriptor buffers in place and relaunches: the second launch must copy
     # the new pieces, not replay the old ones.
     lengths = [5, 64, 300, 17]
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
-    out = _random_bytes(rng, 1024)
-    offsets, _ = _packed_offsets(lengths, misalign=1, gap=2)
-    src_t, len_t, off_t = _t(src_addrs), _t(lengths), _t(offsets)
     settings = pxn_kernels.LaunchSettings(256, 16, 1, 4) if not HAS_CUDA else \
         pxn_kernels.launch_settings(len(lengths), DEVICE)
+    _check_prepared_gather_relaunch(rng, lengths, 1, 2, settings, graph)
+
+
+def _check_prepared_gather_relaunch(rng, lengths, misalign, gap, settings, graph=False):
+    """A PreparedCopy gather relaunched after its source descriptors were rewritten in place (twice, each time
+    to fresh random pieces) copies the new pieces, compared with the torch reference."""
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
+    out = _random_bytes(rng, 1024)
+    offsets, _ = _packed_offsets(lengths, misalign=misalign, gap=gap)
+    src_t, len_t, off_t = _t(src_addrs), _t(lengths), _t(offsets)
     plan = pxn_kernels.plan_batched_copy(len_t, settings)
     launch = pxn_kernels.PreparedCopy(src_t, off_t, len_t, 0, out.data_ptr(), plan, graph=graph)
     for _ in range(2):
@@ -547,21 +553,7 @@ def test_device_batch_aligned_non_persistent(rng):
 
 def test_prepared_copy_with_variant_settings(rng):
     lengths = [5, 64, 300, 17, 1]
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
-    out = _random_bytes(rng, 1024)
-    offsets, _ = _packed_offsets(lengths, misalign=0, gap=16)
-    src_t, len_t, off_t = _t(src_addrs), _t(lengths), _t(offsets)
-    plan = pxn_kernels.plan_batched_copy(len_t, _variant_settings(lengths, "prefetch2"))
-    launch = pxn_kernels.PreparedCopy(src_t, off_t, len_t, 0, out.data_ptr(), plan)
-    for _ in range(2):
-        fresh = _random_bytes(rng, src_buf.numel())
-        src_t.copy_(_t([fresh.data_ptr() + a - src_buf.data_ptr() for a in src_addrs]))
-        ref = out.clone()
-        pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
-        launch()
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        assert torch.equal(out, ref)
+    _check_prepared_gather_relaunch(rng, lengths, 0, 16, _variant_settings(lengths, "prefetch2"))
 
 
 def test_settings_for_defaults_and_aligned(monkeypatch):

@@ -39,6 +39,14 @@ STREAM_ALIGN = 16
 
 
 @triton.jit
+def _load_item(lengths, pad_ends, src_index, dst_index, item, valid):
+    # An item's four descriptors in one round trip; zeros where ``valid`` is false (``item`` may then be the
+    # item count: an empty range at the end of the stream).
+    return (tl.load(lengths + item, mask=valid, other=0), tl.load(pad_ends + item, mask=valid, other=0),
+            tl.load(src_index + item, mask=valid, other=0), tl.load(dst_index + item, mask=valid, other=0))
+
+
+@triton.jit
 def _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
                 BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr):
     # Bytes [lo, hi) of the stream, starting in ``item``. Three dependent loads per item before its data:
@@ -68,10 +76,7 @@ def _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base,
     while lo < hi:
         nxt = item + 1
         more = item_end < hi
-        next_length = tl.load(lengths + nxt, mask=more, other=0)
-        next_end = tl.load(pad_ends + nxt, mask=more, other=0)
-        next_src = tl.load(src_index + nxt, mask=more, other=0)
-        next_dst = tl.load(dst_index + nxt, mask=more, other=0)
+        next_length, next_end, next_src, next_dst = _load_item(lengths, pad_ends, src_index, dst_index, nxt, more)
         item_start = item_end - ((length + 15) & -16)
         begin = lo - item_start
         stop = tl.minimum(tl.minimum(hi, item_end) - item_start, length)
@@ -91,13 +96,9 @@ def _copy_one_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, d
                     BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr, EAGER: tl.constexpr):
     # Range [lo, hi) from ``item`` on: EAGER loads the first item's four descriptors in one round trip here.
     if EAGER:
-        has = lo < hi
+        length, item_end, src_i, dst_i = _load_item(lengths, pad_ends, src_index, dst_index, item, lo < hi)
         _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                          lo, hi, item, tl.load(lengths + item, mask=has, other=0),
-                          tl.load(pad_ends + item, mask=has, other=0),
-                          tl.load(src_index + item, mask=has, other=0),
-                          tl.load(dst_index + item, mask=has, other=0),
-                          BLOCK, TAIL_BLOCK, STREAMING)
+                          lo, hi, item, length, item_end, src_i, dst_i, BLOCK, TAIL_BLOCK, STREAMING)
     else:
         _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
                     lo, hi, item, BLOCK, TAIL_BLOCK, STREAMING)
@@ -156,21 +157,14 @@ def _batched_copy_kernel(anchor, src_index, dst_index, lengths, pad_ends, bounds
             lo1 = tl.load(bounds + r1)
             hi1 = tl.load(bounds + r1 + 1)
             item1 = tl.load(first_item + r1)
-            has = lo < hi
-            length = tl.load(lengths + item, mask=has, other=0)
-            item_end = tl.load(pad_ends + item, mask=has, other=0)
-            src_i = tl.load(src_index + item, mask=has, other=0)
-            dst_i = tl.load(dst_index + item, mask=has, other=0)
+            length, item_end, src_i, dst_i = _load_item(lengths, pad_ends, src_index, dst_index, item, lo < hi)
             for r in range(tl.program_id(0), n_ranges, nprog):
                 r2 = tl.minimum(r + 2 * nprog, last)
                 lo2 = tl.load(bounds + r2)
                 hi2 = tl.load(bounds + r2 + 1)
                 item2 = tl.load(first_item + r2)
-                has1 = lo1 < hi1
-                length1 = tl.load(lengths + item1, mask=has1, other=0)
-                item_end1 = tl.load(pad_ends + item1, mask=has1, other=0)
-                src_i1 = tl.load(src_index + item1, mask=has1, other=0)
-                dst_i1 = tl.load(dst_index + item1, mask=has1, other=0)
+                length1, item_end1, src_i1, dst_i1 = _load_item(lengths, pad_ends, src_index, dst_index, item1,
+                                                                lo1 < hi1)
                 _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
                                   lo, hi, item, length, item_end, src_i, dst_i, BLOCK, TAIL_BLOCK, STREAMING)
                 lo = lo1

@@ -204,6 +204,14 @@ def main(argv=None) -> int:
             return float(np.median(_median_time(lambda: scratch_b[:nbytes].copy_(scratch_a[:nbytes]),
                                                 args.repeat)))
 
+        def matches(shape) -> bool:
+            """The peer's whole buffer of this shape equals poison + the shape's pieces (compared by digest)."""
+            img = np.full(size[shape["buf"]], POISON, dtype=np.uint8)
+            sh = src_host[shape["buf"]]
+            for s, d, n_ in zip(shape["src"].tolist(), shape["dst"].tolist(), shape["len"].tolist()):
+                img[d:d + n_] = sh[s:s + n_]
+            return peer.call("digest", name=shape["buf"]) == _digest(img)
+
         for shape in shapes:
             row = {"shape": shape["name"], "pieces": int(shape["len"].size), "bytes": int(shape["len"].sum())}
             try:
@@ -213,13 +221,7 @@ def main(argv=None) -> int:
                     torch.cuda.synchronize()
                     if shape["buf"] == "kv" and src_host["kv"] is None:
                         src_host["kv"] = src_kv.cpu().numpy()
-                    img = np.full(size[shape["buf"]], POISON, dtype=np.uint8)
-                    sh = src_host[shape["buf"]]
-                    for s, d, n_ in zip(shape["src"].tolist(), shape["dst"].tolist(), shape["len"].tolist()):
-                        img[d:d + n_] = sh[s:s + n_]
-                    ok = peer.call("digest", name=shape["buf"]) == _digest(img)
-                    row["verified"] = "byte-exact" if ok else "MISMATCH"
-                    del img
+                    row["verified"] = "byte-exact" if matches(shape) else "MISMATCH"
                 before = eng.stats()["time_s"]
                 times = _median_time(lambda: call(shape), args.repeat)
                 after = eng.stats()["time_s"]
@@ -275,13 +277,7 @@ def main(argv=None) -> int:
                     peer.call("poison")
                     eng.batch_write(peer.session, srcs, dsts, lens)
                     torch.cuda.synchronize()
-                    images = {}
-                    for name, shape in (("kv", kv_shape), ("aux", aux_shape)):
-                        img = np.full(size[name], POISON, dtype=np.uint8)
-                        for s_, d_, n_ in zip(shape["src"].tolist(), shape["dst"].tolist(), shape["len"].tolist()):
-                            img[d_:d_ + n_] = src_host[name][s_:s_ + n_]
-                        images[name] = peer.call("digest", name=name) == _digest(img)
-                        del img
+                    images = {shape["buf"]: matches(shape) for shape in (kv_shape, aux_shape)}
                 times = _median_time(lambda: eng.batch_write(peer.session, srcs, dsts, lens), args.repeat)
                 t = float(np.median(times))
                 tc = copy_time(nbytes)

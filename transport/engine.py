@@ -1414,6 +1414,9 @@ class TransferEngine:
             peer.retired = True  # from now on _peer() replaces it instead of handing it out
             why = "; ".join(f"rail {pr.rail}: {pr.cause or 'endpoint dead'}" for pr in peer.rails)
             if not self._closed:
+                # counted with the flag, under the lock: a batch failed by another thread that found the peer
+                # retired must already see it in stats()
+                self.counters.add("peers_lost")
                 self._lost[peer.session] = why[:500]
                 while len(self._lost) > 1024:  # only for error messages: keep the newest
                     self._lost.pop(next(iter(self._lost)))
@@ -1446,7 +1449,6 @@ class TransferEngine:
                     peer.lock.release()
         if self._closed:
             return
-        self.counters.add("peers_lost")
         # a peer that closed while idle is routine; one that took batches down with it is worth a warning
         log.log(logging.WARNING if peer.lost_work else logging.INFO,
                 "engine %s: every rail to %s failed (%s); forgot the peer, the next batch to it handshakes again",
@@ -1462,6 +1464,10 @@ class TransferEngine:
             for pr in b.peer.rails:
                 if pr.alive and not pr.ep.alive:
                     self._rail_failed(pr, PeerLost(f"rail {pr.rail} endpoint to {b.peer.session} died"))
+            if b.peer.ready and not any(pr.alive for pr in b.peer.rails):
+                # the thread that failed the last rail may not have forgotten the peer yet; the caller woken by
+                # the failure below must find it forgotten (stats, and a fresh handshake on its next batch)
+                self._forget_peer(b.peer)
             self._fail_batch(b, self._all_rails_failed(b.peer, f"batch {b.id} to {b.peer.session}"))
             return
         load = {pr.rail: pr.bytes_in_flight for pr in b.peer.rails}

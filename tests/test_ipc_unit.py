@@ -31,3 +31,28 @@ def test_process_vm_write_resumes_after_a_partial_transfer_then_reports_the_faul
     finally:
         libc.mprotect(base + page, page, 3)
         region.close()
+
+
+@pytest.mark.parametrize("as_lists", [False, True])
+def test_process_vm_write_many_pieces_odd_sizes_byte_exact(as_lists):
+    """More pieces than one syscall's iovec limit (1024), odd lengths and unaligned addresses, from int64 arrays
+    (the engine's hot path, with the total passed) and from plain lists: every piece lands, nothing else moves."""
+    rng = np.random.default_rng()
+    n = 2500
+    lengths = rng.integers(1, 200, size=n).astype(np.int64)
+    lengths[:3] = (1, 63, 65)
+    src = np.frombuffer(rng.bytes(int(lengths.sum()) + 4096), dtype=np.uint8).copy()
+    dst = np.full(2 * src.size, 0xA5, dtype=np.uint8)  # poisoned
+    src_off = np.concatenate([[1], 1 + np.cumsum(lengths)[:-1]]).astype(np.int64)  # unaligned
+    gaps = rng.integers(0, 9, size=n)
+    dst_off = (np.concatenate([[3], 3 + np.cumsum(lengths + gaps)[:-1]])).astype(np.int64)
+    rng.shuffle(perm := np.arange(n))  # pieces in any order
+    local, remote, lens = src.ctypes.data + src_off[perm], dst.ctypes.data + dst_off[perm], lengths[perm]
+    if as_lists:
+        process_vm_write(os.getpid(), local.tolist(), remote.tolist(), lens.tolist())
+    else:
+        process_vm_write(os.getpid(), local, remote, lens, int(lens.sum()))
+    expect = np.full_like(dst, 0xA5)
+    for s, d, ln in zip(src_off.tolist(), dst_off.tolist(), lengths.tolist()):
+        expect[d:d + ln] = src[s:s + ln]
+    assert np.array_equal(dst, expect)

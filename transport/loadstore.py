@@ -267,7 +267,8 @@ class LoadStoreWriter:
         Returns None, having written nothing, when the batch is not for this path; else a ``Pending`` (already
         waited for when ``wait``). Raises TransferError (PeerLost when the peer is gone) on a failed copy.
         """
-        if np.ndim(dst_index) == 0 and np.ndim(src_dev) == 0:
+        # scalars (Python or numpy ints, ndim 0) vs per-piece arrays; np.ndim() costs ~1 us a call here
+        if getattr(dst_index, "ndim", 0) == 0 and getattr(src_dev, "ndim", 0) == 0:
             # every piece in one local and one peer region (the caller's span check): no per-piece work
             s_dev, d_dev = int(src_dev), int(rsnap.devices[dst_index])
             all_host, all_gpu = s_dev < 0 and d_dev < 0, s_dev >= 0 and d_dev >= 0
@@ -289,6 +290,7 @@ class LoadStoreWriter:
         # From here on bytes move. GPU pieces first: their copy runs on the device while this thread writes the
         # host pieces, so the two overlap (measured on the H200: the host write itself slows from ~31 to ~45 us
         # meanwhile, benchmarks/NOTES.md).
+        batch_stats = length_stats
         if len(gpu_groups) != 1 or gpu_groups[0][3] is not lengths:
             length_stats = None  # they describe the whole batch, not a subset
         launched = [self._launch(d, s, m, n, length_stats) for d, s, m, n in gpu_groups]
@@ -296,7 +298,7 @@ class LoadStoreWriter:
             if all_host or (host is not None and host.any()):
                 try:
                     if all_host:
-                        process_vm_write(self.pid, src, dst, lengths)
+                        process_vm_write(self.pid, src, dst, lengths, batch_stats[0] if batch_stats else None)
                     else:
                         process_vm_write(self.pid, src[host], dst[host], lengths[host])
                 except OSError as e:

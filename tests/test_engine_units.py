@@ -8,7 +8,7 @@ import pytest
 from pxn_kernels.chunk import chunk_layout
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, chunk_splits
 from transport.receiver import ACK_FLAG, ack_imm, chunk_imm, decode_ack
-from transport.regions import Region, RegionTable, span_region
+from transport.regions import Region, RegionTable, locate_inside, span_region
 
 KB, MB = 1 << 10, 1 << 20
 
@@ -211,3 +211,88 @@ def test_planner_packs_small_relayed_pieces_into_one_slot():
     assert all(u.kind == RELAYED and u.nbytes <= MB for u in units)
     assert len(units) == 3  # 10 pieces of 100 KB per 1 MB slot
     _covered(units, srcs, dsts, np.asarray([100 * KB] * 30))
+
+
+def test_locate_inside_agrees_with_locate():
+    """The batch path's five-call lookup: the regions ``locate`` finds when every piece is inside one, None as
+    soon as one piece is not (below every region, in a gap, one byte past an end, straddling two regions)."""
+    rng = np.random.default_rng()
+    t = RegionTable([Region(1000, 100), Region(2000, 1000, 0), Region(5000, 10), Region(5010, 90, 1)])
+    snap = t.snapshot()
+    inside = [(1000, 100), (1099, 1), (2000, 1), (2500, 500), (5000, 10), (5010, 1), (5099, 1)]
+    outside = [(999, 1), (1099, 2), (1100, 1), (3000, 1), (2999, 2), (5009, 2), (5100, 1), (0, 1)]
+    for trial in range(200):
+        k = int(rng.integers(1, 12))
+        pieces = [inside[i] for i in rng.integers(0, len(inside), size=k)]
+        bad = trial % 2 == 1
+        if bad:
+            pieces.insert(int(rng.integers(0, k + 1)), outside[int(rng.integers(0, len(outside)))])
+        a = np.array([p[0] for p in pieces], dtype=np.int64)
+        n = np.array([p[1] for p in pieces], dtype=np.int64)
+        got = locate_inside(snap, a, a + n)
+        idx, ok = t.locate(a, n, snap)
+        if bad:
+            assert got is None and not ok.all(), pieces
+        else:
+            assert got is not None and ok.all() and got.tolist() == idx.tolist(), pieces
+    assert locate_inside(RegionTable().snapshot(), np.array([1]), np.array([2])) is None
+
+
+def _writer_for(snap, unmappable=()):
+    from transport.loadstore import LoadStoreWriter
+    w = LoadStoreWriter.__new__(LoadStoreWriter)
+    mapped = np.array([-1 if (r.device < 0 or i in unmappable) else 0x10_0000_0000 * (i + 1)
+                       for i, r in enumerate(snap.regions)], dtype=np.int64)
+    # a different mapping per source device; -1 (not mappable) stays -1
+    w._mapped_starts = lambda s, device: np.where(mapped < 0, -1, mapped + device * 0x1000)
+    return w
+
+
+def _canonical(host, groups):
+    """(host pieces, {device: pieces}) as sorted (src, dst, length) triples: the split's content, not its order."""
+    def triples(s, d, n):
+        return sorted(zip(np.asarray(s).tolist(), np.asarray(d).tolist(), np.asarray(n).tolist()))
+    return (triples(*host) if host is not None else []), {dev: triples(s, d, n) for dev, s, d, n in groups}
+
+
+@pytest.mark.parametrize("runs", [1, 2, 5, 40])
+def test_loadstore_split_by_runs_matches_piece_by_piece(runs):
+    """The load/store writer's split of a multi-region batch: by runs of equal (source device, destination
+    region) (views), or per piece (masks) for many runs; both give the same host part and GPU groups, each
+    destination mapped into its region's mapping for the source device; host <-> GPU pieces and an unmappable
+    peer GPU refuse the path (None)."""
+    rng = np.random.default_rng()
+    local = RegionTable([Region(1 << 30, 1 << 24, 0), Region(2 << 30, 1 << 24, 1), Region(3 << 30, 1 << 24)])
+    remote = RegionTable([Region(5 << 30, 1 << 24, 0), Region(6 << 30, 1 << 24, 1), Region(7 << 30, 1 << 24)])
+    lsnap, rsnap = local.snapshot(), remote.snapshot()
+    kinds = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 2)]  # (local region, remote region): GPU->GPU or host->host
+    sizes = rng.integers(1, 6, size=runs)
+    parts = [kinds[int(rng.integers(0, len(kinds)))] for _ in range(runs)]
+    li = np.concatenate([np.full(k, a) for k, (a, _) in zip(sizes, parts)]).astype(np.int64)
+    ri = np.concatenate([np.full(k, b) for k, (_, b) in zip(sizes, parts)]).astype(np.int64)
+    n = li.size
+    lens = rng.integers(1, 5000, size=n).astype(np.int64)
+    src = lsnap.starts_i64[li] + rng.integers(0, 1 << 20, size=n)
+    dst = rsnap.starts_i64[ri] + rng.integers(0, 1 << 20, size=n)
+    src_dev = lsnap.devices[li]
+    w = _writer_for(rsnap)
+    by_runs = w._classify(src, dst, lens, src_dev, ri, rsnap)
+    by_pieces = w._classify_pieces(src, dst, lens, src_dev, ri, rsnap)
+    assert _canonical(*by_runs) == _canonical(*by_pieces)
+    host, groups = _canonical(*by_runs)
+    gpu = li < 2
+    assert len(host) == int((~gpu).sum()) and sum(len(v) for v in groups.values()) == int(gpu.sum())
+    for dev, triples in groups.items():  # every GPU destination moved into the mapping for its source device
+        for s_, d_, _ in triples:
+            i = int(np.flatnonzero(src == s_)[0])
+            assert d_ == dst[i] - rsnap.starts_i64[ri[i]] + 0x10_0000_0000 * (ri[i] + 1) + dev * 0x1000
+    # one host -> GPU piece anywhere: not for this path, whichever version splits it
+    j = int(rng.integers(0, n))
+    ri_bad = ri.copy()
+    ri_bad[j] = 0 if li[j] == 2 else 2
+    dst_bad = rsnap.starts_i64[ri_bad] + 64
+    for split in (w._classify, w._classify_pieces):
+        assert split(src, dst_bad, lens, src_dev, ri_bad, rsnap) == (None, None)
+    if gpu.any():
+        w_unmapped = _writer_for(rsnap, unmappable=set(ri[gpu].tolist()))
+        assert w_unmapped._classify(src, dst, lens, src_dev, ri, rsnap) == (None, None)

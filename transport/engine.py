@@ -49,7 +49,7 @@ from transport.fabric.base import DEVICE_HOST, Opcode, WriteRequest
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, Unit
 from transport.receiver import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, Receiver, chunk_imm, decode_ack,
                                 decode_ack_payload)
-from transport.regions import Region, RegionTable, first_bad, span_region
+from transport.regions import Region, RegionTable, first_bad, locate_inside, span_region
 from transport.relay import HostBuffer, RelayRing, gpu_pack, host_memmove
 from transport.telemetry import POSTED, WAITING, Counters, LatencyWindow, Trace, now_ns
 
@@ -892,6 +892,8 @@ class TransferEngine:
         # sources: every piece inside one local region
         lsnap = self._regions.snapshot()
         idx = span_region(lsnap, smin, smax, send, lmax)
+        if idx is None and smax + lmax < 1 << 63:  # no end wrapped: rows[3] holds every true end
+            idx = locate_inside(lsnap, src, rows[3])
         if idx is None:
             idx, ok = self._regions.locate(src, ln, lsnap)
             if not ok.all():
@@ -903,6 +905,8 @@ class TransferEngine:
         # more since the handshake)
         rsnap = peer.regions.snapshot()
         ridx = span_region(rsnap, dmin, dmax, dend, lmax)
+        if ridx is None and dmax + lmax < 1 << 63:
+            ridx = locate_inside(rsnap, dst, rows[4])
         if ridx is None:
             ridx, ok = peer.regions.locate(dst, ln, rsnap)
             if not ok.all():

@@ -57,7 +57,7 @@ class Region:
 
 
 class _Snapshot:
-    __slots__ = ("regions", "starts", "ends", "devices", "starts_i64", "ends_i64", "start_list")
+    __slots__ = ("regions", "starts", "ends", "devices", "starts_i64", "ends_i64", "start_list", "ends_after")
 
     def __init__(self, regions: List[Region]):
         self.regions = sorted(regions, key=lambda r: r.addr)
@@ -69,6 +69,9 @@ class _Snapshot:
         fits = not self.regions or int(self.ends.max()) < 1 << 63
         self.starts_i64 = self.starts.astype(np.int64) if fits else None
         self.ends_i64 = self.ends.astype(np.int64) if fits else None
+        # indexed by searchsorted(starts, addr, "right"): the end of the region an address may lie in, with -1 in
+        # front for addresses below every region (see locate_inside)
+        self.ends_after = (np.concatenate([np.full(1, -1, dtype=np.int64), self.ends_i64]) if fits else None)
 
 
 class RegionTable:
@@ -172,6 +175,22 @@ def span_region(snap: _Snapshot, lo: int, hi_start: int, hi_end: int, max_length
     r = snap.regions[i]
     end = r.addr + r.length
     return i if hi_start < end and hi_end <= end and end < 1 << 62 else None
+
+
+def locate_inside(snap: _Snapshot, addrs: np.ndarray, ends: np.ndarray) -> Optional[np.ndarray]:
+    """Index in ``snap`` of the region holding each piece ``[addrs[i], ends[i])``, or None when some piece is not
+    inside one region (the caller then finds and names it with ``RegionTable.locate``).
+
+    The batch path's version of ``locate``, in five numpy calls instead of eleven: ``addrs`` and ``ends`` are
+    int64 and the caller guarantees that no ``ends[i]`` wrapped (max address + max length < 2**63) and that
+    every length is >= 1, so one comparison per piece decides.
+    """
+    if snap.ends_after is None or not snap.regions:
+        return None
+    pos = snap.starts_i64.searchsorted(addrs, side="right")  # region index + 1; 0: below every region
+    if not (ends <= snap.ends_after[pos]).all():
+        return None
+    return pos - 1
 
 
 def first_bad(ok: np.ndarray) -> int:

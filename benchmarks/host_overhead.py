@@ -58,6 +58,17 @@ def _case_offsets(rng, lengths: np.ndarray, room: int) -> np.ndarray:
     return offs
 
 
+def _rounds(fn, args) -> list:
+    """Seconds per call of ``fn``, one mean per round of ``args.calls`` calls, ``args.rounds`` rounds."""
+    out = []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            fn()
+        out.append((time.perf_counter() - t0) / args.calls)
+    return out
+
+
 def _classify_row(args, date: str) -> dict:
     """The load/store writer's split of a KV + aux batch whose KV side is GPU memory (78 GPU -> GPU pieces, then
     11 host -> host pieces): ``LoadStoreWriter._classify`` alone, on region snapshots shaped like the H200 run's
@@ -87,13 +98,7 @@ def _classify_row(args, date: str) -> dict:
     def per_call(fn):
         for _ in range(300):
             fn()
-        rounds = []
-        for _ in range(args.rounds):
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            rounds.append((time.perf_counter() - t0) / args.calls)
-        return float(np.median(rounds)) * 1e6
+        return float(np.median(_rounds(fn, args))) * 1e6
 
     row = {"case": "classify kv78(GPU)+aux(host)", "pieces": int(ln.size),
            "us_per_call": round(per_call(lambda: w._classify(src, dst, ln, src_dev, dst_idx, remote)), 2),
@@ -156,12 +161,10 @@ def main(argv=None) -> int:
                 for _ in range(300):
                     eng.batch_write(peer.session, s, d, ln)
                 before = eng.stats()["time_s"]
-                per_round = []
-                for _ in range(args.rounds):
-                    t0 = time.perf_counter()
-                    for _ in range(args.calls):
-                        eng.batch_write(peer.session, s, d, ln)
-                    per_round.append((time.perf_counter() - t0) / args.calls)
+
+                def call():
+                    eng.batch_write(peer.session, s, d, ln)
+                per_round = _rounds(call, args)
                 after = eng.stats()["time_s"]
                 n_calls = args.rounds * args.calls
                 split = {k: round((after.get(k, 0) - before.get(k, 0)) / n_calls * 1e6, 2)
@@ -173,12 +176,7 @@ def main(argv=None) -> int:
                 real = loadstore.process_vm_write
                 loadstore.process_vm_write = lambda *a, **k: None
                 try:
-                    py_rounds = []
-                    for _ in range(args.rounds):
-                        t0 = time.perf_counter()
-                        for _ in range(args.calls):
-                            eng.batch_write(peer.session, s, d, ln)
-                        py_rounds.append((time.perf_counter() - t0) / args.calls)
+                    py_rounds = _rounds(call, args)
                 finally:
                     loadstore.process_vm_write = real
                 row = {"case": case, "pieces": int(ln.size), "bytes": int(ln.sum()), "us_per_call": round(us, 2),

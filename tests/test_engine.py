@@ -223,6 +223,28 @@ def test_receiver_rejects_chunk_into_deregistered_region(sender, peer, src):
     assert peer.call("stats")["receiver"]["rejected"] >= 1
 
 
+def test_source_deregistered_between_validation_and_post_fails_and_writes_nothing(peer, rng, monkeypatch):
+    """A source buffer deregistered (by another thread) after the batch was validated but before its direct
+    writes are built: the batch fails naming the source, and nothing reaches the peer."""
+    own = np.frombuffer(rng.bytes(4 * MB), dtype=np.uint8).copy()
+    with TransferEngine(fabric="tcp", coalesce_bytes=0, relay="never") as eng:
+        eng.register(own)
+        eng.batch_write(peer.session, [own.ctypes.data], [peer.base], [64])  # handshake first
+        peer.poison()
+        real_plan = eng.planner.plan
+
+        def plan_then_deregister(*args, **kwargs):
+            units = real_plan(*args, **kwargs)
+            eng.deregister(own.ctypes.data)
+            return units
+
+        monkeypatch.setattr(eng.planner, "plan", plan_then_deregister)
+        with pytest.raises(InvalidTransfer, match="deregistered during the transfer"):
+            eng.batch_write(peer.session, [own.ctypes.data + i * 65536 for i in range(3)],
+                            [peer.base + i * 65536 for i in range(3)], [65536, 1, 4097])
+    peer.check(Expected(peer.size))
+
+
 def test_region_list_refreshes_when_peer_registers_more(sender, peer, src):
     extra = peer.call("register_extra", size=2 * MB)
     b = src.ctypes.data

@@ -942,15 +942,18 @@ class TransferEngine:
                 batch.pending = pending
                 return batch
         batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
-        if np.ndim(devices) == 0:
-            devices = np.full(ln.size, int(devices), dtype=np.int64)
+        if getattr(devices, "ndim", 0) == 0:
+            device_list = [int(devices)]
+            devices = np.full(ln.size, device_list[0], dtype=np.int64)
+        else:
+            device_list = np.unique(devices).tolist()
         rails_of = {}
-        for dev in np.unique(devices).tolist():
+        for dev in device_list:
             rails_of[dev] = self._rail_choices(dev, peer)
             if not rails_of[dev]:
                 raise self._all_rails_failed(peer, f"no usable rail to {session_id} for device {dev}")
         load = {pr.rail: pr.bytes_in_flight for pr in peer.rails}
-        units = self.planner.plan(src, dst, ln, devices, rails_of, load)
+        units = self.planner.plan(src, dst, ln, devices, rails_of, load, device_list)
         t2 = now_ns()
         batch.remaining = len(units)
         self._dispatch(batch, units)
@@ -1015,9 +1018,9 @@ class TransferEngine:
         dst = np.fromiter((a.unit.dst for a in atts), dtype=np.int64, count=len(atts))
         n = np.fromiter((a.unit.nbytes for a in atts), dtype=np.int64, count=len(atts))
         lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
-        li, lok = self._regions.locate(src, n, lsnap)
-        ri, rok = peer.regions.locate(dst, n, rsnap)
-        if not (lok.all() and rok.all()):  # a region went away since validation: name it
+        # every unit lies inside a piece the batch's validation accepted, so no end wraps
+        li, ri = locate_inside(lsnap, src, src + n), locate_inside(rsnap, dst, dst + n)
+        if li is None or ri is None:  # a region went away since validation: name it
             for a in atts:
                 a.reqs = [self._direct_request(a)]
             return

@@ -113,27 +113,30 @@ class Planner:
         self._rotate = 0
 
     def plan(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray, devices: np.ndarray,
-             rails_of: Dict[int, Sequence[RailChoice]], load: Dict[int, int]) -> List[Unit]:
+             rails_of: Dict[int, Sequence[RailChoice]], load: Dict[int, int],
+             device_list: Optional[List[int]] = None) -> List[Unit]:
         """Plan one batch.
 
         Arguments:
             srcs, dsts, lengths, devices: int64 arrays, one entry per item (devices: source device, -1 host).
             rails_of: device -> usable rails (alive, in preference order); every device in ``devices`` present.
             load: rail -> bytes in flight now (updated in place with what this plan adds).
+            device_list: the distinct values of ``devices`` when the caller has them (saves a sort per batch).
         Returns:
             the work units; each item of the batch is covered exactly once.
         """
         units: List[Unit] = []
         self._rotate += 1
         small = lengths < self.coalesce_bytes
-        for dev in np.unique(devices).tolist():
+        device_list = np.unique(devices).tolist() if device_list is None else device_list
+        for dev in device_list:
             choices = list(rails_of[dev])
             if not choices:
                 raise ValueError(f"no usable rail for device {dev}")
             # rotate ties so that concurrent small batches do not all start on the same rail
             r = self._rotate % len(choices)
             choices = choices[r:] + choices[:r]
-            on_dev = devices == dev
+            on_dev = devices == dev if len(device_list) > 1 else True  # one device: every piece is on it
             idx_small = np.nonzero(on_dev & small)[0]
             if idx_small.size:
                 lens_small = lengths[idx_small]

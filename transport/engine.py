@@ -1057,7 +1057,7 @@ class TransferEngine:
                 from pxn_kernels.chunk import build_header_table
                 view = slot.ring._buf.array[slot.addr - slot.ring._buf.addr:][:slot.nbytes]
                 _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view)
-                host_memmove(srcs.tolist(), (slot.addr + offsets).tolist(), lens.tolist())
+                host_memmove(srcs, slot.addr + offsets, lens)
             else:
                 chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id)
             pr = a.prail

@@ -341,7 +341,7 @@ class Receiver:
         off = slot * slot_bytes
         if tensor is None:
             base = buf.addr + off
-            host_memmove((base + table.offsets).tolist(), table.dst_addrs.tolist(), table.lengths.tolist())
+            host_memmove(base + table.offsets, table.dst_addrs, table.lengths)
             return
         import torch
         snap = self.exposed.snapshot()
@@ -352,8 +352,7 @@ class Receiver:
             host = tensor[off:off + table.chunk_bytes].cpu()
             base = host.data_ptr()
             sel = np.nonzero(on_host)[0]
-            host_memmove((base + table.offsets[sel]).tolist(), table.dst_addrs[sel].tolist(),
-                         table.lengths[sel].tolist())
+            host_memmove(base + table.offsets[sel], table.dst_addrs[sel], table.lengths[sel])
         sel = np.nonzero(~on_host)[0]
         if sel.size:
             lens = table.lengths[sel]

@@ -249,11 +249,51 @@ class RelayRing:
                 "wait_for_slot_s": round(self.wait_slot_ns / 1e9, 6), "lanes": lanes}
 
 
+def _rows(addr: int, rows: int, width: int) -> np.ndarray:
+    """A (rows, width) uint8 view of host memory at ``addr`` (no copy; only the rows a caller indexes are read or
+    written, so the span between them need not be mapped)."""
+    from transport.fabric.tcp import raw_view
+    return np.frombuffer(raw_view(addr, rows * width, writable=True), dtype=np.uint8).reshape(rows, width)
+
+
+_PAGED_MIN_PIECES = 16  # below this the plain loop is as fast
+
+
 def host_memmove(srcs, dsts, lengths) -> None:
-    """Many memmoves (ctypes releases the GIL during each)."""
+    """Copy piece i (``lengths[i]`` bytes) from host address ``srcs[i]`` to ``dsts[i]``; sources and destinations
+    must not overlap. Arguments: int64 arrays or sequences.
+
+    Why two ways: a ctypes memmove per piece costs ~0.7 us of Python, i.e. 23 ms for the 32768 pages of 2 KiB of
+    an MHA call, on each side of a coalesced transfer. Paged KV caches have a shape one numpy call can copy: every
+    piece of one length L, and every source (destination) at a multiple of L from the lowest one. Those go as
+    rows of an (n, L) view: ``take`` into a run of contiguous rows (a chunk's payload when L is a multiple of its
+    16-B alignment), an indexed store out of one, or an indexed load then store otherwise. Anything else: one
+    memmove per piece (ctypes releases the GIL during each).
+    """
+    srcs = np.asarray(srcs, dtype=np.int64)
+    dsts = np.asarray(dsts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = int(lengths.size)
+    if n >= _PAGED_MIN_PIECES:
+        width = int(lengths[0])
+        if width > 0 and bool((lengths == width).all()):
+            s0, d0 = int(srcs.min()), int(dsts.min())
+            s_off, d_off = srcs - s0, dsts - d0
+            if not (s_off % width).any() and not (d_off % width).any():
+                s_rows, d_rows = s_off // width, d_off // width
+                src = _rows(s0, int(s_rows.max()) + 1, width)
+                dst = _rows(d0, int(d_rows.max()) + 1, width)
+                ordered = np.arange(n, dtype=np.int64)
+                if np.array_equal(d_rows, ordered):
+                    np.take(src, s_rows, axis=0, out=dst[:n])
+                elif np.array_equal(s_rows, ordered):
+                    dst[d_rows] = src[:n]
+                else:
+                    dst[d_rows] = src[s_rows]
+                return
     mm = ctypes.memmove
-    for s, d, n in zip(srcs, dsts, lengths):
-        mm(d, s, n)
+    for s, d, k in zip(srcs.tolist(), dsts.tolist(), lengths.tolist()):
+        mm(d, s, k)
 
 
 def _staging(slot: Slot, need: int):

@@ -272,7 +272,7 @@ def test_loadstore_split_by_runs_matches_piece_by_piece(runs):
     ri = np.concatenate([np.full(k, b) for k, (_, b) in zip(sizes, parts)]).astype(np.int64)
     n = li.size
     lens = rng.integers(1, 5000, size=n).astype(np.int64)
-    src = lsnap.starts_i64[li] + rng.integers(0, 1 << 20, size=n)
+    src = lsnap.starts_i64[li] + rng.permutation(1 << 20)[:n]  # distinct sources: the check below finds each
     dst = rsnap.starts_i64[ri] + rng.integers(0, 1 << 20, size=n)
     src_dev = lsnap.devices[li]
     w = _writer_for(rsnap)

@@ -245,6 +245,45 @@ def test_source_deregistered_between_validation_and_post_fails_and_writes_nothin
     peer.check(Expected(peer.size))
 
 
+@pytest.mark.parametrize("refusal", ["region", "local", "link"])
+def test_post_refused_by_the_fabric(peer, rng, monkeypatch, refusal):
+    """The fabric refuses a post: a region error fails the batch as RemoteRejected, a local check (ValueError) as
+    InvalidTransfer, both writing nothing; a broken link fails the rail over and the batch completes on the other."""
+    from transport.errors import RegionError
+    own = np.frombuffer(rng.bytes(4 * MB), dtype=np.uint8).copy()
+    with TransferEngine(fabric="tcp", rails=2, coalesce_bytes=0, relay="never") as eng:
+        eng.register(own)
+        eng.batch_write(peer.session, [own.ctypes.data], [peer.base], [64])  # handshake first
+        peer.poison()
+        fab = eng.fabrics[0]
+        real_post = fab.post_writes
+        raised = []
+
+        def refuse(ep, requests):
+            if not raised:
+                raised.append(refusal)
+                raise {"region": RegionError("rkey 0x1 unknown"), "local": ValueError("lkey 0x2 unknown"),
+                       "link": OSError(104, "connection reset")}[refusal]
+            return real_post(ep, requests)
+
+        monkeypatch.setattr(fab, "post_writes", refuse)
+        lengths = [65536, 70000, 1 << 20]
+        srcs = [own.ctypes.data + i * (1 << 20) + 7 for i in range(3)]
+        dsts = [peer.base + i * (2 << 20) + 3 for i in range(3)]
+        if refusal == "link":
+            exp = Expected(peer.size)
+            exp.apply(own, [s - own.ctypes.data for s in srcs], [d - peer.base for d in dsts], lengths)
+            eng.batch_write(peer.session, srcs, dsts, lengths)
+            assert raised and eng.stats()["failover"]["rail_failures"] >= 1
+            peer.check(exp)
+            return
+        want, text = (RemoteRejected, "post refused: rkey") if refusal == "region" else \
+            (InvalidTransfer, "post refused locally: lkey")
+        with pytest.raises(want, match=text):
+            eng.batch_write(peer.session, srcs, dsts, lengths)
+    peer.check(Expected(peer.size))
+
+
 def test_region_list_refreshes_when_peer_registers_more(sender, peer, src):
     extra = peer.call("register_extra", size=2 * MB)
     b = src.ctypes.data

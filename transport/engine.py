@@ -1162,26 +1162,17 @@ class TransferEngine:
                 if not pr.ep.alive:
                     raise PeerLost(f"rail {pr.rail} endpoint to {pr.remote_id} is dead")
                 self.fabrics[pr.rail].post_writes(pr.ep, [r for a in live for r in a.reqs])
-            except (PeerLost, FabricClosed, FabricError, OSError) as e:
-                if isinstance(e, RegionError):
-                    with self._lock:
-                        for a in live:
-                            self._unpost(a)
+            except (FabricError, OSError, ValueError) as e:
+                with self._lock:
                     for a in live:
-                        self._fail_batch(a.batch, RemoteRejected(f"post refused: {e}", [e]))
-                        self._drop(a)
+                        self._unpost(a)
+                if isinstance(e, (FabricError, OSError)) and not isinstance(e, RegionError):
+                    self._rail_failed(pr, e)  # the rail is gone: its work fails over
                     continue
-                with self._lock:
-                    for a in live:
-                        self._unpost(a)
-                self._rail_failed(pr, e)
-                continue
-            except ValueError as e:  # a local check failed: a bug or a racing deregister
-                with self._lock:
-                    for a in live:
-                        self._unpost(a)
                 for a in live:
-                    self._fail_batch(a.batch, InvalidTransfer(f"post refused locally: {e}", [e]))
+                    # the peer refused a region, or a local check failed (a bug or a racing deregister)
+                    self._fail_batch(a.batch, RemoteRejected(f"post refused: {e}", [e]) if isinstance(e, RegionError)
+                                     else InvalidTransfer(f"post refused locally: {e}", [e]))
                     self._drop(a)
                 continue
             t1 = now_ns()

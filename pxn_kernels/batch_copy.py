@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from pxn_kernels import _checks
+from pxn_kernels import _checks, peer_access
 from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
 from pxn_kernels._memory import host_copy, raw_view
 from pxn_kernels.gather import _use_host
@@ -33,6 +33,9 @@ def copy(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, lengths: torch.Tensor, 
         _checks.check_addresses("copy", "src_ptrs", src_np, len_np)
         _checks.check_addresses("copy", "dst_ptrs", dst_np, len_np)
         _checks.check_no_overlap("copy", "dst_ptrs", dst_np, len_np)
+        if not peer_access.reachable(lengths.device, [src_np, dst_np], len_np):
+            peer_access.staged_copy(src_np, dst_np, len_np, lengths.device)
+            return
     if _use_host(backend, lengths):
         host_copy(src_ptrs, dst_ptrs, lengths)
         return

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from pxn_kernels import _checks
+from pxn_kernels import _checks, peer_access
 from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
 from pxn_kernels._memory import host_copy, raw_view
 
@@ -15,8 +15,11 @@ def gather(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, out
     """Copy item i (``lengths[i]`` bytes at raw address ``src_ptrs[i]``) to ``out[out_offsets[i]:...]``.
 
     Arguments:
-        src_ptrs: int64 [n] source addresses: memory of ``out``'s GPU, of a peer GPU with peer access
-            (read over NVLink), or pinned host memory (read over PCIe through UVA). Any alignment.
+        src_ptrs: int64 [n] source addresses: memory of ``out``'s GPU, of a peer GPU (read over NVLink), or
+            pinned host memory (read over PCIe through UVA). Any alignment. A checked call enables peer access
+            to the sources' GPUs itself, and copies piece by piece (``cudaMemcpyAsync``, staged by the driver)
+            from a GPU that cannot have it; with ``check=False`` the caller must have enabled it
+            (``pxn_kernels.peer_access.ensure_peer_access``).
         lengths: int64 [n] bytes per item, >= 0 (0 is a no-op).
         out: contiguous uint8 tensor receiving the pieces.
         out_offsets: int64 [n] byte offsets into ``out``; written ranges must not overlap.
@@ -41,6 +44,9 @@ def gather(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, out
         _checks.check_addresses("gather", "src_ptrs", src_np, len_np)
         _checks.check_ranges_in("gather", "out_offsets", off_np, len_np, out.numel(), "out")
         _checks.check_no_overlap("gather", "out_offsets", off_np, len_np)
+        if not peer_access.reachable(out.device, [src_np], len_np):
+            peer_access.staged_copy(src_np, off_np + out.data_ptr(), len_np, out.device)
+            return out
     if _use_host(backend, out):
         base = out.data_ptr()
         host_copy(src_ptrs, [base + int(o) for o in out_offsets.tolist()], lengths)

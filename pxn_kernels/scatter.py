@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from pxn_kernels import _checks
+from pxn_kernels import _checks, peer_access
 from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
 from pxn_kernels._memory import host_copy, raw_view
 from pxn_kernels.gather import _use_host
@@ -34,6 +34,9 @@ def scatter(src: torch.Tensor, src_offsets: torch.Tensor, dst_ptrs: torch.Tensor
         _checks.check_ranges_in("scatter", "src_offsets", off_np, len_np, src.numel(), "src")
         _checks.check_addresses("scatter", "dst_ptrs", dst_np, len_np)
         _checks.check_no_overlap("scatter", "dst_ptrs", dst_np, len_np)
+        if not peer_access.reachable(src.device, [dst_np], len_np):
+            peer_access.staged_copy(off_np + src.data_ptr(), dst_np, len_np, src.device)
+            return
     if _use_host(backend, src):
         base = src.data_ptr()
         host_copy([base + int(o) for o in src_offsets.tolist()], dst_ptrs, lengths)

@@ -50,6 +50,7 @@ from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, U
 from transport.receiver import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, Receiver, chunk_imm, decode_ack,
                                 decode_ack_payload)
 from transport.regions import Region, RegionTable, first_bad, locate_inside, span_region
+from transport.fabric.tcp import memcpy_async
 from transport.relay import HostBuffer, RelayRing, gpu_pack, host_memmove
 from transport.telemetry import POSTED, WAITING, Counters, LatencyWindow, Trace, now_ns
 
@@ -108,6 +109,42 @@ def _size(value) -> int:
 
 
 _size.__name__ = "size"
+
+
+def _rail_local_gpus(routes, rail_keys: List[str]) -> List[Optional[int]]:
+    """Per rail (NIC port key): the GPU whose direct rail it is, i.e. the GPU next to that NIC, or None."""
+    local: Dict[str, int] = {}
+    for g in routes.gpus:
+        for r in routes.rails(g):
+            if r.relay_gpu == g and r.kind == "direct":
+                local.setdefault(r.key, g)
+    return [local.get(k) for k in rail_keys]
+
+
+def _check_topology_gpus(routes) -> None:
+    """Refuse, at construction, a topology whose routes need a GPU this process cannot see or a relay pair
+    without peer access: found later, either is an illegal address inside a kernel. On a host without CUDA the
+    engine moves host memory only and never takes a GPU route, so there is nothing to check."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return
+        visible = torch.cuda.device_count()
+    except ImportError:
+        return
+    from pxn_kernels.peer_access import can_access_peer
+    from transport.topology import TopologyError
+    for g in routes.gpus:
+        for r in routes.rails(g):
+            for dev in (g, r.relay_gpu):
+                if not 0 <= dev < visible:
+                    raise TopologyError(f"topology routes GPU {g} through GPU {r.relay_gpu} (rail {r.key}), but "
+                                        f"this process sees {visible} CUDA device(s): GPU {dev} is not visible "
+                                        f"(CUDA_VISIBLE_DEVICES?)")
+            if r.relay_gpu != g and not can_access_peer(r.relay_gpu, g):
+                raise TopologyError(f"topology relays GPU {g}'s data through GPU {r.relay_gpu} (rail {r.key}), "
+                                    f"but GPU {r.relay_gpu} cannot access GPU {g}'s memory (no peer access); "
+                                    f"give a topology without this relay or connect the GPUs by NVLink")
 
 
 def _close_listener(sock: socket.socket) -> None:
@@ -242,6 +279,7 @@ class _Peer:
         self.credit_mrs: List = []
         self.seq = itertools.count(1)
         self.landing_device = DEVICE_HOST
+        self.forward: Optional[Dict[int, int]] = None  # rail -> the peer's landing GPU, where it forwards
         self.loadstore = None  # transport.loadstore.LoadStoreWriter for a same-host peer on the ipc fabric
 
     def connected(self) -> bool:
@@ -343,6 +381,7 @@ class TransferEngine:
         self._regions = RegionTable()
         self._rings: Dict[Tuple[int, int], RelayRing] = {}
         self._rail_stats = []
+        self._rail_gpu: List[Optional[int]] = []  # per rail: the GPU its NIC is local to (topology), else None
 
         # --- rails -------------------------------------------------------------------------------------------
         from transport.fabric import make_fabric
@@ -357,11 +396,14 @@ class TransferEngine:
                 raise FabricUnavailable("topology has no usable NIC port; pass topology=None for loopback rails")
             self._rail_keys = [p.key for p in ports]
             rail_specs = [{"device": p.name, "port_num": p.port} for p in ports]
+            self._rail_gpu = _rail_local_gpus(self.routes, self._rail_keys)
+            _check_topology_gpus(self.routes)
         else:
             n = int(rails if rails is not None else _env("PXN_RAILS", 2))
             if n < 1:
                 raise ValueError(f"rails must be >= 1, got {n}")
             self._rail_keys = [f"rail{i}" for i in range(n)]
+            self._rail_gpu = [None] * n
             rail_specs = [{} for _ in range(n)]
         self.fabric_name = self._pick_fabric(fabric)
         if self.fabric_name == "tcp":
@@ -582,15 +624,25 @@ class TransferEngine:
                 except OSError:
                     return
 
-    def _auto_landing_device(self) -> int:
+    def _landing_devices(self) -> List[int]:
+        """Per rail, where a new sender's landing slots go: ``landing_device`` when given; else, when this
+        engine registered GPU memory, the GPU next to the rail's NIC (receive-side PXN: chunks land there and
+        the receiver forwards them over NVLink to GPUs without a NIC) or, without a topology, the first GPU
+        holding a registered region; host memory otherwise."""
         if self.landing_device is not None:
-            return self.landing_device
+            return [self.landing_device] * len(self.fabrics)
         devs = sorted({r.device for r in self._regions.regions() if r.device >= 0})
-        return devs[0] if devs else DEVICE_HOST
+        if not devs:
+            return [DEVICE_HOST] * len(self.fabrics)
+        return [devs[0] if g is None else g for g in self._rail_gpu]
 
     def _on_hello(self, req: dict) -> dict:
-        landing = self.receiver.accept_sender(req, self._auto_landing_device())
+        devices = self._landing_devices()
+        landing = self.receiver.accept_sender(req, devices)
+        forward = [self.landing_device is None and g is not None and d >= 0
+                   for g, d in zip(self._rail_gpu, devices)]
         return {"ok": True, "engine_id": self.engine_id, "rail_ids": [f.local_id for f in self.fabrics],
+                "forward": forward,
                 "rail_descs": [base64.b64encode(f.descriptor()).decode() for f in self.fabrics],
                 **self._regions_wire(), **landing}
 
@@ -693,6 +745,10 @@ class TransferEngine:
         peer.engine_id = int(rep["engine_id"])
         peer.rails = rails
         peer.landing_device = int(rep.get("landing_device", DEVICE_HOST))
+        # receive-side PXN: on these rails the peer lands chunks on the GPU next to its NIC and forwards them over
+        # NVLink, so large pieces for its other GPUs go through landing slots instead of a write across PCIe
+        fwd = rep.get("forward") or []
+        peer.forward = {i: int(rep["landing_devices"][i]) for i, f in enumerate(fwd) if f} or None
         peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
         peer.loadstore = self._loadstore_writer(peer, rep)
         with self._lock:
@@ -953,7 +1009,12 @@ class TransferEngine:
             if not rails_of[dev]:
                 raise self._all_rails_failed(peer, f"no usable rail to {session_id} for device {dev}")
         load = {pr.rail: pr.bytes_in_flight for pr in peer.rails}
-        units = self.planner.plan(src, dst, ln, devices, rails_of, load, device_list)
+        dst_devices = None
+        if peer.forward is not None and lmax >= self.coalesce_bytes:
+            dst_devices = rsnap.devices[ridx]
+            if getattr(dst_devices, "ndim", 0) == 0:
+                dst_devices = np.full(ln.size, int(dst_devices), dtype=np.int64)
+        units = self.planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices, peer.forward)
         t2 = now_ns()
         batch.remaining = len(units)
         self._dispatch(batch, units)
@@ -983,6 +1044,10 @@ class TransferEngine:
                 # host pieces are gathered on the CPU; GPU pieces on the rail's relay GPU
                 to_copy.setdefault((u.relay_device if u.device >= 0 else DEVICE_HOST, u.rail), []).append(a)
         for (dev, rail), atts in to_copy.items():
+            if dev >= 0:
+                # the relay GPU's gather reads the sources' GPUs through raw pointers: peer access first (a no-op
+                # once done; refused pairs were refused at construction)
+                self._ensure_peers(dev, atts)
             ring = self._ring(dev if dev >= 0 else DEVICE_HOST, rail)
             for a in atts:
                 a.ring = ring
@@ -1000,6 +1065,12 @@ class TransferEngine:
                 self._ring(DEVICE_HOST, rail).enqueue_post(atts)
             else:
                 self._post(atts)  # the caller posts zero-copy writes itself: no thread hand-off
+
+    def _ensure_peers(self, relay: int, atts: List[_Attempt]) -> None:
+        sources = {a.unit.device for a in atts if a.unit.device >= 0 and a.unit.device != relay}
+        if sources:
+            from pxn_kernels.peer_access import ensure_peer_access
+            ensure_peer_access(relay, sources)
 
     def _keys(self, a: _Attempt, src: int, dst: int, n: int) -> Tuple[int, int]:
         rail = a.prail.rail
@@ -1050,8 +1121,11 @@ class TransferEngine:
                         f"rail {a.prail.rail} endpoint to {a.batch.peer.session} died"))
                 return False
             b = a.batch
-            items = u.items
-            srcs, dsts, lens = b.srcs[items], b.dsts[items], b.lengths[items]
+            if u.items is not None:
+                items = u.items
+                srcs, dsts, lens = b.srcs[items], b.dsts[items], b.lengths[items]
+            else:  # large pieces sent through the peer's landing slots (receive-side PXN)
+                srcs, dsts, lens = (np.array(col, dtype=np.int64) for col in zip(*u.segs))
             seq = next(b.peer.seq)
             if slot.tensor is None:
                 from pxn_kernels.chunk import build_header_table
@@ -1075,15 +1149,11 @@ class TransferEngine:
                 for (s_addr, _, n), o in zip(segs, offs):
                     slot.tensor[o:o + n].copy_(host_view(s_addr, n))
             else:
-                import torch
-                import pxn_kernels
+                # large pieces: the copy engine (cudaMemcpyAsync, over NVLink from a peer GPU) runs at link speed
+                # and needs no descriptor upload
                 stream = slot.ring.stream(slot.lane)
-                with torch.cuda.stream(stream):
-                    dev = slot.tensor.device
-                    pxn_kernels.copy(torch.tensor([sg[0] for sg in segs], dtype=torch.int64, device=dev),
-                                     torch.tensor([slot.addr + o for o in offs], dtype=torch.int64, device=dev),
-                                     torch.tensor([sg[2] for sg in segs], dtype=torch.int64, device=dev),
-                                     check=False)
+                for (s_addr, _, n), o in zip(segs, offs):
+                    memcpy_async(slot.addr + o, s_addr, n, stream)
                 stream.synchronize()
             a.reqs = []
             for (s_addr, d_addr, n), o in zip(segs, offs):
@@ -1331,7 +1401,7 @@ class TransferEngine:
         u = a.unit
         self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes)))
         if u.kind == COALESCED:
-            self.counters.add_many((("chunks", 1), ("chunk_items", int(u.items.size)),
+            self.counters.add_many((("chunks", 1), ("chunk_items", len(u.segs) if u.items is None else int(u.items.size)),
                                     ("chunk_wire_bytes", u.wire_bytes)))
         with b.lock:
             b.remaining -= 1

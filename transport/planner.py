@@ -43,9 +43,10 @@ class Unit:
     nbytes: int  # payload bytes (chunk: sum of item lengths)
     src: int = 0
     dst: int = 0
-    items: Optional[np.ndarray] = None  # COALESCED: indices into the batch
+    items: Optional[np.ndarray] = None  # COALESCED: indices into the batch (None: the chunk's items are ``segs``)
     wire_bytes: int = 0  # bytes that cross the fabric (chunk: header + table + padded payload)
-    segs: Optional[List[tuple]] = None  # RELAYED: (src, dst, n) pieces sharing one slot, one write each
+    segs: Optional[List[tuple]] = None  # RELAYED: (src, dst, n) pieces sharing one slot, one write each;
+    # COALESCED without items: large pieces forwarded by the peer, as chunk items
 
     def segments(self) -> List[tuple]:
         return self.segs if self.segs is not None else [(self.src, self.dst, self.nbytes)]
@@ -114,7 +115,8 @@ class Planner:
 
     def plan(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray, devices: np.ndarray,
              rails_of: Dict[int, Sequence[RailChoice]], load: Dict[int, int],
-             device_list: Optional[List[int]] = None) -> List[Unit]:
+             device_list: Optional[List[int]] = None, dst_devices: Optional[np.ndarray] = None,
+             forward: Optional[Dict[int, int]] = None) -> List[Unit]:
         """Plan one batch.
 
         Arguments:
@@ -122,6 +124,10 @@ class Planner:
             rails_of: device -> usable rails (alive, in preference order); every device in ``devices`` present.
             load: rail -> bytes in flight now (updated in place with what this plan adds).
             device_list: the distinct values of ``devices`` when the caller has them (saves a sort per batch).
+            dst_devices, forward: receive-side PXN. ``forward`` maps a rail to the peer GPU its chunks land on
+                (the GPU next to the peer's NIC); a large piece whose destination device (``dst_devices``) is
+                another GPU goes through that rail's landing slots as chunk items, and the peer forwards it over
+                NVLink, instead of one write from the NIC across PCIe.
         Returns:
             the work units; each item of the batch is covered exactly once.
         """
@@ -150,10 +156,43 @@ class Planner:
                     units.append(Unit(COALESCED, dev, c.rail, c.relay_device, nbytes, items=sel, wire_bytes=wire))
                     start = end
             open_relay: Dict[int, Unit] = {}
+            open_fwd: Dict[int, Unit] = {}
             for i in np.nonzero(on_dev & ~small)[0].tolist():
                 src, dst, length = int(srcs[i]), int(dsts[i]), int(lengths[i])
+                if forward is not None and dst_devices is not None:
+                    c = self._least_loaded(choices, load)
+                    land = forward.get(c.rail)
+                    dd = int(dst_devices[i])
+                    if land is not None and dd >= 0 and dd != land:
+                        self._plan_forwarded(units, dev, src, dst, length, c, load, open_fwd)
+                        continue
                 self._plan_large(units, dev, src, dst, length, choices, load, open_relay)
         return units
+
+    def _plan_forwarded(self, units, dev, src, dst, length, c: RailChoice, load, open_fwd) -> None:
+        """A large piece through the peer's landing slots on rail ``c``: chunk items of at most a chunk's payload,
+        several pieces per chunk where they fit."""
+        cap = self.chunk_bytes - HEADER_BYTES - ENTRY_BYTES - 2 * PAYLOAD_ALIGN
+        off = 0
+        while off < length:
+            n = min(cap, length - off)
+            u = open_fwd.get(c.rail)
+            grown = None
+            if u is not None:
+                lens = np.array([sg[2] for sg in u.segs] + [n], dtype=np.int64)
+                grown = chunk_wire_bytes(lens)
+            if u is None or grown > self.chunk_bytes:
+                wire = chunk_wire_bytes(np.array([n], dtype=np.int64))
+                u = Unit(COALESCED, dev, c.rail, c.relay_device, n, wire_bytes=wire, segs=[(src + off, dst + off, n)])
+                units.append(u)
+                open_fwd[c.rail] = u
+                load[c.rail] = load.get(c.rail, 0) + wire
+            else:
+                u.segs.append((src + off, dst + off, n))
+                u.nbytes += n
+                load[c.rail] = load.get(c.rail, 0) + grown - u.wire_bytes
+                u.wire_bytes = grown
+            off += n
 
     def _plan_large(self, units, dev, src, dst, length, choices, load, open_relay) -> None:
         off = 0

@@ -83,7 +83,7 @@ class SenderState:
     credit_rkeys: List[int]
     slots: int
     slot_bytes: int
-    device: int
+    devices: List[int]  # per rail: where its landing slots are (-1 host, else a CUDA index)
     landing: List = field(default_factory=list)  # per rail: (buffer, mr, tensor-or-None)
     acks: List = field(default_factory=list)  # per rail: (HostBuffer, mr)
     hello_at: float = 0.0  # time.monotonic() of the handshake
@@ -124,9 +124,13 @@ class Receiver:
         self._scratch = None
 
     # --- handshake ------------------------------------------------------------------------------------------
-    def accept_sender(self, hello: dict, device: int = DEVICE_HOST) -> dict:
+    def accept_sender(self, hello: dict, device=DEVICE_HOST) -> dict:
         """Set up landing slots for the sender described by ``hello``; returns what it must know. A sender seen
-        before (it handshakes again after losing every rail) gets fresh ones; its old state is retired."""
+        before (it handshakes again after losing every rail) gets fresh ones; its old state is retired.
+
+        ``device``: where the landing slots go, one value for every rail or a list with one per rail (-1 host,
+        else a CUDA index: the GPU next to the rail's NIC, which forwards chunks to other GPUs over NVLink)."""
+        devices = list(device) if isinstance(device, (list, tuple)) else [device] * len(self.fabrics)
         engine_id = int(hello["engine_id"])
         # landing slots follow the sender's chunk size (its relay slot size), so both ends agree on the largest
         # chunk; their count is ours, capped by the sender's credit region
@@ -137,7 +141,9 @@ class Receiver:
         st = SenderState(engine_id=engine_id, session=str(hello.get("session", "?")),
                          rail_ids=list(hello["rail_ids"]), credit_addr=int(hello["credit_addr"]),
                          credit_rkeys=[int(k) for k in hello["credit_rkeys"]],
-                         slots=slots, slot_bytes=slot_bytes, device=device, hello_at=time.monotonic())
+                         slots=slots, slot_bytes=slot_bytes, devices=devices, hello_at=time.monotonic())
+        if len(devices) != len(self.fabrics):
+            raise ValueError(f"{len(devices)} landing devices for {len(self.fabrics)} rails")
         if len(st.rail_ids) != len(self.fabrics):
             raise ValueError(f"sender {st.session} has {len(st.rail_ids)} rails, this engine "
                              f"{len(self.fabrics)}; both ends must use the same rail count")
@@ -159,6 +165,7 @@ class Receiver:
                         pass
                 for rail, fab in enumerate(self.fabrics):
                     nbytes = st.slots * st.slot_bytes
+                    device = devices[rail]
                     if device < 0:
                         buf = HostBuffer(nbytes)
                         tensor = None
@@ -180,7 +187,8 @@ class Receiver:
                 log.info("receiver: sender %s handshook again; replaced its landing slots", old.session)
         return {"landing_addrs": [b.addr for b, _, _ in st.landing],
                 "landing_rkeys": [mr.rkey for _, mr, _ in st.landing],
-                "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes, "landing_device": device}
+                "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes,
+                "landing_device": devices[0], "landing_devices": devices}
 
     # --- progress -------------------------------------------------------------------------------------------
     def on_chunk(self, rail: int, peer_id: str, imm: int, byte_len: int) -> None:
@@ -313,11 +321,14 @@ class Receiver:
     def _pinned(self, need: int, device):
         """One pinned + one device scratch buffer for the progress thread (GPU landing slots), grown on demand."""
         import torch
-        st = self._scratch
+        if self._scratch is None:
+            self._scratch = {}
+        key = str(device)  # landing slots of different rails may sit on different GPUs
+        st = self._scratch.get(key)
         if st is None or st[0].numel() < need:
             cap = 1 << (max(need, 64 << 10) - 1).bit_length()
-            st = self._scratch = (torch.empty(cap, dtype=torch.uint8, pin_memory=True),
-                                  torch.empty(cap, dtype=torch.uint8, device=device))
+            st = self._scratch[key] = (torch.empty(cap, dtype=torch.uint8, pin_memory=True),
+                                       torch.empty(cap, dtype=torch.uint8, device=device))
         return st
 
     def _read_header(self, buf, tensor, slot: int, slot_bytes: int, byte_len: int) -> np.ndarray:
@@ -346,7 +357,8 @@ class Receiver:
         import torch
         snap = self.exposed.snapshot()
         idx, _ = self.exposed.locate(table.dst_addrs, table.lengths)
-        on_host = snap.devices[idx] < 0
+        dst_dev = snap.devices[idx]
+        on_host = dst_dev < 0
         if on_host.any():
             # GPU landing slot, host destination: bring the chunk over once, then memmove
             host = tensor[off:off + table.chunk_bytes].cpu()
@@ -354,12 +366,43 @@ class Receiver:
             sel = np.nonzero(on_host)[0]
             host_memmove(base + table.offsets[sel], table.dst_addrs[sel], table.lengths[sel])
         sel = np.nonzero(~on_host)[0]
-        if sel.size:
-            lens = table.lengths[sel]
-            pinned, dev_buf = self._pinned(scatter_words(int(sel.size), tensor.device, int(lens.sum())),
-                                           tensor.device)
-            gpu_scatter(pinned, dev_buf, tensor[off:off + table.chunk_bytes], table.offsets[sel],
-                        table.dst_addrs[sel].astype(np.int64), lens, torch.cuda.current_stream(tensor.device))
+        if not sel.size:
+            return
+        landing = tensor.device.index
+        lens = table.lengths[sel]
+        dev_sel = dst_dev[sel]
+        others = [d for d in np.unique(dev_sel).tolist() if d != landing]
+        stream = torch.cuda.current_stream(tensor.device)
+        staged = []
+        if others:
+            # receive-side PXN: the chunk landed on the GPU next to the NIC; its pieces for other GPUs go over
+            # NVLink in the same scatter launch (peer pointers as destinations)
+            from pxn_kernels.peer_access import PeerAccessError, ensure_peer_access
+            for d in others:
+                try:
+                    ensure_peer_access(landing, [d])
+                except PeerAccessError:
+                    staged.append(d)
+            fwd = dev_sel != landing
+            self.counters.add_many((("rx_forwarded", int(lens[fwd].sum())),
+                                    ("rx_forwarded_items", int(fwd.sum()))))
+        if staged:
+            # no peer access to these GPUs: one cudaMemcpyAsync per piece, which the driver stages through host
+            from transport.fabric.tcp import memcpy_async
+            stage = np.isin(dev_sel, staged)
+            base = tensor.data_ptr() + off
+            for o, d, n in zip(table.offsets[sel][stage].tolist(), table.dst_addrs[sel][stage].tolist(),
+                               lens[stage].tolist()):
+                memcpy_async(d, base + o, n, stream)
+            self.counters.add("rx_staged_items", int(stage.sum()))
+            sel, lens = sel[~stage], lens[~stage]
+            if not sel.size:
+                stream.synchronize()
+                return
+        pinned, dev_buf = self._pinned(scatter_words(int(sel.size), tensor.device, int(lens.sum())),
+                                       tensor.device)
+        gpu_scatter(pinned, dev_buf, tensor[off:off + table.chunk_bytes], table.offsets[sel],
+                    table.dst_addrs[sel].astype(np.int64), lens, stream)
 
     def _ack(self, st: SenderState, rail: int, slot: int, status: int, reason: str) -> None:
         if st.retired:  # replaced while this chunk was handled: its credit region is not the sender's any more
@@ -397,8 +440,9 @@ class Receiver:
 
     def stats(self) -> dict:
         with self._lock:
+            landing = sorted({d for st in self._senders.values() for d in st.devices})
             return {"senders": len(self._senders), "landing_slots": self.landing_slots,
-                    "slot_bytes": self.slot_bytes}
+                    "slot_bytes": self.slot_bytes, "landing_devices": landing}
 
 
 class _TensorBuffer:

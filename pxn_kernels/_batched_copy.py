@@ -472,8 +472,11 @@ def _resolve(src_index, dst_index, lengths, src_base, dst_base, plan):
            tuple(_int_spec(v) for v in args[7:]))
     launcher = _COMPILED.get(key)
     if launcher is None:
-        compiled = _batched_copy_kernel.warmup(*args, grid=(settings.programs,), **constexprs)
-        launcher = _COMPILED.setdefault(key, DirectLauncher.create(compiled, n_user=len(args)) or False)
+        # compiled and loaded in the context of the device it will run on: a function loaded in another GPU's
+        # context fails to launch there (CUDA_ERROR_INVALID_HANDLE)
+        with torch.cuda.device(lengths.device):
+            compiled = _batched_copy_kernel.warmup(*args, grid=(settings.programs,), **constexprs)
+            launcher = _COMPILED.setdefault(key, DirectLauncher.create(compiled, n_user=len(args), device=lengths.device.index) or False)
     values = [t.data_ptr() for t in args[:7]] + list(args[7:])
     return launcher or None, values, args, constexprs
 

@@ -39,7 +39,9 @@ def _driver():
 class DirectLauncher:
     """Holds one compiled kernel's parameter buffer; ``launch(grid_x, stream, values)`` enqueues it."""
 
-    def __init__(self, function: int, param_sizes: Sequence[int], n_user: int, num_warps: int, shared: int):
+    def __init__(self, function: int, param_sizes: Sequence[int], n_user: int, num_warps: int, shared: int,
+                 device: Optional[int] = None):
+        self._device = device  # the GPU whose context holds the function (None: whatever is current)
         self._function = ctypes.c_void_p(function)
         self._values = [ctypes.c_int64(0) if size == 8 else ctypes.c_int32(0) for size in param_sizes]
         self._params = (ctypes.c_void_p * len(self._values))(*[ctypes.addressof(v) for v in self._values])
@@ -50,7 +52,7 @@ class DirectLauncher:
         self._launch = _driver().cuLaunchKernel
 
     @classmethod
-    def create(cls, compiled, n_user: int) -> Optional["DirectLauncher"]:
+    def create(cls, compiled, n_user: int, device: Optional[int] = None) -> Optional["DirectLauncher"]:
         meta = compiled.metadata
         reasons = []
         if getattr(meta, "num_ctas", 1) != 1:
@@ -73,9 +75,15 @@ class DirectLauncher:
             log.info("direct launch declined for %s: %s", meta.name, ", ".join(reasons))
             return None
         compiled._init_handles()
-        return cls(compiled.function, sizes, n_user, meta.num_warps, getattr(meta, "shared", 0))
+        return cls(compiled.function, sizes, n_user, meta.num_warps, getattr(meta, "shared", 0), device)
 
     def launch(self, grid_x: int, stream: int, values: Sequence[int], grid_y: int = 1) -> None:
+        if self._device is not None:
+            import torch
+            if torch.cuda.current_device() != self._device:
+                # the driver launches in the current context; the function belongs to its own GPU's context
+                with torch.cuda.device(self._device):
+                    return self.launch(grid_x, stream, values, grid_y)
         with self._lock:
             for slot, value in zip(self._user, values):
                 slot.value = value

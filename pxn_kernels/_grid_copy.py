@@ -95,8 +95,10 @@ def _launcher(args, grid, constexprs, device_index: int):
            tuple((-(1 << 31) <= v < (1 << 31), v % 16 == 0) for v in args[4:]))
     launcher = _COMPILED.get(key)
     if launcher is None:
-        compiled = _grid_copy_kernel.warmup(*args, grid=grid, **constexprs)
-        launcher = _COMPILED.setdefault(key, DirectLauncher.create(compiled, n_user=len(args)) or False)
+        # compiled and loaded in the context of the device it will run on (see _batched_copy._launcher)
+        with torch.cuda.device(device_index):
+            compiled = _grid_copy_kernel.warmup(*args, grid=grid, **constexprs)
+            launcher = _COMPILED.setdefault(key, DirectLauncher.create(compiled, n_user=len(args), device=device_index) or False)
     return launcher or None
 
 

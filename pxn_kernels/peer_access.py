@@ -185,27 +185,25 @@ _drv = None
 
 
 def _driver_lookup(addr: int) -> Tuple[int, int, int]:
-    """(start, end, device) of the CUDA allocation holding ``addr``: a device index for device memory, -1 for
-    pinned host memory; (addr, addr + 1, -1) for memory CUDA does not know (pageable host memory)."""
+    """(start, end, device) of the allocation holding ``addr``: a CUDA index for device memory; -1 and the one
+    byte at ``addr`` for host memory (pinned or pageable: only device ranges are cached). Raises RuntimeError
+    when CUDA cannot tell: guessing "host" would let a kernel fault on a peer pointer."""
     global _drv
+    rt = _runtime()
+    err, attrs = rt.cudaPointerGetAttributes(addr)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaPointerGetAttributes(0x{addr:x}) failed: {err!r}")
+    if int(attrs.type) != int(rt.cudaMemoryType.cudaMemoryTypeDevice):
+        return addr, addr + 1, DEVICE_HOST
     if _drv is None:
         from cuda.bindings import driver
         _drv = driver
-    drv = _drv
-    attr = drv.CUpointer_attribute
-    err, mtype = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr)
+    import torch
+    with torch.cuda.device(int(attrs.device)):
+        err, base, size = _drv.cuMemGetAddressRange(addr)
     if int(err) != 0:
-        return addr, addr + 1, DEVICE_HOST
-    err, start = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, addr)
-    err2, size = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE, addr)
-    if int(err) != 0 or int(err2) != 0:
-        raise RuntimeError(f"cuPointerGetAttribute(RANGE, 0x{addr:x}) failed: {err!r} / {err2!r}")
-    if int(mtype) != int(drv.CUmemorytype.CU_MEMORYTYPE_DEVICE):
-        return int(start), int(start) + int(size), DEVICE_HOST
-    err, ordinal = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr)
-    if int(err) != 0:
-        raise RuntimeError(f"cuPointerGetAttribute(DEVICE_ORDINAL, 0x{addr:x}) failed: {err!r}")
-    return int(start), int(start) + int(size), int(ordinal)
+        raise RuntimeError(f"cuMemGetAddressRange(0x{addr:x}) failed: {err!r}")
+    return int(base), int(base) + int(size), int(attrs.device)
 
 
 def _lookup_cached(a: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -237,7 +235,7 @@ def pointer_devices(addrs) -> np.ndarray:
     while pending.size:
         start, end, dev = _driver_lookup(int(pending[0]))
         inside = (pending >= start) & (pending < end)
-        if end - start > 1:
+        if dev >= 0:
             _ranges.insert(start, end, dev)
         sel = ~hit & (a >= start) & (a < end)
         out[sel] = dev

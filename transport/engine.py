@@ -147,6 +147,27 @@ def _check_topology_gpus(routes) -> None:
                                     f"give a topology without this relay or connect the GPUs by NVLink")
 
 
+def _group_direct(units: List[Unit]) -> List[Unit]:
+    """One DIRECT unit per (rail, device) holding every direct piece planned for it: one attempt, one post and,
+    on fabrics with selective signaling, one completion, where one unit per piece cost ~20 us of Python each
+    (1024 pieces of 64 KiB: 24 ms per call). Failover re-sends the whole group, which rewrites the same bytes."""
+    groups: Dict[Tuple[int, int], Unit] = {}
+    out: List[Unit] = []
+    for u in units:
+        if u.kind != DIRECT:
+            out.append(u)
+            continue
+        g = groups.get((u.rail, u.device))
+        if g is None:
+            g = groups[(u.rail, u.device)] = Unit(DIRECT, u.device, u.rail, u.relay_device, 0, src=u.src, dst=u.dst,
+                                                  segs=[])
+            out.append(g)
+        g.segs.extend(u.segments())
+        g.nbytes += u.nbytes
+        g.wire_bytes += u.wire_bytes or u.nbytes
+    return out
+
+
 def _close_listener(sock: socket.socket) -> None:
     # shutdown() wakes a thread blocked in accept() (close() alone does not, on Linux)
     for fn in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
@@ -384,7 +405,7 @@ class TransferEngine:
         self._rail_gpu: List[Optional[int]] = []  # per rail: the GPU its NIC is local to (topology), else None
 
         # --- rails -------------------------------------------------------------------------------------------
-        from transport.fabric import make_fabric
+        from transport.fabric import fabric_class, make_fabric
         options = dict(fabric_options or {})
         self.routes = None
         rail_specs: List[dict] = []
@@ -406,19 +427,15 @@ class TransferEngine:
             self._rail_gpu = [None] * n
             rail_specs = [{} for _ in range(n)]
         self.fabric_name = self._pick_fabric(fabric)
-        if self.fabric_name == "tcp":
-            # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
-            options.setdefault("connections_per_peer", 2)
-        if self.fabric_name == "ipc":
-            # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages
-            # took the 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES.md, section Engine)
-            options.setdefault("message_bytes", 256 << 20)
+        fabric_cls = fabric_class(self.fabric_name)
+        options = {**fabric_cls.engine_options, **options}
+        self._selective = "selective_signaling" in fabric_cls.capabilities
         self.fabrics = []
         try:
             for spec in rail_specs:
                 opts = dict(options)
-                if self.fabric_name == "verbs":
-                    opts.update(spec)
+                if "nic_ports" in fabric_cls.capabilities:
+                    opts.update(spec)  # the rail's NIC device and port
                 self.fabrics.append(make_fabric(self.fabric_name, hostname=hostname, **opts))
             self._rail_stats = [Counters() for _ in self.fabrics]
             self.receiver = Receiver(self.fabrics, self._regions, self.landing_slots, self.slot_bytes,
@@ -763,7 +780,7 @@ class TransferEngine:
 
     def _loadstore_writer(self, peer: _Peer, rep: dict):
         """A ``LoadStoreWriter`` for a same-host ipc peer that advertised its deregistration counter, else None."""
-        if not (self.use_loadstore and self.fabric_name == "ipc" and "region_gen_addr" in rep):
+        if not (self.use_loadstore and "loadstore" in self.fabrics[0].capabilities and "region_gen_addr" in rep):
             return None
         from transport.loadstore import LoadStoreWriter
         fab, ep = self.fabrics[0], peer.rails[0].ep
@@ -1014,7 +1031,8 @@ class TransferEngine:
             dst_devices = rsnap.devices[ridx]
             if getattr(dst_devices, "ndim", 0) == 0:
                 dst_devices = np.full(ln.size, int(dst_devices), dtype=np.int64)
-        units = self.planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices, peer.forward)
+        units = _group_direct(self.planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices,
+                                                peer.forward))
         t2 = now_ns()
         batch.remaining = len(units)
         self._dispatch(batch, units)
@@ -1083,27 +1101,31 @@ class TransferEngine:
         return r.keys[rail].lkey, remote.keys[rail]
 
     def _direct_requests(self, atts: List[_Attempt], peer: _Peer, rail: int) -> None:
-        """Write requests of direct attempts on one rail, their keys looked up for all at once (78 scalar
-        lookups cost more host time than the post itself)."""
-        src = np.fromiter((a.unit.src for a in atts), dtype=np.int64, count=len(atts))
-        dst = np.fromiter((a.unit.dst for a in atts), dtype=np.int64, count=len(atts))
-        n = np.fromiter((a.unit.nbytes for a in atts), dtype=np.int64, count=len(atts))
+        """Write requests of direct attempts on one rail (one per piece), their keys looked up for all at once
+        (scalar lookups cost more host time than the post itself). With selective signaling only each attempt's
+        last write completes on success."""
+        segs = [sg for a in atts for sg in a.unit.segments()]
+        arr = np.array(segs, dtype=np.int64).reshape(-1, 3)
+        src, dst, n = arr[:, 0], arr[:, 1], arr[:, 2]
         lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
         # every unit lies inside a piece the batch's validation accepted, so no end wraps
         li, ri = locate_inside(lsnap, src, src + n), locate_inside(rsnap, dst, dst + n)
         if li is None or ri is None:  # a region went away since validation: name it
             for a in atts:
-                a.reqs = [self._direct_request(a)]
+                a.reqs = [WriteRequest(s_, n_, d_, *reversed(self._keys(a, s_, d_, n_)))
+                          for s_, d_, n_ in a.unit.segments()]
             return
-        for a, i, j in zip(atts, li.tolist(), ri.tolist()):
-            u = a.unit
-            a.reqs = [WriteRequest(u.src, u.nbytes, u.dst, rsnap.regions[j].keys[rail],
-                                   lsnap.regions[i].keys[rail].lkey)]
-
-    def _direct_request(self, a: _Attempt) -> WriteRequest:
-        u = a.unit
-        lkey, rkey = self._keys(a, u.src, u.dst, u.nbytes)
-        return WriteRequest(u.src, u.nbytes, u.dst, rkey, lkey)
+        lkeys = [r.keys[rail].lkey for r in lsnap.regions]
+        rkeys = [r.keys[rail] for r in rsnap.regions]
+        li, ri = li.tolist(), ri.tolist()
+        k = 0
+        signal_all = not self._selective
+        for a in atts:
+            m = len(a.unit.segments())
+            a.reqs = [WriteRequest(s_, n_, d_, rkeys[ri[j]], lkeys[li[j]], signaled=signal_all)
+                      for j, (s_, d_, n_) in zip(range(k, k + m), segs[k:k + m])]
+            a.reqs[-1].signaled = True
+            k += m
 
     # --- copy thread ---------------------------------------------------------------------------------------
     def _fill(self, a: _Attempt, slot) -> bool:
@@ -1219,7 +1241,9 @@ class TransferEngine:
                     for r in a.reqs:
                         r.wr_id = next(self._wr_ids)
                         self._inflight[r.wr_id] = a
-                    a.pending = len(a.reqs)
+                    # completions to wait for: every write, or only the signaled ones where the fabric is silent
+                    # about the others' success (an error on any of them still completes)
+                    a.pending = sum(1 for r in a.reqs if r.signaled) if self._selective else len(a.reqs)
                     a.posted = True
                     live.append(a)
             if not live:
@@ -1268,6 +1292,9 @@ class TransferEngine:
             a.finished = True
             a.prail.inflight.discard(a)
             a.prail.bytes_in_flight -= a.unit.wire_bytes or a.unit.nbytes
+            if self._selective and len(a.reqs) > 1:
+                for r in a.reqs:  # silent writes never complete: forget their ids here
+                    self._inflight.pop(r.wr_id, None)
         slot, a.slot = a.slot, None
         landing, a.landing = a.landing, None
         return first, slot, landing
@@ -1337,7 +1364,10 @@ class TransferEngine:
             return
         stats = self._rail_stats[rail]
         if c.error is None:
-            stats.add_many((("completions", 1), ("bytes_completed", c.byte_len)))
+            done_bytes = c.byte_len
+            if not more and self._selective:  # the silent writes before it are done too (posting order)
+                done_bytes += sum(r.length for r in a.reqs if not r.signaled)
+            stats.add_many((("completions", 1), ("bytes_completed", done_bytes)))
             if more:
                 return
             if a.unit.kind == COALESCED and not a.cancelled:
@@ -1550,17 +1580,18 @@ class TransferEngine:
         relay_now = self.relay_mode == "always" or (self.relay_mode == "auto" and not c.local)
         if u.kind == COALESCED or (u.kind == RELAYED) == relay_now:
             units = [dataclasses.replace(u, rail=c.rail, relay_device=c.relay_device)]
-        elif relay_now:  # direct piece, and the new rail is not local to its memory: relay it in slot pieces
+        elif relay_now:  # direct pieces, and the new rail is not local to their memory: relay them in slot pieces
             units = []
-            off = 0
-            while off < u.nbytes:
-                n = min(self.slot_bytes, u.nbytes - off)
-                units.append(Unit(RELAYED, u.device, c.rail, c.relay_device, n, src=u.src + off, dst=u.dst + off,
-                                  wire_bytes=n, segs=[(u.src + off, u.dst + off, n)]))
-                off += n
-        else:  # relayed piece(s), and the new rail is local: write each straight from its source
-            units = [Unit(DIRECT, u.device, c.rail, c.relay_device, n, src=s_, dst=d_, wire_bytes=n)
-                     for s_, d_, n in u.segments()]
+            for s_, d_, length in u.segments():
+                off = 0
+                while off < length:
+                    n = min(self.slot_bytes, length - off)
+                    units.append(Unit(RELAYED, u.device, c.rail, c.relay_device, n, src=s_ + off, dst=d_ + off,
+                                      wire_bytes=n, segs=[(s_ + off, d_ + off, n)]))
+                    off += n
+        else:  # relayed piece(s), and the new rail is local: write them straight from their sources
+            units = [Unit(DIRECT, u.device, c.rail, c.relay_device, u.nbytes, src=u.src, dst=u.dst,
+                          wire_bytes=u.nbytes, segs=list(u.segments()))]
         if len(units) > 1:
             with b.lock:
                 b.remaining += len(units) - 1

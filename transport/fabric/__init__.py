@@ -8,9 +8,23 @@ from transport.fabric.base import (  # noqa: F401
 )
 
 __all__ = ["DEVICE_HOST", "Completion", "Endpoint", "Fabric", "MemoryRegion", "Opcode", "RemoteRegion",
-           "WriteRequest", "FABRICS", "make_fabric"]
+           "WriteRequest", "FABRICS", "fabric_class", "make_fabric"]
 
 FABRICS = ("tcp", "ipc", "verbs")
+
+
+def fabric_class(name: str):
+    """The implementation class of fabric ``name`` (imported on demand). ``ValueError`` for an unknown name."""
+    if name == "tcp":
+        from transport.fabric.tcp import TcpFabric
+        return TcpFabric
+    if name == "ipc":
+        from transport.fabric.ipc import IpcFabric
+        return IpcFabric
+    if name == "verbs":
+        from transport.fabric.verbs import VerbsFabric
+        return VerbsFabric
+    raise ValueError(f"unknown fabric {name!r}; expected one of {FABRICS}")
 
 
 def make_fabric(name: str, hostname: str = "127.0.0.1", **options) -> Fabric:
@@ -21,13 +35,4 @@ def make_fabric(name: str, hostname: str = "127.0.0.1", **options) -> Fabric:
     ``port`` (TCP port of its connection-exchange listener), ``max_send_wr``, ``max_recv_wr``.
     Raises ``ValueError`` for an unknown name and ``FabricUnavailable`` when the fabric cannot run here.
     """
-    if name == "tcp":
-        from transport.fabric.tcp import TcpFabric
-        return TcpFabric(hostname=hostname, **options)
-    if name == "ipc":
-        from transport.fabric.ipc import IpcFabric
-        return IpcFabric(hostname=hostname, **options)
-    if name == "verbs":
-        from transport.fabric.verbs import VerbsFabric
-        return VerbsFabric(hostname=hostname, **options)
-    raise ValueError(f"unknown fabric {name!r}; expected one of {FABRICS}")
+    return fabric_class(name)(hostname=hostname, **options)

@@ -84,6 +84,9 @@ class WriteRequest:
     lkey: int
     imm: Optional[int] = None
     wr_id: int = 0
+    signaled: bool = True
+    """False: no completion on success (errors still complete), as an unsignaled RDMA work request; honoured by
+    fabrics that declare ``selective_signaling``, which complete an endpoint's writes in posting order."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,14 @@ class Fabric(abc.ABC):
     """Base of every fabric. Thread-safe: posts and polls may come from different threads."""
 
     name: str = "abstract"
+    engine_options: dict = {}
+    """Options the engine gives this fabric unless its caller gives others (``fabric_options``)."""
+    capabilities: frozenset = frozenset()
+    """What the engine may rely on beyond the interface above, so that it never branches on a fabric's name:
+    ``"selective_signaling"`` (``WriteRequest.signaled=False`` writes complete silently on success; an endpoint's
+    completions come in posting order), ``"loadstore"`` (``access_info`` lets a same-host peer map regions and
+    write with its own loads and stores, ``transport.loadstore``), ``"nic_ports"`` (each instance drives one
+    NIC port: the engine passes a topology rail's ``device`` and ``port_num``)."""
 
     @property
     @abc.abstractmethod

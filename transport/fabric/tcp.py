@@ -231,10 +231,11 @@ def send_buffers(sock: socket.socket, bufs: List) -> None:
 class _WrRecord:
     """Sender-side state of one posted write (possibly cut into several pieces)."""
 
-    __slots__ = ("wr_id", "opcode", "length", "imm", "remote_addr", "rkey", "error")
+    __slots__ = ("wr_id", "opcode", "length", "imm", "remote_addr", "rkey", "error", "signaled")
 
     def __init__(self, r: WriteRequest):
         self.wr_id = r.wr_id
+        self.signaled = r.signaled
         self.opcode = Opcode.WRITE if r.imm is None else Opcode.WRITE_WITH_IMM
         self.length = r.length
         self.imm = r.imm
@@ -400,7 +401,7 @@ class TcpEndpoint(Endpoint):
                         rec.error = RegionError(
                             f"peer {self.peer_id} refused wr_id={rec.wr_id}: {rec.length} B at "
                             f"0x{rec.remote_addr:x} rkey 0x{rec.rkey:x}: {_STATUS_TEXT.get(code, code)}")
-                    if last:
+                    if last and (rec.signaled or rec.error is not None):
                         out.append(Completion(rec.wr_id, rec.opcode, self.peer_id, rec.length, rec.imm,
                                               rec.error))
         self.fabric._push(out)
@@ -438,6 +439,9 @@ class TcpFabric(Fabric):
     """
 
     name = "tcp"
+    capabilities = frozenset({"selective_signaling"})
+    # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
+    engine_options = {"connections_per_peer": 2}
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: Optional[int] = None,
                  message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,

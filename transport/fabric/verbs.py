@@ -104,6 +104,7 @@ class VerbsFabric(Fabric):
     poll)."""
 
     name = "verbs"
+    capabilities = frozenset({"nic_ports"})
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, device: Optional[str] = None, port_num: int = 1,
                  gid_index: Optional[int] = None, max_send_wr: int = 4096, max_recv_wr: int = 1024,

@@ -88,6 +88,11 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
         kw_recv = dict(kw, topology=synthetic(2, {recv_nic: ["mlx5_0"]}))
     else:
         kw_send = kw_recv = kw
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        tag = f"{fabric}-{topology}"
+        kw_send = dict(kw_send, trace_path=os.path.join(args.trace, f"trace-send-{tag}.json"))
+        kw_recv = dict(kw_recv, trace_path=os.path.join(args.trace, f"trace-recv-{tag}.json"))
     rows = []
     peer = EnginePeer(BUFFER, device=1, **kw_recv)
     try:
@@ -179,6 +184,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per row (x3 below 1 MB)")
     ap.add_argument("--label", default="", help="stored in every row (e.g. which tree was measured)")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--trace", default=None, help="folder for both engines' Chrome traces (one pair per fabric and "
+                                                  "topology; keep the run small)")
     ap.add_argument("--no-topology", action="store_true",
                     help="engines without a topology (trivial rails): for trees without receive-side PXN")
     ap.add_argument("--enable-peers", action="store_true",

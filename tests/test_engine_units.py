@@ -328,3 +328,30 @@ def test_host_memmove_every_layout_byte_exact(layout):
     for so, do, k in zip(s_off.tolist(), d_off.tolist(), lens.tolist()):
         expect[do:do + k] = src[so:so + k]
     assert np.array_equal(dst, expect)
+
+
+def test_planner_direct_runs_cover_every_piece_once_and_balance_bytes(seed):
+    """Many large direct pieces go as one run per rail (few units), every byte once, rails within one piece."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(64 * KB, 3 * MB, size=1000)
+    units, srcs, dsts, load = _plan(lengths, rails=3, load={0: 5 * MB})
+    assert all(u.kind == DIRECT for u in units) and len(units) <= 3, [u.kind for u in units]
+    _covered(units, srcs, dsts, lengths)
+    per_rail = [load.get(r, 0) for r in range(3)]
+    assert max(per_rail) - min(per_rail) <= 2 * int(lengths.max()), (per_rail, seed)
+
+
+def test_planner_forwards_large_pieces_through_landing_slots():
+    """Receive-side PXN: a large piece whose destination GPU is not the peer's landing GPU on the chosen rail
+    becomes chunk items (COALESCED with segs, none above a chunk's payload); one already on it goes direct."""
+    lengths = np.asarray([3 * MB, 2 * MB + 5, 100], dtype=np.int64)
+    srcs = np.cumsum(np.concatenate(([0], lengths[:-1]))) + 4096
+    dsts = srcs + (1 << 40)
+    p = Planner(64 * KB, 4 * MB, 16 * MB, 4 * MB, "auto")
+    rails_of = {0: [RailChoice(0, True, 0)]}
+    units = p.plan(srcs, dsts, lengths, np.zeros(3, dtype=np.int64), rails_of, {}, [0],
+                   dst_devices=np.asarray([1, 0, 1]), forward={0: 0})
+    fwd = [u for u in units if u.kind == COALESCED and u.items is None]
+    assert [sg[2] for u in fwd for sg in u.segs] == [3 * MB]
+    assert all(u.wire_bytes <= 4 * MB for u in fwd)
+    assert sum(u.nbytes for u in units if u.kind == DIRECT) == 2 * MB + 5

@@ -51,7 +51,7 @@ from transport.receiver import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, Receive
                                 decode_ack_payload)
 from transport.regions import Region, RegionTable, first_bad, locate_inside, span_region
 from transport.fabric.tcp import memcpy_async
-from transport.relay import HostBuffer, RelayRing, gpu_pack, host_memmove
+from transport.relay import HostBuffer, RelayRing, gpu_pack, gpu_pack_large, host_memmove
 from transport.telemetry import POSTED, WAITING, Counters, LatencyWindow, Trace, now_ns
 
 log = logging.getLogger(__name__)
@@ -1129,7 +1129,8 @@ class TransferEngine:
 
     # --- copy thread ---------------------------------------------------------------------------------------
     def _fill(self, a: _Attempt, slot) -> bool:
-        """Fill ``slot`` for attempt ``a`` (runs in the ring's copy thread). False: cancelled, slot unused."""
+        """Fill ``slot`` for attempt ``a`` (runs in the ring's copy thread). False: cancelled, slot unused. GPU
+        copies are only enqueued on the slot's lane stream: the ring synchronises its streams once per round."""
         if a.cancelled or a.batch.failed:
             return False
         u = a.unit
@@ -1154,8 +1155,10 @@ class TransferEngine:
                 view = slot.ring._buf.array[slot.addr - slot.ring._buf.addr:][:slot.nbytes]
                 _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view)
                 host_memmove(srcs, slot.addr + offsets, lens)
+            elif u.items is None:  # large pieces for the peer to forward: the copy engine moves them
+                chunk_bytes = gpu_pack_large(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
             else:
-                chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id)
+                chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
             pr = a.prail
             a.reqs = [WriteRequest(slot.addr, chunk_bytes, pr.landing_addr + landing * pr.slot_bytes,
                                    pr.landing_rkey, slot.ring.lkey, imm=chunk_imm(landing, seq))]
@@ -1175,8 +1178,7 @@ class TransferEngine:
                 # and needs no descriptor upload
                 stream = slot.ring.stream(slot.lane)
                 for (s_addr, _, n), o in zip(segs, offs):
-                    memcpy_async(slot.addr + o, s_addr, n, stream)
-                stream.synchronize()
+                    memcpy_async(slot.addr + o, s_addr, n, stream)  # the ring waits for the stream once
             a.reqs = []
             for (s_addr, d_addr, n), o in zip(segs, offs):
                 _, rkey = self._keys(a, s_addr, d_addr, n)

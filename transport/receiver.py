@@ -44,6 +44,7 @@ ACK_FLAG = 1 << 31
 ACK_BYTES = 256
 MAX_LANDING_SLOT = 64 << 20
 ST_OK, ST_REJECTED, ST_FAILED = 0, 1, 2
+BIG_PIECE = 256 << 10  # landed pieces of at least this many bytes are placed by the copy engine, not the kernel
 ACK_WR_BASE = 1 << 62  # wr_ids of ack writes: the engine's poller ignores their completions unless they fail
 SWEEP_S = 1.0  # how often the progress thread looks for departed senders
 # A sender that handshakes again still has its old, dead endpoint here until its new rails connect; the sweep
@@ -386,15 +387,17 @@ class Receiver:
             fwd = dev_sel != landing
             self.counters.add_many((("rx_forwarded", int(lens[fwd].sum())),
                                     ("rx_forwarded_items", int(fwd.sum()))))
+        # large pieces (and pieces for GPUs without peer access, which the driver then stages through host memory):
+        # one cudaMemcpyAsync each, the copy engine at link speed; the rest: one scatter launch
+        stage = lens >= BIG_PIECE
         if staged:
-            # no peer access to these GPUs: one cudaMemcpyAsync per piece, which the driver stages through host
+            stage |= np.isin(dev_sel, staged)
+        if stage.any():
             from transport.fabric.tcp import memcpy_async
-            stage = np.isin(dev_sel, staged)
             base = tensor.data_ptr() + off
             for o, d, n in zip(table.offsets[sel][stage].tolist(), table.dst_addrs[sel][stage].tolist(),
                                lens[stage].tolist()):
                 memcpy_async(d, base + o, n, stream)
-            self.counters.add("rx_staged_items", int(stage.sum()))
             sel, lens = sel[~stage], lens[~stage]
             if not sel.size:
                 stream.synchronize()

@@ -184,7 +184,7 @@ class RelayRing:
                     return
                 while self._copy_q and any(self._free):
                     work.append((self._copy_q.popleft(), self._acquire()))
-            ready = []
+            filled = []
             for attempt, slot in work:
                 slot.owner = attempt
                 slot.enter(FILLING)
@@ -197,10 +197,28 @@ class RelayRing:
                 if not ok:
                     self.release(slot)
                     continue
+                filled.append((attempt, slot))
+            if not filled:
+                continue
+            # the copies of every slot of this round run back to back on the lanes' streams: wait once per lane
+            try:
+                for lane in sorted({slot.lane for _, slot in filled}):
+                    if self._streams:
+                        self._streams[lane].synchronize()
+            except Exception as e:  # noqa: BLE001 — a CUDA error fails the round's batches, not the ring
+                log.exception("%s: waiting for slot copies failed", self.name)
+                for attempt, slot in filled:
+                    self.release(slot)
+                    attempt.fail_local(e)
+                continue
+            ready = []
+            for attempt, slot in filled:
                 slot.enter(READY)
                 ready.append(attempt)
-            if ready:
-                self.enqueue_post(ready)
+            try:
+                self._post(ready)  # from this thread: no hand-off to the submit thread
+            except Exception:  # noqa: BLE001 — post() handles its own failures; this is a last resort
+                log.exception("%s: submit failed", self.name)
 
     def _submit_loop(self) -> None:
         while True:
@@ -310,8 +328,10 @@ def _staging(slot: Slot, need: int):
     return st
 
 
-def gpu_pack(slot: Slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, seq: int, sender_id: int) -> int:
-    """Build a chunk in a CUDA slot with one H2D copy and one gather launch, synchronising the lane's stream.
+def gpu_pack(slot: Slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, seq: int, sender_id: int,
+             sync: bool = True) -> int:
+    """Build a chunk in a CUDA slot with one H2D copy and one gather launch on the lane's stream (synchronised
+    unless ``sync`` is False: the ring then synchronises once for every slot it filled).
 
     The slot's pinned staging buffer holds, as int64: src | dst-offset | lengths | plan (pad_ends, bounds,
     first_item, computed on the host: ``plan_host``), followed by the chunk's header + table. Item 0 of the
@@ -352,7 +372,33 @@ def gpu_pack(slot: Slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, s
         d = dev_buf[:desc_bytes].view(torch.int64)
         plan = CopyPlan(d[3 * n:4 * n], d[4 * n:4 * n + ranges + 1], d[4 * n + ranges + 1:words], settings)
         launch_batched_copy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, slot.tensor.data_ptr(), plan)
-    stream.synchronize()
+    if sync:
+        stream.synchronize()
+    return chunk_bytes
+
+
+def gpu_pack_large(slot: Slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, seq: int,
+                   sender_id: int, sync: bool = True) -> int:
+    """Build a chunk of large pieces in a CUDA slot: header + table by one H2D copy, each piece by the copy
+    engine (``cudaMemcpyAsync``, over NVLink from a peer GPU), then a synchronise of the lane's stream. The
+    range kernel of ``gpu_pack`` is sized for many small items; a few MB-sized ones run far below link speed
+    there. Returns the chunk's bytes."""
+    import torch
+    from pxn_kernels.chunk import build_header_table, payload_offset_for
+    from transport.fabric.tcp import memcpy_async
+    table_bytes = payload_offset_for(int(lens.size))
+    pinned, _ = _staging(slot, table_bytes)
+    host = pinned.numpy()
+    _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, sender_id, out=host[:table_bytes])
+    if chunk_bytes > slot.nbytes:
+        raise ValueError(f"chunk of {chunk_bytes} B does not fit slot of {slot.nbytes} B")
+    stream = slot.ring.stream(slot.lane)
+    with torch.cuda.stream(stream):
+        slot.tensor[:table_bytes].copy_(pinned[:table_bytes], non_blocking=True)
+    for s_, o, n in zip(srcs.tolist(), offsets.tolist(), lens.tolist()):
+        memcpy_async(slot.addr + o, s_, n, stream)
+    if sync:
+        stream.synchronize()
     return chunk_bytes
 
 

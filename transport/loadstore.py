@@ -318,7 +318,13 @@ class LoadStoreWriter:
         work = []
         for device_index, raw_stream, st in launched:
             if wait:
-                _check(_driver().cuStreamSynchronize(raw_stream), f"load/store copy on cuda:{device_index}")
+                # the default stream's handle (0) means the calling thread's current context: make the launch's
+                # GPU current, or the wait is on another GPU's stream and returns before these bytes land
+                if torch.cuda.current_device() == device_index:
+                    _check(_driver().cuStreamSynchronize(raw_stream), f"load/store copy on cuda:{device_index}")
+                else:
+                    with torch.cuda.device(device_index):
+                        _check(_driver().cuStreamSynchronize(raw_stream), f"load/store copy on cuda:{device_index}")
                 continue
             try:
                 event = torch.cuda.Event()

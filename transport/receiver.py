@@ -123,6 +123,7 @@ class Receiver:
         self._thread = threading.Thread(target=self._loop, name="pxn-receiver", daemon=True)
         self._thread.start()
         self._scratch = None
+        self._streams: Dict[int, object] = {}
 
     # --- handshake ------------------------------------------------------------------------------------------
     def accept_sender(self, hello: dict, device=DEVICE_HOST) -> dict:
@@ -319,6 +320,16 @@ class Receiver:
             self.trace.complete("scatter", "receiver", f"rx/rail{rail}", t1, t2, {"bytes": int(table.lengths.sum())})
         del base
 
+    def _stream(self, device):
+        """A stream of the progress thread's own on ``device``: a created stream's handle names its GPU, where the
+        default stream's (0) would mean whatever GPU is current in this thread."""
+        import torch
+        streams = self._streams
+        st = streams.get(device.index)
+        if st is None:
+            st = streams[device.index] = torch.cuda.Stream(device=device)
+        return st
+
     def _pinned(self, need: int, device):
         """One pinned + one device scratch buffer for the progress thread (GPU landing slots), grown on demand."""
         import torch
@@ -373,7 +384,7 @@ class Receiver:
         lens = table.lengths[sel]
         dev_sel = dst_dev[sel]
         others = [d for d in np.unique(dev_sel).tolist() if d != landing]
-        stream = torch.cuda.current_stream(tensor.device)
+        stream = self._stream(tensor.device)
         staged = []
         if others:
             # receive-side PXN: the chunk landed on the GPU next to the NIC; its pieces for other GPUs go over

@@ -28,7 +28,7 @@ def dist_row(topo: Topology, gpu: int) -> dict:
     return {topo.label(p): topo.distances[(gpu, p.key)] for p in topo.ports}
 
 
-# --- the two shared machines ---------------------------------------------------------------------------------
+# --- the two field machines ---------------------------------------------------------------------------------
 FIELD_SPEC_SHA256 = {  # the field machines' specs as received; the copies in tests/data must stay these bytes
     "h800_32port.json": "031ca8f30131bff84d3627e98702902ad07b2b8a6e28f4f1af90b9eb374ba96b",
     "b300_16nic.json": "b150765899deab79fa038712894b7a74e72765cca81f0b3ffd4712123afee713",

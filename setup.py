@@ -6,8 +6,11 @@ Three top-level packages, as the design card fixes them:
 * ``transport``    topology, routing, fabrics (tcp, ipc, verbs), relay engine, receiver
 * ``integration``  Mooncake-compatible API and the sglang adapter
 
-torch is deliberately not pinned to a CUDA build: on a GPU-less machine ``pip install torch==2.13.0``
-(the README's commands do this) gives a CPU build; on a GPU box the torch already installed is used.
+torch is not pinned to a build: a machine that already has torch (CUDA or CPU) keeps it. Where none is
+installed, ``pip install torch`` from PyPI gives the CUDA build (it also runs without a GPU); a CPU-only
+wheel comes from ``--index-url https://download.pytorch.org/whl/cpu`` (README, "Install").
+
+Package data: ``transport/data/sglang_shapes.json``, the sglang transfer shapes ``pxn bench`` replays.
 """
 from setuptools import find_packages, setup
 
@@ -19,12 +22,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["pxn_kernels*", "transport*", "integration*"]),
+    package_data={"transport": ["data/*.json"]},
     install_requires=["torch>=2.4", "triton>=3.0", "numpy>=1.24"],
     extras_require={
         "test": ["pytest>=7"],
         # pyverbs is not on PyPI as a wheel; see README "verbs fabric" for Debian's python3-pyverbs.
         "verbs": ["pyverbs"],
         "cuda": ["nvidia-cuda-runtime-cu12", "cuda-bindings"],
+        # plots beside the benchmark JSON (pxn bench --json, benchmarks/*.py); without it no plots are drawn
         "bench": ["matplotlib"],
     },
     entry_points={

@@ -10,7 +10,8 @@ included, after a CUDA synchronize). Ratios, measured in the same run:
 * 4096 x 64 B: end to end vs (one gather launch + one copy of the chunk); goal <= 2x
 
 Writes JSON rows ``{shape, gbps, ratio, goal, ..., gpu, torch, triton, date}`` plus ``stats()`` of both engines
-to ``--out`` (default benchmarks/results/engine-h200.json) and prints a table last.
+to ``--out`` (default: a temporary file), a PNG beside it (``transport.plots``, needs matplotlib), and prints
+a table last.
 
 Run (no installs needed beyond torch, triton, numpy, cuda-bindings):
     python3 benchmarks/engine_gpu.py --out $OUT/engine-h200.json
@@ -23,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -97,7 +99,10 @@ def profile_pack(torch, dev) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="pxn engine end to end on one GPU (ipc fabric)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "engine-h200.json"))
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "pxn-engine-gpu.json"),
+                    help="JSON path (default: a temporary file; the committed results are written only with --out)")
+    ap.add_argument("--shapes", metavar="FILE", default=None,
+                    help="sglang shapes JSON (default: $PXN_SHAPES, else the copy shipped in transport/data)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--layers", type=int, default=78)
     ap.add_argument("--fabric", default="ipc")
@@ -134,11 +139,10 @@ def main(argv=None) -> int:
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
             "fabric": args.fabric, "rails": args.rails, "date": _now(), "switch_interval": args.switch_interval}
     L = args.layers
-    shapes_path = "/work/shared/traffic/sglang_shapes.json"
-    mla = {"1k": 2359296, "8k": 4316928, "64k": 8650752}
-    if os.path.exists(shapes_path):
-        calls = json.load(open(shapes_path))["calls"]
-        mla = {k: int(calls[f"mla_latent_{k}"]["length"]) for k in mla}
+    from transport.bench_cli import load_shapes
+    recorded = load_shapes(args.shapes)
+    mla = {k: recorded["mla"][f"mla_latent_{k}"] for k in ("1k", "8k", "64k")}
+    aux = recorded["aux"]
     kv_bytes = L * mla["64k"] + 16 * MB
     print(f"engine_gpu: {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, fabric {args.fabric}; "
           f"KV buffers {kv_bytes / 1e9:.2f} GB per side", flush=True)
@@ -154,8 +158,8 @@ def main(argv=None) -> int:
         shapes.append({"name": name, "buf": kind, "src": np.asarray(src, np.int64), "dst": np.asarray(dst, np.int64),
                        "len": np.asarray(lens, np.int64), "goal": goal})
 
-    aux_off = np.cumsum([0] + AUX[:-1]) * 2
-    add("aux_metadata (host)", "aux", aux_off, aux_off + 16, AUX)
+    aux_off = np.cumsum([0] + aux[:-1]) * 2
+    add("aux_metadata (host)", "aux", aux_off, aux_off + 16, aux)
     for k in ("1k", "8k", "64k"):
         add(f"mla_latent_{k} ({L}x{mla[k]})", "kv", np.arange(L) * mla[k], rng.permutation(L) * mla[k],
             np.full(L, mla[k]))
@@ -332,6 +336,10 @@ def main(argv=None) -> int:
               f"{r.get('gbps', float('nan')):>10.2f}{ratio:>8}{goal:>7}  {res}")
     print(f"\nsender time_s: {json.dumps(stats['time_s'])}")
     print(f"wrote {args.out}")
+    from transport import plots
+    for png in plots.plot_any({"rows": rows, "stats": stats, "peer_stats": peer_stats, **meta},
+                              os.path.splitext(args.out)[0] + ".png"):
+        print(f"wrote {png}")
     return 0
 
 

@@ -281,6 +281,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
     log.info("wrote %d rows to %s", len(rows), args.out)
+    from transport.plots import plot_fabrics
+    plot_fabrics(rows, os.path.splitext(args.out)[0] + ".png")  # GB/s by shape beside the JSON (matplotlib)
     table = {(r["shape"], r["system"]): r["gbps"] for r in rows}
     systems = [s for s in args.systems if any(k[1] == s for k in table)]
     print(f"\nfabrics, host memory, 2 processes — {machine['platform']}, {machine['cores']} cores, {date}")

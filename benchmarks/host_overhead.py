@@ -2,8 +2,8 @@
 """Host time per call of the engine's same-host load/store path, on a CPU box (no GPU needed).
 
 Why: on the H200 the sglang pair (78 KV blocks + the aux batch) misses its goal by host time, not bytes
-(benchmarks/NOTES.md, section Engine: ~40-80 us of Python per pair where the goal leaves ~37 us), and the
-device time to re-measure there is spent. Everything of that host time except the CUDA launch and the
+(benchmarks/NOTES.md, section Engine: ~40-80 us of Python per pair where the goal leaves ~37 us), and that
+host time can be measured without a GPU. Everything of that host time except the CUDA launch and the
 synchronise is the same Python on any machine: argument checks, region lookups, classification, the host
 pieces' ``process_vm_writev`` and the bookkeeping. This script times exactly that path with host memory on both
 sides (ipc fabric, two processes), using piece counts of the sglang shapes and small pieces so that copying

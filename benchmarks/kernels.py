@@ -469,8 +469,8 @@ def variants() -> list:
                  uni(4096, 4, 16, persistent=True, per_sm=16, prefetch=1, eager=False)),
         _variant("base-again", "current defaults, repeated: the run's drift and noise",
                  (0.79, 0.88, 0.93, 0.925, 0.82, 1.33, 1.87), small, large),
-        # --- call 3: the 2-D grid kernel (pxn_kernels/_grid_copy.py), one descriptor round trip, no plan.
-        # Only for batches of (nearly) equal pieces; other mixes are skipped. Predictions written before call 3.
+        # --- v5: the 2-D grid kernel (pxn_kernels/_grid_copy.py), one descriptor round trip, no plan.
+        # Only for batches of (nearly) equal pieces; other mixes are skipped. Predictions written before its run.
         _variant("np32k-lazy", "np32k/32k/w8 without eager loads, no register cap",
                  (0.87, 0.95, 0.95, 0.95, 0.79, 0.5, 1.7), uni(32768, 8, 32, eager=False, regs=0)),
         _variant("np64k/32k/w8", "aligned 64 KB ranges, 32 KB tiles/8 warps: descriptors paid once per 2 tiles",
@@ -487,7 +487,7 @@ def variants() -> list:
               (0.90, 0.955, 0.955, 0.955), 32768, 32768, 8),
         _grid("g64k/32k/w8", "grid: 64 KB per program as 2 tiles of 32 KB, 8 warps",
               (0.87, 0.955, 0.955, 0.955), 65536, 32768, 8),
-        # --- call 4: the 8 KB and 64 KB pieces (call 3: 0.925 and 0.949 at best; targets 0.95)
+        # --- v5b: the 8 KB and 64 KB pieces (v5: 0.925 and 0.949 at best; targets 0.95)
         _grid("g4k/4k/w2", "grid: 4 KB per program, 2 warps: 32 programs/SM resident, 64 B per thread",
               (0.935, 0.95, 0.975, 0.975), 4096, 4096, 2),
         _grid("g8k/8k/w2", "grid: 8 KB per program, 2 warps: 128 B per thread in flight",
@@ -865,6 +865,9 @@ def main() -> int:
         json.dump(rows, f, indent=1)
     print_table(rows)
     print(f"\nwrote {len(rows)} rows to {args.out} in {time.time() - t0:.0f} s")
+    from transport.plots import plot_kernels
+    for png in plot_kernels(rows, os.path.splitext(args.out)[0] + ".png"):  # GB/s by mix (matplotlib)
+        print(f"wrote {png}")
     return 0
 
 

@@ -5,10 +5,10 @@ Two modes over the same engine pair and buffers:
 
 * ``--profile`` (default): the sglang 8k KV call (78 x 4316928 B, GPU -> GPU), the aux call (11 host pieces)
   and 4096 x 64 B, each 200 times timed, then 200 times under cProfile (the 22 functions with the most own
-  time). Output of device call 3: results/logs/h200-loadstore-profile-call3.log.
+  time). Output on the H200 (run 3): results/logs/h200-loadstore-profile-run3.log.
 * ``--split``: the sglang 64k KV call, the aux call, the two as a pair and as one batch, 40 calls each, with
   the writer's steps (``_classify``, ``_launch``, ``process_vm_write``, ``_finish_launches``) timed by wrapping
-  them. Output of device calls 10 and 11: results/logs/h200-onebatch-call10.log.
+  them. Output on the H200 (runs 10 and 11): results/logs/h200-onebatch-run10.log.
 
 Run: python3 benchmarks/loadstore_profile.py [--split]
 """

@@ -104,6 +104,8 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
+    from transport.plots import plot_relay_table
+    plot_relay_table(rows, os.path.splitext(out)[0] + ".png")  # the heat map beside the JSON (matplotlib)
 
     def get(path, piece, slot):
         for r in rows:

@@ -1,6 +1,7 @@
 """Build sysfs-shaped trees (``<root>/sys/...``) from a machine spec, for topology and routing tests.
 
-The spec is the format of ``shared/topologies/*.json`` plus a few optional keys of our own:
+The spec is the format of the field machines' specs (``tests/data/h800_32port.json``) plus a few optional
+keys of our own:
 
 ``gpus``                 GPU count; spec GPU g gets the g-th lowest PCI address (the builder checks this).
 ``numa_nodes``           ``{"0": {"gpus": [0, 1]}, ...}``; a switch's NICs get its first GPU's node.
@@ -32,16 +33,14 @@ IB_CLASS = "0x020700"
 ETH_CLASS = "0x020000"
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-SHARED_DIR = Path(__file__).resolve().parents[2] / "shared" / "topologies"
 
 
 def load_spec(name: str) -> dict:
-    """A spec by file name: ``tests/data/<name>`` first, then ``../shared/topologies/<name>``."""
-    for d in (DATA_DIR, SHARED_DIR):
-        p = d / name
-        if p.exists():
-            return json.loads(p.read_text())
-    raise FileNotFoundError("spec %s not found in %s or %s" % (name, DATA_DIR, SHARED_DIR))
+    """A spec by file name, from ``tests/data/<name>``."""
+    p = DATA_DIR / name
+    if not p.exists():
+        raise FileNotFoundError("spec %s not found in %s" % (name, DATA_DIR))
+    return json.loads(p.read_text())
 
 
 def _write(path: Path, text: str) -> None:

@@ -3,6 +3,7 @@
 Every case writes fresh random data (seeded by conftest's SEED) into a poisoned peer buffer and compares the
 peer's WHOLE buffer (guards included) with the expected image, so stray writes anywhere are caught.
 """
+import hashlib
 import json
 import os
 import threading
@@ -16,9 +17,7 @@ from transport import (InvalidTransfer, RemoteRejected, TransferEngine, Transfer
                        UnknownSession)
 
 MB = 1 << 20
-SHAPES = json.load(open(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traffic",
-                                     "sglang_shapes.json"))) if os.path.exists(
-    os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traffic", "sglang_shapes.json")) else None
+SHAPES_FILE = os.path.join(os.path.dirname(__file__), "..", "transport", "data", "sglang_shapes.json")
 AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
 BLOCK_1K = 2359296
 PEER_BYTES = 78 * BLOCK_1K + 8 * MB
@@ -66,10 +65,13 @@ def run_case(sender, peer, src, src_offs, dst_offs, lengths, timeout=120.0):
 
 # --- the sglang shapes ---------------------------------------------------------------------------------------
 def test_shapes_file_matches():
-    if SHAPES is None:
-        pytest.skip("shared/traffic/sglang_shapes.json not present")
-    assert SHAPES["calls"]["aux_metadata"]["lengths"] == AUX
-    assert SHAPES["calls"]["mla_latent_1k"]["length"] == BLOCK_1K
+    """The packaged sglang shapes are the field file (its digest) and agree with the shapes these tests use."""
+    with open(SHAPES_FILE, "rb") as f:
+        raw = f.read()
+    assert hashlib.sha256(raw).hexdigest() == "58895113ad6e3e78bf14fb11eb007fc09c38cb78baa5834365793df162e49987"
+    shapes = json.loads(raw)
+    assert shapes["calls"]["aux_metadata"]["lengths"] == AUX
+    assert shapes["calls"]["mla_latent_1k"]["length"] == BLOCK_1K
 
 
 def test_aux_batch(sender, peer, src, rng):

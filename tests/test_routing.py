@@ -28,7 +28,7 @@ def brief(routes: Routes, gpu: int):
     return [(r.nic, r.relay_gpu, r.distance, r.kind) for r in routes.rails(gpu)]
 
 
-# --- the two shared machines ---------------------------------------------------------------------------------
+# --- the two field machines ---------------------------------------------------------------------------------
 def test_h800_matches_expected_block(tmp_path):
     spec = load_spec("h800_32port.json")
     routes = routes_of(tmp_path, spec)

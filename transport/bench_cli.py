@@ -17,17 +17,55 @@ import os
 import platform
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
+from transport.errors import PxnError
 from transport.peer_process import POISON, Buffer, PeerProcess, digest, serve
 
 log = logging.getLogger(__name__)
 
-AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
-SHAPES_FILE = os.environ.get("PXN_SHAPES", "/work/shared/traffic/sglang_shapes.json")
-MLA = {"mla_latent_1k": 2359296, "mla_latent_8k": 4316928, "mla_latent_64k": 8650752}
+PACKAGED_SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sglang_shapes.json")
+"""sglang's transfer shapes as recorded from the field (aux lengths, per-layer MLA block lengths), shipped with
+the package."""
+MLA_NAMES = ("mla_latent_1k", "mla_latent_8k", "mla_latent_64k")
+
+
+class ShapesError(PxnError, ValueError):
+    """A shapes file is missing, not JSON, or lacks a field ``pxn bench`` needs; the message names file and field."""
+
+
+def shapes_path(path: Optional[str] = None) -> str:
+    """The shapes file in effect: ``path``, else ``$PXN_SHAPES``, else the packaged copy."""
+    return path or os.environ.get("PXN_SHAPES") or PACKAGED_SHAPES
+
+
+def load_shapes(path: Optional[str] = None) -> dict:
+    """Read a shapes file (format of ``transport/data/sglang_shapes.json``).
+
+    Returns ``{"aux": [bytes, ...], "mla": {name: bytes per layer}, "path": file}``.
+    Raises ``ShapesError`` naming the file and the bad field; nothing falls back silently.
+    """
+    path = shapes_path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            calls = json.load(f)["calls"]
+        aux = [int(x) for x in calls["aux_metadata"]["lengths"]]
+        mla = {k: int(calls[k]["length"]) for k in MLA_NAMES if k in calls}
+    except OSError as e:
+        raise ShapesError(f"cannot read shapes file {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ShapesError(f"shapes file {path} is not valid: {e}") from None
+    except (KeyError, TypeError) as e:
+        raise ShapesError(f"shapes file {path} lacks calls.aux_metadata.lengths or a length ({e})") from None
+    if not aux or min(aux) < 1 or any(v < 1 for v in mla.values()):
+        raise ShapesError(f"shapes file {path}: every length must be >= 1 byte (aux {aux}, mla {mla})")
+    return {"aux": aux, "mla": mla, "path": path}
+
+
+AUX = load_shapes(PACKAGED_SHAPES)["aux"]
+"""Lengths (bytes) of sglang's aux call: 11 host pieces of 64 B to 8 KiB."""
 
 
 def _peer_main(conn, sizes: Dict[str, tuple], engine_kwargs: dict, log_level: int) -> None:
@@ -79,20 +117,15 @@ class LocalPeer(PeerProcess):
         self.addrs = self.ready["addrs"]
 
 
-def sglang_shapes(layers: int = 78, device: int = -1, quick: bool = False) -> List[dict]:
+def sglang_shapes(layers: int = 78, device: int = -1, quick: bool = False, path: Optional[str] = None) -> List[dict]:
     """The sglang call shapes: name, memory device, and (src_off, dst_off, length) lists into 'kv'/'aux' buffers.
 
     Offsets are relative to the sender's / peer's buffer of that memory kind. MLA calls are ``layers`` runs of
     one length (contiguous per layer); the MHA call is page-scattered 2 KiB pieces; aux is host memory.
+    ``path``: shapes file (``load_shapes``); raises ``ShapesError`` when it cannot be used.
     """
-    lengths = dict(MLA)
-    try:
-        with open(SHAPES_FILE, encoding="utf-8") as f:
-            calls = json.load(f)["calls"]
-        lengths = {k: int(calls[k]["length"]) for k in MLA if k in calls}
-        aux = [int(x) for x in calls["aux_metadata"]["lengths"]]
-    except (OSError, KeyError, ValueError):
-        aux = AUX
+    recorded = load_shapes(path)
+    lengths, aux = recorded["mla"], recorded["aux"]
     rng = np.random.default_rng(1234)
     out = [{"name": "aux_metadata", "buffer": "aux", "device": -1, "src": np.cumsum([0] + aux[:-1]) * 2,
             "dst": np.cumsum([0] + aux[:-1]) * 2 + 16, "len": np.array(aux)}]
@@ -164,10 +197,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rails", type=int, default=None, help="rails (loopback fabric instances)")
     parser.add_argument("--json", metavar="PATH", help="write rows and stats() as JSON here")
     parser.add_argument("--no-verify", action="store_true", help="skip the byte-exact check of each shape")
+    parser.add_argument("--shapes", metavar="FILE", default=None,
+                        help="sglang shapes JSON (default: $PXN_SHAPES, else the copy shipped in transport/data)")
+    parser.add_argument("--plot", metavar="PNG", default=None,
+                        help="write plots here (default: beside --json; needs matplotlib)")
 
 
 def _versions() -> dict:
-    out = {"python": platform.python_version(), "host": platform.node()}
+    out = {"python": platform.python_version(), "platform": platform.platform(), "cores": os.cpu_count()}
     try:
         import torch
         out["torch"] = torch.__version__
@@ -186,8 +223,45 @@ def _print(msg: str = "") -> None:
     print(msg, flush=True)
 
 
+class Progress:
+    """``shape i of n, elapsed`` on stderr, once a run has taken longer than ``after_s`` seconds (quiet runs
+    stay quiet; long ones show they are alive)."""
+
+    def __init__(self, after_s: float = 3.0, stream=None):
+        self.t0 = time.perf_counter()
+        self.after_s = after_s
+        self.stream = stream
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def note(self, msg: str) -> bool:
+        """Print ``msg`` with the elapsed time if the run is long enough; returns whether it printed."""
+        if self.elapsed() < self.after_s:
+            return False
+        print(f"pxn bench: {msg} ({self.elapsed():.1f} s elapsed)", file=self.stream or sys.stderr, flush=True)
+        return True
+
+
+def _fail(msg: str) -> int:
+    """One line on stderr, exit status 2 (bad input or environment)."""
+    print(f"pxn bench: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: a peer's error carries its traceback after the first line; that stays out."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
 def run(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("repeat", "layers"):
+        if getattr(args, name) < 1:
+            return _fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
+    if args.rails is not None and args.rails < 1:
+        return _fail(f"--rails must be >= 1 (got {args.rails})")
     try:
         import torch
         cuda = torch.cuda.is_available()
@@ -200,22 +274,28 @@ def run(args) -> int:
     kw = {"fabric": fabric}
     if args.rails:
         kw["rails"] = args.rails
-    shapes = sglang_shapes(args.layers, device, args.quick)
+    from transport.errors import PxnError
+    try:
+        shapes = sglang_shapes(args.layers, device, args.quick, path=args.shapes)
+    except PxnError as e:
+        return _fail(str(e))
     need = buffer_sizes(shapes)
     devs = {s["buffer"]: s["device"] for s in shapes}
     _print(f"pxn bench: fabric {fabric}, {'GPU cuda:0' if device >= 0 else 'host'} memory, "
            f"{len(shapes)} shapes x {args.repeat} calls; starting the peer process...")
     from transport.engine import TransferEngine
-    from transport.errors import PxnError
     rows = []
-    t_start = time.perf_counter()
+    progress = Progress()
     try:
-        with LocalPeer({k: (v, devs[k]) for k, v in need.items()}, **kw) as peer, TransferEngine(**kw) as eng:
+        # This process's engine first: a fabric this machine cannot run fails here, in one line, before a
+        # peer process is spawned.
+        with TransferEngine(**kw) as eng, LocalPeer({k: (v, devs[k]) for k, v in need.items()}, **kw) as peer:
             srcs = {k: Buffer(v, devs[k], random_seed=7 + i) for i, (k, v) in enumerate(sorted(need.items()))}
             for m in srcs.values():
                 eng.register(m.addr, m.nbytes, device=m.device)
             sync = (lambda: torch.cuda.synchronize()) if device >= 0 else None
             for i, shape in enumerate(shapes):
+                progress.note(f"shape {i + 1} of {len(shapes)}: {shape['name']}")
                 buf = shape["buffer"]
                 verified = "skipped"
                 if not args.no_verify:
@@ -233,8 +313,7 @@ def run(args) -> int:
             stats = eng.stats()
             peer_stats = peer.call("stats")
     except (PxnError, RuntimeError, OSError) as e:
-        print(f"pxn bench: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+        return _fail(_one_line(e))
     _print()
     _print(f"{'shape':<34}{'pieces':>8}{'MB':>10}{'ms/call':>10}{'GB/s':>9}  check")
     for r in rows:
@@ -254,12 +333,22 @@ def run(args) -> int:
     rx = peer_stats["receiver"]
     _print(f"receiver: {rx.get('chunks', 0)} chunks, validate {rx.get('validate_s', 0):.3f} s, scatter "
            f"{rx.get('scatter_s', 0):.3f} s, rejected {rx.get('rejected', 0)}")
-    _print(f"total {time.perf_counter() - t_start:.1f} s")
+    _print(f"total {progress.elapsed():.1f} s")
+    doc = {"fabric": fabric, "memory": "gpu" if device >= 0 else "host",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           **_versions(), "shapes_file": os.path.basename(shapes_path(args.shapes)),
+           "rows": rows, "stats": stats, "peer_stats": peer_stats}
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"fabric": fabric, "memory": "gpu" if device >= 0 else "host",
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       **_versions(), "rows": rows, "stats": stats, "peer_stats": peer_stats}, f, indent=1)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1)
+        except OSError as e:
+            return _fail(f"cannot write {args.json}: {e.strerror or e}")
         _print(f"wrote {args.json}")
+    plot_path = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if plot_path:
+        from transport import plots
+        for written in plots.plot_bench(doc, plot_path):
+            _print(f"wrote {written}")
     return 0 if all(r["verified"] != "MISMATCH" for r in rows) else 1

@@ -1,12 +1,14 @@
 """The ``pxn`` command line: ``pxn topo`` (topology and routes) and ``pxn bench`` (the main benchmark).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
-only dispatches. Exit codes: 0 success, 2 bad input / environment (one clear line on stderr, no traceback).
+only dispatches. Exit codes: 0 success, 1 a benchmark's byte-exact check failed, 2 bad input / environment (one
+line on stderr, never a traceback; ``pxn --traceback ...`` shows it for an unexpected error), 130 interrupted.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 SUBCOMMANDS = {
@@ -15,21 +17,50 @@ SUBCOMMANDS = {
 }
 
 
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="pxn", description="pxn: PXN relay for KV-cache transfer")
+    parser.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True)
     # Only the chosen subcommand's module is imported: one broken or heavy subcommand never takes the
     # others down with it (``pxn topo`` must work on a machine where the engine cannot start).
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
-    module = None
+    module = chosen_parser = None
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            module = importlib.import_module(module_name)
+            module, chosen_parser = importlib.import_module(module_name), sub_parser
             module.add_arguments(sub_parser)
-    args = parser.parse_args(argv)
-    return int(module.run(args) or 0)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The subcommand's own usage, not the top level's (argparse would blame ``pxn`` itself).
+        (chosen_parser or parser).error("unrecognized arguments: %s" % " ".join(unknown))
+    prog = "pxn %s" % args.command
+    try:
+        return int(module.run(args) or 0)
+    except BrokenPipeError:
+        _quiet_stdout()
+        print("%s: output closed early (broken pipe)" % prog, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("%s: interrupted" % prog, file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the promise is one line, never a traceback
+        if args.traceback:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        print("%s: unexpected %s: %s (pxn --traceback %s ... shows where)" % (prog, type(e).__name__, first,
+                                                                          args.command), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

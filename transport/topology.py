@@ -1,7 +1,7 @@
 """Topology discovery: GPUs, RDMA NIC ports, their PCIe distance classes and NVLink reachability.
 
 Everything is read from standard Linux sysfs files relative to a root directory (default ``/``), so a copied or
-generated tree is read exactly like the live one (the files are listed in ``shared/topologies/README.md``):
+generated tree is read exactly like the live one (the files it reads):
 
 * ``sys/bus/pci/devices/<BDF>`` -> symlink into ``sys/devices/pci<DOMAIN:BUS>/<bridge>/.../<BDF>``; each path
   component between the host bridge (``pciDDDD:BB``) and the device is a PCIe bridge / switch port.

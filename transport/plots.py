@@ -1,0 +1,195 @@
+"""PNG plots of benchmark JSON: ``pxn bench``, the kernel benchmark, the fabrics comparison, the relay table.
+
+matplotlib is optional (``pip install -e ".[bench]"``): without it every ``plot_*`` logs one line and writes
+nothing. Each function takes the JSON document as the benchmark wrote it and a PNG path, and returns the list
+of files it wrote. ``plot_any`` picks the right one from the document's shape (``benchmarks/plots.py``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, List, Optional
+
+log = logging.getLogger(__name__)
+_warned = False
+
+
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None (logged once) when matplotlib is missing."""
+    global _warned
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        if not _warned:
+            log.warning("matplotlib is not installed: no plots written (pip install matplotlib)")
+            _warned = True
+        return None
+    return plt
+
+
+def _save(fig, path: str) -> List[str]:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.tight_layout()
+    # A fixed creation date and no software tag: the same JSON renders to the same bytes.
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return [path]
+
+
+def _subtitle(doc: dict) -> str:
+    parts = [str(doc.get(k)) for k in ("gpu", "fabric", "memory") if doc.get(k)]
+    if doc.get("torch"):
+        parts.append("torch " + str(doc["torch"]))
+    if doc.get("date"):
+        parts.append(str(doc["date"])[:10])
+    return ", ".join(parts)
+
+
+def batch_breakdown(stats: dict, peer_stats: Optional[dict] = None) -> Dict[str, float]:
+    """Milliseconds per batch spent in each stage, from ``TransferEngine.stats()`` (sender) and, when given,
+    the receiving engine's ``stats()`` (``receiver`` keys). Stages run in different threads and overlap."""
+    n = max(1, int(stats.get("batches", {}).get("submitted", 0) or 0))
+    out = {f"sender {k}": v * 1e3 / n for k, v in stats.get("time_s", {}).items()}
+    rx = (peer_stats or {}).get("receiver", {})
+    for k in ("queue", "validate", "scatter", "ack"):
+        if f"{k}_s" in rx:
+            out[f"receiver {k}"] = rx[f"{k}_s"] * 1e3 / n
+    return out
+
+
+def plot_bench(doc: dict, path: str) -> List[str]:
+    """``pxn bench`` JSON: GB/s per shape, and where a batch's time goes (ms per batch by stage)."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    rows = doc["rows"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = [r["shape"] for r in rows][::-1]
+    a.barh(names, [r["gbps"] for r in rows][::-1], color="#3b75af")
+    a.set_xscale("log")
+    a.set_xlabel("GB/s (median call; log scale)")
+    a.set_title("two processes: GB/s per sglang shape")
+    for y, r in enumerate(rows[::-1]):
+        a.text(r["gbps"], y, f" {r['gbps']:.3g}", va="center", fontsize=8)
+    parts = batch_breakdown(doc.get("stats", {}), doc.get("peer_stats"))
+    parts = dict(sorted(parts.items(), key=lambda kv: kv[1]))
+    b.barh(list(parts), list(parts.values()),
+           color=["#c44e52" if k.startswith("receiver") else "#55a868" for k in parts])
+    b.set_xlabel("ms per batch (thread time summed; stages overlap)")
+    lat = doc.get("stats", {}).get("batches", {}).get("latency", {})
+    b.set_title(f"where a batch's time goes (batch p50 {float(lat.get('p50_ms', 0)):.3g} ms)")
+    fig.suptitle(_subtitle(doc), fontsize=9)
+    return _save(fig, path)
+
+
+_METHOD_LABEL = {"pxn": "pxn gather", "contiguous": "one contiguous copy_", "batch_api": "cudaMemcpyBatchAsync",
+                 "per_item": "per-item copy_"}
+
+
+def plot_kernels(rows: List[dict], path: str, op: str = "gather") -> List[str]:
+    """Kernel benchmark rows: GB/s by mix (piece size) for pxn against a contiguous copy and the peers."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    rows = [r for r in rows if r.get("op") == op]
+    mixes = sorted({r["mix"] for r in rows},
+                   key=lambda m: next(r["total_bytes"] / r["n_items"] for r in rows if r["mix"] == m))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    methods = [m for m in _METHOD_LABEL if any(r["method"] == m for r in rows)]
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        vals = [next((r["gbps"] for r in rows if r["mix"] == mix and r["method"] == m), 0) for mix in mixes]
+        ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(mixes))], vals, width,
+               label=_METHOD_LABEL[m])
+    ax.set_xticks(range(len(mixes)))
+    ax.set_xticklabels(mixes, rotation=20)
+    ax.set_yscale("log")
+    ax.set_ylabel("GB/s of payload (log scale)")
+    ax.set_xlabel("mix (by mean piece size)")
+    first = rows[0] if rows else {}
+    ax.set_title(f"{op}: pxn against a contiguous copy and per-piece copies ({first.get('gpu', '')}, "
+                 f"{first.get('date', '')})", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
+
+
+def plot_fabrics(rows: List[dict], path: str) -> List[str]:
+    """Fabrics comparison rows: GB/s by shape for pxn's fabrics and the other transfer engines."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    width = 0.8 / max(1, len(systems))
+    for i, sysname in enumerate(systems):
+        vals = [next((r["gbps"] or 0 for r in rows if r["shape"] == s and r["system"] == sysname), 0)
+                for s in shapes]
+        ax.bar([x + (i - (len(systems) - 1) / 2) * width for x in range(len(shapes))], vals, width,
+               label=sysname)
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels(shapes)
+    ax.set_yscale("log")
+    ax.set_ylabel("GB/s (log scale)")
+    machine = rows[0].get("machine", {}) if rows else {}
+    ax.set_title(f"two processes, host memory: GB/s by shape ({machine.get('cores', '?')} cores, "
+                 f"{str(rows[0].get('date', ''))[:10] if rows else ''})", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+
+
+def plot_relay_table(rows: List[dict], path: str) -> List[str]:
+    """Relay table rows as a heat map: piece size (rows) x path and slot size (columns), GB/s in each cell."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    pieces = sorted({r["piece_bytes"] for r in rows})
+    relay_slots = sorted({r["slot_bytes"] for r in rows if r["path"] == "relayed"})
+    cols = [("relayed", s) for s in relay_slots] + [("direct", None)]
+    coalesced = sorted({r["slot_bytes"] for r in rows if r["path"] == "coalesced"})
+    if coalesced:
+        cols.append(("coalesced", coalesced[-1]))
+    grid = [[next((r["gbps"] for r in rows if r["piece_bytes"] == p and r["path"] == path_
+                   and (slot is None or r["slot_bytes"] == slot)), float("nan")) for path_, slot in cols]
+            for p in pieces]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(cols)))
+    ax.set_xticklabels([f"{p}\n{_size(s)} slot" if s else p for p, s in cols], fontsize=8)
+    ax.set_yticks(range(len(pieces)))
+    ax.set_yticklabels([_size(p) for p in pieces])
+    ax.set_ylabel("piece size")
+    top = max((v for row in grid for v in row if v == v), default=1.0)
+    for y, row in enumerate(grid):
+        for x, v in enumerate(row):
+            if v == v:
+                ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=8,
+                        color="black" if v > 0.6 * top else "white")
+    fig.colorbar(im, ax=ax, label="GB/s")
+    first = rows[0] if rows else {}
+    ax.set_title(f"relay table, {first.get('fabric', '')} fabric: GB/s ({str(first.get('date', ''))[:10]})",
+                 fontsize=10)
+    return _save(fig, path)
+
+
+def plot_any(doc, path: str) -> List[str]:
+    """Render a benchmark JSON document of any of the kinds above; [] for a kind without a plot."""
+    if isinstance(doc, dict) and {"rows", "stats", "peer_stats"} <= doc.keys():
+        rows = [r for r in doc["rows"] if "gbps" in r]  # engine_gpu.py adds ratio rows without GB/s
+        return plot_bench(dict(doc, rows=rows), path) if rows else []
+    if isinstance(doc, list) and doc and isinstance(doc[0], dict):
+        keys = doc[0].keys()
+        if {"mix", "op", "method", "gbps"} <= keys:
+            return plot_kernels(doc, path)
+        if {"piece_bytes", "slot_bytes", "path", "gbps"} <= keys:
+            return plot_relay_table(doc, path)
+        if {"shape", "system", "gbps"} <= keys:
+            return plot_fabrics(doc, path)
+    return []

@@ -141,6 +141,31 @@ def test_many_writes_per_post_scattered(case):
     assert case.target.call("hash", 0, n * 64) == digest(expect)
 
 
+def test_unsignaled_writes_complete_silently_but_errors_still_complete(case):
+    """Selective signaling: only the signaled write of a run completes on success, after every silent one before
+    it has landed; a silent write that is refused still completes with its error. A fabric without the
+    capability completes every write, which the engine also handles."""
+    selective = "selective_signaling" in case.fab.capabilities
+    n = 300
+    data = case.fresh(n * 97)
+    reqs = [case.req(97 * i, 97, 97 * i + 3, wr_id=100 + i) for i in range(n)]
+    for r in reqs[:-1]:
+        r.signaled = False
+    case.fab.post_writes(case.ep, reqs)
+    comps = wait_completions(case.fab, 1 if selective else n)
+    _ok(comps)
+    assert comps[-1].wr_id == 100 + n - 1
+    assert case.target.call("hash", 3, n * 97) == digest(data)
+    if selective:
+        assert not case.fab.poll(16, timeout=0.2), "a silent write completed on success"
+        t = case.target
+        bad = WriteRequest(case.src.addr, 64, t.addr - 64, t.rkey, case.mr.lkey, None, 900, signaled=False)
+        case.fab.post_writes(case.ep, [bad, case.req(0, 64, 5000, wr_id=901)])
+        comps = wait_completions(case.fab, 2)
+        assert [c.wr_id for c in comps] == [900, 901]
+        assert isinstance(comps[0].error, RegionError) and comps[1].ok
+
+
 def test_concurrent_posters(case):
     threads, per, size = 4, 40, 5000
     data = case.fresh(threads * per * size)

@@ -5,10 +5,13 @@ A slot goes FREE -> FILLING (gather / copy into it) -> READY (queued for the fab
 allocated once and registered once with the rail's fabric (one lkey), on the relay device: host memory on a
 GPU-less machine, the NIC-local GPU otherwise.
 
-Threads (the field prototype reached 97 % of direct only after this split): the copy thread launches the
-gathers / copies into slots, the submit thread posts fabric writes, many per doorbell; completions are polled
-in batches by the engine's per-rail poller, which releases slots. Back-pressure: the copy thread waits for a
-free slot; nothing that releases slots ever waits for one, so the ring cannot deadlock.
+Threads: the copy thread takes as many queued units as there are free slots, enqueues their gathers / copies
+on the lanes' CUDA streams (host rings: memmove), waits once per lane, and posts the round's writes itself, many
+per doorbell: one synchronise per round instead of one per slot, and no hand-off to a second thread (each cost
+about a slot's copy time in Python). The submit thread only posts units the engine re-dispatches after a
+failover. Completions are polled in batches by the engine's per-rail poller, which releases slots.
+Back-pressure: the copy thread waits for a free slot; nothing that releases slots ever waits for one, so the
+ring cannot deadlock.
 
 Lanes: slots are split into lanes; on CUDA each lane has its own stream, so copies of different lanes overlap
 with each other and with the fabric. The copy thread takes the lane with the most free slots.

@@ -258,6 +258,14 @@ def test_bad_input_named_exceptions(case):
         with pytest.raises(exc) as ei:
             f.post_writes(ep, [ok, bad])  # the valid one must not be posted either
         assert str(ei.value)
+        # the same inside a post of many writes (checked in bulk), anywhere in it
+        for where in (0, 20, 40):
+            many = [case.req(64 * i, 64, 64 * i) for i in range(40)]
+            many.insert(where, bad)
+            with pytest.raises(exc):
+                f.post_writes(ep, many)
+    with pytest.raises(ValueError):
+        f.post_writes(ep, [case.req(64 * i, 64, 64 * i) for i in range(30)] + [case.req(0, True, 0)])
     assert wait_completions(f, 1, timeout=0.3) == []
     assert t.call("untouched", [])[1:] == (0, 0)
     with pytest.raises(ValueError):

@@ -226,9 +226,9 @@ class CompletionQueue:
 
 def check_range(addr: int, length: int, what: str = "range") -> None:
     """Raise ``ValueError`` naming the value for a non-positive length or a range that overflows 64 bits."""
-    if not isinstance(length, int) or length <= 0:
+    if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
         raise ValueError(f"{what}: length must be a positive int, got {length!r}")
-    if not isinstance(addr, int) or addr < 0:
+    if isinstance(addr, bool) or not isinstance(addr, int) or addr < 0:
         raise ValueError(f"{what}: address must be a non-negative int, got {addr!r}")
     if addr + length > 1 << 64:
         raise ValueError(f"{what}: address 0x{addr:x} + length {length} overflows 64 bits")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import json
 import logging
 import os
@@ -66,6 +67,8 @@ _STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range out
 # one syscall per 64 B piece.
 SMALL_PIECE = 32 << 10
 MAX_TABLE = 1 << 16  # pieces per message; a peer claiming more is broken or hostile
+_VECTOR_MIN = 16  # posts of more writes than this are checked and framed by numpy, not one write at a time
+_I64 = (1 << 63) - 1
 
 _PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
 _PyMemoryView_FromMemory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
@@ -629,6 +632,10 @@ class TcpFabric(Fabric):
         if not isinstance(ep, TcpEndpoint) or ep.fabric is not self:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {self.name} fabric {self._id}")
         ep.check_alive()
+        if len(requests) > _VECTOR_MIN:
+            mrs = self._validate_many(requests)
+            if mrs is not None:
+                return mrs
         mrs = []
         for r in requests:
             check_range(r.local_addr, r.length, f"wr_id={r.wr_id} local")
@@ -638,6 +645,41 @@ class TcpFabric(Fabric):
             if r.imm is not None and (not isinstance(r.imm, int) or not 0 <= r.imm <= IMM_MAX):
                 raise ValueError(f"wr_id={r.wr_id}: imm must be a 32-bit unsigned int, got {r.imm!r}")
             mrs.append(self._lookup_local(r))
+        return mrs
+
+    def _validate_many(self, requests: Sequence[WriteRequest]) -> Optional[List[MemoryRegion]]:
+        """The checks of ``_validate`` for many requests in a few numpy calls (one Python step per request cost
+        ~20 us on the H200 VM: 20 ms per 1024-write post). None when any request fails a check: the per-request
+        loop then raises the error that names it."""
+        cols = [(r.local_addr, r.length, r.remote_addr, r.rkey, r.lkey, 0 if r.imm is None else r.imm)
+                for r in requests]
+        if not set(map(type, itertools.chain.from_iterable(cols))) <= {int}:
+            return None  # a bool, float or other non-int somewhere
+        try:
+            a = np.array(cols, dtype=np.int64)
+        except OverflowError:
+            return None
+        la, ln, ra, rk, lk, imm = a.T
+        if (ln <= 0).any() or (la < 0).any() or (ra < 0).any() or (la > _I64 - ln).any() or (ra > _I64 - ln).any():
+            return None
+        if (rk < 0).any() or (rk > 0xFFFFFFFF).any() or (imm < 0).any() or (imm > IMM_MAX).any():
+            return None
+        by_key = {}
+        for key in np.unique(lk).tolist():
+            mr = self._regions.get(key)
+            if mr is None:
+                return None
+            by_key[key] = mr
+        if len(by_key) == 1:
+            mr = next(iter(by_key.values()))
+            if (la < mr.addr).any() or (la + ln > mr.addr + mr.length).any():
+                return None
+            return [mr] * len(requests)
+        mrs = [by_key[k] for k in lk.tolist()]
+        base = np.array([m.addr for m in mrs], dtype=np.int64)
+        end = base + np.array([m.length for m in mrs], dtype=np.int64)
+        if (la < base).any() or (la + ln > end).any():
+            return None
         return mrs
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
@@ -652,6 +694,8 @@ class TcpFabric(Fabric):
         so that every socket gets a share); a write spanning a boundary becomes several pieces."""
         total = sum(r.length for r in requests)
         target = max(64 << 10, min(self.message_bytes, -(-total // nsocks)))
+        if len(requests) > _VECTOR_MIN and all(r.length <= target for r in requests):
+            return self._build_whole(requests, mrs, target)
         msgs: List[_OutMsg] = []
         rows: List[tuple] = []
         cur = _OutMsg(0)
@@ -684,6 +728,37 @@ class TcpFabric(Fabric):
                 off += n
         if rows:
             flush()
+        return msgs
+
+    @staticmethod
+    def _build_whole(requests, mrs, target: int) -> List[_OutMsg]:
+        """``_build_messages`` for writes that each fit a message: whole writes, in order, a message closed once
+        it holds ``target`` bytes or ``MAX_TABLE`` pieces; the table built by numpy, not row by row."""
+        n = len(requests)
+        la = np.fromiter((r.local_addr for r in requests), dtype=np.int64, count=n)
+        ln = np.fromiter((r.length for r in requests), dtype=np.int64, count=n)
+        ra = np.fromiter((r.remote_addr for r in requests), dtype=np.int64, count=n)
+        cum = np.cumsum(ln) - ln  # bytes before each write
+        group = cum // target
+        cuts = np.nonzero(np.diff(group))[0] + 1
+        bounds = [0] + cuts.tolist() + [n]
+        msgs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            for lo in range(a, b, MAX_TABLE):
+                hi = min(b, lo + MAX_TABLE)
+                m = _OutMsg(0)
+                part = requests[lo:hi]
+                t = np.zeros(hi - lo, dtype=PIECE_DT)
+                t["addr"] = t["waddr"] = ra[lo:hi]
+                t["len"] = t["wlen"] = ln[lo:hi]
+                t["rkey"] = [r.rkey for r in part]
+                t["flags"] = [F_IMM if r.imm is not None else 0 for r in part]
+                t["imm"] = [r.imm or 0 for r in part]
+                m.table = t
+                m.recs = [_WrRecord(r) for r in part]
+                m.last = [True] * (hi - lo)
+                m.src = list(zip(la[lo:hi].tolist(), ln[lo:hi].tolist(), [mr.device for mr in mrs[lo:hi]]))
+                msgs.append(m)
         return msgs
 
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:

@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import itertools
 import json
 import logging
 import os
+import queue
 import secrets
 import socket
 import struct
@@ -455,6 +457,15 @@ class TransferEngine:
         t = threading.Thread(target=self._ctrl_loop, name=f"pxn-ctrl-{self.port}", daemon=True)
         t.start()
         self._threads.append(t)
+        self._deferred: List[queue.Queue] = []
+        if "completion_callback" in fabric_cls.capabilities:
+            # completions are handled in the fabric thread that sees them (one thread hand-off fewer per write
+            # and per chunk); the rail's poll loop then takes failed ones and runs the watchdog
+            self._deferred = [queue.Queue() for _ in self.fabrics]
+            self._deferring = [0] * len(self.fabrics)  # per rail: lists queued for the poll loop, not yet handled
+            self._defer_lock = threading.Lock()
+            for rail, fab in enumerate(self.fabrics):
+                fab.set_completion_handler(functools.partial(self._on_completions, rail))
         for rail in range(len(self.fabrics)):
             t = threading.Thread(target=self._poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}", daemon=True)
             t.start()
@@ -1317,24 +1328,57 @@ class TransferEngine:
     def _poll_loop(self, rail: int) -> None:
         fab = self.fabrics[rail]
         last_check = time.monotonic()
+        deferred = self._deferred[rail] if self._deferred else None
         while not self._closed:
             try:
-                comps = fab.poll(256, timeout=0.05)
+                if deferred is not None:  # completions come by callback; failed ones are handled here
+                    try:
+                        comps = deferred.get(timeout=0.05)
+                    except queue.Empty:
+                        comps = None
+                else:
+                    comps = fab.poll(256, timeout=0.05)
             except FabricClosed:
                 return
             except Exception:  # noqa: BLE001
                 log.exception("poll on rail %d failed", rail)
                 time.sleep(0.05)
                 continue
-            for c in comps:
+            for c in comps or ():
                 try:
                     self._on_completion(rail, c)
                 except Exception:  # noqa: BLE001 — one bad completion must not stop the poller
                     log.exception("rail %d: handling completion %r failed", rail, c)
+            if deferred is not None and comps is not None:
+                with self._defer_lock:
+                    self._deferring[rail] -= 1
             now = time.monotonic()
             if now - last_check > 0.1:
                 last_check = now
                 self._watchdog(rail)
+
+    def _on_completions(self, rail: int, comps) -> None:
+        """Completion handler called by a fabric thread (fabrics with ``completion_callback``). Failures go to the
+        rail's poll loop instead: failover deregisters and re-posts, which must not run in a fabric thread that
+        the fabric itself may be waiting on."""
+        if self._closed:
+            return
+        q = self._deferred[rail]
+        with self._defer_lock:
+            # from the first failure on, and while earlier ones wait, completions keep their order through the
+            # poll loop: a unit's last write must never be counted done before an earlier write's error
+            first_bad = next((i for i, c in enumerate(comps) if c.error is not None), None)
+            if self._deferring[rail] or first_bad is not None:
+                cut = 0 if self._deferring[rail] else first_bad
+                later = comps[cut:]
+                comps = comps[:cut]
+                self._deferring[rail] += 1
+                q.put(later)
+        for c in comps:
+            try:
+                self._on_completion(rail, c)
+            except Exception:  # noqa: BLE001 — one bad completion must not break the fabric's thread
+                log.exception("rail %d: handling completion %r failed", rail, c)
 
     def _watchdog(self, rail: int) -> None:
         """A rail whose endpoint died with work in flight (e.g. chunks waiting for acks) fails over even when

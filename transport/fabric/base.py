@@ -136,7 +136,8 @@ class Fabric(abc.ABC):
     ``"selective_signaling"`` (``WriteRequest.signaled=False`` writes complete silently on success; an endpoint's
     completions come in posting order), ``"loadstore"`` (``access_info`` lets a same-host peer map regions and
     write with its own loads and stores, ``transport.loadstore``), ``"nic_ports"`` (each instance drives one
-    NIC port: the engine passes a topology rail's ``device`` and ``port_num``)."""
+    NIC port: the engine passes a topology rail's ``device`` and ``port_num``), ``"completion_callback"``
+    (``set_completion_handler``)."""
 
     @property
     @abc.abstractmethod
@@ -179,6 +180,12 @@ class Fabric(abc.ABC):
     def close(self) -> None:
         """Release sockets, handles, registrations. Idempotent."""
 
+    def set_completion_handler(self, handler) -> None:
+        """Fabrics with the ``completion_callback`` capability: call ``handler(completions)`` from the fabric's own
+        progress thread as completions arrive, instead of keeping them for ``poll`` (saves a thread hand-off per
+        completion). ``handler`` must not block and must not post on this fabric."""
+        raise NotImplementedError(f"{self.name} fabric does not deliver completions by callback")
+
     def access_info(self, mr: MemoryRegion) -> Optional[dict]:
         """What a peer of this host needs to load/store ``mr`` directly (``transport.loadstore``), or None when
         this fabric offers no such access (the default: tcp, verbs). JSON-serialisable."""
@@ -201,8 +208,18 @@ class CompletionQueue:
         self._items: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._handler = None
+
+    def set_handler(self, handler) -> None:
+        """From now on ``push`` hands completions to ``handler(list)`` in the pushing thread instead of queueing
+        them (``Fabric.set_completion_handler``)."""
+        self._handler = handler
 
     def push(self, completions: Iterable[Completion]) -> None:
+        handler = self._handler
+        if handler is not None:
+            handler(list(completions))
+            return
         with self._cv:
             self._items.extend(completions)
             self._cv.notify_all()

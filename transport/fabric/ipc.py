@@ -36,8 +36,8 @@ import numpy as np
 from transport.errors import FabricError, FabricUnavailable
 from transport.fabric.base import DEVICE_HOST, MemoryRegion
 from transport.fabric.tcp import (
-    BIG_GPU_PIECE, HDR, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_REQ, TcpEndpoint, TcpFabric, _OutMsg,
-    _Sock, cuda_stream, cuda_tensor, gpu_batch_copy, memcpy_async, raw_view,
+    BIG_GPU_PIECE, HDR, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
+    _OutMsg, _Sock, cuda_stream, cuda_tensor, gpu_batch_copy, memcpy_async, raw_view, recv_exact,
 )
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class IpcFabric(TcpFabric):
     """
 
     name = "ipc"
-    capabilities = frozenset({"selective_signaling", "loadstore"})
+    capabilities = frozenset({"selective_signaling", "loadstore", "completion_callback"})
     # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages took the
     # 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES.md, section Engine)
     engine_options = {"message_bytes": 256 << 20}
@@ -228,6 +228,12 @@ class IpcFabric(TcpFabric):
         self._open_lock = threading.Lock()
         self._cuda = None
         self._uuid_to_index = None
+        # Bumped by every deregister. A writer that holds a peer's region descriptions (from an earlier GRANT)
+        # and finds this counter unmoved copies at once and sends one NOTIFY instead of a REQ / GRANT round trip.
+        from transport.loadstore import GenerationCounter
+        self._gen = GenerationCounter()
+        self._granted_info: Dict[str, Dict[int, tuple]] = {}  # peer id -> rkey -> (description, counter value)
+        self._gen_readers: Dict[str, object] = {}
 
     def _cuda_api(self) -> _Cuda:
         if self._cuda is None:
@@ -235,8 +241,9 @@ class IpcFabric(TcpFabric):
         return self._cuda
 
     def _descriptor_extra(self) -> dict:
+        gen = self._gen.wire()
         return {"pid": self._pid, "boot": _boot_id(), "pidns": _pid_ns(), "probe": ctypes.addressof(self._probe),
-                "token": self._probe_token.hex()}
+                "token": self._probe_token.hex(), "gen_addr": gen["region_gen_addr"], "gen_fd": gen["region_gen_fd"]}
 
     def _check_peer(self, d: dict) -> None:
         try:
@@ -270,6 +277,7 @@ class IpcFabric(TcpFabric):
     def deregister(self, mr: MemoryRegion) -> None:
         super().deregister(mr)
         self._exports.pop(mr.rkey, None)
+        self._gen.bump()  # after the region is gone: a writer that read the old value still holds GRANT pins
 
     def access_info(self, mr: MemoryRegion) -> dict:
         """The region as ``_describe`` gives it (pid; for GPU memory the CUDA IPC handle): a same-host peer maps
@@ -303,6 +311,9 @@ class IpcFabric(TcpFabric):
             s.sock.sendall(payload)
 
     def _on_message(self, ep, s, typ, seq, table, payload, st) -> None:
+        if typ == T_NOTIFY:
+            self._on_notify(ep, s, seq, table, payload)
+            return
         if typ != T_REQ or payload:
             raise ValueError(f"ipc fabric got message type {typ} with {payload} B payload")
         statuses, regions, pinned = self._validate_pieces(table)
@@ -317,6 +328,25 @@ class IpcFabric(TcpFabric):
         except OSError:
             self._release(s, seq)
             raise
+
+    def _on_notify(self, ep, s, seq: int, table, payload: int) -> None:
+        """A writer copied without asking (its descriptions of our regions were current): check the pieces again
+        against our regions, so a completion never reports success for a piece outside them, then ack and
+        deliver RECV_IMM as after a DONE."""
+        if payload != len(table):
+            raise ValueError(f"NOTIFY carries {payload} statuses for {len(table)} pieces")
+        body = bytearray(payload)
+        recv_exact(s.sock, memoryview(body))
+        statuses, _, pinned = self._validate_pieces(table)
+        self._unpin(pinned)
+        for i, b in enumerate(body):
+            if b and not statuses[i]:
+                statuses[i] = b
+            elif statuses[i] and not b:
+                # cannot happen unless the writer's descriptions were stale: name it loudly
+                log.error("ipc: writer %s copied piece %d (0x%x+%d) outside every region registered here",
+                          ep.peer_id, i, int(table["addr"][i]), int(table["len"][i]))
+        self._finish_message(ep, s, seq, table, statuses)
 
     def _release(self, s: _Sock, seq: int):
         g = s.granted.pop(seq, None)
@@ -352,8 +382,71 @@ class IpcFabric(TcpFabric):
                 self._release(s, seq)
 
     # --- writer side ----------------------------------------------------------------------------------------
+    def post_writes(self, ep, requests) -> None:
+        """As ``TcpFabric.post_writes``; when the peer's descriptions of every region involved are current, the
+        copy and its NOTIFY run in the posting thread (no hand-off to a socket's sender thread, no GRANT round
+        trip), else the messages queue for the sender threads as on tcp."""
+        requests = list(requests)
+        mrs = self._validate(ep, requests)
+        if not requests:
+            return
+        msgs = self._build_messages(requests, mrs, len(ep.socks))
+        if not all(self._current_info(ep, m.table)[0] is not None for m in msgs):
+            ep.enqueue(msgs)
+            return
+        for m, s in zip(msgs, ep.enqueue(msgs, queue=False)):
+            if not ep.alive:
+                return  # fail() completed the rest with PeerLost
+            try:
+                self._transmit(ep, s, m)
+            except Exception as e:  # noqa: BLE001 — as in the sender thread: the link is unusable
+                log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
+                ep.fail(f"send failed: {e}")
+                return
+
+    def _gen_reader(self, ep: TcpEndpoint):
+        """The peer's region counter, mapped once (None when its descriptor has none)."""
+        reader = self._gen_readers.get(ep.peer_id)
+        if reader is None:
+            d = ep.peer_desc
+            if "gen_addr" not in d:
+                return None
+            from transport.loadstore import _CounterReader
+            reader = self._gen_readers[ep.peer_id] = _CounterReader(int(d["pid"]), int(d.get("gen_fd", -1)),
+                                                                    int(d["gen_addr"]))
+        return reader
+
+    def _current_info(self, ep: TcpEndpoint, table):
+        """(descriptions by rkey, counter value) when every rkey of ``table`` was described by a GRANT and the
+        peer deregistered nothing since; else (None, the counter value or None)."""
+        reader = self._gen_reader(ep)
+        if reader is None:
+            return None, None
+        gen = reader.read()
+        known = self._granted_info.get(ep.peer_id)
+        if not known:
+            return None, gen
+        info = {}
+        for k in np.unique(table["rkey"]).tolist():
+            got = known.get(k)
+            if got is None or got[1] != gen:
+                return None, gen
+            info[k] = got[0]
+        return info, gen
+
     def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
         table = msg.table
+        info, gen = self._current_info(ep, table)
+        if info is not None:
+            # one message instead of REQ / GRANT / DONE: copy now (the same bounds checks against the peer's own
+            # descriptions as after a GRANT), then tell the peer what landed
+            statuses = bytearray(len(table))
+            self._copy_checked(ep, s, msg, statuses, info)
+            tb = table.tobytes()
+            with s.send_lock:
+                s.sock.sendall(HDR.pack(MAGIC, T_NOTIFY, 0, 0, len(table), msg.seq, len(tb) + len(statuses))
+                               + tb + bytes(statuses))
+            return
         tb = table.tobytes()
         with s.send_lock:
             s.sock.sendall(HDR.pack(MAGIC, T_REQ, 0, 0, len(table), msg.seq, len(tb)) + tb)
@@ -368,14 +461,22 @@ class IpcFabric(TcpFabric):
             st_bytes, info_json = s.grants.pop(msg.seq)
         statuses = bytearray(st_bytes)
         info = {int(k): v for k, v in json.loads(info_json or b"{}").items()}
+        if gen is not None and info:
+            # described while pinned, at counter value >= gen: valid for as long as the counter stays at gen
+            known = self._granted_info.setdefault(ep.peer_id, {})
+            for k, v in info.items():
+                known[k] = (v, gen)
+        self._copy_checked(ep, s, msg, statuses, info)
+        with s.send_lock:
+            s.sock.sendall(HDR.pack(MAGIC, T_DONE, 0, 0, len(statuses), msg.seq, len(statuses)) + bytes(statuses))
+
+    def _copy_checked(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
         try:
             self._copy(ep, s, msg, statuses, info)
         except OSError as e:
             if e.errno in (3,):  # ESRCH: the target process is gone
                 raise ConnectionError(f"peer process gone: {e}") from e
             raise
-        with s.send_lock:
-            s.sock.sendall(HDR.pack(MAGIC, T_DONE, 0, 0, len(statuses), msg.seq, len(statuses)) + bytes(statuses))
 
     def _copy(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
         t = msg.table
@@ -469,6 +570,7 @@ class IpcFabric(TcpFabric):
             stream.synchronize()
 
     def _on_close(self) -> None:
+        self._gen.close()
         if self._cuda is not None:
             for ptr in self._opened.values():
                 self._cuda.close(ptr)

@@ -50,7 +50,7 @@ from transport.fabric.base import (
 log = logging.getLogger(__name__)
 
 MAGIC = b"PXNT"
-T_HELLO, T_HELLO_ACK, T_WRITE, T_ACK, T_REQ, T_GRANT, T_DONE = 1, 2, 3, 4, 5, 6, 7
+T_HELLO, T_HELLO_ACK, T_WRITE, T_ACK, T_REQ, T_GRANT, T_DONE, T_NOTIFY = 1, 2, 3, 4, 5, 6, 7, 8
 # magic, type, flags, reserved, count, seq, body bytes (table/JSON + payload)
 HDR = struct.Struct("<4sBBHIQQ4x")
 assert HDR.size == 32
@@ -367,8 +367,10 @@ class TcpEndpoint(Endpoint):
             raise PeerLost(f"endpoint {self.peer_id} is dead ({self._cause}); reconnect first")
 
     # --- sender side ----------------------------------------------------------------------------------------
-    def enqueue(self, msgs: List[_OutMsg]) -> None:
-        """Register ``msgs`` as pending and hand them to the sockets round-robin (under one lock: seq order)."""
+    def enqueue(self, msgs: List[_OutMsg], queue: bool = True) -> List[_Sock]:
+        """Register ``msgs`` as pending and hand them to the sockets round-robin (under one lock: seq order).
+        ``queue=False``: only register them; the caller transmits each on the socket returned for it."""
+        out = []
         with self._lock:
             self.check_alive()
             n = len(self.socks)
@@ -379,9 +381,12 @@ class TcpEndpoint(Endpoint):
                 self._pending[m.seq] = m
                 s = self.socks[self._rr % n]
                 self._rr += 1
-                with s.cv:
-                    s.data.append(m)
-                    s.cv.notify()
+                out.append(s)
+                if queue:
+                    with s.cv:
+                        s.data.append(m)
+                        s.cv.notify()
+        return out
 
     def on_ack(self, seq: int, statuses: bytes) -> None:
         """Record an ack and release completions of every message acked so far, in sequence order."""
@@ -442,7 +447,7 @@ class TcpFabric(Fabric):
     """
 
     name = "tcp"
-    capabilities = frozenset({"selective_signaling"})
+    capabilities = frozenset({"selective_signaling", "completion_callback"})
     # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
     engine_options = {"connections_per_peer": 2}
 
@@ -765,6 +770,9 @@ class TcpFabric(Fabric):
         self._check_open()
         return self._cq.take(max_n, timeout)
 
+    def set_completion_handler(self, handler) -> None:
+        self._cq.set_handler(handler)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -958,7 +966,7 @@ class TcpFabric(Fabric):
                     body = bytearray(count)
                     recv_exact(s.sock, memoryview(body))
                     ep.on_ack(seq, bytes(body))
-                elif typ in (T_WRITE, T_REQ):
+                elif typ in (T_WRITE, T_REQ, T_NOTIFY):
                     if count > MAX_TABLE:
                         raise ValueError(f"piece count {count} above {MAX_TABLE}")
                     tb = count * PIECE_DT.itemsize

@@ -19,6 +19,14 @@ as parallel copies): REQ (piece table) -> the target validates every piece again
 writer checks bounds against again) -> the writer copies the granted pieces -> DONE (per-piece status) -> the
 target unpins, delivers RECV_IMM in order and ACKs -> sender completions. The target only describes regions it
 registered, and only pieces it accepted are ever copied.
+
+Once a GRANT has described the regions a message needs, the writer keeps those descriptions, tagged with the
+target's deregistration counter (an 8-byte memfd in the target, mapped read-only by the writer, bumped by every
+``deregister``). While the counter has not moved, a message skips REQ / GRANT: the posting thread checks every
+piece against the kept descriptions, copies, and sends one NOTIFY (piece table + statuses); the target checks the
+pieces again against its own regions before it acks and delivers RECV_IMM. That is one message instead of three
+and no hand-off to a sender thread. As for an RDMA write or the load/store path, a write racing a ``deregister``
+of its own destination is the caller's error (the GRANT path pins regions; this one cannot).
 """
 from __future__ import annotations
 

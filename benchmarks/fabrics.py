@@ -19,6 +19,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import tempfile
 import platform
 import statistics
 import subprocess
@@ -245,7 +246,8 @@ def main(argv=None) -> int:
                          "taken over all rounds, so slow drifts of a shared 2-core machine hit every system alike")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--systems", nargs="*", default=list(SYSTEMS))
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fabrics-cpu.json"))
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "pxn-fabrics-cpu.json"),
+                    help="JSON path (default: a temporary file; the committed results are written only with --out)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     src = np.random.default_rng().integers(0, 256, BUF, dtype=np.uint8)

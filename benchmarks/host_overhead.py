@@ -17,7 +17,7 @@ bytes costs little next to the host work:
 Each case: 300 warm-up calls, then ``--rounds`` rounds of ``--calls`` calls; the median round's mean per call is
 reported, with the engine's own split (``stats()["time_s"]``: ``validate`` = argument checks and region lookups,
 ``loadstore`` = classification, host write and bookkeeping). Every case is verified byte for byte once.
-Output: a JSON list of rows in ``benchmarks/results/host-overhead-cpu.json`` and a table.
+Output: a JSON list of rows (a temporary file unless ``--out`` names one, e.g. ``benchmarks/results/host-overhead-cpu.json``) and a table.
 
 Run:  python3 benchmarks/host_overhead.py [--calls 1000] [--rounds 7] [--out PATH]
 """
@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import os
+import tempfile
 import platform
 import sys
 import time
@@ -116,7 +117,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=1000, help="calls per round (default 1000)")
     ap.add_argument("--rounds", type=int, default=7, help="rounds per case; the median round is reported")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "host-overhead-cpu.json"))
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "pxn-host-overhead-cpu.json"),
+                    help="JSON path (default: a temporary file; the committed results are written only with --out)")
     args = ap.parse_args(argv)
     from transport import loadstore
     from transport.engine import TransferEngine

@@ -15,7 +15,7 @@ Paths:
 
 Each cell writes ``--total-mb`` MB as ``total / piece`` pieces in one batch, ``--repeat`` times after a warm-up,
 and reports the median. Output: a JSON list of rows ``{piece_bytes, slot_bytes, path, gbps, fabric, date, ...}``
-in ``benchmarks/results/relay-table-<fabric>.json``, and the table on stdout.
+in a temporary file unless ``--out`` names one (``benchmarks/results/relay-table-<fabric>.json``), and the table on stdout.
 
 Run:  python3 benchmarks/relay_table.py [--fabric tcp] [--total-mb 128] [--repeat 5]
 """
@@ -26,6 +26,7 @@ import datetime
 import json
 import logging
 import os
+import tempfile
 import platform
 import sys
 import time
@@ -56,10 +57,11 @@ def main(argv=None) -> int:
     ap.add_argument("--total-mb", type=int, default=128, help="MB written per call (default 128)")
     ap.add_argument("--repeat", type=int, default=5, help="timed calls per cell (median reported)")
     ap.add_argument("--rails", type=int, default=2)
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/relay-table-<fabric>.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default: a temporary file; the committed "
+                                                "benchmarks/results/relay-table-<fabric>.json only with --out)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"relay-table-{args.fabric}.json")
+    out = args.out or os.path.join(tempfile.gettempdir(), f"pxn-relay-table-{args.fabric}.json")
     total = args.total_mb * MB
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     rows = []

@@ -12,7 +12,7 @@ to an unknown peer, probes), run unchanged, as Mooncake's CI runs them (``MC_FOR
 * ``mode="http"``: an http metadata server (``integration.metadata_server``, or Mooncake's own with
   ``server="mooncake"``) and segment names ``127.0.0.1:12345`` / ``127.0.0.1:12347``.
 
-Command line: ``python tests/mooncake_conformance/run.py --impl pxn --mode http`` prints the initiator's output
+Command line: ``python tests/mooncake_conformance/suite.py --impl pxn --mode http`` prints the initiator's output
 and exits with its status.
 """
 from __future__ import annotations

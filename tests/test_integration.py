@@ -12,7 +12,9 @@ import importlib.machinery
 import inspect
 import json
 import logging
+import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +28,8 @@ from engine_helpers import GUARD, POISON, Expected, GuardedPeer, _digest, disjoi
 from integration import mooncake as mc
 from integration.mooncake import TransferEngine as MooncakeEngine
 from integration.sglang import PxnMooncakeTransferEngine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MB = 1 << 20
 AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]   # sglang's aux metadata batch (bytes per piece)
@@ -223,9 +227,10 @@ def test_mooncake_async_failure_codes(mc_sender, mc_peer, src):
     b = src.ctypes.data
     # refused at submission (destination not registered at the peer): Mooncake's "0 on failure"
     assert mc_sender.batch_transfer_async_write(mc_peer.session, [b], [mc_peer.base - 4096], [64]) == 0
-    # refused at submission by the one-piece variant: a negative code, as Mooncake's transfer_submit_write
-    assert mc_sender.transfer_submit_write(mc_peer.session, b, mc_peer.base + mc_peer.size, 64) == \
-        mc.ERR_ADDRESS_NOT_REGISTERED
+    # refused at submission by the one-piece variant: 0 too (Mooncake's transfer_submit_write returns a batch id,
+    # 0 on failure), the cause logged
+    assert mc_sender.transfer_submit_write(mc_peer.session, b, mc_peer.base + mc_peer.size, 64) == 0
+    assert mc_sender.transfer_submit_write("unreachable_peer:9", 0, 0, 16) == 0
     mc_peer.check(Expected(mc_peer.size))
 
 
@@ -396,7 +401,10 @@ def test_destination_outside_peer_memory(api, mc_sender, sgl_sender, mc_peer, sg
     assert call(peer.session, [b - 64 * MB], [peer.base], [64]) == mc.ERR_ADDRESS_NOT_REGISTERED
     # malformed batches
     assert call(peer.session, [b, b + 64], [peer.base], [64, 64]) == mc.ERR_INVALID_ARGUMENT
-    assert call(peer.session, [b], [peer.base], [0]) == mc.ERR_INVALID_ARGUMENT
+    assert call(peer.session, [b], [peer.base], [-1]) == mc.ERR_INVALID_ARGUMENT
+    # a zero-length piece moves nothing and is no error, as in Mooncake; with it a bad piece still fails all
+    assert call(peer.session, [b], [peer.base], [0]) == 0
+    assert call(peer.session, [b, b], [peer.base, peer.base - 4096], [0, 64]) == mc.ERR_ADDRESS_NOT_REGISTERED
     time.sleep(0.2)
     peer.check(Expected(peer.size))  # all poison: not even the valid pieces were written
 
@@ -517,7 +525,19 @@ def test_initialize_codes(caplog):
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == mc.ERR_NOT_IMPLEMENTED
         assert eng.initialize("127.0.0.1:4242", "P2PHANDSHAKE", "tcp", "") == 0
         assert eng.get_session_id() == f"127.0.0.1:{eng.get_rpc_port()}"
-        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == mc.ERR_CONTEXT
+        first = eng.pxn_engine
+        buf = np.zeros(4096, dtype=np.uint8)
+        assert eng.register_memory(buf.ctypes.data, 4096) == 0
+        # a second initialize starts a fresh engine and drops the first (and its registrations), as Mooncake's
+        with caplog.at_level(logging.WARNING, logger="integration.mooncake"):
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert "called again" in caplog.text
+        assert eng.pxn_engine is not first and first._closed and eng.pxn_engine.regions() == []
+        assert eng.get_session_id() == f"127.0.0.1:{eng.get_rpc_port()}"
+        # a failing second initialize keeps the running engine
+        second = eng.pxn_engine
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == mc.ERR_NOT_IMPLEMENTED
+        assert eng.pxn_engine is second and not second._closed
         assert isinstance(json.loads(eng.get_local_topology()), dict)
     finally:
         eng.close()
@@ -528,20 +548,23 @@ def test_rdma_without_device_fails_cleanly(monkeypatch):
     from transport.engine import TransferEngine as PxnEngine
     if PxnEngine._pick_fabric("auto") == "verbs":
         pytest.skip("an RDMA device is usable here")
+    # "rdma" starts on tcp with one warning line, as Mooncake does; pxn's "verbs" refuses instead
     with MooncakeEngine() as eng:
-        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == mc.ERR_DEVICE_NOT_FOUND
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "verbs", "") == mc.ERR_DEVICE_NOT_FOUND
     with MooncakeEngine() as eng:  # "auto" falls back to tcp
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "auto", "") == 0
         assert eng.pxn_engine.fabric_name == "tcp"
-    monkeypatch.setenv("MC_FORCE_TCP", "1")  # as Mooncake: forces tcp whatever the protocol says
-    with MooncakeEngine() as eng:
-        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
-        assert eng.pxn_engine.fabric_name == "tcp"
+    for value in ("1", "true", "TRUE", "yes", "on"):  # as Mooncake: forces tcp whatever the protocol says
+        monkeypatch.setenv("MC_FORCE_TCP", value)
+        with MooncakeEngine() as eng:
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "verbs", "") == 0, value
+            assert eng.pxn_engine.fabric_name == "tcp"
+    for value in ("0", "false", "no", "off", ""):
+        monkeypatch.setenv("MC_FORCE_TCP", value)
+        with MooncakeEngine() as eng:
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "verbs", "") == mc.ERR_DEVICE_NOT_FOUND, value
     monkeypatch.delenv("MC_FORCE_TCP")
-    with pytest.raises(RuntimeError, match="initialization failed"):  # sglang's wrapper raises here too
-        PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0)           # MOONCAKE_PROTOCOL unset -> "rdma"
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-    eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0)
+    eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0)  # MOONCAKE_PROTOCOL unset -> "rdma" -> tcp here
     try:
         assert eng.get_engine().fabric_name == "tcp"
     finally:
@@ -560,9 +583,9 @@ def test_batch_register_is_all_or_nothing():
         assert eng.batch_register_memory([a0, a1], [4096]) == mc.ERR_INVALID_ARGUMENT
         assert eng.batch_register_memory([a0, a1], [4096, 0]) == mc.ERR_INVALID_ARGUMENT
         assert eng.batch_register_memory([a0, a1], [4096, 4096]) == 0
-        assert eng.register_memory(a0, 4096) == 0  # the same range again: fine
+        assert eng.register_memory(a0, 4096) == mc.ERR_ADDRESS_OVERLAPPED  # the same range again: Mooncake's -7
         assert eng.register_memory(a0, 4096, "cuda:x") == mc.ERR_INVALID_ARGUMENT
-        assert eng.register_memory(a0, 4096, "cpu:0") == 0
+        assert eng.register_memory(a0, 0) == mc.ERR_INVALID_ARGUMENT  # zero length: Mooncake's -1
         assert sorted(r.addr for r in eng.pxn_engine.regions()) == sorted([a0, a1, a2])
         # unregister: every address is tried, the first failure is returned
         assert eng.batch_unregister_memory([a0, 12345, a1]) == mc.ERR_ADDRESS_NOT_REGISTERED
@@ -645,9 +668,11 @@ def _fake_module(name: str, monkeypatch, **attrs):
     return mod
 
 
-@pytest.mark.parametrize("which", [0, 1])
-def test_plugin_registers_class_replace(monkeypatch, which):
-    from integration.sglang import SGLANG_TARGETS, register_sglang_plugin
+@pytest.mark.parametrize("which,mooncake", [(0, False), (1, False), (0, True)])
+def test_plugin_hooks_the_kv_managers_and_guards_the_shared_engine(monkeypatch, which, mooncake):
+    """The KV managers' init_engine is always replaced; sglang's shared engine class only when Mooncake is not
+    installed (then by a stand-in that names pxn and the feature using it)."""
+    from integration import sglang as sgl
     calls = []
 
     class HookType:
@@ -661,16 +686,143 @@ def test_plugin_registers_class_replace(monkeypatch, which):
     for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
         _fake_module(name, monkeypatch)
     _fake_module("sglang.srt.plugins.hook_registry", monkeypatch, HookRegistry=HookRegistry, HookType=HookType)
-    target = SGLANG_TARGETS[which]
+    target = sgl.SGLANG_TARGETS[which]
     parts = target.rsplit(".", 1)[0].split(".")
     for i in range(2, len(parts) + 1):
         name = ".".join(parts[:i])
         if name not in sys.modules or not name.startswith("sglang.srt.plugins"):
             _fake_module(name, monkeypatch)
     if which == 1:  # the older location only: the new one must not be found
-        monkeypatch.delitem(sys.modules, SGLANG_TARGETS[0].rsplit(".", 1)[0], raising=False)
-    assert register_sglang_plugin() == target
-    assert calls == [(target, PxnMooncakeTransferEngine, "replace")]
+        monkeypatch.delitem(sys.modules, sgl.SGLANG_TARGETS[0].rsplit(".", 1)[0], raising=False)
+    if mooncake:
+        _fake_module("mooncake", monkeypatch)
+        _fake_module("mooncake.engine", monkeypatch, TransferEngine=object)
+    else:
+        monkeypatch.setitem(sys.modules, "mooncake", None)
+    assert sgl.register_sglang_plugin() == sgl.KV_MANAGER_TARGET
+    expected = [(sgl.KV_MANAGER_TARGET, sgl._kv_manager_init_engine, "replace")]
+    if not mooncake:
+        expected.append((target, sgl.MooncakeEngineUnavailable, "replace"))
+    assert calls == expected
     monkeypatch.setenv("PXN_SGLANG_PLUGIN", "0")
-    assert register_sglang_plugin() is None
-    assert len(calls) == 1
+    assert sgl.register_sglang_plugin() is None
+    assert len(calls) == len(expected)
+
+
+def test_stand_in_names_pxn_and_the_feature():
+    from integration.sglang import MooncakeEngineUnavailable, PxnFeatureUnavailable
+    stand_in = MooncakeEngineUnavailable("127.0.0.1", gpu_id=0, ib_device=None)   # constructing it is harmless
+    g = {"__name__": "sglang.srt.elastic_ep.expert_backup_client", "eng": stand_in}
+    with pytest.raises(PxnFeatureUnavailable, match=r"elastic EP expert backup needs Mooncake.*pxn replaces only"):
+        exec("eng.engine.register_memory(1, 2)", g)
+    g["__name__"] = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store"
+    with pytest.raises(PxnFeatureUnavailable, match=r"HiCache's Mooncake store.*get_ib_device"):
+        exec("eng.get_ib_device()", g)
+
+
+# ============================================================================================================
+# the sglang plugin against sglang's real hook registry (sglang's source on PYTHONPATH; skipped without it)
+# ============================================================================================================
+_SGLANG_SCRIPT = r'''
+import json, os, sys, types
+mode = sys.argv[1]
+if mode == "without":
+    sys.modules["mooncake"] = None          # Mooncake not installed: "import mooncake.engine" fails
+else:                                        # a stand-in Mooncake wheel, recording what uses it
+    mc = types.ModuleType("mooncake"); mce = types.ModuleType("mooncake.engine")
+    class TransferEngine:
+        def initialize(self, *a): return 0
+        def get_rpc_port(self): return 4242
+        def register_memory(self, ptr, n): return 0
+        def get_engine(self): return InnerTransferEngine()
+    class InnerTransferEngine:
+        pass
+    mce.TransferEngine = TransferEngine; mc.engine = mce
+    sys.modules["mooncake"] = mc; sys.modules["mooncake.engine"] = mce
+from sglang.srt.plugins.hook_registry import HookRegistry
+from integration.sglang import (KV_MANAGER_TARGET, MooncakeEngineUnavailable, PxnFeatureUnavailable,
+                                PxnMooncakeTransferEngine, register_sglang_plugin)
+HookRegistry.reset()
+assert register_sglang_plugin() == KV_MANAGER_TARGET
+HookRegistry.apply_hooks()
+out = {}
+# sglang builds its one shared engine at start-up (bootstrap.maybe_init_shared_mooncake_transfer_engine)
+import sglang.srt.distributed.device_communicators.mooncake_transfer_engine as mte
+shared = mte.init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
+out["shared"] = type(shared).__name__
+out["shared_inner"] = type(getattr(shared, "__dict__", {}).get("engine")).__name__
+# the KV managers' engine, through the real MooncakeKVManager.init_engine (hooked)
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+mgr = types.SimpleNamespace(kv_args=types.SimpleNamespace(gpu_id=0, ib_device=None))
+MooncakeKVManager.init_engine(mgr)
+out["kv"] = type(mgr.engine).__name__
+out["kv_fabric"] = mgr.engine.get_engine().fabric_name
+mgr2 = types.SimpleNamespace(kv_args=mgr.kv_args)
+MooncakeKVManager.init_engine(mgr2)
+out["kv_shared_between_managers"] = mgr2.engine is mgr.engine
+# expert backup, through sglang's own code (ExpertBackupClient.start_transfer_client)
+import torch
+from sglang.srt.elastic_ep.expert_backup_client import ExpertBackupClient
+client = types.SimpleNamespace(_get_model=lambda: torch.nn.Linear(2, 2), use_backup=True)
+try:
+    ExpertBackupClient.start_transfer_client(client)
+    out["expert_backup"] = "ok:" + type(client.transfer_engine.engine).__name__
+except PxnFeatureUnavailable as e:
+    out["expert_backup"] = "error:" + str(e)
+except Exception as e:
+    out["expert_backup"] = "other:" + type(e).__name__ + ": " + str(e)
+# HiCache's Mooncake store reuse check (mooncake_store.py), run as code of that module
+code = "eng = get_mooncake_transfer_engine()\nib = eng.get_ib_device()\nte = eng.get_engine()"
+from sglang.srt.distributed.parallel_state import get_mooncake_transfer_engine
+g = {"__name__": "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store",
+     "get_mooncake_transfer_engine": get_mooncake_transfer_engine}
+try:
+    exec(compile(code, "mooncake_store.py", "exec"), g)
+    out["hicache"] = "ok:" + type(g["te"]).__name__
+except PxnFeatureUnavailable as e:
+    out["hicache"] = "error:" + str(e)
+mgr.engine.close()
+print("RESULT " + json.dumps(out), flush=True)
+os._exit(0)
+'''
+
+
+def _sglang_available() -> str:
+    import importlib.util
+    try:
+        if importlib.util.find_spec("sglang") is None:
+            return "sglang is not importable (put sglang 0.5.23's wheel source on PYTHONPATH)"
+    except (ImportError, ValueError) as e:
+        return f"sglang is not importable: {e}"
+    r = subprocess.run([sys.executable, "-c", "import sglang.srt.disaggregation.mooncake.conn, "
+                        "sglang.srt.elastic_ep.expert_backup_client"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300)
+    return "" if r.returncode == 0 else \
+        f"sglang's disaggregation code does not import here: {r.stdout.strip().splitlines()[-1:]}"
+
+
+@pytest.mark.parametrize("mooncake", ["with", "without"])
+def test_sglang_plugin_replaces_only_the_kv_managers_engine(mooncake):
+    """sglang's own HookRegistry, MooncakeKVManager.init_engine, shared-engine builder and expert-backup client:
+    the KV managers get pxn; the shared engine stays Mooncake's when Mooncake is installed; without Mooncake the
+    other features get an error naming pxn and themselves (not a pybind cast failure)."""
+    why = _sglang_available()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               MOONCAKE_PROTOCOL="rdma")  # sglang's default: pxn runs it on tcp here (no RDMA device)
+    r = subprocess.run([sys.executable, "-c", _SGLANG_SCRIPT, mooncake], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300, env=env)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, r.stdout[-4000:]
+    out = json.loads(line[-1][len("RESULT "):])
+    assert out["kv"] == "PxnMooncakeTransferEngine" and out["kv_shared_between_managers"], out
+    assert out["kv_fabric"] == "tcp"
+    if mooncake == "with":
+        assert out["shared"] == "MooncakeTransferEngine" and out["shared_inner"] == "TransferEngine", out
+        assert out["expert_backup"] == "ok:TransferEngine", out   # Mooncake's engine, not pxn's
+        assert out["hicache"] == "ok:InnerTransferEngine", out
+    else:
+        assert out["shared"] == "MooncakeEngineUnavailable", out
+        for key, feature in (("expert_backup", "elastic EP expert backup"), ("hicache", "HiCache's Mooncake store")):
+            assert out[key].startswith("error:") and feature in out[key] and "pxn" in out[key], out

@@ -1155,7 +1155,7 @@ class TransferEngine:
     def _on_cuda(self, opcode, target, buffers, peers, lengths, stream_ptr) -> None:
         try:
             eng = self._eng()
-            session = self._session(target)
+            eng._peer(self._session(target))  # as Mooncake's openSegment at the call: an unknown peer fails here
             b, p, n = list(buffers), list(peers), list(lengths)
             if not (len(b) == len(p) == len(n)):
                 raise InvalidTransfer(f"buffers, peer_buffer_addresses and lengths have different sizes "

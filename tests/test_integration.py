@@ -105,7 +105,8 @@ class Peer(GuardedPeer):
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     # these change which fabric initialize() picks; the cases below say what they want
-    for name in ("PXN_FABRIC", "MC_FORCE_TCP", "MOONCAKE_PROTOCOL", "MC_TRANSFER_TIMEOUT", "PXN_SGLANG_PLUGIN"):
+    for name in ("PXN_FABRIC", "MC_FORCE_TCP", "MOONCAKE_PROTOCOL", "MC_TRANSFER_TIMEOUT", "PXN_SGLANG_PLUGIN",
+                 "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT", "MC_MIN_PRC_PORT", "MC_MAX_PRC_PORT"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -654,6 +655,222 @@ def test_device_name_filters_topology():
 def test_pointer_device_of_host_memory():
     x = np.zeros(64, dtype=np.uint8)
     assert mc.pointer_device(x.ctypes.data) == -1
+
+
+# ============================================================================================================
+# the rest of Mooncake's binding: reads, opcodes, notifies, managed buffers, http metadata, stream order
+# ============================================================================================================
+@pytest.fixture(scope="module")
+def landing(mc_sender):
+    """A local buffer registered with mc_sender, where reads land."""
+    buf = np.zeros(4 * MB, dtype=np.uint8)
+    assert mc_sender.register_memory(buf.ctypes.data, buf.nbytes) == 0
+    return buf
+
+
+def test_mooncake_reads_and_opcodes(mc_sender, mc_peer, src, landing, rng):
+    """Write distinct random pieces to the peer, read them back through every read call, byte-exact; the
+    rest of the landing buffer keeps its poison."""
+    lengths = np.concatenate([[1, 63, 4097], rng.integers(1, 2000, 60), [200000]])
+    src_offs = disjoint_offsets(rng, lengths, SRC_BYTES)
+    peer_offs = disjoint_offsets(rng, lengths, PEER_BYTES)
+    back_offs = disjoint_offsets(rng, lengths, landing.nbytes)
+    peers = _addrs(mc_peer.base, peer_offs)
+    assert mc_sender.batch_transfer_sync_write(mc_peer.session, _addrs(src.ctypes.data, src_offs), peers,
+                                               lengths.tolist()) == 0
+    expected = np.full(landing.nbytes, 0xC3, dtype=np.uint8)
+    for s_, b_, n in zip(src_offs, back_offs, lengths):
+        expected[b_:b_ + n] = src[s_:s_ + n]
+    backs = _addrs(landing.ctypes.data, back_offs)
+    R, W = mc.TransferOpcode.Read, mc.TransferOpcode.Write
+
+    def poisoned():
+        landing[:] = 0xC3
+        return True
+
+    for call in (lambda: mc_sender.batch_transfer_sync_read(mc_peer.session, backs, peers, lengths.tolist()),
+                 lambda: mc_sender.batch_transfer_sync(mc_peer.session, backs, peers, lengths.tolist(), R),
+                 lambda: mc_sender.get_batch_transfer_status(
+                     [mc_sender.batch_transfer_async_read(mc_peer.session, backs, peers, lengths.tolist())]),
+                 lambda: mc_sender.get_batch_transfer_status(
+                     [mc_sender.batch_transfer_async(mc_peer.session, backs, peers, lengths.tolist(), R)])):
+        assert poisoned() and call() == 0
+        assert np.array_equal(landing, expected)
+    assert poisoned() and all(mc_sender.transfer_sync_read(mc_peer.session, b_, p_, int(n)) == 0
+                              for b_, p_, n in zip(backs[:5], peers[:5], lengths[:5]))
+    assert np.array_equal(landing[back_offs[0]:back_offs[0] + 1], expected[back_offs[0]:back_offs[0] + 1])
+    # a WRITE through the opcode form lands like batch_transfer_sync_write
+    assert mc_sender.transfer_sync(mc_peer.session, src.ctypes.data, mc_peer.base, 63, W) == 0
+    assert mc_sender.transfer_sync(mc_peer.session, src.ctypes.data, mc_peer.base, 63, 7) == \
+        mc.ERR_INVALID_ARGUMENT
+
+
+def test_mooncake_read_of_bad_addresses_writes_nothing(mc_sender, mc_peer, landing, caplog):
+    landing[:] = 0xC3
+    b = landing.ctypes.data
+    with caplog.at_level(logging.WARNING, logger="integration.mooncake"):
+        # a source past the end of the peer's region: refused by the peer, nothing written here
+        assert mc_sender.batch_transfer_sync_read(mc_peer.session, [b, b + 100], [mc_peer.base,
+                                                  mc_peer.base + mc_peer.size - 5], [64, 6]) == \
+            mc.ERR_ADDRESS_NOT_REGISTERED
+    assert "remote_srcs[1]" in caplog.text and len([r for r in caplog.records if "remote_srcs" in r.message]) == 1
+    # a local destination outside registered memory: refused here
+    assert mc_sender.transfer_sync_read(mc_peer.session, b + landing.nbytes - 1, mc_peer.base, 2) == \
+        mc.ERR_ADDRESS_NOT_REGISTERED
+    assert mc_sender.batch_transfer_async_read(mc_peer.session, [b + landing.nbytes], [mc_peer.base], [1]) == 0
+    # refused by the peer after submission: the batch fails at its status
+    bid = mc_sender.batch_transfer_async_read(mc_peer.session, [b], [mc_peer.base - 64], [8])
+    assert bid >= 1 and mc_sender.get_batch_transfer_status([bid]) == mc.ERR_ADDRESS_NOT_REGISTERED
+    assert mc_sender.transfer_sync_read("127.0.0.1:1", b, 0, 8) == mc.ERR_METADATA
+    assert (landing == 0xC3).all()
+
+
+@pytest.fixture
+def pair():
+    """Two shim engines in this process, each with a 64 KiB registered buffer."""
+    engines, bufs = [], []
+    for _ in range(2):
+        e = MooncakeEngine()
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        buf = np.zeros(64 << 10, dtype=np.uint8)
+        assert e.register_memory(buf.ctypes.data, buf.nbytes) == 0
+        engines.append(e)
+        bufs.append(buf)
+    yield engines, bufs
+    for e in engines:
+        e.close()
+
+
+def test_notifies(pair):
+    (a, b), (abuf, bbuf) = pair
+    abuf[:8] = np.arange(1, 9, dtype=np.uint8)
+    n = mc.TransferNotify("kv", "req-17 done")
+    assert a.transfer_sync(b.get_session_id(), abuf.ctypes.data, bbuf.ctypes.data, 8, mc.TransferOpcode.Write,
+                           n) == 0
+    assert bytes(bbuf[:8]) == bytes(range(1, 9))
+    assert a.batch_transfer_sync(b.get_session_id(), [abuf.ctypes.data], [bbuf.ctypes.data + 8], [4],
+                                 mc.TransferOpcode.Read, mc.TransferNotify("r", "2")) == 0
+    got = b.get_notifies()
+    assert [(x.name, x.msg) for x in got] == [("kv", "req-17 done"), ("r", "2")]
+    assert b.get_notifies() == [] and a.get_notifies() == []
+
+
+def test_managed_buffers_bytes_and_first_buffer_address(pair):
+    (a, b), (abuf, bbuf) = pair
+    assert a.get_first_buffer_address(a.get_session_id()) == abuf.ctypes.data
+    assert a.get_first_buffer_address(b.get_session_id()) == bbuf.ctypes.data   # asked of the peer
+    assert a.get_first_buffer_address("127.0.0.1:1") == 0
+    m = a.allocate_managed_buffer(10000)
+    assert m != 0 and m % 4096 == 0
+    assert a.get_first_buffer_address(a.get_session_id()) == abuf.ctypes.data   # the first registered stays first
+    assert a.write_bytes_to_buffer(m, b"hello pxn", 9) == 0
+    assert a.read_bytes_from_buffer(m, 9) == b"hello pxn"
+    assert a.transfer_sync_write(b.get_session_id(), m, bbuf.ctypes.data + 100, 9) == 0
+    assert bytes(bbuf[100:109]) == b"hello pxn"
+    # outside every registered range, or more than given: refused, nothing copied
+    assert a.write_bytes_to_buffer(m + 9995, b"0123456789", 10) == mc.ERR_ADDRESS_NOT_REGISTERED
+    assert a.write_bytes_to_buffer(m, b"ab", 3) == mc.ERR_INVALID_ARGUMENT
+    assert a.read_bytes_from_buffer(m + 9999, 2) == b""
+    assert a.read_bytes_from_buffer(m + 9990, 10) == bytes(10)
+    assert a.free_managed_buffer(m, 10000) == 0
+    assert a.free_managed_buffer(m, 10000) == mc.ERR_INVALID_ARGUMENT
+    assert a.write_bytes_to_buffer(m, b"x", 1) == mc.ERR_ADDRESS_NOT_REGISTERED   # freed: no longer registered
+    assert a.allocate_managed_buffer(0) == 0
+    assert a.warmup_efa_segment(b.get_session_id()) == 0 and a.get_engine_ptr() == 0
+
+
+def test_http_metadata_mode_with_pxns_server():
+    from urllib.error import HTTPError
+    from urllib.request import Request, urlopen
+
+    from integration.metadata_server import MetadataServer
+    with MetadataServer("127.0.0.1", 0) as srv:
+        a, b = MooncakeEngine(), MooncakeEngine()
+        try:
+            assert a.initialize("127.0.0.1:12347", srv.url, "tcp", "") == 0
+            assert b.initialize_ext("127.0.0.1:12345", srv.url[len("http://"):], "tcp", "", "http") == 0
+            assert srv.keys() == ["pxn/segment/127.0.0.1:12345", "pxn/segment/127.0.0.1:12347"]
+            abuf, bbuf = np.zeros(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+            abuf[:] = np.arange(4096) % 251
+            assert a.register_memory(abuf.ctypes.data, 4096) == 0 and b.register_memory(bbuf.ctypes.data, 4096) == 0
+            # peers are named by segment name; addresses come from the peer as in Mooncake's tests
+            dst = a.get_first_buffer_address("127.0.0.1:12345")
+            assert dst == bbuf.ctypes.data and a.get_first_buffer_address("127.0.0.1:12347") == abuf.ctypes.data
+            assert a.transfer_sync_write("127.0.0.1:12345", abuf.ctypes.data, dst, 4096) == 0
+            assert np.array_equal(abuf, bbuf)
+            abuf[:] = 0
+            assert a.transfer_sync_read("127.0.0.1:12345", abuf.ctypes.data, dst + 1, 100) == 0
+            assert np.array_equal(abuf[:100], bbuf[1:101]) and not abuf[100:].any()
+            assert a.send_probe("127.0.0.1:12345") == 0
+            # a name nobody published: Mooncake's answers
+            assert a.send_probe("unreachable_peer:9") == mc.ERR_METADATA
+            assert a.batch_transfer_async_write("unreachable_peer:9", [0], [0], [16]) == 0
+            assert a.transfer_submit_write("unreachable_peer:9", 0, 0, 16) == 0
+            assert a.transfer_sync_write("unreachable_peer:9", abuf.ctypes.data, 0, 16) == mc.ERR_METADATA
+        finally:
+            a.close()
+            b.close()
+        assert srv.keys() == []   # close() removes the engine's entry
+        # the server speaks Mooncake's protocol
+        with pytest.raises(HTTPError) as e:
+            urlopen(f"http://127.0.0.1:{srv.port}/metadata", timeout=5)
+        assert e.value.code == 400
+        put = Request(f"{srv.url}?key=mooncake/rpc_meta/x", data=b"{}", method="PUT")
+        assert urlopen(put, timeout=5).status == 200
+        with pytest.raises(HTTPError) as e:
+            urlopen(Request(f"{srv.url}?key=mooncake/rpc_meta/x", data=b"{}", method="PUT"), timeout=5)
+        assert e.value.code == 400
+        assert urlopen(f"{srv.url}?key=mooncake/rpc_meta/x", timeout=5).read() == b"{}"
+        assert urlopen(Request(f"{srv.url}?key=mooncake/rpc_meta/x", method="DELETE"), timeout=5).status == 200
+        with pytest.raises(HTTPError) as e:
+            urlopen(f"{srv.url}?key=mooncake/rpc_meta/x", timeout=5)
+        assert e.value.code == 404
+    with MooncakeEngine() as c:   # the server is gone: initialize says so
+        assert c.initialize("127.0.0.1:1", srv.url, "tcp", "") == mc.ERR_METADATA
+        assert c.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == mc.ERR_NOT_IMPLEMENTED
+
+
+def test_rpc_port_range(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        busy = s.getsockname()[1]
+        free = busy + 1 if busy < 65535 else busy - 1
+        monkeypatch.setenv("MC_MIN_RPC_PORT", str(min(busy, free)))
+        monkeypatch.setenv("MC_MAX_RPC_PORT", str(max(busy, free)))
+        with MooncakeEngine() as e:
+            ret = e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+            assert ret == 0 and e.get_rpc_port() == free   # the one port of the range that is free
+    monkeypatch.setenv("MC_MIN_RPC_PORT", "99999")
+    with MooncakeEngine() as e:
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == mc.ERR_INVALID_ARGUMENT
+
+
+def test_on_cuda_calls_run_in_stream_order(pair):
+    """A stand-in stream: the transfer starts only when the stream reaches the host function, and the host
+    function returns (letting the stream's later work run) only once the bytes are placed."""
+    (a, b), (abuf, bbuf) = pair
+    queued = []
+    a._launch_host_func = lambda stream, fn: queued.append((stream, fn))
+    abuf[:16] = 7
+    assert a.batch_transfer_write_on_cuda(b.get_session_id(), [abuf.ctypes.data], [bbuf.ctypes.data], [16],
+                                          0x1234) is None
+    time.sleep(0.2)
+    assert len(queued) == 1 and queued[0][0] == 0x1234 and not bbuf[:16].any()   # not before the stream says
+    queued[0][1]()   # the stream reaches the host function: it returns once the write is done
+    assert (bbuf[:16] == 7).all()
+    bbuf[32:40] = 9
+    a.transfer_read_on_cuda(b.get_session_id(), abuf.ctypes.data + 100, bbuf.ctypes.data + 32, 8, 0)
+    queued[1][1]()
+    assert (abuf[100:108] == 9).all()
+    with pytest.raises(RuntimeError, match="refused"):   # as Mooncake: an unknown peer raises at the call
+        a.transfer_write_on_cuda("127.0.0.1:1", abuf.ctypes.data, 0, 8)
+    with pytest.raises(RuntimeError, match="refused"):
+        a.batch_transfer_read_on_cuda(b.get_session_id(), [1, 2], [3], [4])
+    a._launch_host_func = None
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="stream"):
+            a.transfer_write_on_cuda(b.get_session_id(), abuf.ctypes.data, bbuf.ctypes.data, 8)
 
 
 # ============================================================================================================

@@ -1,38 +1,53 @@
 """Mooncake's ``mooncake.engine.TransferEngine`` Python API on top of pxn's relay engine.
 
 Code written against Mooncake (``from mooncake.engine import TransferEngine``) can use
-``from integration.mooncake import TransferEngine`` instead::
+``from integration.mooncake import TransferEngine`` instead (docs/README-integration.md has a runnable example)::
 
     eng = TransferEngine()
     assert eng.initialize("10.0.0.5", "P2PHANDSHAKE", "rdma", "") == 0
     session = f"10.0.0.5:{eng.get_rpc_port()}"          # what peers pass as target_hostname
     eng.register_memory(ptr, nbytes)
     ret = eng.batch_transfer_sync_write(peer_session, local_ptrs, remote_ptrs, lengths)   # 0 or < 0
+    ret = eng.batch_transfer_sync_read(peer_session, local_ptrs, remote_ptrs, lengths)    # 0 or < 0
+
+The whole surface of Mooncake's binding is here: writes and reads (sync, batch, async, with an opcode, with a
+notify), ``get_notifies``, managed buffers and ``write_bytes_to_buffer`` / ``read_bytes_from_buffer``,
+``get_first_buffer_address``, the ``*_on_cuda`` calls (stream-ordered, through ``cudaLaunchHostFunc``),
+``get_engine_ptr`` (0: pxn has no C++ engine), ``warmup_efa_segment`` (0), probes, topology. Metadata:
+"P2PHANDSHAKE" (peers named "host:rpc_port") or an http metadata server "http://host:port/metadata" (Mooncake's
+``mooncake_http_metadata_server`` or ``integration.metadata_server``; peers named by their segment name).
 
 This module is the ONE place in pxn that returns Mooncake-style ints instead of raising: every pxn exception is
-mapped to a distinct negative code (table below) and its cause is logged through ``logging`` (logger
-``integration.mooncake``), never swallowed silently. Codes that have a Mooncake equivalent reuse Mooncake's
-value (``mooncake-transfer-engine/include/error.h``); pxn-only causes use the -5xx range.
+mapped to a negative code (table below) and its cause is logged in one line through ``logging`` (logger
+``integration.mooncake``), never swallowed silently and never raised into the caller. Codes reuse Mooncake's
+values (``mooncake-transfer-engine/include/error.h``) where Mooncake has the cause; pxn-only causes use -5xx.
+Where Mooncake's binding answers a case with a specific value, this one answers the same (measured against
+``mooncake-transfer-engine-non-cuda`` 0.3.13.post1 over tcp): the same range registered twice -7, a zero-length
+registration -1, zero-length pieces moved as nothing (0), a second ``initialize`` 0 (a fresh engine replaces the
+first), async submits and ``transfer_submit_write`` 0 when refused, ``send_probe`` -101 for a host name that does
+not resolve.
 
 =====================  =====  =========================================================================
 name                   value  cause
 =====================  =====  =========================================================================
-ERR_INVALID_ARGUMENT     -1   malformed call: list lengths differ, length < 1, non-int entry, bad location,
-                              unknown batch id (``transport.InvalidTransfer``)
-ERR_ADDRESS_NOT_REG.     -3   a source outside this engine's registered memory, a destination outside every
-                              region the peer registered, unregistering an address never registered;
+ERR_INVALID_ARGUMENT     -1   malformed call: list lengths differ, length < 0, non-int entry, bad location or
+                              opcode, unknown batch id, zero-length registration (``transport.InvalidTransfer``)
+ERR_ADDRESS_NOT_REG.     -3   a local address outside this engine's registered memory, a peer address outside
+                              every region the peer registered, unregistering an address never registered;
                               nothing was written
-ERR_DEVICE_NOT_FOUND     -6   the fabric cannot run here (protocol "rdma" without a usable RDMA device,
+ERR_DEVICE_NOT_FOUND     -6   the fabric cannot run here (protocol "verbs" without a usable RDMA device,
                               ``device_name`` matches no NIC) (``FabricUnavailable``)
-ERR_ADDRESS_OVERLAPPED   -7   ``register_memory`` of a range overlapping a registered one
+ERR_ADDRESS_OVERLAPPED   -7   ``register_memory`` of a range overlapping a registered one, or registered already
+ERR_DNS                -101   ``send_probe``: the peer's host name does not resolve
 ERR_SOCKET             -102   ``send_probe``: nothing answers at the peer's control port
-ERR_METADATA           -200   unknown session: malformed "host:port", nobody listens there, handshake refused
-                              (``UnknownSession``), also a dead peer once the engine forgot it; nothing written
+ERR_METADATA           -200   unknown session: malformed "host:port", nobody listens there, handshake refused,
+                              a segment name the metadata server does not know, the metadata server unreachable
+                              (``UnknownSession``); also a dead peer once the engine forgot it; nothing written
 ERR_ENDPOINT           -201   every rail to the peer failed (peer died, connections reset) (``PeerLost`` /
                               ``TransferError`` with per-rail ``causes``); part may have been written. The engine
                               then forgets the peer: a later call to the session handshakes again
 ERR_CONTEXT            -202   not initialized yet, or closed (``FabricClosed``)
-ERR_NOT_IMPLEMENTED    -303   a metadata server other than P2PHANDSHAKE, a protocol pxn has no fabric for
+ERR_NOT_IMPLEMENTED    -303   a metadata server other than P2PHANDSHAKE / http, a protocol pxn has no fabric for
 ERR_REMOTE_REJECTED    -501   the receiver refused a chunk / write (e.g. the peer deregistered the region
                               after the sender learnt its list) (``RemoteRejected``); that part not written
 ERR_TIMEOUT            -502   the batch did not finish in time (``TransferTimeout``); part may be written
@@ -42,21 +57,29 @@ ERR_INTERNAL           -599   an unexpected exception (a bug): logged with its t
 
 Differences from Mooncake, on purpose:
 
-* ``target_hostname`` is the pxn session id "host:port" (the peer engine's control port, = its
-  ``get_rpc_port()``), exactly what sglang builds from ``get_rpc_port()``; "[v6addr]:port" is accepted too.
-  There is no metadata server: ``initialize`` accepts only "P2PHANDSHAKE" (what sglang passes).
-* protocols: "tcp" -> pxn fabric tcp; "rdma" -> verbs (fails with ERR_DEVICE_NOT_FOUND when no RDMA device is
-  usable: a silent fall back to TCP would hide a 10x slowdown); "auto" (a pxn extension) -> verbs when a device
-  is usable, else tcp; "ipc" (pxn extension) -> same-host ipc. ``MC_FORCE_TCP=1`` forces tcp as in Mooncake,
-  and ``PXN_FABRIC`` (tcp|ipc|verbs|auto), when set, overrides the protocol argument.
+* P2P sessions: ``target_hostname`` is the pxn session id "host:port" (the peer engine's control port, = its
+  ``get_rpc_port()``), exactly what sglang builds from ``get_rpc_port()``; "[v6addr]:port" is accepted too. The
+  port is picked at bind time, inside ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` when set, as Mooncake's.
+* protocols: "tcp" -> pxn fabric tcp; "rdma" -> verbs, or tcp with one warning line when no RDMA device is
+  usable (as Mooncake); "verbs" (pxn) -> verbs or ERR_DEVICE_NOT_FOUND; "auto" (pxn) -> verbs when a device is
+  usable, else tcp; "ipc" (pxn) -> same-host ipc. A truthy ``MC_FORCE_TCP`` ("1", "true", "yes", "on"; not "0",
+  "false", "no", "off", "") forces tcp as in Mooncake, and ``PXN_FABRIC`` (tcp|ipc|verbs|auto), when set,
+  overrides the protocol argument.
+* reads: the peer validates every source against the regions it registered and writes the pieces back with its
+  own batch write (``transport.reads``), so a source outside the peer's memory fails the whole batch with
+  nothing written (Mooncake's tcp transport also refuses it, -1).
 * ``get_batch_transfer_status(batch_ids)`` blocks until every listed batch finished, as Mooncake's does
   (``transfer_engine_py.cpp``: it polls until all complete or one fails / times out, then frees the ids). pxn
   returns 0 when all succeeded, else the code of the first failed batch in list order; it waits for EVERY batch
   (Mooncake returns at the first failure while others may still write into the caller's buffers) and frees
   all the ids. The non-blocking pxn extension ``check_batch_transfer_status(batch_id)`` follows Mooncake's
   ``transfer_check_status`` codes: 1 done, 0 pending, negative failed (then the id is freed).
-* ``batch_transfer_async_write`` returns a batch id >= 1, or 0 when submission failed (Mooncake's contract,
-  "Batch ID ... or 0 on failure"); the cause and its negative code are logged.
+* checks Mooncake leaves out: a local source or destination outside registered memory is refused (-3; Mooncake's
+  tcp transport reads it anyway), ``write_bytes_to_buffer`` / ``read_bytes_from_buffer`` only touch host memory
+  inside a registered range (Mooncake copies blindly), ``free_managed_buffer`` of an address it did not
+  allocate returns -1 (Mooncake 0).
+* ``*_on_cuda``: a transfer that fails after the stream reached it is logged at ERROR and counted in
+  ``stats()["cuda_transfers_failed"]``; Mooncake ends the process there.
 * timeouts: ``timeout=`` given to the constructor (s), else Mooncake's rule: ``MC_TRANSFER_TIMEOUT`` seconds
   (default 30, at least 5) plus 1 ns per byte of the batch (1 GB/s), else ``PXN_TIMEOUT`` when that is set.
 """

@@ -27,21 +27,24 @@ sglang's prefill side calls ``batch_transfer_sync`` from its transfer thread poo
 THREAD_POOL_SIZE``, ~4 workers per queue) at once: every method here is thread-safe, and concurrent batches
 proceed in parallel inside the pxn engine.
 
-Protocol: ``MOONCAKE_PROTOCOL`` as in sglang ("rdma" default -> pxn verbs fabric; "tcp"; pxn also accepts "auto" =
-verbs when an RDMA device is usable else tcp), ``MC_FORCE_TCP=1`` forces tcp, ``PXN_FABRIC`` overrides both.
-``ib_device`` (sglang's ``--disaggregation-ib-device``: "mlx5_0,mlx5_1", a JSON map ``{"0": "mlx5_0"}`` or a
-path to such a JSON file) restricts the NICs pxn may use; leave it unset to let pxn route every GPU over all
-usable NICs, relaying through an NVLink peer where the NIC is not local to the GPU (PXN).
+Protocol: ``MOONCAKE_PROTOCOL`` as in sglang ("rdma" default -> pxn verbs fabric, or tcp with one warning line
+when no RDMA device is usable, as Mooncake; "tcp"; pxn also accepts "auto"), a truthy ``MC_FORCE_TCP`` forces
+tcp, ``PXN_FABRIC`` overrides both. ``ib_device`` (sglang's ``--disaggregation-ib-device``: "mlx5_0,mlx5_1", a
+JSON map ``{"0": "mlx5_0"}`` or a path to such a JSON file) restricts the NICs pxn may use; leave it unset to let
+pxn route every GPU over all usable NICs, relaying through an NVLink peer where the NIC is not local to the GPU.
 
 How to plug it into sglang (without editing sglang):
 
 1. Plugin (sglang >= 0.5 with ``sglang.srt.plugins``): install pxn with the entry point
    ``sglang.srt.plugins: pxn = integration.sglang:register_sglang_plugin``. sglang's ``load_plugins()`` runs it in
-   every process; it registers a class REPLACE hook (``HookRegistry``) on the dotted target
-   ``sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine`` (or, on older
-   0.5.x, ``sglang.srt.disaggregation.mooncake.transfer_engine.MooncakeTransferEngine``), so the shared engine
-   sglang builds for ``--disaggregation-transfer-backend mooncake`` is this class. ``SGLANG_PLUGINS=pxn`` limits
-   sglang to this plugin; ``PXN_SGLANG_PLUGIN=0`` makes it a no-op.
+   every process; it registers a REPLACE hook (``HookRegistry``) on
+   ``sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.init_engine``, so the KV disaggregation managers
+   (prefill and decode) move KV pages and aux rows with one pxn engine per process (``shared_kv_engine``).
+   sglang's shared ``MooncakeTransferEngine`` is left to its other users (HiCache's Mooncake store, elastic EP,
+   expert backup, encoder disaggregation): Mooncake's engine when Mooncake is installed; when it is not, the
+   class is replaced by ``MooncakeEngineUnavailable``, which lets sglang start and makes any of those features
+   fail with ``PxnFeatureUnavailable`` naming pxn and the feature. ``SGLANG_PLUGINS=pxn`` limits sglang to this
+   plugin; ``PXN_SGLANG_PLUGIN=0`` makes it a no-op.
 2. Manager subclass (as sglang's Ascend backend does): ``pxn_kv_manager_class()`` returns a subclass of
    ``MooncakeKVManager`` whose ``init_engine()`` builds this adapter; hook it in with a REPLACE on
    ``sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager``.

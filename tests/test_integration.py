@@ -873,6 +873,26 @@ def test_on_cuda_calls_run_in_stream_order(pair):
             a.transfer_write_on_cuda(b.get_session_id(), abuf.ctypes.data, bbuf.ctypes.data, 8)
 
 
+@pytest.mark.gpu
+def test_on_cuda_waits_for_earlier_stream_work_and_holds_later_work(pair):
+    """On a real stream: a write queued behind a ~0.5 s GPU sleep starts only after it; an event recorded after
+    the write completes only once the bytes are at the peer."""
+    import torch
+    (a, b), (abuf, bbuf) = pair
+    abuf[:64] = 3
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(1e9))      # ~0.5 s of GPU cycles ahead of the transfer
+    a.transfer_write_on_cuda(b.get_session_id(), abuf.ctypes.data, bbuf.ctypes.data, 64, stream.cuda_stream)
+    after = torch.cuda.Event()
+    after.record(stream)
+    time.sleep(0.05)
+    assert not bbuf[:64].any()           # the stream has not reached the transfer yet
+    after.synchronize()
+    assert (bbuf[:64] == 3).all()        # work after the transfer ran only once the bytes were placed
+    assert a.stats()["cuda_transfers_failed"] == 0
+
+
 # ============================================================================================================
 # the sglang plugin hook, against a stand-in of sglang's HookRegistry
 # ============================================================================================================

@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional, Tuple
 
@@ -71,11 +72,15 @@ def _start_mooncake_metadata_server(port: int) -> subprocess.Popen:
     return proc
 
 
-def _stop(proc: Optional[subprocess.Popen]) -> str:
+def _stop(proc: Optional[subprocess.Popen], read: bool = True) -> str:
+    """Kill a process this module started; its remaining output when ``read`` (no other reader)."""
     if proc is None:
         return ""
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
+    if not read:
+        proc.wait(10)
+        return ""
     try:
         out, _ = proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
@@ -122,16 +127,18 @@ def run(impl: str = "pxn", mode: str = "p2p", circle: int = 1000, server: str = 
             seen.append(line)
             if "Target server ready" in line:
                 break
-        else:
-            line = ""
         if not seen or "Target server ready" not in seen[-1]:
             return 1, "target did not start:\n" + "".join(seen) + _stop(target)
+        # keep reading the target's log (a full pipe would stall a chatty target mid-test)
+        drain = threading.Thread(target=lambda: seen.extend(iter(target.stdout.readline, "")), daemon=True)
+        drain.start()
         if mode == "p2p":
             rpc = port
             if impl == "mooncake":  # "Transfer Engine RPC using P2P handshake, listening on 127.0.0.1:<port>"
                 m = re.search(r"RPC using P2P handshake, listening on [^\s]*:(\d+)", "".join(seen))
                 if m is None:
-                    return 1, "cannot find the target's rpc port in its log:\n" + "".join(seen) + _stop(target)
+                    _stop(target, read=False)
+                    return 1, "cannot find the target's rpc port in its log:\n" + "".join(seen)
                 rpc = int(m.group(1))
             common["TARGET_SERVER_NAME"] = f"127.0.0.1:{rpc}"
         try:
@@ -140,14 +147,15 @@ def run(impl: str = "pxn", mode: str = "p2p", circle: int = 1000, server: str = 
                                   text=True, timeout=timeout)
             rc, out = init.returncode, init.stdout
         except subprocess.TimeoutExpired as e:
-            rc, out = 124, (e.stdout or "") + f"\n(initiator timed out after {timeout} s)"
-            if isinstance(out, bytes):
-                out = out.decode(errors="replace")
+            partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rc, out = 124, partial + f"\n(initiator timed out after {timeout} s)"
         if rc != 0:
-            out += "\n--- target log ---\n" + "".join(seen) + _stop(target)
+            _stop(target, read=False)
+            drain.join(5)
+            out += "\n--- target log ---\n" + "".join(seen)
         return rc, out
     finally:
-        _stop(target)
+        _stop(target, read=False)
         _stop(meta_proc)
         if meta_srv is not None:
             meta_srv.close()

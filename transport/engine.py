@@ -638,6 +638,9 @@ class TransferEngine:
                     op = req.get("op")
                     if op == "hello":
                         rep = self._on_hello(req)
+                    elif op in ("read", "notify"):  # pulls and notifies: transport.reads
+                        from transport.reads import serve_op
+                        rep = serve_op(self, req)
                     elif op == "regions":
                         # the engine id lets a sender whose control connection was re-opened tell a restarted
                         # peer (new id) from the same one
@@ -893,6 +896,28 @@ class TransferEngine:
             batch = _Batch(0, None, None, None, [], 0)
             batch.event.set()
         return BatchHandle(self, batch, self.default_timeout if timeout is None else timeout)
+
+    def batch_read(self, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
+                   lengths: Sequence[int], timeout: Optional[float] = None) -> None:
+        """Read ``lengths[i]`` bytes from ``remote_srcs[i]`` in the peer's memory into local ``local_dsts[i]``.
+
+        The peer gathers the pieces and writes them back with its own ``batch_write`` (small ones coalesced into
+        chunks), see ``transport.reads``. Arguments: session_id: the peer's "host:port"; local_dsts: addresses
+        inside regions registered here; remote_srcs: addresses inside regions the peer registered; lengths:
+        bytes (>= 1); timeout: seconds (default: the engine's ``timeout``).
+        Returns: None, once every byte is in local memory.
+        Raises: InvalidTransfer (nothing written) for malformed lists, a local destination outside this
+        engine's regions or a source outside the peer's; UnknownSession; TransferTimeout; TransferError.
+        """
+        from transport.reads import batch_read
+        batch_read(self, session_id, local_dsts, remote_srcs, lengths, timeout)
+
+    def batch_read_async(self, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
+                         lengths: Sequence[int], timeout: Optional[float] = None):
+        """As ``batch_read`` but returns at once with a handle (``wait(timeout)``, ``done()``), like
+        ``batch_write_async``. Argument errors and local destinations are checked here, before anything is sent."""
+        from transport.reads import batch_read_async
+        return batch_read_async(self, session_id, local_dsts, remote_srcs, lengths, timeout)
 
     def write_tensors(self, session_id: str, pairs: Iterable[Tuple[object, int]],
                       timeout: Optional[float] = None) -> None:
@@ -1722,6 +1747,8 @@ class TransferEngine:
             return
         self._closed = True
         _close_listener(self._ctrl)
+        from transport.reads import close_state
+        close_state(self)
         with self._lock:
             pending = list(self._inflight.values())
         for a in pending:

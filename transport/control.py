@@ -1,0 +1,390 @@
+"""The engine's control plane: control listener, handshake, region refresh, and their message framing.
+
+A ``TransferEngine`` runs one small TCP listener (its port is in ``session_id``). Each connection to it is served
+by its own thread, which answers requests (4-byte length + JSON object, ``{"op": ...}``) until the peer closes.
+Ops are looked up in ``ControlPlane.ops`` (op name -> handler taking the request dict and returning the reply
+dict), so other parts of pxn can add their own.
+
+Built-in ops:
+
+* ``hello``: a sender's first message. It names its rails and its credit region; the reply carries this engine's
+  rail descriptors, the landing slots allocated for that sender and the region list.
+* ``regions``: the region list again (a sender re-fetches it when a destination is not covered).
+
+Sender side: ``ControlPlane.peer(session)`` returns the connected peer of a session, handshaking first when
+there is none, and ``refresh_regions(peer)`` re-fetches its region list. Neither decides about failover: a
+peer found dead, or a refresh that finds nobody (or a different engine) at the session, raises ``PeerGone``
+(a ``PeerLost`` naming the peer) and the engine decides what to forget.
+
+What the control plane uses of its engine (``engine``): ``fabrics``, ``receiver``, ``engine_id``,
+``session_id``, ``landing_slots``, ``slot_bytes``, ``landing_device``, ``use_loadstore``, ``fabric_name``,
+``counters``, ``_regions`` (RegionTable), ``_region_gen``, ``_lock``, ``_peers``, ``_lost``, ``_by_remote_rail``,
+``_closed``; and the two record types it builds at a handshake, given to the constructor (``make_peer``,
+``make_rail``).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import socket
+import struct
+import threading
+from typing import Callable, Dict, Optional
+
+from transport.errors import FabricError, InvalidTransfer, PeerLost, UnknownPeer
+from transport.fabric.base import DEVICE_HOST
+from transport.receiver import ACK_BYTES
+from transport.regions import Region
+from transport.relay import HostBuffer
+from transport.telemetry import now_ns
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ControlPlane", "UnknownSession", "PeerGone", "send_msg", "recv_msg"]
+
+
+class UnknownSession(InvalidTransfer, UnknownPeer):
+    """The session id is malformed or nobody answers at it (no engine listens there). Nothing was written."""
+
+
+class PeerGone(PeerLost):
+    """A connected peer is dead (every rail endpoint died) or replaced (a different engine answers at its
+    session). ``peer`` is the engine's record of it; the engine forgets it."""
+
+    def __init__(self, message: str, peer, cause: Optional[BaseException] = None):
+        super().__init__(message)
+        self.peer = peer
+        self.cause = cause
+
+
+_MSG = struct.Struct("<I")
+MAX_MSG = 64 << 20
+"""Largest control message (bytes) either side accepts."""
+
+
+def send_msg(sock: socket.socket, obj: dict) -> None:
+    """One control message: 4-byte little-endian length, then the JSON body."""
+    body = json.dumps(obj).encode()
+    sock.sendall(_MSG.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        k = sock.recv_into(view)
+        if k == 0:
+            raise ConnectionError("control connection closed")
+        view = view[k:]
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket, limit: int = MAX_MSG) -> dict:
+    """One control message; a body above ``limit`` bytes raises ``ValueError``."""
+    (n,) = _MSG.unpack(_recv_exact(sock, 4))
+    if n > limit:
+        raise ValueError(f"control message of {n} bytes is too large")
+    return json.loads(_recv_exact(sock, n))
+
+
+def _close_listener(sock: socket.socket) -> None:
+    # shutdown() wakes a thread blocked in accept() (close() alone does not, on Linux)
+    for fn in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+        try:
+            fn()
+        except OSError:
+            pass
+
+
+class ControlPlane:
+    """The control listener and the sender side of the handshake of one engine (see the module docstring).
+
+    Arguments:
+        engine: the owning ``TransferEngine``.
+        hostname, port: where to listen (port 0: any free port).
+        make_peer: ``make_peer(session)`` -> the engine's per-session record.
+        make_rail: ``make_rail(rail, ep, remote_id, landing_addr, landing_rkey, slots, slot_bytes, peer)`` -> the
+            engine's per-rail record of a peer.
+    Raises FabricError when the port cannot be bound.
+    """
+
+    def __init__(self, engine, hostname: str, port: int, make_peer: Callable, make_rail: Callable):
+        self.engine = engine
+        self.hostname = hostname
+        self._make_peer = make_peer
+        self._make_rail = make_rail
+        self.ops: Dict[str, Callable[[dict], dict]] = {"hello": self._op_hello, "regions": self._op_regions}
+        try:
+            self.listener = socket.create_server((hostname, port), backlog=64)
+        except OSError as e:
+            raise FabricError(f"control listener: cannot listen on {hostname}:{port}: {e}") from e
+        self.port = self.listener.getsockname()[1]
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> threading.Thread:
+        """Start the listener thread (returned, for the engine's join at close)."""
+        self._thread = threading.Thread(target=self._ctrl_loop, name=f"pxn-ctrl-{self.port}", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def close(self) -> None:
+        _close_listener(self.listener)
+
+    # ========================================================================================================
+    # server side
+    # ========================================================================================================
+    def regions_wire(self) -> dict:
+        """The region list a peer validates destinations against, with the deregistration counter read before
+        it (a peer writing by load/store re-fetches the list when the counter moves past this value)."""
+        eng = self.engine
+        gen = eng._region_gen.wire()  # read before the list: a deregister in between shows as a newer value
+        fab = eng.fabrics[0]
+        regions = []
+        for r in eng._regions.regions():
+            d = {"addr": r.addr, "length": r.length, "device": r.device, "keys": [mr.rkey for mr in r.keys]}
+            access = fab.access_info(r.keys[0])
+            if access is not None:
+                d["access"] = access
+            regions.append(d)
+        return {"regions": regions, **gen}
+
+    def _ctrl_loop(self) -> None:
+        while not self.engine._closed:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), name="pxn-ctrl-conn", daemon=True)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while not self.engine._closed:
+                try:
+                    req = recv_msg(conn)
+                except (OSError, ConnectionError, ValueError):
+                    return
+                try:
+                    op = req.get("op")
+                    handler = self.ops.get(op)
+                    if handler is None:
+                        rep = {"ok": False, "error": f"unknown control op {op!r}"}
+                    else:
+                        rep = handler(req)
+                except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
+                    log.warning("control request %s failed: %s", req.get("op"), e)
+                    rep = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                try:
+                    send_msg(conn, rep)
+                except OSError:
+                    return
+
+    def _op_regions(self, req: dict) -> dict:
+        # the engine id lets a sender whose control connection was re-opened tell a restarted peer (new id) from
+        # the same one
+        return {"ok": True, "engine_id": self.engine.engine_id, **self.regions_wire()}
+
+    def auto_landing_device(self) -> int:
+        eng = self.engine
+        if eng.landing_device is not None:
+            return eng.landing_device
+        devs = sorted({r.device for r in eng._regions.regions() if r.device >= 0})
+        return devs[0] if devs else DEVICE_HOST
+
+    def _op_hello(self, req: dict) -> dict:
+        eng = self.engine
+        landing = eng.receiver.accept_sender(req, self.auto_landing_device())
+        return {"ok": True, "engine_id": eng.engine_id, "rail_ids": [f.local_id for f in eng.fabrics],
+                "rail_descs": [base64.b64encode(f.descriptor()).decode() for f in eng.fabrics],
+                **self.regions_wire(), **landing}
+
+    # ========================================================================================================
+    # sender side
+    # ========================================================================================================
+    def peer(self, session_id: str):
+        """The connected peer of ``session_id``, handshaking first when there is none (first use, or every rail
+        of the previous connection failed). Raises UnknownSession naming why the handshake failed (the next call
+        tries again; nothing is remembered but the reason, for the message), and ``PeerGone`` for a peer whose
+        every endpoint died while nothing was in flight to notice (the engine forgets it and calls again)."""
+        eng = self.engine
+        if not isinstance(session_id, str) or session_id.count(":") < 1:
+            raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
+        peer = eng._peers.get(session_id)
+        if peer is not None and peer.ready and not peer.retired:
+            if peer.connected():
+                return peer
+            # the peer restarted while idle: the engine fails its rails (forgetting it), then asks again
+            raise PeerGone(f"every rail endpoint to {session_id} died", peer)
+        while True:
+            with eng._lock:
+                peer = eng._peers.get(session_id)
+                if peer is None or peer.retired:
+                    peer = eng._peers[session_id] = self._make_peer(session_id)
+            with peer.lock:
+                if peer.ready:
+                    return peer
+                if eng._peers.get(session_id) is not peer:
+                    if peer.error is not None:
+                        # another caller's handshake failed while this one waited for it: report that instead
+                        # of queueing one more connect (up to 10 s each towards a host that drops packets)
+                        raise UnknownSession(str(peer.error)) from peer.error
+                    continue
+                t0 = now_ns()
+                try:
+                    self._handshake(peer)
+                except BaseException as e:
+                    peer.error = e
+                    with eng._lock:
+                        # no half-made peer stays behind: the next call starts over with a fresh one
+                        if eng._peers.get(session_id) is peer:
+                            del eng._peers[session_id]
+                    raise
+                eng.counters.add("handshake_s", (now_ns() - t0) / 1e9)
+                return peer
+
+    def connect(self, session: str, timeout: float = 10.0) -> socket.socket:
+        """A control connection to ``session``'s listener; UnknownSession naming why not."""
+        host, _, port_s = session.rpartition(":")
+        try:
+            port = int(port_s)
+        except ValueError:
+            raise UnknownSession(f"session id {session!r}: port {port_s!r} is not a number") from None
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            lost = self.engine._lost.get(session)
+            raise UnknownSession(f"no pxn engine answers at session {session!r}: {e}"
+                                 + (f" (its previous connection was lost: {lost})" if lost else "")) from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _handshake(self, peer) -> None:
+        eng = self.engine
+        sock = self.connect(peer.session)
+        n = len(eng.fabrics)
+        credit = HostBuffer(n * eng.landing_slots * ACK_BYTES)
+        mrs = []
+        rails = []
+        try:
+            for fab in eng.fabrics:
+                mrs.append(fab.register(credit.addr, credit.nbytes, DEVICE_HOST))
+            send_msg(sock, {"op": "hello", "engine_id": eng.engine_id, "session": eng.session_id,
+                            "rail_ids": [f.local_id for f in eng.fabrics],
+                            "credit_addr": credit.addr, "credit_rkeys": [m.rkey for m in mrs],
+                            "credit_slots": eng.landing_slots, "slot_bytes": eng.slot_bytes})
+            rep = recv_msg(sock)
+            if not rep.get("ok"):
+                raise UnknownSession(f"session {peer.session!r} refused the handshake: {rep.get('error')}")
+            if len(rep["rail_ids"]) != n:
+                raise UnknownSession(f"session {peer.session!r} has {len(rep['rail_ids'])} rails, this engine {n}")
+            slots = min(int(rep["landing_slots"]), eng.landing_slots)
+            if int(rep["landing_slot_bytes"]) < eng.slot_bytes:
+                raise UnknownSession(f"session {peer.session!r} offers {rep['landing_slot_bytes']} B landing slots, "
+                                     f"smaller than this engine's {eng.slot_bytes} B chunks")
+            for i, fab in enumerate(eng.fabrics):
+                ep = fab.connect(base64.b64decode(rep["rail_descs"][i]))
+                rails.append(self._make_rail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
+                                             int(rep["landing_rkeys"][i]), slots, int(rep["landing_slot_bytes"]),
+                                             peer))
+        except (OSError, ConnectionError, ValueError, KeyError, FabricError) as e:
+            sock.close()
+            for fab, mr in zip(eng.fabrics, mrs):
+                try:
+                    fab.deregister(mr)
+                except FabricError:
+                    pass
+            if isinstance(e, UnknownSession):
+                raise
+            raise UnknownSession(f"handshake with session {peer.session!r} failed: {e}") from e
+        sock.settimeout(30.0)
+        peer.ctrl = sock
+        peer.credit = credit
+        peer.credit_mrs = mrs
+        peer.engine_id = int(rep["engine_id"])
+        peer.rails = rails
+        peer.landing_device = int(rep.get("landing_device", DEVICE_HOST))
+        peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
+        peer.loadstore = self._loadstore_writer(peer, rep)
+        with eng._lock:
+            for pr in rails:
+                eng._by_remote_rail[pr.remote_id] = (peer, pr)
+            again = eng._lost.pop(peer.session, None) is not None
+        peer.ready = True
+        if again:
+            eng.counters.add("reconnects")
+        log.log(logging.WARNING if again else logging.INFO, "engine %s %sconnected to %s over %d rail(s)",
+                eng.session_id, "re" if again else "", peer.session, n)
+
+    def _loadstore_writer(self, peer, rep: dict):
+        """A ``LoadStoreWriter`` for a same-host ipc peer that advertised its deregistration counter, else None."""
+        eng = self.engine
+        if not (eng.use_loadstore and eng.fabric_name == "ipc" and "region_gen_addr" in rep):
+            return None
+        from transport.loadstore import LoadStoreWriter
+        fab, ep = eng.fabrics[0], peer.rails[0].ep
+        if int(rep.get("pid", -1)) != fab.peer_pid(ep):
+            log.warning("session %s: control pid %s differs from the ipc endpoint's %s; no load/store path",
+                        peer.session, rep.get("pid"), fab.peer_pid(ep))
+            return None
+        return LoadStoreWriter(fab, ep, int(rep["region_gen_addr"]), int(rep.get("region_gen", 0)),
+                               int(rep.get("region_gen_fd", -1)))
+
+    def refresh_regions(self, peer) -> None:
+        """Fetch the peer's region list again over the control connection. The control connection alone can
+        drop (an idle NAT / firewall timeout: unlike the rails it has no keepalive), so a failed request is
+        retried once on a new connection. Raises ``PeerGone`` when nobody answers there any more or a different
+        engine does (the peer restarted), TransferError naming the cause for other failures."""
+        from transport.errors import TransferError
+        eng = self.engine
+        gone = None
+        with peer.lock:
+            try:
+                rep = self.request(peer, {"op": "regions"})
+            except (OSError, ConnectionError, ValueError) as first:
+                self.close_ctrl_locked(peer)
+                if peer.retired:
+                    raise TransferError(f"cannot refresh the region list of {peer.session}: {first} (every rail "
+                                        f"to it failed meanwhile)", [first]) from first
+                try:
+                    peer.ctrl = self.connect(peer.session)
+                    peer.ctrl.settimeout(30.0)
+                    rep = self.request(peer, {"op": "regions"})
+                except UnknownSession as e:
+                    gone = e
+                except (OSError, ConnectionError, ValueError) as e:
+                    self.close_ctrl_locked(peer)
+                    raise TransferError(f"cannot refresh the region list of {peer.session}: {first}; again on a "
+                                        f"new control connection: {e}", [first, e]) from e
+                else:
+                    eng.counters.add("ctrl_reconnects")
+            if gone is None and int(rep.get("engine_id", peer.engine_id)) != peer.engine_id:
+                gone = PeerLost(f"a different engine (id 0x{int(rep['engine_id']):x}, was 0x{peer.engine_id:x}) "
+                                f"answers at {peer.session} now: the peer restarted")
+        if gone is not None:
+            raise PeerGone(str(gone), peer, gone)
+        peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
+        if peer.loadstore is not None:
+            peer.loadstore.gen_seen = int(rep.get("region_gen", peer.loadstore.gen_seen))
+        eng.counters.add("region_refreshes")
+
+    @staticmethod
+    def request(peer, msg: dict) -> dict:
+        """One request / reply on the peer's control connection (``peer.lock`` held)."""
+        if peer.ctrl is None:
+            raise ConnectionError("no control connection")
+        send_msg(peer.ctrl, msg)
+        rep = recv_msg(peer.ctrl)
+        if not rep.get("ok"):
+            raise ValueError(f"peer refused {msg.get('op')!r}: {rep.get('error')}")
+        return rep
+
+    @staticmethod
+    def close_ctrl_locked(peer) -> None:
+        """Close the peer's control socket (``peer.lock`` held, or the peer forgotten)."""
+        sock, peer.ctrl = peer.ctrl, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass

@@ -69,7 +69,6 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -666,17 +665,23 @@ class TransferEngine:
         Returns: 0 when a pxn engine answered; ERR_METADATA for a malformed name, ERR_SOCKET when nothing
         answers, ERR_ENDPOINT when something answered but not as a pxn engine.
         """
-        from transport.engine import _recv_msg, _send_msg  # the engine's control framing (4-byte length + JSON)
+        from transport.auth import AuthError
+        from transport.control import UnknownSession, query
         target = normalize_session(peer_server_name)
         host, _, port_s = target.rpartition(":") if isinstance(target, str) else ("", "", "")
         if not host or not port_s.isdigit():
             log.warning("send_probe(%r): not 'host:port' (%s)", peer_server_name, error_name(ERR_METADATA))
             return ERR_METADATA
         try:
-            with socket.create_connection((host, int(port_s)), timeout=timeout) as s:
-                s.settimeout(timeout)
-                _send_msg(s, {"op": "regions"})
-                rep = _recv_msg(s)
+            # authenticated like every control connection, with this engine's secret (PXN_SECRET before init)
+            eng = self._engine
+            rep = query(target, {"op": "regions"}, None if eng is None else (eng._secret or ""), timeout)
+        except UnknownSession as e:
+            log.warning("send_probe(%r): %s (%s)", peer_server_name, e, error_name(ERR_METADATA))
+            return ERR_METADATA
+        except AuthError as e:
+            log.warning("send_probe(%r): refused: %s (%s)", peer_server_name, e, error_name(ERR_ENDPOINT))
+            return ERR_ENDPOINT
         except OSError as e:
             log.info("send_probe(%r): %s (%s)", peer_server_name, e, error_name(ERR_SOCKET))
             return ERR_SOCKET

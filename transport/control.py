@@ -1,7 +1,9 @@
 """The engine's control plane: control listener, handshake, region refresh, and their message framing.
 
 A ``TransferEngine`` runs one small TCP listener (its port is in ``session_id``). Each connection to it is served
-by its own thread, which answers requests (4-byte length + JSON object, ``{"op": ...}``) until the peer closes.
+by its own thread (``transport.auth.Gate``: a deadline to authenticate, caps per source address, an accept loop
+that survives running out of file descriptors). The connection first proves the shared secret
+(``transport.auth``); nothing is read, allocated or answered before. Then the thread answers requests (4-byte length + JSON object, ``{"op": ...}``) until the peer closes.
 Ops are looked up in ``ControlPlane.ops`` (op name -> handler taking the request dict and returning the reply
 dict), so other parts of pxn can add their own.
 
@@ -10,6 +12,12 @@ Built-in ops:
 * ``hello``: a sender's first message. It names its rails and its credit region; the reply carries this engine's
   rail descriptors, the landing slots allocated for that sender and the region list.
 * ``regions``: the region list again (a sender re-fetches it when a destination is not covered).
+
+A request body is at most ``MAX_REQUEST`` bytes and is received as it arrives (a length field alone allocates
+nothing).
+
+Session ids are "host:port" (IPv6: "[addr]:port"); anything else (empty host, a port outside 1..65535, a host
+name that is not a valid DNS name) raises ``UnknownSession`` naming the value.
 
 Sender side: ``ControlPlane.peer(session)`` returns the connected peer of a session, handshaking first when
 there is none, and ``refresh_regions(peer)`` re-fetches its region list. Neither decides about failover: a
@@ -25,13 +33,15 @@ What the control plane uses of its engine (``engine``): ``fabrics``, ``receiver`
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import logging
 import socket
 import struct
 import threading
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
+from transport import auth
 from transport.errors import FabricError, InvalidTransfer, PeerLost, UnknownPeer
 from transport.fabric.base import DEVICE_HOST
 from transport.receiver import ACK_BYTES
@@ -41,7 +51,7 @@ from transport.telemetry import now_ns
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ControlPlane", "UnknownSession", "PeerGone", "send_msg", "recv_msg"]
+__all__ = ["ControlPlane", "UnknownSession", "PeerGone", "send_msg", "recv_msg", "parse_session", "query"]
 
 
 class UnknownSession(InvalidTransfer, UnknownPeer):
@@ -60,7 +70,9 @@ class PeerGone(PeerLost):
 
 _MSG = struct.Struct("<I")
 MAX_MSG = 64 << 20
-"""Largest control message (bytes) either side accepts."""
+"""Largest control reply (bytes) a sender accepts (a long region list)."""
+MAX_REQUEST = 1 << 20
+"""Largest control request (bytes) the listener accepts."""
 
 
 def send_msg(sock: socket.socket, obj: dict) -> None:
@@ -80,12 +92,50 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _recv_growing(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes, held only as they arrive: a length field alone costs no memory."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 16))
+        if not chunk:
+            raise ConnectionError("control connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
 def recv_msg(sock: socket.socket, limit: int = MAX_MSG) -> dict:
-    """One control message; a body above ``limit`` bytes raises ``ValueError``."""
+    """One control message (a JSON object); a body above ``limit`` bytes raises ``ValueError``."""
     (n,) = _MSG.unpack(_recv_exact(sock, 4))
     if n > limit:
-        raise ValueError(f"control message of {n} bytes is too large")
-    return json.loads(_recv_exact(sock, n))
+        raise ValueError(f"control message of {n} bytes is too large (at most {limit})")
+    msg = json.loads(_recv_exact(sock, n) if n <= 1 << 16 else _recv_growing(sock, n))
+    if not isinstance(msg, dict):
+        raise ValueError(f"control message is a JSON {type(msg).__name__}, not an object")
+    return msg
+
+
+def parse_session(session) -> Tuple[str, int]:
+    """(host, port) of a session id "host:port" / "[v6]:port"; UnknownSession naming the value otherwise."""
+    if not isinstance(session, str) or ":" not in session:
+        raise UnknownSession(f"session id must be 'host:port', got {session!r}")
+    host, _, port_s = session.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not port_s.isascii() or not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+        raise UnknownSession(f"session id {session!r}: port {port_s!r} is not a number in 1..65535")
+    try:
+        ipaddress.ip_address(host)
+        return host, int(port_s)
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    try:
+        encoded = host.encode("idna")  # what the resolver would do; over-long labels raise UnicodeError here
+    except UnicodeError as e:
+        raise UnknownSession(f"session id {session!r}: host {host!r} is not a valid host name ({e})") from None
+    if not host or len(encoded) > 253 or any(not 1 <= len(x) <= 63 for x in labels) or "\x00" in host:
+        raise UnknownSession(f"session id {session!r}: host {host!r} is not a valid host name")
+    return host, int(port_s)
 
 
 def _close_listener(sock: socket.socket) -> None:
@@ -95,6 +145,20 @@ def _close_listener(sock: socket.socket) -> None:
             fn()
         except OSError:
             pass
+
+
+def query(session: str, msg: dict, secret=None, timeout: float = 2.0) -> dict:
+    """One request / reply on a fresh, authenticated control connection to ``session`` (e.g. a liveness probe
+    with ``{"op": "regions"}``). ``secret``: as ``TransferEngine(secret=)`` (None: ``PXN_SECRET``).
+    Raises UnknownSession (malformed id), OSError (nobody answers), ``transport.auth.AuthError`` (refused), or
+    ConnectionError / ValueError (a bad reply)."""
+    host, port = parse_session(session)
+    key = auth.resolve_secret(secret)
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.settimeout(timeout)
+        auth.client_handshake(s, key, "ctrl", timeout)
+        send_msg(s, msg)
+        return recv_msg(s)
 
 
 class ControlPlane:
@@ -109,9 +173,13 @@ class ControlPlane:
     Raises FabricError when the port cannot be bound.
     """
 
-    def __init__(self, engine, hostname: str, port: int, make_peer: Callable, make_rail: Callable):
+    def __init__(self, engine, hostname: str, port: int, make_peer: Callable, make_rail: Callable,
+                 secret: Optional[bytes] = None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
+                 max_conns_per_addr: int = 64):
         self.engine = engine
         self.hostname = hostname
+        self.secret = secret
+        self.handshake_timeout = float(handshake_timeout)
         self._make_peer = make_peer
         self._make_rail = make_rail
         self.ops: Dict[str, Callable[[dict], dict]] = {"hello": self._op_hello, "regions": self._op_regions}
@@ -120,6 +188,8 @@ class ControlPlane:
         except OSError as e:
             raise FabricError(f"control listener: cannot listen on {hostname}:{port}: {e}") from e
         self.port = self.listener.getsockname()[1]
+        self.gate = auth.Gate(f"ctrl {hostname}:{self.port}", self._serve, handshake_timeout=handshake_timeout,
+                              max_per_addr=max_conns_per_addr)
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> threading.Thread:
@@ -150,35 +220,36 @@ class ControlPlane:
         return {"regions": regions, **gen}
 
     def _ctrl_loop(self) -> None:
+        self.gate.serve(self.listener, lambda: self.engine._closed)
+
+    def _serve(self, a: "auth.Admitted") -> None:
+        """One control connection (its own thread): authenticate, then answer requests until the peer closes."""
+        conn = a.sock
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        auth.server_handshake(conn, self.secret, "ctrl", a.deadline)
+        a.established()
+        conn.settimeout(None)  # an authenticated sender keeps its control connection for region refreshes
         while not self.engine._closed:
             try:
-                conn, _ = self.listener.accept()
+                req = recv_msg(conn, MAX_REQUEST)
+            except (OSError, ConnectionError, ValueError) as e:
+                if not isinstance(e, (ConnectionError, OSError)):
+                    log.warning("control connection from %s: %s; closing it", a.addr, e)
+                return
+            try:
+                op = req.get("op")
+                handler = self.ops.get(op) if isinstance(op, str) else None
+                if handler is None:
+                    rep = {"ok": False, "error": f"unknown control op {op!r}"}
+                else:
+                    rep = handler(req)
+            except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
+                log.warning("control request %s failed: %s", req.get("op"), e)
+                rep = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            try:
+                send_msg(conn, rep)
             except OSError:
                 return
-            t = threading.Thread(target=self._serve, args=(conn,), name="pxn-ctrl-conn", daemon=True)
-            t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while not self.engine._closed:
-                try:
-                    req = recv_msg(conn)
-                except (OSError, ConnectionError, ValueError):
-                    return
-                try:
-                    op = req.get("op")
-                    handler = self.ops.get(op)
-                    if handler is None:
-                        rep = {"ok": False, "error": f"unknown control op {op!r}"}
-                    else:
-                        rep = handler(req)
-                except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
-                    log.warning("control request %s failed: %s", req.get("op"), e)
-                    rep = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                try:
-                    send_msg(conn, rep)
-                except OSError:
-                    return
 
     def _op_regions(self, req: dict) -> dict:
         # the engine id lets a sender whose control connection was re-opened tell a restarted peer (new id) from
@@ -208,9 +279,9 @@ class ControlPlane:
         tries again; nothing is remembered but the reason, for the message), and ``PeerGone`` for a peer whose
         every endpoint died while nothing was in flight to notice (the engine forgets it and calls again)."""
         eng = self.engine
-        if not isinstance(session_id, str) or session_id.count(":") < 1:
-            raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
-        peer = eng._peers.get(session_id)
+        peer = eng._peers.get(session_id) if isinstance(session_id, str) else None
+        if peer is None:
+            parse_session(session_id)  # a malformed id never reaches the resolver or the session table
         if peer is not None and peer.ready and not peer.retired:
             if peer.connected():
                 return peer
@@ -245,18 +316,23 @@ class ControlPlane:
 
     def connect(self, session: str, timeout: float = 10.0) -> socket.socket:
         """A control connection to ``session``'s listener; UnknownSession naming why not."""
-        host, _, port_s = session.rpartition(":")
-        try:
-            port = int(port_s)
-        except ValueError:
-            raise UnknownSession(f"session id {session!r}: port {port_s!r} is not a number") from None
+        host, port = parse_session(session)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as e:
+        except (OSError, UnicodeError) as e:
             lost = self.engine._lost.get(session)
             raise UnknownSession(f"no pxn engine answers at session {session!r}: {e}"
                                  + (f" (its previous connection was lost: {lost})" if lost else "")) from e
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            auth.client_handshake(sock, self.secret, "ctrl", timeout)
+        except auth.AuthError as e:
+            sock.close()
+            raise UnknownSession(f"session {session!r} refused authentication: {e}") from e
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            raise UnknownSession(f"session {session!r}: authentication failed: {e} (a pxn engine of another "
+                                 f"version, or something else, listens there)") from e
         return sock
 
     def _handshake(self, peer) -> None:

@@ -246,6 +246,15 @@ class TransferEngine:
         loadstore: on the ipc fabric, write batches between GPU memories (and between host memories) straight
             from the caller's thread with one copy launch, skipping the message path (``PXN_LOADSTORE``,
             default on; see ``transport.loadstore``).
+        secret: shared secret (str or bytes) every control and rail connection proves by HMAC challenge-response
+            before anything is allocated or answered (``PXN_SECRET``; ``transport.auth``). Both ends need the same
+            one. Unset: no authentication, and one warning at start naming the exposed host and ports.
+        max_senders: senders this engine keeps landing slots for at once (``PXN_MAX_SENDERS``, default 256); a
+            hello beyond it is refused (a sender saying hello again keeps its place).
+        handshake_timeout: seconds an incoming control or rail connection has to authenticate
+            (``PXN_HANDSHAKE_TIMEOUT``, default 5).
+        max_conns_per_addr: authenticated control connections per source address (``PXN_MAX_CONNS_PER_ADDR``,
+            default 64).
     """
 
     def __init__(self, hostname: str = "127.0.0.1", fabric: Optional[str] = None, topology=None,
@@ -254,8 +263,21 @@ class TransferEngine:
                  landing_slots: Optional[int] = None, stripe_bytes=None, relay: Optional[str] = None,
                  landing_device: Optional[int] = None, timeout: Optional[float] = None,
                  trace_path: Optional[str] = None, fabric_options: Optional[dict] = None,
-                 switch_interval: Optional[float] = None, loadstore: Optional[bool] = None):
+                 switch_interval: Optional[float] = None, loadstore: Optional[bool] = None, secret=None,
+                 max_senders: Optional[int] = None, handshake_timeout: Optional[float] = None,
+                 max_conns_per_addr: Optional[int] = None):
         self.hostname = hostname
+        from transport.auth import resolve_secret
+        self._secret = resolve_secret(secret)
+        self.max_senders = int(max_senders if max_senders is not None else _env("PXN_MAX_SENDERS", 256))
+        self.handshake_timeout = float(handshake_timeout if handshake_timeout is not None
+                                       else _env("PXN_HANDSHAKE_TIMEOUT", 5.0, float))
+        max_conns_per_addr = int(max_conns_per_addr if max_conns_per_addr is not None
+                                 else _env("PXN_MAX_CONNS_PER_ADDR", 64))
+        for name, value in (("max_senders", self.max_senders), ("max_conns_per_addr", max_conns_per_addr),
+                            ("handshake_timeout", self.handshake_timeout)):
+            if isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
         switch_interval = switch_interval if switch_interval is not None else _env("PXN_SWITCH_INTERVAL", None,
@@ -334,6 +356,11 @@ class TransferEngine:
             # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages
             # took the 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES.md, section Engine)
             options.setdefault("message_bytes", 256 << 20)
+        options["secret"] = self._secret or ""  # resolved once here: the fabrics do not read PXN_SECRET again
+        if self.fabric_name in ("tcp", "ipc"):
+            # an incoming rail must have been announced by an authenticated control hello (receiver.accept_sender)
+            options.setdefault("handshake_timeout", self.handshake_timeout)
+            options.setdefault("guard_claims", True)
         self.fabrics = []
         try:
             for spec in rail_specs:
@@ -343,10 +370,12 @@ class TransferEngine:
                 self.fabrics.append(make_fabric(self.fabric_name, hostname=hostname, **opts))
             self._rail_stats = [Counters() for _ in self.fabrics]
             self.receiver = Receiver(self.fabrics, self._regions, self.landing_slots, self.slot_bytes,
-                                     self.counters, self.trace)
+                                     self.counters, self.trace, max_senders=self.max_senders)
             for rail in range(len(self.fabrics)):
                 self._ring(DEVICE_HOST, rail)
-            self._control = ControlPlane(self, hostname, port, _Peer, _PeerRail)
+            self._control = ControlPlane(self, hostname, port, _Peer, _PeerRail, secret=self._secret,
+                                         handshake_timeout=self.handshake_timeout,
+                                         max_conns_per_addr=max_conns_per_addr)
         except BaseException:
             self._teardown()
             raise
@@ -357,6 +386,11 @@ class TransferEngine:
             t = threading.Thread(target=self._poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}", daemon=True)
             t.start()
             self._threads.append(t)
+        if self._secret is None:
+            ports = [str(getattr(f, "port", "?")) for f in self.fabrics]
+            log.warning("pxn engine %s: no shared secret (secret= / PXN_SECRET): any process that can reach %s may "
+                        "write into this engine's registered memory through control port %d and %s rail port(s) %s",
+                        self.session_id, hostname, self.port, self.fabric_name, ", ".join(ports))
         log.info("pxn engine %s: fabric %s, %d rail(s), coalesce < %d B, slots %d x %d x %d B",
                  self.session_id, self.fabric_name, len(self.fabrics), self.coalesce_bytes, self.lanes,
                  self.relay_slots, self.slot_bytes)
@@ -593,6 +627,11 @@ class TransferEngine:
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
             raise InvalidTransfer(f"{name}: entries do not fit 64 bits")
+        if arr.dtype.kind == "i" and isinstance(values, (list, tuple)) and int(arr.min()) <= 1:
+            # numpy turns [4096, True] into ints: only a 0 or 1 can be a bool in disguise, so only then look
+            for i, v in enumerate(values):
+                if v.__class__ is bool:
+                    raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
         if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 1 << 63:
             i = int(np.argmax(arr))
             raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} does not fit a 64-bit address")
@@ -1307,7 +1346,18 @@ class TransferEngine:
                          "ctrl_reconnects": c.get("ctrl_reconnects", 0)},
             "credits": {"waits": c.get("credit_waits", 0), "wait_s": c.get("time_wait_credit_s", 0)},
             "handshake_s": c.get("handshake_s", 0),
+            "security": self._security_stats(c),
         }
+
+    def _security_stats(self, c: dict) -> dict:
+        """Incoming connections refused (by cause) on the control port and each rail, and senders refused."""
+        ctrl = self._control.gate.stats()
+        rails = [f.admission_stats() for f in self.fabrics if hasattr(f, "admission_stats")]
+        senders = {"refused_max_senders": c.get("senders_refused_max", 0),
+                   "refused_rail_claims": c.get("senders_refused_claim", 0)}
+        refused = ctrl["refused"] + sum(r["refused"] for r in rails) + sum(senders.values())
+        return {"authenticated": self._secret is not None, "refused": refused, "control": ctrl, "rails": rails,
+                **senders}
 
     # ========================================================================================================
     # lifetime

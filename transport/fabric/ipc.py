@@ -320,6 +320,8 @@ class IpcFabric(TcpFabric):
             self._unpin(g[2])
         return g
 
+    _OTHER_TYPES = (T_GRANT, T_DONE)
+
     def _on_other(self, ep, s, typ, count, seq, body) -> None:
         if typ == T_GRANT:
             with s.grant_cv:

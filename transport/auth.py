@@ -37,6 +37,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from typing import Callable, Dict, List, Optional
 
 from transport.errors import FabricError
@@ -125,8 +126,11 @@ def client_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str,
         raise AuthError(f"{purpose}: the peer refused this side's proof (different PXN_SECRET values)")
 
 
-def server_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str, deadline: float) -> None:
-    """Authenticate a connection this side accepted, before ``deadline`` (time.monotonic()). Raises AuthError
+def server_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str, deadline: float,
+                     admit: Optional[Callable[[], None]] = None) -> None:
+    """Authenticate a connection this side accepted, before ``deadline`` (time.monotonic()). ``admit`` runs
+    once the proof checked out and before the verdict goes out (``Admitted.established``: the peer acts on the
+    verdict at once, so it must already count as authenticated); an AuthError from it refuses. Raises AuthError
     (the caller refuses the connection: closes it, answers nothing else)."""
     magic, version, flags, nc = _PREAMBLE.unpack(recv_exact(sock, _PREAMBLE.size, deadline))
     if magic != MAGIC or version != VERSION:
@@ -142,6 +146,12 @@ def server_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str,
     if secret and not hmac.compare_digest(theirs, _mac(secret, b"client", purpose, nc, ns)):
         sock.sendall(bytes([VERDICT_REFUSED]))
         raise AuthError(f"{purpose}: wrong proof (the peer does not know the shared secret)")
+    if admit is not None:
+        try:
+            admit()
+        except AuthError:
+            sock.sendall(bytes([VERDICT_REFUSED]))
+            raise
     sock.sendall(bytes([VERDICT_OK]))
 
 
@@ -153,6 +163,7 @@ class _Counted(AuthError):
 # admission
 # ============================================================================================================
 _OUT_OF_FDS = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_GATES: "weakref.WeakSet[Gate]" = weakref.WeakSet()  # every gate of the process: descriptors are shared
 
 
 class Admitted:
@@ -205,6 +216,7 @@ class Gate:
         self._counts = {"accepted": 0, "authenticated": 0, "refused_auth": 0, "handshake_timeouts": 0,
                         "evicted": 0, "refused_per_addr": 0, "accept_errors": 0}
         self._last_warn = 0.0
+        _GATES.add(self)
 
     # --- telemetry ------------------------------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> None:
@@ -232,11 +244,14 @@ class Gate:
                     return
                 self.count("accept_errors")
                 shed = self._shed_oldest() if e.errno in _OUT_OF_FDS else False
-                self._warn("%s: accept failed (%s); %s, retrying in %.0f ms", self.name, e,
-                           "dropped the oldest unauthenticated connection" if shed else "backing off",
-                           backoff * 1e3)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 0.1)
+                self._warn("%s: accept failed (%s); %s", self.name, e,
+                           "dropped the oldest unauthenticated connection" if shed
+                           else f"backing off {backoff * 1e3:.0f} ms")
+                if shed:
+                    time.sleep(0.002)  # its thread closes it (freeing the descriptor) as soon as it wakes
+                else:
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 0.1)
                 continue
             backoff = 0.005
             self._admit(sock, addr)
@@ -273,14 +288,26 @@ class Gate:
             _close(sock)
 
     def _shed_oldest(self) -> bool:
-        with self._lock:
-            if not self._pending:
-                return False
-            v = next(iter(self._pending.values()))
-            self._unpend_locked(v)
-            self._counts["evicted"] += 1
+        """Out of descriptors: drop the oldest unauthenticated connection of any gate of this process (the
+        descriptors are shared: the control listener's waiting strangers can starve a rail listener)."""
+        best = None
+        for g in list(_GATES):
+            with g._lock:
+                first = next(iter(g._pending.values()), None)
+            if first is not None and (best is None or first.t0 < best.t0):
+                best = first
+        if best is None:
+            return False
+        g = best.gate
+        with g._lock:
+            if not best.pending:
+                return True  # gone meanwhile: its descriptor is free or about to be
+            g._unpend_locked(best)
+            g._counts["evicted"] += 1
+        v = best
+        # only shut down: its own thread closes it. Closing a socket another thread may still be about to use
+        # lets the next accept reuse the descriptor number under that thread (it would read the new peer's bytes)
         _shutdown(v.sock)
-        _close(v.sock)  # free its descriptor now: the accept that failed needs one
         return True
 
     def _unpend_locked(self, a: Admitted) -> None:

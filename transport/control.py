@@ -226,8 +226,7 @@ class ControlPlane:
         """One control connection (its own thread): authenticate, then answer requests until the peer closes."""
         conn = a.sock
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        auth.server_handshake(conn, self.secret, "ctrl", a.deadline)
-        a.established()
+        auth.server_handshake(conn, self.secret, "ctrl", a.deadline, a.established)
         conn.settimeout(None)  # an authenticated sender keeps its control connection for region refreshes
         while not self.engine._closed:
             try:

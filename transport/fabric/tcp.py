@@ -497,6 +497,8 @@ class TcpFabric(Fabric):
         self.port = self._listener.getsockname()[1]
         self._id = f"{hostname}:{self.port}"
         self.gate = auth.Gate(f"{self.name} {self._id}", self._incoming, handshake_timeout=handshake_timeout)
+        for key in ("refused_hello", "refused_claims"):  # authenticated, then refused: a bad hello, a claimed id
+            self.gate.count(key, 0)
         self._listen_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"pxn-{self.name}-listen-{self.port}")
         self._listen_thread.start()
@@ -831,8 +833,7 @@ class TcpFabric(Fabric):
         until every socket of its endpoint arrived, then build the endpoint (the last one to arrive does)."""
         s = a.sock
         self._tune(s)
-        auth.server_handshake(s, self._secret, self.name, a.deadline)
-        a.established()
+        auth.server_handshake(s, self._secret, self.name, a.deadline, a.established)
         hdr = auth.recv_exact(s, HDR.size, a.deadline)
         magic, typ, _, _, _, _, blen = HDR.unpack(hdr)
         try:

@@ -311,8 +311,7 @@ class VerbsFabric(Fabric):
     def _incoming(self, a: "auth.Admitted") -> None:
         """One incoming connection exchange (its own thread): authenticate first, then QP numbers."""
         sock = a.sock
-        auth.server_handshake(sock, self._secret, self.name, a.deadline)
-        a.established()
+        auth.server_handshake(sock, self._secret, self.name, a.deadline, a.established)
         sock.settimeout(max(0.1, a.deadline - time.monotonic()))
         peer = _recv_json(sock)
         qp, psn = self._new_qp(), random.getrandbits(24)

@@ -232,6 +232,14 @@ def test_wrong_secret_and_no_secret_are_refused(victim, src):
             with pytest.raises(UnknownSession, match=match):
                 eng.batch_write(victim.session, [src.ctypes.data], [victim.base], [64])
     assert _settle(lambda: victim.security()["control"]["refused_auth"], before + 2) >= before + 2
+    # a client that ignores the listener's proof and answers with a proof under another key: the listener refuses
+    for port, purpose in [(_addr(victim.session), "ctrl")] + [(_addr(r), "tcp") for r in victim.rails]:
+        with socket.create_connection(port, timeout=5) as s:
+            nc = os.urandom(auth.NONCE_BYTES)
+            s.sendall(auth._PREAMBLE.pack(auth.MAGIC, auth.VERSION, auth.F_SECRET, nc))
+            _, _, _, ns, _ = auth._CHALLENGE.unpack(auth.recv_exact(s, auth._CHALLENGE.size, time.monotonic() + 5))
+            s.sendall(auth._mac(b"guess", b"client", purpose, nc, ns) + _hello_frame("x:1"))
+            assert _closed_without_answer(s) == bytes([auth.VERDICT_REFUSED])
     victim.untouched()
 
 

@@ -93,7 +93,6 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -1111,16 +1110,26 @@ class TransferEngine:
         the host name does not resolve, ERR_SOCKET when nothing answers, ERR_ENDPOINT when something answered
         but not as a pxn engine.
         """
-        from transport.engine import UnknownSession
+        from transport.auth import AuthError
+        from transport.control import UnknownSession, query
+        target = normalize_session(peer_server_name)
+        host, _, port_s = target.rpartition(":") if isinstance(target, str) else ("", "", "")
+        if not host or not port_s.isdigit():
+            log.warning("send_probe(%r): not 'host:port' (%s)", peer_server_name, error_name(ERR_METADATA))
+            return ERR_METADATA
         try:
-            self._query(peer_server_name, {"op": "regions"}, timeout)
-            return 0
+            # authenticated like every control connection, with this engine's secret (PXN_SECRET before init)
+            eng = self._engine
+            rep = query(target, {"op": "regions"}, None if eng is None else (eng._secret or ""), timeout)
         except UnknownSession as e:
             log.warning("send_probe(%r): %s (%s)", peer_server_name, e, error_name(ERR_METADATA))
             return ERR_METADATA
         except socket.gaierror as e:
             log.info("send_probe(%r): cannot resolve: %s (%s)", peer_server_name, e, error_name(ERR_DNS))
             return ERR_DNS
+        except AuthError as e:
+            log.warning("send_probe(%r): refused: %s (%s)", peer_server_name, e, error_name(ERR_ENDPOINT))
+            return ERR_ENDPOINT
         except OSError as e:
             log.info("send_probe(%r): %s (%s)", peer_server_name, e, error_name(ERR_SOCKET))
             return self._forget(peer_server_name, ERR_SOCKET)

@@ -90,7 +90,7 @@ class _State:
             socks = self.idle.get(session)
             if socks:
                 return socks.pop(), True
-        return self.engine._ctrl_connect(session), False
+        return self.engine._control.connect(session), False  # authenticated like every control connection
 
     def give_back(self, session: str, sock: socket.socket) -> None:
         with self.lock:
@@ -213,7 +213,7 @@ def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
         sock, pooled = st.take(session_id)
         try:
             sock.settimeout(timeout)
-            from transport.engine import _recv_msg, _send_msg
+            from transport.control import recv_msg as _recv_msg, send_msg as _send_msg
             _send_msg(sock, msg)
             rep = _recv_msg(sock)
         except socket.timeout:

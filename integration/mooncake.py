@@ -93,6 +93,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -1085,18 +1086,17 @@ class TransferEngine:
     # liveness
     # ======================================================================================================
     def _query(self, peer_server_name: str, msg: dict, timeout: float) -> dict:
-        """One request / reply with the peer's control listener on a fresh connection. Raises UnknownSession
-        (bad name, not at the metadata server), OSError (nothing answers; ``socket.gaierror`` for DNS),
+        """One request / reply with the peer's control listener on a fresh, authenticated connection (this
+        engine's secret; ``PXN_SECRET`` before ``initialize``). Raises UnknownSession (bad name, not at the
+        metadata server), OSError (nothing answers; ``socket.gaierror`` for DNS), ``AuthError`` (refused),
         ConnectionError / ValueError (a bad reply)."""
-        from transport.engine import UnknownSession, _recv_msg, _send_msg  # the engine's control framing
-        target = self._session(peer_server_name)
+        from transport.control import UnknownSession, query
+        target = normalize_session(self._session(peer_server_name))
         host, _, port_s = target.rpartition(":") if isinstance(target, str) else ("", "", "")
         if not host or not port_s.isdigit():
             raise UnknownSession(f"{peer_server_name!r} is not 'host:port'")
-        with socket.create_connection((host, int(port_s)), timeout=timeout) as s:
-            s.settimeout(timeout)
-            _send_msg(s, msg)
-            rep = _recv_msg(s)
+        eng = self._engine
+        rep = query(target, msg, None if eng is None else (eng._secret or ""), timeout)
         if not isinstance(rep, dict) or not rep.get("ok"):
             raise ValueError(f"peer answered {rep!r}")
         return rep
@@ -1108,19 +1108,13 @@ class TransferEngine:
         Arguments: peer_server_name: "host:port" (a segment name with a metadata server); timeout: seconds.
         Returns: 0 when a pxn engine answered; ERR_METADATA for a malformed or unpublished name, ERR_DNS when
         the host name does not resolve, ERR_SOCKET when nothing answers, ERR_ENDPOINT when something answered
-        but not as a pxn engine.
+        but not as a pxn engine (or refused this engine's secret).
         """
         from transport.auth import AuthError
-        from transport.control import UnknownSession, query
-        target = normalize_session(peer_server_name)
-        host, _, port_s = target.rpartition(":") if isinstance(target, str) else ("", "", "")
-        if not host or not port_s.isdigit():
-            log.warning("send_probe(%r): not 'host:port' (%s)", peer_server_name, error_name(ERR_METADATA))
-            return ERR_METADATA
+        from transport.control import UnknownSession
         try:
-            # authenticated like every control connection, with this engine's secret (PXN_SECRET before init)
-            eng = self._engine
-            rep = query(target, {"op": "regions"}, None if eng is None else (eng._secret or ""), timeout)
+            self._query(peer_server_name, {"op": "regions"}, timeout)
+            return 0
         except UnknownSession as e:
             log.warning("send_probe(%r): %s (%s)", peer_server_name, e, error_name(ERR_METADATA))
             return ERR_METADATA

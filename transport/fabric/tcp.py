@@ -782,10 +782,16 @@ class TcpFabric(Fabric):
         la = np.fromiter((r.local_addr for r in requests), dtype=np.int64, count=n)
         ln = np.fromiter((r.length for r in requests), dtype=np.int64, count=n)
         ra = np.fromiter((r.remote_addr for r in requests), dtype=np.int64, count=n)
-        cum = np.cumsum(ln) - ln  # bytes before each write
-        group = cum // target
-        cuts = np.nonzero(np.diff(group))[0] + 1
-        bounds = [0] + cuts.tolist() + [n]
+        # greedy: a message closes before the write that would take it past ``target`` (never above it: the
+        # peer refuses a payload larger than the message size this fabric announced)
+        bounds = [0]
+        used = 0
+        for i, k in enumerate(ln.tolist()):
+            if used + k > target and i > bounds[-1]:
+                bounds.append(i)
+                used = 0
+            used += k
+        bounds.append(n)
         msgs = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             for lo in range(a, b, MAX_TABLE):

@@ -22,7 +22,6 @@ piece takes a byte-wide path. All address arithmetic is int64.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,9 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pxn_kernels import policy as kernel_policy
 from pxn_kernels._copy_piece import _copy_piece
-from pxn_kernels._direct_launch import DirectLauncher
 from pxn_kernels._grid_copy import GridCopy, GridSettings, grid_settings, launch_grid_copy
+from pxn_kernels._launch import CompiledKernel, anchor
+from pxn_kernels._row_copy import MAX_GRID_Y, RowCopy, RowSettings, launch_row_copy, row_settings
 
 STREAM_ALIGN = 16
 
@@ -205,9 +206,7 @@ class LaunchSettings:
     persistent: bool = True  # False: one range per program, no loop (rounds must be 1)
     prefetch: int = 0  # persistent loop: 1 loads the next range's bounds early, 2 also its first descriptors
     eager: bool = False  # an item's four descriptors in one round trip, the next item's before the copy
-    # > 0: cap on registers per thread (Triton's maxnreg). Uncapped, the kernel takes 54 registers at 4 KB /
-    # 4 warps (Triton 3.6, sm_90, offline compile), room for 9 resident programs per SM (36 of 64 warps); 32
-    # allows 16 (benchmarks/kernels.py --resources reports registers, spills and 16-byte accesses).
+    # > 0: cap on registers per thread (Triton's maxnreg); benchmarks/kernels.py --resources reports registers.
     max_registers: int = 0
 
     def __post_init__(self):
@@ -239,58 +238,37 @@ class Regime:
     max_registers: int = 0
 
 
+def regime_of(entry: dict) -> Regime:
+    """A ``Regime`` from a policy entry (``policy.policy(device)["range_small"]`` or ``["range_large"]``)."""
+    return Regime(block_bytes=entry["block_bytes"], num_warps=entry["num_warps"],
+                  programs_per_sm=entry["programs_per_sm"], range_bytes=entry["range_bytes"],
+                  persistent=entry["persistent"], streaming=entry["streaming"],
+                  tail_block_bytes=entry["tail_block_bytes"])
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return default if value is None else int(value)
-
-
-def _regime_from_env(prefix: str, block: int, warps: int, per_sm: int) -> Regime:
-    return Regime(block_bytes=_env_int(prefix + "BLOCK_BYTES", block),
-                  num_warps=_env_int(prefix + "NUM_WARPS", warps),
-                  programs_per_sm=_env_int(prefix + "PROGRAMS_PER_SM", per_sm),
-                  range_bytes=_env_int(prefix + "ALIGNED_RANGE_BYTES", 0),
-                  persistent=bool(_env_int(prefix + "PERSISTENT", 1)),
-                  prefetch=_env_int(prefix + "PREFETCH", 0),
-                  eager=bool(_env_int(prefix + "EAGER", 0)),
-                  max_registers=_env_int(prefix + "MAX_REGISTERS", 0),
-                  streaming=bool(_env_int("PXN_KERNEL_STREAMING", 0)))
-
-
-# Read once: PXN_KERNEL_* let a benchmark sweep the settings without code changes; the PXN_KERNEL_LARGE_*
-# forms apply to the large-piece regime. Defaults from the H200 sweeps in benchmarks/NOTES.md. Two regimes:
-# batches of large pieces want big tiles and many resident programs (32 KB, 8 warps, 32 programs/SM: 0.94
-# of copy_ on the 78-block mixes, against 0.86 with the small settings); batches of small pieces want little
-# device time per launch (4 KB, 4 warps, 8 programs/SM: 2.2 us on the aux batch, against 6.0 us with the
-# large settings). The range layout, loop shape and register cap (ALIGNED_RANGE_BYTES, PERSISTENT, PREFETCH,
-# EAGER, MAX_REGISTERS) default to the equal split, a persistent loop, no prefetch, lazy descriptor loads and
-# no cap until an H200 sweep says otherwise (benchmarks/kernels.py --variants).
-_SMALL = _regime_from_env("PXN_KERNEL_", 4096, 4, 8)
-_LARGE = _regime_from_env("PXN_KERNEL_LARGE_", 32768, 8, 32)
-_LARGE_MEAN_BYTES = _env_int("PXN_KERNEL_LARGE_MEAN_BYTES", 512 << 10)
-_MAX_PROGRAMS = _env_int("PXN_KERNEL_MAX_PROGRAMS", 1 << 16)
-_RANGE_BYTES = _env_int("PXN_KERNEL_RANGE_BYTES", 32 << 10)
-_MAX_ROUNDS = _env_int("PXN_KERNEL_MAX_ROUNDS", 16)
-_LAUNCHER = os.environ.get("PXN_KERNEL_LAUNCHER", "direct")
 _MAX_GRID = (1 << 31) - 1
-_COMPILED = {}
 
 
-def settings_for(regime: Regime, n_items: int, total_bytes: Optional[int], multiprocessors: int) -> LaunchSettings:
+def settings_for(regime: Regime, n_items: int, total_bytes: Optional[int], multiprocessors: int,
+                 pol: Optional[dict] = None) -> LaunchSettings:
     """``regime`` fitted to a batch of ``n_items`` pieces of ``total_bytes`` (None: unknown) on a device with
-    ``multiprocessors`` SMs. Pure: no device access (the benchmark builds its variants with it).
+    ``multiprocessors`` SMs, under the policy ``pol`` (default: the built-in table). Pure: no device access (the
+    benchmark builds its variants with it).
 
-    Equal split: ``max(n_items, programs_per_sm x SMs)`` programs (capped), and when the bytes are known, rounds
-    of about ``RANGE_BYTES`` per range. Aligned (``regime.range_bytes`` and the bytes known): ranges of exactly
-    that size of the padded stream -- counted on its upper bound ``total + 15 n``, so a few trailing ranges may
-    be empty -- one program per range, or ``programs_per_sm x SMs`` persistent programs. A batch that would get
-    more than ~4 pieces per range on average (many small pieces), or fewer than 4 ranges per SM (a small batch:
-    latency, not bandwidth), keeps the equal split, whose ranges follow the item count.
+    Equal split: ``max(n_items, programs_per_sm x SMs)`` programs (capped at the policy's ``max_programs``), and
+    when the bytes are known, rounds of about ``rounds_bytes`` per range. Aligned (``regime.range_bytes`` and the
+    bytes known): ranges of exactly that size of the padded stream -- counted on its upper bound
+    ``total + 15 n``, so a few trailing ranges may be empty -- one program per range, or ``programs_per_sm x SMs``
+    persistent programs. A batch that would get more than ~4 pieces per range on average (many small pieces),
+    or fewer than 4 ranges per SM (a small batch: latency, not bandwidth), keeps the equal split, whose ranges
+    follow the item count.
     """
+    pol = pol or kernel_policy.defaults()
     r = regime
     floor = max(1, r.programs_per_sm * multiprocessors)
     common = dict(block_bytes=r.block_bytes, tail_block_bytes=r.tail_block_bytes, num_warps=r.num_warps,
@@ -303,59 +281,62 @@ def settings_for(regime: Regime, n_items: int, total_bytes: Optional[int], multi
                 return LaunchSettings(programs=programs, rounds=-(-ranges // programs), range_bytes=r.range_bytes,
                                       persistent=True, **common)
             return LaunchSettings(programs=ranges, rounds=1, range_bytes=r.range_bytes, persistent=False, **common)
-    programs = max(1, min(max(n_items, floor), _MAX_PROGRAMS))
+    programs = max(1, min(max(n_items, floor), pol["max_programs"]))
     rounds = 1 if not total_bytes or not r.persistent else \
-        max(1, min(total_bytes // (programs * _RANGE_BYTES), _MAX_ROUNDS))
+        max(1, min(total_bytes // (programs * pol["rounds_bytes"]), pol["max_rounds"]))
     return LaunchSettings(programs=programs, rounds=int(rounds), persistent=r.persistent, **common)
 
 
-def launch_settings(n_items: int, device: torch.device, total_bytes: Optional[int] = None) -> LaunchSettings:
-    """Pick tile size, warps, program count and range layout for a batch of ``n_items`` on ``device``.
+def is_large(n_items: int, total_bytes: Optional[int], pol: dict) -> bool:
+    """Whether a batch gets the policy's ``range_large`` settings (mean piece >= ``large_mean_bytes``)."""
+    return bool(total_bytes) and n_items > 0 and total_bytes // n_items >= pol["large_mean_bytes"]
 
-    Programs: at least ``PROGRAMS_PER_SM`` per multiprocessor so that large blocks keep enough bytes in flight,
+
+def launch_settings(n_items: int, device: torch.device, total_bytes: Optional[int] = None) -> LaunchSettings:
+    """The range kernel's tile size, warps, program count and range layout for a batch of ``n_items`` on
+    ``device``, from the launch policy (``pxn_kernels.policy``).
+
+    Programs: at least ``programs_per_sm`` per multiprocessor so that large blocks keep enough bytes in flight,
     and at least one per item (capped) so that thousands of tiny pieces are copied in parallel rather than a
     few per program in sequence. Under the CPU interpreter each program costs ~0.5 ms, so few are used.
-    Rounds: when the caller knows the batch's bytes, it is cut into ranges of about ``RANGE_BYTES`` so that
+    Rounds: when the caller knows the batch's bytes, it is cut into ranges of about ``rounds_bytes`` so that
     resident programs work on neighbouring memory (see the kernel); and a batch whose mean piece is at least
-    ``LARGE_MEAN_BYTES`` gets the large-piece settings. See ``settings_for``.
+    ``large_mean_bytes`` gets the large-piece settings. See ``settings_for``.
     """
     if device.type != "cuda":
-        return LaunchSettings(block_bytes=256, tail_block_bytes=16, num_warps=1,
-                              programs=max(1, min(n_items, 16)))
-    large = bool(total_bytes) and n_items > 0 and total_bytes // n_items >= _LARGE_MEAN_BYTES
-    return settings_for(_LARGE if large else _SMALL, n_items, total_bytes,
-                        _multiprocessors(device.index if device.index is not None else 0))
-
-
-_ANCHORS = {}
-
-
-def _anchor(device: torch.device) -> torch.Tensor:
-    """A small 16-byte aligned uint8 tensor per device whose pointer the kernel offsets from."""
-    key = str(device)
-    anchor = _ANCHORS.get(key)
-    if anchor is None:
-        anchor = _ANCHORS.setdefault(key, torch.zeros(16, dtype=torch.uint8, device=device))
-    return anchor
+        i = kernel_policy.INTERPRETER
+        return LaunchSettings(block_bytes=i["block_bytes"], tail_block_bytes=i["tail_block_bytes"],
+                              num_warps=i["num_warps"], programs=max(1, min(n_items, i["max_programs"])))
+    pol = kernel_policy.policy(device)
+    entry = pol["range_large"] if is_large(n_items, total_bytes, pol) else pol["range_small"]
+    return settings_for(regime_of(entry), n_items, total_bytes,
+                        _multiprocessors(device.index if device.index is not None else 0), pol)
 
 
 @dataclass
 class CopyPlan:
     """How a batch is split among programs. Reusable for the same lengths.
 
-    Either the range plan (device tensors describing how the settings' ranges split the batch) or, when
-    ``grid`` is set, the 2-D grid kernel of ``_grid_copy`` (no tensors: pad_ends/bounds/first_item are None).
+    One of three kernels: the range plan (device tensors describing how the settings' ranges split the batch),
+    or, when ``grid`` is set, the 2-D grid kernel of ``_grid_copy``, or, when ``row`` is set, the row kernel of
+    ``_row_copy`` (these two need no plan tensors: pad_ends/bounds/first_item are None).
     """
 
     pad_ends: Optional[torch.Tensor]  # int64 [n]
     bounds: Optional[torch.Tensor]  # int64 [ranges + 1]
     first_item: Optional[torch.Tensor]  # int64 [ranges]
-    settings: LaunchSettings
+    settings: Optional[LaunchSettings]
     grid: Optional[GridSettings] = None
+    row: Optional[RowSettings] = None
+
+    @property
+    def kernel(self) -> str:
+        """"row", "grid" or "range"."""
+        return "row" if self.row is not None else "grid" if self.grid is not None else "range"
 
 
 def plan_batched_copy(lengths: torch.Tensor, settings: Optional[LaunchSettings] = None) -> CopyPlan:
-    """Build the work split for ``lengths`` (int64 on the target device) with device-side torch ops only."""
+    """The range plan for ``lengths`` (int64 on the target device), built with device-side torch ops only."""
     device = lengths.device
     if settings is None:
         settings = launch_settings(lengths.numel(), device)
@@ -376,13 +357,6 @@ def plan_batched_copy(lengths: torch.Tensor, settings: Optional[LaunchSettings] 
     return CopyPlan(pad_ends, bounds, first_item, settings)
 
 
-
-
-def _int_spec(value: int):
-    # Mirrors what Triton specialises integer arguments on (width, == 1, divisible by 16).
-    return (-(1 << 31) <= value < (1 << 31), value == 1, value % 16 == 0)
-
-
 def plan_host(lengths: np.ndarray, ranges: int, range_bytes: int = 0):
     """The same plan as ``plan_batched_copy``, computed with numpy on the host: (pad_ends, bounds, first_item).
 
@@ -399,26 +373,52 @@ def plan_host(lengths: np.ndarray, ranges: int, range_bytes: int = 0):
     return pad_ends, bounds, first_item
 
 
+def _equal_kernel(length: int, n: int, device: torch.device, pol: dict) -> Optional[CopyPlan]:
+    """The row or grid plan for ``n`` pieces of ``length`` bytes each, when the policy gives them one."""
+    row = pol["row"]
+    if row["enabled"] and length <= row["max_bytes"]:
+        c = kernel_policy.row_class(pol, length)
+        if -(-length // min(c["max_cols"], 1 << 62)) <= MAX_GRID_Y:
+            return CopyPlan(None, None, None, None, row=row_settings(length, c["tile_bytes"], c["max_cols"],
+                                                                   c["num_warps"]))
+    return None
+
+
 def plan_for_lengths(lengths: np.ndarray, device: torch.device) -> CopyPlan:
-    """The plan for a batch whose lengths the caller holds on the host: the 2-D grid kernel when the pieces are
-    large and of one size (``_grid_copy.grid_settings``), else the range plan, computed here with numpy
-    (``plan_host``) and moved to ``device`` in one copy."""
+    """The plan for a batch whose lengths the caller holds on the host (bytes, int64).
+
+    Pieces all of one length: the row kernel (short rows) or the 2-D grid kernel (from the policy's
+    ``grid.min_bytes``; also pieces within 10 % of one size), as the launch policy says (``pxn_kernels.policy``).
+    Any other mix: the range plan, computed here with numpy (``plan_host``) and moved to ``device`` in one copy.
+    Host cost: a few numpy reductions for equal pieces; the range plan adds a cumulative sum, a search and one
+    host-to-device copy.
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
     n = int(lengths.size)
-    settings = launch_settings(n, device, int(np.maximum(lengths, 0).sum()))
-    grid = grid_settings(lengths)
-    if grid is not None:
-        return CopyPlan(None, None, None, settings, grid)
+    pol = kernel_policy.policy(device) if device.type == "cuda" else kernel_policy.defaults()
+    if n:
+        lo, hi = int(lengths.min()), int(lengths.max())
+        if lo == hi and lo > 0:
+            plan = _equal_kernel(lo, n, device, pol)
+            if plan is not None:
+                return plan
+        total = int(lengths.sum()) if lo >= 0 else int(np.maximum(lengths, 0).sum())
+        grid = grid_settings(n, total, max(hi, 0), pol)
+        if grid is not None:
+            return CopyPlan(None, None, None, None, grid)
+    else:
+        total = 0
+    settings = launch_settings(n, device, total)
     ranges = settings.ranges
     pad_ends, bounds, first_item = plan_host(lengths, ranges, settings.range_bytes)
-    words = torch.from_numpy(np.concatenate([pad_ends, bounds, first_item]).astype(np.int64))
-    d = words.to(device) if device.type == "cuda" else words
+    words = torch.from_numpy(np.concatenate([pad_ends, bounds, first_item]).astype(np.int64, copy=False))
+    d = words.to(device, non_blocking=True) if device.type == "cuda" else words
     return CopyPlan(d[:n], d[n:n + ranges + 1], d[n + ranges + 1:], settings)
 
 
 def _default_plan(lengths: torch.Tensor, host_lengths: Optional[np.ndarray]) -> CopyPlan:
     """The plan the public entries build when none is given: from the host copy of the lengths when the checks
-    made one (the grid kernel is then possible), else on the device without a host synchronisation."""
+    made one (the row and grid kernels are then possible), else on the device without a host synchronisation."""
     if host_lengths is not None:
         return plan_for_lengths(host_lengths, lengths.device)
     return plan_batched_copy(lengths)
@@ -450,32 +450,22 @@ class DeviceBatch:
         self.plan = CopyPlan(d[3 * n:4 * n], d[4 * n:4 * n + ranges + 1], d[4 * n + ranges + 1:], self.settings)
 
 
-def _resolve(src_index, dst_index, lengths, src_base, dst_base, plan):
-    """(launcher, argument values, Triton args, constexprs) for one launch; compiles on first use."""
+_RANGE_KERNEL = CompiledKernel(_batched_copy_kernel, n_tensors=7)
+
+
+def _range_launch(src_index, dst_index, lengths, src_base, dst_base, plan):
+    """(args, grid, constexprs) of one range-kernel launch."""
     settings = plan.settings
-    anchor = _anchor(lengths.device)
-    anchor_addr = anchor.data_ptr()
-    args = (anchor, src_index, dst_index, lengths, plan.pad_ends, plan.bounds, plan.first_item,
-            src_base - anchor_addr, dst_base - anchor_addr, settings.ranges)
+    a = anchor(lengths.device)
+    base = a.data_ptr()
+    args = (a, src_index, dst_index, lengths, plan.pad_ends, plan.bounds, plan.first_item,
+            src_base - base, dst_base - base, settings.ranges)
     constexprs = dict(BLOCK=settings.block_bytes, TAIL_BLOCK=settings.tail_block_bytes,
                       STREAMING=settings.streaming, PERSISTENT=settings.persistent, PREFETCH=settings.prefetch,
                       EAGER=settings.eager, num_warps=settings.num_warps)
     if settings.max_registers:
         constexprs["maxnreg"] = settings.max_registers
-    # Triton turns an int argument equal to 1 into a constant and drops its parameter; the direct launcher
-    # fills parameters by position, so such a launch goes through Triton's own path.
-    if _LAUNCHER != "direct" or lengths.device.type != "cuda" or 1 in args[7:]:
-        return None, None, args, constexprs
-    key = (lengths.device.index, settings.block_bytes, settings.tail_block_bytes, settings.num_warps,
-           settings.streaming, settings.persistent, settings.prefetch, settings.eager, settings.max_registers,
-           tuple(t.data_ptr() % 16 == 0 for t in args[1:7]),
-           tuple(_int_spec(v) for v in args[7:]))
-    launcher = _COMPILED.get(key)
-    if launcher is None:
-        compiled = _batched_copy_kernel.warmup(*args, grid=(settings.programs,), **constexprs)
-        launcher = _COMPILED.setdefault(key, DirectLauncher.create(compiled, n_user=len(args)) or False)
-    values = [t.data_ptr() for t in args[:7]] + list(args[7:])
-    return launcher or None, values, args, constexprs
+    return args, (settings.programs, 1), constexprs
 
 
 def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, lengths: torch.Tensor,
@@ -484,18 +474,16 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
 
     On CUDA the compiled kernel is launched through ``DirectLauncher`` (one driver call); Triton's own launch
     path re-derives every argument's specialisation per call and costs ~18 us of host time on the H200 VM,
-    twice a whole small ``copy_`` (benchmarks/NOTES.md). ``PXN_KERNEL_LAUNCHER=jit`` restores Triton's path.
+    twice a whole small ``copy_`` (benchmarks/NOTES.md).
     """
     if lengths.numel() == 0:
         return
-    if plan.grid is not None:
+    if plan.row is not None:
+        launch_row_copy(src_index, dst_index, src_base, dst_base, plan.row)
+    elif plan.grid is not None:
         launch_grid_copy(src_index, dst_index, lengths, src_base, dst_base, plan.grid)
-        return
-    launcher, values, args, constexprs = _resolve(src_index, dst_index, lengths, src_base, dst_base, plan)
-    if launcher is None:
-        _batched_copy_kernel[(plan.settings.programs,)](*args, **constexprs)
-        return
-    launcher.launch(plan.settings.programs, _current_stream(lengths.device.index), values)
+    else:
+        _RANGE_KERNEL.launch(*_range_launch(src_index, dst_index, lengths, src_base, dst_base, plan))
 
 
 class PreparedCopy:
@@ -513,15 +501,17 @@ class PreparedCopy:
                  graph: bool = False):
         self._keep = (src_index, dst_index, lengths, plan)
         self._device = lengths.device
-        self._programs = plan.settings.programs
-        self._grid_copy = None
-        if plan.grid is not None:
+        if lengths.numel() == 0:
+            self._launch = lambda: None
+        elif plan.row is not None:
+            self._launch = RowCopy(src_index, dst_index, src_base, dst_base, plan.row)
+        elif plan.grid is not None:
             g = plan.grid
-            self._grid_copy = GridCopy(src_index, dst_index, lengths, src_base, dst_base, g.max_bytes, g.seg_bytes,
-                                       g.block_bytes, g.num_warps)
+            self._launch = GridCopy(src_index, dst_index, lengths, src_base, dst_base, g.max_bytes, g.seg_bytes,
+                                    g.block_bytes, g.num_warps)
         else:
-            self._launcher, self._values, self._args, self._constexprs = _resolve(
-                src_index, dst_index, lengths, src_base, dst_base, plan)
+            self._launch = _RANGE_KERNEL.bind(*_range_launch(src_index, dst_index, lengths, src_base, dst_base,
+                                                             plan))
         self._graph = None
         if graph and self._device.type == "cuda":
             side = torch.cuda.Stream(self._device)
@@ -533,21 +523,9 @@ class PreparedCopy:
                     self._launch()
             torch.cuda.current_stream(self._device).wait_stream(side)
 
-    def _launch(self):
-        if self._grid_copy is not None:
-            self._grid_copy()
-        elif self._launcher is None:
-            _batched_copy_kernel[(self._programs,)](*self._args, **self._constexprs)
-        else:
-            self._launcher.launch(self._programs, _current_stream(self._device.index), self._values)
-
     def __call__(self) -> None:
         """Enqueue the copy on the current stream."""
         if self._graph is not None:
             self._graph.replay()
         else:
             self._launch()
-
-
-def _current_stream(device_index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device_index)

@@ -560,6 +560,7 @@ def test_settings_for_defaults_and_aligned(monkeypatch):
     import pxn_kernels._batched_copy as bc
     sms = 132
     monkeypatch.setattr(bc, "_multiprocessors", lambda index: sms)
+    monkeypatch.setattr(pxn_kernels.policy, "arch_name", lambda device: "sm_90")
     cuda = torch.device("cuda", 0)
     # The default regimes reproduce the pre-variant formula.
     for n, total in [(11, 9900), (4096, 64 * 4096), (4096, 8192 * 4096), (1024, 65536 * 1024),
@@ -655,13 +656,120 @@ def test_prepared_copy_through_the_grid_kernel(rng):
 
 
 def test_plan_for_lengths_picks_the_kernel():
-    pick = lambda lengths: pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE).grid
-    assert pick([8192] * 10) == pxn_kernels.GridSettings(4096, 4096, 2, 8192)
-    assert pick([2359296] * 3) == pxn_kernels.GridSettings(4096, 4096, 2, 2359296)
-    assert pick([64] * 100) is None  # small pieces: the range kernel packs many per program
-    assert pick([64, 2 << 20]) is None  # unequal sizes: most of the grid would idle
-    assert pick([5000, 5000, 6000]) is None  # 12.5 % of the grid wasted, over the 10 % allowed
-    assert pick([5000, 5000, 5400]) is not None
-    assert pick([]) is None
+    plan = lambda lengths: pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
+    pick = lambda lengths: plan(lengths).kernel
+    assert plan([8192] * 10).grid == pxn_kernels.GridSettings(4096, 4096, 2, 8192)
+    assert plan([2359296] * 3).grid == pxn_kernels.GridSettings(4096, 4096, 2, 2359296)
+    assert pick([64] * 100) == "row"  # rows of one length: several whole rows per program
+    assert plan([100] * 5).row == pxn_kernels.row_settings(100, 8192, 4096, 4)
+    assert pick([4095] * 3) == "row" and pick([4096] * 3) == "grid"
+    assert pick([64, 2 << 20]) == "range"  # unequal sizes: most of the grid would idle
+    assert pick([64, 64, 0]) == "range"
+    assert pick([5000, 5000, 6000]) == "range"  # 12.5 % of the grid wasted, over the 10 % allowed
+    assert pick([5000, 5000, 5400]) == "grid"
+    assert pick([]) == "range"
     with pytest.raises(ValueError, match="seg_bytes 1000 must be a multiple of block_bytes 512"):
         pxn_kernels.GridCopy(_t([0]), _t([0]), _t([1]), 0, 0, 1, seg_bytes=1000, block_bytes=512)
+
+
+# --- the row kernel: pieces of one length (rows of a paged pool picked at random) ------------------------------
+
+def _pool_rows(rng, length, n, pool_rows, misalign=0):
+    """A pool of ``pool_rows`` rows of ``length`` bytes (fresh random bytes, starting ``misalign`` bytes past a
+    16-byte boundary) and the addresses of ``n`` distinct rows picked at random, unsorted."""
+    pool = _random_bytes(rng, pool_rows * length + misalign + 16)
+    picks = rng.choice(pool_rows, n, replace=False)
+    return pool, [pool.data_ptr() + misalign + int(k) * length for k in picks]
+
+
+ROW_LENGTHS = [1, 3, 16, 64, 100, 520, 576, 1500, 2048]
+
+
+@pytest.mark.parametrize("length", ROW_LENGTHS)
+@pytest.mark.parametrize("misalign", [0, 1, 4, 8])
+def test_row_kernel_gather_scatter_copy_paged_rows(rng, length, misalign):
+    """Checked calls on rows of one length take the row kernel; gather, scatter and copy are byte-exact against
+    the torch references on poisoned outputs, rows picked at random from a pool at every alignment."""
+    n = 37  # not a multiple of any tile's row count: the last tile is partly empty
+    assert pxn_kernels.plan_for_lengths(np.full(n, length), DEVICE).kernel == "row"
+    pool, src = _pool_rows(rng, length, n, 3 * n, misalign)
+    lengths = _t([length] * n)
+    # gather into a packed chunk starting at an offset that differs from the sources' alignment
+    out = _random_bytes(rng, n * length + 64)
+    ref = out.clone()
+    offsets = _t([3 * (misalign % 2) + i * length for i in range(n)])
+    pxn_kernels.gather(_t(src), lengths, out, offsets, backend="triton")
+    pxn_kernels.gather_torch(_t(src), lengths, ref, offsets)
+    # scatter the chunk back to other random rows of a second (poisoned) pool
+    back_pool, dst = _pool_rows(rng, length, n, 3 * n, misalign)
+    expect = back_pool.clone()
+    pxn_kernels.scatter(out, offsets, _t(dst), lengths, backend="triton")
+    pxn_kernels.scatter_torch(ref, offsets, _t([d - back_pool.data_ptr() + expect.data_ptr() for d in dst]), lengths)
+    # copy pool rows to pool rows
+    copied = _random_bytes(rng, back_pool.numel())
+    copied_ref = copied.clone()
+    shift, shift_ref = copied.data_ptr() - back_pool.data_ptr(), copied_ref.data_ptr() - back_pool.data_ptr()
+    pxn_kernels.copy(_t(src), _t([d + shift for d in dst]), lengths, backend="triton")
+    pxn_kernels.copy_torch(_t(src), _t([d + shift_ref for d in dst]), lengths)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert torch.equal(back_pool, expect)
+    assert torch.equal(copied, copied_ref)
+    # the reference moved the bytes (guards against a vacuous comparison)
+    s = src[-1] - pool.data_ptr()
+    o = int(offsets[-1])
+    assert torch.equal(ref[o:o + length], pool[s:s + length])
+
+
+@pytest.mark.parametrize("rows,cols,misaligned_rows", [(4, 16, ()), (2, 64, (5,)), (8, 32, (0, 9)), (1, 128, (3,))])
+def test_row_kernel_tiles_and_mixed_alignment(rng, rows, cols, misaligned_rows):
+    """Explicit tile shapes: rows longer than a tile (several column tiles, a partial last one), several rows per
+    program, and one misaligned row in a tile of aligned ones (the whole tile takes a narrower vector)."""
+    length, n = 200, 13
+    pool, src = _pool_rows(rng, length, n, 2 * n + 1, 0)
+    src = [a + (1 if i in misaligned_rows else 0) for i, a in enumerate(src)]
+    settings = pxn_kernels.RowSettings(length, rows, cols, 1)
+    plan = pxn_kernels.CopyPlan(None, None, None, None, row=settings)
+    out = _random_bytes(rng, n * 208 + 16)
+    ref = out.clone()
+    offsets = _t([i * 208 for i in range(n)])  # 16-byte aligned chunk offsets
+    pxn_kernels.gather(_t(src), _t([length] * n), out, offsets, plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src), _t([length] * n), ref, offsets)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+def test_prepared_copy_through_the_row_kernel(rng):
+    length, n = 96, 9
+    pool, src = _pool_rows(rng, length, n, 20)
+    plan = pxn_kernels.plan_for_lengths(np.full(n, length), DEVICE)
+    assert plan.kernel == "row" and plan.row.length == length
+    out = _random_bytes(rng, n * length)
+    src_t, off_t, len_t = _t(src), _t([i * length for i in range(n)]), _t([length] * n)
+    launch = pxn_kernels.PreparedCopy(src_t, off_t, len_t, 0, out.data_ptr(), plan)
+    for _ in range(2):  # relaunch after the descriptors were rewritten in place
+        pool, fresh = _pool_rows(rng, length, n, 20)  # the new pool stays alive until the next round
+        src_t.copy_(_t(fresh))
+        ref = out.clone()
+        pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
+        launch()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
+def test_row_settings_shape_and_validation():
+    s = pxn_kernels.row_settings(100, 8192, 4096, 4)
+    assert (s.cols, s.rows) == (128, 64) and s.grid(129) == (3, 1)
+    s = pxn_kernels.row_settings(1500, 8192, 512, 4)
+    assert (s.cols, s.rows) == (512, 16) and s.grid(16) == (1, 3)
+    s = pxn_kernels.row_settings(1, 4096, 4096, 2)
+    assert (s.cols, s.rows) == (16, 256)
+    with pytest.raises(ValueError, match="rows must be a power of two, got 3"):
+        pxn_kernels.RowSettings(64, 3, 64, 4)
+    with pytest.raises(ValueError, match="cols must be >= 16, got 8"):
+        pxn_kernels.RowSettings(64, 4, 8, 4)
+    with pytest.raises(ValueError, match="length 0"):
+        pxn_kernels.RowSettings(0, 4, 64, 4)

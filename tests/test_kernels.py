@@ -773,3 +773,36 @@ def test_row_settings_shape_and_validation():
         pxn_kernels.RowSettings(64, 4, 8, 4)
     with pytest.raises(ValueError, match="length 0"):
         pxn_kernels.RowSettings(0, 4, 64, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [1, 64, 100, 128, 520, 576, 1500, 2048, 4095, 4096, 8192])
+@pytest.mark.parametrize("misalign", [0, 3])
+def test_row_kernel_at_pool_sizes(rng, length, misalign):
+    """Rows picked at random from a 64 MiB pool, gather then scatter through the policy's plan (the row kernel
+    below its max_bytes), public calls and a CUDA-graph PreparedCopy, against index_select / index_copy_."""
+    pool_rows = (64 << 20) // length
+    n = min(4099, pool_rows)
+    pool = torch.randint(0, 256, (pool_rows * length + 16,), dtype=torch.uint8, device=DEVICE)
+    rows = pool[misalign:misalign + pool_rows * length].view(pool_rows, length)
+    idx = torch.randperm(pool_rows, device=DEVICE)[:n]
+    src = pool.data_ptr() + misalign + idx * length
+    lengths = torch.full((n,), length, dtype=torch.int64, device=DEVICE)
+    offsets = torch.arange(n, dtype=torch.int64, device=DEVICE) * length
+    out = torch.randint(0, 256, (n * length,), dtype=torch.uint8, device=DEVICE)
+    pxn_kernels.gather(src, lengths, out, offsets)
+    expect = rows[idx].reshape(-1)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)
+    plan = pxn_kernels.plan_for_lengths(np.full(n, length), DEVICE)
+    out2 = torch.randint(0, 256, (n * length,), dtype=torch.uint8, device=DEVICE)
+    pxn_kernels.PreparedCopy(src, offsets, lengths, 0, out2.data_ptr(), plan, graph=True)()
+    torch.cuda.synchronize()
+    assert torch.equal(out2, expect)
+    chunk = torch.randint(0, 256, (n * length,), dtype=torch.uint8, device=DEVICE)
+    before = pool.clone()
+    pxn_kernels.scatter(chunk, offsets, src, lengths)
+    before[misalign:misalign + pool_rows * length].view(pool_rows, length).index_copy_(0, idx,
+                                                                                       chunk.view(n, length))
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)

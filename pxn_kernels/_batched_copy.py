@@ -22,6 +22,8 @@ piece takes a byte-wide path. All address arithmetic is int64.
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -268,7 +270,7 @@ def settings_for(regime: Regime, n_items: int, total_bytes: Optional[int], multi
     or fewer than 4 ranges per SM (a small batch: latency, not bandwidth), keeps the equal split, whose ranges
     follow the item count.
     """
-    pol = pol or kernel_policy.defaults()
+    pol = pol or kernel_policy.DEFAULT
     r = regime
     floor = max(1, r.programs_per_sm * multiprocessors)
     common = dict(block_bytes=r.block_bytes, tail_block_bytes=r.tail_block_bytes, num_warps=r.num_warps,
@@ -384,44 +386,109 @@ def _equal_kernel(length: int, n: int, device: torch.device, pol: dict) -> Optio
     return None
 
 
-def plan_for_lengths(lengths: np.ndarray, device: torch.device) -> CopyPlan:
+_PLAN_CACHE_SIZE = 64
+_plan_cache: "OrderedDict" = OrderedDict()
+_plan_lock = threading.Lock()
+_WEIGHTS = np.zeros(0, dtype=np.int64)
+
+
+def _fingerprint(lengths: np.ndarray) -> int:
+    # A position-weighted sum: two different length lists rarely share it; a hit is confirmed by comparing the
+    # stored lengths, so a collision costs a rebuild, never a wrong plan.
+    global _WEIGHTS
+    n = lengths.size
+    if _WEIGHTS.size < n:
+        _WEIGHTS = np.arange(1, max(n, 2 * _WEIGHTS.size) + 1, dtype=np.int64) * 0x9E3779B1
+    return int(np.dot(lengths, _WEIGHTS[:n]))
+
+
+def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> CopyPlan:
     """The plan for a batch whose lengths the caller holds on the host (bytes, int64).
 
     Pieces all of one length: the row kernel (short rows) or the 2-D grid kernel (from the policy's
     ``grid.min_bytes``; also pieces within 10 % of one size), as the launch policy says (``pxn_kernels.policy``).
-    Any other mix: the range plan, computed here with numpy (``plan_host``) and moved to ``device`` in one copy.
-    Host cost: a few numpy reductions for equal pieces; the range plan adds a cumulative sum, a search and one
-    host-to-device copy.
+    Any other mix: the range plan, computed with numpy (``plan_host``) and moved to ``device`` in one copy; it
+    is cached by the lengths themselves (the last 64 lists per process), since callers repeat the same lengths
+    call after call. ``stats``: the lengths' (min, max, sum) when the caller has them (``_checks.LengthStats``).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     n = int(lengths.size)
-    pol = kernel_policy.policy(device) if device.type == "cuda" else kernel_policy.defaults()
+    pol = kernel_policy.policy(device) if device.type == "cuda" else kernel_policy.DEFAULT
     if n:
-        lo, hi = int(lengths.min()), int(lengths.max())
+        if stats is None:
+            lo, hi = int(lengths.min()), int(lengths.max())
+            total = int(lengths.sum()) if lo >= 0 else int(np.maximum(lengths, 0).sum())
+        else:
+            lo, hi, total = stats.lmin, stats.lmax, stats.total
         if lo == hi and lo > 0:
             plan = _equal_kernel(lo, n, device, pol)
             if plan is not None:
                 return plan
-        total = int(lengths.sum()) if lo >= 0 else int(np.maximum(lengths, 0).sum())
         grid = grid_settings(n, total, max(hi, 0), pol)
         if grid is not None:
             return CopyPlan(None, None, None, None, grid)
     else:
         total = 0
+    key = (str(device), n, total, _fingerprint(lengths) if n else 0)
+    with _plan_lock:
+        hit = _plan_cache.get(key)
+        if hit is not None and np.array_equal(hit[0], lengths):
+            _plan_cache.move_to_end(key)
+            return hit[1]
     settings = launch_settings(n, device, total)
     ranges = settings.ranges
     pad_ends, bounds, first_item = plan_host(lengths, ranges, settings.range_bytes)
     words = torch.from_numpy(np.concatenate([pad_ends, bounds, first_item]).astype(np.int64, copy=False))
     d = words.to(device, non_blocking=True) if device.type == "cuda" else words
-    return CopyPlan(d[:n], d[n:n + ranges + 1], d[n + ranges + 1:], settings)
+    plan = CopyPlan(d[:n], d[n:n + ranges + 1], d[n + ranges + 1:], settings)
+    with _plan_lock:
+        _plan_cache[key] = (lengths.copy(), plan)
+        while len(_plan_cache) > _PLAN_CACHE_SIZE:
+            _plan_cache.popitem(last=False)
+    return plan
 
 
-def _default_plan(lengths: torch.Tensor, host_lengths: Optional[np.ndarray]) -> CopyPlan:
+def _default_plan(lengths: torch.Tensor, host_lengths: Optional[np.ndarray], stats=None) -> CopyPlan:
     """The plan the public entries build when none is given: from the host copy of the lengths when the checks
     made one (the row and grid kernels are then possible), else on the device without a host synchronisation."""
     if host_lengths is not None:
-        return plan_for_lengths(host_lengths, lengths.device)
+        return plan_for_lengths(host_lengths, lengths.device, stats)
     return plan_batched_copy(lengths)
+
+
+def stage(arrays, device: torch.device):
+    """Host int64 arrays on ``device`` in one copy: packed into one pinned buffer, moved on the current stream
+    (asynchronously; torch's pinned allocator keeps the buffer until the copy has run). Returns device views,
+    in order."""
+    sizes = [int(a.size) for a in arrays]
+    staging = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+    buf = staging.numpy()
+    views, pos = [], 0
+    for a, size in zip(arrays, sizes):
+        buf[pos:pos + size] = a
+        views.append((pos, size))
+        pos += size
+    d = staging.to(device, non_blocking=True)
+    return [d[p:p + size] for p, size in views]
+
+
+def run_batch(op: str, args, src_name: str, dst_name: str, src_base: int, dst_base: int, device: torch.device,
+              plan: Optional[CopyPlan], stats) -> None:
+    """Launch the copy of a public entry: descriptors already on ``device``, or host arrays staged in one copy;
+    the plan given, else from the host lengths when there are any (after the checks or with host arrays), else
+    built on the device."""
+    lengths = args.values["lengths"]
+    if args.on_host:
+        host = dict(zip(args.values, args.host()))
+        if plan is None:
+            plan = plan_for_lengths(host["lengths"], device, stats)
+        src, dst, len_t = stage([host[src_name], host[dst_name], host["lengths"]], device)
+    else:
+        src, dst, len_t = args.values[src_name], args.values[dst_name], lengths
+        if plan is None:
+            plan = _default_plan(lengths, dict(zip(args.values, args.host()))["lengths"]
+                                 if args._host is not None else None, stats)
+    launch_batched_copy(src, dst, len_t, src_base, dst_base, plan)
 
 
 class DeviceBatch:

@@ -1,14 +1,29 @@
 """Argument validation shared by gather, scatter and copy.
 
-Checks read the descriptors back to the host once (one synchronisation), so they are on by default for users
-and switched off (``check=False``) by the engine, which builds its descriptors itself.
+The checks are complete (every piece: lengths, address overflow, ranges inside the buffer, written ranges
+disjoint) and on by default; they are built to cost little host time:
+
+* the index arrays are read once: zero-copy when they are host arrays or CPU tensors, one stacked
+  device-to-host read (one synchronisation) when they are GPU tensors;
+* each check is one or two whole-array numpy reductions; only when one fails do the slower per-piece checks run,
+  to name the first bad piece (the message holds its index and value);
+* written ranges in ascending order (gathers into a chunk) are proven disjoint by one comparison of each end
+  with the next start; only unordered ones (scatters into a paged pool) are sorted: on the GPU with
+  ``torch.sort`` and one synchronisation when the batch is large, else with numpy on 32-bit keys when the span
+  allows.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 _INT64_MAX = (1 << 63) - 1
+# Unordered written ranges on a GPU from this many pieces are sorted there (torch.sort, one synchronisation)
+# instead of on the host.
+DEVICE_SORT_MIN = 4096
 
 
 def check_byte_tensor(op: str, name: str, tensor) -> None:
@@ -42,11 +57,23 @@ def check_index_tensors(op: str, device: torch.device, **tensors) -> int:
 
 
 def to_host(*tensors):
-    """Copy several device tensors to host numpy arrays with one synchronisation."""
+    """Host numpy arrays of several int64 tensors: views of CPU tensors (no copy), one stacked copy and one
+    synchronisation for device tensors."""
     if not tensors or tensors[0].numel() == 0:
         return [np.zeros(0, dtype=np.int64) for _ in tensors]
+    if tensors[0].device.type == "cpu":
+        return [t.numpy() for t in tensors]
     stacked = torch.stack(tensors).cpu().numpy()
     return list(stacked)
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """min, max and sum of a batch's lengths (bytes); what the plan needs from them."""
+
+    lmin: int
+    lmax: int
+    total: int
 
 
 def check_lengths(op: str, lengths: np.ndarray) -> None:
@@ -97,3 +124,159 @@ def check_no_overlap(op: str, name: str, starts: np.ndarray, lengths: np.ndarray
         a, b = int(order[clash[0]]), int(order[clash[0] + 1])
         raise ValueError(f"{op}: {name}[{a}] = {int(starts[a])} (length {int(lengths[a])}) overlaps "
                          f"{name}[{b}] = {int(starts[b])} (length {int(lengths[b])})")
+
+
+def _disjoint_sorted(starts: np.ndarray, ends: np.ndarray, equal: int) -> bool:
+    """Whether ranges [starts[i], ends[i]) of positive length are pairwise disjoint, in any order.
+
+    Sorting starts and ends separately suffices: the i-th smallest end is at most the (i+1)-th smallest start
+    for every i exactly when no two ranges overlap. ``equal`` > 0: every range has this length, so the sorted
+    starts alone decide (neighbours at least ``equal`` apart).
+    """
+    base = int(starts.min())
+    if int(ends.max()) - base < (1 << 32):  # 32-bit keys sort about twice as fast
+        starts = (starts - base).astype(np.uint32)
+        ends = None if equal else (ends - base).astype(np.uint32)
+    s = np.sort(starts)
+    if equal:
+        return bool((np.diff(s) >= equal).all())
+    e = np.sort(ends)
+    return bool((e[:-1] <= s[1:]).all())
+
+
+def _disjoint_on_device(starts: torch.Tensor, lengths: torch.Tensor, equal: int) -> bool:
+    """As ``_disjoint_sorted`` on the GPU: torch.sort, one flag, one synchronisation."""
+    s = torch.sort(starts).values
+    if equal:
+        bad = (s[1:] - s[:-1] < equal).any()
+    else:
+        e = torch.sort(starts + lengths).values
+        bad = (e[:-1] > s[1:]).any()
+    return not bool(bad)
+
+
+def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written_device) -> bool:
+    """Every check on pieces of positive length, as whole-array reductions. False: some check failed (the
+    caller runs the per-piece checks to name it)."""
+    ends = {}
+    for check in checks:
+        if check[0] == "address":
+            name, addrs = check[1], check[2]
+            end = addrs + lengths  # wraps negative on overflow: both terms are positive int64
+            if int(addrs.min()) <= 0 or int(end.min()) <= 0:
+                return False
+            ends[name] = end
+        else:
+            offsets, limit = check[2], check[3]
+            if int(offsets.min()) < 0 or lmax > limit or int(offsets.max()) > limit:
+                return False
+            if int((offsets + lengths).max()) > limit:  # no overflow: both terms are at most limit
+                return False
+    if written is None or lengths.size < 2:
+        return True
+    name, starts = written
+    end = ends.get(name)
+    if end is None:
+        end = starts + lengths
+    if bool((end[:-1] <= starts[1:]).all()):  # ascending and disjoint: the common case, one pass
+        return True
+    equal = lmin if lmin == lmax else 0
+    if written_device is not None:
+        return _disjoint_on_device(*written_device, equal)
+    return _disjoint_sorted(starts, end, equal)
+
+
+def address(name: str, addrs: np.ndarray):
+    """A ``validate`` check: raw addresses, positive, address + length without overflow."""
+    return ("address", name, addrs)
+
+
+def within(name: str, offsets: np.ndarray, limit: int, limit_name: str):
+    """A ``validate`` check: offsets with ``0 <= offset`` and ``offset + length <= limit`` (bytes)."""
+    return ("range", name, offsets, limit, limit_name)
+
+
+def validate(op: str, lengths: np.ndarray, checks: Sequence[tuple] = (),
+             written: Optional[Tuple[str, np.ndarray]] = None,
+             written_tensors: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> LengthStats:
+    """Check a batch completely; raise ``ValueError`` naming the first bad piece, its argument and value.
+
+    Arguments (host int64 arrays, one entry per piece):
+        lengths: bytes per piece (>= 0).
+        checks: ``address(...)`` and ``within(...)`` entries, in the order their errors take precedence.
+        written: (name, starts): the destination ranges, which must not overlap.
+        written_tensors: (starts, lengths) as GPU tensors: a large unordered batch is then sorted there.
+    Pieces of length 0 are exempt from every check but the sign of their length.
+    Returns:
+        the lengths' min, max and sum.
+    """
+    n = int(lengths.size)
+    if n == 0:
+        return LengthStats(0, 0, 0)
+    lmin, lmax = int(lengths.min()), int(lengths.max())
+    if lmin < 0:
+        check_lengths(op, lengths)
+    if lmin > 0:
+        live_lengths, sub = lengths, lambda a: a
+    else:
+        live = np.flatnonzero(lengths)
+        live_lengths, sub = lengths[live], lambda a: a[live]
+        written_tensors = None
+    if live_lengths.size and not _fast_ok(
+            live_lengths, int(live_lengths.min()), lmax, [c[:2] + (sub(c[2]),) + c[3:] for c in checks],
+            None if written is None else (written[0], sub(written[1])),
+            written_tensors if written_tensors is not None and n >= DEVICE_SORT_MIN and written_tensors[0].is_cuda
+            else None):
+        # Name the first bad piece (the per-piece checks, in the order the caller gave).
+        for check in checks:
+            if check[0] == "address":
+                check_addresses(op, check[1], check[2], lengths)
+            else:
+                check_ranges_in(op, check[1], check[2], lengths, check[3], check[4])
+        if written is not None:
+            check_no_overlap(op, written[0], written[1], lengths)
+    return LengthStats(lmin, lmax, int(lengths.sum()))
+
+
+@dataclass
+class IndexArgs:
+    """The index arguments of one call: ``count`` pieces, given either as tensors on the copy's device
+    (``on_host`` False) or as host arrays (numpy int64 or CPU tensors, ``on_host`` True, only for a GPU copy)."""
+
+    count: int
+    on_host: bool
+    values: dict  # name -> torch.Tensor (device mode) or np.ndarray (host mode)
+    _host: Optional[list] = None
+
+    def host(self) -> list:
+        """Host int64 arrays of every argument, in the order given (read once, see ``to_host``)."""
+        if self._host is None:
+            values = list(self.values.values())
+            self._host = values if self.on_host else to_host(*values)
+        return self._host
+
+
+def index_args(op: str, device: torch.device, **named) -> IndexArgs:
+    """Validate the index arguments' types: int64, 1-D, one length. Either all tensors on ``device``, or, when
+    ``device`` is a GPU, all on the host (numpy arrays or CPU tensors): those are then uploaded once with the
+    plan (``stage``)."""
+    host_kinds = device.type != "cpu" and all(
+        isinstance(v, np.ndarray) or (isinstance(v, torch.Tensor) and v.device.type == "cpu") for v in named.values())
+    if not host_kinds:
+        values = {k: torch.from_numpy(np.ascontiguousarray(v))
+                  if isinstance(v, np.ndarray) and v.dtype == np.int64 and v.ndim == 1 else v
+                  for k, v in named.items()} if device.type == "cpu" else named
+        return IndexArgs(check_index_tensors(op, device, **values), False, values)
+    count, first_name, values = None, None, {}
+    for name, value in named.items():
+        array = value.numpy() if isinstance(value, torch.Tensor) else value
+        if array.dtype != np.int64:
+            raise ValueError(f"{op}: {name} must be int64, got {array.dtype}")
+        if array.ndim != 1:
+            raise ValueError(f"{op}: {name} must be 1-D, got shape {tuple(array.shape)}")
+        if count is None:
+            count, first_name = array.size, name
+        elif array.size != count:
+            raise ValueError(f"{op}: {name} has {array.size} items but {first_name} has {count}")
+        values[name] = np.ascontiguousarray(array)
+    return IndexArgs(count, True, values)

@@ -6,12 +6,12 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks
-from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
+from pxn_kernels._batched_copy import CopyPlan, run_batch
 from pxn_kernels._memory import host_copy, raw_view
 
 
-def gather(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, out_offsets: torch.Tensor,
-           check: bool = True, plan: Optional[CopyPlan] = None, backend: str = "auto") -> torch.Tensor:
+def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True, plan: Optional[CopyPlan] = None,
+           backend: str = "auto") -> torch.Tensor:
     """Copy item i (``lengths[i]`` bytes at raw address ``src_ptrs[i]``) to ``out[out_offsets[i]:...]``.
 
     Arguments:
@@ -20,33 +20,40 @@ def gather(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, out
         lengths: int64 [n] bytes per item, >= 0 (0 is a no-op).
         out: contiguous uint8 tensor receiving the pieces.
         out_offsets: int64 [n] byte offsets into ``out``; written ranges must not overlap.
-        check: validate every argument first (one host synchronisation). The engine passes False.
+        The three index arguments are either tensors on ``out``'s device, or, for a GPU ``out``, host arrays
+        (numpy int64 or CPU tensors): those are checked where they are and moved to the GPU in one copy.
+        check: validate every argument first (device tensors: one host synchronisation to read them). The
+            engine passes False.
         plan: a ``plan_for_lengths`` / ``plan_batched_copy`` result to reuse (same lengths). If None: built from
-            the checks' host copy of the lengths when ``check`` (so the grid kernel can be picked), else on the
-            device with no host synchronisation (range kernel).
+            the host lengths when there are any (``check``, or host arrays), so the row and grid kernels can be
+            picked; else on the device with no host synchronisation (range kernel).
         backend: "auto" (Triton on CUDA, memmove on CPU), "triton" (also on CPU under TRITON_INTERPRET=1),
             or "host" (memmove; CPU tensors only).
     Returns:
         ``out``. On CUDA the copy is enqueued on the current stream (asynchronous).
     Raises:
         ValueError naming the argument and value: wrong dtype / device / shape, mismatched lengths, a negative
-        length, an offset range outside ``out`` or overlapping another.
+        length, an offset range outside ``out`` or overlapping another; RuntimeError when the "triton" backend
+        cannot run here. Nothing is written when an argument is rejected.
     """
     _checks.check_byte_tensor("gather", "out", out)
-    count = _checks.check_index_tensors("gather", out.device, src_ptrs=src_ptrs, lengths=lengths,
-                                        out_offsets=out_offsets)
-    if check and count:
-        src_np, len_np, off_np = _checks.to_host(src_ptrs, lengths, out_offsets)
-        _checks.check_lengths("gather", len_np)
-        _checks.check_addresses("gather", "src_ptrs", src_np, len_np)
-        _checks.check_ranges_in("gather", "out_offsets", off_np, len_np, out.numel(), "out")
-        _checks.check_no_overlap("gather", "out_offsets", off_np, len_np)
-    if _use_host(backend, out):
-        base = out.data_ptr()
-        host_copy(src_ptrs, [base + int(o) for o in out_offsets.tolist()], lengths)
+    use_host = _use_host(backend, out.device)
+    args = _checks.index_args("gather", out.device, src_ptrs=src_ptrs, lengths=lengths, out_offsets=out_offsets)
+    stats = None
+    if check and args.count:
+        src_np, len_np, off_np = args.host()
+        stats = _checks.validate(
+            "gather", len_np, [_checks.address("src_ptrs", src_np),
+                               _checks.within("out_offsets", off_np, out.numel(), "out")],
+            written=("out_offsets", off_np),
+            written_tensors=None if args.on_host else (args.values["out_offsets"], args.values["lengths"]))
+    if not args.count:
         return out
-    launch_batched_copy(src_ptrs, out_offsets, lengths, 0, out.data_ptr(),
-                        plan if plan is not None else _default_plan(lengths, len_np if check and count else None))
+    if use_host:
+        src_np, len_np, off_np = args.host()
+        host_copy(src_np, out.data_ptr() + off_np, len_np)
+        return out
+    run_batch("gather", args, "src_ptrs", "out_offsets", 0, out.data_ptr(), out.device, plan, stats)
     return out
 
 
@@ -59,9 +66,23 @@ def gather_torch(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
     return out
 
 
-def _use_host(backend: str, tensor: torch.Tensor) -> bool:
+def _use_host(backend: str, device: torch.device) -> bool:
+    """Whether the memmove path runs; raises when the requested backend cannot run on ``device``."""
     if backend not in ("auto", "triton", "host"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'host', got {backend!r}")
-    if backend == "host" and tensor.device.type != "cpu":
-        raise ValueError(f"backend 'host' needs CPU tensors, got a tensor on {tensor.device}")
-    return backend == "host" or (backend == "auto" and tensor.device.type == "cpu")
+    if backend == "host" and device.type != "cpu":
+        raise ValueError(f"backend 'host' needs CPU tensors, got a tensor on {device}")
+    if backend == "triton" and device.type == "cpu":
+        _require_interpreter()
+    return backend == "host" or (backend == "auto" and device.type == "cpu")
+
+
+def _require_interpreter() -> None:
+    # The kernels were created as interpreted functions only when TRITON_INTERPRET=1 was set at import; a
+    # compiled kernel launched on CPU tensors fails deep inside Triton ("0 active drivers").
+    from pxn_kernels._batched_copy import _batched_copy_kernel
+    if type(_batched_copy_kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError("backend 'triton' on CPU tensors runs the kernel in Triton's interpreter, which must "
+                           "be switched on before pxn_kernels is imported: set TRITON_INTERPRET=1 in the "
+                           "environment; or use backend='auto' / 'host' (memmove) for CPU tensors, or pass CUDA "
+                           "tensors")

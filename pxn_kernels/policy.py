@@ -46,6 +46,9 @@ _BASE = {
 # Architectures (compute capability -> name) with their own entries; others use "default".
 _TABLE = {"default": _BASE, "sm_90": _BASE}
 
+# The built-in entry for the CPU (interpreter) runs and for callers that want the table without a device.
+DEFAULT = _BASE
+
 # The CPU interpreter: few, small programs (each costs ~0.5 ms of host time there).
 INTERPRETER = {"block_bytes": 256, "tail_block_bytes": 16, "num_warps": 1, "max_programs": 16}
 

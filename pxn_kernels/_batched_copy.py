@@ -375,21 +375,41 @@ def plan_host(lengths: np.ndarray, ranges: int, range_bytes: int = 0):
     return pad_ends, bounds, first_item
 
 
-def _equal_kernel(length: int, n: int, device: torch.device, pol: dict) -> Optional[CopyPlan]:
-    """The row or grid plan for ``n`` pieces of ``length`` bytes each, when the policy gives them one."""
-    row = pol["row"]
-    if row["enabled"] and length <= row["max_bytes"]:
+_row_plans = {}
+
+
+def _equal_kernel(length: int, pol: dict) -> Optional[CopyPlan]:
+    """The row plan for pieces of ``length`` bytes each, when the policy gives them the row kernel."""
+    key = (length, id(pol))
+    plan = _row_plans.get(key)
+    if plan is None:
+        row = pol["row"]
+        if not row["enabled"] or length > row["max_bytes"]:
+            return None
         c = kernel_policy.row_class(pol, length)
-        if -(-length // min(c["max_cols"], 1 << 62)) <= MAX_GRID_Y:
-            return CopyPlan(None, None, None, None, row=row_settings(length, c["tile_bytes"], c["max_cols"],
-                                                                   c["num_warps"]))
-    return None
+        if -(-length // c["max_cols"]) > MAX_GRID_Y:
+            return None
+        plan = CopyPlan(None, None, None, None, row=row_settings(length, c["tile_bytes"], c["max_cols"],
+                                                                c["num_warps"]))
+        if len(_row_plans) > 4096:
+            _row_plans.clear()
+        _row_plans[key] = plan
+    return plan
 
 
 _PLAN_CACHE_SIZE = 64
 _plan_cache: "OrderedDict" = OrderedDict()
 _plan_lock = threading.Lock()
 _WEIGHTS = np.zeros(0, dtype=np.int64)
+
+
+def _forget_plans() -> None:
+    with _plan_lock:
+        _plan_cache.clear()
+        _row_plans.clear()
+
+
+kernel_policy.on_change.append(_forget_plans)
 
 
 def _fingerprint(lengths: np.ndarray) -> int:
@@ -421,7 +441,7 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
         else:
             lo, hi, total = stats.lmin, stats.lmax, stats.total
         if lo == hi and lo > 0:
-            plan = _equal_kernel(lo, n, device, pol)
+            plan = _equal_kernel(lo, pol)
             if plan is not None:
                 return plan
         grid = grid_settings(n, total, max(hi, 0), pol)

@@ -14,6 +14,7 @@ disjoint) and on by default; they are built to cost little host time:
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -156,22 +157,22 @@ def _disjoint_on_device(starts: torch.Tensor, lengths: torch.Tensor, equal: int)
 
 
 def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written_device) -> bool:
-    """Every check on pieces of positive length, as whole-array reductions. False: some check failed (the
-    caller runs the per-piece checks to name it)."""
+    """Every check on pieces of positive length, as whole-array reductions (a numpy call costs ~1-2 us whatever
+    its size, so their number is what counts). False: some check failed (the caller runs the per-piece checks
+    to name it)."""
     ends = {}
     for check in checks:
+        values = check[2]
+        end = values + lengths
         if check[0] == "address":
-            name, addrs = check[1], check[2]
-            end = addrs + lengths  # wraps negative on overflow: both terms are positive int64
-            if int(addrs.min()) <= 0 or int(end.min()) <= 0:
+            # an address + length that overflows wraps negative: both terms are positive
+            if int(values.min()) < 1 or int(end.min()) < 1:
                 return False
-            ends[name] = end
         else:
-            offsets, limit = check[2], check[3]
-            if int(offsets.min()) < 0 or lmax > limit or int(offsets.max()) > limit:
-                return False
-            if int((offsets + lengths).max()) > limit:  # no overflow: both terms are at most limit
-                return False
+            limit = check[3]
+            if lmax > limit or int(values.min()) < 0 or int(values.max()) > limit or int(end.max()) > limit:
+                return False  # (offsets and lengths both at most the limit: their sum cannot overflow)
+        ends[check[1]] = end
     if written is None or lengths.size < 2:
         return True
     name, starts = written
@@ -184,6 +185,46 @@ def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written
     if written_device is not None:
         return _disjoint_on_device(*written_device, equal)
     return _disjoint_sorted(starts, end, equal)
+
+
+# Up to this many pieces the checks run on Python lists: a numpy call costs ~1-2 us whatever its size.
+SMALL = 64
+
+
+def _small_ok(lengths: list, checks, written) -> bool:
+    """``_fast_ok`` on Python ints (exact: no overflow to guard against) for small batches."""
+    if min(lengths) > 0:
+        pick = None
+    else:
+        live = [i for i, n in enumerate(lengths) if n > 0]
+        if not live:
+            return True
+        lengths = [lengths[i] for i in live]
+        pick = lambda values: [values[i] for i in live]  # noqa: E731
+    ends = {}
+    for check in checks:
+        values = check[2].tolist()
+        if pick is not None:
+            values = pick(values)
+        end = list(map(operator.add, values, lengths))
+        if check[0] == "address":
+            if min(values) < 1 or max(end) > _INT64_MAX:
+                return False
+        elif min(values) < 0 or max(end) > check[3]:
+            return False
+        ends[check[1]] = (values, end)
+    if written is None or len(lengths) < 2:
+        return True
+    starts, end = ends.get(written[0]) or (None, None)
+    if starts is None:
+        starts = written[1].tolist()
+        if pick is not None:
+            starts = pick(starts)
+        end = list(map(operator.add, starts, lengths))
+    if all(map(operator.le, end, starts[1:])):
+        return True
+    ordered = sorted(zip(starts, end))
+    return all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:]))
 
 
 def address(name: str, addrs: np.ndarray):
@@ -213,29 +254,40 @@ def validate(op: str, lengths: np.ndarray, checks: Sequence[tuple] = (),
     n = int(lengths.size)
     if n == 0:
         return LengthStats(0, 0, 0)
+    if n <= SMALL:
+        as_list = lengths.tolist()
+        lmin, lmax = min(as_list), max(as_list)
+        if lmin < 0:
+            check_lengths(op, lengths)
+        if not _small_ok(as_list, checks, written):
+            _name_failure(op, lengths, checks, written)
+        return LengthStats(lmin, lmax, sum(as_list))
     lmin, lmax = int(lengths.min()), int(lengths.max())
     if lmin < 0:
         check_lengths(op, lengths)
+    device = written_tensors if written_tensors is not None and n >= DEVICE_SORT_MIN and \
+        written_tensors[0].is_cuda else None
     if lmin > 0:
-        live_lengths, sub = lengths, lambda a: a
-    else:
+        ok = _fast_ok(lengths, lmin, lmax, checks, written, device)
+    else:  # pieces of length 0 are exempt: check the others
         live = np.flatnonzero(lengths)
-        live_lengths, sub = lengths[live], lambda a: a[live]
-        written_tensors = None
-    if live_lengths.size and not _fast_ok(
-            live_lengths, int(live_lengths.min()), lmax, [c[:2] + (sub(c[2]),) + c[3:] for c in checks],
-            None if written is None else (written[0], sub(written[1])),
-            written_tensors if written_tensors is not None and n >= DEVICE_SORT_MIN and written_tensors[0].is_cuda
-            else None):
-        # Name the first bad piece (the per-piece checks, in the order the caller gave).
-        for check in checks:
-            if check[0] == "address":
-                check_addresses(op, check[1], check[2], lengths)
-            else:
-                check_ranges_in(op, check[1], check[2], lengths, check[3], check[4])
-        if written is not None:
-            check_no_overlap(op, written[0], written[1], lengths)
-    return LengthStats(lmin, lmax, int(lengths.sum()))
+        ok = not live.size or _fast_ok(lengths[live], int(lengths[live].min()), lmax,
+                                       [c[:2] + (c[2][live],) + c[3:] for c in checks],
+                                       None if written is None else (written[0], written[1][live]), None)
+    if not ok:
+        _name_failure(op, lengths, checks, written)
+    return LengthStats(lmin, lmax, lmin * n if lmin == lmax else int(lengths.sum()))
+
+
+def _name_failure(op: str, lengths: np.ndarray, checks, written) -> None:
+    """Raise for the first bad piece (the per-piece checks, in the order the caller gave)."""
+    for check in checks:
+        if check[0] == "address":
+            check_addresses(op, check[1], check[2], lengths)
+        else:
+            check_ranges_in(op, check[1], check[2], lengths, check[3], check[4])
+    if written is not None:
+        check_no_overlap(op, written[0], written[1], lengths)
 
 
 @dataclass
@@ -263,9 +315,11 @@ def index_args(op: str, device: torch.device, **named) -> IndexArgs:
     host_kinds = device.type != "cpu" and all(
         isinstance(v, np.ndarray) or (isinstance(v, torch.Tensor) and v.device.type == "cpu") for v in named.values())
     if not host_kinds:
-        values = {k: torch.from_numpy(np.ascontiguousarray(v))
-                  if isinstance(v, np.ndarray) and v.dtype == np.int64 and v.ndim == 1 else v
-                  for k, v in named.items()} if device.type == "cpu" else named
+        values = named
+        if device.type == "cpu" and any(isinstance(v, np.ndarray) for v in named.values()):
+            values = {k: torch.from_numpy(np.ascontiguousarray(v))
+                      if isinstance(v, np.ndarray) and v.dtype == np.int64 and v.ndim == 1 else v
+                      for k, v in named.items()}
         return IndexArgs(check_index_tensors(op, device, **values), False, values)
     count, first_name, values = None, None, {}
     for name, value in named.items():

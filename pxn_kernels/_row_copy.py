@@ -14,6 +14,7 @@ constant along the last axis and the compiler can emit one VEC-byte access per t
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,7 @@ def _pow2_at_least(value: int) -> int:
     return 1 << max(0, int(value) - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=1024)
 def row_settings(length: int, tile_bytes: int, max_cols: int, num_warps: int) -> RowSettings:
     """The row kernel's settings for rows of ``length`` bytes: a tile of about ``tile_bytes``, as many whole
     rows as fit (columns: the row rounded up to a power of two, at most ``max_cols``). Pure: no device access."""

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks
-from pxn_kernels._batched_copy import CopyPlan, run_batch
+from pxn_kernels._batched_copy import CopyPlan, _batched_copy_kernel, run_batch
 from pxn_kernels._memory import host_copy, raw_view
 
 
@@ -80,7 +80,6 @@ def _use_host(backend: str, device: torch.device) -> bool:
 def _require_interpreter() -> None:
     # The kernels were created as interpreted functions only when TRITON_INTERPRET=1 was set at import; a
     # compiled kernel launched on CPU tensors fails deep inside Triton ("0 active drivers").
-    from pxn_kernels._batched_copy import _batched_copy_kernel
     if type(_batched_copy_kernel).__name__ != "InterpretedFunction":
         raise RuntimeError("backend 'triton' on CPU tensors runs the kernel in Triton's interpreter, which must "
                            "be switched on before pxn_kernels is imported: set TRITON_INTERPRET=1 in the "

@@ -53,6 +53,8 @@ DEFAULT = _BASE
 INTERPRETER = {"block_bytes": 256, "tail_block_bytes": 16, "num_warps": 1, "max_programs": 16}
 
 _LOCK = threading.Lock()
+# Called after the overrides change (caches of plans built under the old policy).
+on_change = []
 _override: Optional[dict] = None
 _loaded = False
 
@@ -174,6 +176,8 @@ def set_override(overrides: Optional[dict]) -> None:
         _override = overrides
         _loaded = overrides is not None
     _resolved.cache_clear()
+    for callback in on_change:
+        callback()
 
 
 def defaults(arch: str = "default") -> dict:

@@ -39,13 +39,15 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pxn_kernels  # noqa: E402
+import kernel_variants  # noqa: E402  (benchmarks/kernel_variants.py, beside this script)
 from pxn_kernels._grid_copy import GridCopy, grid_fits  # noqa: E402
 from pxn_kernels import policy as kernel_policy  # noqa: E402
 from pxn_kernels._batched_copy import (  # noqa: E402
-    CopyPlan, LaunchSettings, PreparedCopy, Regime, is_large, launch_settings, plan_batched_copy, plan_for_lengths,
-    plan_host, regime_of, settings_for,
+    CopyPlan, LaunchSettings, PreparedCopy, is_large, launch_settings, plan_batched_copy, plan_for_lengths,
+    plan_host, regime_of,
 )
 from pxn_kernels._grid_copy import GridSettings  # noqa: E402
 from pxn_kernels._row_copy import row_settings  # noqa: E402
@@ -215,6 +217,16 @@ def prepared(case: Case, op: str, plan, graph: bool):
     if op == "scatter":
         return PreparedCopy(case.offsets, case.dst_ptrs, case.len_t, case.chunk.data_ptr(), 0, plan, graph)
     return PreparedCopy(case.src_ptrs, case.copy_dst_ptrs, case.len_t, 0, 0, plan, graph)
+
+
+def variant_call(case: Case, op: str, plan, graph: bool):
+    """A range-kernel variant (benchmarks/kernel_variants.py) bound like ``prepared``."""
+    V = kernel_variants.VariantCopy
+    if op == "gather":
+        return V(case.src_ptrs, case.offsets, case.len_t, 0, case.chunk_out.data_ptr(), plan, graph)
+    if op == "scatter":
+        return V(case.offsets, case.dst_ptrs, case.len_t, case.chunk.data_ptr(), 0, plan, graph)
+    return V(case.src_ptrs, case.copy_dst_ptrs, case.len_t, 0, 0, plan, graph)
 
 
 def pxn_call(case: Case, op: str, plan):
@@ -399,10 +411,19 @@ def candidate_plans(mix, case, host_lengths, plan, device) -> dict:
     if plan.kernel != "range":
         out["pxn_range"] = _range_plan(host_lengths, device, settings)
     if mix.startswith("mixed"):
-        for tail in (4096, 8192):
-            out[f"range:tail{tail // 1024}k"] = _range_plan(host_lengths, device,
-                                                            replace(settings, tail_block_bytes=tail))
+        for name, change in RANGE_CANDIDATES.items():
+            out[name] = _range_plan(host_lengths, device, replace(settings, **change))
     return out
+
+
+# Range-kernel candidates on the mixed mixes: a wider byte path, and 8-byte funnel-shifted words for pieces whose
+# ends differ in alignment (policy key ``shift``).
+RANGE_CANDIDATES = {
+    "range:tail4k": {"tail_block_bytes": 4096},
+    "range:tail8k": {"tail_block_bytes": 8192},
+    "range:shift": {"shift": True},
+    "range:shift/tail4k": {"shift": True, "tail_block_bytes": 4096},
+}
 
 
 # --- paged rows: pieces of one length picked at random from a large pool (sglang's KV pools) ---------------
@@ -579,10 +600,13 @@ def paged_rows(args, meta: dict) -> list:
     return rows
 
 
-def policy_from_rows(rows: list) -> dict:
-    """A ``PXN_KERNEL_POLICY`` file from the paged-row measurements: per row-size class, the row-kernel
-    candidate with the best worst-case ratio to index_select / index_copy_ (gather and scatter, exact only), and
-    the row kernel's ``max_bytes`` raised to the largest measured size where it beats the grid kernel."""
+def policy_from_rows(rows: list, mix_rows: list = ()) -> dict:
+    """A ``PXN_KERNEL_POLICY`` file from this run: per row-size class, the row-kernel candidate with the best
+    worst-case ratio to index_select / index_copy_ (gather and scatter, exact only); the row kernel's
+    ``max_bytes`` raised to the largest measured size where it beats the grid kernel; and the range kernel's
+    ``shift`` / ``tail_block_bytes`` from the mixed mixes when a candidate beats the default by 3 % on every
+    op of both mixes."""
+    range_entry = _range_policy(mix_rows)
     classes = [(128, (64, 100, 128)), (640, (256, 520, 576)), (1536, (1024, 1500)), (1 << 62, (2048, 4096, 8192))]
     by = {}
     for r in rows:
@@ -600,7 +624,7 @@ def policy_from_rows(rows: list) -> dict:
         tile, max_cols, warps = ROW_CANDIDATES[max(scores, key=scores.get)]
         out_classes.append({"up_to": up_to, "tile_bytes": tile, "max_cols": max_cols, "num_warps": warps})
     if not out_classes:
-        return {}
+        return {"_note": "no exact row-kernel measurement", **({"range_small": range_entry} if range_entry else {})}
     out_classes[-1]["up_to"] = 1 << 62
     max_bytes = 4095
     for size in (4096, 8192):
@@ -611,7 +635,21 @@ def policy_from_rows(rows: list) -> dict:
     arch = "sm_90" if SMOKE else f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
     return {"_note": f"written by benchmarks/kernels.py --sweep on {run_meta(bench_device())['gpu']}, "
                      f"{datetime.date.today().isoformat()}",
-            arch: {"row": {"max_bytes": max_bytes, "classes": out_classes}}}
+            arch: {"row": {"max_bytes": max_bytes, "classes": out_classes},
+                   **({"range_small": range_entry, "range_large": range_entry} if range_entry else {})}}
+
+
+def _range_policy(mix_rows) -> dict:
+    """The RANGE_CANDIDATES change that beats the policy's range kernel by >= 3 % on every op of the mixed
+    mixes (the best such by its worst gain), or {}."""
+    by = {(r["mix"], r["op"], r["method"]): r["gbps"] for r in mix_rows if r["mix"].startswith("mixed")}
+    keys = {(m, o) for m, o, meth in by if meth == "pxn"}
+    best, best_gain = {}, 1.03
+    for name, change in RANGE_CANDIDATES.items():
+        gains = [by.get((m, o, name), 0) / by[(m, o, "pxn")] for m, o in keys]
+        if gains and min(gains) >= best_gain:
+            best, best_gain = change, min(gains)
+    return dict(best)
 
 
 def print_rows_table(rows: list) -> None:
@@ -768,11 +806,11 @@ def variants() -> list:
     (base: the v2b measurement). Resources of each kernel: ``--resources``.
     """
     from dataclasses import replace
-    small, large = _default_regimes()
+    small, large = _variant_regimes()
     r32 = replace(small, max_registers=32)
 
     def uni(block, warps, range_kb, persistent=False, per_sm=8, prefetch=0, eager=True, regs=32):
-        return Regime(block_bytes=block, num_warps=warps, programs_per_sm=per_sm, range_bytes=range_kb << 10,
+        return kernel_variants.VariantRegime(block_bytes=block, num_warps=warps, programs_per_sm=per_sm, range_bytes=range_kb << 10,
                       persistent=persistent, prefetch=prefetch, eager=eager, max_registers=regs)
     #               8KBx4096 64KBx1024 2.25MBx78 8.25MBx78 mixed 64Bx4096 aux11
     return [
@@ -813,8 +851,8 @@ def variants() -> list:
                  uni(4096, 4, 16, persistent=True, per_sm=16, prefetch=1, eager=False)),
         _variant("base-again", "current defaults, repeated: the run's drift and noise",
                  (0.79, 0.88, 0.93, 0.925, 0.82, 1.33, 1.87), small, large),
-        # --- call 3: the 2-D grid kernel (pxn_kernels/_grid_copy.py), one descriptor round trip, no plan.
-        # Only for batches of (nearly) equal pieces; other mixes are skipped. Predictions written before call 3.
+        # --- the 2-D grid kernel (pxn_kernels/_grid_copy.py), one descriptor round trip, no plan. Only for
+        # batches of (nearly) equal pieces; other mixes are skipped. Predictions written before the first run.
         _variant("np32k-lazy", "np32k/32k/w8 without eager loads, no register cap",
                  (0.87, 0.95, 0.95, 0.95, 0.79, 0.5, 1.7), uni(32768, 8, 32, eager=False, regs=0)),
         _variant("np64k/32k/w8", "aligned 64 KB ranges, 32 KB tiles/8 warps: descriptors paid once per 2 tiles",
@@ -831,7 +869,7 @@ def variants() -> list:
               (0.90, 0.955, 0.955, 0.955), 32768, 32768, 8),
         _grid("g64k/32k/w8", "grid: 64 KB per program as 2 tiles of 32 KB, 8 warps",
               (0.87, 0.955, 0.955, 0.955), 65536, 32768, 8),
-        # --- call 4: the 8 KB and 64 KB pieces (call 3: 0.925 and 0.949 at best; targets 0.95)
+        # --- the 8 KB and 64 KB pieces (first grid run: 0.925 and 0.949 at best; targets 0.95)
         _grid("g4k/4k/w2", "grid: 4 KB per program, 2 warps: 32 programs/SM resident, 64 B per thread",
               (0.935, 0.95, 0.975, 0.975), 4096, 4096, 2),
         _grid("g8k/8k/w2", "grid: 8 KB per program, 2 warps: 128 B per thread in flight",
@@ -847,15 +885,23 @@ def variants() -> list:
 
 def _grid(name, tests, predict, seg, block, warps):
     """A variant run by the 2-D grid kernel (GridCopy) instead of the range plan."""
-    v = _variant(name, tests, tuple(predict) + (None, None, None), _default_regimes()[0])
+    v = _variant(name, tests, tuple(predict) + (None, None, None), _variant_regimes()[0])
     v["grid"] = {"seg_bytes": seg, "block_bytes": block, "num_warps": warps}
     return v
 
 
-def variant_settings(variant: dict, n_items: int, total_bytes: int, multiprocessors: int) -> LaunchSettings:
-    """LaunchSettings of ``variant`` for one batch: the regime ``launch_settings`` would pick, fitted."""
+def variant_settings(variant: dict, n_items: int, total_bytes: int, multiprocessors: int):
+    """VariantSettings of ``variant`` for one batch: the regime ``launch_settings`` would pick, fitted."""
     large = is_large(n_items, total_bytes, kernel_policy.defaults("sm_90"))
-    return settings_for(variant["large" if large else "small"], n_items, total_bytes, multiprocessors)
+    return kernel_variants.variant_settings(variant["large" if large else "small"], n_items, total_bytes,
+                                            multiprocessors)
+
+
+def _variant_regimes():
+    """The library's default (small, large) range regimes as VariantRegimes (no variant switch on)."""
+    return tuple(kernel_variants.VariantRegime(r.block_bytes, r.num_warps, r.programs_per_sm, r.range_bytes,
+                                               r.persistent, 0, False, r.streaming, r.tail_block_bytes, 0)
+                 for r in _default_regimes())
 
 
 def check_full(case: Case, op: str, call, rng_gen) -> None:
@@ -972,12 +1018,12 @@ def _variants_one_mix(args, mix, lengths, chosen, device, sms, gen, t0, result) 
                         call = GridCopy(case.src_ptrs, case.copy_dst_ptrs, case.len_t, 0, 0, max(lengths), **grid)
                 else:
                     plan = plan_batched_copy(case.len_t, settings)
-                    call = prepared(case, op, plan, graph=True)
+                    call = variant_call(case, op, plan, graph=True)
                 check_full(case, op, call, gen)
                 seconds = timed(call, reps, args.trials)
                 row.update(time_us=seconds * 1e6, gbps=case.total / seconds / 1e9, verified=True)
                 if small and not grid:
-                    row["device_us"] = device_us(prepared(case, op, plan, graph=False))
+                    row["device_us"] = device_us(variant_call(case, op, plan, graph=False))
                 del call
             except Exception as exc:  # keep the other cells; say why this one is missing
                 row["error"] = repr(exc)[:300]
@@ -1033,7 +1079,7 @@ def kernel_resources(target_cc: int = 90) -> list:
     import tempfile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from pxn_kernels._batched_copy import _batched_copy_kernel
+    from kernel_variants import _variant_kernel
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     configs = {}
     for v in variants():
@@ -1056,7 +1102,7 @@ def kernel_resources(target_cc: int = 90) -> list:
             constexprs = dict(BLOCK=block, TAIL_BLOCK=tail, STREAMING=streaming, PERSISTENT=persistent,
                               PREFETCH=prefetch, EAGER=eager)
             options = dict(num_warps=warps, **({"maxnreg": regs} if regs else {}))
-            compiled = triton.compile(ASTSource(fn=_batched_copy_kernel,
+            compiled = triton.compile(ASTSource(fn=_variant_kernel,
                                                 signature={**signature, **{k: "constexpr" for k in constexprs}},
                                                 constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", target_cc, 32), options=options)
@@ -1231,7 +1277,7 @@ def main() -> int:
     if row_rows:
         print_rows_table(row_rows)
     if args.sweep:
-        pol = policy_from_rows(row_rows)
+        pol = policy_from_rows(row_rows, rows)
         with open(args.sweep, "w") as f:
             json.dump(pol, f, indent=1)
         print(f"\nwrote the launch policy to {args.sweep} (use: PXN_KERNEL_POLICY={args.sweep}): {json.dumps(pol)}")

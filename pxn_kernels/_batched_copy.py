@@ -10,14 +10,14 @@ lengths. The stream is cut into ``G`` equal byte ranges at 16-byte boundaries, o
 ``first_item[p]`` is the item holding range p's first byte (a searchsorted). So a program copies a
 contiguous slice of the stream whatever the mix: one 8 MB block is shared by hundreds of programs, and
 thousands of 64 B pieces are spread a few per program. ``G`` depends only on the item count, which the host
-knows without reading device memory. Variants (``LaunchSettings``): ranges of exactly ``range_bytes`` of the
-stream instead of equal ones (their count then needs the batch's bytes, known to callers that pass them), one
-range per program instead of a persistent loop, and fewer dependent descriptor loads before a range's first
-data load (``eager``, ``prefetch``).
+knows without reading device memory. Options (``LaunchSettings``): ranges of exactly ``range_bytes`` of the
+stream instead of equal ones (their count then needs the batch's bytes, known to callers that pass them), and
+one range per program instead of a persistent loop. Descriptor-prefetching variants and a register cap were
+measured and are not used by default: they live in ``benchmarks/kernel_variants.py``.
 
 Because every range starts at a 16-byte offset inside its item, a piece whose source and destination are both
 16-byte aligned is copied with 16-byte vector loads/stores (``tl.multiple_of`` tells the compiler); any other
-piece takes a byte-wide path. All address arithmetic is int64.
+piece takes a byte-wide path, or with ``shift`` 8-byte words (``_copy_piece``). All address arithmetic is int64.
 """
 from __future__ import annotations
 
@@ -42,16 +42,8 @@ STREAM_ALIGN = 16
 
 
 @triton.jit
-def _load_item(lengths, pad_ends, src_index, dst_index, item, valid):
-    # An item's four descriptors in one round trip; zeros where ``valid`` is false (``item`` may then be the
-    # item count: an empty range at the end of the stream).
-    return (tl.load(lengths + item, mask=valid, other=0), tl.load(pad_ends + item, mask=valid, other=0),
-            tl.load(src_index + item, mask=valid, other=0), tl.load(dst_index + item, mask=valid, other=0))
-
-
-@triton.jit
 def _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
-                BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr):
+                BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr, SHIFT: tl.constexpr):
     # Bytes [lo, hi) of the stream, starting in ``item``. Three dependent loads per item before its data:
     # lengths/pad_ends, then src/dst indices (only for a piece that copies something).
     while lo < hi:
@@ -63,56 +55,16 @@ def _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_b
         n = stop - begin
         if n > 0:
             _copy_piece(anchor, src_base, tl.load(src_index + item), dst_base, tl.load(dst_index + item), begin, n,
-                        BLOCK, TAIL_BLOCK, STREAMING)
+                        BLOCK, TAIL_BLOCK, STREAMING, SHIFT)
         lo = item_end
         item += 1
-
-
-@triton.jit
-def _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
-                      length, item_end, src_i, dst_i,
-                      BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr):
-    # As _copy_range, with the four descriptors of ``item`` already loaded by the caller (all four in one
-    # round trip), and the next item's descriptors loaded before the current piece is copied, so that their
-    # latency overlaps the copy. Every load is masked by "that item is in the range": ``item`` may be the
-    # item count (an empty range at the end of the stream).
-    while lo < hi:
-        nxt = item + 1
-        more = item_end < hi
-        next_length, next_end, next_src, next_dst = _load_item(lengths, pad_ends, src_index, dst_index, nxt, more)
-        item_start = item_end - ((length + 15) & -16)
-        begin = lo - item_start
-        stop = tl.minimum(tl.minimum(hi, item_end) - item_start, length)
-        n = stop - begin
-        if n > 0:
-            _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n, BLOCK, TAIL_BLOCK, STREAMING)
-        lo = item_end
-        item = nxt
-        length = next_length
-        item_end = next_end
-        src_i = next_src
-        dst_i = next_dst
-
-
-@triton.jit
-def _copy_one_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
-                    BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr, EAGER: tl.constexpr):
-    # Range [lo, hi) from ``item`` on: EAGER loads the first item's four descriptors in one round trip here.
-    if EAGER:
-        length, item_end, src_i, dst_i = _load_item(lengths, pad_ends, src_index, dst_index, item, lo < hi)
-        _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                          lo, hi, item, length, item_end, src_i, dst_i, BLOCK, TAIL_BLOCK, STREAMING)
-    else:
-        _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                    lo, hi, item, BLOCK, TAIL_BLOCK, STREAMING)
 
 
 @triton.jit
 def _batched_copy_kernel(anchor, src_index, dst_index, lengths, pad_ends, bounds, first_item,
                          src_base, dst_base, n_ranges,
                          BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr,
-                         PERSISTENT: tl.constexpr = True, PREFETCH: tl.constexpr = 0,
-                         EAGER: tl.constexpr = False):
+                         PERSISTENT: tl.constexpr = True, SHIFT: tl.constexpr = False):
     # Addresses are int64 numbers relative to ``anchor``, a 16-byte aligned uint8 pointer: an int->pointer
     # cast would lose the alignment facts the compiler needs for 16-byte vector accesses, pointer + offset
     # keeps them. ``src_base``/``dst_base`` already have the anchor's address subtracted.
@@ -120,74 +72,16 @@ def _batched_copy_kernel(anchor, src_index, dst_index, lengths, pad_ends, bounds
     # PERSISTENT: range r is copied by program r % G in round r // G: the programs resident at one time work
     # on neighbouring ranges, a moving window of memory rather than thousands of far-apart streams. Otherwise
     # the grid has one program per range (the plain-copy shape: many short programs, no loop).
-    # EAGER: an item's four descriptors are loaded in one round trip (see _copy_range_eager).
-    # PREFETCH (persistent only): 1 loads range r + G's bounds and first item before range r is copied; 2 also
-    # loads the descriptors of that first item one round earlier (needs EAGER), so that a round's first data
-    # load waits for no descriptor load at all.
+    # SHIFT: pieces whose two ends differ in alignment move as 8-byte words (see _copy_piece), not bytes.
     if PERSISTENT:
-        nprog = tl.num_programs(0)
-        last = n_ranges - 1
-        if PREFETCH == 0:
-            for r in range(tl.program_id(0), n_ranges, nprog):
-                lo = tl.load(bounds + r)
-                hi = tl.load(bounds + r + 1)
-                item = tl.load(first_item + r)
-                _copy_one_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
-                                BLOCK, TAIL_BLOCK, STREAMING, EAGER)
-        elif PREFETCH == 1:
-            # Indices past the last range are clamped to it: those loads are valid and their values unused.
-            r0 = tl.minimum(tl.program_id(0), last)
-            lo = tl.load(bounds + r0)
-            hi = tl.load(bounds + r0 + 1)
-            item = tl.load(first_item + r0)
-            for r in range(tl.program_id(0), n_ranges, nprog):
-                rn = tl.minimum(r + nprog, last)
-                next_lo = tl.load(bounds + rn)
-                next_hi = tl.load(bounds + rn + 1)
-                next_item = tl.load(first_item + rn)
-                _copy_one_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
-                                BLOCK, TAIL_BLOCK, STREAMING, EAGER)
-                lo = next_lo
-                hi = next_hi
-                item = next_item
-        else:
-            tl.static_assert(EAGER, "PREFETCH=2 needs EAGER")
-            r0 = tl.minimum(tl.program_id(0), last)
-            lo = tl.load(bounds + r0)
-            hi = tl.load(bounds + r0 + 1)
-            item = tl.load(first_item + r0)
-            r1 = tl.minimum(tl.program_id(0) + nprog, last)
-            lo1 = tl.load(bounds + r1)
-            hi1 = tl.load(bounds + r1 + 1)
-            item1 = tl.load(first_item + r1)
-            length, item_end, src_i, dst_i = _load_item(lengths, pad_ends, src_index, dst_index, item, lo < hi)
-            for r in range(tl.program_id(0), n_ranges, nprog):
-                r2 = tl.minimum(r + 2 * nprog, last)
-                lo2 = tl.load(bounds + r2)
-                hi2 = tl.load(bounds + r2 + 1)
-                item2 = tl.load(first_item + r2)
-                length1, item_end1, src_i1, dst_i1 = _load_item(lengths, pad_ends, src_index, dst_index, item1,
-                                                                lo1 < hi1)
-                _copy_range_eager(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base,
-                                  lo, hi, item, length, item_end, src_i, dst_i, BLOCK, TAIL_BLOCK, STREAMING)
-                lo = lo1
-                hi = hi1
-                item = item1
-                length = length1
-                item_end = item_end1
-                src_i = src_i1
-                dst_i = dst_i1
-                lo1 = lo2
-                hi1 = hi2
-                item1 = item2
+        for r in range(tl.program_id(0), n_ranges, tl.num_programs(0)):
+            _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, tl.load(bounds + r),
+                        tl.load(bounds + r + 1), tl.load(first_item + r), BLOCK, TAIL_BLOCK, STREAMING, SHIFT)
     else:
         r = tl.program_id(0)
         if r < n_ranges:
-            lo = tl.load(bounds + r)
-            hi = tl.load(bounds + r + 1)
-            item = tl.load(first_item + r)
-            _copy_one_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, lo, hi, item,
-                            BLOCK, TAIL_BLOCK, STREAMING, EAGER)
+            _copy_range(anchor, src_index, dst_index, lengths, pad_ends, src_base, dst_base, tl.load(bounds + r),
+                        tl.load(bounds + r + 1), tl.load(first_item + r), BLOCK, TAIL_BLOCK, STREAMING, SHIFT)
 
 
 @dataclass(frozen=True)
@@ -206,18 +100,15 @@ class LaunchSettings:
     # multiple of block_bytes. 0: programs * rounds equal ranges cut at 16-byte boundaries.
     range_bytes: int = 0
     persistent: bool = True  # False: one range per program, no loop (rounds must be 1)
-    prefetch: int = 0  # persistent loop: 1 loads the next range's bounds early, 2 also its first descriptors
-    eager: bool = False  # an item's four descriptors in one round trip, the next item's before the copy
-    # > 0: cap on registers per thread (Triton's maxnreg); benchmarks/kernels.py --resources reports registers.
-    max_registers: int = 0
+    shift: bool = False  # unaligned pieces as 8-byte words assembled from two source words (else bytes)
 
     def __post_init__(self):
         if not self.persistent and self.rounds != 1:
             raise ValueError(f"non-persistent launch settings need rounds == 1, got {self.rounds}")
-        if self.prefetch not in (0, 1, 2) or (self.prefetch == 2 and not self.eager):
-            raise ValueError(f"prefetch must be 0, 1 or 2 (2 needs eager), got {self.prefetch}")
         if self.range_bytes < 0 or self.range_bytes % STREAM_ALIGN:
             raise ValueError(f"range_bytes must be a non-negative multiple of 16, got {self.range_bytes}")
+        if self.block_bytes < 16 or self.block_bytes & (self.block_bytes - 1):
+            raise ValueError(f"block_bytes must be a power of two >= 16, got {self.block_bytes}")
 
     @property
     def ranges(self) -> int:
@@ -233,11 +124,9 @@ class Regime:
     programs_per_sm: int
     range_bytes: int = 0  # aligned ranges of this size when the batch's bytes are known; 0: equal split
     persistent: bool = True
-    prefetch: int = 0
-    eager: bool = False
     streaming: bool = False
     tail_block_bytes: int = 1024
-    max_registers: int = 0
+    shift: bool = False
 
 
 def regime_of(entry: dict) -> Regime:
@@ -245,7 +134,7 @@ def regime_of(entry: dict) -> Regime:
     return Regime(block_bytes=entry["block_bytes"], num_warps=entry["num_warps"],
                   programs_per_sm=entry["programs_per_sm"], range_bytes=entry["range_bytes"],
                   persistent=entry["persistent"], streaming=entry["streaming"],
-                  tail_block_bytes=entry["tail_block_bytes"])
+                  tail_block_bytes=entry["tail_block_bytes"], shift=entry["shift"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,7 +163,7 @@ def settings_for(regime: Regime, n_items: int, total_bytes: Optional[int], multi
     r = regime
     floor = max(1, r.programs_per_sm * multiprocessors)
     common = dict(block_bytes=r.block_bytes, tail_block_bytes=r.tail_block_bytes, num_warps=r.num_warps,
-                  streaming=r.streaming, prefetch=r.prefetch, eager=r.eager, max_registers=r.max_registers)
+                  streaming=r.streaming, shift=r.shift)
     if r.range_bytes and total_bytes and n_items > 0:
         ranges = -(-(int(total_bytes) + 15 * n_items) // r.range_bytes)
         if ranges >= max(-(-n_items // 4), 4 * multiprocessors):
@@ -308,7 +197,8 @@ def launch_settings(n_items: int, device: torch.device, total_bytes: Optional[in
     if device.type != "cuda":
         i = kernel_policy.INTERPRETER
         return LaunchSettings(block_bytes=i["block_bytes"], tail_block_bytes=i["tail_block_bytes"],
-                              num_warps=i["num_warps"], programs=max(1, min(n_items, i["max_programs"])))
+                              num_warps=i["num_warps"], programs=max(1, min(n_items, i["max_programs"])),
+                              shift=kernel_policy.DEFAULT["range_small"]["shift"])
     pol = kernel_policy.policy(device)
     entry = pol["range_large"] if is_large(n_items, total_bytes, pol) else pol["range_small"]
     return settings_for(regime_of(entry), n_items, total_bytes,
@@ -548,10 +438,8 @@ def _range_launch(src_index, dst_index, lengths, src_base, dst_base, plan):
     args = (a, src_index, dst_index, lengths, plan.pad_ends, plan.bounds, plan.first_item,
             src_base - base, dst_base - base, settings.ranges)
     constexprs = dict(BLOCK=settings.block_bytes, TAIL_BLOCK=settings.tail_block_bytes,
-                      STREAMING=settings.streaming, PERSISTENT=settings.persistent, PREFETCH=settings.prefetch,
-                      EAGER=settings.eager, num_warps=settings.num_warps)
-    if settings.max_registers:
-        constexprs["maxnreg"] = settings.max_registers
+                      STREAMING=settings.streaming, PERSISTENT=settings.persistent, SHIFT=settings.shift,
+                      num_warps=settings.num_warps)
     return args, (settings.programs, 1), constexprs
 
 
@@ -595,7 +483,7 @@ class PreparedCopy:
         elif plan.grid is not None:
             g = plan.grid
             self._launch = GridCopy(src_index, dst_index, lengths, src_base, dst_base, g.max_bytes, g.seg_bytes,
-                                    g.block_bytes, g.num_warps)
+                                    g.block_bytes, g.num_warps, shift=g.shift)
         else:
             self._launch = _RANGE_KERNEL.bind(*_range_launch(src_index, dst_index, lengths, src_base, dst_base,
                                                              plan))

@@ -26,7 +26,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: the piece count
 
 @triton.jit
 def _grid_copy_kernel(anchor, src_index, dst_index, lengths, src_base, dst_base,
-                      SEG: tl.constexpr, BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr):
+                      SEG: tl.constexpr, BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, SHIFT: tl.constexpr = False):
     # Addresses are int64 offsets from ``anchor`` (16-byte aligned): see _batched_copy for why not int->pointer.
     item = tl.program_id(1)
     begin = tl.program_id(0).to(tl.int64) * SEG
@@ -36,7 +36,7 @@ def _grid_copy_kernel(anchor, src_index, dst_index, lengths, src_base, dst_base,
     dst_i = tl.load(dst_index + item)
     n = tl.minimum(length - begin, SEG)
     if n > 0:
-        _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n, BLOCK, TAIL_BLOCK, False)
+        _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n, BLOCK, TAIL_BLOCK, False, SHIFT)
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class GridSettings:
     block_bytes: int
     num_warps: int
     max_bytes: int
+    shift: bool = False  # unaligned pieces as 8-byte words (see _copy_piece)
 
 
 def grid_settings(n_items: int, total_bytes: int, max_bytes: int, pol: dict) -> Optional[GridSettings]:
@@ -60,7 +61,7 @@ def grid_settings(n_items: int, total_bytes: int, max_bytes: int, pol: dict) -> 
         return None
     if total_bytes < n_items * g["min_bytes"] or not grid_fits(n_items, total_bytes, max_bytes):
         return None
-    return GridSettings(g["seg_bytes"], g["block_bytes"], g["num_warps"], max_bytes)
+    return GridSettings(g["seg_bytes"], g["block_bytes"], g["num_warps"], max_bytes, g["shift"])
 
 
 def grid_fits(n_items: int, total_bytes: int, max_bytes: int, waste: float = 0.1) -> bool:
@@ -76,7 +77,7 @@ def launch_grid_copy(src_index: torch.Tensor, dst_index: torch.Tensor, lengths: 
                      dst_base: int, settings: GridSettings) -> None:
     """Enqueue the copy on the current stream of the tensors' device (no checks: callers validate first)."""
     GridCopy(src_index, dst_index, lengths, src_base, dst_base, settings.max_bytes, settings.seg_bytes,
-             settings.block_bytes, settings.num_warps)()
+             settings.block_bytes, settings.num_warps, shift=settings.shift)()
 
 
 class GridCopy:
@@ -93,7 +94,7 @@ class GridCopy:
 
     def __init__(self, src_index: torch.Tensor, dst_index: torch.Tensor, lengths: torch.Tensor, src_base: int,
                  dst_base: int, max_bytes: int, seg_bytes: int = 32768, block_bytes: int = 32768,
-                 num_warps: int = 8, anchor_tensor: Optional[torch.Tensor] = None):
+                 num_warps: int = 8, anchor_tensor: Optional[torch.Tensor] = None, shift: bool = False):
         if seg_bytes % block_bytes or block_bytes % 16:
             raise ValueError(f"seg_bytes {seg_bytes} must be a multiple of block_bytes {block_bytes}, itself of 16")
         n = lengths.numel()
@@ -104,7 +105,8 @@ class GridCopy:
         self._keep = (src_index, dst_index, lengths)
         self._call = _KERNEL.bind((a, src_index, dst_index, lengths, src_base - base, dst_base - base),
                                   (max(1, -(-max_bytes // seg_bytes)), n),
-                                  dict(SEG=seg_bytes, BLOCK=block_bytes, TAIL_BLOCK=1024, num_warps=num_warps))
+                                  dict(SEG=seg_bytes, BLOCK=block_bytes, TAIL_BLOCK=1024, SHIFT=shift,
+                                       num_warps=num_warps))
 
     def __call__(self) -> None:
         """Enqueue the copy on the current stream of the tensors' device."""

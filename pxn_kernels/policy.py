@@ -27,15 +27,18 @@ from typing import Optional
 # device time per launch (4 KB tiles, 4 warps, 8 programs/SM), large pieces big tiles and many resident programs
 # (32 KB, 8 warps, 32 programs/SM); equal pieces from 4 KB up a 4 KB program with 2 warps (grid kernel).
 _BASE = {
+    # shift: pieces whose ends differ in alignment move as 8-byte words assembled from two source words
+    # (interpreter-tested; off until a GPU sweep measures it against the byte path).
     "range_small": {"block_bytes": 4096, "tail_block_bytes": 1024, "num_warps": 4, "programs_per_sm": 8,
-                    "range_bytes": 0, "persistent": True, "streaming": False},
+                    "range_bytes": 0, "persistent": True, "streaming": False, "shift": False},
     "range_large": {"block_bytes": 32768, "tail_block_bytes": 1024, "num_warps": 8, "programs_per_sm": 32,
-                    "range_bytes": 0, "persistent": True, "streaming": False},
+                    "range_bytes": 0, "persistent": True, "streaming": False, "shift": False},
     "large_mean_bytes": 512 << 10,  # mean piece (bytes) from which range_large applies
     "rounds_bytes": 32 << 10,  # equal split, bytes known: about this many bytes per range
     "max_rounds": 16,
     "max_programs": 1 << 16,
-    "grid": {"enabled": True, "min_bytes": 4096, "seg_bytes": 4096, "block_bytes": 4096, "num_warps": 2},
+    "grid": {"enabled": True, "min_bytes": 4096, "seg_bytes": 4096, "block_bytes": 4096, "num_warps": 2,
+             "shift": False},
     # Row kernel, by row length: the first class whose ``up_to`` (bytes) holds the length. tile_bytes: bytes per
     # program (whole rows, the row rounded up to a power of two, at most max_cols columns).
     "row": {"enabled": True, "max_bytes": 4095,

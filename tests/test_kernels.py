@@ -410,46 +410,38 @@ def _check_prepared_gather_relaunch(rng, lengths, misalign, gap, settings, graph
         assert torch.equal(out, ref)
 
 
-# --- kernel variants: aligned ranges, one range per program, eager descriptors, prefetch ---------------------
+# --- range-kernel options: aligned ranges, one range per program, shifted words for unaligned pieces ---------
 
 # Interpreter-sized: 64-byte tiles, 128-byte aligned ranges, so ranges hold several tiles and pieces span ranges.
 _VARIANT_LENGTHS = [1, 3, 63, 65, 0, 700, 16, 333, 17, 48, 5, 0, 129, 64]
 
 
-def _variant_settings(lengths, mode):
-    """LaunchSettings for one kernel mode over ``lengths`` (interpreter sizes)."""
+def _mode_settings(lengths, mode):
+    """LaunchSettings for one range-kernel mode over ``lengths`` (interpreter sizes)."""
     padded = sum((x + 15) // 16 * 16 for x in lengths)
     aligned = -(-padded // 128)  # ranges of exactly 128 B
     s = pxn_kernels.LaunchSettings
     return {
         "aligned_persistent": s(64, 16, 1, programs=3, rounds=-(-aligned // 3), range_bytes=128),
-        "aligned_np_lazy": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False),
-        "aligned_np_eager": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False, eager=True),
-        "aligned_np_extra_ranges": s(64, 16, 1, programs=aligned + 3, range_bytes=128, persistent=False,
-                                     eager=True),  # trailing empty ranges
-        "aligned_np_few_ranges": s(64, 16, 1, programs=max(1, aligned - 4), range_bytes=128, persistent=False,
-                                   eager=True),  # the last range runs to the end of the stream
-        "equal_np_eager": s(64, 16, 1, programs=7, persistent=False, eager=True),
-        "eager_persistent": s(64, 16, 1, programs=2, rounds=4, eager=True, max_registers=32),
-        "prefetch1_lazy": s(64, 16, 1, programs=3, rounds=-(-aligned // 3) + 1, range_bytes=128, prefetch=1),
-        "prefetch1_eager": s(64, 16, 1, programs=3, rounds=-(-aligned // 3), range_bytes=128, prefetch=1,
-                             eager=True),
-        "prefetch2": s(64, 16, 1, programs=2, rounds=-(-aligned // 2) + 1, range_bytes=128, prefetch=2,
-                       eager=True),
-        "prefetch2_one_program": s(64, 16, 1, programs=1, rounds=5, prefetch=2, eager=True),
+        "aligned_np": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False),
+        "aligned_np_extra_ranges": s(64, 16, 1, programs=aligned + 3, range_bytes=128, persistent=False),
+        "aligned_np_few_ranges": s(64, 16, 1, programs=max(1, aligned - 4), range_bytes=128, persistent=False),
+        "equal_np": s(64, 16, 1, programs=7, persistent=False),
+        "equal_persistent_shift": s(64, 16, 1, programs=2, rounds=4, shift=True),
+        "aligned_np_shift": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False, shift=True),
+        "equal_shift_wide_tail": s(128, 64, 1, programs=3, shift=True),
     }[mode]
 
 
-_MODES = ["aligned_persistent", "aligned_np_lazy", "aligned_np_eager", "aligned_np_extra_ranges",
-          "aligned_np_few_ranges", "equal_np_eager", "eager_persistent", "prefetch1_lazy", "prefetch1_eager",
-          "prefetch2", "prefetch2_one_program"]
+_MODES = ["aligned_persistent", "aligned_np", "aligned_np_extra_ranges", "aligned_np_few_ranges", "equal_np",
+          "equal_persistent_shift", "aligned_np_shift", "equal_shift_wide_tail"]
 
 
 @pytest.mark.parametrize("mode", _MODES)
 def test_kernel_modes_gather_and_copy(rng, mode):
     lengths = list(_VARIANT_LENGTHS)
     rng.shuffle(lengths)
-    settings = _variant_settings(lengths, mode)
+    settings = _mode_settings(lengths, mode)
     plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
     # gather: sources misaligned by 0/1/3/8, chunk offsets aligned except for a few pieces
     src_buf, src_addrs = _pieces(rng, lengths, [0, 1, 0, 3, 8])
@@ -478,13 +470,13 @@ def test_kernel_modes_gather_and_copy(rng, mode):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("mode", ["aligned_np_eager", "prefetch2"])
+@pytest.mark.parametrize("mode", ["aligned_np", "aligned_np_shift"])
 def test_kernel_modes_scatter(rng, mode):
     lengths = list(_VARIANT_LENGTHS)
-    settings = _variant_settings(lengths, mode)
+    settings = _mode_settings(lengths, mode)
     offsets, size = _packed_offsets(lengths, misalign=0, gap=16)
     src = _random_bytes(rng, size)
-    dst_offsets, dst_size = _packed_offsets(lengths, misalign=16, gap=32)
+    dst_offsets, dst_size = _packed_offsets(lengths, misalign=7, gap=32)
     poison = _random_bytes(rng, dst_size + 64)
     out, ref = poison.clone(), poison.clone()
     plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
@@ -496,11 +488,11 @@ def test_kernel_modes_scatter(rng, mode):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("mode", ["aligned_np_eager", "prefetch2", "aligned_persistent"])
+@pytest.mark.parametrize("mode", ["aligned_np", "aligned_persistent", "equal_persistent_shift"])
 def test_kernel_modes_zero_length_tail_and_empty_batch(rng, mode):
     # Zero-length items at both ends, and a batch that is all zero lengths.
     lengths = [0, 0, 40, 1, 0, 0]
-    settings = _variant_settings(lengths, mode)
+    settings = _mode_settings(lengths, mode)
     src_buf, src_addrs = _pieces(rng, lengths, [0, 1])
     out = _random_bytes(rng, 128)
     ref = out.clone()
@@ -511,6 +503,33 @@ def test_kernel_modes_zero_length_tail_and_empty_batch(rng, mode):
     zeros = [0, 0, 0]
     empty_plan = pxn_kernels.plan_batched_copy(_t(zeros), settings)
     pxn_kernels.gather(_t(src_addrs[:3]), _t(zeros), out, _t([0, 0, 0]), plan=empty_plan, backend="triton")
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("length", [64, 65, 200, 1000, 4099])
+def test_shifted_words_every_alignment_pair(rng, length):
+    """The 8-byte funnel-shift path: every (source, destination) misalignment pair 0..15 x 0..15, lengths from
+    one word past the 64-byte threshold to several tiles, each against the torch reference on poisoned
+    bytes (the bytes around each piece must stay as they were)."""
+    settings = pxn_kernels.LaunchSettings(256, 16, 1, 4, shift=True)
+    pairs = [(s, d) for s in range(16) for d in range(16)]
+    rng.shuffle(pairs)
+    pairs = pairs[:24] if length > 1000 else pairs[:64]  # interpreter time
+    lengths = [length] * len(pairs)
+    src_buf, src_addrs = _pieces(rng, lengths, [s for s, _ in pairs])
+    dst_offsets, cursor = [], 0
+    for _, d in pairs:
+        cursor = (cursor + 32 + 15) // 16 * 16 + d
+        dst_offsets.append(cursor)
+        cursor += length
+    out = _random_bytes(rng, cursor + 64)
+    ref = out.clone()
+    plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+    pxn_kernels.copy(_t(src_addrs), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths), plan=plan,
+                     backend="triton")
+    pxn_kernels.copy_torch(_t(src_addrs), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -540,8 +559,7 @@ def test_device_batch_aligned_non_persistent(rng):
     dst_offsets, _ = _packed_offsets(lengths.tolist(), misalign=0, gap=16)
     dst = out.data_ptr() + np.asarray(dst_offsets, dtype=np.int64)
     padded = int(((lengths + 15) // 16 * 16).sum())
-    settings = pxn_kernels.LaunchSettings(256, 16, 1, -(-padded // 512), range_bytes=512, persistent=False,
-                                          eager=True)
+    settings = pxn_kernels.LaunchSettings(256, 16, 1, -(-padded // 512), range_bytes=512, persistent=False)
     batch = pxn_kernels.DeviceBatch(np.asarray(src_addrs, dtype=np.int64), dst, lengths, DEVICE, settings)
     assert batch.plan.bounds.cpu().tolist()[:-1] == [512 * r for r in range(settings.ranges)]
     pxn_kernels.launch_batched_copy(batch.src, batch.dst, batch.lengths, 0, 0, batch.plan)
@@ -551,9 +569,9 @@ def test_device_batch_aligned_non_persistent(rng):
     assert torch.equal(out, ref)
 
 
-def test_prepared_copy_with_variant_settings(rng):
+def test_prepared_copy_with_mode_settings(rng):
     lengths = [5, 64, 300, 17, 1]
-    _check_prepared_gather_relaunch(rng, lengths, 0, 16, _variant_settings(lengths, "prefetch2"))
+    _check_prepared_gather_relaunch(rng, lengths, 0, 16, _mode_settings(lengths, "aligned_np_shift"))
 
 
 def test_settings_for_defaults_and_aligned(monkeypatch):
@@ -572,13 +590,11 @@ def test_settings_for_defaults_and_aligned(monkeypatch):
         rounds = 1 if not total else max(1, min(total // (programs * (32 << 10)), 16))
         assert got == pxn_kernels.LaunchSettings(block, 1024, warps, programs, False, rounds)
     # Aligned, one range per program: enough ranges for the padded stream (upper bound total + 15 n).
-    regime = pxn_kernels.Regime(4096, 4, 8, range_bytes=4096, persistent=False, eager=True, max_registers=32)
+    regime = pxn_kernels.Regime(4096, 4, 8, range_bytes=4096, persistent=False, shift=True)
     s = pxn_kernels.settings_for(regime, 4096, 8192 * 4096, sms)
-    assert (s.programs, s.rounds, s.range_bytes, s.persistent, s.eager, s.max_registers) == \
-        (8192 + 15, 1, 4096, False, True, 32)
+    assert (s.programs, s.rounds, s.range_bytes, s.persistent, s.shift) == (8192 + 15, 1, 4096, False, True)
     # Aligned persistent: programs_per_sm x SMs programs, rounds to cover every range.
-    s = pxn_kernels.settings_for(pxn_kernels.Regime(4096, 4, 16, range_bytes=16384, prefetch=2, eager=True),
-                                 78, 8650752 * 78, sms)
+    s = pxn_kernels.settings_for(pxn_kernels.Regime(4096, 4, 16, range_bytes=16384), 78, 8650752 * 78, sms)
     assert s.persistent and s.programs == 16 * sms and s.ranges * 16384 >= 8650752 * 78
     # Small batches keep the equal split (latency, not bandwidth): aux-like and many tiny pieces.
     for n, total in [(11, 9900), (4096, 64 * 4096), (4096, 512 * 4096)]:
@@ -591,13 +607,13 @@ def test_settings_for_defaults_and_aligned(monkeypatch):
 def test_launch_settings_validation():
     with pytest.raises(ValueError, match="rounds == 1"):
         pxn_kernels.LaunchSettings(256, 16, 1, 4, rounds=2, persistent=False)
-    with pytest.raises(ValueError, match="2 needs eager"):
-        pxn_kernels.LaunchSettings(256, 16, 1, 4, prefetch=2)
+    with pytest.raises(ValueError, match="power of two >= 16, got 100"):
+        pxn_kernels.LaunchSettings(100, 16, 1, 4)
     with pytest.raises(ValueError, match="multiple of 16"):
         pxn_kernels.LaunchSettings(256, 16, 1, 4, range_bytes=100)
 
 
-# --- the two kernels: range plan (any mix) and 2-D grid (large pieces of one size) ---------------------------
+# --- range plan (any mix) and 2-D grid (large pieces of one size) ------------------------------------------
 
 @pytest.mark.parametrize("kernel", ["grid", "range"])
 @pytest.mark.parametrize("lengths,src_misalign,out_misalign", [

@@ -186,6 +186,38 @@ def test_pack_chunk_round_trip(rng, backend):
         assert np.array_equal(host[off:off + length], src_buf[start:start + length].cpu().numpy())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pack_chunk_zero_length_pieces_are_no_ops(rng, backend):
+    """A piece of length 0 gets no table entry and no payload; the other pieces are packed as without it, and
+    a batch of only zero-length pieces is a chunk of no items (header only)."""
+    lengths = [0, 64, 0, 17, 0]
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
+    dst_addrs = [int(x) for x in rng.integers(1 << 20, 1 << 40, len(lengths))]
+    kept = [i for i, n in enumerate(lengths) if n]
+    slot = _random_bytes(rng, 512)
+    expect = chunk_mod.chunk_bytes_for([lengths[i] for i in kept])
+    nbytes = pxn_kernels.pack_chunk(src_addrs, lengths, dst_addrs, slot, seq=3, sender_id=4,
+                                    backend="host" if backend == "host" else "auto")
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert nbytes == expect
+    host = slot.cpu().numpy()
+    table = chunk_mod.parse_chunk(host, available_bytes=nbytes)
+    assert table.lengths.tolist() == [lengths[i] for i in kept]
+    assert table.dst_addrs.tolist() == [dst_addrs[i] for i in kept]
+    for j, i in enumerate(kept):
+        start, off = src_addrs[i] - src_buf.data_ptr(), int(table.offsets[j])
+        assert np.array_equal(host[off:off + lengths[i]], src_buf[start:start + lengths[i]].cpu().numpy())
+    before = _random_bytes(rng, 512)
+    slot.copy_(before)
+    nbytes = pxn_kernels.pack_chunk(src_addrs[:1], [0], dst_addrs[:1], slot, seq=5, sender_id=4)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert nbytes == chunk_mod.payload_offset_for(0)
+    assert chunk_mod.parse_chunk(slot.cpu().numpy(), available_bytes=nbytes).item_count == 0
+    assert torch.equal(slot[nbytes:], before[nbytes:])  # nothing past the header
+
+
 def _good_chunk(rng, n=3):
     lengths = [5, 64, 17][:n]
     header, _, nbytes = chunk_mod.build_header_table([0x1000, 0x2000, 0x3000][:n], lengths, seq=1, sender_id=2)
@@ -292,8 +324,8 @@ def test_pack_chunk_rejects_bad_input(rng):
     slot = _random_bytes(rng, 128)
     with pytest.raises(ValueError, match="must have the same number of items"):
         pxn_kernels.pack_chunk([1, 2], [4], [5, 6], slot, 0, 0)
-    with pytest.raises(ValueError, match=r"lengths\[0\] = 0: chunk items must be >= 1 byte"):
-        pxn_kernels.pack_chunk([slot.data_ptr()], [0], [5], slot, 0, 0)
+    with pytest.raises(ValueError, match=r"lengths\[1\] = -1 is negative"):
+        pxn_kernels.pack_chunk([slot.data_ptr()] * 2, [4, -1], [5, 6], slot, 0, 0)
     with pytest.raises(ValueError, match="chunk needs 112 bytes, out has 100"):
         pxn_kernels.pack_chunk([slot.data_ptr()], [20], [5], slot[:100], 0, 0)
 

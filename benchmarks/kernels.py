@@ -435,7 +435,6 @@ POOL_BYTES = 1 << 30  # rows are picked from a pool this large, so almost every 
 ROW_CANDIDATES = {
     "row:t8k/w4": (8192, 4096, 4),
     "row:t4k/w2": (4096, 4096, 2),
-    "row:t4k/w4": (4096, 4096, 4),
     "row:t16k/w4": (16384, 4096, 4),
     "row:t16k/w8": (16384, 4096, 8),
     "row:t32k/w8": (32768, 4096, 8),
@@ -570,6 +569,10 @@ def paged_rows(args, meta: dict) -> list:
                            launch="public call, plan reused, check=False" if name == "pxn" else "PreparedCopy")
                 if plan.row is not None:
                     row["row_settings"] = asdict(plan.row)
+                if name != "pxn" and time.time() - t0 > args.rows_budget_s:
+                    row["skipped"] = "time budget (--rows-budget-s)"
+                    op_rows.append(row)
+                    continue
                 try:
                     call = case.public(op, plan) if name == "pxn" else case.prepared(op, plan)
                     row["exact"] = _row_exact(case, op, call, gen, expect_gather, pool_before, expect_pool)
@@ -1199,6 +1202,8 @@ def main() -> int:
     parser.add_argument("--no-rows", action="store_true", help="skip the paged-row section")
     parser.add_argument("--rows-only", action="store_true", help="only the paged-row section")
     parser.add_argument("--row-sizes", default="", help="comma-separated row sizes (bytes) for the paged rows")
+    parser.add_argument("--rows-budget-s", type=float, default=240.0,
+                        help="paged rows: time only the policy's choice and the baselines after this many seconds")
     parser.add_argument("--probe", metavar="PATH", help="host-overhead probe on the aux batch, JSON to PATH")
     parser.add_argument("--nvlink", action="store_true",
                         help="pieces on GPU 1, chunk and kernel on GPU 0 (needs 2 GPUs); default --out "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -220,6 +220,8 @@ class CopyPlan:
     settings: Optional[LaunchSettings]
     grid: Optional[GridSettings] = None
     row: Optional[RowSettings] = None
+    # GPU launches already bound with this plan, by descriptor addresses (see launch_batched_copy)
+    _bound: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def kernel(self) -> str:
@@ -451,14 +453,40 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
     path re-derives every argument's specialisation per call and costs ~18 us of host time on the H200 VM,
     twice a whole small ``copy_`` (benchmarks/NOTES.md).
     """
-    if lengths.numel() == 0:
+    n = lengths.numel()
+    if n == 0:
         return
-    if plan.row is not None:
+    if lengths.is_cuda:
+        # A caller that reuses its plan (and usually its descriptor buffers) gets the launch bound once: only
+        # the driver call remains (the values are addresses, so other tensors at the same addresses are fine).
+        key = (src_index.data_ptr(), dst_index.data_ptr(), lengths.data_ptr(), n, src_base, dst_base,
+               lengths.device.index)
+        bound = plan._bound.get(key)
+        if bound is None:
+            if len(plan._bound) >= _BOUND_PER_PLAN:
+                plan._bound.clear()
+            bound = plan._bound[key] = _bind(src_index, dst_index, lengths, src_base, dst_base, plan)
+        bound()
+    elif plan.row is not None:
         launch_row_copy(src_index, dst_index, src_base, dst_base, plan.row)
     elif plan.grid is not None:
         launch_grid_copy(src_index, dst_index, lengths, src_base, dst_base, plan.grid)
     else:
         _RANGE_KERNEL.launch(*_range_launch(src_index, dst_index, lengths, src_base, dst_base, plan))
+
+
+_BOUND_PER_PLAN = 8
+
+
+def _bind(src_index, dst_index, lengths, src_base: int, dst_base: int, plan: CopyPlan):
+    """A callable enqueuing the copy of ``plan`` over these descriptors on the current stream."""
+    if plan.row is not None:
+        return RowCopy(src_index, dst_index, src_base, dst_base, plan.row)._call
+    if plan.grid is not None:
+        g = plan.grid
+        return GridCopy(src_index, dst_index, lengths, src_base, dst_base, g.max_bytes, g.seg_bytes, g.block_bytes,
+                        g.num_warps, shift=g.shift)._call
+    return _RANGE_KERNEL.bind(*_range_launch(src_index, dst_index, lengths, src_base, dst_base, plan))
 
 
 class PreparedCopy:

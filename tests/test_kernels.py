@@ -854,3 +854,37 @@ def test_row_kernel_at_pool_sizes(rng, length, misalign):
                                                                                        chunk.view(n, length))
     torch.cuda.synchronize()
     assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("kind", ["row", "grid", "range"])
+def test_plan_reused_over_other_descriptors(rng, kind):
+    """One plan, launched over two descriptor sets and then over the first set rewritten in place: each launch
+    copies what its descriptors say now (GPU launches are bound once per descriptor addresses and plan)."""
+    length = {"row": 100, "grid": 4100, "range": None}[kind]
+    lengths = [length] * 6 if length else [5, 64, 300, 17, 1, 90]
+    plan = pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
+    assert plan.kernel == kind
+    len_t = _t(lengths)
+    offsets, size = _packed_offsets(lengths, 0, 16)
+    runs = []
+    for _ in range(2):
+        src_buf, src = _pieces(rng, lengths, [0, 3])
+        runs.append((src_buf, _t(src), _t(offsets)))
+    for src_buf, src_t, off_t in runs + [runs[0]]:
+        src_buf.copy_(_random_bytes(rng, src_buf.numel()))  # fresh bytes at the same addresses
+        out = _random_bytes(rng, size + 16)
+        ref = out.clone()
+        pxn_kernels.gather(src_t, len_t, out, off_t, check=False, plan=plan, backend="triton")
+        pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+    import pxn_kernels._batched_copy as bc
+    src_buf, src_t, off_t = runs[1]
+    out = _random_bytes(rng, size + 16)
+    ref = out.clone()
+    bc._bind(src_t, off_t, len_t, 0, out.data_ptr(), plan)()  # the bound launch itself, on any device
+    pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)

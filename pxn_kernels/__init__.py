@@ -8,7 +8,7 @@ Public entries (each with a plain-torch reference beside it):
 * three kernels behind them: the range kernel (any mix, ``_batched_copy``), the row kernel (pieces of one
   length, ``_row_copy``) and the 2-D grid kernel (large pieces of one size, ``_grid_copy``);
   ``plan_for_lengths`` picks one from host lengths, as the launch policy (``policy``) says
-* ``pack_chunk(...)``: header + item table + payload of a relay chunk in one launch
+* ``pack_chunk(...)`` / ``pack_chunk_torch``: header + item table + payload of a relay chunk in one launch
 * ``chunk``: the chunk wire format (``build_header_table``, ``parse_chunk``)
 * ``host_copy``: many memmoves on the host (the CPU path)
 
@@ -25,10 +25,10 @@ from pxn_kernels._row_copy import RowCopy, RowSettings, row_settings  # noqa: F4
 from pxn_kernels._memory import host_copy, host_view, raw_view  # noqa: F401
 from pxn_kernels.batch_copy import copy, copy_torch  # noqa: F401
 from pxn_kernels.gather import gather, gather_torch  # noqa: F401
-from pxn_kernels.pack import pack_chunk  # noqa: F401
+from pxn_kernels.pack import pack_chunk, pack_chunk_torch  # noqa: F401
 from pxn_kernels.scatter import scatter, scatter_torch  # noqa: F401
 
-__all__ = ["gather", "gather_torch", "scatter", "scatter_torch", "copy", "copy_torch", "pack_chunk",
+__all__ = ["gather", "gather_torch", "scatter", "scatter_torch", "copy", "copy_torch", "pack_chunk", "pack_chunk_torch",
            "chunk", "host_copy", "host_view", "raw_view", "plan_batched_copy", "plan_host", "launch_settings",
            "launch_batched_copy", "LaunchSettings", "CopyPlan", "DeviceBatch", "PreparedCopy", "Regime",
            "settings_for", "plan_for_lengths", "GridCopy", "GridSettings", "grid_settings", "RowCopy", "RowSettings",

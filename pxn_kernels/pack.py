@@ -8,7 +8,7 @@ import torch
 
 from pxn_kernels import _checks
 from pxn_kernels._batched_copy import DeviceBatch, launch_batched_copy
-from pxn_kernels._memory import host_copy
+from pxn_kernels._memory import host_copy, raw_view
 from pxn_kernels.chunk import build_header_table, payload_offset_for
 
 
@@ -67,6 +67,18 @@ def pack_chunk(src_ptrs: Sequence[int], lengths: Sequence[int], dst_addrs: Seque
     # Keep the device copies alive until the launch has run on this stream.
     header_dev.record_stream(torch.cuda.current_stream(out.device))
     batch.device_buf.record_stream(torch.cuda.current_stream(out.device))
+    return chunk_bytes
+
+
+def pack_chunk_torch(src_ptrs: Sequence[int], lengths: Sequence[int], dst_addrs: Sequence[int], out: torch.Tensor,
+                     seq: int, sender_id: int) -> int:
+    """Reference: the same chunk built with ``build_header_table`` and one ``copy_`` per piece (no checks)."""
+    keep = [i for i, n in enumerate(lengths) if n]
+    lengths = [int(lengths[i]) for i in keep]
+    header, item_offsets, chunk_bytes = build_header_table([dst_addrs[i] for i in keep], lengths, seq, sender_id)
+    out[:header.size].copy_(torch.from_numpy(header.copy()))
+    for i, length, offset in zip(keep, lengths, item_offsets.tolist()):
+        out[offset:offset + length].copy_(raw_view(int(src_ptrs[i]), length, out.device))
     return chunk_bytes
 
 

@@ -170,6 +170,7 @@ def test_pack_chunk_round_trip(rng, backend):
     src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
     dst_addrs = [int(x) for x in rng.integers(1 << 20, 1 << 40, len(lengths))]
     slot = _random_bytes(rng, chunk_mod.chunk_bytes_for(lengths) + 100)
+    before = slot.clone()
     nbytes = pxn_kernels.pack_chunk(src_addrs, lengths, dst_addrs, slot, seq=42, sender_id=7,
                                     backend="host" if backend == "host" else "auto")
     if DEVICE.type == "cuda":
@@ -184,6 +185,14 @@ def test_pack_chunk_round_trip(rng, backend):
         off = int(table.offsets[i])
         assert off % 16 == 0
         assert np.array_equal(host[off:off + length], src_buf[start:start + length].cpu().numpy())
+    ref = before.clone()  # the whole slot against the reference: nothing written past the chunk either
+    assert pxn_kernels.pack_chunk_torch(src_addrs, lengths, dst_addrs, ref, seq=42, sender_id=7) == nbytes
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    keep = torch.ones(slot.numel(), dtype=torch.bool, device=slot.device)
+    for off, length in zip(table.offsets.tolist(), lengths):
+        keep[off + length:off + (length + 15) // 16 * 16] = False  # padding between payloads: written by neither
+    assert torch.equal(slot[keep], ref[keep])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -105,6 +105,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--out", default=None, help="JSON path (default: a temporary file)")
     parser.add_argument("--counts", default=",".join(map(str, COUNTS)))
+    parser.add_argument("--label", default="", help="what code was measured (kept in the JSON)")
     args = parser.parse_args()
     device = torch.device(args.device)
     global pxn_kernels
@@ -135,7 +136,8 @@ def main() -> int:
     result = {"machine": platform.node(), "load_average_1min_at_end": load, "processor": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
               "numpy": np.__version__, "date": datetime.date.today().isoformat(), "device": str(device),
-              "launch": "stubbed (no GPU)" if device.type == "cpu" else "real", "rows": rows}
+              "launch": "stubbed (no GPU)" if device.type == "cpu" else "real", "label": args.label,
+              "statistic": "per-call host time timed one call at a time; median and 10th percentile", "rows": rows}
     out = args.out or os.path.join(tempfile.mkdtemp(prefix="pxn-host-time-"), "kernel-host-time.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

@@ -247,3 +247,42 @@ def test_policy_picks_the_kernel_and_the_plan_cache_follows_it(clean_policy):
     swapped[[0, 1]] = swapped[[1, 0]]  # same count and sum, other order: another plan
     other = pxn_kernels.plan_for_lengths(swapped, DEVICE)
     assert other is not first and other.pad_ends.cpu().tolist()[:2] == [64, 80]
+
+
+def test_disjoint_on_device_agrees_with_the_host_sort(rng):
+    """The GPU overlap test (torch.sort, one flag) on CPU tensors here: same answer as the host sort."""
+    for trial in range(40):
+        n = int(rng.integers(2, 400))
+        equal = trial % 2 == 0
+        lengths = np.full(n, 64, dtype=np.int64) if equal else rng.integers(1, 200, n).astype(np.int64)
+        starts = rng.permutation(n * 4)[:n].astype(np.int64) * 64 + (1 << 30)
+        if trial % 3 == 0:
+            starts[int(rng.integers(0, n))] = starts[int(rng.integers(0, n))] + int(rng.integers(0, 64))
+        want = _checks._disjoint_sorted(starts, starts + lengths, 64 if equal else 0)
+        got = _checks._disjoint_on_device(torch.from_numpy(starts), torch.from_numpy(lengths), 64 if equal else 0)
+        assert got == want == (_reference("copy", lengths, [], ("dst_ptrs", starts)) is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [64, 100])
+def test_large_unordered_scatter_checked_on_the_gpu(rng, length):
+    """From 4096 pieces, unordered written ranges are sorted on the GPU: an overlap is refused with the usual
+    message and nothing written; the batch without it is scattered byte-exact."""
+    n = 5000
+    pool = _random_bytes(rng, length * 2 * n)
+    slots = torch.randperm(2 * n, device=DEVICE)[:n]
+    dst = pool.data_ptr() + slots * length
+    chunk = _random_bytes(rng, n * length)
+    offsets = torch.arange(n, dtype=torch.int64, device=DEVICE) * length
+    lengths = torch.full((n,), length, dtype=torch.int64, device=DEVICE)
+    bad = dst.clone()
+    bad[4321] = bad[17] + length // 2
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"dst_ptrs\[\d+\] = \d+ \(length \d+\) overlaps"):
+        pxn_kernels.scatter(chunk, offsets, bad, lengths)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)
+    pxn_kernels.scatter(chunk, offsets, dst, lengths)
+    before.view(2 * n, length).index_copy_(0, slots, chunk.view(n, length))
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)

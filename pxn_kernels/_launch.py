@@ -79,8 +79,9 @@ class CompiledKernel:
             return lambda: fn[grid](*args, **constexprs)
         values = [t.data_ptr() for t in args[:self.n_tensors]] + list(args[self.n_tensors:])
         index = device.index if device.index is not None else 0
-        gx, gy = grid
-        return lambda: launcher.launch(gx, current_stream(index), values, grid_y=gy)
+        enqueue = launcher.bind(grid[0], grid[1], values)
+        stream_of = torch._C._cuda_getCurrentRawStream
+        return lambda: enqueue(stream_of(index))
 
     def launch(self, args: Sequence, grid: Tuple[int, int], constexprs: dict) -> None:
         """Enqueue one launch now."""

@@ -286,3 +286,28 @@ def test_large_unordered_scatter_checked_on_the_gpu(rng, length):
     before.view(2 * n, length).index_copy_(0, slots, chunk.view(n, length))
     torch.cuda.synchronize()
     assert torch.equal(pool, before)
+
+
+def test_direct_launcher_passes_grid_values_and_stream(monkeypatch):
+    """The direct launcher's two paths (shared parameter buffer; a binding with its own) hand the driver the
+    grid, block, stream and every argument value, 64- and 32-bit, read back through the parameter pointers."""
+    import ctypes
+    from pxn_kernels import _direct_launch as dl
+    calls = []
+
+    class FakeDriver:
+        @staticmethod
+        def cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            kinds = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int64]
+            values = [ctypes.cast(params[i], ctypes.POINTER(k)).contents.value for i, k in enumerate(kinds)]
+            calls.append((gx, gy, bx, shared, stream, values))
+            return 0
+
+    monkeypatch.setattr(dl, "_driver", lambda: FakeDriver)
+    launcher = dl.DirectLauncher(1234, [8, 8, 4, 8], n_user=3, num_warps=4, shared=0)
+    launcher.launch(7, 99, [1 << 40, -5, 123], grid_y=3)
+    enqueue = launcher.bind(11, 2, [1 << 41, 6, (1 << 31) - 1])
+    launcher.launch(8, 98, [1, 2, 3])  # the shared buffer changes; the binding keeps its own values
+    enqueue(97)
+    assert calls == [(7, 3, 128, 0, 99, [1 << 40, -5, 123, 0]), (8, 1, 128, 0, 98, [1, 2, 3, 0]),
+                     (11, 2, 128, 0, 97, [1 << 41, 6, (1 << 31) - 1, 0])]

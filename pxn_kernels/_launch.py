@@ -94,8 +94,3 @@ class CompiledKernel:
         launcher.launch(grid[0], current_stream(device.index if device.index is not None else 0), values,
                         grid_y=grid[1])
 
-
-def compiled_count(kernels: Sequence[CompiledKernel]) -> int:
-    """How many specialisations the kernels hold (for the benchmark's probe)."""
-    return sum(len(k._compiled) for k in kernels)
-

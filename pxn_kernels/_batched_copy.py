@@ -319,13 +319,38 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
 
     Pieces all of one length: the row kernel (short rows) or the 2-D grid kernel (from the policy's
     ``grid.min_bytes``; also pieces within 10 % of one size), as the launch policy says (``pxn_kernels.policy``).
-    Any other mix: the range plan, computed with numpy (``plan_host``) and moved to ``device`` in one copy; it
-    is cached by the lengths themselves (the last 64 lists per process), since callers repeat the same lengths
-    call after call. ``stats``: the lengths' (min, max, sum) when the caller has them (``_checks.LengthStats``).
+    Any other mix: the range plan, computed with numpy (``plan_host``) and moved to ``device`` in one copy.
+    Plans are cached by the lengths themselves (the last 64 lists per process), since callers repeat the same
+    lengths call after call: a repeat costs a hash of short lists, or a fingerprint and one comparison of long
+    ones. ``stats``: the lengths' (min, max, sum) when the caller has them (``_checks.LengthStats``).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     n = int(lengths.size)
+    if stats is not None and stats.lmin == stats.lmax and stats.lmin > 0:
+        plan = _equal_kernel(stats.lmin, kernel_policy.policy(device) if device.type == "cuda"
+                             else kernel_policy.DEFAULT)
+        if plan is not None:
+            return plan
+    # Short lists are their own key; longer ones a fingerprint, confirmed by comparing the stored lengths.
+    exact = n <= 256
+    key = (device.type, device.index, lengths.tobytes() if exact else (n, _fingerprint(lengths)))
+    with _plan_lock:
+        hit = _plan_cache.get(key)
+        if hit is not None and (exact or np.array_equal(hit[0], lengths)):
+            _plan_cache.move_to_end(key)
+            return hit[1]
+    plan = _new_plan(lengths, device, stats)
+    with _plan_lock:
+        _plan_cache[key] = (None if exact else lengths.copy(), plan)
+        while len(_plan_cache) > _PLAN_CACHE_SIZE:
+            _plan_cache.popitem(last=False)
+    return plan
+
+
+def _new_plan(lengths: np.ndarray, device: torch.device, stats) -> CopyPlan:
+    n = int(lengths.size)
     pol = kernel_policy.policy(device) if device.type == "cuda" else kernel_policy.DEFAULT
+    total = 0
     if n:
         if stats is None:
             lo, hi = int(lengths.min()), int(lengths.max())
@@ -339,27 +364,12 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
         grid = grid_settings(n, total, max(hi, 0), pol)
         if grid is not None:
             return CopyPlan(None, None, None, None, grid)
-    else:
-        total = 0
-    # Short lists are their own key; longer ones a fingerprint, confirmed by comparing the stored lengths.
-    exact = n <= 256
-    key = (device.type, device.index, lengths.tobytes() if exact else (n, total, _fingerprint(lengths)))
-    with _plan_lock:
-        hit = _plan_cache.get(key)
-        if hit is not None and (exact or np.array_equal(hit[0], lengths)):
-            _plan_cache.move_to_end(key)
-            return hit[1]
     settings = launch_settings(n, device, total)
     ranges = settings.ranges
     pad_ends, bounds, first_item = plan_host(lengths, ranges, settings.range_bytes)
     words = torch.from_numpy(np.concatenate([pad_ends, bounds, first_item]).astype(np.int64, copy=False))
     d = words.to(device, non_blocking=True) if device.type == "cuda" else words
-    plan = CopyPlan(d[:n], d[n:n + ranges + 1], d[n + ranges + 1:], settings)
-    with _plan_lock:
-        _plan_cache[key] = (None if exact else lengths.copy(), plan)
-        while len(_plan_cache) > _PLAN_CACHE_SIZE:
-            _plan_cache.popitem(last=False)
-    return plan
+    return CopyPlan(d[:n], d[n:n + ranges + 1], d[n + ranges + 1:], settings)
 
 
 def _default_plan(lengths: torch.Tensor, host_lengths: Optional[np.ndarray], stats=None) -> CopyPlan:

@@ -469,17 +469,21 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
     if n == 0:
         return
     if lengths.is_cuda:
-        # A caller that reuses its plan (and usually its descriptor buffers) gets the launch bound once: only
-        # the driver call remains (the values are addresses, so other tensors at the same addresses are fine).
+        # A caller that reuses its plan and its descriptor buffers gets the launch bound at the second call:
+        # then only the driver call remains (the values are addresses, so other tensors at the same addresses
+        # are fine). A first sighting launches as usual: binding costs more than one launch.
         key = (src_index.data_ptr(), dst_index.data_ptr(), lengths.data_ptr(), n, src_base, dst_base,
                lengths.device.index)
-        bound = plan._bound.get(key)
-        if bound is None:
-            if len(plan._bound) >= _BOUND_PER_PLAN:
-                plan._bound.clear()
-            bound = plan._bound[key] = _bind(src_index, dst_index, lengths, src_base, dst_base, plan)
-        bound()
-    elif plan.row is not None:
+        bound = plan._bound.get(key, _UNSEEN)
+        if bound is not _UNSEEN:
+            if bound is None:
+                bound = plan._bound[key] = _bind(src_index, dst_index, lengths, src_base, dst_base, plan)
+            bound()
+            return
+        if len(plan._bound) >= _BOUND_PER_PLAN:
+            plan._bound.clear()
+        plan._bound[key] = None
+    if plan.row is not None:
         launch_row_copy(src_index, dst_index, src_base, dst_base, plan.row)
     elif plan.grid is not None:
         launch_grid_copy(src_index, dst_index, lengths, src_base, dst_base, plan.grid)
@@ -488,6 +492,7 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
 
 
 _BOUND_PER_PLAN = 8
+_UNSEEN = object()
 
 
 def _bind(src_index, dst_index, lengths, src_base: int, dst_base: int, plan: CopyPlan):

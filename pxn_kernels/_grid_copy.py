@@ -76,8 +76,18 @@ _KERNEL = CompiledKernel(_grid_copy_kernel, n_tensors=4)
 def launch_grid_copy(src_index: torch.Tensor, dst_index: torch.Tensor, lengths: torch.Tensor, src_base: int,
                      dst_base: int, settings: GridSettings) -> None:
     """Enqueue the copy on the current stream of the tensors' device (no checks: callers validate first)."""
-    GridCopy(src_index, dst_index, lengths, src_base, dst_base, settings.max_bytes, settings.seg_bytes,
-             settings.block_bytes, settings.num_warps, shift=settings.shift)()
+    n = lengths.numel()
+    if not 0 < n <= MAX_GRID_Y:
+        raise ValueError(f"grid copy: {n} pieces; 1..{MAX_GRID_Y} supported")
+    a = anchor(lengths.device)
+    base = a.data_ptr()
+    _KERNEL.launch((a, src_index, dst_index, lengths, src_base - base, dst_base - base),
+                   (max(1, -(-settings.max_bytes // settings.seg_bytes)), n),
+                   _constexprs(settings.seg_bytes, settings.block_bytes, settings.num_warps, settings.shift))
+
+
+def _constexprs(seg_bytes: int, block_bytes: int, num_warps: int, shift: bool) -> dict:
+    return dict(SEG=seg_bytes, BLOCK=block_bytes, TAIL_BLOCK=1024, SHIFT=shift, num_warps=num_warps)
 
 
 class GridCopy:
@@ -105,8 +115,7 @@ class GridCopy:
         self._keep = (src_index, dst_index, lengths)
         self._call = _KERNEL.bind((a, src_index, dst_index, lengths, src_base - base, dst_base - base),
                                   (max(1, -(-max_bytes // seg_bytes)), n),
-                                  dict(SEG=seg_bytes, BLOCK=block_bytes, TAIL_BLOCK=1024, SHIFT=shift,
-                                       num_warps=num_warps))
+                                  _constexprs(seg_bytes, block_bytes, num_warps, shift))
 
     def __call__(self) -> None:
         """Enqueue the copy on the current stream of the tensors' device."""

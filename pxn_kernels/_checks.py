@@ -159,32 +159,44 @@ def _disjoint_on_device(starts: torch.Tensor, lengths: torch.Tensor, equal: int)
 def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written_device) -> bool:
     """Every check on pieces of positive length, as whole-array reductions (a numpy call costs ~1-2 us whatever
     its size, so their number is what counts). False: some check failed (the caller runs the per-piece checks
-    to name it)."""
+    to name it).
+
+    The written ranges are looked at first: when each ends before the next starts and no end wrapped past
+    2**63 (the smallest end is positive), their starts strictly increase, so the first and last entries are the
+    smallest and largest and their checks need no further pass."""
     ends = {}
+    ordered = False
+    if written is not None and lengths.size >= 2:
+        name, starts = written
+        end = starts + lengths  # a sum past 2**63 wraps negative: both terms positive, or the check fails anyway
+        ends[name] = end
+        ordered = bool((end[:-1] <= starts[1:]).all()) and int(end.min()) >= 1
     for check in checks:
-        values = check[2]
-        end = values + lengths
-        if check[0] == "address":
-            # an address + length that overflows wraps negative: both terms are positive
-            if int(values.min()) < 1 or int(end.min()) < 1:
+        kind, name, values = check[0], check[1], check[2]
+        end = ends.get(name)
+        if end is None:
+            end = ends[name] = values + lengths
+        in_order = ordered and name == written[0]
+        if kind == "address":
+            lowest = int(values[0]) if in_order else int(values.min())
+            if lowest < 1 or (not in_order and int(end.min()) < 1):
                 return False
         else:
             limit = check[3]
-            if lmax > limit or int(values.min()) < 0 or int(values.max()) > limit or int(end.max()) > limit:
+            if lmax > limit:
+                return False
+            if in_order:
+                if int(values[0]) < 0 or int(end[-1]) > limit:
+                    return False
+            elif int(values.min()) < 0 or int(values.max()) > limit or int(end.max()) > limit:
                 return False  # (offsets and lengths both at most the limit: their sum cannot overflow)
-        ends[check[1]] = end
-    if written is None or lengths.size < 2:
+    if written is None or lengths.size < 2 or ordered:
         return True
     name, starts = written
-    end = ends.get(name)
-    if end is None:
-        end = starts + lengths
-    if bool((end[:-1] <= starts[1:]).all()):  # ascending and disjoint: the common case, one pass
-        return True
     equal = lmin if lmin == lmax else 0
     if written_device is not None:
         return _disjoint_on_device(*written_device, equal)
-    return _disjoint_sorted(starts, end, equal)
+    return _disjoint_sorted(starts, ends[name], equal)
 
 
 # Up to this many pieces the checks run on Python lists: a numpy call costs ~1-2 us whatever its size.

@@ -72,16 +72,19 @@ def _break(rng, lengths, addresses, starts, limit, how):
         starts[i] = -1
     elif how == "past_limit":
         starts[i] = limit - int(lengths[i]) + 1
+    elif how == "huge_offset":  # start + length wraps past 2**63 (and would pass a naive order test)
+        starts[i] = INT64_MAX - int(rng.integers(0, lengths[i]))
     elif how == "overlap" and live.size > 1:
         j = int(rng.choice(live[live != i]))
         starts[i] = starts[j] + int(rng.integers(0, lengths[j]))
     return lengths, addresses, starts
 
 
-HOWS = ["none", "negative_length", "zero_address", "overflow", "negative_offset", "past_limit", "overlap"]
+HOWS = ["none", "negative_length", "zero_address", "overflow", "negative_offset", "past_limit", "huge_offset",
+        "overlap"]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.sampled_from([1, 2, 5, 63, 64, 65, 300, 5000]), kind=st.sampled_from(["sorted", "rows", "mixed"]),
        how=st.sampled_from(HOWS), case_seed=st.integers(0, 1 << 30))
 def test_fast_checks_agree_with_the_per_piece_checks(seed, n, kind, how, case_seed):
@@ -311,3 +314,17 @@ def test_direct_launcher_passes_grid_values_and_stream(monkeypatch):
     enqueue(97)
     assert calls == [(7, 3, 128, 0, 99, [1 << 40, -5, 123, 0]), (8, 1, 128, 0, 98, [1, 2, 3, 0]),
                      (11, 2, 128, 0, 97, [1 << 41, 6, (1 << 31) - 1, 0])]
+
+
+@pytest.mark.parametrize("n", [5, 300])
+def test_a_wrapping_offset_inside_an_ordered_batch_is_refused(n):
+    """An offset near 2**63 in the middle of ascending offsets: its end wraps negative and would pass a naive
+    'each ends before the next starts' test; the checks must still name it."""
+    lengths = np.full(n, 16, dtype=np.int64)
+    offsets = np.arange(n, dtype=np.int64) * 16
+    offsets[n // 2] = INT64_MAX - 3
+    addresses = np.arange(1, n + 1, dtype=np.int64) << 20
+    checks = [_checks.address("src_ptrs", addresses), _checks.within("out_offsets", offsets, 16 * n, "out")]
+    with pytest.raises(ValueError, match=rf"out_offsets\[{n // 2}\] = {INT64_MAX - 3} \+ lengths\[{n // 2}\] = 16 "
+                                         rf"runs past out"):
+        _checks.validate("gather", lengths, checks, written=("out_offsets", offsets))

@@ -328,3 +328,23 @@ def test_a_wrapping_offset_inside_an_ordered_batch_is_refused(n):
     with pytest.raises(ValueError, match=rf"out_offsets\[{n // 2}\] = {INT64_MAX - 3} \+ lengths\[{n // 2}\] = 16 "
                                          rf"runs past out"):
         _checks.validate("gather", lengths, checks, written=("out_offsets", offsets))
+
+
+def test_lean_path_accepts_only_what_the_full_path_accepts():
+    """The unchecked-call shortcut (GPU only) takes a call only when every argument is what the full path
+    accepts; anything else, including every CPU call, goes the full way (which raises with the name)."""
+    import sys
+    lean = sys.modules["pxn_kernels.gather"]._lean
+    t = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    buf = torch.zeros(64, dtype=torch.uint8)
+    assert not lean(buf, t(1), t(1), t(1), "auto")  # CPU: never
+    assert not lean(buf, [1], t(1), t(1), "auto")
+    if HAS_CUDA:
+        g = lambda *v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
+        gbuf = buf.cuda()
+        assert lean(gbuf, g(1), g(2), g(3), "auto") and lean(None, g(1), g(2), g(3), "triton")
+        for args in [(gbuf, g(1), g(1, 2), g(1)), (gbuf.view(8, 8).t(), g(1), g(1), g(1)),
+                     (gbuf.to(torch.int16), g(1), g(1), g(1)), (gbuf, g(1).to(torch.int32), g(1), g(1)),
+                     (gbuf, g(1), t(1), g(1)), (gbuf, g(1), g(1).view(1, 1), g(1))]:
+            assert not lean(*args, "auto")
+        assert not lean(gbuf, g(1), g(1), g(1), "gpu") and not lean(gbuf, g(1), g(1), g(1), "host")

@@ -1,7 +1,8 @@
 """The copy of one piece's byte range inside a Triton program, shared by the range kernel (``_batched_copy``)
 and the grid kernel (``_grid_copy``): 16-byte vector tiles when both ends are 16-byte aligned; otherwise, with
 SHIFT, 8-byte words assembled from two aligned source words (a funnel shift), else bytes; int64 offsets from a
-16-byte aligned anchor pointer."""
+16-byte aligned anchor pointer. With SHIFT, a piece whose two ends are equally misaligned takes a byte head and
+then 16-byte vectors."""
 import triton
 import triton.language as tl
 
@@ -47,6 +48,24 @@ def _copy_shifted(anchor, src, dst, n, BLOCK: tl.constexpr, TAIL_BLOCK: tl.const
 
 
 @triton.jit
+def _copy_coaligned(anchor, src, dst, n, BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr):
+    # n >= 16 bytes whose two ends share their offset within 16 bytes: a byte head up to the boundary, then
+    # 16-byte vectors. ``x // 16 * 16`` states the alignment in a form the compiler tracks (the values are
+    # multiples of 16 already; a hint on a function parameter would be dropped).
+    head = (0 - src) & 15
+    _copy_bytes(anchor, src, dst, head, 16)
+    src = (src + head) // 16 * 16
+    dst = (dst + head) // 16 * 16
+    n = n - head
+    body = n // 16 * 16
+    vec_offs = tl.arange(0, BLOCK)
+    for off in range(0, body, BLOCK):
+        mask = vec_offs < body - off
+        tl.store(anchor + dst + off + vec_offs, tl.load(anchor + src + off + vec_offs, mask=mask), mask=mask)
+    _copy_bytes(anchor, src + body, dst + body, n - body, TAIL_BLOCK)
+
+
+@triton.jit
 def _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n,
                 BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, STREAMING: tl.constexpr, SHIFT: tl.constexpr = False):
     # n > 0 bytes from anchor + src to anchor + dst (int64 offsets). 16-byte vector tiles when both ends are
@@ -73,9 +92,11 @@ def _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n,
             tl.store(dst_vec + full + vec_offs, tl.load(src_vec + full + vec_offs, mask=mask), mask=mask)
         _copy_bytes(anchor, src + body, dst + body, n - body, TAIL_BLOCK)
     elif SHIFT:
-        if n >= 64:
-            _copy_shifted(anchor, src, dst, n, BLOCK, TAIL_BLOCK)
-        else:
+        if n < 64:
             _copy_bytes(anchor, src, dst, n, TAIL_BLOCK)
+        elif ((src ^ dst) & 15) == 0:
+            _copy_coaligned(anchor, src, dst, n, BLOCK, TAIL_BLOCK)
+        else:
+            _copy_shifted(anchor, src, dst, n, BLOCK, TAIL_BLOCK)
     else:
         _copy_bytes(anchor, src, dst, n, TAIL_BLOCK)

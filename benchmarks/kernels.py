@@ -31,7 +31,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ from pxn_kernels._grid_copy import GridCopy, grid_fits  # noqa: E402
 from pxn_kernels import policy as kernel_policy  # noqa: E402
 from pxn_kernels._batched_copy import (  # noqa: E402
     CopyPlan, LaunchSettings, PreparedCopy, is_large, launch_settings, plan_batched_copy, plan_for_lengths,
-    plan_host, regime_of,
+    plan_host, regime_of, settings_for,
 )
 from pxn_kernels._grid_copy import GridSettings  # noqa: E402
 from pxn_kernels._row_copy import row_settings  # noqa: E402
@@ -403,26 +403,36 @@ def _range_plan(host_lengths, device, settings) -> CopyPlan:
 
 def candidate_plans(mix, case, host_lengths, plan, device) -> dict:
     """Other kernels timed beside the policy's choice in the same run: the range kernel where the policy picked
-    another, and range-kernel variants on the mixed mixes (a wider byte-wise path for unaligned pieces)."""
-    from dataclasses import replace
+    another, and range-kernel policy candidates on the mixed mixes (RANGE_CANDIDATES)."""
     out = {}
     total = int(host_lengths.sum())
-    settings = launch_settings(case.n, device, total)
     if plan.kernel != "range":
-        out["pxn_range"] = _range_plan(host_lengths, device, settings)
+        out["pxn_range"] = _range_plan(host_lengths, device, launch_settings(case.n, device, total))
     if mix.startswith("mixed"):
-        for name, change in RANGE_CANDIDATES.items():
-            out[name] = _range_plan(host_lengths, device, replace(settings, **change))
+        sms = 4 if SMOKE else torch.cuda.get_device_properties(device).multi_processor_count
+        for name, override in RANGE_CANDIDATES.items():
+            pol = kernel_policy._merge(kernel_policy.defaults("sm_90"), override)
+            entry = pol["range_large"] if is_large(case.n, total, pol) else pol["range_small"]
+            settings = settings_for(regime_of(entry), case.n, total, sms, pol)
+            if SMOKE:  # interpreter-sized programs, the candidate's switches kept
+                base = launch_settings(case.n, device, total)
+                settings = replace(base, tail_block_bytes=settings.tail_block_bytes, shift=settings.shift)
+            out[name] = _range_plan(host_lengths, device, settings)
     return out
 
 
-# Range-kernel candidates on the mixed mixes: a wider byte path, and 8-byte funnel-shifted words for pieces whose
-# ends differ in alignment (policy key ``shift``).
+# Range-kernel candidates on the mixed mixes, as launch-policy overrides (what --sweep writes when one wins): a
+# wider byte path, 8-byte funnel-shifted words for pieces whose ends differ in alignment, more programs per SM,
+# more and shorter ranges.
 RANGE_CANDIDATES = {
-    "range:tail4k": {"tail_block_bytes": 4096},
-    "range:tail8k": {"tail_block_bytes": 8192},
-    "range:shift": {"shift": True},
-    "range:shift/tail4k": {"shift": True, "tail_block_bytes": 4096},
+    "range:tail4k": {"range_small": {"tail_block_bytes": 4096}, "range_large": {"tail_block_bytes": 4096}},
+    "range:shift": {"range_small": {"shift": True}, "range_large": {"shift": True}},
+    "range:shift/tail4k": {"range_small": {"shift": True, "tail_block_bytes": 4096},
+                           "range_large": {"shift": True, "tail_block_bytes": 4096}},
+    "range:pps16": {"range_small": {"programs_per_sm": 16}},
+    "range:pps32/w2": {"range_small": {"programs_per_sm": 32, "num_warps": 2}},
+    "range:rounds8k": {"rounds_bytes": 8192},
+    "range:shift/pps16/r8k": {"range_small": {"shift": True, "programs_per_sm": 16}, "rounds_bytes": 8192},
 }
 
 
@@ -627,7 +637,7 @@ def policy_from_rows(rows: list, mix_rows: list = ()) -> dict:
         tile, max_cols, warps = ROW_CANDIDATES[max(scores, key=scores.get)]
         out_classes.append({"up_to": up_to, "tile_bytes": tile, "max_cols": max_cols, "num_warps": warps})
     if not out_classes:
-        return {"_note": "no exact row-kernel measurement", **({"range_small": range_entry} if range_entry else {})}
+        return {"_note": "no exact row-kernel measurement", **range_entry}
     out_classes[-1]["up_to"] = 1 << 62
     max_bytes = 4095
     for size in (4096, 8192):
@@ -638,12 +648,11 @@ def policy_from_rows(rows: list, mix_rows: list = ()) -> dict:
     arch = "sm_90" if SMOKE else f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
     return {"_note": f"written by benchmarks/kernels.py --sweep on {run_meta(bench_device())['gpu']}, "
                      f"{datetime.date.today().isoformat()}",
-            arch: {"row": {"max_bytes": max_bytes, "classes": out_classes},
-                   **({"range_small": range_entry, "range_large": range_entry} if range_entry else {})}}
+            arch: {"row": {"max_bytes": max_bytes, "classes": out_classes}, **range_entry}}
 
 
 def _range_policy(mix_rows) -> dict:
-    """The RANGE_CANDIDATES change that beats the policy's range kernel by >= 3 % on every op of the mixed
+    """The RANGE_CANDIDATES override that beats the policy's range kernel by >= 3 % on every op of the mixed
     mixes (the best such by its worst gain), or {}."""
     by = {(r["mix"], r["op"], r["method"]): r["gbps"] for r in mix_rows if r["mix"].startswith("mixed")}
     keys = {(m, o) for m, o, meth in by if meth == "pxn"}

@@ -1211,7 +1211,7 @@ def main() -> int:
     parser.add_argument("--no-rows", action="store_true", help="skip the paged-row section")
     parser.add_argument("--rows-only", action="store_true", help="only the paged-row section")
     parser.add_argument("--row-sizes", default="", help="comma-separated row sizes (bytes) for the paged rows")
-    parser.add_argument("--rows-budget-s", type=float, default=240.0,
+    parser.add_argument("--rows-budget-s", type=float, default=200.0,
                         help="paged rows: time only the policy's choice and the baselines after this many seconds")
     parser.add_argument("--probe", metavar="PATH", help="host-overhead probe on the aux batch, JSON to PATH")
     parser.add_argument("--nvlink", action="store_true",

@@ -100,6 +100,8 @@ class GridCopy:
         max_bytes: the longest piece (bytes): the grid is ceil(max_bytes / seg_bytes) x n.
         seg_bytes: bytes per program (a multiple of block_bytes); block_bytes: bytes per loop iteration;
         num_warps: warps per program.
+        anchor_tensor: the 16-byte aligned pointer the offsets are taken from (default: the device's).
+        shift: unaligned pieces as 8-byte words assembled from two source words (``_copy_piece``), not bytes.
     """
 
     def __init__(self, src_index: torch.Tensor, dst_index: torch.Tensor, lengths: torch.Tensor, src_base: int,

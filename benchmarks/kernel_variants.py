@@ -247,8 +247,9 @@ class VariantCopy:
         if settings.max_registers:
             constexprs["maxnreg"] = settings.max_registers
         self._keep = (src_index, dst_index, lengths, plan)
-        self._launch = (lambda: None) if lengths.numel() == 0 else _KERNEL.bind(args, (settings.programs, 1),
-                                                                               constexprs)
+        # an empty batch (or one of zero-length pieces only) has no program to launch: a zero grid is refused
+        empty = lengths.numel() == 0 or settings.programs == 0
+        self._launch = (lambda: None) if empty else _KERNEL.bind(args, (settings.programs, 1), constexprs)
         self._graph = None
         device = lengths.device
         if graph and device.type == "cuda":

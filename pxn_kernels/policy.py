@@ -46,8 +46,15 @@ _BASE = {
                         {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4}]},
 }
 
+# Hopper (H100 / H200): the row classes that won benchmarks/kernels.py --sweep on an H200, 2026-11-30 (every
+# candidate byte-checked first; results/kernels-h200.json): 4 KB tiles with 2 warps up to 1.5 KB rows, 8 KB with
+# 4 warps above.
+_SM90 = dict(_BASE, row={"enabled": True, "max_bytes": 4095,
+                         "classes": [{"up_to": 1536, "tile_bytes": 4096, "max_cols": 4096, "num_warps": 2},
+                                     {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4}]})
+
 # Architectures (compute capability -> name) with their own entries; others use "default".
-_TABLE = {"default": _BASE, "sm_90": _BASE}
+_TABLE = {"default": _BASE, "sm_90": _SM90}
 
 # The built-in entry for the CPU (interpreter) runs and for callers that want the table without a device.
 DEFAULT = _BASE

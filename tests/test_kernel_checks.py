@@ -220,7 +220,7 @@ def test_policy_file_overrides_and_validation(tmp_path, monkeypatch, clean_polic
     monkeypatch.setattr(policy, "arch_name", lambda device: "sm_90")
     got = policy.policy(torch.device("cuda", 0))
     assert got["row"]["max_bytes"] == 100 and got["grid"]["num_warps"] == 4
-    assert got["row"]["classes"] == policy.defaults()["row"]["classes"]  # untouched entries kept
+    assert got["row"]["classes"] == policy.defaults("sm_90")["row"]["classes"]  # untouched entries kept
     monkeypatch.setattr(policy, "arch_name", lambda device: "sm_80")
     assert policy.policy(torch.device("cuda", 0))["row"]["max_bytes"] == policy.defaults()["row"]["max_bytes"]
     for bad, message in [({"rows": {}}, "unknown key policy.rows"),

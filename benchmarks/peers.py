@@ -22,12 +22,13 @@ Shapes: ``aux11`` (sglang's 11-piece aux batch, 64-8192 B), ``64Bx4096``, ``64KB
 ``2.25MBx78`` (78 x 2359296 B). Sources are packed back to back; destinations are written in reverse order with a
 64 B gap after each piece, so a misplaced or overlong write shows.
 
-Steady state: per shape, warm-up calls first (NIXL's first transfers take milliseconds each), then one checked
-call (destination poisoned with 0xA5, sources fresh random bytes per piece and round, the whole destination range,
-gaps included, compared by SHA-256 with the expected image), then timed calls until ``--calls`` calls or
-``--seconds`` per shape, whichever comes first (at least ``--min-calls``). ``--rounds`` passes over all systems
-(fresh processes each time) pool their calls: ``ms`` is the median over all timed calls, ``ms_p10`` / ``ms_p90``
-their spread, ``ms_rounds`` each round's median.
+Steady state: per shape, one first call (its time kept as ``first_call_ms``), warm-up calls (up to 20, at least 3,
+for about ``--warmup-seconds``; NIXL's first transfers take milliseconds each), then timed calls until ``--calls``
+calls or ``--seconds`` per shape, whichever comes first (at least ``--min-calls``), then one checked call
+(destination poisoned with 0xA5, sources fresh random bytes per piece and round, the whole destination range,
+gaps included, compared by SHA-256 with the expected image). ``--rounds`` passes over all systems (fresh processes
+each time) pool their calls: ``ms`` is the median over all timed calls, ``ms_p10`` / ``ms_p90`` / ``ms_mean``
+their spread and tail, ``ms_rounds`` each round's median.
 
 Output: a JSON list of rows ``{system, shape, pieces, bytes, ms, gbps, byte_exact, ...}`` with machine, versions
 and date, written to a temporary file unless ``--out`` names one (``benchmarks/results/peers-cpu.json``), a PNG
@@ -100,9 +101,11 @@ def _env_for(system: str, mc_queue: int) -> dict:
     if system == "nixl":
         return {"UCX_TLS": "tcp", "UCX_MODULES": "^ib"}
     if system == "mooncake":
-        return {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER":
-                os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(mc_queue)),
-                "GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "1")}  # its INFO lines: one per call
+        env = {"GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "1")}  # no INFO lines from its engine
+        queue = os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(mc_queue) if mc_queue > 0 else None)
+        if queue is not None:
+            env["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] = queue
+        return env
     return {}
 
 
@@ -221,10 +224,13 @@ def _target_main(conn, system: str, env: dict, size: int) -> None:
 
 
 def _time_shape(batch, shape: str, args) -> dict:
-    """Warm-up, then timed calls; seconds per call."""
-    warm = args.warmup if args.warmup is not None else (20 if sum(SHAPES[shape]) < (1 << 20) else 3)
-    for _ in range(warm):
+    """Warm-up calls, then timed calls; seconds per call."""
+    warm = 0
+    t_end = time.perf_counter() + args.warmup_seconds
+    while warm < (args.warmup if args.warmup is not None else 20) and \
+            (warm < 3 or args.warmup is not None or time.perf_counter() < t_end):
         batch()
+        warm += 1
     times = []
     t_end = time.perf_counter() + args.seconds
     while len(times) < args.calls and (len(times) < args.min_calls or time.perf_counter() < t_end):
@@ -371,6 +377,7 @@ def summarize(system: str, shape: str, results, versions: dict, envs: dict, comm
         row.update(ms=round(med * 1e3, 4), gbps=round(nbytes / med / 1e9, 4),
                    byte_exact=bool(checks) and all(c is True for c in checks),
                    ms_p10=round(float(q[0]), 4), ms_p90=round(float(q[1]), 4),
+                   ms_mean=round(statistics.fmean(times) * 1e3, 4),
                    ms_rounds=[round(statistics.median(r["times"]) * 1e3, 4) for r in results if r.get("times")],
                    first_call_ms=[round(r["first_call_ms"], 3) for r in results if "first_call_ms" in r],
                    calls=len(times), warmup_calls=max(r.get("warmup", 0) for r in results))
@@ -389,9 +396,11 @@ def main(argv=None) -> int:
     ap.add_argument("--min-calls", type=int, default=10, help="fewest timed calls per shape and round")
     ap.add_argument("--seconds", type=float, default=2.0, help="timed seconds per shape and round (soft)")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="warm-up calls per shape (default 20 below 1 MB per batch, else 3)")
+                    help="warm-up calls per shape (default: 20, or fewer when --warmup-seconds pass first, >= 3)")
+    ap.add_argument("--warmup-seconds", type=float, default=1.0, help="warm-up seconds per shape (soft)")
     ap.add_argument("--mc-queue", type=int, default=16384,
-                    help="MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER for Mooncake's processes (unless already set)")
+                    help="MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER for Mooncake's processes unless already set "
+                         "(0: Mooncake's default, which refuses a batch of 4096 pieces)")
     ap.add_argument("--system-timeout", type=float, default=240.0, help="seconds per system and round")
     ap.add_argument("--out", default=None, help="JSON path (default: a temporary file; the committed "
                                                 "benchmarks/results/peers-cpu.json only with --out)")
@@ -412,7 +421,8 @@ def main(argv=None) -> int:
     results = {}  # (system, shape) -> [per-round result]
     t0 = time.perf_counter()
     for rnd in range(args.rounds):
-        for system in args.systems:
+        order = args.systems[rnd % len(args.systems):] + args.systems[:rnd % len(args.systems)]
+        for system in order:  # each round starts with another system: a slow drift of the box hits all alike
             try:
                 res = run_system(system, args.shapes, args, seed + 1000 * rnd + SYSTEMS.index(system))
             except Exception as e:  # noqa: BLE001 — a system that cannot run here: its rows say why

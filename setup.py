@@ -25,7 +25,7 @@ setup(
     package_data={"transport": ["data/*.json"]},
     install_requires=["torch>=2.4", "triton>=3.0", "numpy>=1.24"],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "hypothesis>=6"],  # hypothesis: the wire fuzz of tests/test_security.py
         # pyverbs is not on PyPI as a wheel; see README "verbs fabric" for Debian's python3-pyverbs.
         "verbs": ["pyverbs"],
         "cuda": ["nvidia-cuda-runtime-cu12", "cuda-bindings"],

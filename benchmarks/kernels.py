@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Kernel benchmark: pxn gather / scatter / copy against one contiguous copy, cudaMemcpyBatchAsync and a
-per-item ``copy_`` loop, on the transfer mixes sglang produces.
+per-item ``copy_`` loop, on the transfer mixes sglang produces; and rows of one size picked at random from a
+1 GiB pool (paged KV rows) against ``index_select`` / ``index_copy_`` on the same rows.
 
 GB/s = payload bytes / median time per call. A call's time is measured the way a caller experiences it:
 ``REPEATS`` calls issued back to back between two CUDA events, so host launch overhead counts whenever it is
@@ -8,7 +9,14 @@ larger than the device time (``triton.testing.do_bench`` flushes the L2 between 
 hides host overhead, so it is not used). Item descriptors are already on the device; their upload and the
 work plan are timed separately and reported in the pxn rows (``upload_us``, ``plan_us``).
 
-Usage: python3 benchmarks/kernels.py [--out benchmarks/results/kernels-h200.json] [--sweep] [--quick]
+Every row: ``{mix, op, method, gbps, ratio, ...}``; ``ratio`` is to one contiguous ``copy_`` of the same bytes
+for the mixes, to ``index_select`` / ``index_copy_`` for the paged rows (``ratio_contiguous`` beside it). The
+policy's choice is ``method == "pxn"``; other methods are candidate kernels timed in the same run, each checked
+byte-exact first (``exact``).
+
+Usage: python3 benchmarks/kernels.py [--out benchmarks/results/kernels-h200.json] [--sweep POLICY.json] [--quick]
+       python3 benchmarks/kernels.py --rows-only --row-sizes 64,2048   (paged rows only)
+       TRITON_INTERPRET=1 python3 benchmarks/kernels.py --smoke   (CPU dry run of this script, tiny sizes)
        python3 benchmarks/kernels.py --variants PATH [--resources PATH2]   (variants x mixes table only)
        python3 benchmarks/kernels.py --resources PATH   (no GPU needed: registers/spills per variant kernel)
 Needs a CUDA GPU (except --resources); cuda-bindings for the batch_api rows (skipped with a message without it).
@@ -23,7 +31,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
@@ -31,12 +39,24 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pxn_kernels  # noqa: E402
+import kernel_variants  # noqa: E402  (benchmarks/kernel_variants.py, beside this script)
 from pxn_kernels._grid_copy import GridCopy, grid_fits  # noqa: E402
+from pxn_kernels import policy as kernel_policy  # noqa: E402
 from pxn_kernels._batched_copy import (  # noqa: E402
-    LaunchSettings, PreparedCopy, Regime, launch_settings, plan_batched_copy, plan_for_lengths, settings_for,
+    CopyPlan, LaunchSettings, PreparedCopy, is_large, launch_settings, plan_batched_copy, plan_for_lengths,
+    plan_host, regime_of, settings_for,
 )
+from pxn_kernels._grid_copy import GridSettings  # noqa: E402
+from pxn_kernels._row_copy import row_settings  # noqa: E402
+
+
+def _default_regimes():
+    """The built-in (small, large) range-kernel regimes of the H200 policy entry."""
+    pol = kernel_policy.defaults("sm_90")
+    return regime_of(pol["range_small"]), regime_of(pol["range_large"])
 
 MIXES = {
     "aux11": [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64],
@@ -60,8 +80,47 @@ def mixed_lengths(rng) -> list:
     return out
 
 
+def mixed_odd_lengths(rng) -> list:
+    """Random 1 B - 8 KB pieces interleaved with pieces of 2 MB plus a few bytes (1024 small + 16 large); the
+    benchmark places every piece at a random byte offset (``odd_shifts``), so almost none is 16-byte aligned."""
+    small = [int(x) for x in rng.integers(1, 8193, 1024)]
+    out = []
+    for i, length in enumerate(small):
+        out.append(length)
+        if i % 64 == 63:
+            out.append((2 << 20) + int(rng.integers(0, 16)))
+    return out
+
+
+def odd_shifts(rng, n: int) -> list:
+    """A byte offset 0..15 per piece (the pieces' misalignment in the scattered buffers)."""
+    return [int(x) for x in rng.integers(0, 16, n)]
+
+
+# --smoke: a CPU dry run of the benchmark's own code under TRITON_INTERPRET=1 (tiny sizes, timings meaningless).
+SMOKE = False
+
+
+def bench_device() -> torch.device:
+    return torch.device("cpu") if SMOKE else torch.device("cuda", 0)
+
+
+def sync() -> None:
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    if not SMOKE:
+        torch.cuda.empty_cache()
+
+
 def timed(fn, repeats: int, trials: int = 7) -> float:
     """Median seconds per call over ``trials`` runs of ``repeats`` back-to-back calls."""
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return max(time.perf_counter() - t, 1e-9)
     fn()
     torch.cuda.synchronize()
     samples = []
@@ -85,14 +144,17 @@ def repeats_for(total_bytes: int, n_items: int, method: str) -> int:
 class Case:
     """Device buffers for one mix: scattered pieces (64 B gaps, 16-B aligned) and a packed chunk."""
 
-    def __init__(self, lengths, device, remote=None):
+    def __init__(self, lengths, device, remote=None, shifts=None):
         # remote: where the scattered pieces live (another GPU for the NVLink runs); the chunk, and the
-        # kernel, are on ``device``.
+        # kernel, are on ``device``. shifts: per piece, bytes past a 16-byte boundary in the scattered buffers
+        # (the chunk stays packed at 16-byte aligned offsets, as pack_chunk lays it out).
         remote = remote or device
         self.lengths = lengths
         n = len(lengths)
         padded = [(x + 15) // 16 * 16 for x in lengths]
         scatter_starts = np.cumsum([0] + [p + 64 for p in padded[:-1]]).astype(np.int64) + 64
+        if shifts is not None:
+            scatter_starts = scatter_starts + np.asarray(shifts, dtype=np.int64)
         packed = np.cumsum([0] + padded[:-1]).astype(np.int64)
         self.total = int(sum(lengths))
         span = int(scatter_starts[-1] + padded[-1] + 64)
@@ -108,7 +170,9 @@ class Case:
                          self.scattered_dst.data_ptr() + scatter_starts,
                          packed, np.asarray(lengths, dtype=np.int64),
                          self.copy_dst.data_ptr() + scatter_starts])
-        self.host_desc = torch.from_numpy(host).pin_memory()
+        self.host_desc = torch.from_numpy(host)
+        if not SMOKE:
+            self.host_desc = self.host_desc.pin_memory()
         self.desc = self.host_desc.to(device)
         self.src_ptrs, self.dst_ptrs, self.offsets, self.len_t = self.desc[0], self.desc[1], self.desc[2], \
             self.desc[3]
@@ -155,6 +219,16 @@ def prepared(case: Case, op: str, plan, graph: bool):
     return PreparedCopy(case.src_ptrs, case.copy_dst_ptrs, case.len_t, 0, 0, plan, graph)
 
 
+def variant_call(case: Case, op: str, plan, graph: bool):
+    """A range-kernel variant (benchmarks/kernel_variants.py) bound like ``prepared``."""
+    V = kernel_variants.VariantCopy
+    if op == "gather":
+        return V(case.src_ptrs, case.offsets, case.len_t, 0, case.chunk_out.data_ptr(), plan, graph)
+    if op == "scatter":
+        return V(case.offsets, case.dst_ptrs, case.len_t, case.chunk.data_ptr(), 0, plan, graph)
+    return V(case.src_ptrs, case.copy_dst_ptrs, case.len_t, 0, 0, plan, graph)
+
+
 def pxn_call(case: Case, op: str, plan):
     if op == "gather":
         return lambda: pxn_kernels.gather(case.src_ptrs, case.len_t, case.chunk_out, case.offsets, check=False,
@@ -194,7 +268,7 @@ def verify(case: Case, op: str, plan, call=None) -> None:
     case.scattered_dst.fill_(0x5A)
     case.copy_dst.fill_(0x3C)
     (call or pxn_call(case, op, plan))()
-    torch.cuda.synchronize()
+    sync()
     src_base, dst_base = case.scattered_src.data_ptr(), case.scattered_dst.data_ptr()
     for i in list(range(min(case.n, 64))) + list(range(max(0, case.n - 64), case.n)):
         length, off = int(host[3, i]), int(host[2, i])
@@ -222,28 +296,35 @@ def enable_peer_access(device: int, peer: int) -> None:
 
 
 def run(args) -> list:
-    device = torch.device("cuda", 0)
+    device = bench_device()
     remote = torch.device("cuda", 1) if args.nvlink else device
     if args.nvlink:
         enable_peer_access(0, 1)
     rng = np.random.default_rng(0)
     mixes = dict(MIXES)
     mixes["mixed"] = mixed_lengths(rng)
+    mixes["mixed_odd"] = mixed_odd_lengths(rng)
+    shifts = {"mixed_odd": odd_shifts(rng, len(mixes["mixed_odd"]))}
     if args.quick:
-        mixes = {k: v for k, v in mixes.items() if k in ("aux11", "64Bx4096", "8KBx4096", "2.25MBx78")}
-    meta = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
-            "date": datetime.date.today().isoformat(), "machine": platform.node(),
-            "placement": (f"pieces on {remote}, chunk and kernel on {device} (NVLink peer access)"
-                          if args.nvlink else f"all on {device}")}
-    stream = torch.cuda.Stream()
+        mixes = {k: v for k, v in mixes.items() if k in ("aux11", "64Bx4096", "8KBx4096", "2.25MBx78", "mixed_odd")}
+    if args.mixes:
+        mixes = {k: v for k, v in mixes.items() if k in args.mixes.split(",")}
+    if SMOKE:  # interpreter-sized
+        mixes = {"aux11": MIXES["aux11"], "64Bx16": [64] * 16, "mixed_odd": [int(x) for x in rng.integers(1, 300, 24)]
+                 + [5000, 7001]}
+        shifts = {"mixed_odd": odd_shifts(rng, len(mixes["mixed_odd"]))}
+    meta = run_meta(device)
+    meta["placement"] = (f"pieces on {remote}, chunk and kernel on {device} (NVLink peer access)"
+                         if args.nvlink else f"all on {device}")
+    stream = None if SMOKE else torch.cuda.Stream()
     rows = []
     for mix, lengths in mixes.items():
-        case = Case(lengths, device, remote)
-        # The plan from the host lengths (what the engine and the checked public calls do): the grid kernel
-        # for large pieces of one size, else the range plan built with numpy and moved in one copy.
+        case = Case(lengths, device, remote, shifts.get(mix))
+        # The plan from the host lengths (what the engine and the checked public calls do): the row kernel for
+        # short pieces of one length, the grid kernel for large ones, else the range plan built with numpy.
         host_lengths = np.asarray(lengths, dtype=np.int64)
         plan = plan_for_lengths(host_lengths, device)
-        settings = plan.settings
+        candidates = candidate_plans(mix, case, host_lengths, plan, device)
         plan_s = timed(lambda: plan_for_lengths(host_lengths, device), 50)
         upload_s = timed(lambda: case.desc.copy_(case.host_desc, non_blocking=True), 50)
         contiguous_s = timed(lambda: case.contig_dst.copy_(case.contig_src),
@@ -256,36 +337,349 @@ def run(args) -> list:
             results = {"contiguous": contiguous_s, "pxn": timed(graph_call, reps)}
             extra = {"direct_launch_us": timed(prepared(case, op, plan, graph=False), reps) * 1e6,
                      "public_call_us": timed(pxn_call(case, op, plan), reps) * 1e6}
-            call = batch_api(case, op, stream)
+            exact = {}
+            for name, cand in candidates.items():
+                try:
+                    cand_call = prepared(case, op, cand, graph=True)
+                    verify(case, op, cand, cand_call)
+                    exact[name] = True
+                    results[name] = timed(cand_call, reps)
+                except Exception as exc:  # keep the other rows; say why this one is missing
+                    print(f"  {mix} {op} {name}: {exc!r}", flush=True)
+            call = None if SMOKE else batch_api(case, op, stream)
             if call is not None:
                 try:
                     with torch.cuda.stream(stream):
                         results["batch_api"] = timed(call, repeats_for(case.total, case.n, "batch_api"), trials=3)
                 except Exception as exc:  # keep the other rows; say why this one is missing
                     print(f"  batch_api {mix} {op} failed: {exc!r}", flush=True)
-            if not args.skip_per_item:
+            if not args.skip_per_item and not SMOKE:
                 results["per_item"] = timed(per_item_call(case, op), repeats_for(case.total, case.n, "per_item"),
                                             trials=3)
             for method, seconds in results.items():
                 row = {"mix": mix, "op": op, "method": method, "n_items": case.n, "total_bytes": case.total,
-                       "gbps": case.total / seconds / 1e9, "time_us": seconds * 1e6, **meta}
+                       "gbps": case.total / seconds / 1e9, "time_us": seconds * 1e6,
+                       "ratio": contiguous_s / seconds, **meta}
+                if mix in shifts:
+                    row["alignment"] = "pieces at random byte offsets in the scattered buffers"
+                cand = plan if method == "pxn" else candidates.get(method)
+                if cand is not None:
+                    row.update(plan_fields(cand), exact=True,
+                               launch="cuda graph replay of the prepared launch (PreparedCopy(graph=True))")
                 if method == "pxn":
                     row.update(extra)
-                    row.update(launch="cuda graph replay of the prepared launch (PreparedCopy(graph=True))",
-                               rounds=settings.rounds, streaming=settings.streaming)
                     row.update(plan_us=plan_s * 1e6, upload_us=upload_s * 1e6,
                                ratio_to_contiguous=contiguous_s / seconds)
-                    if plan.grid is not None:
-                        row.update(kernel="grid", grid=asdict(plan.grid))
-                    else:
-                        row.update(kernel="range", programs=settings.programs, block_bytes=settings.block_bytes,
-                                   num_warps=settings.num_warps)
                 rows.append(row)
             print(f"  {mix:>10} {op:>7}: " + "  ".join(f"{m} {case.total / s / 1e9:8.2f} GB/s"
                                                      for m, s in results.items()), flush=True)
         del case
-        torch.cuda.empty_cache()
+        empty_cache()
     return rows
+
+
+def run_meta(device) -> dict:
+    return {"gpu": "cpu (smoke run)" if SMOKE else torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.date.today().isoformat(), "machine": platform.node()}
+
+
+def plan_fields(plan) -> dict:
+    """What a row records of the plan that ran."""
+    if plan.row is not None:
+        return {"kernel": "row", "row_settings": asdict(plan.row)}
+    if plan.grid is not None:
+        return {"kernel": "grid", "grid": asdict(plan.grid)}
+    s = plan.settings
+    return {"kernel": "range", "programs": s.programs, "rounds": s.rounds, "block_bytes": s.block_bytes,
+            "tail_block_bytes": s.tail_block_bytes, "num_warps": s.num_warps, "streaming": s.streaming}
+
+
+def _range_plan(host_lengths, device, settings) -> CopyPlan:
+    n, r = int(host_lengths.size), settings.ranges
+    pad_ends, bounds, first = plan_host(host_lengths, r, settings.range_bytes)
+    words = torch.from_numpy(np.concatenate([pad_ends, bounds, first]).astype(np.int64)).to(device)
+    return CopyPlan(words[:n], words[n:n + r + 1], words[n + r + 1:], settings)
+
+
+def candidate_plans(mix, case, host_lengths, plan, device) -> dict:
+    """Other kernels timed beside the policy's choice in the same run: the range kernel where the policy picked
+    another, and range-kernel policy candidates on the mixed mixes (RANGE_CANDIDATES)."""
+    out = {}
+    total = int(host_lengths.sum())
+    if plan.kernel != "range":
+        out["pxn_range"] = _range_plan(host_lengths, device, launch_settings(case.n, device, total))
+    if mix.startswith("mixed"):
+        sms = 4 if SMOKE else torch.cuda.get_device_properties(device).multi_processor_count
+        for name, override in RANGE_CANDIDATES.items():
+            pol = kernel_policy._merge(kernel_policy.defaults("sm_90"), override)
+            entry = pol["range_large"] if is_large(case.n, total, pol) else pol["range_small"]
+            settings = settings_for(regime_of(entry), case.n, total, sms, pol)
+            if SMOKE:  # interpreter-sized programs, the candidate's switches kept
+                base = launch_settings(case.n, device, total)
+                settings = replace(base, tail_block_bytes=settings.tail_block_bytes, shift=settings.shift)
+            out[name] = _range_plan(host_lengths, device, settings)
+    return out
+
+
+# Range-kernel candidates on the mixed mixes, as launch-policy overrides (what --sweep writes when one wins): a
+# wider byte path, 8-byte funnel-shifted words for pieces whose ends differ in alignment, more programs per SM,
+# more and shorter ranges.
+RANGE_CANDIDATES = {
+    "range:tail4k": {"range_small": {"tail_block_bytes": 4096}, "range_large": {"tail_block_bytes": 4096}},
+    "range:shift": {"range_small": {"shift": True}, "range_large": {"shift": True}},
+    "range:shift/tail4k": {"range_small": {"shift": True, "tail_block_bytes": 4096},
+                           "range_large": {"shift": True, "tail_block_bytes": 4096}},
+    "range:pps16": {"range_small": {"programs_per_sm": 16}},
+    "range:pps32/w2": {"range_small": {"programs_per_sm": 32, "num_warps": 2}},
+    "range:rounds8k": {"rounds_bytes": 8192},
+    "range:shift/pps16/r8k": {"range_small": {"shift": True, "programs_per_sm": 16}, "rounds_bytes": 8192},
+}
+
+
+# --- paged rows: pieces of one length picked at random from a large pool (sglang's KV pools) ---------------
+
+ROW_SIZES = (64, 128, 256, 576, 1024, 2048, 4096, 8192, 100, 520, 1500)
+ROW_COUNT = 32768  # rows per call (32768 x 2 KiB = 64 MiB, the issue's first mix)
+POOL_BYTES = 1 << 30  # rows are picked from a pool this large, so almost every row misses the L2
+# Row-kernel candidates: (tile bytes per program, most columns per tile, warps). The first is the policy default.
+ROW_CANDIDATES = {
+    "row:t8k/w4": (8192, 4096, 4),
+    "row:t4k/w2": (4096, 4096, 2),
+    "row:t16k/w4": (16384, 4096, 4),
+    "row:t16k/w8": (16384, 4096, 8),
+    "row:t32k/w8": (32768, 4096, 8),
+    "row:t8k/c1k/w4": (8192, 1024, 4),
+}
+
+
+def _widest_dtype(length: int):
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if length % dtype.itemsize == 0:
+            return dtype
+    return torch.uint8
+
+
+class RowCase:
+    """A pool of ``POOL_BYTES`` as rows of ``length`` bytes, ``n`` distinct rows picked at random (unsorted), the
+    chunk they gather into, and the torch baselines on the widest integer view of the rows."""
+
+    def __init__(self, length: int, n: int, pool: torch.Tensor, gen: torch.Generator):
+        device = pool.device
+        self.length, self.n = length, n
+        self.pool_rows = pool.numel() // length
+        self.pool = pool
+        self.idx = torch.randperm(self.pool_rows, device=device, generator=gen)[:n].contiguous()
+        self.total = n * length
+        self.chunk = torch.randint(0, 256, (self.total,), dtype=torch.uint8, device=device, generator=gen)
+        self.out = torch.empty(self.total, dtype=torch.uint8, device=device)
+        self.contig_src = torch.randint(0, 256, (self.total,), dtype=torch.uint8, device=device, generator=gen)
+        self.contig_dst = torch.empty_like(self.contig_src)
+        self.dtype = _widest_dtype(length)
+        width = length // self.dtype.itemsize
+        self.pool_view = pool[:self.pool_rows * length].view(self.dtype).view(self.pool_rows, width)
+        self.out_view = self.out.view(self.dtype).view(n, width)
+        self.chunk_view = self.chunk.view(self.dtype).view(n, width)
+        self.src_ptrs = pool.data_ptr() + self.idx * length  # rows' addresses (gather sources)
+        self.offsets = torch.arange(n, dtype=torch.int64, device=device) * length
+        self.len_t = torch.full((n,), length, dtype=torch.int64, device=device)
+        self.host_lengths = np.full(n, length, dtype=np.int64)
+
+    def index_select(self):
+        torch.index_select(self.pool_view, 0, self.idx, out=self.out_view)
+
+    def index_copy(self):
+        self.pool_view.index_copy_(0, self.idx, self.chunk_view)
+
+    def contiguous(self):
+        self.contig_dst.copy_(self.contig_src)
+
+    def public(self, op: str, plan):
+        """The public call with the plan reused and no checks (how a caller with cached descriptors calls)."""
+        if op == "gather":
+            return lambda: pxn_kernels.gather(self.src_ptrs, self.len_t, self.out, self.offsets, check=False,
+                                              plan=plan)
+        return lambda: pxn_kernels.scatter(self.chunk, self.offsets, self.src_ptrs, self.len_t, check=False,
+                                           plan=plan)
+
+    def prepared(self, op: str, plan):
+        """The same copy bound once (PreparedCopy, direct launch): the kernel with the least host time."""
+        if op == "gather":
+            return PreparedCopy(self.src_ptrs, self.offsets, self.len_t, 0, self.out.data_ptr(), plan)
+        return PreparedCopy(self.offsets, self.src_ptrs, self.len_t, self.chunk.data_ptr(), 0, plan)
+
+
+def _row_plans(case: RowCase, device, sms: int) -> dict:
+    """Candidate plans for one row size: the policy's choice, every row-kernel candidate, the grid kernel and
+    the range kernel (the latter two whatever the policy would pick)."""
+    plans = {"pxn": plan_for_lengths(case.host_lengths, device)}
+    for name, (tile, max_cols, warps) in ROW_CANDIDATES.items():
+        plans[name] = CopyPlan(None, None, None, None, row=row_settings(case.length, tile, max_cols, warps))
+    plans["grid:4k/w2"] = CopyPlan(None, None, None, None, GridSettings(4096, 4096, 2, case.length))
+    settings = launch_settings(case.n, device, case.total)
+    pad_ends, bounds, first = plan_host(case.host_lengths, settings.ranges, settings.range_bytes)
+    words = torch.from_numpy(np.concatenate([pad_ends, bounds, first]).astype(np.int64)).to(device)
+    n, r = case.n, settings.ranges
+    plans["range"] = CopyPlan(words[:n], words[n:n + r + 1], words[n + r + 1:], settings)
+    return plans
+
+
+def _row_exact(case: RowCase, op: str, call, gen, expect_gather, pool_before, expect_pool) -> bool:
+    """Byte-exact check of one candidate: gather output poisoned first; scatter on a restored pool, compared
+    whole (the rows written and every other byte untouched)."""
+    if op == "gather":
+        case.out.random_(0, 256, generator=gen)
+        call()
+        sync()
+        return bool(torch.equal(case.out, expect_gather))
+    case.pool.copy_(pool_before)
+    call()
+    sync()
+    return bool(torch.equal(case.pool, expect_pool))
+
+
+def paged_rows(args, meta: dict) -> list:
+    """Rows of one size picked at random from a 1 GiB pool: pxn gather / scatter (the policy's plan through the
+    public call, and every candidate kernel through a prepared launch) against ``index_select`` /
+    ``index_copy_`` on the same rows (widest integer view) and one contiguous ``copy_`` of the same bytes, all
+    in this run. Every pxn row carries ``exact`` (byte-exact against the torch result)."""
+    device = bench_device()
+    sms = 4 if SMOKE else torch.cuda.get_device_properties(device).multi_processor_count
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    pool_bytes = (1 << 16) if SMOKE else POOL_BYTES
+    pool = torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8, device=device, generator=gen)
+    pool_before = torch.empty_like(pool)
+    sizes = [int(x) for x in args.row_sizes.split(",")] if args.row_sizes else list(ROW_SIZES)
+    rows = []
+    t0 = time.time()
+    for length in sizes:
+        case = RowCase(length, min(16 if SMOKE else ROW_COUNT, pool.numel() // length), pool, gen)
+        pool_before.copy_(pool)
+        expect_gather = pool_before.view(-1)[:case.pool_rows * length].view(case.pool_rows, length)[case.idx] \
+            .reshape(-1).clone()
+        expect_pool = pool_before.clone()
+        expect_pool[:case.pool_rows * length].view(case.pool_rows, length).index_copy_(
+            0, case.idx, case.chunk.view(case.n, length))
+        est = max(5e-6, 2 * case.total / 3.0e12)
+        reps = max(3, min(300, int(args.target_ms * 1e-3 / est)))
+        base = {"mix": f"rows{length}B", "n_items": case.n, "total_bytes": case.total, "row_bytes": length,
+                "pool_bytes": pool.numel(), "repeats": reps, **meta}
+        contiguous_s = timed(case.contiguous, reps)
+        plans = _row_plans(case, device, sms)
+        for op in ("gather", "scatter"):
+            torch_name = "index_select" if op == "gather" else "index_copy_"
+            torch_s = timed(case.index_select if op == "gather" else case.index_copy, reps)
+            pool.copy_(pool_before)
+            op_rows = [dict(base, op=op, method=torch_name, gbps=case.total / torch_s / 1e9, time_us=torch_s * 1e6,
+                            dtype=str(case.dtype).replace("torch.", "")),
+                       dict(base, op=op, method="contiguous", gbps=case.total / contiguous_s / 1e9,
+                            time_us=contiguous_s * 1e6)]
+            for name, plan in plans.items():
+                row = dict(base, op=op, method=name, kernel=plan.kernel,
+                           launch="public call, plan reused, check=False" if name == "pxn" else "PreparedCopy")
+                if plan.row is not None:
+                    row["row_settings"] = asdict(plan.row)
+                if name != "pxn" and time.time() - t0 > args.rows_budget_s:
+                    row["skipped"] = "time budget (--rows-budget-s)"
+                    op_rows.append(row)
+                    continue
+                try:
+                    call = case.public(op, plan) if name == "pxn" else case.prepared(op, plan)
+                    row["exact"] = _row_exact(case, op, call, gen, expect_gather, pool_before, expect_pool)
+                    seconds = timed(call, reps)
+                    row.update(gbps=case.total / seconds / 1e9, time_us=seconds * 1e6)
+                except Exception as exc:  # keep the other candidates; say why this one is missing
+                    row["error"] = repr(exc)[:300]
+                    print(f"  rows{length}B {op} {name}: {exc!r}", flush=True)
+                op_rows.append(row)
+            for row in op_rows:
+                if "time_us" in row:
+                    row["ratio"] = torch_s * 1e6 / row["time_us"]
+                    row["ratio_contiguous"] = contiguous_s * 1e6 / row["time_us"]
+            rows.extend(op_rows)
+            pool.copy_(pool_before)
+            best = max((r for r in op_rows if r["method"] not in (torch_name, "contiguous") and "ratio" in r
+                        and r.get("exact")), key=lambda r: r["ratio"], default=None)
+            pxn = next(r for r in op_rows if r["method"] == "pxn")
+            print(f"  rows{length:>5}B {op:>7}: {torch_name} {case.total / torch_s / 1e9:7.1f} GB/s, contiguous "
+                  f"{case.total / contiguous_s / 1e9:7.1f}, pxn {pxn.get('gbps', float('nan')):7.1f} "
+                  f"(x{pxn.get('ratio', float('nan')):.2f}, {pxn.get('kernel')}), best "
+                  f"{best['method'] if best else '-'} x{best['ratio'] if best else float('nan'):.2f}  "
+                  f"[{time.time() - t0:.0f} s]", flush=True)
+        del case, expect_gather, expect_pool
+        empty_cache()
+    del pool, pool_before
+    empty_cache()
+    return rows
+
+
+def policy_from_rows(rows: list, mix_rows: list = ()) -> dict:
+    """A ``PXN_KERNEL_POLICY`` file from this run: per row-size class, the row-kernel candidate with the best
+    worst-case ratio to index_select / index_copy_ (gather and scatter, exact only); the row kernel's
+    ``max_bytes`` raised to the largest measured size where it beats the grid kernel; and the range kernel's
+    ``shift`` / ``tail_block_bytes`` from the mixed mixes when a candidate beats the default by 3 % on every
+    op of both mixes."""
+    range_entry = _range_policy(mix_rows)
+    classes = [(128, (64, 100, 128)), (640, (256, 520, 576)), (1536, (1024, 1500)), (1 << 62, (2048, 4096, 8192))]
+    by = {}
+    for r in rows:
+        if "ratio" in r and r.get("exact") and r["method"].startswith(("row:", "grid:")):
+            by.setdefault((r["method"], r["row_bytes"]), []).append(r["ratio"])
+    out_classes = []
+    for up_to, sizes in classes:
+        scores = {}
+        for name in ROW_CANDIDATES:
+            got = [min(by[(name, s)]) for s in sizes if (name, s) in by]
+            if got:
+                scores[name] = min(got)
+        if not scores:
+            continue
+        tile, max_cols, warps = ROW_CANDIDATES[max(scores, key=scores.get)]
+        out_classes.append({"up_to": up_to, "tile_bytes": tile, "max_cols": max_cols, "num_warps": warps})
+    if not out_classes:
+        return {"_note": "no exact row-kernel measurement", **range_entry}
+    out_classes[-1]["up_to"] = 1 << 62
+    max_bytes = 4095
+    for size in (4096, 8192):
+        row_best = max((min(v) for (name, s), v in by.items() if s == size and name.startswith("row:")), default=0)
+        grid_best = max((min(v) for (name, s), v in by.items() if s == size and name.startswith("grid:")), default=0)
+        if row_best > grid_best:
+            max_bytes = size
+    arch = "sm_90" if SMOKE else f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
+    return {"_note": f"written by benchmarks/kernels.py --sweep on {run_meta(bench_device())['gpu']}, "
+                     f"{datetime.date.today().isoformat()}",
+            arch: {"row": {"max_bytes": max_bytes, "classes": out_classes}, **range_entry}}
+
+
+def _range_policy(mix_rows) -> dict:
+    """The RANGE_CANDIDATES override that beats the policy's range kernel by >= 3 % on every op of the mixed
+    mixes (the best such by its worst gain), or {}."""
+    by = {(r["mix"], r["op"], r["method"]): r["gbps"] for r in mix_rows if r["mix"].startswith("mixed")}
+    keys = {(m, o) for m, o, meth in by if meth == "pxn"}
+    best, best_gain = {}, 1.03
+    for name, change in RANGE_CANDIDATES.items():
+        gains = [by.get((m, o, name), 0) / by[(m, o, "pxn")] for m, o in keys]
+        if gains and min(gains) >= best_gain:
+            best, best_gain = change, min(gains)
+    return dict(best)
+
+
+def print_rows_table(rows: list) -> None:
+    print(f"\n{'rows':>8} {'op':>7} {'torch GB/s':>10} {'contig':>8} {'pxn':>8} {'x torch':>7} {'x contig':>8} "
+          f"{'kernel':>6}  best candidate")
+    for r in rows:
+        if r["method"] != "pxn":
+            continue
+        same = [x for x in rows if x["mix"] == r["mix"] and x["op"] == r["op"]]
+        t = next(x for x in same if x["method"] in ("index_select", "index_copy_"))
+        c = next(x for x in same if x["method"] == "contiguous")
+        cands = [x for x in same if "ratio" in x and x.get("exact") and x["method"] not in
+                 ("pxn", "index_select", "index_copy_", "contiguous")]
+        best = max(cands, key=lambda x: x["ratio"], default=None)
+        print(f"{r['mix']:>8} {r['op']:>7} {t['gbps']:10.1f} {c['gbps']:8.1f} {r.get('gbps', float('nan')):8.1f} "
+              f"{r.get('ratio', float('nan')):7.3f} {r.get('ratio_contiguous', float('nan')):8.3f} "
+              f"{r.get('kernel', '?'):>6}  {best['method'] + ' x%.3f' % best['ratio'] if best else '-'}"
+              f"{'' if r.get('exact') else '  NOT EXACT'}")
 
 
 def sweep(args) -> list:
@@ -351,7 +745,7 @@ def calibrate() -> dict:
 
 def probe() -> dict:
     """Where host time goes on the aux batch: Triton's launch, the direct launch, a graph replay, a copy_."""
-    import pxn_kernels._batched_copy as bc
+    import pxn_kernels._launch as launch_mod
     device = torch.device("cuda")
     case = Case(MIXES["aux11"], device)
     plan = plan_batched_copy(case.len_t, launch_settings(case.n, device, case.total))
@@ -359,17 +753,18 @@ def probe() -> dict:
     copy_call = lambda: case.contig_dst.copy_(case.contig_src)
     out = {"contiguous_us": timed(copy_call, 200) * 1e6, "host_copy_us": host_us(copy_call)}
     for launcher in ("jit", "direct"):
-        bc._LAUNCHER = launcher
+        launch_mod.USE_DIRECT = launcher == "direct"
         out[f"public_gather_{launcher}_us"] = timed(call, 200) * 1e6
         out[f"host_public_gather_{launcher}_us"] = host_us(call)
     direct = prepared(case, "gather", plan, graph=False)
     graph = prepared(case, "gather", plan, graph=True)
-    out["launchers"] = [type(v).__name__ for v in bc._COMPILED.values()]
+    from pxn_kernels._batched_copy import _RANGE_KERNEL
+    out["launchers"] = [type(v).__name__ for v in _RANGE_KERNEL._compiled.values()]
     out["prepared_direct_us"] = timed(direct, 200) * 1e6
     out["host_prepared_direct_us"] = host_us(direct)
     out["prepared_graph_us"] = timed(graph, 200) * 1e6
     out["host_prepared_graph_us"] = host_us(graph)
-    out["host_stream_lookup_us"] = host_us(lambda: bc._current_stream(0))
+    out["host_stream_lookup_us"] = host_us(lambda: launch_mod.current_stream(0))
     out["plan_us"] = timed(lambda: plan_batched_copy(case.len_t, plan.settings), 200) * 1e6
     stream = torch.cuda.Stream()
     for name, fn in (("gather", direct), ("copy_", copy_call)):
@@ -422,13 +817,12 @@ def variants() -> list:
     ``predict``: the gather ratio to copy_ predicted for each of VARIANT_MIXES before the first measurement
     (base: the v2b measurement). Resources of each kernel: ``--resources``.
     """
-    from pxn_kernels._batched_copy import _LARGE, _SMALL
     from dataclasses import replace
-    small, large = _SMALL, _LARGE
+    small, large = _variant_regimes()
     r32 = replace(small, max_registers=32)
 
     def uni(block, warps, range_kb, persistent=False, per_sm=8, prefetch=0, eager=True, regs=32):
-        return Regime(block_bytes=block, num_warps=warps, programs_per_sm=per_sm, range_bytes=range_kb << 10,
+        return kernel_variants.VariantRegime(block_bytes=block, num_warps=warps, programs_per_sm=per_sm, range_bytes=range_kb << 10,
                       persistent=persistent, prefetch=prefetch, eager=eager, max_registers=regs)
     #               8KBx4096 64KBx1024 2.25MBx78 8.25MBx78 mixed 64Bx4096 aux11
     return [
@@ -469,8 +863,8 @@ def variants() -> list:
                  uni(4096, 4, 16, persistent=True, per_sm=16, prefetch=1, eager=False)),
         _variant("base-again", "current defaults, repeated: the run's drift and noise",
                  (0.79, 0.88, 0.93, 0.925, 0.82, 1.33, 1.87), small, large),
-        # --- v5: the 2-D grid kernel (pxn_kernels/_grid_copy.py), one descriptor round trip, no plan.
-        # Only for batches of (nearly) equal pieces; other mixes are skipped. Predictions written before its run.
+        # --- the 2-D grid kernel (pxn_kernels/_grid_copy.py), one descriptor round trip, no plan. Only for
+        # batches of (nearly) equal pieces; other mixes are skipped. Predictions written before the first run.
         _variant("np32k-lazy", "np32k/32k/w8 without eager loads, no register cap",
                  (0.87, 0.95, 0.95, 0.95, 0.79, 0.5, 1.7), uni(32768, 8, 32, eager=False, regs=0)),
         _variant("np64k/32k/w8", "aligned 64 KB ranges, 32 KB tiles/8 warps: descriptors paid once per 2 tiles",
@@ -487,7 +881,7 @@ def variants() -> list:
               (0.90, 0.955, 0.955, 0.955), 32768, 32768, 8),
         _grid("g64k/32k/w8", "grid: 64 KB per program as 2 tiles of 32 KB, 8 warps",
               (0.87, 0.955, 0.955, 0.955), 65536, 32768, 8),
-        # --- v5b: the 8 KB and 64 KB pieces (v5: 0.925 and 0.949 at best; targets 0.95)
+        # --- the 8 KB and 64 KB pieces (first grid run: 0.925 and 0.949 at best; targets 0.95)
         _grid("g4k/4k/w2", "grid: 4 KB per program, 2 warps: 32 programs/SM resident, 64 B per thread",
               (0.935, 0.95, 0.975, 0.975), 4096, 4096, 2),
         _grid("g8k/8k/w2", "grid: 8 KB per program, 2 warps: 128 B per thread in flight",
@@ -503,17 +897,23 @@ def variants() -> list:
 
 def _grid(name, tests, predict, seg, block, warps):
     """A variant run by the 2-D grid kernel (GridCopy) instead of the range plan."""
-    from pxn_kernels._batched_copy import _SMALL
-    v = _variant(name, tests, tuple(predict) + (None, None, None), _SMALL)
+    v = _variant(name, tests, tuple(predict) + (None, None, None), _variant_regimes()[0])
     v["grid"] = {"seg_bytes": seg, "block_bytes": block, "num_warps": warps}
     return v
 
 
-def variant_settings(variant: dict, n_items: int, total_bytes: int, multiprocessors: int) -> LaunchSettings:
-    """LaunchSettings of ``variant`` for one batch: the regime ``launch_settings`` would pick, fitted."""
-    from pxn_kernels._batched_copy import _LARGE_MEAN_BYTES
-    large = bool(total_bytes) and n_items > 0 and total_bytes // n_items >= _LARGE_MEAN_BYTES
-    return settings_for(variant["large" if large else "small"], n_items, total_bytes, multiprocessors)
+def variant_settings(variant: dict, n_items: int, total_bytes: int, multiprocessors: int):
+    """VariantSettings of ``variant`` for one batch: the regime ``launch_settings`` would pick, fitted."""
+    large = is_large(n_items, total_bytes, kernel_policy.defaults("sm_90"))
+    return kernel_variants.variant_settings(variant["large" if large else "small"], n_items, total_bytes,
+                                            multiprocessors)
+
+
+def _variant_regimes():
+    """The library's default (small, large) range regimes as VariantRegimes (no variant switch on)."""
+    return tuple(kernel_variants.VariantRegime(r.block_bytes, r.num_warps, r.programs_per_sm, r.range_bytes,
+                                               r.persistent, 0, False, r.streaming, r.tail_block_bytes, 0)
+                 for r in _default_regimes())
 
 
 def check_full(case: Case, op: str, call, rng_gen) -> None:
@@ -630,12 +1030,12 @@ def _variants_one_mix(args, mix, lengths, chosen, device, sms, gen, t0, result) 
                         call = GridCopy(case.src_ptrs, case.copy_dst_ptrs, case.len_t, 0, 0, max(lengths), **grid)
                 else:
                     plan = plan_batched_copy(case.len_t, settings)
-                    call = prepared(case, op, plan, graph=True)
+                    call = variant_call(case, op, plan, graph=True)
                 check_full(case, op, call, gen)
                 seconds = timed(call, reps, args.trials)
                 row.update(time_us=seconds * 1e6, gbps=case.total / seconds / 1e9, verified=True)
                 if small and not grid:
-                    row["device_us"] = device_us(prepared(case, op, plan, graph=False))
+                    row["device_us"] = device_us(variant_call(case, op, plan, graph=False))
                 del call
             except Exception as exc:  # keep the other cells; say why this one is missing
                 row["error"] = repr(exc)[:300]
@@ -691,7 +1091,7 @@ def kernel_resources(target_cc: int = 90) -> list:
     import tempfile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from pxn_kernels._batched_copy import _batched_copy_kernel
+    from kernel_variants import _variant_kernel
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     configs = {}
     for v in variants():
@@ -714,7 +1114,7 @@ def kernel_resources(target_cc: int = 90) -> list:
             constexprs = dict(BLOCK=block, TAIL_BLOCK=tail, STREAMING=streaming, PERSISTENT=persistent,
                               PREFETCH=prefetch, EAGER=eager)
             options = dict(num_warps=warps, **({"maxnreg": regs} if regs else {}))
-            compiled = triton.compile(ASTSource(fn=_batched_copy_kernel,
+            compiled = triton.compile(ASTSource(fn=_variant_kernel,
                                                 signature={**signature, **{k: "constexpr" for k in constexprs}},
                                                 constexprs=constexprs, attrs=attrs),
                                       target=GPUTarget("cuda", target_cc, 32), options=options)
@@ -801,8 +1201,18 @@ def print_table(rows) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="JSON path (default results/kernels-h200.json)")
-    parser.add_argument("--sweep", metavar="PATH", help="also sweep launch settings, JSON to PATH")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default: a temporary file; benchmarks/results/kernels-h200.json to commit)")
+    parser.add_argument("--sweep", metavar="PATH",
+                        help="write a launch-policy file (PXN_KERNEL_POLICY) from this run's paged-row candidates")
+    parser.add_argument("--range-sweep", metavar="PATH",
+                        help="also sweep range-kernel tile / warps / programs on the mixes, JSON to PATH")
+    parser.add_argument("--mixes", default="", help="comma-separated subset of the mixes")
+    parser.add_argument("--no-rows", action="store_true", help="skip the paged-row section")
+    parser.add_argument("--rows-only", action="store_true", help="only the paged-row section")
+    parser.add_argument("--row-sizes", default="", help="comma-separated row sizes (bytes) for the paged rows")
+    parser.add_argument("--rows-budget-s", type=float, default=200.0,
+                        help="paged rows: time only the policy's choice and the baselines after this many seconds")
     parser.add_argument("--probe", metavar="PATH", help="host-overhead probe on the aux batch, JSON to PATH")
     parser.add_argument("--nvlink", action="store_true",
                         help="pieces on GPU 1, chunk and kernel on GPU 0 (needs 2 GPUs); default --out "
@@ -815,12 +1225,20 @@ def main() -> int:
     parser.add_argument("--variant-mixes", default="", help="comma-separated subset of " + ",".join(VARIANT_MIXES))
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="--variants: skip the remaining cells after this many seconds of measuring")
-    parser.add_argument("--target-ms", type=float, default=8.0, help="--variants: ms per timed trial")
+    parser.add_argument("--target-ms", type=float, default=8.0, help="--variants / paged rows: ms per timed trial")
     parser.add_argument("--trials", type=int, default=9, help="--variants: timed trials per cell (median)")
     parser.add_argument("--resources", metavar="PATH",
                         help="registers/spills/16-B accesses of every variant's kernel, compiled for sm_90 "
                              "(no GPU needed), JSON to PATH; with --variants on a GPU, also run there")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU dry run of this script under TRITON_INTERPRET=1 (tiny sizes; timings meaningless)")
     args = parser.parse_args()
+    if args.smoke:
+        global SMOKE
+        SMOKE = True
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--smoke needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+            return 2
     if args.resources:
         try:
             rows = kernel_resources()
@@ -834,11 +1252,12 @@ def main() -> int:
         if not args.variants:
             print_resources(rows, triton.__version__)
             return 0
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not SMOKE:
         print("benchmarks/kernels.py needs a CUDA GPU; none is visible. (CPU runs: pxn bench)", file=sys.stderr)
         return 2
     if args.out is None:
-        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+        import tempfile
+        args.out = os.path.join(tempfile.mkdtemp(prefix="pxn-kernels-"),
                                 "kernels-nvlink.json" if args.nvlink else "kernels-h200.json")
     if args.nvlink and torch.cuda.device_count() < 2:
         print("--nvlink needs 2 GPUs", file=sys.stderr)
@@ -854,16 +1273,28 @@ def main() -> int:
     if args.probe:
         with open(args.probe, "w") as f:
             json.dump({"aux11": probe(), "calibration": calibrate()}, f, indent=1)
-    if args.sweep:
+    if args.range_sweep:
         sweep_rows = sweep(args)
-        with open(args.sweep, "w") as f:
+        with open(args.range_sweep, "w") as f:
             json.dump({"machine": platform.node(), "gpu": torch.cuda.get_device_name(), "rows": sweep_rows}, f,
                       indent=1)
-    rows = run(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows = [] if args.rows_only else run(args)
+    if rows:
+        print_table(rows)
+    with open(args.out, "w") as f:  # written now too, so a later failure keeps these rows
+        json.dump(rows, f, indent=1)
+    row_rows = [] if args.no_rows or args.nvlink else paged_rows(args, run_meta(bench_device()))
+    rows += row_rows
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
-    print_table(rows)
+    if row_rows:
+        print_rows_table(row_rows)
+    if args.sweep:
+        pol = policy_from_rows(row_rows, rows)
+        with open(args.sweep, "w") as f:
+            json.dump(pol, f, indent=1)
+        print(f"\nwrote the launch policy to {args.sweep} (use: PXN_KERNEL_POLICY={args.sweep}): {json.dumps(pol)}")
     print(f"\nwrote {len(rows)} rows to {args.out} in {time.time() - t0:.0f} s")
     from transport.plots import plot_kernels
     for png in plot_kernels(rows, os.path.splitext(args.out)[0] + ".png"):  # GB/s by mix (matplotlib)

@@ -27,21 +27,24 @@ sglang's prefill side calls ``batch_transfer_sync`` from its transfer thread poo
 THREAD_POOL_SIZE``, ~4 workers per queue) at once: every method here is thread-safe, and concurrent batches
 proceed in parallel inside the pxn engine.
 
-Protocol: ``MOONCAKE_PROTOCOL`` as in sglang ("rdma" default -> pxn verbs fabric; "tcp"; pxn also accepts "auto" =
-verbs when an RDMA device is usable else tcp), ``MC_FORCE_TCP=1`` forces tcp, ``PXN_FABRIC`` overrides both.
-``ib_device`` (sglang's ``--disaggregation-ib-device``: "mlx5_0,mlx5_1", a JSON map ``{"0": "mlx5_0"}`` or a
-path to such a JSON file) restricts the NICs pxn may use; leave it unset to let pxn route every GPU over all
-usable NICs, relaying through an NVLink peer where the NIC is not local to the GPU (PXN).
+Protocol: ``MOONCAKE_PROTOCOL`` as in sglang ("rdma" default -> pxn verbs fabric, or tcp with one warning line
+when no RDMA device is usable, as Mooncake; "tcp"; pxn also accepts "auto"), a truthy ``MC_FORCE_TCP`` forces
+tcp, ``PXN_FABRIC`` overrides both. ``ib_device`` (sglang's ``--disaggregation-ib-device``: "mlx5_0,mlx5_1", a
+JSON map ``{"0": "mlx5_0"}`` or a path to such a JSON file) restricts the NICs pxn may use; leave it unset to let
+pxn route every GPU over all usable NICs, relaying through an NVLink peer where the NIC is not local to the GPU.
 
 How to plug it into sglang (without editing sglang):
 
 1. Plugin (sglang >= 0.5 with ``sglang.srt.plugins``): install pxn with the entry point
    ``sglang.srt.plugins: pxn = integration.sglang:register_sglang_plugin``. sglang's ``load_plugins()`` runs it in
-   every process; it registers a class REPLACE hook (``HookRegistry``) on the dotted target
-   ``sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine`` (or, on older
-   0.5.x, ``sglang.srt.disaggregation.mooncake.transfer_engine.MooncakeTransferEngine``), so the shared engine
-   sglang builds for ``--disaggregation-transfer-backend mooncake`` is this class. ``SGLANG_PLUGINS=pxn`` limits
-   sglang to this plugin; ``PXN_SGLANG_PLUGIN=0`` makes it a no-op.
+   every process; it registers a REPLACE hook (``HookRegistry``) on
+   ``sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.init_engine``, so the KV disaggregation managers
+   (prefill and decode) move KV pages and aux rows with one pxn engine per process (``shared_kv_engine``).
+   sglang's shared ``MooncakeTransferEngine`` is left to its other users (HiCache's Mooncake store, elastic EP,
+   expert backup, encoder disaggregation): Mooncake's engine when Mooncake is installed; when it is not, the
+   class is replaced by ``MooncakeEngineUnavailable``, which lets sglang start and makes any of those features
+   fail with ``PxnFeatureUnavailable`` naming pxn and the feature. ``SGLANG_PLUGINS=pxn`` limits sglang to this
+   plugin; ``PXN_SGLANG_PLUGIN=0`` makes it a no-op.
 2. Manager subclass (as sglang's Ascend backend does): ``pxn_kv_manager_class()`` returns a subclass of
    ``MooncakeKVManager`` whose ``init_engine()`` builds this adapter; hook it in with a REPLACE on
    ``sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager``.
@@ -52,16 +55,18 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import threading
 from typing import Dict, List, Optional, Union
 
 from integration.mooncake import TransferEngine as MooncakeCompatEngine
-from integration.mooncake import error_name
+from integration.mooncake import error_name, force_tcp
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PxnMooncakeTransferEngine", "register_sglang_plugin", "pxn_kv_manager_class",
-           "get_ib_devices_for_gpu", "SGLANG_TARGETS"]
+           "get_ib_devices_for_gpu", "SGLANG_TARGETS", "KV_MANAGER_TARGET", "MooncakeEngineUnavailable",
+           "PxnFeatureUnavailable", "shared_kv_engine"]
 
 # Where sglang defines MooncakeTransferEngine: 0.5.23 first, then the older 0.5.x location.
 SGLANG_TARGETS = (
@@ -125,8 +130,7 @@ class PxnMooncakeTransferEngine:
         self.gpu_id = gpu_id if gpu_id is not None else 0
         self._protocol = protocol
         # as sglang: with MC_FORCE_TCP=1 the RDMA device selection is irrelevant
-        self.ib_device = "" if os.environ.get("MC_FORCE_TCP") == "1" else get_ib_devices_for_gpu(ib_device,
-                                                                                                  self.gpu_id)
+        self.ib_device = "" if force_tcp() else get_ib_devices_for_gpu(ib_device, self.gpu_id)
         self.initialize(hostname=self.hostname, device_name=self.ib_device)
         # "host:port" (IPv6 bracketed, as sglang's NetworkAddress.to_host_port_str): the port is a plain int,
         # which sglang's conn.py sums over a request's decode sessions to pick a transfer queue
@@ -141,9 +145,8 @@ class PxnMooncakeTransferEngine:
         ret = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol,
                                      device_name if device_name is not None else "")
         if ret != 0:
-            log.error("pxn transfer engine initialization failed on %s (protocol %r, devices %r): %s (%d); set "
-                      "MOONCAKE_PROTOCOL=tcp or auto on machines without RDMA", hostname, protocol, device_name,
-                      error_name(ret), ret)
+            log.error("pxn transfer engine initialization failed on %s (protocol %r, devices %r): %s (%d)",
+                      hostname, protocol, device_name, error_name(ret), ret)
             raise RuntimeError(f"pxn transfer engine initialization failed ({error_name(ret)}={ret})")
 
     # --- registration -------------------------------------------------------------------------------------
@@ -213,6 +216,97 @@ class PxnMooncakeTransferEngine:
 # ============================================================================================================
 # plugging into sglang
 # ============================================================================================================
+# The KV managers' engine: one pxn engine per process, shared by every MooncakeKVManager in it (sglang shares its
+# one Mooncake engine between them the same way).
+KV_MANAGER_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.init_engine"
+
+_shared: Optional[PxnMooncakeTransferEngine] = None
+_shared_lock = threading.Lock()
+
+
+def shared_kv_engine(gpu_id: Optional[int] = None, ib_device: Optional[str] = None) -> PxnMooncakeTransferEngine:
+    """The process's pxn engine for sglang's KV disaggregation managers, started on first use on this host's
+    address (sglang's ``get_local_ip_auto()``). Raises RuntimeError when it cannot start (cause logged)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            from sglang.srt.utils.network import get_local_ip_auto
+            _shared = PxnMooncakeTransferEngine(get_local_ip_auto(), gpu_id=gpu_id, ib_device=ib_device)
+        return _shared
+
+
+def _kv_manager_init_engine(self) -> None:
+    """REPLACE of ``MooncakeKVManager.init_engine``: the manager moves KV pages and aux rows with pxn."""
+    args = getattr(self, "kv_args", None)
+    self.engine = shared_kv_engine(getattr(args, "gpu_id", None), getattr(args, "ib_device", None))
+
+
+class PxnFeatureUnavailable(RuntimeError):
+    """An sglang feature other than KV disaggregation asked for sglang's shared Mooncake engine while Mooncake is
+    not installed: pxn serves only the KV transfer of prefill / decode disaggregation."""
+
+
+# which sglang feature uses the shared engine, by the module asking (for the error message)
+_FEATURES = (
+    ("sglang.srt.mem_cache", "HiCache's Mooncake store"),
+    ("sglang.srt.elastic_ep", "elastic EP expert backup"),
+    ("sglang.srt.distributed.device_communicators.mooncake_transfer_engine", "elastic EP (mooncake.pg)"),
+    ("sglang.srt.disaggregation.encoder", "encoder disaggregation"),
+    ("sglang.multimodal_gen", "multimodal disaggregation"),
+)
+
+
+def _calling_feature() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        mod = frame.f_globals.get("__name__", "")
+        if mod != __name__:
+            for prefix, feature in _FEATURES:
+                if mod.startswith(prefix):
+                    return feature
+            if mod.startswith("sglang"):
+                return f"sglang's {mod}"
+        frame = frame.f_back
+    return "a user of sglang's shared Mooncake engine"
+
+
+class MooncakeEngineUnavailable:
+    """Stands in for sglang's shared ``MooncakeTransferEngine`` when Mooncake is not installed and pxn serves
+    the KV disaggregation managers: constructing it is harmless (sglang builds the shared engine at start-up
+    whenever disaggregation uses Mooncake), and any use of it raises ``PxnFeatureUnavailable`` naming pxn and
+    the feature that asked, instead of a failed import or a pybind cast deep inside that feature."""
+
+    def __init__(self, hostname: str = "", gpu_id: Optional[int] = None, ib_device: Optional[str] = None, **_):
+        self.hostname = hostname
+        self.gpu_id = gpu_id
+        self._ib_device = ib_device
+
+    def _refuse(self, name: str):
+        feature = _calling_feature()
+        msg = (f"{feature} needs Mooncake's transfer engine (sglang's shared MooncakeTransferEngine.{name}), "
+               f"but Mooncake is not installed: pxn replaces only the KV-cache transfer of prefill/decode "
+               f"disaggregation. Install mooncake-transfer-engine to run {feature} next to pxn, or turn it off")
+        log.error("%s", msg)
+        raise PxnFeatureUnavailable(msg)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._refuse(name)
+
+    @property
+    def engine(self):
+        self._refuse("engine")
+
+
+def _mooncake_importable() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 — missing, or its native library does not load (libibverbs)
+        return False
+
+
 def _module_exists(dotted: str) -> bool:
     try:
         return importlib.util.find_spec(dotted) is not None
@@ -221,24 +315,31 @@ def _module_exists(dotted: str) -> bool:
 
 
 def register_sglang_plugin() -> Optional[str]:
-    """Entry point of the ``sglang.srt.plugins`` group: REPLACE sglang's ``MooncakeTransferEngine`` class with
-    ``PxnMooncakeTransferEngine``. Returns the dotted target hooked (None when disabled or not found).
+    """Entry point of the ``sglang.srt.plugins`` group: give sglang's KV disaggregation managers a pxn engine.
 
-    sglang calls this inside ``load_plugins()`` and applies the hook right after (``HookRegistry.apply_hooks``),
-    before it builds the shared transfer engine. ``PXN_SGLANG_PLUGIN=0`` disables it.
+    Registers a REPLACE hook (sglang's ``HookRegistry``) on ``MooncakeKVManager.init_engine``, so prefill and
+    decode KV managers use ``shared_kv_engine()``. The other users of sglang's shared engine (HiCache's
+    Mooncake store, elastic EP, expert backup, encoder disaggregation) keep Mooncake's engine when Mooncake is
+    installed; when it is not, sglang's ``MooncakeTransferEngine`` class is replaced by
+    ``MooncakeEngineUnavailable`` so that sglang starts, and those features get an error naming pxn and
+    themselves. Returns the dotted target of the KV hook (None when disabled). ``PXN_SGLANG_PLUGIN=0``
+    disables it.
     """
     if os.environ.get("PXN_SGLANG_PLUGIN", "1").strip() in ("0", "false", "no", "off"):
         log.info("pxn sglang plugin disabled by PXN_SGLANG_PLUGIN")
         return None
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    for target in SGLANG_TARGETS:
-        if _module_exists(target.rsplit(".", 1)[0]):
-            HookRegistry.register(target, PxnMooncakeTransferEngine, HookType.REPLACE)
-            log.info("pxn: %s -> integration.sglang.PxnMooncakeTransferEngine", target)
-            return target
-    log.warning("pxn sglang plugin: none of %s exists in this sglang; KV transfer stays on Mooncake",
-                ", ".join(SGLANG_TARGETS))
-    return None
+    HookRegistry.register(KV_MANAGER_TARGET, _kv_manager_init_engine, HookType.REPLACE)
+    if _mooncake_importable():
+        log.info("pxn: sglang's KV disaggregation managers use pxn; the shared engine stays Mooncake's")
+    else:
+        for target in SGLANG_TARGETS:
+            if _module_exists(target.rsplit(".", 1)[0]):
+                HookRegistry.register(target, MooncakeEngineUnavailable, HookType.REPLACE)
+                log.info("pxn: sglang's KV disaggregation managers use pxn; Mooncake is not installed, so %s "
+                         "refuses its other users with a named error", target)
+                break
+    return KV_MANAGER_TARGET
 
 
 def pxn_kv_manager_class():

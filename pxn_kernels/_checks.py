@@ -1,14 +1,30 @@
 """Argument validation shared by gather, scatter and copy.
 
-Checks read the descriptors back to the host once (one synchronisation), so they are on by default for users
-and switched off (``check=False``) by the engine, which builds its descriptors itself.
+The checks are complete (every piece: lengths, address overflow, ranges inside the buffer, written ranges
+disjoint) and on by default; they are built to cost little host time:
+
+* the index arrays are read once: zero-copy when they are host arrays or CPU tensors, one stacked
+  device-to-host read (one synchronisation) when they are GPU tensors;
+* each check is one or two whole-array numpy reductions; only when one fails do the slower per-piece checks run,
+  to name the first bad piece (the message holds its index and value);
+* written ranges in ascending order (gathers into a chunk) are proven disjoint by one comparison of each end
+  with the next start; only unordered ones (scatters into a paged pool) are sorted: on the GPU with
+  ``torch.sort`` and one synchronisation when the batch is large, else with numpy on 32-bit keys when the span
+  allows.
 """
 from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 _INT64_MAX = (1 << 63) - 1
+# Unordered written ranges on a GPU from this many pieces are sorted there (torch.sort, one synchronisation)
+# instead of on the host.
+DEVICE_SORT_MIN = 4096
 
 
 def check_byte_tensor(op: str, name: str, tensor) -> None:
@@ -42,11 +58,23 @@ def check_index_tensors(op: str, device: torch.device, **tensors) -> int:
 
 
 def to_host(*tensors):
-    """Copy several device tensors to host numpy arrays with one synchronisation."""
+    """Host numpy arrays of several int64 tensors: views of CPU tensors (no copy), one stacked copy and one
+    synchronisation for device tensors."""
     if not tensors or tensors[0].numel() == 0:
         return [np.zeros(0, dtype=np.int64) for _ in tensors]
+    if tensors[0].device.type == "cpu":
+        return [t.numpy() for t in tensors]
     stacked = torch.stack(tensors).cpu().numpy()
     return list(stacked)
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """min, max and sum of a batch's lengths (bytes); what the plan needs from them."""
+
+    lmin: int
+    lmax: int
+    total: int
 
 
 def check_lengths(op: str, lengths: np.ndarray) -> None:
@@ -97,3 +125,224 @@ def check_no_overlap(op: str, name: str, starts: np.ndarray, lengths: np.ndarray
         a, b = int(order[clash[0]]), int(order[clash[0] + 1])
         raise ValueError(f"{op}: {name}[{a}] = {int(starts[a])} (length {int(lengths[a])}) overlaps "
                          f"{name}[{b}] = {int(starts[b])} (length {int(lengths[b])})")
+
+
+def _disjoint_sorted(starts: np.ndarray, ends: np.ndarray, equal: int) -> bool:
+    """Whether ranges [starts[i], ends[i]) of positive length are pairwise disjoint, in any order.
+
+    Sorting starts and ends separately suffices: the i-th smallest end is at most the (i+1)-th smallest start
+    for every i exactly when no two ranges overlap. ``equal`` > 0: every range has this length, so the sorted
+    starts alone decide (neighbours at least ``equal`` apart).
+    """
+    base = int(starts.min())
+    if int(ends.max()) - base < (1 << 32):  # 32-bit keys sort about twice as fast
+        starts = (starts - base).astype(np.uint32)
+        ends = None if equal else (ends - base).astype(np.uint32)
+    s = np.sort(starts)
+    if equal:
+        return bool((np.diff(s) >= equal).all())
+    e = np.sort(ends)
+    return bool((e[:-1] <= s[1:]).all())
+
+
+def _disjoint_on_device(starts: torch.Tensor, lengths: torch.Tensor, equal: int) -> bool:
+    """As ``_disjoint_sorted`` on the GPU: torch.sort, one flag, one synchronisation."""
+    s = torch.sort(starts).values
+    if equal:
+        bad = (s[1:] - s[:-1] < equal).any()
+    else:
+        e = torch.sort(starts + lengths).values
+        bad = (e[:-1] > s[1:]).any()
+    return not bool(bad)
+
+
+def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written_device) -> bool:
+    """Every check on pieces of positive length, as whole-array reductions (a numpy call costs ~1-2 us whatever
+    its size, so their number is what counts). False: some check failed (the caller runs the per-piece checks
+    to name it).
+
+    The written ranges are looked at first: when each ends before the next starts and no end wrapped past
+    2**63 (the smallest end is positive), their starts strictly increase, so the first and last entries are the
+    smallest and largest and their checks need no further pass."""
+    ends = {}
+    ordered = False
+    if written is not None and lengths.size >= 2:
+        name, starts = written
+        end = starts + lengths  # a sum past 2**63 wraps negative: both terms positive, or the check fails anyway
+        ends[name] = end
+        ordered = bool((end[:-1] <= starts[1:]).all()) and int(end.min()) >= 1
+    for check in checks:
+        kind, name, values = check[0], check[1], check[2]
+        end = ends.get(name)
+        if end is None:
+            end = ends[name] = values + lengths
+        in_order = ordered and name == written[0]
+        if kind == "address":
+            lowest = int(values[0]) if in_order else int(values.min())
+            if lowest < 1 or (not in_order and int(end.min()) < 1):
+                return False
+        else:
+            limit = check[3]
+            if lmax > limit:
+                return False
+            if in_order:
+                if int(values[0]) < 0 or int(end[-1]) > limit:
+                    return False
+            elif int(values.min()) < 0 or int(values.max()) > limit or int(end.max()) > limit:
+                return False  # (offsets and lengths both at most the limit: their sum cannot overflow)
+    if written is None or lengths.size < 2 or ordered:
+        return True
+    name, starts = written
+    equal = lmin if lmin == lmax else 0
+    if written_device is not None:
+        return _disjoint_on_device(*written_device, equal)
+    return _disjoint_sorted(starts, ends[name], equal)
+
+
+# Up to this many pieces the checks run on Python lists: a numpy call costs ~1-2 us whatever its size.
+SMALL = 64
+
+
+def _small_ok(lengths: list, checks, written) -> bool:
+    """``_fast_ok`` on Python ints (exact: no overflow to guard against) for small batches."""
+    if min(lengths) > 0:
+        pick = None
+    else:
+        live = [i for i, n in enumerate(lengths) if n > 0]
+        if not live:
+            return True
+        lengths = [lengths[i] for i in live]
+        pick = lambda values: [values[i] for i in live]  # noqa: E731
+    ends = {}
+    for check in checks:
+        values = check[2].tolist()
+        if pick is not None:
+            values = pick(values)
+        end = list(map(operator.add, values, lengths))
+        if check[0] == "address":
+            if min(values) < 1 or max(end) > _INT64_MAX:
+                return False
+        elif min(values) < 0 or max(end) > check[3]:
+            return False
+        ends[check[1]] = (values, end)
+    if written is None or len(lengths) < 2:
+        return True
+    starts, end = ends.get(written[0]) or (None, None)
+    if starts is None:
+        starts = written[1].tolist()
+        if pick is not None:
+            starts = pick(starts)
+        end = list(map(operator.add, starts, lengths))
+    if all(map(operator.le, end, starts[1:])):
+        return True
+    ordered = sorted(zip(starts, end))
+    return all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:]))
+
+
+def address(name: str, addrs: np.ndarray):
+    """A ``validate`` check: raw addresses, positive, address + length without overflow."""
+    return ("address", name, addrs)
+
+
+def within(name: str, offsets: np.ndarray, limit: int, limit_name: str):
+    """A ``validate`` check: offsets with ``0 <= offset`` and ``offset + length <= limit`` (bytes)."""
+    return ("range", name, offsets, limit, limit_name)
+
+
+def validate(op: str, lengths: np.ndarray, checks: Sequence[tuple] = (),
+             written: Optional[Tuple[str, np.ndarray]] = None,
+             written_tensors: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> LengthStats:
+    """Check a batch completely; raise ``ValueError`` naming the first bad piece, its argument and value.
+
+    Arguments (host int64 arrays, one entry per piece):
+        lengths: bytes per piece (>= 0).
+        checks: ``address(...)`` and ``within(...)`` entries, in the order their errors take precedence.
+        written: (name, starts): the destination ranges, which must not overlap.
+        written_tensors: (starts, lengths) as GPU tensors: a large unordered batch is then sorted there.
+    Pieces of length 0 are exempt from every check but the sign of their length.
+    Returns:
+        the lengths' min, max and sum.
+    """
+    n = int(lengths.size)
+    if n == 0:
+        return LengthStats(0, 0, 0)
+    if n <= SMALL:
+        as_list = lengths.tolist()
+        lmin, lmax = min(as_list), max(as_list)
+        if lmin < 0:
+            check_lengths(op, lengths)
+        if not _small_ok(as_list, checks, written):
+            _name_failure(op, lengths, checks, written)
+        return LengthStats(lmin, lmax, sum(as_list))
+    lmin, lmax = int(lengths.min()), int(lengths.max())
+    if lmin < 0:
+        check_lengths(op, lengths)
+    device = written_tensors if written_tensors is not None and n >= DEVICE_SORT_MIN and \
+        written_tensors[0].is_cuda else None
+    if lmin > 0:
+        ok = _fast_ok(lengths, lmin, lmax, checks, written, device)
+    else:  # pieces of length 0 are exempt: check the others
+        live = np.flatnonzero(lengths)
+        ok = not live.size or _fast_ok(lengths[live], int(lengths[live].min()), lmax,
+                                       [c[:2] + (c[2][live],) + c[3:] for c in checks],
+                                       None if written is None else (written[0], written[1][live]), None)
+    if not ok:
+        _name_failure(op, lengths, checks, written)
+    return LengthStats(lmin, lmax, lmin * n if lmin == lmax else int(lengths.sum()))
+
+
+def _name_failure(op: str, lengths: np.ndarray, checks, written) -> None:
+    """Raise for the first bad piece (the per-piece checks, in the order the caller gave)."""
+    for check in checks:
+        if check[0] == "address":
+            check_addresses(op, check[1], check[2], lengths)
+        else:
+            check_ranges_in(op, check[1], check[2], lengths, check[3], check[4])
+    if written is not None:
+        check_no_overlap(op, written[0], written[1], lengths)
+
+
+@dataclass
+class IndexArgs:
+    """The index arguments of one call: ``count`` pieces, given either as tensors on the copy's device
+    (``on_host`` False) or as host arrays (numpy int64 or CPU tensors, ``on_host`` True, only for a GPU copy)."""
+
+    count: int
+    on_host: bool
+    values: dict  # name -> torch.Tensor (device mode) or np.ndarray (host mode)
+    _host: Optional[list] = None
+
+    def host(self) -> list:
+        """Host int64 arrays of every argument, in the order given (read once, see ``to_host``)."""
+        if self._host is None:
+            values = list(self.values.values())
+            self._host = values if self.on_host else to_host(*values)
+        return self._host
+
+
+def index_args(op: str, device: torch.device, **named) -> IndexArgs:
+    """Validate the index arguments' types: int64, 1-D, one length. Either all tensors on ``device``, or, when
+    ``device`` is a GPU, all on the host (numpy arrays or CPU tensors): those are then uploaded once with the
+    plan (``stage``)."""
+    host_kinds = device.type != "cpu" and all(
+        isinstance(v, np.ndarray) or (isinstance(v, torch.Tensor) and v.device.type == "cpu") for v in named.values())
+    if not host_kinds:
+        values = named
+        if device.type == "cpu" and any(isinstance(v, np.ndarray) for v in named.values()):
+            values = {k: torch.from_numpy(np.ascontiguousarray(v))
+                      if isinstance(v, np.ndarray) and v.dtype == np.int64 and v.ndim == 1 else v
+                      for k, v in named.items()}
+        return IndexArgs(check_index_tensors(op, device, **values), False, values)
+    count, first_name, values = None, None, {}
+    for name, value in named.items():
+        array = value.numpy() if isinstance(value, torch.Tensor) else value
+        if array.dtype != np.int64:
+            raise ValueError(f"{op}: {name} must be int64, got {array.dtype}")
+        if array.ndim != 1:
+            raise ValueError(f"{op}: {name} must be 1-D, got shape {tuple(array.shape)}")
+        if count is None:
+            count, first_name = array.size, name
+        elif array.size != count:
+            raise ValueError(f"{op}: {name} has {array.size} items but {first_name} has {count}")
+        values[name] = np.ascontiguousarray(array)
+    return IndexArgs(count, True, values)

@@ -90,6 +90,35 @@ class DirectLauncher:
             err = self._launch(self._function, grid_x, grid_y, 1, self._threads, 1, 1, self._shared, stream,
                                self._params, None)
         if err:
-            name = ctypes.c_char_p()
-            _driver().cuGetErrorName(err, ctypes.byref(name))
-            raise RuntimeError(f"cuLaunchKernel failed: {name.value.decode() if name.value else err}")
+            self._fail(err)
+
+    def bind(self, grid_x: int, grid_y: int, values: Sequence[int]):
+        """A launch with fixed grid and argument values: ``fn(stream)`` is one driver call (no lock, no value
+        writes; the relaunch path of callers that reuse their descriptors)."""
+        slots = [type(v)(0) for v in self._values]
+        for slot, value in zip(slots, values):
+            slot.value = value
+        params = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(v) for v in slots])
+        function, launch, threads, shared, fail = self._function, self._launch, self._threads, self._shared, self._fail
+        device = self._device
+
+        def enqueue(stream: int) -> None:
+            if device is not None:
+                import torch
+                if torch.cuda.current_device() != device:  # the function lives in its GPU's context
+                    with torch.cuda.device(device):
+                        err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, stream, params, None)
+                    if err:
+                        fail(err)
+                    return
+            err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, stream, params, None)
+            if err:
+                fail(err)
+        enqueue.keep = (slots, params)  # the driver reads the values through these pointers
+        return enqueue
+
+    @staticmethod
+    def _fail(err: int) -> None:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(f"cuLaunchKernel failed: {name.value.decode() if name.value else err}")

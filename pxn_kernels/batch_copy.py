@@ -6,41 +6,53 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks, peer_access
-from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
+from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, run_batch
 from pxn_kernels._memory import host_copy, raw_view
-from pxn_kernels.gather import _use_host
+from pxn_kernels.gather import _lean, _use_host
 
 
-def copy(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, lengths: torch.Tensor, check: bool = True,
-         plan: Optional[CopyPlan] = None, backend: str = "auto") -> None:
+def copy(src_ptrs, dst_ptrs, lengths, check: bool = True, plan: Optional[CopyPlan] = None, backend: str = "auto",
+         device: Optional[torch.device] = None) -> None:
     """Copy item i: ``lengths[i]`` bytes from raw address ``src_ptrs[i]`` to ``dst_ptrs[i]``.
 
     Arguments:
         src_ptrs, dst_ptrs, lengths: int64 [n] tensors on the device that runs the copy (its GPU, or the CPU
             for host memory). Addresses on that GPU, a peer GPU with peer access, or pinned host memory.
-            Destination ranges must not overlap.
+            Destination ranges must not overlap. Host arrays (numpy int64 or CPU tensors) with ``device`` a GPU:
+            checked on the host and moved to that GPU in one copy.
         check, plan, backend: as for ``gather``.
+        device: the GPU that runs the copy when the index arguments are host arrays (default: the device of
+            ``lengths``).
     Raises:
         ValueError naming the argument and value.
     """
-    if not isinstance(lengths, torch.Tensor):
-        raise ValueError(f"copy: lengths must be an int64 torch.Tensor, got {type(lengths).__name__}")
-    count = _checks.check_index_tensors("copy", lengths.device, src_ptrs=src_ptrs, dst_ptrs=dst_ptrs,
-                                        lengths=lengths)
-    if check and count:
-        src_np, dst_np, len_np = _checks.to_host(src_ptrs, dst_ptrs, lengths)
-        _checks.check_lengths("copy", len_np)
-        _checks.check_addresses("copy", "src_ptrs", src_np, len_np)
-        _checks.check_addresses("copy", "dst_ptrs", dst_np, len_np)
-        _checks.check_no_overlap("copy", "dst_ptrs", dst_np, len_np)
-        if not peer_access.reachable(lengths.device, [src_np, dst_np], len_np):
-            peer_access.staged_copy(src_np, dst_np, len_np, lengths.device)
-            return
-    if _use_host(backend, lengths):
-        host_copy(src_ptrs, dst_ptrs, lengths)
+    if not check and plan is not None and device is None and _lean(None, src_ptrs, dst_ptrs, lengths, backend):
+        launch_batched_copy(src_ptrs, dst_ptrs, lengths, 0, 0, plan)
         return
-    launch_batched_copy(src_ptrs, dst_ptrs, lengths, 0, 0,
-                        plan if plan is not None else _default_plan(lengths, len_np if check and count else None))
+    if device is None:
+        if not isinstance(lengths, torch.Tensor):
+            raise ValueError(f"copy: lengths must be an int64 torch.Tensor (or pass device=), got "
+                             f"{type(lengths).__name__}")
+        device = lengths.device
+    device = torch.device(device)
+    use_host = _use_host(backend, device)
+    args = _checks.index_args("copy", device, src_ptrs=src_ptrs, dst_ptrs=dst_ptrs, lengths=lengths)
+    stats = None
+    if check and args.count:
+        src_np, dst_np, len_np = args.host()
+        stats = _checks.validate(
+            "copy", len_np, [_checks.address("src_ptrs", src_np), _checks.address("dst_ptrs", dst_np)],
+            written=("dst_ptrs", dst_np),
+            written_tensors=None if args.on_host else (args.values["dst_ptrs"], args.values["lengths"]))
+        if not use_host and not peer_access.reachable(device, [src_np, dst_np], len_np):
+            peer_access.staged_copy(src_np, dst_np, len_np, device)
+            return
+    if not args.count:
+        return
+    if use_host:
+        host_copy(*args.host())
+        return
+    run_batch("copy", args, "src_ptrs", "dst_ptrs", 0, 0, device, plan, stats)
 
 
 def copy_torch(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, lengths: torch.Tensor) -> None:

@@ -6,12 +6,12 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks, peer_access
-from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
+from pxn_kernels._batched_copy import CopyPlan, _batched_copy_kernel, launch_batched_copy, run_batch
 from pxn_kernels._memory import host_copy, raw_view
 
 
-def gather(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, out_offsets: torch.Tensor,
-           check: bool = True, plan: Optional[CopyPlan] = None, backend: str = "auto") -> torch.Tensor:
+def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True, plan: Optional[CopyPlan] = None,
+           backend: str = "auto") -> torch.Tensor:
     """Copy item i (``lengths[i]`` bytes at raw address ``src_ptrs[i]``) to ``out[out_offsets[i]:...]``.
 
     Arguments:
@@ -23,36 +23,47 @@ def gather(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor, out
         lengths: int64 [n] bytes per item, >= 0 (0 is a no-op).
         out: contiguous uint8 tensor receiving the pieces.
         out_offsets: int64 [n] byte offsets into ``out``; written ranges must not overlap.
-        check: validate every argument first (one host synchronisation). The engine passes False.
+        The three index arguments are either tensors on ``out``'s device, or, for a GPU ``out``, host arrays
+        (numpy int64 or CPU tensors): those are checked where they are and moved to the GPU in one copy.
+        check: validate every argument first (device tensors: one host synchronisation to read them). The
+            engine passes False.
         plan: a ``plan_for_lengths`` / ``plan_batched_copy`` result to reuse (same lengths). If None: built from
-            the checks' host copy of the lengths when ``check`` (so the grid kernel can be picked), else on the
-            device with no host synchronisation (range kernel).
+            the host lengths when there are any (``check``, or host arrays), so the row and grid kernels can be
+            picked; else on the device with no host synchronisation (range kernel).
         backend: "auto" (Triton on CUDA, memmove on CPU), "triton" (also on CPU under TRITON_INTERPRET=1),
             or "host" (memmove; CPU tensors only).
     Returns:
         ``out``. On CUDA the copy is enqueued on the current stream (asynchronous).
     Raises:
         ValueError naming the argument and value: wrong dtype / device / shape, mismatched lengths, a negative
-        length, an offset range outside ``out`` or overlapping another.
+        length, an offset range outside ``out`` or overlapping another; RuntimeError when the "triton" backend
+        cannot run here. Nothing is written when an argument is rejected.
     """
-    _checks.check_byte_tensor("gather", "out", out)
-    count = _checks.check_index_tensors("gather", out.device, src_ptrs=src_ptrs, lengths=lengths,
-                                        out_offsets=out_offsets)
-    if check and count:
-        src_np, len_np, off_np = _checks.to_host(src_ptrs, lengths, out_offsets)
-        _checks.check_lengths("gather", len_np)
-        _checks.check_addresses("gather", "src_ptrs", src_np, len_np)
-        _checks.check_ranges_in("gather", "out_offsets", off_np, len_np, out.numel(), "out")
-        _checks.check_no_overlap("gather", "out_offsets", off_np, len_np)
-        if not peer_access.reachable(out.device, [src_np], len_np):
-            peer_access.staged_copy(src_np, off_np + out.data_ptr(), len_np, out.device)
-            return out
-    if _use_host(backend, out):
-        base = out.data_ptr()
-        host_copy(src_ptrs, [base + int(o) for o in out_offsets.tolist()], lengths)
+    if not check and plan is not None and _lean(out, src_ptrs, lengths, out_offsets, backend):
+        launch_batched_copy(src_ptrs, out_offsets, lengths, 0, out.data_ptr(), plan)
         return out
-    launch_batched_copy(src_ptrs, out_offsets, lengths, 0, out.data_ptr(),
-                        plan if plan is not None else _default_plan(lengths, len_np if check and count else None))
+    _checks.check_byte_tensor("gather", "out", out)
+    use_host = _use_host(backend, out.device)
+    args = _checks.index_args("gather", out.device, src_ptrs=src_ptrs, lengths=lengths, out_offsets=out_offsets)
+    stats = None
+    if check and args.count:
+        src_np, len_np, off_np = args.host()
+        stats = _checks.validate(
+            "gather", len_np, [_checks.address("src_ptrs", src_np),
+                               _checks.within("out_offsets", off_np, out.numel(), "out")],
+            written=("out_offsets", off_np),
+            written_tensors=None if args.on_host else (args.values["out_offsets"], args.values["lengths"]))
+        # sources on another GPU: peer access first, or piece by piece where the pair cannot have it
+        if not use_host and not peer_access.reachable(out.device, [src_np], len_np):
+            peer_access.staged_copy(src_np, out.data_ptr() + off_np, len_np, out.device)
+            return out
+    if not args.count:
+        return out
+    if use_host:
+        src_np, len_np, off_np = args.host()
+        host_copy(src_np, out.data_ptr() + off_np, len_np)
+        return out
+    run_batch("gather", args, "src_ptrs", "out_offsets", 0, out.data_ptr(), out.device, plan, stats)
     return out
 
 
@@ -65,9 +76,39 @@ def gather_torch(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
     return out
 
 
-def _use_host(backend: str, tensor: torch.Tensor) -> bool:
+def _lean(buffer, a, b, c, backend: str) -> bool:
+    """Whether an unchecked call with a plan may launch at once: a contiguous uint8 GPU ``buffer`` (None for
+    ``copy``) and three int64 1-D tensors of one length on that GPU -- what the full path would accept, tested
+    with the cheapest calls, so that a caller relaunching with its cached plan pays for little but the launch.
+    False: the full path decides (and names what is wrong)."""
+    try:
+        index = a.get_device() if buffer is None else buffer.get_device()
+        n = a.numel()
+        return (index >= 0 and (backend == "auto" or backend == "triton")
+                and (buffer is None or (buffer.dtype is torch.uint8 and buffer.is_contiguous()))
+                and a.dtype is torch.int64 and b.dtype is torch.int64 and c.dtype is torch.int64
+                and a.dim() == 1 and b.dim() == 1 and c.dim() == 1 and b.numel() == n and c.numel() == n
+                and a.get_device() == index and b.get_device() == index and c.get_device() == index)
+    except AttributeError:  # not tensors: the full path names the argument
+        return False
+
+
+def _use_host(backend: str, device: torch.device) -> bool:
+    """Whether the memmove path runs; raises when the requested backend cannot run on ``device``."""
     if backend not in ("auto", "triton", "host"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'host', got {backend!r}")
-    if backend == "host" and tensor.device.type != "cpu":
-        raise ValueError(f"backend 'host' needs CPU tensors, got a tensor on {tensor.device}")
-    return backend == "host" or (backend == "auto" and tensor.device.type == "cpu")
+    if backend == "host" and device.type != "cpu":
+        raise ValueError(f"backend 'host' needs CPU tensors, got a tensor on {device}")
+    if backend == "triton" and device.type == "cpu":
+        _require_interpreter()
+    return backend == "host" or (backend == "auto" and device.type == "cpu")
+
+
+def _require_interpreter() -> None:
+    # The kernels were created as interpreted functions only when TRITON_INTERPRET=1 was set at import; a
+    # compiled kernel launched on CPU tensors fails deep inside Triton ("0 active drivers").
+    if type(_batched_copy_kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError("backend 'triton' on CPU tensors runs the kernel in Triton's interpreter, which must "
+                           "be switched on before pxn_kernels is imported: set TRITON_INTERPRET=1 in the "
+                           "environment; or use backend='auto' / 'host' (memmove) for CPU tensors, or pass CUDA "
+                           "tensors")

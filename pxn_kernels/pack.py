@@ -8,7 +8,7 @@ import torch
 
 from pxn_kernels import _checks
 from pxn_kernels._batched_copy import DeviceBatch, launch_batched_copy
-from pxn_kernels._memory import host_copy
+from pxn_kernels._memory import host_copy, raw_view
 from pxn_kernels.chunk import build_header_table, payload_offset_for
 
 
@@ -19,7 +19,8 @@ def pack_chunk(src_ptrs: Sequence[int], lengths: Sequence[int], dst_addrs: Seque
     Arguments:
         src_ptrs: host sequence of source addresses of the pieces (this GPU, peer GPU, pinned host; host
             memory when ``out`` is on the CPU).
-        lengths: bytes of each piece (>= 1).
+        lengths: bytes of each piece (>= 0). A piece of length 0 is a no-op: it gets no table entry and no
+            payload (the chunk format's items are >= 1 byte), so the chunk holds the other pieces only.
         dst_addrs: destination address of each piece at the receiver (goes into the item table).
         out: contiguous uint8 tensor (a relay slot) of at least the chunk's size.
         seq, sender_id: header fields (u64).
@@ -32,9 +33,17 @@ def pack_chunk(src_ptrs: Sequence[int], lengths: Sequence[int], dst_addrs: Seque
     src_np = np.asarray(src_ptrs, dtype=np.int64)
     len_np = np.asarray(lengths, dtype=np.int64)
     count = len_np.size
-    if src_np.shape != len_np.shape or np.asarray(dst_addrs).shape != len_np.shape:
+    dst_np = np.asarray(dst_addrs, dtype=np.uint64)
+    if src_np.shape != len_np.shape or dst_np.shape != len_np.shape:
         raise ValueError(f"pack_chunk: src_ptrs ({src_np.size}), lengths ({count}) and dst_addrs "
-                         f"({np.asarray(dst_addrs).size}) must have the same number of items")
+                         f"({dst_np.size}) must have the same number of items")
+    if count:
+        _checks.check_lengths("pack_chunk", len_np)
+        if int(len_np.min()) == 0:
+            keep = np.flatnonzero(len_np)
+            src_np, len_np, dst_np = src_np[keep], len_np[keep], dst_np[keep]
+            count = len_np.size
+            dst_addrs = dst_np
     table_bytes = payload_offset_for(count)
     if out.device.type == "cpu" or backend == "host":
         header, item_offsets, chunk_bytes = build_header_table(dst_addrs, len_np, seq, sender_id)
@@ -58,6 +67,18 @@ def pack_chunk(src_ptrs: Sequence[int], lengths: Sequence[int], dst_addrs: Seque
     # Keep the device copies alive until the launch has run on this stream.
     header_dev.record_stream(torch.cuda.current_stream(out.device))
     batch.device_buf.record_stream(torch.cuda.current_stream(out.device))
+    return chunk_bytes
+
+
+def pack_chunk_torch(src_ptrs: Sequence[int], lengths: Sequence[int], dst_addrs: Sequence[int], out: torch.Tensor,
+                     seq: int, sender_id: int) -> int:
+    """Reference: the same chunk built with ``build_header_table`` and one ``copy_`` per piece (no checks)."""
+    keep = [i for i, n in enumerate(lengths) if n]
+    lengths = [int(lengths[i]) for i in keep]
+    header, item_offsets, chunk_bytes = build_header_table([dst_addrs[i] for i in keep], lengths, seq, sender_id)
+    out[:header.size].copy_(torch.from_numpy(header.copy()))
+    for i, length, offset in zip(keep, lengths, item_offsets.tolist()):
+        out[offset:offset + length].copy_(raw_view(int(src_ptrs[i]), length, out.device))
     return chunk_bytes
 
 

@@ -6,43 +6,49 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks, peer_access
-from pxn_kernels._batched_copy import CopyPlan, _default_plan, launch_batched_copy
+from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, run_batch
 from pxn_kernels._memory import host_copy, raw_view
-from pxn_kernels.gather import _use_host
+from pxn_kernels.gather import _lean, _use_host
 
 
-def scatter(src: torch.Tensor, src_offsets: torch.Tensor, dst_ptrs: torch.Tensor, lengths: torch.Tensor,
-            check: bool = True, plan: Optional[CopyPlan] = None, backend: str = "auto") -> None:
+def scatter(src: torch.Tensor, src_offsets, dst_ptrs, lengths, check: bool = True, plan: Optional[CopyPlan] = None,
+            backend: str = "auto") -> None:
     """Copy ``src[src_offsets[i]:src_offsets[i] + lengths[i]]`` to raw address ``dst_ptrs[i]``.
 
     Arguments:
         src: contiguous uint8 tensor holding the pieces.
         src_offsets: int64 [n] byte offsets into ``src``.
         dst_ptrs: int64 [n] destination addresses (this GPU, a peer GPU with peer access, or pinned host);
-            destination ranges must not overlap.
+            destination ranges must not overlap (in any order: unordered ones are sorted to check).
         lengths: int64 [n] bytes per item, >= 0.
-        check, plan, backend: as for ``gather``.
+        check, plan, backend, host arrays: as for ``gather``.
     Raises:
         ValueError naming the argument and value (as ``gather``).
     """
-    _checks.check_byte_tensor("scatter", "src", src)
-    count = _checks.check_index_tensors("scatter", src.device, src_offsets=src_offsets, dst_ptrs=dst_ptrs,
-                                        lengths=lengths)
-    if check and count:
-        off_np, dst_np, len_np = _checks.to_host(src_offsets, dst_ptrs, lengths)
-        _checks.check_lengths("scatter", len_np)
-        _checks.check_ranges_in("scatter", "src_offsets", off_np, len_np, src.numel(), "src")
-        _checks.check_addresses("scatter", "dst_ptrs", dst_np, len_np)
-        _checks.check_no_overlap("scatter", "dst_ptrs", dst_np, len_np)
-        if not peer_access.reachable(src.device, [dst_np], len_np):
-            peer_access.staged_copy(off_np + src.data_ptr(), dst_np, len_np, src.device)
-            return
-    if _use_host(backend, src):
-        base = src.data_ptr()
-        host_copy([base + int(o) for o in src_offsets.tolist()], dst_ptrs, lengths)
+    if not check and plan is not None and _lean(src, src_offsets, dst_ptrs, lengths, backend):
+        launch_batched_copy(src_offsets, dst_ptrs, lengths, src.data_ptr(), 0, plan)
         return
-    launch_batched_copy(src_offsets, dst_ptrs, lengths, src.data_ptr(), 0,
-                        plan if plan is not None else _default_plan(lengths, len_np if check and count else None))
+    _checks.check_byte_tensor("scatter", "src", src)
+    use_host = _use_host(backend, src.device)
+    args = _checks.index_args("scatter", src.device, src_offsets=src_offsets, dst_ptrs=dst_ptrs, lengths=lengths)
+    stats = None
+    if check and args.count:
+        off_np, dst_np, len_np = args.host()
+        stats = _checks.validate(
+            "scatter", len_np, [_checks.within("src_offsets", off_np, src.numel(), "src"),
+                                _checks.address("dst_ptrs", dst_np)],
+            written=("dst_ptrs", dst_np),
+            written_tensors=None if args.on_host else (args.values["dst_ptrs"], args.values["lengths"]))
+        if not use_host and not peer_access.reachable(src.device, [dst_np], len_np):
+            peer_access.staged_copy(src.data_ptr() + off_np, dst_np, len_np, src.device)
+            return
+    if not args.count:
+        return
+    if use_host:
+        off_np, dst_np, len_np = args.host()
+        host_copy(src.data_ptr() + off_np, dst_np, len_np)
+        return
+    run_batch("scatter", args, "src_offsets", "dst_ptrs", src.data_ptr(), 0, src.device, plan, stats)
 
 
 def scatter_torch(src: torch.Tensor, src_offsets: torch.Tensor, dst_ptrs: torch.Tensor,

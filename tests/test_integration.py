@@ -12,7 +12,9 @@ import importlib.machinery
 import inspect
 import json
 import logging
+import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -26,6 +28,8 @@ from engine_helpers import GUARD, POISON, Expected, GuardedPeer, _digest, disjoi
 from integration import mooncake as mc
 from integration.mooncake import TransferEngine as MooncakeEngine
 from integration.sglang import PxnMooncakeTransferEngine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MB = 1 << 20
 AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]   # sglang's aux metadata batch (bytes per piece)
@@ -101,7 +105,8 @@ class Peer(GuardedPeer):
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     # these change which fabric initialize() picks; the cases below say what they want
-    for name in ("PXN_FABRIC", "MC_FORCE_TCP", "MOONCAKE_PROTOCOL", "MC_TRANSFER_TIMEOUT", "PXN_SGLANG_PLUGIN"):
+    for name in ("PXN_FABRIC", "MC_FORCE_TCP", "MOONCAKE_PROTOCOL", "MC_TRANSFER_TIMEOUT", "PXN_SGLANG_PLUGIN",
+                 "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT", "MC_MIN_PRC_PORT", "MC_MAX_PRC_PORT"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -223,9 +228,10 @@ def test_mooncake_async_failure_codes(mc_sender, mc_peer, src):
     b = src.ctypes.data
     # refused at submission (destination not registered at the peer): Mooncake's "0 on failure"
     assert mc_sender.batch_transfer_async_write(mc_peer.session, [b], [mc_peer.base - 4096], [64]) == 0
-    # refused at submission by the one-piece variant: a negative code, as Mooncake's transfer_submit_write
-    assert mc_sender.transfer_submit_write(mc_peer.session, b, mc_peer.base + mc_peer.size, 64) == \
-        mc.ERR_ADDRESS_NOT_REGISTERED
+    # refused at submission by the one-piece variant: 0 too (Mooncake's transfer_submit_write returns a batch id,
+    # 0 on failure), the cause logged
+    assert mc_sender.transfer_submit_write(mc_peer.session, b, mc_peer.base + mc_peer.size, 64) == 0
+    assert mc_sender.transfer_submit_write("unreachable_peer:9", 0, 0, 16) == 0
     mc_peer.check(Expected(mc_peer.size))
 
 
@@ -396,7 +402,10 @@ def test_destination_outside_peer_memory(api, mc_sender, sgl_sender, mc_peer, sg
     assert call(peer.session, [b - 64 * MB], [peer.base], [64]) == mc.ERR_ADDRESS_NOT_REGISTERED
     # malformed batches
     assert call(peer.session, [b, b + 64], [peer.base], [64, 64]) == mc.ERR_INVALID_ARGUMENT
-    assert call(peer.session, [b], [peer.base], [0]) == mc.ERR_INVALID_ARGUMENT
+    assert call(peer.session, [b], [peer.base], [-1]) == mc.ERR_INVALID_ARGUMENT
+    # a zero-length piece moves nothing and is no error, as in Mooncake; with it a bad piece still fails all
+    assert call(peer.session, [b], [peer.base], [0]) == 0
+    assert call(peer.session, [b, b], [peer.base, peer.base - 4096], [0, 64]) == mc.ERR_ADDRESS_NOT_REGISTERED
     time.sleep(0.2)
     peer.check(Expected(peer.size))  # all poison: not even the valid pieces were written
 
@@ -517,7 +526,19 @@ def test_initialize_codes(caplog):
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == mc.ERR_NOT_IMPLEMENTED
         assert eng.initialize("127.0.0.1:4242", "P2PHANDSHAKE", "tcp", "") == 0
         assert eng.get_session_id() == f"127.0.0.1:{eng.get_rpc_port()}"
-        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == mc.ERR_CONTEXT
+        first = eng.pxn_engine
+        buf = np.zeros(4096, dtype=np.uint8)
+        assert eng.register_memory(buf.ctypes.data, 4096) == 0
+        # a second initialize starts a fresh engine and drops the first (and its registrations), as Mooncake's
+        with caplog.at_level(logging.WARNING, logger="integration.mooncake"):
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert "called again" in caplog.text
+        assert eng.pxn_engine is not first and first._closed and eng.pxn_engine.regions() == []
+        assert eng.get_session_id() == f"127.0.0.1:{eng.get_rpc_port()}"
+        # a failing second initialize keeps the running engine
+        second = eng.pxn_engine
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == mc.ERR_NOT_IMPLEMENTED
+        assert eng.pxn_engine is second and not second._closed
         assert isinstance(json.loads(eng.get_local_topology()), dict)
     finally:
         eng.close()
@@ -528,20 +549,23 @@ def test_rdma_without_device_fails_cleanly(monkeypatch):
     from transport.engine import TransferEngine as PxnEngine
     if PxnEngine._pick_fabric("auto") == "verbs":
         pytest.skip("an RDMA device is usable here")
+    # "rdma" starts on tcp with one warning line, as Mooncake does; pxn's "verbs" refuses instead
     with MooncakeEngine() as eng:
-        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == mc.ERR_DEVICE_NOT_FOUND
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "verbs", "") == mc.ERR_DEVICE_NOT_FOUND
     with MooncakeEngine() as eng:  # "auto" falls back to tcp
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "auto", "") == 0
         assert eng.pxn_engine.fabric_name == "tcp"
-    monkeypatch.setenv("MC_FORCE_TCP", "1")  # as Mooncake: forces tcp whatever the protocol says
-    with MooncakeEngine() as eng:
-        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
-        assert eng.pxn_engine.fabric_name == "tcp"
+    for value in ("1", "true", "TRUE", "yes", "on"):  # as Mooncake: forces tcp whatever the protocol says
+        monkeypatch.setenv("MC_FORCE_TCP", value)
+        with MooncakeEngine() as eng:
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "verbs", "") == 0, value
+            assert eng.pxn_engine.fabric_name == "tcp"
+    for value in ("0", "false", "no", "off", ""):
+        monkeypatch.setenv("MC_FORCE_TCP", value)
+        with MooncakeEngine() as eng:
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "verbs", "") == mc.ERR_DEVICE_NOT_FOUND, value
     monkeypatch.delenv("MC_FORCE_TCP")
-    with pytest.raises(RuntimeError, match="initialization failed"):  # sglang's wrapper raises here too
-        PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0)           # MOONCAKE_PROTOCOL unset -> "rdma"
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-    eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0)
+    eng = PxnMooncakeTransferEngine("127.0.0.1", gpu_id=0)  # MOONCAKE_PROTOCOL unset -> "rdma" -> tcp here
     try:
         assert eng.get_engine().fabric_name == "tcp"
     finally:
@@ -560,9 +584,9 @@ def test_batch_register_is_all_or_nothing():
         assert eng.batch_register_memory([a0, a1], [4096]) == mc.ERR_INVALID_ARGUMENT
         assert eng.batch_register_memory([a0, a1], [4096, 0]) == mc.ERR_INVALID_ARGUMENT
         assert eng.batch_register_memory([a0, a1], [4096, 4096]) == 0
-        assert eng.register_memory(a0, 4096) == 0  # the same range again: fine
+        assert eng.register_memory(a0, 4096) == mc.ERR_ADDRESS_OVERLAPPED  # the same range again: Mooncake's -7
         assert eng.register_memory(a0, 4096, "cuda:x") == mc.ERR_INVALID_ARGUMENT
-        assert eng.register_memory(a0, 4096, "cpu:0") == 0
+        assert eng.register_memory(a0, 0) == mc.ERR_INVALID_ARGUMENT  # zero length: Mooncake's -1
         assert sorted(r.addr for r in eng.pxn_engine.regions()) == sorted([a0, a1, a2])
         # unregister: every address is tried, the first failure is returned
         assert eng.batch_unregister_memory([a0, 12345, a1]) == mc.ERR_ADDRESS_NOT_REGISTERED
@@ -634,6 +658,242 @@ def test_pointer_device_of_host_memory():
 
 
 # ============================================================================================================
+# the rest of Mooncake's binding: reads, opcodes, notifies, managed buffers, http metadata, stream order
+# ============================================================================================================
+@pytest.fixture(scope="module")
+def landing(mc_sender):
+    """A local buffer registered with mc_sender, where reads land."""
+    buf = np.zeros(4 * MB, dtype=np.uint8)
+    assert mc_sender.register_memory(buf.ctypes.data, buf.nbytes) == 0
+    return buf
+
+
+def test_mooncake_reads_and_opcodes(mc_sender, mc_peer, src, landing, rng):
+    """Write distinct random pieces to the peer, read them back through every read call, byte-exact; the
+    rest of the landing buffer keeps its poison."""
+    lengths = np.concatenate([[1, 63, 4097], rng.integers(1, 2000, 60), [200000]])
+    src_offs = disjoint_offsets(rng, lengths, SRC_BYTES)
+    peer_offs = disjoint_offsets(rng, lengths, PEER_BYTES)
+    back_offs = disjoint_offsets(rng, lengths, landing.nbytes)
+    peers = _addrs(mc_peer.base, peer_offs)
+    assert mc_sender.batch_transfer_sync_write(mc_peer.session, _addrs(src.ctypes.data, src_offs), peers,
+                                               lengths.tolist()) == 0
+    expected = np.full(landing.nbytes, 0xC3, dtype=np.uint8)
+    for s_, b_, n in zip(src_offs, back_offs, lengths):
+        expected[b_:b_ + n] = src[s_:s_ + n]
+    backs = _addrs(landing.ctypes.data, back_offs)
+    R, W = mc.TransferOpcode.Read, mc.TransferOpcode.Write
+
+    def poisoned():
+        landing[:] = 0xC3
+        return True
+
+    for call in (lambda: mc_sender.batch_transfer_sync_read(mc_peer.session, backs, peers, lengths.tolist()),
+                 lambda: mc_sender.batch_transfer_sync(mc_peer.session, backs, peers, lengths.tolist(), R),
+                 lambda: mc_sender.get_batch_transfer_status(
+                     [mc_sender.batch_transfer_async_read(mc_peer.session, backs, peers, lengths.tolist())]),
+                 lambda: mc_sender.get_batch_transfer_status(
+                     [mc_sender.batch_transfer_async(mc_peer.session, backs, peers, lengths.tolist(), R)])):
+        assert poisoned() and call() == 0
+        assert np.array_equal(landing, expected)
+    assert poisoned() and all(mc_sender.transfer_sync_read(mc_peer.session, b_, p_, int(n)) == 0
+                              for b_, p_, n in zip(backs[:5], peers[:5], lengths[:5]))
+    assert np.array_equal(landing[back_offs[0]:back_offs[0] + 1], expected[back_offs[0]:back_offs[0] + 1])
+    # a WRITE through the opcode form lands like batch_transfer_sync_write
+    assert mc_sender.transfer_sync(mc_peer.session, src.ctypes.data, mc_peer.base, 63, W) == 0
+    assert mc_sender.transfer_sync(mc_peer.session, src.ctypes.data, mc_peer.base, 63, 7) == \
+        mc.ERR_INVALID_ARGUMENT
+
+
+def test_mooncake_read_of_bad_addresses_writes_nothing(mc_sender, mc_peer, landing, caplog):
+    landing[:] = 0xC3
+    b = landing.ctypes.data
+    with caplog.at_level(logging.WARNING, logger="integration.mooncake"):
+        # a source past the end of the peer's region: refused by the peer, nothing written here
+        assert mc_sender.batch_transfer_sync_read(mc_peer.session, [b, b + 100], [mc_peer.base,
+                                                  mc_peer.base + mc_peer.size - 5], [64, 6]) == \
+            mc.ERR_ADDRESS_NOT_REGISTERED
+    assert "remote_srcs[1]" in caplog.text and len([r for r in caplog.records if "remote_srcs" in r.message]) == 1
+    # a local destination outside registered memory: refused here
+    assert mc_sender.transfer_sync_read(mc_peer.session, b + landing.nbytes - 1, mc_peer.base, 2) == \
+        mc.ERR_ADDRESS_NOT_REGISTERED
+    assert mc_sender.batch_transfer_async_read(mc_peer.session, [b + landing.nbytes], [mc_peer.base], [1]) == 0
+    # refused by the peer after submission: the batch fails at its status
+    bid = mc_sender.batch_transfer_async_read(mc_peer.session, [b], [mc_peer.base - 64], [8])
+    assert bid >= 1 and mc_sender.get_batch_transfer_status([bid]) == mc.ERR_ADDRESS_NOT_REGISTERED
+    assert mc_sender.transfer_sync_read("127.0.0.1:1", b, 0, 8) == mc.ERR_METADATA
+    assert (landing == 0xC3).all()
+
+
+@pytest.fixture
+def pair():
+    """Two shim engines in this process, each with a 64 KiB registered buffer."""
+    engines, bufs = [], []
+    for _ in range(2):
+        e = MooncakeEngine()
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        buf = np.zeros(64 << 10, dtype=np.uint8)
+        assert e.register_memory(buf.ctypes.data, buf.nbytes) == 0
+        engines.append(e)
+        bufs.append(buf)
+    yield engines, bufs
+    for e in engines:
+        e.close()
+
+
+def test_notifies(pair):
+    (a, b), (abuf, bbuf) = pair
+    abuf[:8] = np.arange(1, 9, dtype=np.uint8)
+    n = mc.TransferNotify("kv", "req-17 done")
+    assert a.transfer_sync(b.get_session_id(), abuf.ctypes.data, bbuf.ctypes.data, 8, mc.TransferOpcode.Write,
+                           n) == 0
+    assert bytes(bbuf[:8]) == bytes(range(1, 9))
+    assert a.batch_transfer_sync(b.get_session_id(), [abuf.ctypes.data], [bbuf.ctypes.data + 8], [4],
+                                 mc.TransferOpcode.Read, mc.TransferNotify("r", "2")) == 0
+    got = b.get_notifies()
+    assert [(x.name, x.msg) for x in got] == [("kv", "req-17 done"), ("r", "2")]
+    assert b.get_notifies() == [] and a.get_notifies() == []
+
+
+def test_managed_buffers_bytes_and_first_buffer_address(pair):
+    (a, b), (abuf, bbuf) = pair
+    assert a.get_first_buffer_address(a.get_session_id()) == abuf.ctypes.data
+    assert a.get_first_buffer_address(b.get_session_id()) == bbuf.ctypes.data   # asked of the peer
+    assert a.get_first_buffer_address("127.0.0.1:1") == 0
+    m = a.allocate_managed_buffer(10000)
+    assert m != 0 and m % 4096 == 0
+    assert a.get_first_buffer_address(a.get_session_id()) == abuf.ctypes.data   # the first registered stays first
+    assert a.write_bytes_to_buffer(m, b"hello pxn", 9) == 0
+    assert a.read_bytes_from_buffer(m, 9) == b"hello pxn"
+    assert a.transfer_sync_write(b.get_session_id(), m, bbuf.ctypes.data + 100, 9) == 0
+    assert bytes(bbuf[100:109]) == b"hello pxn"
+    # outside every registered range, or more than given: refused, nothing copied
+    assert a.write_bytes_to_buffer(m + 9995, b"0123456789", 10) == mc.ERR_ADDRESS_NOT_REGISTERED
+    assert a.write_bytes_to_buffer(m, b"ab", 3) == mc.ERR_INVALID_ARGUMENT
+    assert a.read_bytes_from_buffer(m + 9999, 2) == b""
+    assert a.read_bytes_from_buffer(m + 9990, 10) == bytes(10)
+    assert a.free_managed_buffer(m, 10000) == 0
+    assert a.free_managed_buffer(m, 10000) == mc.ERR_INVALID_ARGUMENT
+    assert a.write_bytes_to_buffer(m, b"x", 1) == mc.ERR_ADDRESS_NOT_REGISTERED   # freed: no longer registered
+    assert a.allocate_managed_buffer(0) == 0
+    assert a.warmup_efa_segment(b.get_session_id()) == 0 and a.get_engine_ptr() == 0
+
+
+def test_http_metadata_mode_with_pxns_server():
+    from urllib.error import HTTPError
+    from urllib.request import Request, urlopen
+
+    from integration.metadata_server import MetadataServer
+    with MetadataServer("127.0.0.1", 0) as srv:
+        a, b = MooncakeEngine(), MooncakeEngine()
+        try:
+            assert a.initialize("127.0.0.1:12347", srv.url, "tcp", "") == 0
+            assert b.initialize_ext("127.0.0.1:12345", srv.url[len("http://"):], "tcp", "", "http") == 0
+            assert srv.keys() == ["pxn/segment/127.0.0.1:12345", "pxn/segment/127.0.0.1:12347"]
+            abuf, bbuf = np.zeros(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+            abuf[:] = np.arange(4096) % 251
+            assert a.register_memory(abuf.ctypes.data, 4096) == 0 and b.register_memory(bbuf.ctypes.data, 4096) == 0
+            # peers are named by segment name; addresses come from the peer as in Mooncake's tests
+            dst = a.get_first_buffer_address("127.0.0.1:12345")
+            assert dst == bbuf.ctypes.data and a.get_first_buffer_address("127.0.0.1:12347") == abuf.ctypes.data
+            assert a.transfer_sync_write("127.0.0.1:12345", abuf.ctypes.data, dst, 4096) == 0
+            assert np.array_equal(abuf, bbuf)
+            abuf[:] = 0
+            assert a.transfer_sync_read("127.0.0.1:12345", abuf.ctypes.data, dst + 1, 100) == 0
+            assert np.array_equal(abuf[:100], bbuf[1:101]) and not abuf[100:].any()
+            assert a.send_probe("127.0.0.1:12345") == 0
+            # a name nobody published: Mooncake's answers
+            assert a.send_probe("unreachable_peer:9") == mc.ERR_METADATA
+            assert a.batch_transfer_async_write("unreachable_peer:9", [0], [0], [16]) == 0
+            assert a.transfer_submit_write("unreachable_peer:9", 0, 0, 16) == 0
+            assert a.transfer_sync_write("unreachable_peer:9", abuf.ctypes.data, 0, 16) == mc.ERR_METADATA
+        finally:
+            a.close()
+            b.close()
+        assert srv.keys() == []   # close() removes the engine's entry
+        # the server speaks Mooncake's protocol
+        with pytest.raises(HTTPError) as e:
+            urlopen(f"http://127.0.0.1:{srv.port}/metadata", timeout=5)
+        assert e.value.code == 400
+        put = Request(f"{srv.url}?key=mooncake/rpc_meta/x", data=b"{}", method="PUT")
+        assert urlopen(put, timeout=5).status == 200
+        with pytest.raises(HTTPError) as e:
+            urlopen(Request(f"{srv.url}?key=mooncake/rpc_meta/x", data=b"{}", method="PUT"), timeout=5)
+        assert e.value.code == 400
+        assert urlopen(f"{srv.url}?key=mooncake/rpc_meta/x", timeout=5).read() == b"{}"
+        assert urlopen(Request(f"{srv.url}?key=mooncake/rpc_meta/x", method="DELETE"), timeout=5).status == 200
+        with pytest.raises(HTTPError) as e:
+            urlopen(f"{srv.url}?key=mooncake/rpc_meta/x", timeout=5)
+        assert e.value.code == 404
+    with MooncakeEngine() as c:   # the server is gone: initialize says so
+        assert c.initialize("127.0.0.1:1", srv.url, "tcp", "") == mc.ERR_METADATA
+        assert c.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == mc.ERR_NOT_IMPLEMENTED
+
+
+def test_rpc_port_range(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        busy = s.getsockname()[1]
+        free = busy + 1 if busy < 65535 else busy - 1
+        monkeypatch.setenv("MC_MIN_RPC_PORT", str(min(busy, free)))
+        monkeypatch.setenv("MC_MAX_RPC_PORT", str(max(busy, free)))
+        with MooncakeEngine() as e:
+            ret = e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+            assert ret == 0 and e.get_rpc_port() == free   # the one port of the range that is free
+    monkeypatch.setenv("MC_MIN_RPC_PORT", "99999")
+    with MooncakeEngine() as e:
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == mc.ERR_INVALID_ARGUMENT
+
+
+def test_on_cuda_calls_run_in_stream_order(pair):
+    """A stand-in stream: the transfer starts only when the stream reaches the host function, and the host
+    function returns (letting the stream's later work run) only once the bytes are placed."""
+    (a, b), (abuf, bbuf) = pair
+    queued = []
+    a._launch_host_func = lambda stream, fn: queued.append((stream, fn))
+    abuf[:16] = 7
+    assert a.batch_transfer_write_on_cuda(b.get_session_id(), [abuf.ctypes.data], [bbuf.ctypes.data], [16],
+                                          0x1234) is None
+    time.sleep(0.2)
+    assert len(queued) == 1 and queued[0][0] == 0x1234 and not bbuf[:16].any()   # not before the stream says
+    queued[0][1]()   # the stream reaches the host function: it returns once the write is done
+    assert (bbuf[:16] == 7).all()
+    bbuf[32:40] = 9
+    a.transfer_read_on_cuda(b.get_session_id(), abuf.ctypes.data + 100, bbuf.ctypes.data + 32, 8, 0)
+    queued[1][1]()
+    assert (abuf[100:108] == 9).all()
+    with pytest.raises(RuntimeError, match="refused"):   # as Mooncake: an unknown peer raises at the call
+        a.transfer_write_on_cuda("127.0.0.1:1", abuf.ctypes.data, 0, 8)
+    with pytest.raises(RuntimeError, match="refused"):
+        a.batch_transfer_read_on_cuda(b.get_session_id(), [1, 2], [3], [4])
+    a._launch_host_func = None
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="stream"):
+            a.transfer_write_on_cuda(b.get_session_id(), abuf.ctypes.data, bbuf.ctypes.data, 8)
+
+
+@pytest.mark.gpu
+def test_on_cuda_waits_for_earlier_stream_work_and_holds_later_work(pair):
+    """On a real stream: a write queued behind a ~0.5 s GPU sleep starts only after it; an event recorded after
+    the write completes only once the bytes are at the peer."""
+    import torch
+    (a, b), (abuf, bbuf) = pair
+    abuf[:64] = 3
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(1e9))      # ~0.5 s of GPU cycles ahead of the transfer
+    a.transfer_write_on_cuda(b.get_session_id(), abuf.ctypes.data, bbuf.ctypes.data, 64, stream.cuda_stream)
+    after = torch.cuda.Event()
+    after.record(stream)
+    time.sleep(0.05)
+    assert not bbuf[:64].any()           # the stream has not reached the transfer yet
+    after.synchronize()
+    assert (bbuf[:64] == 3).all()        # work after the transfer ran only once the bytes were placed
+    assert a.stats()["cuda_transfers_failed"] == 0
+
+
+# ============================================================================================================
 # the sglang plugin hook, against a stand-in of sglang's HookRegistry
 # ============================================================================================================
 def _fake_module(name: str, monkeypatch, **attrs):
@@ -645,9 +905,11 @@ def _fake_module(name: str, monkeypatch, **attrs):
     return mod
 
 
-@pytest.mark.parametrize("which", [0, 1])
-def test_plugin_registers_class_replace(monkeypatch, which):
-    from integration.sglang import SGLANG_TARGETS, register_sglang_plugin
+@pytest.mark.parametrize("which,mooncake", [(0, False), (1, False), (0, True)])
+def test_plugin_hooks_the_kv_managers_and_guards_the_shared_engine(monkeypatch, which, mooncake):
+    """The KV managers' init_engine is always replaced; sglang's shared engine class only when Mooncake is not
+    installed (then by a stand-in that names pxn and the feature using it)."""
+    from integration import sglang as sgl
     calls = []
 
     class HookType:
@@ -661,16 +923,143 @@ def test_plugin_registers_class_replace(monkeypatch, which):
     for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
         _fake_module(name, monkeypatch)
     _fake_module("sglang.srt.plugins.hook_registry", monkeypatch, HookRegistry=HookRegistry, HookType=HookType)
-    target = SGLANG_TARGETS[which]
+    target = sgl.SGLANG_TARGETS[which]
     parts = target.rsplit(".", 1)[0].split(".")
     for i in range(2, len(parts) + 1):
         name = ".".join(parts[:i])
         if name not in sys.modules or not name.startswith("sglang.srt.plugins"):
             _fake_module(name, monkeypatch)
     if which == 1:  # the older location only: the new one must not be found
-        monkeypatch.delitem(sys.modules, SGLANG_TARGETS[0].rsplit(".", 1)[0], raising=False)
-    assert register_sglang_plugin() == target
-    assert calls == [(target, PxnMooncakeTransferEngine, "replace")]
+        monkeypatch.delitem(sys.modules, sgl.SGLANG_TARGETS[0].rsplit(".", 1)[0], raising=False)
+    if mooncake:
+        _fake_module("mooncake", monkeypatch)
+        _fake_module("mooncake.engine", monkeypatch, TransferEngine=object)
+    else:
+        monkeypatch.setitem(sys.modules, "mooncake", None)
+    assert sgl.register_sglang_plugin() == sgl.KV_MANAGER_TARGET
+    expected = [(sgl.KV_MANAGER_TARGET, sgl._kv_manager_init_engine, "replace")]
+    if not mooncake:
+        expected.append((target, sgl.MooncakeEngineUnavailable, "replace"))
+    assert calls == expected
     monkeypatch.setenv("PXN_SGLANG_PLUGIN", "0")
-    assert register_sglang_plugin() is None
-    assert len(calls) == 1
+    assert sgl.register_sglang_plugin() is None
+    assert len(calls) == len(expected)
+
+
+def test_stand_in_names_pxn_and_the_feature():
+    from integration.sglang import MooncakeEngineUnavailable, PxnFeatureUnavailable
+    stand_in = MooncakeEngineUnavailable("127.0.0.1", gpu_id=0, ib_device=None)   # constructing it is harmless
+    g = {"__name__": "sglang.srt.elastic_ep.expert_backup_client", "eng": stand_in}
+    with pytest.raises(PxnFeatureUnavailable, match=r"elastic EP expert backup needs Mooncake.*pxn replaces only"):
+        exec("eng.engine.register_memory(1, 2)", g)
+    g["__name__"] = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store"
+    with pytest.raises(PxnFeatureUnavailable, match=r"HiCache's Mooncake store.*get_ib_device"):
+        exec("eng.get_ib_device()", g)
+
+
+# ============================================================================================================
+# the sglang plugin against sglang's real hook registry (sglang's source on PYTHONPATH; skipped without it)
+# ============================================================================================================
+_SGLANG_SCRIPT = r'''
+import json, os, sys, types
+mode = sys.argv[1]
+if mode == "without":
+    sys.modules["mooncake"] = None          # Mooncake not installed: "import mooncake.engine" fails
+else:                                        # a stand-in Mooncake wheel, recording what uses it
+    mc = types.ModuleType("mooncake"); mce = types.ModuleType("mooncake.engine")
+    class TransferEngine:
+        def initialize(self, *a): return 0
+        def get_rpc_port(self): return 4242
+        def register_memory(self, ptr, n): return 0
+        def get_engine(self): return InnerTransferEngine()
+    class InnerTransferEngine:
+        pass
+    mce.TransferEngine = TransferEngine; mc.engine = mce
+    sys.modules["mooncake"] = mc; sys.modules["mooncake.engine"] = mce
+from sglang.srt.plugins.hook_registry import HookRegistry
+from integration.sglang import (KV_MANAGER_TARGET, MooncakeEngineUnavailable, PxnFeatureUnavailable,
+                                PxnMooncakeTransferEngine, register_sglang_plugin)
+HookRegistry.reset()
+assert register_sglang_plugin() == KV_MANAGER_TARGET
+HookRegistry.apply_hooks()
+out = {}
+# sglang builds its one shared engine at start-up (bootstrap.maybe_init_shared_mooncake_transfer_engine)
+import sglang.srt.distributed.device_communicators.mooncake_transfer_engine as mte
+shared = mte.init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
+out["shared"] = type(shared).__name__
+out["shared_inner"] = type(getattr(shared, "__dict__", {}).get("engine")).__name__
+# the KV managers' engine, through the real MooncakeKVManager.init_engine (hooked)
+from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+mgr = types.SimpleNamespace(kv_args=types.SimpleNamespace(gpu_id=0, ib_device=None))
+MooncakeKVManager.init_engine(mgr)
+out["kv"] = type(mgr.engine).__name__
+out["kv_fabric"] = mgr.engine.get_engine().fabric_name
+mgr2 = types.SimpleNamespace(kv_args=mgr.kv_args)
+MooncakeKVManager.init_engine(mgr2)
+out["kv_shared_between_managers"] = mgr2.engine is mgr.engine
+# expert backup, through sglang's own code (ExpertBackupClient.start_transfer_client)
+import torch
+from sglang.srt.elastic_ep.expert_backup_client import ExpertBackupClient
+client = types.SimpleNamespace(_get_model=lambda: torch.nn.Linear(2, 2), use_backup=True)
+try:
+    ExpertBackupClient.start_transfer_client(client)
+    out["expert_backup"] = "ok:" + type(client.transfer_engine.engine).__name__
+except PxnFeatureUnavailable as e:
+    out["expert_backup"] = "error:" + str(e)
+except Exception as e:
+    out["expert_backup"] = "other:" + type(e).__name__ + ": " + str(e)
+# HiCache's Mooncake store reuse check (mooncake_store.py), run as code of that module
+code = "eng = get_mooncake_transfer_engine()\nib = eng.get_ib_device()\nte = eng.get_engine()"
+from sglang.srt.distributed.parallel_state import get_mooncake_transfer_engine
+g = {"__name__": "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store",
+     "get_mooncake_transfer_engine": get_mooncake_transfer_engine}
+try:
+    exec(compile(code, "mooncake_store.py", "exec"), g)
+    out["hicache"] = "ok:" + type(g["te"]).__name__
+except PxnFeatureUnavailable as e:
+    out["hicache"] = "error:" + str(e)
+mgr.engine.close()
+print("RESULT " + json.dumps(out), flush=True)
+os._exit(0)
+'''
+
+
+def _sglang_available() -> str:
+    import importlib.util
+    try:
+        if importlib.util.find_spec("sglang") is None:
+            return "sglang is not importable (put sglang 0.5.23's wheel source on PYTHONPATH)"
+    except (ImportError, ValueError) as e:
+        return f"sglang is not importable: {e}"
+    r = subprocess.run([sys.executable, "-c", "import sglang.srt.disaggregation.mooncake.conn, "
+                        "sglang.srt.elastic_ep.expert_backup_client"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300)
+    return "" if r.returncode == 0 else \
+        f"sglang's disaggregation code does not import here: {r.stdout.strip().splitlines()[-1:]}"
+
+
+@pytest.mark.parametrize("mooncake", ["with", "without"])
+def test_sglang_plugin_replaces_only_the_kv_managers_engine(mooncake):
+    """sglang's own HookRegistry, MooncakeKVManager.init_engine, shared-engine builder and expert-backup client:
+    the KV managers get pxn; the shared engine stays Mooncake's when Mooncake is installed; without Mooncake the
+    other features get an error naming pxn and themselves (not a pybind cast failure)."""
+    why = _sglang_available()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               MOONCAKE_PROTOCOL="rdma")  # sglang's default: pxn runs it on tcp here (no RDMA device)
+    r = subprocess.run([sys.executable, "-c", _SGLANG_SCRIPT, mooncake], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300, env=env)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, r.stdout[-4000:]
+    out = json.loads(line[-1][len("RESULT "):])
+    assert out["kv"] == "PxnMooncakeTransferEngine" and out["kv_shared_between_managers"], out
+    assert out["kv_fabric"] == "tcp"
+    if mooncake == "with":
+        assert out["shared"] == "MooncakeTransferEngine" and out["shared_inner"] == "TransferEngine", out
+        assert out["expert_backup"] == "ok:TransferEngine", out   # Mooncake's engine, not pxn's
+        assert out["hicache"] == "ok:InnerTransferEngine", out
+    else:
+        assert out["shared"] == "MooncakeEngineUnavailable", out
+        for key, feature in (("expert_backup", "elastic EP expert backup"), ("hicache", "HiCache's Mooncake store")):
+            assert out[key].startswith("error:") and feature in out[key] and "pxn" in out[key], out

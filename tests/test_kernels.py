@@ -170,6 +170,7 @@ def test_pack_chunk_round_trip(rng, backend):
     src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
     dst_addrs = [int(x) for x in rng.integers(1 << 20, 1 << 40, len(lengths))]
     slot = _random_bytes(rng, chunk_mod.chunk_bytes_for(lengths) + 100)
+    before = slot.clone()
     nbytes = pxn_kernels.pack_chunk(src_addrs, lengths, dst_addrs, slot, seq=42, sender_id=7,
                                     backend="host" if backend == "host" else "auto")
     if DEVICE.type == "cuda":
@@ -184,6 +185,46 @@ def test_pack_chunk_round_trip(rng, backend):
         off = int(table.offsets[i])
         assert off % 16 == 0
         assert np.array_equal(host[off:off + length], src_buf[start:start + length].cpu().numpy())
+    ref = before.clone()  # the whole slot against the reference: nothing written past the chunk either
+    assert pxn_kernels.pack_chunk_torch(src_addrs, lengths, dst_addrs, ref, seq=42, sender_id=7) == nbytes
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    keep = torch.ones(slot.numel(), dtype=torch.bool, device=slot.device)
+    for off, length in zip(table.offsets.tolist(), lengths):
+        keep[off + length:off + (length + 15) // 16 * 16] = False  # padding between payloads: written by neither
+    assert torch.equal(slot[keep], ref[keep])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pack_chunk_zero_length_pieces_are_no_ops(rng, backend):
+    """A piece of length 0 gets no table entry and no payload; the other pieces are packed as without it, and
+    a batch of only zero-length pieces is a chunk of no items (header only)."""
+    lengths = [0, 64, 0, 17, 0]
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
+    dst_addrs = [int(x) for x in rng.integers(1 << 20, 1 << 40, len(lengths))]
+    kept = [i for i, n in enumerate(lengths) if n]
+    slot = _random_bytes(rng, 512)
+    expect = chunk_mod.chunk_bytes_for([lengths[i] for i in kept])
+    nbytes = pxn_kernels.pack_chunk(src_addrs, lengths, dst_addrs, slot, seq=3, sender_id=4,
+                                    backend="host" if backend == "host" else "auto")
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert nbytes == expect
+    host = slot.cpu().numpy()
+    table = chunk_mod.parse_chunk(host, available_bytes=nbytes)
+    assert table.lengths.tolist() == [lengths[i] for i in kept]
+    assert table.dst_addrs.tolist() == [dst_addrs[i] for i in kept]
+    for j, i in enumerate(kept):
+        start, off = src_addrs[i] - src_buf.data_ptr(), int(table.offsets[j])
+        assert np.array_equal(host[off:off + lengths[i]], src_buf[start:start + lengths[i]].cpu().numpy())
+    before = _random_bytes(rng, 512)
+    slot.copy_(before)
+    nbytes = pxn_kernels.pack_chunk(src_addrs[:1], [0], dst_addrs[:1], slot, seq=5, sender_id=4)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert nbytes == chunk_mod.payload_offset_for(0)
+    assert chunk_mod.parse_chunk(slot.cpu().numpy(), available_bytes=nbytes).item_count == 0
+    assert torch.equal(slot[nbytes:], before[nbytes:])  # nothing past the header
 
 
 def _good_chunk(rng, n=3):
@@ -292,8 +333,8 @@ def test_pack_chunk_rejects_bad_input(rng):
     slot = _random_bytes(rng, 128)
     with pytest.raises(ValueError, match="must have the same number of items"):
         pxn_kernels.pack_chunk([1, 2], [4], [5, 6], slot, 0, 0)
-    with pytest.raises(ValueError, match=r"lengths\[0\] = 0: chunk items must be >= 1 byte"):
-        pxn_kernels.pack_chunk([slot.data_ptr()], [0], [5], slot, 0, 0)
+    with pytest.raises(ValueError, match=r"lengths\[1\] = -1 is negative"):
+        pxn_kernels.pack_chunk([slot.data_ptr()] * 2, [4, -1], [5, 6], slot, 0, 0)
     with pytest.raises(ValueError, match="chunk needs 112 bytes, out has 100"):
         pxn_kernels.pack_chunk([slot.data_ptr()], [20], [5], slot[:100], 0, 0)
 
@@ -410,46 +451,38 @@ def _check_prepared_gather_relaunch(rng, lengths, misalign, gap, settings, graph
         assert torch.equal(out, ref)
 
 
-# --- kernel variants: aligned ranges, one range per program, eager descriptors, prefetch ---------------------
+# --- range-kernel options: aligned ranges, one range per program, shifted words for unaligned pieces ---------
 
 # Interpreter-sized: 64-byte tiles, 128-byte aligned ranges, so ranges hold several tiles and pieces span ranges.
 _VARIANT_LENGTHS = [1, 3, 63, 65, 0, 700, 16, 333, 17, 48, 5, 0, 129, 64]
 
 
-def _variant_settings(lengths, mode):
-    """LaunchSettings for one kernel mode over ``lengths`` (interpreter sizes)."""
+def _mode_settings(lengths, mode):
+    """LaunchSettings for one range-kernel mode over ``lengths`` (interpreter sizes)."""
     padded = sum((x + 15) // 16 * 16 for x in lengths)
     aligned = -(-padded // 128)  # ranges of exactly 128 B
     s = pxn_kernels.LaunchSettings
     return {
         "aligned_persistent": s(64, 16, 1, programs=3, rounds=-(-aligned // 3), range_bytes=128),
-        "aligned_np_lazy": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False),
-        "aligned_np_eager": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False, eager=True),
-        "aligned_np_extra_ranges": s(64, 16, 1, programs=aligned + 3, range_bytes=128, persistent=False,
-                                     eager=True),  # trailing empty ranges
-        "aligned_np_few_ranges": s(64, 16, 1, programs=max(1, aligned - 4), range_bytes=128, persistent=False,
-                                   eager=True),  # the last range runs to the end of the stream
-        "equal_np_eager": s(64, 16, 1, programs=7, persistent=False, eager=True),
-        "eager_persistent": s(64, 16, 1, programs=2, rounds=4, eager=True, max_registers=32),
-        "prefetch1_lazy": s(64, 16, 1, programs=3, rounds=-(-aligned // 3) + 1, range_bytes=128, prefetch=1),
-        "prefetch1_eager": s(64, 16, 1, programs=3, rounds=-(-aligned // 3), range_bytes=128, prefetch=1,
-                             eager=True),
-        "prefetch2": s(64, 16, 1, programs=2, rounds=-(-aligned // 2) + 1, range_bytes=128, prefetch=2,
-                       eager=True),
-        "prefetch2_one_program": s(64, 16, 1, programs=1, rounds=5, prefetch=2, eager=True),
+        "aligned_np": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False),
+        "aligned_np_extra_ranges": s(64, 16, 1, programs=aligned + 3, range_bytes=128, persistent=False),
+        "aligned_np_few_ranges": s(64, 16, 1, programs=max(1, aligned - 4), range_bytes=128, persistent=False),
+        "equal_np": s(64, 16, 1, programs=7, persistent=False),
+        "equal_persistent_shift": s(64, 16, 1, programs=2, rounds=4, shift=True),
+        "aligned_np_shift": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False, shift=True),
+        "equal_shift_wide_tail": s(128, 64, 1, programs=3, shift=True),
     }[mode]
 
 
-_MODES = ["aligned_persistent", "aligned_np_lazy", "aligned_np_eager", "aligned_np_extra_ranges",
-          "aligned_np_few_ranges", "equal_np_eager", "eager_persistent", "prefetch1_lazy", "prefetch1_eager",
-          "prefetch2", "prefetch2_one_program"]
+_MODES = ["aligned_persistent", "aligned_np", "aligned_np_extra_ranges", "aligned_np_few_ranges", "equal_np",
+          "equal_persistent_shift", "aligned_np_shift", "equal_shift_wide_tail"]
 
 
 @pytest.mark.parametrize("mode", _MODES)
 def test_kernel_modes_gather_and_copy(rng, mode):
     lengths = list(_VARIANT_LENGTHS)
     rng.shuffle(lengths)
-    settings = _variant_settings(lengths, mode)
+    settings = _mode_settings(lengths, mode)
     plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
     # gather: sources misaligned by 0/1/3/8, chunk offsets aligned except for a few pieces
     src_buf, src_addrs = _pieces(rng, lengths, [0, 1, 0, 3, 8])
@@ -478,13 +511,13 @@ def test_kernel_modes_gather_and_copy(rng, mode):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("mode", ["aligned_np_eager", "prefetch2"])
+@pytest.mark.parametrize("mode", ["aligned_np", "aligned_np_shift"])
 def test_kernel_modes_scatter(rng, mode):
     lengths = list(_VARIANT_LENGTHS)
-    settings = _variant_settings(lengths, mode)
+    settings = _mode_settings(lengths, mode)
     offsets, size = _packed_offsets(lengths, misalign=0, gap=16)
     src = _random_bytes(rng, size)
-    dst_offsets, dst_size = _packed_offsets(lengths, misalign=16, gap=32)
+    dst_offsets, dst_size = _packed_offsets(lengths, misalign=7, gap=32)
     poison = _random_bytes(rng, dst_size + 64)
     out, ref = poison.clone(), poison.clone()
     plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
@@ -496,11 +529,11 @@ def test_kernel_modes_scatter(rng, mode):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("mode", ["aligned_np_eager", "prefetch2", "aligned_persistent"])
+@pytest.mark.parametrize("mode", ["aligned_np", "aligned_persistent", "equal_persistent_shift"])
 def test_kernel_modes_zero_length_tail_and_empty_batch(rng, mode):
     # Zero-length items at both ends, and a batch that is all zero lengths.
     lengths = [0, 0, 40, 1, 0, 0]
-    settings = _variant_settings(lengths, mode)
+    settings = _mode_settings(lengths, mode)
     src_buf, src_addrs = _pieces(rng, lengths, [0, 1])
     out = _random_bytes(rng, 128)
     ref = out.clone()
@@ -511,6 +544,33 @@ def test_kernel_modes_zero_length_tail_and_empty_batch(rng, mode):
     zeros = [0, 0, 0]
     empty_plan = pxn_kernels.plan_batched_copy(_t(zeros), settings)
     pxn_kernels.gather(_t(src_addrs[:3]), _t(zeros), out, _t([0, 0, 0]), plan=empty_plan, backend="triton")
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("length", [64, 65, 200, 1000, 4099])
+def test_shifted_words_every_alignment_pair(rng, length):
+    """The 8-byte funnel-shift path: every (source, destination) misalignment pair 0..15 x 0..15, lengths from
+    one word past the 64-byte threshold to several tiles, each against the torch reference on poisoned
+    bytes (the bytes around each piece must stay as they were)."""
+    settings = pxn_kernels.LaunchSettings(256, 16, 1, 4, shift=True)
+    pairs = [(s, d) for s in range(16) for d in range(16)]
+    rng.shuffle(pairs)
+    pairs = pairs[:24] if length > 1000 else pairs[:64]  # interpreter time
+    lengths = [length] * len(pairs)
+    src_buf, src_addrs = _pieces(rng, lengths, [s for s, _ in pairs])
+    dst_offsets, cursor = [], 0
+    for _, d in pairs:
+        cursor = (cursor + 32 + 15) // 16 * 16 + d
+        dst_offsets.append(cursor)
+        cursor += length
+    out = _random_bytes(rng, cursor + 64)
+    ref = out.clone()
+    plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+    pxn_kernels.copy(_t(src_addrs), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths), plan=plan,
+                     backend="triton")
+    pxn_kernels.copy_torch(_t(src_addrs), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -540,8 +600,7 @@ def test_device_batch_aligned_non_persistent(rng):
     dst_offsets, _ = _packed_offsets(lengths.tolist(), misalign=0, gap=16)
     dst = out.data_ptr() + np.asarray(dst_offsets, dtype=np.int64)
     padded = int(((lengths + 15) // 16 * 16).sum())
-    settings = pxn_kernels.LaunchSettings(256, 16, 1, -(-padded // 512), range_bytes=512, persistent=False,
-                                          eager=True)
+    settings = pxn_kernels.LaunchSettings(256, 16, 1, -(-padded // 512), range_bytes=512, persistent=False)
     batch = pxn_kernels.DeviceBatch(np.asarray(src_addrs, dtype=np.int64), dst, lengths, DEVICE, settings)
     assert batch.plan.bounds.cpu().tolist()[:-1] == [512 * r for r in range(settings.ranges)]
     pxn_kernels.launch_batched_copy(batch.src, batch.dst, batch.lengths, 0, 0, batch.plan)
@@ -551,15 +610,16 @@ def test_device_batch_aligned_non_persistent(rng):
     assert torch.equal(out, ref)
 
 
-def test_prepared_copy_with_variant_settings(rng):
+def test_prepared_copy_with_mode_settings(rng):
     lengths = [5, 64, 300, 17, 1]
-    _check_prepared_gather_relaunch(rng, lengths, 0, 16, _variant_settings(lengths, "prefetch2"))
+    _check_prepared_gather_relaunch(rng, lengths, 0, 16, _mode_settings(lengths, "aligned_np_shift"))
 
 
 def test_settings_for_defaults_and_aligned(monkeypatch):
     import pxn_kernels._batched_copy as bc
     sms = 132
     monkeypatch.setattr(bc, "_multiprocessors", lambda index: sms)
+    monkeypatch.setattr(pxn_kernels.policy, "arch_name", lambda device: "sm_90")
     cuda = torch.device("cuda", 0)
     # The default regimes reproduce the pre-variant formula.
     for n, total in [(11, 9900), (4096, 64 * 4096), (4096, 8192 * 4096), (1024, 65536 * 1024),
@@ -571,13 +631,11 @@ def test_settings_for_defaults_and_aligned(monkeypatch):
         rounds = 1 if not total else max(1, min(total // (programs * (32 << 10)), 16))
         assert got == pxn_kernels.LaunchSettings(block, 1024, warps, programs, False, rounds)
     # Aligned, one range per program: enough ranges for the padded stream (upper bound total + 15 n).
-    regime = pxn_kernels.Regime(4096, 4, 8, range_bytes=4096, persistent=False, eager=True, max_registers=32)
+    regime = pxn_kernels.Regime(4096, 4, 8, range_bytes=4096, persistent=False, shift=True)
     s = pxn_kernels.settings_for(regime, 4096, 8192 * 4096, sms)
-    assert (s.programs, s.rounds, s.range_bytes, s.persistent, s.eager, s.max_registers) == \
-        (8192 + 15, 1, 4096, False, True, 32)
+    assert (s.programs, s.rounds, s.range_bytes, s.persistent, s.shift) == (8192 + 15, 1, 4096, False, True)
     # Aligned persistent: programs_per_sm x SMs programs, rounds to cover every range.
-    s = pxn_kernels.settings_for(pxn_kernels.Regime(4096, 4, 16, range_bytes=16384, prefetch=2, eager=True),
-                                 78, 8650752 * 78, sms)
+    s = pxn_kernels.settings_for(pxn_kernels.Regime(4096, 4, 16, range_bytes=16384), 78, 8650752 * 78, sms)
     assert s.persistent and s.programs == 16 * sms and s.ranges * 16384 >= 8650752 * 78
     # Small batches keep the equal split (latency, not bandwidth): aux-like and many tiny pieces.
     for n, total in [(11, 9900), (4096, 64 * 4096), (4096, 512 * 4096)]:
@@ -590,13 +648,13 @@ def test_settings_for_defaults_and_aligned(monkeypatch):
 def test_launch_settings_validation():
     with pytest.raises(ValueError, match="rounds == 1"):
         pxn_kernels.LaunchSettings(256, 16, 1, 4, rounds=2, persistent=False)
-    with pytest.raises(ValueError, match="2 needs eager"):
-        pxn_kernels.LaunchSettings(256, 16, 1, 4, prefetch=2)
+    with pytest.raises(ValueError, match="power of two >= 16, got 100"):
+        pxn_kernels.LaunchSettings(100, 16, 1, 4)
     with pytest.raises(ValueError, match="multiple of 16"):
         pxn_kernels.LaunchSettings(256, 16, 1, 4, range_bytes=100)
 
 
-# --- the two kernels: range plan (any mix) and 2-D grid (large pieces of one size) ---------------------------
+# --- range plan (any mix) and 2-D grid (large pieces of one size) ------------------------------------------
 
 @pytest.mark.parametrize("kernel", ["grid", "range"])
 @pytest.mark.parametrize("lengths,src_misalign,out_misalign", [
@@ -655,13 +713,187 @@ def test_prepared_copy_through_the_grid_kernel(rng):
 
 
 def test_plan_for_lengths_picks_the_kernel():
-    pick = lambda lengths: pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE).grid
-    assert pick([8192] * 10) == pxn_kernels.GridSettings(4096, 4096, 2, 8192)
-    assert pick([2359296] * 3) == pxn_kernels.GridSettings(4096, 4096, 2, 2359296)
-    assert pick([64] * 100) is None  # small pieces: the range kernel packs many per program
-    assert pick([64, 2 << 20]) is None  # unequal sizes: most of the grid would idle
-    assert pick([5000, 5000, 6000]) is None  # 12.5 % of the grid wasted, over the 10 % allowed
-    assert pick([5000, 5000, 5400]) is not None
-    assert pick([]) is None
+    plan = lambda lengths: pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
+    pick = lambda lengths: plan(lengths).kernel
+    assert plan([8192] * 10).grid == pxn_kernels.GridSettings(4096, 4096, 2, 8192)
+    assert plan([2359296] * 3).grid == pxn_kernels.GridSettings(4096, 4096, 2, 2359296)
+    assert pick([64] * 100) == "row"  # rows of one length: several whole rows per program
+    assert plan([100] * 5).row == pxn_kernels.row_settings(100, 8192, 4096, 4)
+    assert pick([4095] * 3) == "row" and pick([4096] * 3) == "grid"
+    assert pick([64, 2 << 20]) == "range"  # unequal sizes: most of the grid would idle
+    assert pick([64, 64, 0]) == "range"
+    assert pick([5000, 5000, 6000]) == "range"  # 12.5 % of the grid wasted, over the 10 % allowed
+    assert pick([5000, 5000, 5400]) == "grid"
+    assert pick([]) == "range"
     with pytest.raises(ValueError, match="seg_bytes 1000 must be a multiple of block_bytes 512"):
         pxn_kernels.GridCopy(_t([0]), _t([0]), _t([1]), 0, 0, 1, seg_bytes=1000, block_bytes=512)
+
+
+# --- the row kernel: pieces of one length (rows of a paged pool picked at random) ------------------------------
+
+def _pool_rows(rng, length, n, pool_rows, misalign=0):
+    """A pool of ``pool_rows`` rows of ``length`` bytes (fresh random bytes, starting ``misalign`` bytes past a
+    16-byte boundary) and the addresses of ``n`` distinct rows picked at random, unsorted."""
+    pool = _random_bytes(rng, pool_rows * length + misalign + 16)
+    picks = rng.choice(pool_rows, n, replace=False)
+    return pool, [pool.data_ptr() + misalign + int(k) * length for k in picks]
+
+
+ROW_LENGTHS = [1, 3, 16, 64, 100, 520, 576, 1500, 2048]
+
+
+@pytest.mark.parametrize("length", ROW_LENGTHS)
+@pytest.mark.parametrize("misalign", [0, 1, 4, 8])
+def test_row_kernel_gather_scatter_copy_paged_rows(rng, length, misalign):
+    """Checked calls on rows of one length take the row kernel; gather, scatter and copy are byte-exact against
+    the torch references on poisoned outputs, rows picked at random from a pool at every alignment."""
+    n = 37  # not a multiple of any tile's row count: the last tile is partly empty
+    assert pxn_kernels.plan_for_lengths(np.full(n, length), DEVICE).kernel == "row"
+    pool, src = _pool_rows(rng, length, n, 3 * n, misalign)
+    lengths = _t([length] * n)
+    # gather into a packed chunk starting at an offset that differs from the sources' alignment
+    out = _random_bytes(rng, n * length + 64)
+    ref = out.clone()
+    offsets = _t([3 * (misalign % 2) + i * length for i in range(n)])
+    pxn_kernels.gather(_t(src), lengths, out, offsets, backend="triton")
+    pxn_kernels.gather_torch(_t(src), lengths, ref, offsets)
+    # scatter the chunk back to other random rows of a second (poisoned) pool
+    back_pool, dst = _pool_rows(rng, length, n, 3 * n, misalign)
+    expect = back_pool.clone()
+    pxn_kernels.scatter(out, offsets, _t(dst), lengths, backend="triton")
+    pxn_kernels.scatter_torch(ref, offsets, _t([d - back_pool.data_ptr() + expect.data_ptr() for d in dst]), lengths)
+    # copy pool rows to pool rows
+    copied = _random_bytes(rng, back_pool.numel())
+    copied_ref = copied.clone()
+    shift, shift_ref = copied.data_ptr() - back_pool.data_ptr(), copied_ref.data_ptr() - back_pool.data_ptr()
+    pxn_kernels.copy(_t(src), _t([d + shift for d in dst]), lengths, backend="triton")
+    pxn_kernels.copy_torch(_t(src), _t([d + shift_ref for d in dst]), lengths)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert torch.equal(back_pool, expect)
+    assert torch.equal(copied, copied_ref)
+    # the reference moved the bytes (guards against a vacuous comparison)
+    s = src[-1] - pool.data_ptr()
+    o = int(offsets[-1])
+    assert torch.equal(ref[o:o + length], pool[s:s + length])
+
+
+@pytest.mark.parametrize("rows,cols,misaligned_rows", [(4, 16, ()), (2, 64, (5,)), (8, 32, (0, 9)), (1, 128, (3,))])
+def test_row_kernel_tiles_and_mixed_alignment(rng, rows, cols, misaligned_rows):
+    """Explicit tile shapes: rows longer than a tile (several column tiles, a partial last one), several rows per
+    program, and one misaligned row in a tile of aligned ones (the whole tile takes a narrower vector)."""
+    length, n = 200, 13
+    pool, src = _pool_rows(rng, length, n, 2 * n + 1, 0)
+    src = [a + (1 if i in misaligned_rows else 0) for i, a in enumerate(src)]
+    settings = pxn_kernels.RowSettings(length, rows, cols, 1)
+    plan = pxn_kernels.CopyPlan(None, None, None, None, row=settings)
+    out = _random_bytes(rng, n * 208 + 16)
+    ref = out.clone()
+    offsets = _t([i * 208 for i in range(n)])  # 16-byte aligned chunk offsets
+    pxn_kernels.gather(_t(src), _t([length] * n), out, offsets, plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src), _t([length] * n), ref, offsets)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
+def test_prepared_copy_through_the_row_kernel(rng):
+    length, n = 96, 9
+    pool, src = _pool_rows(rng, length, n, 20)
+    plan = pxn_kernels.plan_for_lengths(np.full(n, length), DEVICE)
+    assert plan.kernel == "row" and plan.row.length == length
+    out = _random_bytes(rng, n * length)
+    src_t, off_t, len_t = _t(src), _t([i * length for i in range(n)]), _t([length] * n)
+    launch = pxn_kernels.PreparedCopy(src_t, off_t, len_t, 0, out.data_ptr(), plan)
+    for _ in range(2):  # relaunch after the descriptors were rewritten in place
+        pool, fresh = _pool_rows(rng, length, n, 20)  # the new pool stays alive until the next round
+        src_t.copy_(_t(fresh))
+        ref = out.clone()
+        pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
+        launch()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
+def test_row_settings_shape_and_validation():
+    s = pxn_kernels.row_settings(100, 8192, 4096, 4)
+    assert (s.cols, s.rows) == (128, 64) and s.grid(129) == (3, 1)
+    s = pxn_kernels.row_settings(1500, 8192, 512, 4)
+    assert (s.cols, s.rows) == (512, 16) and s.grid(16) == (1, 3)
+    s = pxn_kernels.row_settings(1, 4096, 4096, 2)
+    assert (s.cols, s.rows) == (16, 256)
+    with pytest.raises(ValueError, match="rows must be a power of two, got 3"):
+        pxn_kernels.RowSettings(64, 3, 64, 4)
+    with pytest.raises(ValueError, match="cols must be >= 16, got 8"):
+        pxn_kernels.RowSettings(64, 4, 8, 4)
+    with pytest.raises(ValueError, match="length 0"):
+        pxn_kernels.RowSettings(0, 4, 64, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [1, 64, 100, 128, 520, 576, 1500, 2048, 4095, 4096, 8192])
+@pytest.mark.parametrize("misalign", [0, 3])
+def test_row_kernel_at_pool_sizes(rng, length, misalign):
+    """Rows picked at random from a 64 MiB pool, gather then scatter through the policy's plan (the row kernel
+    below its max_bytes), public calls and a CUDA-graph PreparedCopy, against index_select / index_copy_."""
+    pool_rows = (64 << 20) // length
+    n = min(4099, pool_rows)
+    pool = torch.randint(0, 256, (pool_rows * length + 16,), dtype=torch.uint8, device=DEVICE)
+    rows = pool[misalign:misalign + pool_rows * length].view(pool_rows, length)
+    idx = torch.randperm(pool_rows, device=DEVICE)[:n]
+    src = pool.data_ptr() + misalign + idx * length
+    lengths = torch.full((n,), length, dtype=torch.int64, device=DEVICE)
+    offsets = torch.arange(n, dtype=torch.int64, device=DEVICE) * length
+    out = torch.randint(0, 256, (n * length,), dtype=torch.uint8, device=DEVICE)
+    pxn_kernels.gather(src, lengths, out, offsets)
+    expect = rows[idx].reshape(-1)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)
+    plan = pxn_kernels.plan_for_lengths(np.full(n, length), DEVICE)
+    out2 = torch.randint(0, 256, (n * length,), dtype=torch.uint8, device=DEVICE)
+    pxn_kernels.PreparedCopy(src, offsets, lengths, 0, out2.data_ptr(), plan, graph=True)()
+    torch.cuda.synchronize()
+    assert torch.equal(out2, expect)
+    chunk = torch.randint(0, 256, (n * length,), dtype=torch.uint8, device=DEVICE)
+    before = pool.clone()
+    pxn_kernels.scatter(chunk, offsets, src, lengths)
+    before[misalign:misalign + pool_rows * length].view(pool_rows, length).index_copy_(0, idx,
+                                                                                       chunk.view(n, length))
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("kind", ["row", "grid", "range"])
+def test_plan_reused_over_other_descriptors(rng, kind):
+    """One plan, launched over two descriptor sets and then over the first set rewritten in place: each launch
+    copies what its descriptors say now (GPU launches are bound once per descriptor addresses and plan)."""
+    length = {"row": 100, "grid": 4100, "range": None}[kind]
+    lengths = [length] * 6 if length else [5, 64, 300, 17, 1, 90]
+    plan = pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
+    assert plan.kernel == kind
+    len_t = _t(lengths)
+    offsets, size = _packed_offsets(lengths, 0, 16)
+    runs = []
+    for _ in range(2):
+        src_buf, src = _pieces(rng, lengths, [0, 3])
+        runs.append((src_buf, _t(src), _t(offsets)))
+    for src_buf, src_t, off_t in runs + [runs[0]]:
+        src_buf.copy_(_random_bytes(rng, src_buf.numel()))  # fresh bytes at the same addresses
+        out = _random_bytes(rng, size + 16)
+        ref = out.clone()
+        pxn_kernels.gather(src_t, len_t, out, off_t, check=False, plan=plan, backend="triton")
+        pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+    import pxn_kernels._batched_copy as bc
+    src_buf, src_t, off_t = runs[1]
+    out = _random_bytes(rng, size + 16)
+    ref = out.clone()
+    bc._bind(src_t, off_t, len_t, 0, out.data_ptr(), plan)()  # the bound launch itself, on any device
+    pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)

@@ -11,8 +11,8 @@ peer's registered memory (another ``TransferEngine``, named by its ``session_id`
 * a rail that fails (connection lost, completion error) has its unfinished work re-sent on another rail of the
   same device; the batch fails only when every rail failed (``TransferError.causes`` lists each cause).
 
-Handshake: the engine runs a small TCP control listener (its port is in ``session_id``). On first use of a
-session the sender connects to it, sends its rail descriptors and the address / rkeys of a small credit region
+Handshake (``transport.control``): the engine runs a small TCP control listener (its port is in ``session_id``).
+On first use of a session the sender connects to it, sends its rail descriptors and the address / rkeys of a small credit region
 (where the receiver writes acks), and receives the peer's descriptors, its landing slots for this sender and
 the list of regions the peer registered. Then each rail connects (fabric connect is symmetric). The region list
 is re-fetched when a destination is not covered (the peer may have registered more since).
@@ -27,17 +27,14 @@ progress thread; the control listener (one thread per control connection). ``bat
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
 import functools
 import itertools
-import json
 import logging
 import os
 import queue
 import secrets
 import socket
-import struct
 import sys
 import threading
 import time
@@ -45,6 +42,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from transport.control import ControlPlane, PeerGone, UnknownSession, recv_msg, send_msg
 from transport.errors import (FabricClosed, FabricError, FabricUnavailable, InvalidTransfer, PeerLost,
                               RegionError, RemoteRejected, TransferError, TransferTimeout, UnknownPeer)
 from transport.fabric.base import DEVICE_HOST, Opcode, WriteRequest
@@ -61,34 +59,8 @@ log = logging.getLogger(__name__)
 __all__ = ["TransferEngine", "UnknownSession", "BatchHandle"]
 
 
-class UnknownSession(InvalidTransfer, UnknownPeer):
-    """The session id is malformed or nobody answers at it (no engine listens there). Nothing was written."""
-
-
-_MSG = struct.Struct("<I")
-
-
-def _send_msg(sock: socket.socket, obj: dict) -> None:
-    body = json.dumps(obj).encode()
-    sock.sendall(_MSG.pack(len(body)) + body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    while view:
-        k = sock.recv_into(view)
-        if k == 0:
-            raise ConnectionError("control connection closed")
-        view = view[k:]
-    return bytes(buf)
-
-
-def _recv_msg(sock: socket.socket) -> dict:
-    (n,) = _MSG.unpack(_recv_exact(sock, 4))
-    if n > 64 << 20:
-        raise ValueError(f"control message of {n} bytes is too large")
-    return json.loads(_recv_exact(sock, n))
+# the control framing, re-exported for callers that speak to an engine's control port (the Mooncake shim's probe)
+_send_msg, _recv_msg = send_msg, recv_msg
 
 
 def _env(name: str, default, cast=int):
@@ -168,15 +140,6 @@ def _group_direct(units: List[Unit]) -> List[Unit]:
         g.nbytes += u.nbytes
         g.wire_bytes += u.wire_bytes or u.nbytes
     return out
-
-
-def _close_listener(sock: socket.socket) -> None:
-    # shutdown() wakes a thread blocked in accept() (close() alone does not, on Linux)
-    for fn in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
-        try:
-            fn()
-        except OSError:
-            pass
 
 
 class BatchHandle:
@@ -344,6 +307,15 @@ class TransferEngine:
         loadstore: on the ipc fabric, write batches between GPU memories (and between host memories) straight
             from the caller's thread with one copy launch, skipping the message path (``PXN_LOADSTORE``,
             default on; see ``transport.loadstore``).
+        secret: shared secret (str or bytes) every control and rail connection proves by HMAC challenge-response
+            before anything is allocated or answered (``PXN_SECRET``; ``transport.auth``). Both ends need the same
+            one. Unset: no authentication, and one warning at start naming the exposed host and ports.
+        max_senders: senders this engine keeps landing slots for at once (``PXN_MAX_SENDERS``, default 256); a
+            hello beyond it is refused (a sender saying hello again keeps its place).
+        handshake_timeout: seconds an incoming control or rail connection has to authenticate
+            (``PXN_HANDSHAKE_TIMEOUT``, default 5).
+        max_conns_per_addr: authenticated control connections per source address (``PXN_MAX_CONNS_PER_ADDR``,
+            default 64).
     """
 
     def __init__(self, hostname: str = "127.0.0.1", fabric: Optional[str] = None, topology=None,
@@ -352,8 +324,21 @@ class TransferEngine:
                  landing_slots: Optional[int] = None, stripe_bytes=None, relay: Optional[str] = None,
                  landing_device: Optional[int] = None, timeout: Optional[float] = None,
                  trace_path: Optional[str] = None, fabric_options: Optional[dict] = None,
-                 switch_interval: Optional[float] = None, loadstore: Optional[bool] = None):
+                 switch_interval: Optional[float] = None, loadstore: Optional[bool] = None, secret=None,
+                 max_senders: Optional[int] = None, handshake_timeout: Optional[float] = None,
+                 max_conns_per_addr: Optional[int] = None):
         self.hostname = hostname
+        from transport.auth import resolve_secret
+        self._secret = resolve_secret(secret)
+        self.max_senders = int(max_senders if max_senders is not None else _env("PXN_MAX_SENDERS", 256))
+        self.handshake_timeout = float(handshake_timeout if handshake_timeout is not None
+                                       else _env("PXN_HANDSHAKE_TIMEOUT", 5.0, float))
+        max_conns_per_addr = int(max_conns_per_addr if max_conns_per_addr is not None
+                                 else _env("PXN_MAX_CONNS_PER_ADDR", 64))
+        for name, value in (("max_senders", self.max_senders), ("max_conns_per_addr", max_conns_per_addr),
+                            ("handshake_timeout", self.handshake_timeout)):
+            if isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
         switch_interval = switch_interval if switch_interval is not None else _env("PXN_SWITCH_INTERVAL", None,
@@ -432,6 +417,11 @@ class TransferEngine:
         fabric_cls = fabric_class(self.fabric_name)
         options = {**fabric_cls.engine_options, **options}
         self._selective = "selective_signaling" in fabric_cls.capabilities
+        options["secret"] = self._secret or ""  # resolved once here: the fabrics do not read PXN_SECRET again
+        if "authenticated_rails" in fabric_cls.capabilities:
+            # an incoming rail must have been announced by an authenticated control hello (receiver.accept_sender)
+            options.setdefault("handshake_timeout", self.handshake_timeout)
+            options.setdefault("guard_claims", True)
         self.fabrics = []
         try:
             for spec in rail_specs:
@@ -441,22 +431,18 @@ class TransferEngine:
                 self.fabrics.append(make_fabric(self.fabric_name, hostname=hostname, **opts))
             self._rail_stats = [Counters() for _ in self.fabrics]
             self.receiver = Receiver(self.fabrics, self._regions, self.landing_slots, self.slot_bytes,
-                                     self.counters, self.trace)
+                                     self.counters, self.trace, max_senders=self.max_senders)
             for rail in range(len(self.fabrics)):
                 self._ring(DEVICE_HOST, rail)
-            try:
-                self._ctrl = socket.create_server((hostname, port), backlog=64)
-            except OSError as e:
-                raise FabricError(f"control listener: cannot listen on {hostname}:{port}: {e}") from e
+            self._control = ControlPlane(self, hostname, port, _Peer, _PeerRail, secret=self._secret,
+                                         handshake_timeout=self.handshake_timeout,
+                                         max_conns_per_addr=max_conns_per_addr)
         except BaseException:
             self._teardown()
             raise
-        self.port = self._ctrl.getsockname()[1]
+        self.port = self._control.port
         self.session_id = f"{hostname}:{self.port}"
-        self._threads: List[threading.Thread] = []
-        t = threading.Thread(target=self._ctrl_loop, name=f"pxn-ctrl-{self.port}", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._threads: List[threading.Thread] = [self._control.start()]
         self._deferred: List[queue.Queue] = []
         if "completion_callback" in fabric_cls.capabilities:
             # completions are handled in the fabric thread that sees them (one thread hand-off fewer per write
@@ -470,6 +456,11 @@ class TransferEngine:
             t = threading.Thread(target=self._poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}", daemon=True)
             t.start()
             self._threads.append(t)
+        if self._secret is None:
+            ports = [str(getattr(f, "port", "?")) for f in self.fabrics]
+            log.warning("pxn engine %s: no shared secret (secret= / PXN_SECRET): any process that can reach %s may "
+                        "write into this engine's registered memory through control port %d and %s rail port(s) %s",
+                        self.session_id, hostname, self.port, self.fabric_name, ", ".join(ports))
         log.info("pxn engine %s: fabric %s, %d rail(s), coalesce < %d B, slots %d x %d x %d B",
                  self.session_id, self.fabric_name, len(self.fabrics), self.coalesce_bytes, self.lanes,
                  self.relay_slots, self.slot_bytes)
@@ -604,54 +595,6 @@ class TransferEngine:
     # ========================================================================================================
     # handshake
     # ========================================================================================================
-    def _regions_wire(self) -> dict:
-        """The region list a peer validates destinations against, with the deregistration counter read before
-        it (a peer writing by load/store re-fetches the list when the counter moves past this value)."""
-        gen = self._region_gen.wire()  # read before the list: a deregister in between shows as a newer value
-        fab = self.fabrics[0]
-        regions = []
-        for r in self._regions.regions():
-            d = {"addr": r.addr, "length": r.length, "device": r.device, "keys": [mr.rkey for mr in r.keys]}
-            access = fab.access_info(r.keys[0])
-            if access is not None:
-                d["access"] = access
-            regions.append(d)
-        return {"regions": regions, **gen}
-
-    def _ctrl_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._ctrl.accept()
-            except OSError:
-                return
-            t = threading.Thread(target=self._serve, args=(conn,), name="pxn-ctrl-conn", daemon=True)
-            t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while not self._closed:
-                try:
-                    req = _recv_msg(conn)
-                except (OSError, ConnectionError, ValueError):
-                    return
-                try:
-                    op = req.get("op")
-                    if op == "hello":
-                        rep = self._on_hello(req)
-                    elif op == "regions":
-                        # the engine id lets a sender whose control connection was re-opened tell a restarted
-                        # peer (new id) from the same one
-                        rep = {"ok": True, "engine_id": self.engine_id, **self._regions_wire()}
-                    else:
-                        rep = {"ok": False, "error": f"unknown control op {op!r}"}
-                except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
-                    log.warning("control request %s failed: %s", req.get("op"), e)
-                    rep = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                try:
-                    _send_msg(conn, rep)
-                except OSError:
-                    return
-
     def _landing_devices(self) -> List[int]:
         """Per rail, where a new sender's landing slots go: ``landing_device`` when given; else, when this
         engine registered GPU memory, the GPU next to the rail's NIC (receive-side PXN: chunks land there and
@@ -664,201 +607,33 @@ class TransferEngine:
             return [DEVICE_HOST] * len(self.fabrics)
         return [devs[0] if g is None else g for g in self._rail_gpu]
 
-    def _on_hello(self, req: dict) -> dict:
-        devices = self._landing_devices()
-        landing = self.receiver.accept_sender(req, devices)
-        forward = [self.landing_device is None and g is not None and d >= 0
-                   for g, d in zip(self._rail_gpu, devices)]
-        return {"ok": True, "engine_id": self.engine_id, "rail_ids": [f.local_id for f in self.fabrics],
-                "forward": forward,
-                "rail_descs": [base64.b64encode(f.descriptor()).decode() for f in self.fabrics],
-                **self._regions_wire(), **landing}
-
+    # The control plane lives in transport.control; these are the engine's entry points to it. The control plane
+    # reports a dead or replaced peer (PeerGone) and the engine decides: it forgets the peer (failover state).
     def _peer(self, session_id: str) -> _Peer:
-        """The connected peer of ``session_id``, handshaking first when there is none (first use, or every rail
-        of the previous connection failed). Raises UnknownSession naming why the handshake failed; the next
-        call tries again (nothing is remembered but the reason, for the message)."""
-        if not isinstance(session_id, str) or session_id.count(":") < 1:
-            raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
-        peer = self._peers.get(session_id)
-        if peer is not None and peer.ready and not peer.retired:
-            if peer.connected():
-                return peer
-            # every endpoint died while nothing was in flight to notice (the peer restarted while idle): fail
-            # the rails now so the peer is forgotten, then handshake again below
-            self._fail_peer(peer, None)
+        """The connected peer of ``session_id``, handshaking first when there is none. Raises UnknownSession
+        naming why the handshake failed."""
         while True:
-            with self._lock:
-                peer = self._peers.get(session_id)
-                if peer is None or peer.retired:
-                    peer = self._peers[session_id] = _Peer(session_id)
-            with peer.lock:
-                if peer.ready:
-                    return peer
-                if self._peers.get(session_id) is not peer:
-                    if peer.error is not None:
-                        # another caller's handshake failed while this one waited for it: report that instead
-                        # of queueing one more connect (up to 10 s each towards a host that drops packets)
-                        raise UnknownSession(str(peer.error)) from peer.error
-                    continue
-                t0 = now_ns()
-                try:
-                    self._handshake(peer)
-                except BaseException as e:
-                    peer.error = e
-                    with self._lock:
-                        # no half-made peer stays behind: the next call starts over with a fresh one
-                        if self._peers.get(session_id) is peer:
-                            del self._peers[session_id]
-                    raise
-                self.counters.add("handshake_s", (now_ns() - t0) / 1e9)
-                return peer
-
-    def _ctrl_connect(self, session: str, timeout: float = 10.0) -> socket.socket:
-        """A control connection to ``session``'s listener; UnknownSession naming why not."""
-        host, _, port_s = session.rpartition(":")
-        try:
-            port = int(port_s)
-        except ValueError:
-            raise UnknownSession(f"session id {session!r}: port {port_s!r} is not a number") from None
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as e:
-            lost = self._lost.get(session)
-            raise UnknownSession(f"no pxn engine answers at session {session!r}: {e}"
-                                 + (f" (its previous connection was lost: {lost})" if lost else "")) from e
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-    def _handshake(self, peer: _Peer) -> None:
-        sock = self._ctrl_connect(peer.session)
-        n = len(self.fabrics)
-        credit = HostBuffer(n * self.landing_slots * ACK_BYTES)
-        mrs = []
-        rails = []
-        try:
-            for fab in self.fabrics:
-                mrs.append(fab.register(credit.addr, credit.nbytes, DEVICE_HOST))
-            _send_msg(sock, {"op": "hello", "engine_id": self.engine_id, "session": self.session_id,
-                             "rail_ids": [f.local_id for f in self.fabrics],
-                             "credit_addr": credit.addr, "credit_rkeys": [m.rkey for m in mrs],
-                             "credit_slots": self.landing_slots, "slot_bytes": self.slot_bytes})
-            rep = _recv_msg(sock)
-            if not rep.get("ok"):
-                raise UnknownSession(f"session {peer.session!r} refused the handshake: {rep.get('error')}")
-            if len(rep["rail_ids"]) != n:
-                raise UnknownSession(f"session {peer.session!r} has {len(rep['rail_ids'])} rails, this engine {n}")
-            slots = min(int(rep["landing_slots"]), self.landing_slots)
-            if int(rep["landing_slot_bytes"]) < self.slot_bytes:
-                raise UnknownSession(f"session {peer.session!r} offers {rep['landing_slot_bytes']} B landing slots, "
-                                     f"smaller than this engine's {self.slot_bytes} B chunks")
-            for i, fab in enumerate(self.fabrics):
-                ep = fab.connect(base64.b64decode(rep["rail_descs"][i]))
-                rails.append(_PeerRail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
-                                       int(rep["landing_rkeys"][i]), slots, int(rep["landing_slot_bytes"]), peer))
-        except (OSError, ConnectionError, ValueError, KeyError, FabricError) as e:
-            sock.close()
-            for fab, mr in zip(self.fabrics, mrs):
-                try:
-                    fab.deregister(mr)
-                except FabricError:
-                    pass
-            if isinstance(e, UnknownSession):
-                raise
-            raise UnknownSession(f"handshake with session {peer.session!r} failed: {e}") from e
-        sock.settimeout(30.0)
-        peer.ctrl = sock
-        peer.credit = credit
-        peer.credit_mrs = mrs
-        peer.engine_id = int(rep["engine_id"])
-        peer.rails = rails
-        peer.landing_device = int(rep.get("landing_device", DEVICE_HOST))
-        # receive-side PXN: on these rails the peer lands chunks on the GPU next to its NIC and forwards them over
-        # NVLink, so large pieces for its other GPUs go through landing slots instead of a write across PCIe
-        fwd = rep.get("forward") or []
-        peer.forward = {i: int(rep["landing_devices"][i]) for i, f in enumerate(fwd) if f} or None
-        peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
-        peer.loadstore = self._loadstore_writer(peer, rep)
-        with self._lock:
-            for pr in rails:
-                self._by_remote_rail[pr.remote_id] = (peer, pr)
-            again = self._lost.pop(peer.session, None) is not None
-        peer.ready = True
-        if again:
-            self.counters.add("reconnects")
-        log.log(logging.WARNING if again else logging.INFO, "engine %s %sconnected to %s over %d rail(s)",
-                self.session_id, "re" if again else "", peer.session, n)
-
-    def _loadstore_writer(self, peer: _Peer, rep: dict):
-        """A ``LoadStoreWriter`` for a same-host ipc peer that advertised its deregistration counter, else None."""
-        if not (self.use_loadstore and "loadstore" in self.fabrics[0].capabilities and "region_gen_addr" in rep):
-            return None
-        from transport.loadstore import LoadStoreWriter
-        fab, ep = self.fabrics[0], peer.rails[0].ep
-        if int(rep.get("pid", -1)) != fab.peer_pid(ep):
-            log.warning("session %s: control pid %s differs from the ipc endpoint's %s; no load/store path",
-                        peer.session, rep.get("pid"), fab.peer_pid(ep))
-            return None
-        return LoadStoreWriter(fab, ep, int(rep["region_gen_addr"]), int(rep.get("region_gen", 0)),
-                               int(rep.get("region_gen_fd", -1)))
+            try:
+                return self._control.peer(session_id)
+            except PeerGone as e:
+                # every endpoint died while nothing was in flight to notice (the peer restarted while idle): fail
+                # the rails now so the peer is forgotten, then handshake again
+                self._fail_peer(e.peer, None)
 
     def _refresh_regions(self, peer: _Peer) -> None:
-        """Fetch the peer's region list again over the control connection. The control connection alone can
-        drop (an idle NAT / firewall timeout: unlike the rails it has no keepalive), so a failed request is
-        retried once on a new connection; when nobody answers there any more, or a different engine does (the
-        peer restarted), the peer is forgotten. Raises TransferError naming the cause."""
-        gone = None
-        with peer.lock:
-            try:
-                rep = self._ctrl_request(peer, {"op": "regions"})
-            except (OSError, ConnectionError, ValueError) as first:
-                self._close_ctrl_locked(peer)
-                if peer.retired:
-                    raise TransferError(f"cannot refresh the region list of {peer.session}: {first} (every rail "
-                                        f"to it failed meanwhile)", [first]) from first
-                try:
-                    peer.ctrl = self._ctrl_connect(peer.session)
-                    peer.ctrl.settimeout(30.0)
-                    rep = self._ctrl_request(peer, {"op": "regions"})
-                except UnknownSession as e:
-                    gone = e
-                except (OSError, ConnectionError, ValueError) as e:
-                    self._close_ctrl_locked(peer)
-                    raise TransferError(f"cannot refresh the region list of {peer.session}: {first}; again on a "
-                                        f"new control connection: {e}", [first, e]) from e
-                else:
-                    self.counters.add("ctrl_reconnects")
-            if gone is None and int(rep.get("engine_id", peer.engine_id)) != peer.engine_id:
-                gone = PeerLost(f"a different engine (id 0x{int(rep['engine_id']):x}, was 0x{peer.engine_id:x}) "
-                                f"answers at {peer.session} now: the peer restarted")
-        if gone is not None:
+        """Fetch the peer's region list again; when nobody (or a different engine) answers at its session any
+        more the peer is forgotten. Raises TransferError naming the cause."""
+        try:
+            self._control.refresh_regions(peer)
+        except PeerGone as e:
+            gone = e.cause or e
             self._fail_peer(peer, PeerLost(f"control connection to {peer.session}: {gone}"))
             raise TransferError(f"cannot refresh the region list of {peer.session}: {gone}; forgot the peer, the "
-                                f"next batch to it handshakes again", [gone])
-        peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
-        if peer.loadstore is not None:
-            peer.loadstore.gen_seen = int(rep.get("region_gen", peer.loadstore.gen_seen))
-        self.counters.add("region_refreshes")
-
-    @staticmethod
-    def _ctrl_request(peer: _Peer, msg: dict) -> dict:
-        """One request / reply on the peer's control connection (``peer.lock`` held)."""
-        if peer.ctrl is None:
-            raise ConnectionError("no control connection")
-        _send_msg(peer.ctrl, msg)
-        rep = _recv_msg(peer.ctrl)
-        if not rep.get("ok"):
-            raise ValueError(f"peer refused {msg.get('op')!r}: {rep.get('error')}")
-        return rep
+                                f"next batch to it handshakes again", [gone]) from None
 
     @staticmethod
     def _close_ctrl_locked(peer: _Peer) -> None:
-        sock, peer.ctrl = peer.ctrl, None
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
+        ControlPlane.close_ctrl_locked(peer)
 
     # ========================================================================================================
     # batch API
@@ -893,6 +668,28 @@ class TransferEngine:
             batch = _Batch(0, None, None, None, [], 0)
             batch.event.set()
         return BatchHandle(self, batch, self.default_timeout if timeout is None else timeout)
+
+    def batch_read(self, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
+                   lengths: Sequence[int], timeout: Optional[float] = None) -> None:
+        """Read ``lengths[i]`` bytes from ``remote_srcs[i]`` in the peer's memory into local ``local_dsts[i]``.
+
+        The peer gathers the pieces and writes them back with its own ``batch_write`` (small ones coalesced into
+        chunks), see ``transport.reads``. Arguments: session_id: the peer's "host:port"; local_dsts: addresses
+        inside regions registered here; remote_srcs: addresses inside regions the peer registered; lengths:
+        bytes (>= 1); timeout: seconds (default: the engine's ``timeout``).
+        Returns: None, once every byte is in local memory.
+        Raises: InvalidTransfer (nothing written) for malformed lists, a local destination outside this
+        engine's regions or a source outside the peer's; UnknownSession; TransferTimeout; TransferError.
+        """
+        from transport.reads import batch_read
+        batch_read(self, session_id, local_dsts, remote_srcs, lengths, timeout)
+
+    def batch_read_async(self, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
+                         lengths: Sequence[int], timeout: Optional[float] = None):
+        """As ``batch_read`` but returns at once with a handle (``wait(timeout)``, ``done()``), like
+        ``batch_write_async``. Argument errors and local destinations are checked here, before anything is sent."""
+        from transport.reads import batch_read_async
+        return batch_read_async(self, session_id, local_dsts, remote_srcs, lengths, timeout)
 
     def write_tensors(self, session_id: str, pairs: Iterable[Tuple[object, int]],
                       timeout: Optional[float] = None) -> None:
@@ -934,6 +731,11 @@ class TransferEngine:
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
             raise InvalidTransfer(f"{name}: entries do not fit 64 bits")
+        if arr.dtype.kind == "i" and isinstance(values, (list, tuple)) and int(arr.min()) <= 1:
+            # numpy turns [4096, True] into ints: only a 0 or 1 can be a bool in disguise, so only then look
+            for i, v in enumerate(values):
+                if v.__class__ is bool:
+                    raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
         if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 1 << 63:
             i = int(np.argmax(arr))
             raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} does not fit a 64-bit address")
@@ -1711,7 +1513,18 @@ class TransferEngine:
                          "ctrl_reconnects": c.get("ctrl_reconnects", 0)},
             "credits": {"waits": c.get("credit_waits", 0), "wait_s": c.get("time_wait_credit_s", 0)},
             "handshake_s": c.get("handshake_s", 0),
+            "security": self._security_stats(c),
         }
+
+    def _security_stats(self, c: dict) -> dict:
+        """Incoming connections refused (by cause) on the control port and each rail, and senders refused."""
+        ctrl = self._control.gate.stats()
+        rails = [f.admission_stats() for f in self.fabrics if hasattr(f, "admission_stats")]
+        senders = {"refused_max_senders": c.get("senders_refused_max", 0),
+                   "refused_rail_claims": c.get("senders_refused_claim", 0)}
+        refused = ctrl["refused"] + sum(r["refused"] for r in rails) + sum(senders.values())
+        return {"authenticated": self._secret is not None, "refused": refused, "control": ctrl, "rails": rails,
+                **senders}
 
     # ========================================================================================================
     # lifetime
@@ -1721,7 +1534,9 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
-        _close_listener(self._ctrl)
+        self._control.close()
+        from transport.reads import close_state
+        close_state(self)
         with self._lock:
             pending = list(self._inflight.values())
         for a in pending:

@@ -15,6 +15,12 @@ A chunk arrives as a WRITE_WITH_IMM (imm = landing slot index). The progress thr
 
 A rejected chunk writes nothing.
 
+Admission (``accept_sender``, after the control connection authenticated): at most ``max_senders`` senders hold
+landing slots at once; every field of the hello is type- and range-checked before anything is allocated; a rail
+id belongs to the sender that announced it while that sender's rail is alive -- another engine claiming it is
+refused and the holder is not touched. The rail ids of an accepted hello are announced to the fabrics
+(``expect_peer``), which take an incoming rail connection only for an announced id.
+
 A sender that lost every rail to this engine forgets it and handshakes again (same engine id, new credit
 region): its previous state is retired at the new hello, chunks of the old connection still queued are
 dropped unacknowledged (the sender gave up on them), and it gets fresh landing slots, so nothing of the old
@@ -73,6 +79,14 @@ def decode_ack_payload(buf: np.ndarray) -> str:
     return buf[8:8 + n].tobytes().decode("utf-8", "replace")
 
 
+def _int_field(hello: dict, key: str, lo: int, hi: int, default=None) -> int:
+    """``hello[key]`` as an int in [lo, hi] (bools and other types refused); ``default`` when absent."""
+    v = hello.get(key, default)
+    if type(v) is not int or not lo <= v <= hi:
+        raise ValueError(f"sender {key}={v!r}: need an int in [{lo}, {hi}]")
+    return v
+
+
 @dataclass
 class SenderState:
     """What the receiver keeps per connected sender."""
@@ -107,8 +121,9 @@ class Receiver:
     """
 
     def __init__(self, fabrics, exposed: RegionTable, landing_slots: int, slot_bytes: int, counters: Counters,
-                 trace: Optional[Trace] = None):
+                 trace: Optional[Trace] = None, max_senders: int = 256):
         self.fabrics = fabrics
+        self.max_senders = max_senders
         self.exposed = exposed
         self.landing_slots = landing_slots
         self.slot_bytes = slot_bytes
@@ -133,25 +148,36 @@ class Receiver:
         ``device``: where the landing slots go, one value for every rail or a list with one per rail (-1 host,
         else a CUDA index: the GPU next to the rail's NIC, which forwards chunks to other GPUs over NVLink)."""
         devices = list(device) if isinstance(device, (list, tuple)) else [device] * len(self.fabrics)
-        engine_id = int(hello["engine_id"])
-        # landing slots follow the sender's chunk size (its relay slot size), so both ends agree on the largest
-        # chunk; their count is ours, capped by the sender's credit region
-        slot_bytes = int(hello.get("slot_bytes", self.slot_bytes))
-        if not 4096 <= slot_bytes <= MAX_LANDING_SLOT:
-            raise ValueError(f"sender slot size {slot_bytes} B outside [4096, {MAX_LANDING_SLOT}]")
-        slots = max(1, min(self.landing_slots, int(hello.get("credit_slots", self.landing_slots))))
-        st = SenderState(engine_id=engine_id, session=str(hello.get("session", "?")),
-                         rail_ids=list(hello["rail_ids"]), credit_addr=int(hello["credit_addr"]),
-                         credit_rkeys=[int(k) for k in hello["credit_rkeys"]],
-                         slots=slots, slot_bytes=slot_bytes, devices=devices, hello_at=time.monotonic())
         if len(devices) != len(self.fabrics):
             raise ValueError(f"{len(devices)} landing devices for {len(self.fabrics)} rails")
-        if len(st.rail_ids) != len(self.fabrics):
-            raise ValueError(f"sender {st.session} has {len(st.rail_ids)} rails, this engine "
-                             f"{len(self.fabrics)}; both ends must use the same rail count")
+        engine_id = _int_field(hello, "engine_id", 1, (1 << 63) - 1)
+        # landing slots follow the sender's chunk size (its relay slot size), so both ends agree on the largest
+        # chunk; their count is ours, capped by the sender's credit region
+        slot_bytes = _int_field(hello, "slot_bytes", 4096, MAX_LANDING_SLOT, self.slot_bytes)
+        slots = min(self.landing_slots, _int_field(hello, "credit_slots", 1, 0xFFFF, self.landing_slots))
+        rail_ids, rkeys = hello.get("rail_ids"), hello.get("credit_rkeys")
+        n = len(self.fabrics)
+        if not (isinstance(rail_ids, list) and len(rail_ids) == n
+                and all(isinstance(r, str) and 0 < len(r) <= 256 for r in rail_ids)):
+            raise ValueError(f"sender rail_ids {str(rail_ids)[:200]}: need {n} peer ids (this engine has {n} "
+                             f"rails; both ends must use the same rail count)")
+        if not (isinstance(rkeys, list) and len(rkeys) == n
+                and all(type(k) is int and 0 <= k <= 0xFFFFFFFF for k in rkeys)):
+            raise ValueError(f"sender credit_rkeys {str(rkeys)[:200]}: need {n} 32-bit keys")
+        session = hello.get("session", "?")
+        st = SenderState(engine_id=engine_id, session=str(session)[:300],
+                         rail_ids=list(rail_ids), credit_addr=_int_field(hello, "credit_addr", 1, (1 << 64) - 1),
+                         credit_rkeys=list(rkeys),
+                         slots=slots, slot_bytes=slot_bytes, devices=devices, hello_at=time.monotonic())
         old = None
         try:
             with self._lock:
+                # a second claim of a rail id held by another live sender is refused; the holder is not touched
+                self._check_claims_locked(st)
+                if engine_id not in self._senders and len(self._senders) >= self.max_senders:
+                    self.counters.add("senders_refused_max")
+                    raise ValueError(f"this receiver holds landing slots for max_senders={self.max_senders} "
+                                     f"senders; refused sender {st.session}")
                 # a sender says hello again only after it forgot this engine (every rail failed): retire what it
                 # had, so that stale chunks and acks of the old connection cannot touch the new one's slots
                 old = self._senders.pop(engine_id, None)
@@ -182,6 +208,10 @@ class Receiver:
                 self._senders[engine_id] = st
                 for rail, rid in enumerate(st.rail_ids):
                     self._by_rail_id[rid] = (st, rail)
+                for fab, rid in zip(self.fabrics, st.rail_ids):
+                    expect = getattr(fab, "expect_peer", None)
+                    if expect is not None:
+                        expect(rid, CONNECT_GRACE_S)
         finally:
             if old is not None:
                 self._free(old)
@@ -191,6 +221,20 @@ class Receiver:
                 "landing_rkeys": [mr.rkey for _, mr, _ in st.landing],
                 "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes,
                 "landing_device": devices[0], "landing_devices": devices}
+
+    def _check_claims_locked(self, st: SenderState) -> None:
+        for rail, rid in enumerate(st.rail_ids):
+            holder = self._by_rail_id.get(rid)
+            if holder is None or holder[0].engine_id == st.engine_id:
+                continue
+            try:
+                alive = self.fabrics[rail].endpoint(rid).alive
+            except Exception:  # noqa: BLE001 — announced, not connected yet: still the holder's
+                alive = time.monotonic() - holder[0].hello_at < CONNECT_GRACE_S
+            if alive:
+                self.counters.add("senders_refused_claim")
+                raise ValueError(f"rail id {rid!r} belongs to sender {holder[0].session} (engine 0x"
+                                 f"{holder[0].engine_id:x}); refused the claim of engine 0x{st.engine_id:x}")
 
     # --- progress -------------------------------------------------------------------------------------------
     def on_chunk(self, rail: int, peer_id: str, imm: int, byte_len: int) -> None:

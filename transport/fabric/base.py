@@ -137,7 +137,9 @@ class Fabric(abc.ABC):
     completions come in posting order), ``"loadstore"`` (``access_info`` lets a same-host peer map regions and
     write with its own loads and stores, ``transport.loadstore``), ``"nic_ports"`` (each instance drives one
     NIC port: the engine passes a topology rail's ``device`` and ``port_num``), ``"completion_callback"``
-    (``set_completion_handler``)."""
+    (``set_completion_handler``), ``"authenticated_rails"`` (rail connections prove the engine's secret and
+    must have been announced by an authenticated control hello: the engine passes ``handshake_timeout`` and
+    ``guard_claims``)."""
 
     @property
     @abc.abstractmethod

@@ -212,7 +212,7 @@ class IpcFabric(TcpFabric):
     """
 
     name = "ipc"
-    capabilities = frozenset({"selective_signaling", "loadstore", "completion_callback"})
+    capabilities = frozenset({"selective_signaling", "loadstore", "completion_callback", "authenticated_rails"})
     # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages took the
     # 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES.md, section Engine)
     engine_options = {"message_bytes": 256 << 20}
@@ -361,6 +361,8 @@ class IpcFabric(TcpFabric):
         if g is not None:
             self._unpin(g[2])
         return g
+
+    _OTHER_TYPES = (T_GRANT, T_DONE)
 
     def _on_other(self, ep, s, typ, count, seq, body) -> None:
         if typ == T_GRANT:

@@ -2,7 +2,10 @@
 
 Wire protocol (little-endian), per socket, in both directions:
 
-* HELLO / HELLO_ACK at connect time (JSON body), so that the accepting side builds the symmetric endpoint.
+* First the shared-secret challenge-response of ``transport.auth`` (nothing else is read or answered before it),
+  then HELLO / HELLO_ACK (JSON body), so that the accepting side builds the symmetric endpoint. Each incoming
+  connection authenticates in its own thread within ``handshake_timeout`` (``transport.auth.Gate``), so idle
+  sockets cannot hold the listener, and the listener survives running out of file descriptors.
 * WRITE: a 32-byte header, a table of ``count`` 48-byte piece descriptors, then the pieces' payloads back to
   back. One message carries many writes (4 KB writes cost one table row, not one syscall each), and a large
   write is cut into pieces spread over the peer's sockets (striping). Every piece carries the bounds of its
@@ -19,7 +22,11 @@ Ordering: messages of one endpoint carry a sequence number across all its socket
 completions and the target releases RECV_IMM events in sequence order, so a RECV_IMM means that every write
 posted before it on that endpoint has landed, as on an RDMA RC queue pair.
 
-Threads: one listener per fabric; per socket one receiver thread (never blocks on sending) and one sender thread
+Every length on the wire is bounded before anything is allocated for it: piece tables by ``MAX_TABLE``, a
+message's payload by the sender's ``message_bytes`` (from its hello), acks by the pieces of the acked message,
+HELLO bodies by ``MAX_HELLO``.
+
+Threads: one listener per fabric (one short-lived thread per connection while it authenticates); per socket one receiver thread (never blocks on sending) and one sender thread
 (owns all sends on the socket, control messages first), which rules out the cross-peer deadlock where both
 sides block sending while nobody drains.
 """
@@ -41,6 +48,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from transport import auth
 from transport.errors import FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
     DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest,
@@ -69,6 +77,9 @@ SMALL_PIECE = 32 << 10
 MAX_TABLE = 1 << 16  # pieces per message; a peer claiming more is broken or hostile
 _VECTOR_MIN = 16  # posts of more writes than this are checked and framed by numpy, not one write at a time
 _I64 = (1 << 63) - 1
+MAX_HELLO = 1 << 16  # bytes of a HELLO body
+MAX_MESSAGE_BYTES = 1 << 30  # largest message_bytes a peer may announce
+MAX_CTRL_BODY = 1 << 20  # bytes of a control message body beyond its per-piece statuses (an ipc GRANT's JSON)
 
 _PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
 _PyMemoryView_FromMemory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
@@ -298,6 +309,7 @@ class TcpEndpoint(Endpoint):
         self._in_done: Dict[int, List[Completion]] = {}
         self._alive = True
         self._cause: Optional[str] = None
+        self.max_payload = MAX_MESSAGE_BYTES  # payload bytes of one incoming message (the peer's message_bytes)
 
     @property
     def alive(self) -> bool:
@@ -395,6 +407,8 @@ class TcpEndpoint(Endpoint):
             m = self._pending.get(seq)
             if m is None:
                 return
+            if len(statuses) != len(m.recs):
+                raise ValueError(f"ack of message {seq} carries {len(statuses)} statuses for {len(m.recs)} pieces")
             m.statuses = statuses
             m.done = True
             while self._pending:
@@ -443,29 +457,40 @@ class TcpFabric(Fabric):
     over every socket), ``connect_timeout`` (seconds), ``keepalive`` (seconds of silence before a vanished
     host is declared dead via TCP keepalive / TCP_USER_TIMEOUT, default 3), ``ack_timeout`` (seconds the oldest
     pending message may wait for its ack before the endpoint is failed, default 30: catches a peer process that
-    hangs while its kernel keeps the TCP connection up).
+    hangs while its kernel keeps the TCP connection up), ``secret`` (shared secret of ``transport.auth``; None:
+    ``PXN_SECRET``; "" or unset: no authentication), ``handshake_timeout`` (seconds an incoming connection has
+    to authenticate and say hello, default 5), ``guard_claims`` (the engine's mode: an incoming connection is
+    taken only for a peer id announced by ``expect_peer``, and never replaces a live endpoint of that id unless
+    announced again), ``max_peers_per_addr`` (live incoming endpoints per source address, default 256).
     """
 
     name = "tcp"
-    capabilities = frozenset({"selective_signaling", "completion_callback"})
+    capabilities = frozenset({"selective_signaling", "completion_callback", "authenticated_rails"})
     # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
     engine_options = {"connections_per_peer": 2}
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: Optional[int] = None,
                  message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
-                 ack_timeout: float = 30.0):
+                 ack_timeout: float = 30.0, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
+                 guard_claims: bool = False, max_peers_per_addr: int = 256):
         if connections_per_peer is None:
             # loopback on a 2-core box peaks at 2 sockets (more threads only contend); bigger hosts use 4
             connections_per_peer = max(2, min(4, (os.cpu_count() or 2) // 2))
         if not isinstance(connections_per_peer, int) or not 1 <= connections_per_peer <= 64:
             raise ValueError(f"connections_per_peer must be an int in 1..64, got {connections_per_peer!r}")
-        if not isinstance(message_bytes, int) or message_bytes < 4096:
-            raise ValueError(f"message_bytes must be an int >= 4096, got {message_bytes!r}")
+        if not isinstance(message_bytes, int) or not 4096 <= message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"message_bytes must be an int in [4096, {MAX_MESSAGE_BYTES}], got {message_bytes!r}")
         self.connections_per_peer = connections_per_peer
         self.message_bytes = message_bytes
         self.connect_timeout = float(connect_timeout)
         self.keepalive = float(keepalive)
         self.ack_timeout = float(ack_timeout)
+        self._secret = auth.resolve_secret(secret)
+        self.guard_claims = bool(guard_claims)
+        self.max_peers_per_addr = int(max_peers_per_addr)
+        self._claims: Dict[str, float] = {}  # peer id -> until when an incoming connection may take it
+        self._groups: Dict[str, dict] = {}  # connection id -> sockets of one incoming endpoint, still gathering
+        self._group_cv = threading.Condition()
         self._closed = False
         self._stop = threading.Event()
         self._lock = threading.RLock()
@@ -483,6 +508,9 @@ class TcpFabric(Fabric):
         self.hostname = hostname
         self.port = self._listener.getsockname()[1]
         self._id = f"{hostname}:{self.port}"
+        self.gate = auth.Gate(f"{self.name} {self._id}", self._incoming, handshake_timeout=handshake_timeout)
+        for key in ("refused_hello", "refused_claims"):  # authenticated, then refused: a bad hello, a claimed id
+            self.gate.count(key, 0)
         self._listen_thread = threading.Thread(target=self._accept_loop, daemon=True,
                                                name=f"pxn-{self.name}-listen-{self.port}")
         self._listen_thread.start()
@@ -539,7 +567,7 @@ class TcpFabric(Fabric):
     def descriptor(self) -> bytes:
         self._check_open()
         return json.dumps({"fabric": self.name, "id": self._id, "host": self.hostname, "port": self.port,
-                           **self._descriptor_extra()}).encode()
+                           "message_bytes": self.message_bytes, **self._descriptor_extra()}).encode()
 
     def _descriptor_extra(self) -> dict:
         return {}
@@ -564,20 +592,27 @@ class TcpFabric(Fabric):
         try:
             for i in range(n):
                 s = socket.create_connection((host, port), timeout=self.connect_timeout)
+                socks.append(s)
                 self._tune(s)
+                auth.client_handshake(s, self._secret, self.name, self.connect_timeout)
                 hello = json.dumps({"id": self._id, "conn": conn_id, "index": i, "n": n,
                                     "desc": json.loads(self.descriptor())}).encode()
                 s.sendall(HDR.pack(MAGIC, T_HELLO, 0, 0, 0, 0, len(hello)) + hello)
-                socks.append(s)
             for s in socks:
                 hdr = bytearray(HDR.size)
                 recv_exact(s, memoryview(hdr))
                 magic, typ, _, _, status, _, blen = HDR.unpack(hdr)
+                if blen > MAX_HELLO:
+                    raise FabricError(f"connect to {peer_id}: HELLO_ACK of {blen} B is implausible")
                 body = bytearray(blen)
                 recv_exact(s, memoryview(body))
                 if magic != MAGIC or typ != T_HELLO_ACK or status != 0:
                     raise FabricError(f"connect to {peer_id}: handshake refused: {bytes(body)[:200]!r}")
                 s.settimeout(None)
+        except auth.AuthError as e:
+            for s in socks:
+                s.close()
+            raise PeerLost(f"connect to {peer_id} ({host}:{port}): authentication failed: {e}") from e
         except (OSError, ConnectionError) as e:
             for s in socks:
                 s.close()
@@ -595,6 +630,10 @@ class TcpFabric(Fabric):
     def _make_endpoint(self, peer_id: str, socks: List[socket.socket], desc: dict) -> TcpEndpoint:
         ep = TcpEndpoint(self, peer_id, socks)
         ep.peer_desc = desc
+        try:
+            ep.max_payload = max(64 << 10, min(MAX_MESSAGE_BYTES, int(desc.get("message_bytes", MAX_MESSAGE_BYTES))))
+        except (TypeError, ValueError):
+            pass
         with self._lock:
             if self._closed:
                 ep.close_sockets()
@@ -743,10 +782,16 @@ class TcpFabric(Fabric):
         la = np.fromiter((r.local_addr for r in requests), dtype=np.int64, count=n)
         ln = np.fromiter((r.length for r in requests), dtype=np.int64, count=n)
         ra = np.fromiter((r.remote_addr for r in requests), dtype=np.int64, count=n)
-        cum = np.cumsum(ln) - ln  # bytes before each write
-        group = cum // target
-        cuts = np.nonzero(np.diff(group))[0] + 1
-        bounds = [0] + cuts.tolist() + [n]
+        # greedy: a message closes before the write that would take it past ``target`` (never above it: the
+        # peer refuses a payload larger than the message size this fabric announced)
+        bounds = [0]
+        used = 0
+        for i, k in enumerate(ln.tolist()):
+            if used + k > target and i > bounds[-1]:
+                bounds.append(i)
+                used = 0
+            used += k
+        bounds.append(n)
         msgs = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             for lo in range(a, b, MAX_TABLE):
@@ -786,6 +831,8 @@ class TcpFabric(Fabric):
             self._listener.shutdown(socket.SHUT_RDWR)  # close() alone does not wake a thread blocked in accept()
         except OSError:
             pass
+        with self._group_cv:
+            self._group_cv.notify_all()
         try:
             self._listener.close()
         except OSError:
@@ -836,61 +883,134 @@ class TcpFabric(Fabric):
                 except OSError:
                     pass
 
+    # --- incoming connections -------------------------------------------------------------------------------
+    def expect_peer(self, peer_id: str, ttl: float = 60.0) -> None:
+        """Allow one incoming connection to take ``peer_id`` within ``ttl`` seconds, replacing a live endpoint
+        of that id if there is one (with ``guard_claims``; the engine calls this for the rail ids a sender
+        announced over its authenticated control connection)."""
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, t in self._claims.items() if t < now]:
+                del self._claims[k]
+            self._claims[peer_id] = now + ttl
+
+    def _claim_locked(self, peer_id: str) -> Optional[str]:
+        """Why an incoming connection may not take ``peer_id`` (None: it may); consumes an announcement."""
+        if not self.guard_claims:
+            return None
+        until = self._claims.pop(peer_id, None)
+        if until is not None and until >= time.monotonic():
+            return None
+        old = self._endpoints.get(peer_id)
+        if old is not None and old.alive:
+            return f"peer id {peer_id!r} is held by a live connection"
+        return f"peer id {peer_id!r} was not announced by an authenticated control hello"
+
+    def admission_stats(self) -> dict:
+        """Incoming connections: accepted, authenticated, refused by cause (``transport.auth.Gate.stats``), plus
+        ``refused_claims`` (a peer id held by a live connection, or never announced)."""
+        return self.gate.stats()
+
     def _accept_loop(self) -> None:
-        pending: Dict[str, dict] = {}
-        while not self._closed:
-            try:
-                s, addr = self._listener.accept()
-            except OSError:
-                return
-            try:
-                s.settimeout(self.connect_timeout)
-                self._tune(s)
-                hdr = bytearray(HDR.size)
-                recv_exact(s, memoryview(hdr))
-                magic, typ, _, _, _, _, blen = HDR.unpack(hdr)
-                if magic != MAGIC or typ != T_HELLO or blen > 1 << 16:
-                    raise ValueError(f"bad hello header {bytes(hdr)!r}")
-                body = bytearray(blen)
-                recv_exact(s, memoryview(body))
-                hello = json.loads(bytes(body))
-                conn, idx, n = hello["conn"], int(hello["index"]), int(hello["n"])
-                if not 1 <= n <= 64 or not 0 <= idx < n:
-                    raise ValueError(f"bad hello index {idx} of {n}")
-                self._check_peer(hello["desc"])
-            except Exception as e:  # a broken client must not kill the listener
-                log.warning("%s: refused connection from %s: %s", self._id, addr, e)
-                try:
-                    msg = str(e).encode()
-                    s.sendall(HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 1, 0, len(msg)) + msg)
-                except OSError:
-                    pass
-                s.close()
-                continue
-            entry = pending.setdefault(conn, {"socks": {}, "hello": hello, "t": time.monotonic()})
-            entry["socks"][idx] = s
-            if len(entry["socks"]) == n:
-                del pending[conn]
-                socks = [entry["socks"][i] for i in range(n)]
-                for sk in socks:
-                    # Blocking before the endpoint's receive threads start: a recv entered while the handshake
-                    # timeout was still set kept it, and an idle rail then died after connect_timeout seconds
-                    # ("receive failed: timed out" after 10 s without traffic).
-                    sk.settimeout(None)
-                try:
-                    ep = self._make_endpoint(hello["id"], socks, hello["desc"])
-                except FabricClosed:
+        self.gate.serve(self._listener, lambda: self._closed)
+
+    def _refuse(self, s: socket.socket, why: str) -> None:
+        try:
+            msg = why.encode()[:1024]
+            s.sendall(HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 1, 0, len(msg)) + msg)
+        except OSError:
+            pass
+
+    def _incoming(self, a: "auth.Admitted") -> None:
+        """One incoming socket (its own thread, ``transport.auth.Gate``): authenticate, read its HELLO, wait
+        until every socket of its endpoint arrived, then build the endpoint (the last one to arrive does)."""
+        s = a.sock
+        self._tune(s)
+        auth.server_handshake(s, self._secret, self.name, a.deadline, a.established)
+        hdr = auth.recv_exact(s, HDR.size, a.deadline)
+        magic, typ, _, _, _, _, blen = HDR.unpack(hdr)
+        try:
+            if magic != MAGIC or typ != T_HELLO or blen > MAX_HELLO:
+                raise ValueError(f"bad hello header {hdr!r}")
+            hello = json.loads(auth.recv_exact(s, blen, a.deadline))
+            conn, idx, n = str(hello["conn"]), int(hello["index"]), int(hello["n"])
+            peer_id, desc = hello["id"], hello["desc"]
+            if not isinstance(peer_id, str) or not isinstance(desc, dict) or len(conn) > 64:
+                raise ValueError(f"bad hello fields id={peer_id!r}")
+            if not 1 <= n <= 64 or not 0 <= idx < n:
+                raise ValueError(f"bad hello index {idx} of {n}")
+            self._check_peer(desc)
+        except Exception as e:  # noqa: BLE001 — a broken client must not kill anything
+            log.warning("%s: refused connection from %s: %s", self._id, a.addr, e)
+            self.gate.count("refused_hello")
+            self._refuse(s, str(e))
+            return
+        with self._group_cv:
+            entry = self._groups.get(conn)
+            if entry is None:
+                if len(self._groups) >= 4 * self.gate.max_pending:
+                    self.gate.count("refused_hello")
+                    self._refuse(s, "too many connections gathering")
                     return
+                entry = self._groups[conn] = {"socks": {}, "id": peer_id, "n": n, "done": False, "error": None}
+            if entry["id"] != peer_id or entry["n"] != n or idx in entry["socks"]:
+                self.gate.count("refused_hello")
+                self._refuse(s, f"hello does not match connection {conn}")
+                return
+            entry["socks"][idx] = s
+            last = len(entry["socks"]) == n
+            if last:
+                del self._groups[conn]
+            else:
+                while not entry["done"] and not self._closed:
+                    left = a.deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._group_cv.wait(left)
+                if not entry["done"]:  # the other sockets never came: give up on the whole endpoint
+                    self._groups.pop(conn, None)
+                    entry["done"], entry["error"] = True, "not every socket of the connection arrived in time"
+                    self._group_cv.notify_all()
+                if entry["error"] is None:
+                    a.sock = None  # the endpoint owns it now
+                else:
+                    self._refuse(s, entry["error"])
+                return
+        error = None
+        socks = [entry["socks"][i] for i in range(n)]
+        host = a.host
+        with self._lock:
+            error = self._claim_locked(peer_id)
+            if error is None and host is not None and sum(
+                    1 for ep in self._endpoints.values()
+                    if ep.alive and getattr(ep, "remote_host", None) == host) >= self.max_peers_per_addr:
+                error = f"{host} already has {self.max_peers_per_addr} endpoints"
+        if error is not None:
+            self.gate.count("refused_claims")
+            log.warning("%s: refused connection from %s: %s", self._id, a.addr, error)
+        else:
+            for sk in socks:
+                # Blocking before the endpoint's receive threads start: a recv entered while the handshake
+                # timeout was still set kept it, and an idle rail then died after the timeout
+                sk.settimeout(None)
+            try:
+                ep = self._make_endpoint(peer_id, socks, desc)
+            except FabricClosed as e:
+                error = str(e)
+            else:
+                ep.remote_host = host
                 for sk in socks:
                     try:
                         sk.sendall(HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0))
                     except OSError as e:
                         ep.fail(f"handshake: {e}")
                         break
-            # drop half-finished handshakes of clients that died
-            for c in [c for c, e in pending.items() if time.monotonic() - e["t"] > 2 * self.connect_timeout]:
-                for sk in pending.pop(c)["socks"].values():
-                    sk.close()
+                a.sock = None
+        with self._group_cv:
+            entry["done"], entry["error"] = True, error
+            self._group_cv.notify_all()
+        if error is not None:
+            self._refuse(s, error)
 
     def _send_loop(self, ep: TcpEndpoint, s: _Sock) -> None:
         try:
@@ -963,6 +1083,8 @@ class TcpFabric(Fabric):
                 if magic != MAGIC:
                     raise ValueError(f"bad magic {magic!r}")
                 if typ == T_ACK:
+                    if count > MAX_TABLE or blen != count:
+                        raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
                     body = bytearray(count)
                     recv_exact(s.sock, memoryview(body))
                     ep.on_ack(seq, bytes(body))
@@ -972,6 +1094,8 @@ class TcpFabric(Fabric):
                     tb = count * PIECE_DT.itemsize
                     if blen < tb:
                         raise ValueError(f"body {blen} B shorter than its table {tb} B")
+                    if blen - tb > ep.max_payload:
+                        raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
                     if len(st["table"]) < tb:
                         st["table"] = bytearray(tb)
                     tview = memoryview(st["table"])[:tb]
@@ -979,8 +1103,10 @@ class TcpFabric(Fabric):
                     table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
                     self._on_message(ep, s, typ, seq, table, blen - tb, st)
                 else:
-                    if blen > 1 << 24:
-                        raise ValueError(f"control message of {blen} B is implausible")
+                    if typ not in self._OTHER_TYPES:
+                        raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
+                    if count > MAX_TABLE or blen > count + MAX_CTRL_BODY:
+                        raise ValueError(f"control message of {count} statuses in {blen} B is implausible")
                     body = bytearray(blen)
                     recv_exact(s.sock, memoryview(body))
                     self._on_other(ep, s, typ, count, seq, bytes(body))
@@ -988,6 +1114,8 @@ class TcpFabric(Fabric):
             if ep.alive and not self._closed:
                 log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"receive failed: {e}")
+
+    _OTHER_TYPES: tuple = ()  # message types besides WRITE / REQ / ACK this fabric receives (ipc: GRANT, DONE)
 
     def _on_other(self, ep: TcpEndpoint, s: _Sock, typ: int, count: int, seq: int, body: bytes) -> None:
         raise ValueError(f"{self.name} fabric got unexpected message type {typ}")

@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from transport import auth
 from transport.errors import FabricClosed, FabricError, FabricUnavailable, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
     DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest,
@@ -101,14 +102,16 @@ class VerbsFabric(Fabric):
     """pyverbs RC fabric. Options: ``device`` (RDMA device name, default the first), ``port_num`` (1),
     ``gid_index`` (default 3 when it exists, i.e. RoCEv2 IPv4 on most NICs, else 0), ``port`` (TCP port of the
     handshake listener, 0 = ephemeral), ``max_send_wr`` / ``max_recv_wr`` (queue depths), ``cq_batch`` (WCs per
-    poll)."""
+    poll), ``secret`` (``transport.auth``: the connection exchange proves it before any QP is made; None:
+    ``PXN_SECRET``)."""
 
     name = "verbs"
     capabilities = frozenset({"nic_ports"})
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, device: Optional[str] = None, port_num: int = 1,
                  gid_index: Optional[int] = None, max_send_wr: int = 4096, max_recv_wr: int = 1024,
-                 cq_batch: int = 64, connect_timeout: float = 10.0):
+                 cq_batch: int = 64, connect_timeout: float = 10.0, secret=None):
+        self._secret = auth.resolve_secret(secret)
         self.v = v = _import_pyverbs()
         try:
             devices = v["get_device_list"]()
@@ -154,6 +157,7 @@ class VerbsFabric(Fabric):
             raise FabricError(f"verbs: cannot listen on {hostname}:{port}: {ex}") from ex
         self.hostname, self.port = hostname, self._listener.getsockname()[1]
         self._id = f"{hostname}:{self.port}"
+        self.gate = auth.Gate(f"verbs {self._id}", self._incoming, handshake_timeout=connect_timeout)
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="pxn-verbs-accept"),
                          threading.Thread(target=self._progress_loop, daemon=True, name="pxn-verbs-progress")]
         for t in self._threads:
@@ -288,6 +292,7 @@ class VerbsFabric(Fabric):
         qp, psn = self._new_qp(), random.getrandbits(24)
         try:
             sock = socket.create_connection((host, port), timeout=self.connect_timeout)
+            auth.client_handshake(sock, self._secret, self.name, self.connect_timeout)
             _send_json(sock, self._local_info(qp, psn))
             peer = _recv_json(sock)
             self._bring_up(qp, peer, psn)
@@ -299,24 +304,25 @@ class VerbsFabric(Fabric):
         return self._register_ep(peer_id, qp, sock)
 
     def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                sock.settimeout(self.connect_timeout)
-                peer = _recv_json(sock)
-                qp, psn = self._new_qp(), random.getrandbits(24)
-                _send_json(sock, self._local_info(qp, psn))
-                self._bring_up(qp, peer, psn)
-                _recv_json(sock)
-                self._register_ep(peer["id"], qp, sock)  # registered before "ready": symmetric connect
-                _send_json(sock, {"ready": True})
-                sock.settimeout(None)
-            except Exception as ex:  # noqa: BLE001 — a broken client must not stop the listener
-                log.warning("verbs %s: handshake failed: %s", self._id, ex)
-                sock.close()
+        self.gate.serve(self._listener, lambda: self._closed)
+
+    def admission_stats(self) -> dict:
+        return self.gate.stats()
+
+    def _incoming(self, a: "auth.Admitted") -> None:
+        """One incoming connection exchange (its own thread): authenticate first, then QP numbers."""
+        sock = a.sock
+        auth.server_handshake(sock, self._secret, self.name, a.deadline, a.established)
+        sock.settimeout(max(0.1, a.deadline - time.monotonic()))
+        peer = _recv_json(sock)
+        qp, psn = self._new_qp(), random.getrandbits(24)
+        _send_json(sock, self._local_info(qp, psn))
+        self._bring_up(qp, peer, psn)
+        _recv_json(sock)
+        self._register_ep(peer["id"], qp, sock)  # registered before "ready": symmetric connect
+        _send_json(sock, {"ready": True})
+        sock.settimeout(None)
+        a.sock = None  # the endpoint's watch thread owns it now
 
     def _watch(self, ep: VerbsEndpoint) -> None:
         """The TCP channel carries nothing after the handshake; its EOF means the peer process is gone."""

@@ -1,0 +1,152 @@
+"""The row kernel: a batch of pieces that all have the same length, such as rows of a paged KV pool picked at
+random (sglang's indexer rows, fp8 MLA token rows, 2 KiB pages).
+
+Why a third kernel: the range kernel walks a chain of dependent descriptor loads (range bounds -> item ->
+addresses) before each piece's data, and copies one piece at a time per program; for thousands of 64 B - 8 KiB
+rows that chain, not the memory, sets the speed. Here program (r, c) copies bytes ``[c * COLS, (c + 1) * COLS)``
+of rows ``r * ROWS .. r * ROWS + ROWS - 1`` as one 2-D tile: the row addresses are one vector load (one memory
+round trip, no plan, no search), and every row of the tile is in flight at once.
+
+Vector width: the widest of 16 / 8 / 4 / 2 / 1 bytes that divides the length and every row address of the
+tile (both ends), decided per program at run time, so rows whose size is not a multiple of 16 (100 B, 520 B,
+1500 B) still move 4- or 8-byte words. The tile is laid out ``[ROWS, COLS / VEC, VEC]`` so that the mask is
+constant along the last axis and the compiler can emit one VEC-byte access per thread and row.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from pxn_kernels._launch import CompiledKernel, anchor
+
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: the column tiles of one row
+
+
+@triton.jit
+def _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS: tl.constexpr, VEC: tl.constexpr):
+    # src/dst: [ROWS] int64 offsets from the anchor of each row's first byte; VEC divides both and length.
+    # ``x // VEC * VEC`` does not change the value: it states the alignment in a form the compiler tracks
+    # (a hint on a function parameter would be dropped).
+    s = src // VEC * VEC
+    d = dst // VEC * VEC
+    col = col0 + tl.arange(0, COLS // VEC).to(tl.int64) * VEC
+    mask = live[:, None, None] & (col < length)[None, :, None]
+    offs = col[None, :, None] + tl.arange(0, VEC)[None, None, :]
+    tl.store(anchor_ptr + (d[:, None, None] + offs), tl.load(anchor_ptr + (s[:, None, None] + offs), mask=mask),
+             mask=mask)
+
+
+@triton.jit
+def _row_copy_kernel(anchor_ptr, src_index, dst_index, src_base, dst_base, n_rows, length,
+                     ROWS: tl.constexpr, COLS: tl.constexpr):
+    # Row i: ``length`` bytes from anchor + src_base + src_index[i] to anchor + dst_base + dst_index[i]
+    # (bases already relative to the anchor).
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    col0 = tl.program_id(1).to(tl.int64) * COLS
+    live = rows < n_rows
+    src = src_base + tl.load(src_index + rows, mask=live, other=0)
+    dst = dst_base + tl.load(dst_index + rows, mask=live, other=0)
+    # the largest power of two (<= 16) dividing every live row's two addresses and the length
+    low = tl.where(live, (src | dst | length) & 15, 0)
+    vec = tl.min(tl.where(low == 0, 16, low & -low), axis=0)
+    if vec == 16:
+        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 16)
+    elif vec == 8:
+        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 8)
+    elif vec == 4:
+        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 4)
+    elif vec == 2:
+        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 2)
+    else:
+        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 1)
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """The row kernel's shape for one batch: ``length`` bytes per row, ``rows`` rows and ``cols`` bytes (a power
+    of two >= 16) per program, ``num_warps`` warps per program."""
+
+    length: int
+    rows: int
+    cols: int
+    num_warps: int
+
+    def __post_init__(self):
+        for name in ("rows", "cols", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"RowSettings.{name} must be a power of two, got {value}")
+        if self.cols < 16:
+            raise ValueError(f"RowSettings.cols must be >= 16, got {self.cols}")
+        if self.length < 1 or -(-self.length // self.cols) > MAX_GRID_Y:
+            raise ValueError(f"RowSettings.length {self.length}: 1 .. {MAX_GRID_Y} x cols ({self.cols}) supported")
+
+    def grid(self, n_rows: int):
+        return (max(1, -(-n_rows // self.rows)), -(-self.length // self.cols))
+
+
+def _pow2_at_least(value: int) -> int:
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=1024)
+def row_settings(length: int, tile_bytes: int, max_cols: int, num_warps: int) -> RowSettings:
+    """The row kernel's settings for rows of ``length`` bytes: a tile of about ``tile_bytes``, as many whole
+    rows as fit (columns: the row rounded up to a power of two, at most ``max_cols``). Pure: no device access."""
+    cols = max(16, min(_pow2_at_least(length), max_cols))
+    rows = max(1, _pow2_at_least(tile_bytes // cols) if tile_bytes >= cols else 1)
+    if rows * cols > tile_bytes and rows > 1:
+        rows //= 2
+    return RowSettings(int(length), rows, cols, num_warps)
+
+
+def equal_length(lengths: np.ndarray):
+    """The common length (bytes, >= 1) when every piece has it, else None."""
+    if lengths.size == 0:
+        return None
+    first = int(lengths[0])
+    if first < 1 or int(lengths.min()) != first or int(lengths.max()) != first:
+        return None
+    return first
+
+
+_KERNEL = CompiledKernel(_row_copy_kernel, n_tensors=3)
+
+
+def _args(src_index, dst_index, src_base, dst_base, n_rows, settings: RowSettings):
+    a = anchor(src_index.device)
+    base = a.data_ptr()
+    return (a, src_index, dst_index, src_base - base, dst_base - base, n_rows, settings.length)
+
+
+def _constexprs(settings: RowSettings) -> dict:
+    return dict(ROWS=settings.rows, COLS=settings.cols, num_warps=settings.num_warps)
+
+
+def launch_row_copy(src_index: torch.Tensor, dst_index: torch.Tensor, src_base: int, dst_base: int,
+                    settings: RowSettings) -> None:
+    """Enqueue the copy of ``src_index.numel()`` rows on the current stream (no checks: callers validate)."""
+    n = src_index.numel()
+    if n == 0:
+        return
+    _KERNEL.launch(_args(src_index, dst_index, src_base, dst_base, n, settings), settings.grid(n),
+                   _constexprs(settings))
+
+
+class RowCopy:
+    """The row copy bound to fixed descriptor tensors (int64 [n], kept alive), launched by ``__call__``."""
+
+    def __init__(self, src_index: torch.Tensor, dst_index: torch.Tensor, src_base: int, dst_base: int,
+                 settings: RowSettings):
+        n = src_index.numel()
+        self._keep = (src_index, dst_index)
+        self._call = (lambda: None) if n == 0 else _KERNEL.bind(
+            _args(src_index, dst_index, src_base, dst_base, n, settings), settings.grid(n), _constexprs(settings))
+
+    def __call__(self) -> None:
+        self._call()

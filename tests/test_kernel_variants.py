@@ -1,0 +1,119 @@
+"""The range-kernel variants kept for benchmarks (benchmarks/kernel_variants.py: eager descriptor loads,
+prefetch one or two ranges ahead, a register cap), byte-exact against the torch references like the library's
+kernels, so that ``benchmarks/kernels.py --variants`` measures correct copies."""
+import os
+import sys
+
+import pytest
+import torch
+
+import pxn_kernels
+from test_kernels import DEVICE, _VARIANT_LENGTHS, _packed_offsets, _pieces, _random_bytes, _t
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import kernel_variants  # noqa: E402
+
+
+@pytest.fixture
+def rng(seed, request):
+    import numpy as np
+    return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
+
+
+def _settings(lengths, mode):
+    """VariantSettings for one mode over ``lengths`` (interpreter sizes: 64-byte tiles, 128-byte ranges)."""
+    padded = sum((x + 15) // 16 * 16 for x in lengths)
+    aligned = -(-padded // 128)
+    s = kernel_variants.VariantSettings
+    return {
+        "aligned_np_eager": s(64, 16, 1, programs=aligned, range_bytes=128, persistent=False, eager=True),
+        "aligned_np_extra_ranges": s(64, 16, 1, programs=aligned + 3, range_bytes=128, persistent=False,
+                                     eager=True),  # trailing empty ranges
+        "aligned_np_few_ranges": s(64, 16, 1, programs=max(1, aligned - 4), range_bytes=128, persistent=False,
+                                   eager=True),  # the last range runs to the end of the stream
+        "equal_np_eager": s(64, 16, 1, programs=7, persistent=False, eager=True),
+        "eager_persistent": s(64, 16, 1, programs=2, rounds=4, eager=True, max_registers=32),
+        "prefetch1_lazy": s(64, 16, 1, programs=3, rounds=-(-aligned // 3) + 1, range_bytes=128, prefetch=1),
+        "prefetch1_eager": s(64, 16, 1, programs=3, rounds=-(-aligned // 3), range_bytes=128, prefetch=1,
+                             eager=True),
+        "prefetch2": s(64, 16, 1, programs=2, rounds=-(-aligned // 2) + 1, range_bytes=128, prefetch=2,
+                       eager=True),
+        "prefetch2_one_program": s(64, 16, 1, programs=1, rounds=5, prefetch=2, eager=True),
+    }[mode]
+
+
+MODES = ["aligned_np_eager", "aligned_np_extra_ranges", "aligned_np_few_ranges", "equal_np_eager",
+         "eager_persistent", "prefetch1_lazy", "prefetch1_eager", "prefetch2", "prefetch2_one_program"]
+
+
+def _sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_variant_gather_copy_scatter(rng, mode):
+    lengths = list(_VARIANT_LENGTHS)
+    rng.shuffle(lengths)
+    plan = pxn_kernels.plan_batched_copy(_t(lengths), _settings(lengths, mode))
+    # gather: sources misaligned by 0/1/3/8, chunk offsets aligned except for a few pieces
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 1, 0, 3, 8])
+    offsets, size = _packed_offsets(lengths, misalign=0, gap=16)
+    offsets = [o + (5 if i % 4 == 3 else 0) for i, o in enumerate(offsets)]
+    out = _random_bytes(rng, size + 64)
+    ref = out.clone()
+    kernel_variants.VariantCopy(_t(src_addrs), _t(offsets), _t(lengths), 0, out.data_ptr(), plan)()
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    _sync()
+    assert torch.equal(out, ref)
+    for addr, length, offset in zip(src_addrs, lengths, offsets):
+        start = addr - src_buf.data_ptr()
+        assert torch.equal(ref[offset:offset + length], src_buf[start:start + length])
+    # copy with fresh data, odd destination alignment
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 2])
+    out = _random_bytes(rng, sum(lengths) + 80 * len(lengths))
+    ref = out.clone()
+    dst_offsets, _ = _packed_offsets(lengths, misalign=3, gap=13)
+    kernel_variants.VariantCopy(_t(src_addrs), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths), 0, 0,
+                                plan)()
+    pxn_kernels.copy_torch(_t(src_addrs), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    _sync()
+    assert torch.equal(out, ref)
+    # scatter from a packed chunk
+    chunk_offsets, chunk_size = _packed_offsets(lengths, misalign=0, gap=16)
+    chunk = _random_bytes(rng, chunk_size)
+    dst_offsets, dst_size = _packed_offsets(lengths, misalign=16, gap=32)
+    out = _random_bytes(rng, dst_size + 64)
+    ref = out.clone()
+    kernel_variants.VariantCopy(_t(chunk_offsets), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths),
+                                chunk.data_ptr(), 0, plan)()
+    pxn_kernels.scatter_torch(chunk, _t(chunk_offsets), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    _sync()
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("mode", ["aligned_np_eager", "prefetch2"])
+def test_variant_zero_length_tail_and_empty_batch(rng, mode):
+    lengths = [0, 0, 40, 1, 0, 0]
+    src_buf, src_addrs = _pieces(rng, lengths, [0, 1])
+    out = _random_bytes(rng, 128)
+    ref = out.clone()
+    offsets = [0, 0, 16, 96, 100, 100]
+    plan = pxn_kernels.plan_batched_copy(_t(lengths), _settings(lengths, mode))
+    kernel_variants.VariantCopy(_t(src_addrs), _t(offsets), _t(lengths), 0, out.data_ptr(), plan)()
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    zeros = [0, 0, 0]
+    empty_plan = pxn_kernels.plan_batched_copy(_t(zeros), _settings(zeros, mode))
+    kernel_variants.VariantCopy(_t(src_addrs[:3]), _t([0, 0, 0]), _t(zeros), 0, out.data_ptr(), empty_plan)()
+    _sync()
+    assert torch.equal(out, ref)
+
+
+def test_variant_settings_follow_the_library_rule():
+    regime = kernel_variants.VariantRegime(4096, 4, 8, range_bytes=4096, persistent=False, eager=True,
+                                           max_registers=32)
+    s = kernel_variants.variant_settings(regime, 4096, 8192 * 4096, 132)
+    assert (s.programs, s.rounds, s.range_bytes, s.persistent, s.eager, s.max_registers) == \
+        (8192 + 15, 1, 4096, False, True, 32)
+    with pytest.raises(ValueError, match="2 needs eager"):
+        kernel_variants.VariantSettings(256, 16, 1, 4, prefetch=2)

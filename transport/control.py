@@ -1,0 +1,471 @@
+"""The engine's control plane: control listener, handshake, region refresh, and their message framing.
+
+A ``TransferEngine`` runs one small TCP listener (its port is in ``session_id``). Each connection to it is served
+by its own thread (``transport.auth.Gate``: a deadline to authenticate, caps per source address, an accept loop
+that survives running out of file descriptors). The connection first proves the shared secret
+(``transport.auth``); nothing is read, allocated or answered before. Then the thread answers requests (4-byte length + JSON object, ``{"op": ...}``) until the peer closes.
+Ops are looked up in ``ControlPlane.ops`` (op name -> handler taking the request dict and returning the reply
+dict), so other parts of pxn can add their own.
+
+Built-in ops:
+
+* ``hello``: a sender's first message. It names its rails and its credit region; the reply carries this engine's
+  rail descriptors, the landing slots allocated for that sender and the region list.
+* ``regions``: the region list again (a sender re-fetches it when a destination is not covered).
+
+A request body is at most ``MAX_REQUEST`` bytes and is received as it arrives (a length field alone allocates
+nothing).
+
+Session ids are "host:port" (IPv6: "[addr]:port"); anything else (empty host, a port outside 1..65535, a host
+name that is not a valid DNS name) raises ``UnknownSession`` naming the value.
+
+Sender side: ``ControlPlane.peer(session)`` returns the connected peer of a session, handshaking first when
+there is none, and ``refresh_regions(peer)`` re-fetches its region list. Neither decides about failover: a
+peer found dead, or a refresh that finds nobody (or a different engine) at the session, raises ``PeerGone``
+(a ``PeerLost`` naming the peer) and the engine decides what to forget.
+
+What the control plane uses of its engine (``engine``): ``fabrics``, ``receiver``, ``engine_id``,
+``session_id``, ``landing_slots``, ``slot_bytes``, ``landing_device``, ``use_loadstore``, ``fabric_name``,
+``counters``, ``_regions`` (RegionTable), ``_region_gen``, ``_lock``, ``_peers``, ``_lost``, ``_by_remote_rail``,
+``_closed``; and the two record types it builds at a handshake, given to the constructor (``make_peer``,
+``make_rail``).
+"""
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import logging
+import socket
+import struct
+import threading
+from typing import Callable, Dict, Optional, Tuple
+
+from transport import auth
+from transport.errors import FabricError, InvalidTransfer, PeerLost, UnknownPeer
+from transport.fabric.base import DEVICE_HOST
+from transport.receiver import ACK_BYTES
+from transport.regions import Region
+from transport.relay import HostBuffer
+from transport.telemetry import now_ns
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ControlPlane", "UnknownSession", "PeerGone", "send_msg", "recv_msg", "parse_session", "query"]
+
+
+class UnknownSession(InvalidTransfer, UnknownPeer):
+    """The session id is malformed or nobody answers at it (no engine listens there). Nothing was written."""
+
+
+class PeerGone(PeerLost):
+    """A connected peer is dead (every rail endpoint died) or replaced (a different engine answers at its
+    session). ``peer`` is the engine's record of it; the engine forgets it."""
+
+    def __init__(self, message: str, peer, cause: Optional[BaseException] = None):
+        super().__init__(message)
+        self.peer = peer
+        self.cause = cause
+
+
+_MSG = struct.Struct("<I")
+MAX_MSG = 64 << 20
+"""Largest control reply (bytes) a sender accepts (a long region list)."""
+MAX_REQUEST = 1 << 20
+"""Largest control request (bytes) the listener accepts."""
+
+
+def send_msg(sock: socket.socket, obj: dict) -> None:
+    """One control message: 4-byte little-endian length, then the JSON body."""
+    body = json.dumps(obj).encode()
+    sock.sendall(_MSG.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    while view:
+        k = sock.recv_into(view)
+        if k == 0:
+            raise ConnectionError("control connection closed")
+        view = view[k:]
+    return bytes(buf)
+
+
+def _recv_growing(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes, held only as they arrive: a length field alone costs no memory."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 16))
+        if not chunk:
+            raise ConnectionError("control connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_msg(sock: socket.socket, limit: int = MAX_MSG) -> dict:
+    """One control message (a JSON object); a body above ``limit`` bytes raises ``ValueError``."""
+    (n,) = _MSG.unpack(_recv_exact(sock, 4))
+    if n > limit:
+        raise ValueError(f"control message of {n} bytes is too large (at most {limit})")
+    msg = json.loads(_recv_exact(sock, n) if n <= 1 << 16 else _recv_growing(sock, n))
+    if not isinstance(msg, dict):
+        raise ValueError(f"control message is a JSON {type(msg).__name__}, not an object")
+    return msg
+
+
+def parse_session(session) -> Tuple[str, int]:
+    """(host, port) of a session id "host:port" / "[v6]:port"; UnknownSession naming the value otherwise."""
+    if not isinstance(session, str) or ":" not in session:
+        raise UnknownSession(f"session id must be 'host:port', got {session!r}")
+    host, _, port_s = session.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not port_s.isascii() or not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+        raise UnknownSession(f"session id {session!r}: port {port_s!r} is not a number in 1..65535")
+    try:
+        ipaddress.ip_address(host)
+        return host, int(port_s)
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    try:
+        encoded = host.encode("idna")  # what the resolver would do; over-long labels raise UnicodeError here
+    except UnicodeError as e:
+        raise UnknownSession(f"session id {session!r}: host {host!r} is not a valid host name ({e})") from None
+    if not host or len(encoded) > 253 or any(not 1 <= len(x) <= 63 for x in labels) or "\x00" in host:
+        raise UnknownSession(f"session id {session!r}: host {host!r} is not a valid host name")
+    return host, int(port_s)
+
+
+def _close_listener(sock: socket.socket) -> None:
+    # shutdown() wakes a thread blocked in accept() (close() alone does not, on Linux)
+    for fn in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+        try:
+            fn()
+        except OSError:
+            pass
+
+
+def query(session: str, msg: dict, secret=None, timeout: float = 2.0) -> dict:
+    """One request / reply on a fresh, authenticated control connection to ``session`` (e.g. a liveness probe
+    with ``{"op": "regions"}``). ``secret``: as ``TransferEngine(secret=)`` (None: ``PXN_SECRET``).
+    Raises UnknownSession (malformed id), OSError (nobody answers), ``transport.auth.AuthError`` (refused), or
+    ConnectionError / ValueError (a bad reply)."""
+    host, port = parse_session(session)
+    key = auth.resolve_secret(secret)
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.settimeout(timeout)
+        auth.client_handshake(s, key, "ctrl", timeout)
+        send_msg(s, msg)
+        return recv_msg(s)
+
+
+class ControlPlane:
+    """The control listener and the sender side of the handshake of one engine (see the module docstring).
+
+    Arguments:
+        engine: the owning ``TransferEngine``.
+        hostname, port: where to listen (port 0: any free port).
+        make_peer: ``make_peer(session)`` -> the engine's per-session record.
+        make_rail: ``make_rail(rail, ep, remote_id, landing_addr, landing_rkey, slots, slot_bytes, peer)`` -> the
+            engine's per-rail record of a peer.
+    Raises FabricError when the port cannot be bound.
+    """
+
+    def __init__(self, engine, hostname: str, port: int, make_peer: Callable, make_rail: Callable,
+                 secret: Optional[bytes] = None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
+                 max_conns_per_addr: int = 64):
+        self.engine = engine
+        self.hostname = hostname
+        self.secret = secret
+        self.handshake_timeout = float(handshake_timeout)
+        self._make_peer = make_peer
+        self._make_rail = make_rail
+        self.ops: Dict[str, Callable[[dict], dict]] = {"hello": self._op_hello, "regions": self._op_regions,
+                                                       "read": self._op_reads, "notify": self._op_reads}
+        try:
+            self.listener = socket.create_server((hostname, port), backlog=64)
+        except OSError as e:
+            raise FabricError(f"control listener: cannot listen on {hostname}:{port}: {e}") from e
+        self.port = self.listener.getsockname()[1]
+        self.gate = auth.Gate(f"ctrl {hostname}:{self.port}", self._serve, handshake_timeout=handshake_timeout,
+                              max_per_addr=max_conns_per_addr)
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> threading.Thread:
+        """Start the listener thread (returned, for the engine's join at close)."""
+        self._thread = threading.Thread(target=self._ctrl_loop, name=f"pxn-ctrl-{self.port}", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def close(self) -> None:
+        _close_listener(self.listener)
+
+    # ========================================================================================================
+    # server side
+    # ========================================================================================================
+    def regions_wire(self) -> dict:
+        """The region list a peer validates destinations against, with the deregistration counter read before
+        it (a peer writing by load/store re-fetches the list when the counter moves past this value)."""
+        eng = self.engine
+        gen = eng._region_gen.wire()  # read before the list: a deregister in between shows as a newer value
+        fab = eng.fabrics[0]
+        regions = []
+        for r in eng._regions.regions():
+            d = {"addr": r.addr, "length": r.length, "device": r.device, "keys": [mr.rkey for mr in r.keys]}
+            access = fab.access_info(r.keys[0])
+            if access is not None:
+                d["access"] = access
+            regions.append(d)
+        return {"regions": regions, **gen}
+
+    def _ctrl_loop(self) -> None:
+        self.gate.serve(self.listener, lambda: self.engine._closed)
+
+    def _serve(self, a: "auth.Admitted") -> None:
+        """One control connection (its own thread): authenticate, then answer requests until the peer closes."""
+        conn = a.sock
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        auth.server_handshake(conn, self.secret, "ctrl", a.deadline, a.established)
+        conn.settimeout(None)  # an authenticated sender keeps its control connection for region refreshes
+        while not self.engine._closed:
+            try:
+                req = recv_msg(conn, MAX_REQUEST)
+            except (OSError, ConnectionError, ValueError) as e:
+                if not isinstance(e, (ConnectionError, OSError)):
+                    log.warning("control connection from %s: %s; closing it", a.addr, e)
+                return
+            try:
+                op = req.get("op")
+                handler = self.ops.get(op) if isinstance(op, str) else None
+                if handler is None:
+                    rep = {"ok": False, "error": f"unknown control op {op!r}"}
+                else:
+                    rep = handler(req)
+            except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
+                log.warning("control request %s failed: %s", req.get("op"), e)
+                rep = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            try:
+                send_msg(conn, rep)
+            except OSError:
+                return
+
+    def _op_regions(self, req: dict) -> dict:
+        # the engine id lets a sender whose control connection was re-opened tell a restarted peer (new id) from
+        # the same one
+        return {"ok": True, "engine_id": self.engine.engine_id, **self.regions_wire()}
+
+    def _op_reads(self, req: dict) -> dict:
+        # pulls and notifies (transport.reads): only ever reached on an authenticated connection
+        from transport.reads import serve_op
+        return serve_op(self.engine, req)
+
+    def _op_hello(self, req: dict) -> dict:
+        eng = self.engine
+        devices = eng._landing_devices()
+        landing = eng.receiver.accept_sender(req, devices)
+        # receive-side PXN: rails whose landing slots sit on the GPU next to their NIC (from the topology) ask the
+        # sender to send large pieces for other GPUs through them; this receiver forwards them over NVLink
+        forward = [eng.landing_device is None and g is not None and d >= 0 for g, d in zip(eng._rail_gpu, devices)]
+        return {"ok": True, "engine_id": eng.engine_id, "rail_ids": [f.local_id for f in eng.fabrics],
+                "rail_descs": [base64.b64encode(f.descriptor()).decode() for f in eng.fabrics], "forward": forward,
+                **self.regions_wire(), **landing}
+
+    # ========================================================================================================
+    # sender side
+    # ========================================================================================================
+    def peer(self, session_id: str):
+        """The connected peer of ``session_id``, handshaking first when there is none (first use, or every rail
+        of the previous connection failed). Raises UnknownSession naming why the handshake failed (the next call
+        tries again; nothing is remembered but the reason, for the message), and ``PeerGone`` for a peer whose
+        every endpoint died while nothing was in flight to notice (the engine forgets it and calls again)."""
+        eng = self.engine
+        peer = eng._peers.get(session_id) if isinstance(session_id, str) else None
+        if peer is None:
+            parse_session(session_id)  # a malformed id never reaches the resolver or the session table
+        if peer is not None and peer.ready and not peer.retired:
+            if peer.connected():
+                return peer
+            # the peer restarted while idle: the engine fails its rails (forgetting it), then asks again
+            raise PeerGone(f"every rail endpoint to {session_id} died", peer)
+        while True:
+            with eng._lock:
+                peer = eng._peers.get(session_id)
+                if peer is None or peer.retired:
+                    peer = eng._peers[session_id] = self._make_peer(session_id)
+            with peer.lock:
+                if peer.ready:
+                    return peer
+                if eng._peers.get(session_id) is not peer:
+                    if peer.error is not None:
+                        # another caller's handshake failed while this one waited for it: report that instead
+                        # of queueing one more connect (up to 10 s each towards a host that drops packets)
+                        raise UnknownSession(str(peer.error)) from peer.error
+                    continue
+                t0 = now_ns()
+                try:
+                    self._handshake(peer)
+                except BaseException as e:
+                    peer.error = e
+                    with eng._lock:
+                        # no half-made peer stays behind: the next call starts over with a fresh one
+                        if eng._peers.get(session_id) is peer:
+                            del eng._peers[session_id]
+                    raise
+                eng.counters.add("handshake_s", (now_ns() - t0) / 1e9)
+                return peer
+
+    def connect(self, session: str, timeout: float = 10.0) -> socket.socket:
+        """A control connection to ``session``'s listener; UnknownSession naming why not."""
+        host, port = parse_session(session)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except (OSError, UnicodeError) as e:
+            lost = self.engine._lost.get(session)
+            raise UnknownSession(f"no pxn engine answers at session {session!r}: {e}"
+                                 + (f" (its previous connection was lost: {lost})" if lost else "")) from e
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            auth.client_handshake(sock, self.secret, "ctrl", timeout)
+        except auth.AuthError as e:
+            sock.close()
+            raise UnknownSession(f"session {session!r} refused authentication: {e}") from e
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            raise UnknownSession(f"session {session!r}: authentication failed: {e} (a pxn engine of another "
+                                 f"version, or something else, listens there)") from e
+        return sock
+
+    def _handshake(self, peer) -> None:
+        eng = self.engine
+        sock = self.connect(peer.session)
+        n = len(eng.fabrics)
+        credit = HostBuffer(n * eng.landing_slots * ACK_BYTES)
+        mrs = []
+        rails = []
+        try:
+            for fab in eng.fabrics:
+                mrs.append(fab.register(credit.addr, credit.nbytes, DEVICE_HOST))
+            send_msg(sock, {"op": "hello", "engine_id": eng.engine_id, "session": eng.session_id,
+                            "rail_ids": [f.local_id for f in eng.fabrics],
+                            "credit_addr": credit.addr, "credit_rkeys": [m.rkey for m in mrs],
+                            "credit_slots": eng.landing_slots, "slot_bytes": eng.slot_bytes})
+            rep = recv_msg(sock)
+            if not rep.get("ok"):
+                raise UnknownSession(f"session {peer.session!r} refused the handshake: {rep.get('error')}")
+            if len(rep["rail_ids"]) != n:
+                raise UnknownSession(f"session {peer.session!r} has {len(rep['rail_ids'])} rails, this engine {n}")
+            slots = min(int(rep["landing_slots"]), eng.landing_slots)
+            if int(rep["landing_slot_bytes"]) < eng.slot_bytes:
+                raise UnknownSession(f"session {peer.session!r} offers {rep['landing_slot_bytes']} B landing slots, "
+                                     f"smaller than this engine's {eng.slot_bytes} B chunks")
+            for i, fab in enumerate(eng.fabrics):
+                ep = fab.connect(base64.b64decode(rep["rail_descs"][i]))
+                rails.append(self._make_rail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
+                                             int(rep["landing_rkeys"][i]), slots, int(rep["landing_slot_bytes"]),
+                                             peer))
+        except (OSError, ConnectionError, ValueError, KeyError, FabricError) as e:
+            sock.close()
+            for fab, mr in zip(eng.fabrics, mrs):
+                try:
+                    fab.deregister(mr)
+                except FabricError:
+                    pass
+            if isinstance(e, UnknownSession):
+                raise
+            raise UnknownSession(f"handshake with session {peer.session!r} failed: {e}") from e
+        sock.settimeout(30.0)
+        peer.ctrl = sock
+        peer.credit = credit
+        peer.credit_mrs = mrs
+        peer.engine_id = int(rep["engine_id"])
+        peer.rails = rails
+        peer.landing_device = int(rep.get("landing_device", DEVICE_HOST))
+        fwd = rep.get("forward") or []
+        devices = rep.get("landing_devices") or []
+        peer.forward = {i: int(devices[i]) for i, f in enumerate(fwd) if f and i < len(devices)} or None
+        peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
+        peer.loadstore = self._loadstore_writer(peer, rep)
+        with eng._lock:
+            for pr in rails:
+                eng._by_remote_rail[pr.remote_id] = (peer, pr)
+            again = eng._lost.pop(peer.session, None) is not None
+        peer.ready = True
+        if again:
+            eng.counters.add("reconnects")
+        log.log(logging.WARNING if again else logging.INFO, "engine %s %sconnected to %s over %d rail(s)",
+                eng.session_id, "re" if again else "", peer.session, n)
+
+    def _loadstore_writer(self, peer, rep: dict):
+        """A ``LoadStoreWriter`` for a same-host ipc peer that advertised its deregistration counter, else None."""
+        eng = self.engine
+        if not (eng.use_loadstore and "loadstore" in eng.fabrics[0].capabilities and "region_gen_addr" in rep):
+            return None
+        from transport.loadstore import LoadStoreWriter
+        fab, ep = eng.fabrics[0], peer.rails[0].ep
+        if int(rep.get("pid", -1)) != fab.peer_pid(ep):
+            log.warning("session %s: control pid %s differs from the ipc endpoint's %s; no load/store path",
+                        peer.session, rep.get("pid"), fab.peer_pid(ep))
+            return None
+        return LoadStoreWriter(fab, ep, int(rep["region_gen_addr"]), int(rep.get("region_gen", 0)),
+                               int(rep.get("region_gen_fd", -1)))
+
+    def refresh_regions(self, peer) -> None:
+        """Fetch the peer's region list again over the control connection. The control connection alone can
+        drop (an idle NAT / firewall timeout: unlike the rails it has no keepalive), so a failed request is
+        retried once on a new connection. Raises ``PeerGone`` when nobody answers there any more or a different
+        engine does (the peer restarted), TransferError naming the cause for other failures."""
+        from transport.errors import TransferError
+        eng = self.engine
+        gone = None
+        with peer.lock:
+            try:
+                rep = self.request(peer, {"op": "regions"})
+            except (OSError, ConnectionError, ValueError) as first:
+                self.close_ctrl_locked(peer)
+                if peer.retired:
+                    raise TransferError(f"cannot refresh the region list of {peer.session}: {first} (every rail "
+                                        f"to it failed meanwhile)", [first]) from first
+                try:
+                    peer.ctrl = self.connect(peer.session)
+                    peer.ctrl.settimeout(30.0)
+                    rep = self.request(peer, {"op": "regions"})
+                except UnknownSession as e:
+                    gone = e
+                except (OSError, ConnectionError, ValueError) as e:
+                    self.close_ctrl_locked(peer)
+                    raise TransferError(f"cannot refresh the region list of {peer.session}: {first}; again on a "
+                                        f"new control connection: {e}", [first, e]) from e
+                else:
+                    eng.counters.add("ctrl_reconnects")
+            if gone is None and int(rep.get("engine_id", peer.engine_id)) != peer.engine_id:
+                gone = PeerLost(f"a different engine (id 0x{int(rep['engine_id']):x}, was 0x{peer.engine_id:x}) "
+                                f"answers at {peer.session} now: the peer restarted")
+        if gone is not None:
+            raise PeerGone(str(gone), peer, gone)
+        peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
+        if peer.loadstore is not None:
+            peer.loadstore.gen_seen = int(rep.get("region_gen", peer.loadstore.gen_seen))
+        eng.counters.add("region_refreshes")
+
+    @staticmethod
+    def request(peer, msg: dict) -> dict:
+        """One request / reply on the peer's control connection (``peer.lock`` held)."""
+        if peer.ctrl is None:
+            raise ConnectionError("no control connection")
+        send_msg(peer.ctrl, msg)
+        rep = recv_msg(peer.ctrl)
+        if not rep.get("ok"):
+            raise ValueError(f"peer refused {msg.get('op')!r}: {rep.get('error')}")
+        return rep
+
+    @staticmethod
+    def close_ctrl_locked(peer) -> None:
+        """Close the peer's control socket (``peer.lock`` held, or the peer forgotten)."""
+        sock, peer.ctrl = peer.ctrl, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass

@@ -88,6 +88,8 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
         kw_recv = dict(kw, topology=synthetic(2, {recv_nic: ["mlx5_0"]}))
     else:
         kw_send = kw_recv = kw
+    if args.forward_large:
+        kw_recv = dict(kw_recv, forward_large=True)
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         tag = f"{fabric}-{topology}"
@@ -108,7 +110,7 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
                 lens = np.asarray(lengths, dtype=np.int64)
                 nbytes = int(lens.sum())
                 row = {"fabric": fabric, "topology": topology, "shape": name, "pieces": len(lengths),
-                       "bytes": nbytes}
+                       "bytes": nbytes, "forward_large": bool(args.forward_large)}
                 try:
                     peer.poison()
                     exp = Expected(BUFFER)
@@ -186,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--trace", default=None, help="folder for both engines' Chrome traces (one pair per fabric and "
                                                   "topology; keep the run small)")
+    ap.add_argument("--forward-large", action="store_true",
+                    help="receivers forward large pieces too (TransferEngine(forward_large=True))")
     ap.add_argument("--no-topology", action="store_true",
                     help="engines without a topology (trivial rails): for trees without receive-side PXN")
     ap.add_argument("--enable-peers", action="store_true",

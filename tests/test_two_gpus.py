@@ -134,7 +134,8 @@ def test_relay_and_forward_between_two_processes(seed, fabric, case):
     rng = np.random.default_rng(seed)
     size = 64 * MB
     extra = {"loadstore": False} if fabric == "ipc" else {}
-    peer = EnginePeer(size, device=1, fabric=fabric, topology=synthetic(2, {recv_nic: ["mlx5_0"]}), **extra)
+    peer = EnginePeer(size, device=1, fabric=fabric, topology=synthetic(2, {recv_nic: ["mlx5_0"]}),
+                      forward_large=True, **extra)
     try:
         with TransferEngine(fabric=fabric, topology=synthetic(2, {send_nic: ["mlx5_0"]}), **extra) as eng:
             g = torch.Generator(device="cuda:1").manual_seed(seed)

@@ -265,9 +265,11 @@ class ControlPlane:
         eng = self.engine
         devices = eng._landing_devices()
         landing = eng.receiver.accept_sender(req, devices)
-        # receive-side PXN: rails whose landing slots sit on the GPU next to their NIC (from the topology) ask the
-        # sender to send large pieces for other GPUs through them; this receiver forwards them over NVLink
-        forward = [eng.landing_device is None and g is not None and d >= 0 for g, d in zip(eng._rail_gpu, devices)]
+        # receive-side PXN for large pieces (forward_large): rails whose landing slots sit on the GPU next to their
+        # NIC (from the topology) ask the sender to send large pieces for other GPUs through them, and this
+        # receiver forwards them over NVLink (chunks of small pieces land there and are forwarded in any case)
+        forward = [eng.forward_large and eng.landing_device is None and g is not None and d >= 0
+                   for g, d in zip(eng._rail_gpu, devices)]
         return {"ok": True, "engine_id": eng.engine_id, "rail_ids": [f.local_id for f in eng.fabrics],
                 "rail_descs": [base64.b64encode(f.descriptor()).decode() for f in eng.fabrics], "forward": forward,
                 **self.regions_wire(), **landing}

@@ -304,6 +304,12 @@ class TransferEngine:
         switch_interval: if set, ``sys.setswitchinterval`` for the whole process (``PXN_SWITCH_INTERVAL``), e.g.
             0.0002: the engine's threads hand work to each other, and the default 5 ms GIL interval can stall
             each hand-off while another thread runs Python.
+        forward_large: receive-side PXN for large pieces too (``PXN_FORWARD_LARGE``, default off): with a
+            topology, chunks of small pieces always land on the GPU next to the rail's NIC and are forwarded over
+            NVLink; with this on, senders also send large pieces for this engine's other GPUs through those
+            landing slots instead of writing them straight to their destination. Off by default because each
+            forwarded chunk costs the receiver about a millisecond of Python (2 GB/s for 2.25 MB pieces on the
+            H200 VM, benchmarks/NOTES.md), below what a NIC's write across PCIe reaches.
         loadstore: on the ipc fabric, write batches between GPU memories (and between host memories) straight
             from the caller's thread with one copy launch, skipping the message path (``PXN_LOADSTORE``,
             default on; see ``transport.loadstore``).
@@ -326,7 +332,7 @@ class TransferEngine:
                  trace_path: Optional[str] = None, fabric_options: Optional[dict] = None,
                  switch_interval: Optional[float] = None, loadstore: Optional[bool] = None, secret=None,
                  max_senders: Optional[int] = None, handshake_timeout: Optional[float] = None,
-                 max_conns_per_addr: Optional[int] = None):
+                 max_conns_per_addr: Optional[int] = None, forward_large: Optional[bool] = None):
         self.hostname = hostname
         from transport.auth import resolve_secret
         self._secret = resolve_secret(secret)
@@ -361,6 +367,7 @@ class TransferEngine:
         self.default_timeout = float(timeout if timeout is not None else _env("PXN_TIMEOUT", 120.0, float))
         self.landing_device = landing_device
         self.use_loadstore = bool(loadstore if loadstore is not None else _env("PXN_LOADSTORE", 1))
+        self.forward_large = bool(forward_large if forward_large is not None else _env("PXN_FORWARD_LARGE", 0))
         # Bumped by every deregister; same-host peers writing by load/store read it before each batch.
         from transport.loadstore import GenerationCounter
         self._region_gen = GenerationCounter()

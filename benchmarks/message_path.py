@@ -177,6 +177,15 @@ def nvlink_rows(all_shapes: dict, repeat: int) -> list:
     return rows
 
 
+def _public_args(argv) -> list:
+    """The command line as recorded in the results: folder arguments (machine paths) replaced by their role."""
+    out, hide = [], False
+    for a in argv:
+        out.append("DIR" if hide else a)
+        hide = a in ("--out", "--trace")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="folder for the two JSON files (default: a new temporary folder)")
@@ -234,7 +243,7 @@ def main(argv=None) -> int:
     out = args.out or tempfile.mkdtemp(prefix="pxn-message-path-")
     os.makedirs(out, exist_ok=True)
     meta = {"machine": info, "seed": seed, "repeat": args.repeat, "label": args.label,
-            "command": "python3 benchmarks/message_path.py " + " ".join(argv or sys.argv[1:])}
+            "command": "python3 benchmarks/message_path.py " + " ".join(_public_args(argv or sys.argv[1:]))}
     pxn_rows = [r for r in rows if r["topology"] in TOPOLOGIES]
     mp_rows = [r for r in rows if r["fabric"] in ("ipc", "-")]
     for name, subset in (("pxn-x2.json", pxn_rows), ("message-path-x2.json", mp_rows)):

@@ -22,8 +22,10 @@ engine forgets that peer (rails, landing-slot credits, credit region, region lis
 flight to it fail with every rail's cause, and the next batch to the same session id handshakes again from
 scratch, with whatever engine listens at that host:port by then.
 
-Threads: per rail one completion poller; per (relay device, rail) ring a copy and a submit thread; one receiver
-progress thread; the control listener (one thread per control connection). ``batch_write`` is thread-safe.
+Threads: per rail one poll loop (on fabrics that deliver completions by callback, the fabric's own threads run
+the completion handlers and the loop takes only failures, in order, and runs the watchdog); per (relay device,
+rail) ring a copy thread that fills and posts, and a submit thread for re-dispatched units; one receiver progress
+thread; the control listener (one thread per control connection). ``batch_write`` is thread-safe.
 """
 from __future__ import annotations
 

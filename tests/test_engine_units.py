@@ -355,3 +355,24 @@ def test_planner_forwards_large_pieces_through_landing_slots():
     assert [sg[2] for u in fwd for sg in u.segs] == [3 * MB]
     assert all(u.wire_bytes <= 4 * MB for u in fwd)
     assert sum(u.nbytes for u in units if u.kind == DIRECT) == 2 * MB + 5
+
+
+def test_engine_config_precedence_and_errors():
+    """Arguments first, then PXN_* variables, then defaults; a bad variable names itself and its value, a bad
+    setting names the setting; nothing else is read from the environment later."""
+    from transport.config import EngineConfig
+    env = {"PXN_COALESCE_BYTES": "32K", "PXN_LANES": "3", "PXN_LOADSTORE": "0", "PXN_FORWARD_LARGE": "1"}
+    cfg = EngineConfig.from_env(env, lanes=5)
+    assert cfg.lanes == 5 and cfg.coalesce_bytes == 32 << 10 and cfg.loadstore is False and cfg.forward_large
+    assert cfg.relay_slot_bytes == 4 << 20 and cfg.fabric == "auto"  # defaults
+    assert EngineConfig.from_env({}, relay_slot_bytes="8MiB").relay_slot_bytes == 8 << 20
+    with pytest.raises(ValueError, match=r"PXN_LANDING_SLOTS='many' is not a valid int"):
+        EngineConfig.from_env({"PXN_LANDING_SLOTS": "many"})
+    with pytest.raises(ValueError, match=r"landing_slots must be <= 65535"):
+        EngineConfig.from_env({}, landing_slots=70000)
+    with pytest.raises(ValueError, match=r"relay must be 'auto', 'always' or 'never', got 'sometimes'"):
+        EngineConfig.from_env({"PXN_RELAY": "sometimes"})
+    with pytest.raises(ValueError, match=r"max_senders must be > 0, got 0"):
+        EngineConfig.from_env({}, max_senders=0)
+    with pytest.raises(TypeError, match="unknown setting"):
+        EngineConfig.from_env({}, lane=2)

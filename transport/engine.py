@@ -44,6 +44,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from transport.config import EngineConfig, parse_size
 from transport.control import ControlPlane, PeerGone, UnknownSession, recv_msg, send_msg
 from transport.errors import (FabricClosed, FabricError, FabricUnavailable, InvalidTransfer, PeerLost,
                               RegionError, RemoteRejected, TransferError, TransferTimeout, UnknownPeer)
@@ -65,26 +66,7 @@ __all__ = ["TransferEngine", "UnknownSession", "BatchHandle"]
 _send_msg, _recv_msg = send_msg, recv_msg
 
 
-def _env(name: str, default, cast=int):
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return cast(value)
-    except ValueError as e:
-        raise ValueError(f"environment variable {name}={value!r} is not a valid {cast.__name__}") from e
-
-
-def _size(value) -> int:
-    """Parse sizes like ``65536``, ``64K``, ``1M``, ``8MiB``."""
-    if isinstance(value, int):
-        return value
-    s = str(value).strip().upper().replace("IB", "").replace("B", "")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if mult > 1 else s) * mult)
-
-
-_size.__name__ = "size"
+_size = parse_size  # sizes like "64K" (kept under this name for callers of the engine module)
 
 
 def _rail_local_gpus(routes, rail_keys: List[str]) -> List[Optional[int]]:
@@ -280,7 +262,8 @@ class _Peer:
 class TransferEngine:
     """Moves batches of pieces into a peer engine's registered memory (see the module docstring).
 
-    Arguments (each falls back to a ``PXN_*`` environment variable, read once here, then to a default):
+    Arguments (each falls back to a ``PXN_*`` environment variable, then to a default; read once into the frozen
+    ``self.config``, a ``transport.config.EngineConfig``):
         hostname: address to listen on and to advertise (default "127.0.0.1").
         port: TCP port of the control listener, i.e. the port in ``session_id`` (default 0: any free port). A
             fixed port lets a restarted process come back under the same session id, which senders reconnect to.
@@ -336,51 +319,40 @@ class TransferEngine:
                  max_senders: Optional[int] = None, handshake_timeout: Optional[float] = None,
                  max_conns_per_addr: Optional[int] = None, forward_large: Optional[bool] = None):
         self.hostname = hostname
-        from transport.auth import resolve_secret
-        self._secret = resolve_secret(secret)
-        self.max_senders = int(max_senders if max_senders is not None else _env("PXN_MAX_SENDERS", 256))
-        self.handshake_timeout = float(handshake_timeout if handshake_timeout is not None
-                                       else _env("PXN_HANDSHAKE_TIMEOUT", 5.0, float))
-        max_conns_per_addr = int(max_conns_per_addr if max_conns_per_addr is not None
-                                 else _env("PXN_MAX_CONNS_PER_ADDR", 64))
-        for name, value in (("max_senders", self.max_senders), ("max_conns_per_addr", max_conns_per_addr),
-                            ("handshake_timeout", self.handshake_timeout)):
-            if isinstance(value, bool) or not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
-        switch_interval = switch_interval if switch_interval is not None else _env("PXN_SWITCH_INTERVAL", None,
-                                                                                   float)
-        if switch_interval:
+        # arguments first, then PXN_* variables, then defaults: read once, checked as a whole (transport.config)
+        cfg = self.config = EngineConfig.from_env(
+            fabric=fabric, rails=rails, coalesce_bytes=coalesce_bytes, relay_slot_bytes=relay_slot_bytes,
+            relay_slots=relay_slots, lanes=lanes, landing_slots=landing_slots, stripe_bytes=stripe_bytes,
+            relay=relay, timeout=timeout, trace_path=trace_path, switch_interval=switch_interval,
+            loadstore=loadstore, forward_large=forward_large, max_senders=max_senders,
+            handshake_timeout=handshake_timeout, max_conns_per_addr=max_conns_per_addr)
+        from transport.auth import resolve_secret
+        self._secret = resolve_secret(secret)
+        self.max_senders = cfg.max_senders
+        self.handshake_timeout = cfg.handshake_timeout
+        max_conns_per_addr = cfg.max_conns_per_addr
+        if cfg.switch_interval:
             # process-wide: how long a thread that released the GIL (socket / CUDA wait) may wait to get it
             # back while another thread runs Python; the default 5 ms stalls every hand-off of the pipeline
-            sys.setswitchinterval(float(switch_interval))
-        fabric = fabric or _env("PXN_FABRIC", "auto", str)
-        self.coalesce_bytes = _size(coalesce_bytes if coalesce_bytes is not None
-                                    else _env("PXN_COALESCE_BYTES", 64 << 10, _size))
-        self.slot_bytes = _size(relay_slot_bytes if relay_slot_bytes is not None
-                                else _env("PXN_RELAY_SLOT_BYTES", 4 << 20, _size))
-        self.relay_slots = int(relay_slots if relay_slots is not None else _env("PXN_RELAY_SLOTS", 8))
-        self.lanes = int(lanes if lanes is not None else _env("PXN_LANES", 2))
-        self.landing_slots = int(landing_slots if landing_slots is not None else _env("PXN_LANDING_SLOTS", 16))
-        self.stripe_bytes = _size(stripe_bytes if stripe_bytes is not None
-                                  else _env("PXN_STRIPE_BYTES", 16 << 20, _size))
-        self.relay_mode = relay or _env("PXN_RELAY", "auto", str)
-        self.default_timeout = float(timeout if timeout is not None else _env("PXN_TIMEOUT", 120.0, float))
+            sys.setswitchinterval(float(cfg.switch_interval))
+        fabric = cfg.fabric
+        self.coalesce_bytes = cfg.coalesce_bytes
+        self.slot_bytes = cfg.relay_slot_bytes
+        self.relay_slots = cfg.relay_slots
+        self.lanes = cfg.lanes
+        self.landing_slots = cfg.landing_slots
+        self.stripe_bytes = cfg.stripe_bytes
+        self.relay_mode = cfg.relay
+        self.default_timeout = float(cfg.timeout)
         self.landing_device = landing_device
-        self.use_loadstore = bool(loadstore if loadstore is not None else _env("PXN_LOADSTORE", 1))
-        self.forward_large = bool(forward_large if forward_large is not None else _env("PXN_FORWARD_LARGE", 0))
+        self.use_loadstore = cfg.loadstore
+        self.forward_large = cfg.forward_large
         # Bumped by every deregister; same-host peers writing by load/store read it before each batch.
         from transport.loadstore import GenerationCounter
         self._region_gen = GenerationCounter()
-        trace_path = trace_path or _env("PXN_TRACE", None, str)
-        for name, value, lo in (("relay_slots", self.relay_slots, 1), ("lanes", self.lanes, 1),
-                                ("landing_slots", self.landing_slots, 1), ("relay_slot_bytes", self.slot_bytes, 4096),
-                                ("stripe_bytes", self.stripe_bytes, 4096)):
-            if value < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {value}")
-        if self.landing_slots > 0xFFFF:
-            raise ValueError(f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
+        trace_path = cfg.trace_path
         self.planner = Planner(self.coalesce_bytes, self.slot_bytes, self.stripe_bytes, self.slot_bytes,
                                self.relay_mode)
         self.engine_id = secrets.randbits(63) | 1
@@ -416,9 +388,7 @@ class TransferEngine:
             self._rail_gpu = _rail_local_gpus(self.routes, self._rail_keys)
             _check_topology_gpus(self.routes)
         else:
-            n = int(rails if rails is not None else _env("PXN_RAILS", 2))
-            if n < 1:
-                raise ValueError(f"rails must be >= 1, got {n}")
+            n = cfg.rails
             self._rail_keys = [f"rail{i}" for i in range(n)]
             self._rail_gpu = [None] * n
             rail_specs = [{} for _ in range(n)]

@@ -1,0 +1,130 @@
+"""The engine's configuration: one frozen ``EngineConfig``, built once from constructor arguments, then the
+``PXN_*`` environment variables, then defaults (``EngineConfig.from_env``), and checked as a whole.
+
+Every variable here is operational (what a deployment sets); the README's configuration table lists them. Sizes
+take ``65536``, ``64K``, ``1M``, ``8MiB``. A malformed variable raises ``ValueError`` naming the variable and its
+value; an out-of-range setting names the setting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Optional
+
+__all__ = ["EngineConfig", "parse_size"]
+
+
+def parse_size(value) -> int:
+    """Parse sizes like ``65536``, ``64K``, ``1M``, ``8MiB`` (bytes). Raises ``ValueError`` for anything else."""
+    if isinstance(value, bool):
+        raise ValueError(f"size {value!r} is not a number of bytes")
+    if isinstance(value, int):
+        return value
+    s = str(value).strip().upper().replace("IB", "").replace("B", "")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+parse_size.__name__ = "size"
+
+
+def _flag(value) -> bool:
+    return str(value).strip().lower() not in ("0", "false", "no", "off", "")
+
+
+_flag.__name__ = "flag"
+
+# field -> (environment variable, parser of its text)
+_ENV = {
+    "fabric": ("PXN_FABRIC", str),
+    "rails": ("PXN_RAILS", int),
+    "coalesce_bytes": ("PXN_COALESCE_BYTES", parse_size),
+    "relay_slot_bytes": ("PXN_RELAY_SLOT_BYTES", parse_size),
+    "relay_slots": ("PXN_RELAY_SLOTS", int),
+    "lanes": ("PXN_LANES", int),
+    "landing_slots": ("PXN_LANDING_SLOTS", int),
+    "stripe_bytes": ("PXN_STRIPE_BYTES", parse_size),
+    "relay": ("PXN_RELAY", str),
+    "timeout": ("PXN_TIMEOUT", float),
+    "trace_path": ("PXN_TRACE", str),
+    "switch_interval": ("PXN_SWITCH_INTERVAL", float),
+    "loadstore": ("PXN_LOADSTORE", _flag),
+    "forward_large": ("PXN_FORWARD_LARGE", _flag),
+    "max_senders": ("PXN_MAX_SENDERS", int),
+    "handshake_timeout": ("PXN_HANDSHAKE_TIMEOUT", float),
+    "max_conns_per_addr": ("PXN_MAX_CONNS_PER_ADDR", int),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What a ``TransferEngine`` runs with (``transport.engine.TransferEngine`` documents each setting).
+
+    Sizes in bytes, times in seconds."""
+
+    fabric: str = "auto"
+    rails: int = 2
+    coalesce_bytes: int = 64 << 10
+    relay_slot_bytes: int = 4 << 20
+    relay_slots: int = 8
+    lanes: int = 2
+    landing_slots: int = 16
+    stripe_bytes: int = 16 << 20
+    relay: str = "auto"
+    timeout: float = 120.0
+    trace_path: Optional[str] = None
+    switch_interval: Optional[float] = None
+    loadstore: bool = True
+    forward_large: bool = False
+    max_senders: int = 256
+    handshake_timeout: float = 5.0
+    max_conns_per_addr: int = 64
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **given) -> "EngineConfig":
+        """Each field from ``given`` (a constructor argument; None means not given), else its ``PXN_*`` variable
+        in ``environ`` (default ``os.environ``), else the default; then the whole is checked."""
+        env = os.environ if environ is None else environ
+        unknown = sorted(set(given) - set(_ENV))
+        if unknown:
+            raise TypeError(f"EngineConfig: unknown setting(s) {unknown}")
+        values = {}
+        for name, (var, parse) in _ENV.items():
+            value = given.get(name)
+            if value is None:
+                text = env.get(var)
+                if text is None or text == "":
+                    continue
+                try:
+                    value = parse(text)
+                except ValueError as e:
+                    raise ValueError(f"environment variable {var}={text!r} is not a valid {parse.__name__}") from e
+            values[name] = value
+        cfg = cls(**values)
+        cfg.check()
+        return cfg
+
+    def __post_init__(self):
+        # normalise the forms constructor arguments may take (sizes as "64K", flags as ints)
+        for name in ("coalesce_bytes", "relay_slot_bytes", "stripe_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        for name in ("loadstore", "forward_large"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first setting out of its range."""
+        if self.fabric not in ("auto", "tcp", "ipc", "verbs"):
+            raise ValueError(f"fabric must be 'auto', 'tcp', 'ipc' or 'verbs', got {self.fabric!r}")
+        if self.relay not in ("auto", "always", "never"):
+            raise ValueError(f"relay must be 'auto', 'always' or 'never', got {self.relay!r}")
+        for name, lo in (("rails", 1), ("relay_slots", 1), ("lanes", 1), ("landing_slots", 1),
+                         ("relay_slot_bytes", 4096), ("stripe_bytes", 4096), ("coalesce_bytes", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+        if self.landing_slots > 0xFFFF:
+            raise ValueError(f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
+        for name in ("max_senders", "max_conns_per_addr", "handshake_timeout", "timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Set, Tuple
 
 import numpy as np
 

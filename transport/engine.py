@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import queue
 import secrets
 import socket
@@ -47,7 +46,7 @@ import numpy as np
 from transport.config import EngineConfig, parse_size
 from transport.control import ControlPlane, PeerGone, UnknownSession, recv_msg, send_msg
 from transport.errors import (FabricClosed, FabricError, FabricUnavailable, InvalidTransfer, PeerLost,
-                              RegionError, RemoteRejected, TransferError, TransferTimeout, UnknownPeer)
+                              RegionError, RemoteRejected, TransferError, TransferTimeout)
 from transport.fabric.base import DEVICE_HOST, Opcode, WriteRequest
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, Unit
 from transport.receiver import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, Receiver, chunk_imm, decode_ack,

@@ -410,7 +410,6 @@ class Receiver:
             base = buf.addr + off
             host_memmove(base + table.offsets, table.dst_addrs, table.lengths)
             return
-        import torch
         snap = self.exposed.snapshot()
         idx, _ = self.exposed.locate(table.dst_addrs, table.lengths)
         dst_dev = snap.devices[idx]

@@ -112,6 +112,19 @@ class Expected:
         return _digest(self.full)
 
 
+def write_and_check(sender, peer: GuardedPeer, src_addr: int, src_host: np.ndarray, src_offs, dst_offs, lengths,
+                    timeout=None) -> None:
+    """Poison the peer, write piece i (``lengths[i]`` bytes) from ``src_addr + src_offs[i]`` to
+    ``peer.base + dst_offs[i]``, and compare the peer's whole buffer (guards included) with the expected image
+    built from ``src_host``, the source bytes as a host array."""
+    peer.poison()
+    exp = Expected(peer.size)
+    exp.apply(src_host, src_offs, dst_offs, lengths)
+    sender.batch_write(peer.session, [src_addr + int(o) for o in src_offs], [peer.base + int(o) for o in dst_offs],
+                       [int(n) for n in lengths], timeout=timeout)
+    peer.check(exp)
+
+
 def disjoint_offsets(rng: np.random.Generator, lengths, space: int, align: int = 1) -> np.ndarray:
     """Random non-overlapping offsets for pieces of ``lengths`` inside ``space`` bytes (shuffled order, random
     gaps), each a multiple of ``align``."""

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from engine_helpers import GUARD, EnginePeer, Expected, disjoint_offsets
+from engine_helpers import GUARD, EnginePeer, Expected, disjoint_offsets, write_and_check
 from transport import (InvalidTransfer, RemoteRejected, TransferEngine, TransferError, TransferTimeout,
                        UnknownSession)
 
@@ -54,13 +54,7 @@ def rng(seed, request):
 
 def run_case(sender, peer, src, src_offs, dst_offs, lengths, timeout=120.0):
     """Poison the peer, write, compare its whole buffer with the expected image."""
-    peer.poison()
-    exp = Expected(peer.size)
-    exp.apply(src, src_offs, dst_offs, lengths)
-    base = src.ctypes.data
-    sender.batch_write(peer.session, [base + int(o) for o in src_offs], [peer.base + int(o) for o in dst_offs],
-                       [int(n) for n in lengths], timeout=timeout)
-    peer.check(exp)
+    write_and_check(sender, peer, src.ctypes.data, src, src_offs, dst_offs, lengths, timeout)
 
 
 # --- the sglang shapes ---------------------------------------------------------------------------------------

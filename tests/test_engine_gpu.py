@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from engine_helpers import EnginePeer, Expected, disjoint_offsets
+from engine_helpers import EnginePeer, Expected, disjoint_offsets, write_and_check
 from transport import TransferEngine
 
 MB = 1 << 20
@@ -25,14 +25,8 @@ def test_gpu_kv_over_ipc(seed, loadstore):
             src_host = src.cpu().numpy()
             for lengths in ([2359296] * 8, [64] * 4096, [2048] * 2000, [1, 3, 63, 65],
                             rng.integers(1, 8193, size=500).tolist() + [2 * MB] * 3):
-                peer.poison()
-                s = disjoint_offsets(rng, lengths, size)
-                d = disjoint_offsets(rng, lengths, size)
-                exp = Expected(size)
-                exp.apply(src_host, s, d, lengths)
-                eng.batch_write(peer.session, [src.data_ptr() + int(x) for x in s],
-                                [peer.base + int(x) for x in d], lengths)
-                peer.check(exp)
+                write_and_check(eng, peer, src.data_ptr(), src_host, disjoint_offsets(rng, lengths, size),
+                                disjoint_offsets(rng, lengths, size), lengths)
             # async: the handle completes once the launch is done
             peer.poison()
             exp = Expected(size)

@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from engine_helpers import EnginePeer, Expected, disjoint_offsets
+from engine_helpers import EnginePeer, disjoint_offsets, write_and_check
 
 MB = 1 << 20
 pytestmark = pytest.mark.gpu
@@ -145,14 +145,8 @@ def test_relay_and_forward_between_two_processes(seed, fabric, case):
             shapes = ([2359296] * 8, [64] * 4096, [1, 3, 63, 65],
                       rng.integers(1, 8193, size=500).tolist() + [2 * MB] * 3, [9 * MB])
             for lengths in shapes:
-                peer.poison()
-                s = disjoint_offsets(rng, lengths, size)
-                d = disjoint_offsets(rng, lengths, size)
-                exp = Expected(size)
-                exp.apply(src_host, s, d, lengths)
-                eng.batch_write(peer.session, [src.data_ptr() + int(x) for x in s],
-                                [peer.base + int(x) for x in d], lengths)
-                peer.check(exp)
+                write_and_check(eng, peer, src.data_ptr(), src_host, disjoint_offsets(rng, lengths, size),
+                                disjoint_offsets(rng, lengths, size), lengths)
             st = eng.stats()
             rx = peer.call("stats")["receiver"]  # before the sender closes: the receiver then frees its slots
     finally:

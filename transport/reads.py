@@ -190,19 +190,26 @@ def _validate(engine, session_id, local_dsts, remote_srcs, lengths):
         raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
     if ln.size == 0:
         return dst, src, ln
+    _check_inside(engine, "local_dsts", dst, ln, "is not inside a region registered with this engine; nothing was "
+                                                 "read", also=(("remote_srcs", src),))
+    return dst, src, ln
+
+
+def _check_inside(engine, name: str, addrs: np.ndarray, ln: np.ndarray, outside: str, also=()) -> None:
+    """Every length >= 1, every address (``addrs``, then each of ``also``: (name, array) pairs) >= 0, every piece
+    of ``addrs`` inside a region this engine registered; else ``InvalidTransfer`` naming the first bad piece
+    (``outside``: how a piece outside every region is told)."""
     if int(ln.min()) < 1:
         i = int(np.argmin(ln))
         raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
-    for name, arr in (("local_dsts", dst), ("remote_srcs", src)):
+    for label, arr in ((name, addrs), *also):
         if int(arr.min()) < 0:
             i = int(np.argmin(arr))
-            raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} is negative")
-    _, ok = engine._regions.locate(dst, ln)
+            raise InvalidTransfer(f"{label}[{i}] = {int(arr[i])} is negative")
+    _, ok = engine._regions.locate(addrs, ln)
     if not ok.all():
         i = first_bad(ok)
-        raise InvalidTransfer(f"local_dsts[{i}] = 0x{int(dst[i]):x} + lengths[{i}] = {int(ln[i])} is not inside a "
-                              f"region registered with this engine; nothing was read")
-    return dst, src, ln
+        raise InvalidTransfer(f"{name}[{i}] = 0x{int(addrs[i]):x} + lengths[{i}] = {int(ln[i])} {outside}")
 
 
 def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
@@ -324,17 +331,8 @@ def _serve_read(engine, req: dict) -> dict:
     ln = _unpack("lengths", req.get("lengths"))
     if not (src.size == dst.size == ln.size) or src.size == 0:
         raise InvalidTransfer(f"read request: {src.size} sources, {dst.size} destinations, {ln.size} lengths")
-    if int(ln.min()) < 1:
-        i = int(np.argmin(ln))
-        raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
-    if int(src.min()) < 0:
-        i = int(np.argmin(src))
-        raise InvalidTransfer(f"remote_srcs[{i}] = {int(src[i])} is negative")
-    _, ok = engine._regions.locate(src, ln)
-    if not ok.all():
-        i = first_bad(ok)
-        raise InvalidTransfer(f"remote_srcs[{i}] = 0x{int(src[i]):x} + lengths[{i}] = {int(ln[i])} is outside "
-                              f"every region session {engine.session_id} registered; nothing was written")
+    _check_inside(engine, "remote_srcs", src, ln, f"is outside every region session {engine.session_id} "
+                                                  f"registered; nothing was written")
     timeout = req.get("timeout")
     timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
     engine.batch_write(session, src, dst, ln, timeout=timeout)

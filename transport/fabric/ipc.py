@@ -392,23 +392,19 @@ class IpcFabric(TcpFabric):
                 self._release(s, seq)
 
     # --- writer side ----------------------------------------------------------------------------------------
-    def post_writes(self, ep, requests) -> None:
-        """As ``TcpFabric.post_writes``; when the peer's descriptions of every region involved are current, the
-        copy and its NOTIFY run in the posting thread (no hand-off to a socket's sender thread, no GRANT round
-        trip), else the messages queue for the sender threads as on tcp."""
-        requests = list(requests)
-        mrs = self._validate(ep, requests)
-        if not requests:
-            return
-        msgs = self._build_messages(requests, mrs, len(ep.socks))
-        if not all(self._current_info(ep, m.table)[0] is not None for m in msgs):
+    def _send(self, ep: TcpEndpoint, msgs: List[_OutMsg]) -> None:
+        """When the peer's descriptions of every region involved are current, the copies and their NOTIFYs run in
+        the posting thread (no hand-off to a socket's sender thread, no GRANT round trip); else the messages
+        queue for the sender threads as on tcp."""
+        infos = [self._current_info(ep, m.table)[0] for m in msgs]
+        if any(info is None for info in infos):
             ep.enqueue(msgs)
             return
-        for m, s in zip(msgs, ep.enqueue(msgs, queue=False)):
+        for m, s, info in zip(msgs, ep.enqueue(msgs, queue=False), infos):
             if not ep.alive:
                 return  # fail() completed the rest with PeerLost
             try:
-                self._transmit(ep, s, m)
+                self._notify(ep, s, m, info)
             except Exception as e:  # noqa: BLE001 — as in the sender thread: the link is unusable
                 log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
                 ep.fail(f"send failed: {e}")
@@ -444,18 +440,22 @@ class IpcFabric(TcpFabric):
             info[k] = got[0]
         return info, gen
 
+    def _notify(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, info: dict) -> None:
+        """One message instead of REQ / GRANT / DONE: copy now (the same bounds checks against the peer's own
+        descriptions, ``info``, as after a GRANT), then tell the peer what landed."""
+        table = msg.table
+        statuses = bytearray(len(table))
+        self._copy_checked(ep, s, msg, statuses, info)
+        tb = table.tobytes()
+        with s.send_lock:
+            s.sock.sendall(HDR.pack(MAGIC, T_NOTIFY, 0, 0, len(table), msg.seq, len(tb) + len(statuses))
+                           + tb + bytes(statuses))
+
     def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
         table = msg.table
         info, gen = self._current_info(ep, table)
         if info is not None:
-            # one message instead of REQ / GRANT / DONE: copy now (the same bounds checks against the peer's own
-            # descriptions as after a GRANT), then tell the peer what landed
-            statuses = bytearray(len(table))
-            self._copy_checked(ep, s, msg, statuses, info)
-            tb = table.tobytes()
-            with s.send_lock:
-                s.sock.sendall(HDR.pack(MAGIC, T_NOTIFY, 0, 0, len(table), msg.seq, len(tb) + len(statuses))
-                               + tb + bytes(statuses))
+            self._notify(ep, s, msg, info)
             return
         tb = table.tobytes()
         with s.send_lock:

@@ -731,7 +731,11 @@ class TcpFabric(Fabric):
         mrs = self._validate(ep, requests)
         if not requests:
             return
-        ep.enqueue(self._build_messages(requests, mrs, len(ep.socks)))
+        self._send(ep, self._build_messages(requests, mrs, len(ep.socks)))
+
+    def _send(self, ep: TcpEndpoint, msgs: List[_OutMsg]) -> None:
+        """Hand checked messages over: to the sockets' sender threads (a fabric may send some itself)."""
+        ep.enqueue(msgs)
 
     def _build_messages(self, requests, mrs, nsocks: int) -> List[_OutMsg]:
         """Cut the writes into messages of about ``message_bytes`` (fewer, smaller ones when the batch is small,

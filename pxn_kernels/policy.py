@@ -27,8 +27,8 @@ from typing import Optional
 # device time per launch (4 KB tiles, 4 warps, 8 programs/SM), large pieces big tiles and many resident programs
 # (32 KB, 8 warps, 32 programs/SM); equal pieces from 4 KB up a 4 KB program with 2 warps (grid kernel).
 _BASE = {
-    # shift: pieces whose ends differ in alignment move as 8-byte words assembled from two source words
-    # (interpreter-tested; off until a GPU sweep measures it against the byte path).
+    # shift: pieces whose ends differ in alignment move as 8-byte words assembled from two source words (on for
+    # sm_90, where it was measured; elsewhere the byte path until a sweep there measures it).
     "range_small": {"block_bytes": 4096, "tail_block_bytes": 1024, "num_warps": 4, "programs_per_sm": 8,
                     "range_bytes": 0, "persistent": True, "streaming": False, "shift": False},
     "range_large": {"block_bytes": 32768, "tail_block_bytes": 1024, "num_warps": 8, "programs_per_sm": 32,
@@ -48,10 +48,13 @@ _BASE = {
 
 # Hopper (H100 / H200): the row classes that won benchmarks/kernels.py --sweep on an H200, 2026-11-30 (every
 # candidate byte-checked first; results/kernels-h200.json): 4 KB tiles with 2 warps up to 1.5 KB rows, 8 KB with
-# 4 warps above.
+# 4 warps above. Shifted words for pieces whose two ends differ in alignment (benchmarks/NOTES.md, "Unaligned
+# pieces"): 78 x 2.25 MB at odd offsets 238 -> 658 GB/s, aligned pieces unchanged.
 _SM90 = dict(_BASE, row={"enabled": True, "max_bytes": 4095,
                          "classes": [{"up_to": 1536, "tile_bytes": 4096, "max_cols": 4096, "num_warps": 2},
-                                     {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4}]})
+                                     {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4}]},
+             range_small=dict(_BASE["range_small"], shift=True), range_large=dict(_BASE["range_large"], shift=True),
+             grid=dict(_BASE["grid"], shift=True))
 
 # Architectures (compute capability -> name) with their own entries; others use "default".
 _TABLE = {"default": _BASE, "sm_90": _SM90}

@@ -16,7 +16,7 @@ import pytest
 from fabric_helpers import Buffer, RemoteError, Target, digest, wait_completions
 from transport.errors import FabricClosed, FabricUnavailable, PeerLost, RegionError, UnknownPeer
 from transport.fabric import make_fabric
-from transport.fabric.base import Opcode, WriteRequest
+from transport.fabric.base import Opcode, WriteBatch, WriteRequest
 
 try:
     import torch
@@ -164,6 +164,74 @@ def test_unsignaled_writes_complete_silently_but_errors_still_complete(case):
         comps = wait_completions(case.fab, 2)
         assert [c.wr_id for c in comps] == [900, 901]
         assert isinstance(comps[0].error, RegionError) and comps[1].ok
+
+
+def _batches(case):
+    if "write_batches" not in case.fab.capabilities:
+        pytest.skip(f"{case.name} does not declare write_batches")
+
+
+def test_write_batch_byte_exact_one_completion(case):
+    """A WriteBatch: thousands of scattered writes of odd sizes (1 B, 63 B, up to pieces larger than a message)
+    land byte-exact, nothing else changes, and exactly one completion reports it, after a plain write posted
+    before it and with the batch's total length."""
+    _batches(case)
+    t = case.target
+    t.call("poison")
+    lens = np.concatenate([case.rng.integers(1, 9000, 3000), [1, 63, 3 << 20, 17 << 20]]).astype(np.int64)
+    case.rng.shuffle(lens)
+    total = int(lens.sum())
+    data = case.fresh(total + 4096)
+    src_off = np.cumsum(lens) - lens  # packed sources, destinations shuffled with odd gaps
+    slots = case.rng.permutation(lens.size)
+    gaps = case.rng.integers(1, 40, lens.size)
+    dst_start = np.cumsum(lens[slots] + gaps[slots]) - lens[slots]
+    dst_off = np.empty_like(dst_start)
+    dst_off[slots] = dst_start
+    assert int(dst_off.max() + lens.max()) < REGION
+    case.fab.post_writes(case.ep, [case.req(total, 3, 0, wr_id=40),
+                                   WriteBatch(case.src.addr + src_off, lens, t.addr + 7 + dst_off,
+                                              np.full(lens.size, t.rkey), np.full(lens.size, case.mr.lkey),
+                                              wr_id=41)])
+    comps = wait_completions(case.fab, 2)
+    _ok(comps)
+    assert [c.wr_id for c in comps] == [40, 41]
+    assert comps[1].opcode == Opcode.WRITE and comps[1].byte_len == total
+    assert not case.fab.poll(16, timeout=0.2), "a batch completed more than once"
+    # every piece byte-exact, nothing outside the written ranges touched
+    for i in case.rng.choice(lens.size, 64, replace=False).tolist() + [int(np.argmax(lens))]:
+        s, n, d = int(src_off[i]), int(lens[i]), 7 + int(dst_off[i])
+        assert t.call("hash", d, n) == digest(data[s:s + n]), f"batch write {i} ({n} B) differs"
+    written = [(0, 3)] + [(7 + int(d), int(n)) for d, n in zip(dst_off, lens)]
+    bad, nbad, nsmall = t.call("untouched", written)
+    assert nbad == 0 and nsmall == 0, f"bytes outside the batch's writes changed (first at region+{bad})"
+
+
+def test_write_batch_refused_piece_fails_it_once(case):
+    """One write of a batch outside the target's region: the batch completes once, with a RegionError naming
+    it; a bad local range raises before anything is posted."""
+    _batches(case)
+    t = case.target
+    t.call("poison")
+    case.fresh(64 * 100)
+    lens = np.full(100, 64, dtype=np.int64)
+    dst = t.addr + 64 * np.arange(100, dtype=np.int64)
+    dst[37] = t.addr + REGION - 10  # crosses the end
+    keys = np.full(100, t.rkey), np.full(100, case.mr.lkey)
+    case.fab.post_writes(case.ep, [WriteBatch(case.src.addr + 64 * np.arange(100), lens, dst, *keys, wr_id=7)])
+    (c,) = wait_completions(case.fab, 1)
+    assert c.wr_id == 7 and isinstance(c.error, RegionError), c
+    assert f"0x{t.addr + REGION - 10:x}" in str(c.error)
+    assert not case.fab.poll(16, timeout=0.2), "a failed batch completed twice"
+    bad_local = WriteBatch(case.src.addr + 64 * np.arange(100), lens, t.addr + 64 * np.arange(100), *keys, wr_id=8)
+    bad_local.local_addr[99] = case.src.addr + REGION - 1
+    with pytest.raises(RegionError, match="write 99"):
+        case.fab.post_writes(case.ep, [case.req(0, 64, 0, wr_id=9), bad_local])
+    assert not case.fab.poll(16, timeout=0.2), "a refused post wrote something"
+    bad_at, nbad, nsmall = t.call("untouched", [(64 * i, 64) for i in range(100) if i != 37])
+    assert nbad == 0 and nsmall == 0, f"a refused write changed memory (first at region+{bad_at})"
+    with pytest.raises(ValueError, match="local_addr has 2 items but length has 1"):
+        WriteBatch([1, 2], [3], [4, 5], [1, 1], [1, 1])
 
 
 def test_concurrent_posters(case):

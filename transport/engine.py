@@ -47,12 +47,12 @@ from transport.config import EngineConfig, parse_size
 from transport.control import ControlPlane, PeerGone, UnknownSession, recv_msg, send_msg
 from transport.errors import (FabricClosed, FabricError, FabricUnavailable, InvalidTransfer, PeerLost,
                               RegionError, RemoteRejected, TransferError, TransferTimeout)
-from transport.fabric.base import DEVICE_HOST, Opcode, WriteRequest
+from transport.fabric.base import DEVICE_HOST, Opcode, WriteBatch, WriteRequest
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, Unit
 from transport.receiver import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, Receiver, chunk_imm, decode_ack,
                                 decode_ack_payload)
 from transport.regions import Region, RegionTable, first_bad, locate_inside, span_region
-from transport.fabric.tcp import memcpy_async
+from transport.fabric.tcp import _MEMCPY_MAX, gpu_batch_copy, memcpy_async
 from transport.relay import HostBuffer, RelayRing, gpu_pack, gpu_pack_large, host_memmove
 from transport.telemetry import POSTED, WAITING, Counters, LatencyWindow, Trace, now_ns
 
@@ -114,15 +114,24 @@ def _group_direct(units: List[Unit]) -> List[Unit]:
         if u.kind != DIRECT:
             out.append(u)
             continue
-        g = groups.get((u.rail, u.device))
+        key = (u.rail, u.device)
+        g = groups.get(key)
         if g is None:
-            g = groups[(u.rail, u.device)] = Unit(DIRECT, u.device, u.rail, u.relay_device, 0, src=u.src, dst=u.dst,
-                                                  segs=[])
-            out.append(g)
-        g.segs.extend(u.segments())
-        g.nbytes += u.nbytes
-        g.wire_bytes += u.wire_bytes or u.nbytes
-    return out
+            groups[key] = [u]
+            out.append(key)
+        else:
+            g.append(u)
+    return [k if isinstance(k, Unit) else _merge_direct(groups[k]) for k in out]
+
+
+def _merge_direct(units: List[Unit]) -> Unit:
+    if len(units) == 1:
+        return units[0]
+    parts = [u.arrays() for u in units]
+    runs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+    u0 = units[0]
+    return Unit(DIRECT, u0.device, u0.rail, u0.relay_device, sum(u.nbytes for u in units), src=u0.src, dst=u0.dst,
+                wire_bytes=sum(u.wire_bytes or u.nbytes for u in units), runs=runs)
 
 
 class BatchHandle:
@@ -395,6 +404,7 @@ class TransferEngine:
         fabric_cls = fabric_class(self.fabric_name)
         options = {**fabric_cls.engine_options, **options}
         self._selective = "selective_signaling" in fabric_cls.capabilities
+        self._batches = "write_batches" in fabric_cls.capabilities
         options["secret"] = self._secret or ""  # resolved once here: the fabrics do not read PXN_SECRET again
         if "authenticated_rails" in fabric_cls.capabilities:
             # an incoming rail must have been announced by an authenticated control hello (receiver.accept_sender)
@@ -895,9 +905,11 @@ class TransferEngine:
         """Write requests of direct attempts on one rail (one per piece), their keys looked up for all at once
         (scalar lookups cost more host time than the post itself). With selective signaling only each attempt's
         last write completes on success."""
-        segs = [sg for a in atts for sg in a.unit.segments()]
-        arr = np.array(segs, dtype=np.int64).reshape(-1, 3)
-        src, dst, n = arr[:, 0], arr[:, 1], arr[:, 2]
+        parts = [a.unit.arrays() for a in atts]
+        if len(parts) == 1:
+            src, dst, n = parts[0]
+        else:
+            src, dst, n = (np.concatenate([p[i] for p in parts]) for i in range(3))
         lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
         # every unit lies inside a piece the batch's validation accepted, so no end wraps
         li, ri = locate_inside(lsnap, src, src + n), locate_inside(rsnap, dst, dst + n)
@@ -906,6 +918,19 @@ class TransferEngine:
                 a.reqs = [WriteRequest(s_, n_, d_, *reversed(self._keys(a, s_, d_, n_)))
                           for s_, d_, n_ in a.unit.segments()]
             return
+        if self._batches:
+            # one WriteBatch per attempt: arrays end to end, one completion (an object per write cost ~1 us at
+            # each of five steps between here and the fabric's ack)
+            lkeys = np.array([r.keys[rail].lkey for r in lsnap.regions], dtype=np.int64)
+            rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)
+            k = 0
+            for a, p in zip(atts, parts):
+                m = p[2].size
+                sl = slice(k, k + m)
+                a.reqs = [WriteBatch(src[sl], n[sl], dst[sl], rkeys[ri[sl]], lkeys[li[sl]])]
+                k += m
+            return
+        segs = list(zip(src.tolist(), dst.tolist(), n.tolist()))
         lkeys = [r.keys[rail].lkey for r in lsnap.regions]
         rkeys = [r.keys[rail] for r in rsnap.regions]
         li, ri = li.tolist(), ri.tolist()
@@ -953,7 +978,9 @@ class TransferEngine:
             pr = a.prail
             a.reqs = [WriteRequest(slot.addr, chunk_bytes, pr.landing_addr + landing * pr.slot_bytes,
                                    pr.landing_rkey, slot.ring.lkey, imm=chunk_imm(landing, seq))]
-        else:  # RELAYED: copy the piece(s) into the slot, then one write per piece to its final address
+        elif u.runs is None or u.runs[2].size <= _MEMCPY_MAX:
+            # RELAYED, a few pieces: copy them into the slot, then one write per piece to its final address
+            # (scalar steps: a few numpy calls per piece would cost more than the copies' host time)
             segs = u.segments()
             offs = [0]
             for _, _, n in segs[:-1]:
@@ -974,6 +1001,37 @@ class TransferEngine:
             for (s_addr, d_addr, n), o in zip(segs, offs):
                 _, rkey = self._keys(a, s_addr, d_addr, n)
                 a.reqs.append(WriteRequest(slot.addr + o, n, d_addr, rkey, slot.ring.lkey))
+        else:  # RELAYED, many pieces sharing the slot: one gather into it, one WriteBatch out of it
+            s_arr, d_arr, n_arr = u.runs
+            offs = np.cumsum(n_arr) - n_arr
+            local = slot.addr + offs
+            if slot.tensor is None:
+                host_memmove(s_arr, local, n_arr)
+            elif u.device < 0:
+                from pxn_kernels import host_view
+                for s_addr, o, n in zip(s_arr.tolist(), offs.tolist(), n_arr.tolist()):
+                    slot.tensor[o:o + n].copy_(host_view(s_addr, n))
+            else:
+                # one batched-copy launch, where a call per piece cost ~10 us each; the ring waits for the stream
+                import torch
+                stream = slot.ring.stream(slot.lane)
+                with torch.cuda.device(slot.ring.device), torch.cuda.stream(stream):
+                    gpu_batch_copy(s_arr, local, n_arr, slot.ring.device)
+            rail = a.prail.rail
+            rsnap = a.batch.peer.regions.snapshot()
+            ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
+            if ri is None:  # a region went away since validation: name it
+                for s_addr, d_addr, n in zip(s_arr.tolist(), d_arr.tolist(), n_arr.tolist()):
+                    self._keys(a, s_addr, d_addr, n)
+                raise InvalidTransfer(f"a destination of batch {a.batch.id} is no longer advertised by "
+                                      f"{a.batch.peer.session}")
+            rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)[ri]
+            lkeys = np.full(n_arr.size, slot.ring.lkey, dtype=np.int64)
+            if self._batches:
+                a.reqs = [WriteBatch(local, n_arr, d_arr, rkeys, lkeys)]  # one completion, no object per piece
+            else:
+                a.reqs = [WriteRequest(lo, n, d, rk, slot.ring.lkey)
+                          for lo, n, d, rk in zip(local.tolist(), n_arr.tolist(), d_arr.tolist(), rkeys.tolist())]
         with self._lock:
             if a.cancelled or a.finished:
                 landing, a.landing = a.landing, None
@@ -1063,8 +1121,9 @@ class TransferEngine:
                     self._drop(a)
                 continue
             t1 = now_ns()
-            nbytes = sum(r.length for a in live for r in a.reqs)
-            self._rail_stats[pr.rail].add_many((("post_calls", 1), ("writes_posted", sum(len(a.reqs) for a in live)),
+            nbytes = sum(r.nbytes if isinstance(r, WriteBatch) else r.length for a in live for r in a.reqs)
+            writes = sum(r.count if isinstance(r, WriteBatch) else 1 for a in live for r in a.reqs)
+            self._rail_stats[pr.rail].add_many((("post_calls", 1), ("writes_posted", writes),
                                                 ("bytes_posted", nbytes), ("time_post_s", (t1 - t0) / 1e9)))
             if self.trace is not None:
                 self.trace.complete("post", "fabric", f"post/rail{pr.rail}", t0, t1,

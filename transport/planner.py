@@ -12,6 +12,7 @@ Pure and fast: no fabric, no threads; unit-tested on its own.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -47,9 +48,20 @@ class Unit:
     wire_bytes: int = 0  # bytes that cross the fabric (chunk: header + table + padded payload)
     segs: Optional[List[tuple]] = None  # RELAYED: (src, dst, n) pieces sharing one slot, one write each;
     # COALESCED without items: large pieces forwarded by the peer, as chunk items
+    runs: Optional[tuple] = None  # DIRECT runs of whole pieces: (srcs, dsts, lengths) int64 arrays
 
     def segments(self) -> List[tuple]:
+        if self.runs is not None:
+            return list(zip(*(a.tolist() for a in self.runs)))
         return self.segs if self.segs is not None else [(self.src, self.dst, self.nbytes)]
+
+    def arrays(self) -> tuple:
+        """(srcs, dsts, lengths) of the unit's writes as int64 arrays."""
+        if self.runs is not None:
+            return self.runs
+        segs = self.segments()
+        a = np.array(segs, dtype=np.int64).reshape(-1, 3)
+        return a[:, 0], a[:, 1], a[:, 2]
 
 
 def chunk_splits(lengths: np.ndarray, capacity: int) -> List[int]:
@@ -165,6 +177,12 @@ class Planner:
                 whole = lengths[idx_large] <= self.stripe_bytes
                 self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large[whole], choices, load)
                 idx_large = idx_large[~whole]
+            if idx_large.size > 1 and forward is None and (
+                    self.relay == "always" or (self.relay == "auto" and not any(c.local for c in choices))):
+                # every rail relays: slot-sized runs of whole pieces in a few numpy calls
+                fit = lengths[idx_large] <= self.relay_bytes
+                self._plan_relayed_runs(units, dev, srcs, dsts, lengths, idx_large[fit], choices, load)
+                idx_large = idx_large[~fit]
             for i in idx_large.tolist():
                 src, dst, length = int(srcs[i]), int(dsts[i]), int(lengths[i])
                 if forward is not None and dst_devices is not None:
@@ -199,10 +217,30 @@ class Planner:
                 continue
             sel = idx[a:b]
             nbytes = int(lens[a:b].sum())
-            segs = list(zip(srcs[sel].tolist(), dsts[sel].tolist(), lens[a:b].tolist()))
-            units.append(Unit(DIRECT, dev, c.rail, c.relay_device, nbytes, src=segs[0][0], dst=segs[0][1],
-                              wire_bytes=nbytes, segs=segs))
+            run = (srcs[sel], dsts[sel], lens[a:b])
+            units.append(Unit(DIRECT, dev, c.rail, c.relay_device, nbytes, src=int(run[0][0]), dst=int(run[1][0]),
+                              wire_bytes=nbytes, runs=run))
             load[c.rail] = load.get(c.rail, 0) + nbytes
+
+    def _plan_relayed_runs(self, units, dev, srcs, dsts, lengths, idx, choices, load) -> None:
+        """RELAYED units of the pieces ``idx`` (each at most a slot): runs, in order, of as many whole pieces as
+        fit one slot, as ``_plan_large`` packs them one at a time; each run to the least loaded rail."""
+        if not idx.size:
+            return
+        lens = lengths[idx]
+        cum = np.cumsum(lens).tolist()
+        start, base = 0, 0
+        while start < idx.size:
+            # a Python bisect per run: a numpy call per run cost more where most runs are one piece
+            end = max(bisect.bisect_right(cum, base + self.relay_bytes, lo=start), start + 1)
+            sel = idx[start:end]
+            nbytes = cum[end - 1] - base
+            c = self._least_loaded(choices, load)
+            units.append(Unit(RELAYED, dev, c.rail, c.relay_device, nbytes, src=int(srcs[sel[0]]),
+                              dst=int(dsts[sel[0]]), wire_bytes=nbytes, runs=(srcs[sel], dsts[sel], lens[start:end])))
+            load[c.rail] = load.get(c.rail, 0) + nbytes
+            base = cum[end - 1]
+            start = end
 
     def _plan_forwarded(self, units, dev, src, dst, length, c: RailChoice, load, open_fwd) -> None:
         """A large piece through the peer's landing slots on rail ``c``: chunk items of at most a chunk's payload,

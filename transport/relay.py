@@ -8,8 +8,10 @@ GPU-less machine, the NIC-local GPU otherwise.
 Threads: the copy thread takes as many queued units as there are free slots, enqueues their gathers / copies
 on the lanes' CUDA streams (host rings: memmove), waits once per lane, and posts the round's writes itself, many
 per doorbell: one synchronise per round instead of one per slot, and no hand-off to a second thread (each cost
-about a slot's copy time in Python). The submit thread only posts units the engine re-dispatches after a
-failover. Completions are polled in batches by the engine's per-rail poller, which releases slots.
+about a slot's copy time in Python; handing every round but the last to the submit thread, to overlap a round's
+post with the next round's copies, measured no better: benchmarks/NOTES.md). The submit thread only posts units
+the engine re-dispatches after a failover. Completions release slots, in whichever thread the fabric reports
+them (its callback, or the engine's per-rail poller).
 Back-pressure: the copy thread waits for a free slot; nothing that releases slots ever waits for one, so the
 ring cannot deadlock.
 

@@ -89,6 +89,48 @@ class WriteRequest:
     fabrics that declare ``selective_signaling``, which complete an endpoint's writes in posting order."""
 
 
+class WriteBatch:
+    """Many plain writes that complete as one work request (fabrics with the ``write_batches`` capability):
+    write i is ``length[i]`` bytes from local ``local_addr[i]`` (inside the region of ``lkey[i]``) to the peer's
+    ``remote_addr[i]`` (inside its region of ``rkey[i]``). Arguments are int64 arrays of one size (numpy), so
+    that thousands of writes cost a few array operations instead of an object each.
+
+    Exactly one completion (``wr_id``, opcode WRITE, ``byte_len`` the total) reports the batch: success once every
+    write has been placed, else the first error, naming the write. Nothing of a batch with a bad local range is
+    posted. No immediates: a batch is the zero-copy body of a transfer, not a chunk."""
+
+    __slots__ = ("local_addr", "length", "remote_addr", "rkey", "lkey", "wr_id", "signaled", "nbytes")
+
+    def __init__(self, local_addr, length, remote_addr, rkey, lkey, wr_id: int = 0):
+        import numpy as np
+        cols = [np.asarray(v) for v in (local_addr, length, remote_addr, rkey, lkey)]
+        n = cols[1].size
+        for name, v in zip(("local_addr", "length", "remote_addr", "rkey", "lkey"), cols):
+            if v.ndim != 1 or v.dtype.kind not in "iu":
+                raise ValueError(f"WriteBatch: {name} must be a 1-D integer array, got {v.dtype} {tuple(v.shape)}")
+            if v.size != n:
+                raise ValueError(f"WriteBatch: {name} has {v.size} items but length has {n}")
+        if n == 0:
+            raise ValueError("WriteBatch: no writes")
+        self.local_addr, self.length, self.remote_addr, self.rkey, self.lkey = (
+            v.astype(np.int64, copy=False) for v in cols)
+        self.wr_id = wr_id
+        self.signaled = True  # the batch always completes once
+        self.nbytes = int(self.length.sum())
+
+    @property
+    def count(self) -> int:
+        """Number of writes."""
+        return int(self.length.size)
+
+    @property
+    def imm(self):
+        return None
+
+    def __repr__(self):
+        return f"WriteBatch(wr_id={self.wr_id}, writes={self.count}, bytes={self.nbytes})"
+
+
 @dataclass(frozen=True)
 class Completion:
     """A finished work request (sender side) or a received immediate (target side, ``opcode == RECV_IMM``).
@@ -139,7 +181,8 @@ class Fabric(abc.ABC):
     NIC port: the engine passes a topology rail's ``device`` and ``port_num``), ``"completion_callback"``
     (``set_completion_handler``), ``"authenticated_rails"`` (rail connections prove the engine's secret and
     must have been announced by an authenticated control hello: the engine passes ``handshake_timeout`` and
-    ``guard_claims``)."""
+    ``guard_claims``), ``"write_batches"`` (``post_writes`` also takes ``WriteBatch`` items: many writes as
+    arrays, one completion)."""
 
     @property
     @abc.abstractmethod
@@ -169,7 +212,7 @@ class Fabric(abc.ABC):
 
     @abc.abstractmethod
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
-        """Post many writes with one doorbell. Local checks happen before anything is posted: a local range
+        """Post many writes with one doorbell (fabrics with ``write_batches``: ``WriteBatch`` items too). Local checks happen before anything is posted: a local range
         outside the region of its lkey, a zero / negative length, or an overflowing address raise at once
         (``RegionError`` / ``ValueError``) and none of the requests is posted. A dead endpoint raises
         ``PeerLost``; a closed fabric ``FabricClosed``."""

@@ -51,6 +51,7 @@ import numpy as np
 from transport import auth
 from transport.errors import FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
+    WriteBatch,
     DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest,
     check_range,
 )
@@ -115,11 +116,13 @@ BIG_GPU_PIECE = 256 << 10
 one batched-copy launch, whose cost does not grow with the piece count."""
 
 _batched_copy_fn = None
+_MEMCPY_MAX = 16  # gpu_batch_copy: up to this many pieces go as one cudaMemcpyAsync each
 
 
-def gpu_batch_copy(src_ptrs: List[int], dst_ptrs: List[int], lengths: List[int], device: int) -> None:
+def gpu_batch_copy(src_ptrs, dst_ptrs, lengths, device: int) -> None:
     """Copy piece i (``lengths[i]`` bytes, device/UVA addresses) on the current stream of ``device``: one
-    ``pxn_kernels.copy`` launch when that package works here, else one torch copy per piece."""
+    ``pxn_kernels.copy`` launch (descriptors uploaded in one copy) when that package works here, else one copy per
+    piece. Arguments: int64 arrays or sequences; the caller checked the ranges."""
     global _batched_copy_fn
     import torch
     if _batched_copy_fn is None:
@@ -129,12 +132,15 @@ def gpu_batch_copy(src_ptrs: List[int], dst_ptrs: List[int], lengths: List[int],
             log.info("pxn_kernels.copy unavailable (%s); device pieces are copied one by one", e)
             fn = False
         _batched_copy_fn = fn
-    if _batched_copy_fn and len(lengths) > 1:
-        as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=f"cuda:{device}")  # noqa: E731
-        _batched_copy_fn(as_t(src_ptrs), as_t(dst_ptrs), as_t(lengths), check=False)
+    src_ptrs, dst_ptrs, lengths = (np.asarray(v, dtype=np.int64) for v in (src_ptrs, dst_ptrs, lengths))
+    # a few pieces: one cudaMemcpyAsync each (~10 us of host time apiece, where the launch with its descriptor
+    # upload costs ~200 us on the H200 VM)
+    if _batched_copy_fn and lengths.size > _MEMCPY_MAX:
+        _batched_copy_fn(src_ptrs, dst_ptrs, lengths, check=False, device=torch.device("cuda", device))
         return
-    for s_, d_, n_ in zip(src_ptrs, dst_ptrs, lengths):
-        cuda_tensor(d_, n_, device).copy_(cuda_tensor(s_, n_, device))
+    stream = torch.cuda.current_stream(device)
+    for s_, d_, n_ in zip(src_ptrs.tolist(), dst_ptrs.tolist(), lengths.tolist()):
+        memcpy_async(d_, s_, n_, stream)
 
 
 _memcpy_rt = None
@@ -261,7 +267,7 @@ class _WrRecord:
 class _OutMsg:
     """One WRITE message on the wire: its pieces and where each piece's bytes come from."""
 
-    __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at")
+    __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at", "batch", "final", "src_arr")
 
     def __init__(self, seq: int):
         self.seq = seq
@@ -272,6 +278,73 @@ class _OutMsg:
         self.src: List[tuple] = []  # per piece: (local_addr, length, device)
         self.statuses: Optional[bytes] = None
         self.done = False
+        self.batch: Optional[_BatchRecord] = None  # a message carrying (part of) a WriteBatch: recs/last unused
+        self.final = False  # the batch's last message
+        self.src_arr: Optional[np.ndarray] = None  # batch messages: ``src`` as int64 rows
+
+    def source_array(self) -> np.ndarray:
+        """``src`` as an int64 array of rows (local_addr, length, device)."""
+        if self.src_arr is not None:
+            return self.src_arr
+        if not self.src:
+            return np.empty((0, 3), dtype=np.int64)
+        return np.array(self.src, dtype=np.int64).reshape(-1, 3)
+
+    def sources(self) -> List[tuple]:
+        """``src`` as (local_addr, length, device) tuples."""
+        if self.src_arr is not None and not self.src:
+            self.src = [tuple(r) for r in self.src_arr.tolist()]
+        return self.src
+
+    def completions(self, peer_id: str, cause: Optional[BaseException] = None) -> List[Completion]:
+        """What this message completes once the peer acked it (``statuses`` set) or, with ``cause``, once it is
+        lost: per write whose final piece it carries (unsignaled successes stay silent), or for a batch one
+        completion, at its first failing message or its last."""
+        st = self.statuses
+        if self.batch is not None:
+            b = self.batch
+            if b.reported:
+                return []
+            if cause is not None and b.error is None:
+                b.error = cause
+            elif st is not None and b.error is None and any(st):
+                arr = np.frombuffer(st, dtype=np.uint8)
+                i = int(np.flatnonzero(arr)[0])
+                t = self.table
+                b.error = RegionError(
+                    f"peer {peer_id} refused write {int(t['wlen'][i])} B at 0x{int(t['waddr'][i]):x} rkey "
+                    f"0x{int(t['rkey'][i]):x} of batch wr_id={b.wr_id}: {_STATUS_TEXT.get(int(arr[i]), int(arr[i]))}")
+            if b.error is None and not self.final:
+                return []
+            b.reported = True
+            return [Completion(b.wr_id, Opcode.WRITE, peer_id, b.length, None, b.error)]
+        out = []
+        for i, (rec, last) in enumerate(zip(self.recs, self.last)):
+            if rec.error is None:
+                if cause is not None:
+                    rec.error = cause
+                elif st is not None and st[i]:
+                    rec.error = RegionError(
+                        f"peer {peer_id} refused wr_id={rec.wr_id}: {rec.length} B at 0x{rec.remote_addr:x} rkey "
+                        f"0x{rec.rkey:x}: {_STATUS_TEXT.get(st[i], st[i])}")
+            if last and (rec.signaled or rec.error is not None):
+                out.append(Completion(rec.wr_id, rec.opcode, peer_id, rec.length, rec.imm, rec.error))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
+class _BatchRecord:
+    """Sender-side state of one posted ``WriteBatch`` (its messages share it)."""
+
+    __slots__ = ("wr_id", "length", "error", "reported")
+
+    def __init__(self, b: WriteBatch):
+        self.wr_id = b.wr_id
+        self.length = b.nbytes
+        self.error: Optional[BaseException] = None
+        self.reported = False
 
 
 class _Sock:
@@ -302,6 +375,7 @@ class TcpEndpoint(Endpoint):
         self.socks = [_Sock(s, i) for i, s in enumerate(socks)]
         self._lock = threading.Lock()
         self._out_seq = 0
+        self._out_local = 0  # keys of messages completed without the peer: -1, -2, ...
         self._pending: "collections.OrderedDict[int, _OutMsg]" = collections.OrderedDict()
         self._rr = 0
         self._in_lock = threading.Lock()
@@ -359,12 +433,9 @@ class TcpEndpoint(Endpoint):
                 pass
         out = []
         for m in pending:
-            for rec, last in zip(m.recs, m.last):
-                if rec.error is None:
-                    rec.error = PeerLost(f"peer {self.peer_id} lost ({cause}) before wr_id={rec.wr_id} "
-                                         f"({rec.length} B to 0x{rec.remote_addr:x}) was acknowledged")
-                if last:
-                    out.append(Completion(rec.wr_id, rec.opcode, self.peer_id, rec.length, rec.imm, rec.error))
+            out.extend(m.completions(self.peer_id, PeerLost(
+                f"peer {self.peer_id} lost ({cause}) before message {m.seq} ({len(m)} piece(s), "
+                f"{int(m.table['len'].sum())} B) was acknowledged")))
         self.fabric._push(out)
 
     def close_sockets(self) -> None:
@@ -379,17 +450,24 @@ class TcpEndpoint(Endpoint):
             raise PeerLost(f"endpoint {self.peer_id} is dead ({self._cause}); reconnect first")
 
     # --- sender side ----------------------------------------------------------------------------------------
-    def enqueue(self, msgs: List[_OutMsg], queue: bool = True) -> List[_Sock]:
+    def enqueue(self, msgs: List[_OutMsg], queue: bool = True, local: Optional[List[bool]] = None) -> List[_Sock]:
         """Register ``msgs`` as pending and hand them to the sockets round-robin (under one lock: seq order).
-        ``queue=False``: only register them; the caller transmits each on the socket returned for it."""
+        ``queue=False``: only register them; the caller transmits each on the socket returned for it.
+        ``local[i]``: message i never reaches the peer (the caller completes it with ``on_ack``): it gets a negative
+        key instead of a sequence number, so the peer, which delivers in sequence order, waits for no gap, while
+        its completion still waits for every message posted before it."""
         out = []
         with self._lock:
             self.check_alive()
             n = len(self.socks)
-            for m in msgs:
-                m.seq = self._out_seq
+            for i, m in enumerate(msgs):
+                if local is not None and local[i]:
+                    self._out_local -= 1
+                    m.seq = self._out_local
+                else:
+                    m.seq = self._out_seq
+                    self._out_seq += 1
                 m.posted_at = time.monotonic()
-                self._out_seq += 1
                 self._pending[m.seq] = m
                 s = self.socks[self._rr % n]
                 self._rr += 1
@@ -407,8 +485,8 @@ class TcpEndpoint(Endpoint):
             m = self._pending.get(seq)
             if m is None:
                 return
-            if len(statuses) != len(m.recs):
-                raise ValueError(f"ack of message {seq} carries {len(statuses)} statuses for {len(m.recs)} pieces")
+            if len(statuses) != len(m):
+                raise ValueError(f"ack of message {seq} carries {len(statuses)} statuses for {len(m)} pieces")
             m.statuses = statuses
             m.done = True
             while self._pending:
@@ -416,16 +494,7 @@ class TcpEndpoint(Endpoint):
                 if not first.done:
                     break
                 del self._pending[first.seq]
-                st = first.statuses
-                for i, (rec, last) in enumerate(zip(first.recs, first.last)):
-                    code = st[i]
-                    if code and rec.error is None:
-                        rec.error = RegionError(
-                            f"peer {self.peer_id} refused wr_id={rec.wr_id}: {rec.length} B at "
-                            f"0x{rec.remote_addr:x} rkey 0x{rec.rkey:x}: {_STATUS_TEXT.get(code, code)}")
-                    if last and (rec.signaled or rec.error is not None):
-                        out.append(Completion(rec.wr_id, rec.opcode, self.peer_id, rec.length, rec.imm,
-                                              rec.error))
+                out.extend(first.completions(self.peer_id))
         self.fabric._push(out)
 
     # --- target side ----------------------------------------------------------------------------------------
@@ -465,7 +534,7 @@ class TcpFabric(Fabric):
     """
 
     name = "tcp"
-    capabilities = frozenset({"selective_signaling", "completion_callback", "authenticated_rails"})
+    capabilities = frozenset({"selective_signaling", "completion_callback", "authenticated_rails", "write_batches"})
     # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
     engine_options = {"connections_per_peer": 2}
 
@@ -728,10 +797,94 @@ class TcpFabric(Fabric):
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
         requests = list(requests)
+        batches = [r for r in requests if isinstance(r, WriteBatch)]
+        if batches:
+            requests = [r for r in requests if not isinstance(r, WriteBatch)]
         mrs = self._validate(ep, requests)
-        if not requests:
-            return
-        self._send(ep, self._build_messages(requests, mrs, len(ep.socks)))
+        devices = [self._validate_batch(b) for b in batches]  # every check before anything is posted
+        msgs = self._build_messages(requests, mrs, len(ep.socks)) if requests else []
+        for b, dev in zip(batches, devices):
+            msgs.extend(self._build_batch(b, dev, len(ep.socks)))
+        if msgs:
+            self._send(ep, msgs)
+
+    def _validate_batch(self, b: WriteBatch) -> np.ndarray:
+        """The checks of ``_validate`` for a ``WriteBatch``, in whole-array numpy. Returns each write's source
+        device. Raises ``ValueError`` / ``RegionError`` naming the first bad write."""
+        la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
+
+        def first(mask) -> int:
+            return int(np.flatnonzero(mask)[0])
+
+        for bad, what in ((ln <= 0, "length must be positive"), (la < 0, "local address is negative"),
+                          (ra < 0, "remote address is negative"), (la > _I64 - ln, "local range overflows"),
+                          (ra > _I64 - ln, "remote range overflows"),
+                          ((rk < 0) | (rk > 0xFFFFFFFF), "rkey is not a 32-bit unsigned int")):
+            if bad.any():
+                i = first(bad)
+                raise ValueError(f"batch wr_id={b.wr_id}, write {i} (local 0x{int(la[i]):x}, {int(ln[i])} B, remote "
+                                 f"0x{int(ra[i]):x}, rkey {int(rk[i])}): {what}")
+        keys = np.unique(lk)
+        regions = []
+        for key in keys.tolist():
+            mr = self._regions.get(key)
+            if mr is None:
+                i = first(lk == key)
+                raise RegionError(f"batch wr_id={b.wr_id}, write {i}: lkey 0x{key:x} is not a region registered with "
+                                  f"{self._id}")
+            regions.append(mr)
+        k = np.searchsorted(keys, lk) if len(regions) > 1 else np.zeros(ln.size, dtype=np.int64)
+        lo = np.array([m.addr for m in regions], dtype=np.int64)[k]
+        hi = lo + np.array([m.length for m in regions], dtype=np.int64)[k]
+        out = (la < lo) | (la + ln > hi)
+        if out.any():
+            i = first(out)
+            mr = regions[int(k[i])]
+            raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{int(la[i]):x}+{int(ln[i])} lies "
+                              f"outside the region of lkey 0x{mr.lkey:x} (0x{mr.addr:x}+{mr.length})")
+        return np.array([m.device for m in regions], dtype=np.int64)[k]
+
+    def _message_target(self, total: int, nsocks: int) -> int:
+        """Payload bytes per message for a post of ``total`` bytes: a share per socket (each socket's sender thread
+        streams its messages in parallel), at most ``message_bytes``."""
+        return max(64 << 10, min(self.message_bytes, -(-total // nsocks)))
+
+    def _build_batch(self, b: WriteBatch, devices: np.ndarray, nsocks: int) -> List[_OutMsg]:
+        """The messages of one batch: writes larger than a message cut into pieces, then runs of pieces of about
+        ``message_bytes`` (fewer when the batch is small, so every socket gets a share), all in numpy."""
+        la, ln, ra, rk = b.local_addr, b.length, b.remote_addr, b.rkey
+        target = self._message_target(b.nbytes, nsocks)
+        if int(ln.max()) > target:
+            parts = -(-ln // target)
+            which = np.repeat(np.arange(ln.size), parts)
+            first_part = np.cumsum(parts) - parts
+            off = (np.arange(which.size) - first_part[which]) * target
+            plen = np.minimum(ln[which] - off, target)
+            la, ra, rk, devices, wa, wl = la[which] + off, ra[which] + off, rk[which], devices[which], ra[which], \
+                ln[which]
+            ln = plen
+        else:
+            wa, wl = ra, ln
+        cum = np.cumsum(ln)
+        n = int(ln.size)
+        msgs: List[_OutMsg] = []
+        rec = _BatchRecord(b)
+        start = 0
+        while start < n:
+            base = int(cum[start - 1]) if start else 0
+            end = max(int(np.searchsorted(cum, base + target, side="right")), start + 1)
+            end = min(end, start + MAX_TABLE, n)
+            m = _OutMsg(0)
+            t = np.zeros(end - start, dtype=PIECE_DT)
+            t["addr"], t["len"], t["waddr"], t["wlen"], t["rkey"] = (ra[start:end], ln[start:end], wa[start:end],
+                                                                      wl[start:end], rk[start:end])
+            m.table = t
+            m.batch = rec
+            m.src_arr = np.stack([la[start:end], ln[start:end], devices[start:end]], axis=1)
+            msgs.append(m)
+            start = end
+        msgs[-1].final = True
+        return msgs
 
     def _send(self, ep: TcpEndpoint, msgs: List[_OutMsg]) -> None:
         """Hand checked messages over: to the sockets' sender threads (a fabric may send some itself)."""
@@ -741,7 +894,7 @@ class TcpFabric(Fabric):
         """Cut the writes into messages of about ``message_bytes`` (fewer, smaller ones when the batch is small,
         so that every socket gets a share); a write spanning a boundary becomes several pieces."""
         total = sum(r.length for r in requests)
-        target = max(64 << 10, min(self.message_bytes, -(-total // nsocks)))
+        target = self._message_target(total, nsocks)
         if len(requests) > _VECTOR_MIN and all(r.length <= target for r in requests):
             return self._build_whole(requests, mrs, target)
         msgs: List[_OutMsg] = []
@@ -1037,9 +1190,10 @@ class TcpFabric(Fabric):
             ep.fail(f"send failed: {e}")
 
     def _source_buffers(self, s: _Sock, msg: _OutMsg) -> List:
-        gpu = [(i, a, n, d) for i, (a, n, d) in enumerate(msg.src) if d != DEVICE_HOST]
+        srcs = msg.sources()
+        gpu = [(i, a, n, d) for i, (a, n, d) in enumerate(srcs) if d != DEVICE_HOST]
         if not gpu:
-            return [raw_view(a, n) for a, n, _ in msg.src]
+            return [raw_view(a, n) for a, n, _ in srcs]
         # GPU sources: the socket cannot read device memory, so pack them into pinned host memory first
         # (big pieces: one D2H each; small ones: one gather launch on the device, then one D2H).
         import torch
@@ -1068,7 +1222,7 @@ class TcpFabric(Fabric):
                     host[lo:hi].copy_(scratch[:hi - lo], non_blocking=True)
             stream.synchronize()
         return [raw_view(hbase + where[i], n) if d != DEVICE_HOST else raw_view(a, n)
-                for i, (a, n, d) in enumerate(msg.src)]
+                for i, (a, n, d) in enumerate(srcs)]
 
     def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
         table = msg.table.tobytes()
@@ -1178,8 +1332,10 @@ class TcpFabric(Fabric):
             self._unpin(pinned)
         self._finish_message(ep, s, seq, table, statuses)
 
-    def _finish_message(self, ep: TcpEndpoint, s: _Sock, seq: int, table: np.ndarray, statuses) -> None:
-        """Ack the sender, then release this message's RECV_IMM events in order."""
+    def _finish_message(self, ep: TcpEndpoint, s: _Sock, seq: int, table: np.ndarray, statuses,
+                        ack: bool = True) -> None:
+        """Ack the sender (unless ``ack`` is False: it completed the message itself), then release this message's
+        RECV_IMM events in order."""
         events = []
         flags = table["flags"]
         if flags.any():
@@ -1187,7 +1343,9 @@ class TcpFabric(Fabric):
                 if statuses[i] == ST_OK:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, int(table["wlen"][i]),
                                              int(table["imm"][i])))
-        self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, len(statuses), seq, len(statuses)) + bytes(statuses))
+        if ack:
+            self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, len(statuses), seq, len(statuses))
+                            + bytes(statuses))
         ep.deliver_in_order(seq, events)
 
     def _place(self, sock: socket.socket, table, lens, statuses, regions, st: dict) -> None:

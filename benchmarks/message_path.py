@@ -73,6 +73,29 @@ def _time_breakdown(before: dict, after: dict, calls: int) -> dict:
     return {k: round((after.get(k, 0) - before.get(k, 0)) / calls * 1e3, 4) for k in sorted(keys)}
 
 
+def _write_profile(prof, path: str) -> None:
+    """The calling thread's profile of the timed calls: the 40 functions with the most cumulative time."""
+    import io
+    import pstats
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(40)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+
+
+def _receiver_breakdown(before: dict, after: dict, calls: int) -> dict:
+    """The receiver's chunks and items per timed call, and its milliseconds per call in each step (``*_s``
+    counters: queue, validate, scatter, ack)."""
+    out = {}
+    for k, v in after.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or k in ("senders", "landing_slots", "slot_bytes"):
+            continue
+        d = (v - before.get(k, 0)) / calls
+        out[k[:-2] + "_ms" if k.endswith("_s") else k] = round(d * 1e3 if k.endswith("_s") else d, 4)
+    return out
+
+
 def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, args) -> list:
     import torch
     from engine_helpers import EnginePeer, Expected, disjoint_offsets
@@ -126,16 +149,27 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
                     for _ in range(2):
                         eng.batch_write(peer.session, srcs, dsts, lens)
                     t_before = eng.stats()["time_s"]
+                    rx_before = peer.call("stats").get("receiver") or {}
                     times = []
+                    prof = None
+                    if args.profile:
+                        import cProfile
+                        prof = cProfile.Profile()
+                        prof.enable()
                     for _ in range(n_rep):
                         t0 = time.perf_counter()
                         eng.batch_write(peer.session, srcs, dsts, lens)
                         times.append(time.perf_counter() - t0)
+                    if prof is not None:
+                        prof.disable()
+                        _write_profile(prof, os.path.join(args.profile, f"profile-{fabric}-{topology}-{name}.txt"))
                     t_after = eng.stats()["time_s"]
+                    rx_after = peer.call("stats").get("receiver") or {}
                     ms = float(np.median(times)) * 1e3
                     row.update(ms=round(ms, 4), gbps=round(nbytes / ms / 1e6, 3),
                                ms_min=round(min(times) * 1e3, 4), repeat=n_rep,
-                               time_ms_per_call=_time_breakdown(t_before, t_after, n_rep))
+                               time_ms_per_call=_time_breakdown(t_before, t_after, n_rep),
+                               receiver_per_call=_receiver_breakdown(rx_before, rx_after, n_rep))
                 except Exception as e:  # noqa: BLE001 — a failing row is reported, the run goes on
                     row.update(error=f"{type(e).__name__}: {e}"[:500], byte_exact=False)
                     traceback.print_exc()
@@ -182,7 +216,7 @@ def _public_args(argv) -> list:
     out, hide = [], False
     for a in argv:
         out.append("DIR" if hide else a)
-        hide = a in ("--out", "--trace")
+        hide = a in ("--out", "--trace", "--profile")
     return out
 
 
@@ -197,6 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--trace", default=None, help="folder for both engines' Chrome traces (one pair per fabric and "
                                                   "topology; keep the run small)")
+    ap.add_argument("--profile", default=None,
+                    help="folder for a cProfile of the calling thread per row (the timed calls; direct writes run "
+                         "there, relayed and coalesced ones in the rings' threads)")
     ap.add_argument("--forward-large", action="store_true",
                     help="receivers forward large pieces too (TransferEngine(forward_large=True))")
     ap.add_argument("--no-topology", action="store_true",

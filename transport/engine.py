@@ -902,9 +902,10 @@ class TransferEngine:
         return r.keys[rail].lkey, remote.keys[rail]
 
     def _direct_requests(self, atts: List[_Attempt], peer: _Peer, rail: int) -> None:
-        """Write requests of direct attempts on one rail (one per piece), their keys looked up for all at once
-        (scalar lookups cost more host time than the post itself). With selective signaling only each attempt's
-        last write completes on success."""
+        """Write requests of direct attempts on one rail, their keys looked up for all at once (scalar lookups cost
+        more host time than the post itself): one ``WriteBatch`` per attempt on fabrics with ``write_batches``,
+        else one ``WriteRequest`` per piece, of which, with selective signaling, only each attempt's last
+        completes on success."""
         parts = [a.unit.arrays() for a in atts]
         if len(parts) == 1:
             src, dst, n = parts[0]

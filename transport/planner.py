@@ -48,7 +48,7 @@ class Unit:
     wire_bytes: int = 0  # bytes that cross the fabric (chunk: header + table + padded payload)
     segs: Optional[List[tuple]] = None  # RELAYED: (src, dst, n) pieces sharing one slot, one write each;
     # COALESCED without items: large pieces forwarded by the peer, as chunk items
-    runs: Optional[tuple] = None  # DIRECT runs of whole pieces: (srcs, dsts, lengths) int64 arrays
+    runs: Optional[tuple] = None  # DIRECT / RELAYED runs of whole pieces: (srcs, dsts, lengths) int64 arrays
 
     def segments(self) -> List[tuple]:
         if self.runs is not None:

@@ -612,7 +612,8 @@ class IpcFabric(TcpFabric):
         """Copy pieces ``idx`` into the target's GPU memory through its IPC-mapped allocations (``k``: each piece's
         index into ``regs``, the target's descriptions): per source GPU one batched-copy launch for every piece,
         large ones included (it runs at a contiguous copy's speed, over NVLink between GPUs, where a copy-engine
-        call per piece costs host time per piece); then one synchronise."""
+        call per piece costs host time per piece), or a ``cudaMemcpyAsync`` per piece for a few
+        (``gpu_batch_copy``); then one synchronise."""
         import torch
         dst_dev_of = [self._local_index(r["uuid"]) if r is not None and r["device"] != DEVICE_HOST else -1
                       for r in regs]

@@ -51,9 +51,8 @@ import numpy as np
 from transport import auth
 from transport.errors import FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
-    WriteBatch,
-    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest,
-    check_range,
+    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteBatch,
+    WriteRequest, check_range,
 )
 
 log = logging.getLogger(__name__)

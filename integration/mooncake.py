@@ -98,6 +98,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from transport.config import EngineConfig
 from transport.errors import (FabricClosed, FabricError, FabricUnavailable, InvalidTransfer, PeerLost, PxnError,
                               RemoteRejected, TransferError, TransferTimeout, UnknownPeer)
 
@@ -467,6 +468,7 @@ class TransferEngine:
     def __init__(self, timeout: Optional[float] = None, **engine_options):
         self._timeout = timeout
         self._options = dict(engine_options)
+        self._env: dict = {}  # the PXN_* settings (EngineConfig.environment), read at initialize
         self._engine = None
         self._hostname: Optional[str] = None
         self._names: Tuple[str, ...] = ()        # the names this engine answers to (segment name, session id)
@@ -532,7 +534,13 @@ class TransferEngine:
         proto = (protocol or "").strip().lower()
         if force_tcp():
             proto = "tcp"
-        override = os.environ.get("PXN_FABRIC", "").strip().lower()
+        try:
+            # the PXN_* settings the engine itself will read, parsed and checked the same way (EngineConfig)
+            self._env = EngineConfig.environment()
+        except ValueError as e:
+            log.error("initialize: %s", e)
+            return ERR_INVALID_ARGUMENT
+        override = str(self._env.get("fabric", "")).strip().lower()
         if override:
             proto = override
         fabric = _PROTOCOLS.get(proto)
@@ -837,8 +845,8 @@ class TransferEngine:
         if self._timeout is not None:
             return float(self._timeout)
         mc = os.environ.get("MC_TRANSFER_TIMEOUT")
-        if mc is None and os.environ.get("PXN_TIMEOUT"):
-            return None  # the engine's own default, read from PXN_TIMEOUT
+        if mc is None and "timeout" in self._env:
+            return None  # the engine's own default: its EngineConfig took PXN_TIMEOUT
         try:
             base = max(5, int(mc)) if mc is not None else 30
         except ValueError:

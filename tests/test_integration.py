@@ -545,6 +545,26 @@ def test_initialize_codes(caplog):
     assert eng.get_rpc_port() == 0
 
 
+def test_initialize_reads_the_engine_configuration(monkeypatch, caplog):
+    """The Mooncake layer takes PXN_FABRIC / PXN_TIMEOUT from the engine's own EngineConfig: a malformed PXN_*
+    value is an error code naming the variable, not an exception, and nothing is started."""
+    monkeypatch.setenv("PXN_RELAY_SLOTS", "many")
+    eng = MooncakeEngine()
+    try:
+        with caplog.at_level(logging.ERROR, logger="integration.mooncake"):
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == mc.ERR_INVALID_ARGUMENT
+        assert "PXN_RELAY_SLOTS='many'" in caplog.text
+        assert eng.pxn_engine is None and eng.get_rpc_port() == 0
+        monkeypatch.delenv("PXN_RELAY_SLOTS")
+        monkeypatch.setenv("PXN_FABRIC", "ipc")
+        monkeypatch.setenv("PXN_TIMEOUT", "7")
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert eng.pxn_engine.fabric_name == "ipc" and eng.pxn_engine.default_timeout == 7.0
+        assert eng._batch_timeout([1 << 30]) is None  # the engine's PXN_TIMEOUT, not Mooncake's rule
+    finally:
+        eng.close()
+
+
 def test_rdma_without_device_fails_cleanly(monkeypatch):
     from transport.engine import TransferEngine as PxnEngine
     if PxnEngine._pick_fabric("auto") == "verbs":

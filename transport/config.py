@@ -84,25 +84,34 @@ class EngineConfig:
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **given) -> "EngineConfig":
         """Each field from ``given`` (a constructor argument; None means not given), else its ``PXN_*`` variable
         in ``environ`` (default ``os.environ``), else the default; then the whole is checked."""
-        env = os.environ if environ is None else environ
         unknown = sorted(set(given) - set(_ENV))
         if unknown:
             raise TypeError(f"EngineConfig: unknown setting(s) {unknown}")
-        values = {}
-        for name, (var, parse) in _ENV.items():
-            value = given.get(name)
-            if value is None:
-                text = env.get(var)
-                if text is None or text == "":
-                    continue
-                try:
-                    value = parse(text)
-                except ValueError as e:
-                    raise ValueError(f"environment variable {var}={text!r} is not a valid {parse.__name__}") from e
-            values[name] = value
+        given = {name: value for name, value in given.items() if value is not None}
+        values = cls.environment(environ, skip=given)  # a variable under a given argument is not read at all
+        values.update(given)
         cfg = cls(**values)
         cfg.check()
         return cfg
+
+    @staticmethod
+    def environment(environ: Optional[Mapping[str, str]] = None, skip=()) -> dict:
+        """The settings the ``PXN_*`` variables of ``environ`` (default ``os.environ``) give, parsed: only those
+        set and not empty (the Mooncake layer needs to know which ones a deployment set), except the settings
+        named in ``skip``. A malformed value raises ``ValueError`` naming the variable and its value."""
+        env = os.environ if environ is None else environ
+        values = {}
+        for name, (var, parse) in _ENV.items():
+            if name in skip:
+                continue
+            text = env.get(var)
+            if text is None or text == "":
+                continue
+            try:
+                values[name] = parse(text)
+            except ValueError as e:
+                raise ValueError(f"environment variable {var}={text!r} is not a valid {parse.__name__}") from e
+        return values
 
     def __post_init__(self):
         # normalise the forms constructor arguments may take (sizes as "64K", flags as ints)

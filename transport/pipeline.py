@@ -1,0 +1,970 @@
+"""The data path of ``TransferEngine``: a batch's lifecycle from validation to its last completion.
+
+``Pipeline`` holds the engine's methods that move a batch (the engine composes it; the state they use, such as
+the rails, the rings and the in-flight table, belongs to the engine object):
+
+* submission: argument checks, region lookups, the plan (``transport.planner``), the load/store shortcut;
+* dispatch: attempts per unit, direct units posted by the caller, chunks and relayed pieces to the relay rings;
+* the copy thread's fill of a slot (gather into a chunk, or relayed pieces into the slot) and landing credits;
+* posts (one doorbell per rail endpoint, ``WriteBatch`` where the fabric takes it) and completions (by the
+  fabric's callback, failures in order through the rail's poll loop), acks of chunks, finishing a unit;
+* failure handling: a failed rail's work re-dispatched on another rail, a batch failed with every cause, a peer
+  forgotten when every rail to it failed;
+* waiting for a batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected,
+                              TransferError, TransferTimeout)
+from transport.fabric.base import DEVICE_HOST, Opcode, WriteBatch, WriteRequest
+from transport.fabric.tcp import _MEMCPY_MAX, gpu_batch_copy, memcpy_async
+from transport.planner import COALESCED, DIRECT, RELAYED, Unit
+from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, chunk_imm, decode_ack, decode_ack_payload
+from transport.regions import first_bad, locate_inside, span_region
+from transport.relay import gpu_pack, gpu_pack_large, host_memmove
+from transport.telemetry import POSTED, WAITING, now_ns
+
+if TYPE_CHECKING:  # annotations only: the engine module imports this one
+    from transport.engine import TransferEngine, _Peer, _PeerRail
+    from transport.relay import RelayRing
+
+log = logging.getLogger("transport.engine")  # one logger for the engine and its data path
+
+
+def _group_direct(units: List[Unit]) -> List[Unit]:
+    """One DIRECT unit per (rail, device) holding every direct piece planned for it: one attempt, one post and,
+    on fabrics with selective signaling, one completion, where one unit per piece cost ~20 us of Python each
+    (1024 pieces of 64 KiB: 24 ms per call). Failover re-sends the whole group, which rewrites the same bytes."""
+    groups: Dict[Tuple[int, int], Unit] = {}
+    out: List[Unit] = []
+    for u in units:
+        if u.kind != DIRECT:
+            out.append(u)
+            continue
+        key = (u.rail, u.device)
+        g = groups.get(key)
+        if g is None:
+            groups[key] = [u]
+            out.append(key)
+        else:
+            g.append(u)
+    return [k if isinstance(k, Unit) else _merge_direct(groups[k]) for k in out]
+
+
+def _merge_direct(units: List[Unit]) -> Unit:
+    if len(units) == 1:
+        return units[0]
+    parts = [u.arrays() for u in units]
+    runs = tuple(np.concatenate([p[i] for p in parts]) for i in range(3))
+    u0 = units[0]
+    return Unit(DIRECT, u0.device, u0.rail, u0.relay_device, sum(u.nbytes for u in units), src=u0.src, dst=u0.dst,
+                wire_bytes=sum(u.wire_bytes or u.nbytes for u in units), runs=runs)
+
+
+class BatchHandle:
+    """What ``batch_write_async`` returns: ``wait(timeout)`` raises the batch's error, ``done()`` polls."""
+
+    def __init__(self, engine: "TransferEngine", batch: "_Batch", timeout: Optional[float]):
+        self._engine = engine
+        self._batch = batch
+        self._timeout = timeout
+
+    def done(self) -> bool:
+        """True once the batch finished (successfully or not)."""
+        pending = self._batch.pending
+        if pending is not None:
+            return pending.done()
+        return self._batch.event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Wait for the batch. Arguments: timeout in seconds (default: the one given at submission).
+        Raises the batch's ``TransferError`` (``TransferTimeout`` when it did not finish in time)."""
+        self._engine._wait(self._batch, self._timeout if timeout is None else timeout)
+
+    @property
+    def nbytes(self) -> int:
+        return self._batch.nbytes
+
+
+class _Batch:
+    __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
+                 "peer", "n_items", "pending")
+
+    def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int):
+        self.id = bid
+        self.peer = peer
+        self.srcs, self.dsts, self.lengths = srcs, dsts, lengths
+        self.n_items = len(lengths)
+        self.nbytes = nbytes
+        self.remaining = 0
+        self.event = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.t0 = now_ns()
+        self.lock = threading.Lock()
+        self.pending = None  # load/store path: the device work still running (transport.loadstore.Pending)
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+class _Attempt:
+    """One try of one work unit on one rail. A failed-over unit gets a fresh attempt on another rail; the old
+    one is marked cancelled and only gives its resources back when the fabric is done with them."""
+
+    __slots__ = ("unit", "batch", "prail", "ring", "slot", "landing", "wr_id", "cancelled", "posted",
+                 "write_done", "acked", "finished", "reqs", "engine", "pending")
+
+    def __init__(self, engine, unit: Unit, batch: _Batch, prail: "_PeerRail"):
+        self.engine = engine
+        self.unit = unit
+        self.batch = batch
+        self.prail = prail
+        self.ring: Optional[RelayRing] = None
+        self.slot = None
+        self.landing: Optional[int] = None
+        self.wr_id = 0
+        self.cancelled = False
+        self.posted = False
+        self.write_done = False
+        self.acked = False
+        self.finished = False
+        self.reqs: List[WriteRequest] = []
+        self.pending = 0  # writes posted and not completed
+
+    def fail_local(self, exc: BaseException) -> None:
+        """A copy into a slot failed (the ring gives the slot back): fail the batch, retire the attempt."""
+        self.engine._fail_batch(self.batch, exc if isinstance(exc, TransferError)
+                                else TransferError(f"local copy failed: {exc}", [exc]))
+        self.engine._drop(self)
+
+
+class Pipeline:
+    """The engine's data path (see the module docstring); mixed into ``TransferEngine``."""
+
+    # --- submission ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _as_array(name: str, values) -> np.ndarray:
+        """int64 array of a sequence of ints (list, tuple, numpy array, CPU tensor); anything else (floats,
+        bools, strings, nested lists) raises InvalidTransfer naming the first bad entry."""
+        if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+            return values  # the common case of callers with many pieces: nothing to convert or check
+        if hasattr(values, "tolist") and not isinstance(values, np.ndarray):  # torch tensor
+            values = values.tolist()
+        try:
+            arr = np.asarray(values)
+        except (TypeError, ValueError) as e:
+            raise InvalidTransfer(f"{name}: not a sequence of ints: {e}") from None
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if arr.ndim != 1:
+            raise InvalidTransfer(f"{name} must be a flat sequence of ints, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            # numpy picked float / bool / object: name the first entry that is not an int
+            for i, v in enumerate(values if isinstance(values, (list, tuple)) else arr.tolist()):
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
+            raise InvalidTransfer(f"{name}: entries do not fit 64 bits")
+        if arr.dtype.kind == "i" and isinstance(values, (list, tuple)) and int(arr.min()) <= 1:
+            # numpy turns [4096, True] into ints: only a 0 or 1 can be a bool in disguise, so only then look
+            for i, v in enumerate(values):
+                if v.__class__ is bool:
+                    raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 1 << 63:
+            i = int(np.argmax(arr))
+            raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} does not fit a 64-bit address")
+        return arr.astype(np.int64, copy=False)
+
+    def _submit(self, session_id, srcs, dsts, lengths, async_: bool = False) -> Optional[_Batch]:
+        self._check_open()
+        t0 = now_ns()
+        src = self._as_array("srcs", srcs)
+        dst = self._as_array("dsts", dsts)
+        ln = self._as_array("lengths", lengths)
+        if not (src.size == dst.size == ln.size):
+            raise InvalidTransfer(f"srcs, dsts and lengths must have the same length, got {src.size}, "
+                                  f"{dst.size}, {ln.size}")
+        if ln.size == 0:
+            self._peer(session_id)  # an unknown session is an error even for an empty batch
+            return None
+        # One pass of reductions serves the argument checks and the common case of the region lookups below
+        # (every source in one registered buffer, every destination in one of the peer's): per-call host time
+        # is the cost that matters for small batches, and each numpy call is ~1-2 us on the H200 VM.
+        # rows: src, dst, lengths, src + lengths, dst + lengths (int64: an end past 2**63 wraps negative, which
+        # span_region's checks catch); two axis reductions instead of eight whole-array ones
+        n = ln.size
+        rows = np.empty((5, n), dtype=np.int64)
+        rows[0], rows[1], rows[2] = src, dst, ln
+        np.add(rows[0:2], ln, out=rows[3:5])
+        smin, dmin, lmin, _, _ = rows.min(axis=1).tolist()
+        smax, dmax, lmax, send, dend = rows.max(axis=1).tolist()
+        if lmin < 1:
+            i = int(np.argmin(ln))
+            raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
+        for name, arr, lo in (("srcs", src, smin), ("dsts", dst, dmin)):
+            if lo < 0:
+                i = int(np.argmin(arr))
+                raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} is negative")
+        peer = self._peer(session_id)
+        writer = peer.loadstore
+        if writer is not None and writer.stale():
+            self._refresh_regions(peer)  # the peer deregistered something: never write by a stale list
+        # sources: every piece inside one local region
+        lsnap = self._regions.snapshot()
+        idx = span_region(lsnap, smin, smax, send, lmax)
+        if idx is None and smax + lmax < 1 << 63:  # no end wrapped: rows[3] holds every true end
+            idx = locate_inside(lsnap, src, rows[3])
+        if idx is None:
+            idx, ok = self._regions.locate(src, ln, lsnap)
+            if not ok.all():
+                i = first_bad(ok)
+                raise InvalidTransfer(f"srcs[{i}] = 0x{int(src[i]):x} + lengths[{i}] = {int(ln[i])} is not inside "
+                                      f"a region registered with this engine")
+        devices = lsnap.devices[idx]  # a scalar when one region holds every source
+        # destinations: every piece inside a region the peer advertised (refresh once: it may have registered
+        # more since the handshake)
+        rsnap = peer.regions.snapshot()
+        ridx = span_region(rsnap, dmin, dmax, dend, lmax)
+        if ridx is None and dmax + lmax < 1 << 63:
+            ridx = locate_inside(rsnap, dst, rows[4])
+        if ridx is None:
+            ridx, ok = peer.regions.locate(dst, ln, rsnap)
+            if not ok.all():
+                self._refresh_regions(peer)
+                rsnap = peer.regions.snapshot()
+                ridx, ok = peer.regions.locate(dst, ln, rsnap)
+                if not ok.all():
+                    i = first_bad(ok)
+                    raise InvalidTransfer(f"dsts[{i}] = 0x{int(dst[i]):x} + lengths[{i}] = {int(ln[i])} is "
+                                          f"outside every region session {session_id} registered; nothing was "
+                                          f"written")
+        t1 = now_ns()
+        nbytes = int(ln.sum())
+        if writer is not None and peer.connected():
+            try:
+                pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_,
+                                       length_stats=(nbytes, lmin, lmax))
+            except TransferError:
+                self.counters.add_many((("batches_submitted", 1), ("batches_failed", 1)))
+                raise
+            if pending is not None:
+                t2 = now_ns()
+                counts = [("batches_submitted", 1), ("items", int(ln.size)), ("bytes", nbytes),
+                          ("path_loadstore_units", 1), ("path_loadstore_bytes", nbytes),
+                          ("time_validate_s", (t1 - t0) / 1e9), ("time_loadstore_s", (t2 - t1) / 1e9)]
+                if not async_:  # already complete: account for it here, nothing to wait for
+                    counts.append(("batches_ok", 1))
+                    self.counters.add_many(counts)
+                    self._account_done("batch", t0, t2, int(ln.size), nbytes, True, "loadstore", counted=True)
+                    return None
+                self.counters.add_many(counts)
+                batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
+                batch.pending = pending
+                return batch
+        batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
+        if getattr(devices, "ndim", 0) == 0:
+            device_list = [int(devices)]
+            devices = np.full(ln.size, device_list[0], dtype=np.int64)
+        else:
+            device_list = np.unique(devices).tolist()
+        rails_of = {}
+        for dev in device_list:
+            rails_of[dev] = self._rail_choices(dev, peer)
+            if not rails_of[dev]:
+                raise self._all_rails_failed(peer, f"no usable rail to {session_id} for device {dev}")
+        load = {pr.rail: pr.bytes_in_flight for pr in peer.rails}
+        dst_devices = None
+        if peer.forward is not None and lmax >= self.coalesce_bytes:
+            dst_devices = rsnap.devices[ridx]
+            if getattr(dst_devices, "ndim", 0) == 0:
+                dst_devices = np.full(ln.size, int(dst_devices), dtype=np.int64)
+        units = _group_direct(self.planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices,
+                                                peer.forward))
+        t2 = now_ns()
+        batch.remaining = len(units)
+        self._dispatch(batch, units)
+        t3 = now_ns()
+        self.counters.add_many((("batches_submitted", 1), ("items", int(ln.size)), ("bytes", batch.nbytes),
+                                ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
+                                ("time_dispatch_s", (t3 - t2) / 1e9)))
+        return batch
+
+    def _dispatch(self, batch: _Batch, units: List[Unit], from_engine: bool = False) -> None:
+        """Create attempts for units and hand them to rings (chunks, relayed pieces) or post them (direct)."""
+        direct: Dict[int, List[_Attempt]] = {}
+        to_copy: Dict[Tuple[int, int], List[_Attempt]] = {}
+        with self._lock:
+            attempts = []
+            for u in units:
+                pr = batch.peer.rails[u.rail]
+                a = _Attempt(self, u, batch, pr)
+                pr.inflight.add(a)
+                pr.bytes_in_flight += u.wire_bytes or u.nbytes
+                attempts.append(a)
+        for a in attempts:
+            u = a.unit
+            if u.kind == DIRECT:
+                direct.setdefault(u.rail, []).append(a)
+            else:
+                # host pieces are gathered on the CPU; GPU pieces on the rail's relay GPU
+                to_copy.setdefault((u.relay_device if u.device >= 0 else DEVICE_HOST, u.rail), []).append(a)
+        for (dev, rail), atts in to_copy.items():
+            if dev >= 0:
+                # the relay GPU's gather reads the sources' GPUs through raw pointers: peer access first (a no-op
+                # once done; refused pairs were refused at construction)
+                self._ensure_peers(dev, atts)
+            ring = self._ring(dev if dev >= 0 else DEVICE_HOST, rail)
+            for a in atts:
+                a.ring = ring
+            ring.enqueue_copy(atts)
+        for rail, atts in direct.items():
+            try:
+                self._direct_requests(atts, batch.peer, rail)
+            except InvalidTransfer as e:  # a region was deregistered while the batch was being planned
+                self._fail_batch(batch, e)
+                for a in atts:
+                    self._drop(a)
+                continue
+            if from_engine:
+                # redispatch from a poller: let the rail's submit thread post it, keep the poller polling
+                self._ring(DEVICE_HOST, rail).enqueue_post(atts)
+            else:
+                self._post(atts)  # the caller posts zero-copy writes itself: no thread hand-off
+
+    def _ensure_peers(self, relay: int, atts: List[_Attempt]) -> None:
+        sources = {a.unit.device for a in atts if a.unit.device >= 0 and a.unit.device != relay}
+        if sources:
+            from pxn_kernels.peer_access import ensure_peer_access
+            ensure_peer_access(relay, sources)
+
+    def _keys(self, a: _Attempt, src: int, dst: int, n: int) -> Tuple[int, int]:
+        rail = a.prail.rail
+        r = self._regions.find(src, n)
+        if r is None:
+            raise InvalidTransfer(f"source 0x{src:x}+{n} was deregistered during the transfer")
+        remote = a.batch.peer.regions.find(dst, n)
+        if remote is None:
+            raise InvalidTransfer(f"destination 0x{dst:x}+{n} is no longer advertised by {a.batch.peer.session}")
+        return r.keys[rail].lkey, remote.keys[rail]
+
+    def _direct_requests(self, atts: List[_Attempt], peer: _Peer, rail: int) -> None:
+        """Write requests of direct attempts on one rail, their keys looked up for all at once (scalar lookups cost
+        more host time than the post itself): one ``WriteBatch`` per attempt on fabrics with ``write_batches``,
+        else one ``WriteRequest`` per piece, of which, with selective signaling, only each attempt's last
+        completes on success."""
+        parts = [a.unit.arrays() for a in atts]
+        if len(parts) == 1:
+            src, dst, n = parts[0]
+        else:
+            src, dst, n = (np.concatenate([p[i] for p in parts]) for i in range(3))
+        lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
+        # every unit lies inside a piece the batch's validation accepted, so no end wraps
+        li, ri = locate_inside(lsnap, src, src + n), locate_inside(rsnap, dst, dst + n)
+        if li is None or ri is None:  # a region went away since validation: name it
+            for a in atts:
+                a.reqs = [WriteRequest(s_, n_, d_, *reversed(self._keys(a, s_, d_, n_)))
+                          for s_, d_, n_ in a.unit.segments()]
+            return
+        if self._batches:
+            # one WriteBatch per attempt: arrays end to end, one completion (an object per write cost ~1 us at
+            # each of five steps between here and the fabric's ack)
+            lkeys = np.array([r.keys[rail].lkey for r in lsnap.regions], dtype=np.int64)
+            rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)
+            k = 0
+            for a, p in zip(atts, parts):
+                m = p[2].size
+                sl = slice(k, k + m)
+                a.reqs = [WriteBatch(src[sl], n[sl], dst[sl], rkeys[ri[sl]], lkeys[li[sl]])]
+                k += m
+            return
+        segs = list(zip(src.tolist(), dst.tolist(), n.tolist()))
+        lkeys = [r.keys[rail].lkey for r in lsnap.regions]
+        rkeys = [r.keys[rail] for r in rsnap.regions]
+        li, ri = li.tolist(), ri.tolist()
+        k = 0
+        signal_all = not self._selective
+        for a in atts:
+            m = len(a.unit.segments())
+            a.reqs = [WriteRequest(s_, n_, d_, rkeys[ri[j]], lkeys[li[j]], signaled=signal_all)
+                      for j, (s_, d_, n_) in zip(range(k, k + m), segs[k:k + m])]
+            a.reqs[-1].signaled = True
+            k += m
+
+    # --- copy thread ---------------------------------------------------------------------------------------
+    def _fill(self, a: _Attempt, slot) -> bool:
+        """Fill ``slot`` for attempt ``a`` (runs in the ring's copy thread). False: cancelled, slot unused. GPU
+        copies are only enqueued on the slot's lane stream: the ring synchronises its streams once per round."""
+        if a.cancelled or a.batch.failed:
+            return False
+        u = a.unit
+        t0 = now_ns()
+        if u.kind == COALESCED:
+            landing = self._acquire_landing(a)
+            if landing is None:
+                if not (a.cancelled or a.batch.failed):
+                    # the rail died while we waited for a credit: fail it over (this attempt included)
+                    self._rail_failed(a.prail, a.prail.cause or PeerLost(
+                        f"rail {a.prail.rail} endpoint to {a.batch.peer.session} died"))
+                return False
+            b = a.batch
+            if u.items is not None:
+                items = u.items
+                srcs, dsts, lens = b.srcs[items], b.dsts[items], b.lengths[items]
+            else:  # large pieces sent through the peer's landing slots (receive-side PXN)
+                srcs, dsts, lens = (np.array(col, dtype=np.int64) for col in zip(*u.segs))
+            seq = next(b.peer.seq)
+            if slot.tensor is None:
+                from pxn_kernels.chunk import build_header_table
+                view = slot.ring._buf.array[slot.addr - slot.ring._buf.addr:][:slot.nbytes]
+                _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view)
+                host_memmove(srcs, slot.addr + offsets, lens)
+            elif u.items is None:  # large pieces for the peer to forward: the copy engine moves them
+                chunk_bytes = gpu_pack_large(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
+            else:
+                chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
+            pr = a.prail
+            a.reqs = [WriteRequest(slot.addr, chunk_bytes, pr.landing_addr + landing * pr.slot_bytes,
+                                   pr.landing_rkey, slot.ring.lkey, imm=chunk_imm(landing, seq))]
+        elif u.runs is None or u.runs[2].size <= _MEMCPY_MAX:
+            # RELAYED, a few pieces: copy them into the slot, then one write per piece to its final address
+            # (scalar steps: a few numpy calls per piece would cost more than the copies' host time)
+            segs = u.segments()
+            offs = [0]
+            for _, _, n in segs[:-1]:
+                offs.append(offs[-1] + n)
+            if slot.tensor is None:
+                host_memmove([sg[0] for sg in segs], [slot.addr + o for o in offs], [sg[2] for sg in segs])
+            elif u.device < 0:
+                from pxn_kernels import host_view
+                for (s_addr, _, n), o in zip(segs, offs):
+                    slot.tensor[o:o + n].copy_(host_view(s_addr, n))
+            else:
+                # large pieces: the copy engine (cudaMemcpyAsync, over NVLink from a peer GPU) runs at link speed
+                # and needs no descriptor upload
+                stream = slot.ring.stream(slot.lane)
+                for (s_addr, _, n), o in zip(segs, offs):
+                    memcpy_async(slot.addr + o, s_addr, n, stream)  # the ring waits for the stream once
+            a.reqs = []
+            for (s_addr, d_addr, n), o in zip(segs, offs):
+                _, rkey = self._keys(a, s_addr, d_addr, n)
+                a.reqs.append(WriteRequest(slot.addr + o, n, d_addr, rkey, slot.ring.lkey))
+        else:  # RELAYED, many pieces sharing the slot: one gather into it, one WriteBatch out of it
+            s_arr, d_arr, n_arr = u.runs
+            offs = np.cumsum(n_arr) - n_arr
+            local = slot.addr + offs
+            if slot.tensor is None:
+                host_memmove(s_arr, local, n_arr)
+            elif u.device < 0:
+                from pxn_kernels import host_view
+                for s_addr, o, n in zip(s_arr.tolist(), offs.tolist(), n_arr.tolist()):
+                    slot.tensor[o:o + n].copy_(host_view(s_addr, n))
+            else:
+                # one batched-copy launch, where a call per piece cost ~10 us each; the ring waits for the stream
+                import torch
+                stream = slot.ring.stream(slot.lane)
+                with torch.cuda.device(slot.ring.device), torch.cuda.stream(stream):
+                    gpu_batch_copy(s_arr, local, n_arr, slot.ring.device)
+            rail = a.prail.rail
+            rsnap = a.batch.peer.regions.snapshot()
+            ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
+            if ri is None:  # a region went away since validation: name it
+                for s_addr, d_addr, n in zip(s_arr.tolist(), d_arr.tolist(), n_arr.tolist()):
+                    self._keys(a, s_addr, d_addr, n)
+                raise InvalidTransfer(f"a destination of batch {a.batch.id} is no longer advertised by "
+                                      f"{a.batch.peer.session}")
+            rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)[ri]
+            lkeys = np.full(n_arr.size, slot.ring.lkey, dtype=np.int64)
+            if self._batches:
+                a.reqs = [WriteBatch(local, n_arr, d_arr, rkeys, lkeys)]  # one completion, no object per piece
+            else:
+                a.reqs = [WriteRequest(lo, n, d, rk, slot.ring.lkey)
+                          for lo, n, d, rk in zip(local.tolist(), n_arr.tolist(), d_arr.tolist(), rkeys.tolist())]
+        with self._lock:
+            if a.cancelled or a.finished:
+                landing, a.landing = a.landing, None
+            else:
+                a.slot = slot
+                landing = None
+        if landing is not None:
+            self._release_landing(a.prail, landing)
+            return False  # the ring gives the slot back
+        t1 = now_ns()
+        self.counters.add("time_fill_s", (t1 - t0) / 1e9)
+        if self.trace is not None:
+            self.trace.complete("gather" if u.kind == COALESCED else "relay copy", "copy", f"copy/{slot.ring.name}",
+                                t0, t1, {"bytes": u.nbytes, "batch": a.batch.id})
+        return True
+
+    def _acquire_landing(self, a: _Attempt) -> Optional[int]:
+        """A free landing slot (credit) at the peer on the attempt's rail; waits (back-pressure). None when the
+        rail died or the attempt was cancelled meanwhile."""
+        pr = a.prail
+        t0 = None
+        with pr.cv:
+            while True:
+                if a.cancelled or a.batch.failed or not pr.alive or not pr.ep.alive:
+                    return None
+                if pr.free_landing:
+                    s = pr.free_landing.pop()
+                    pr.landing_owner[s] = a
+                    a.landing = s
+                    if t0 is not None:
+                        self.counters.add("time_wait_credit_s", (now_ns() - t0) / 1e9)
+                    return s
+                if t0 is None:
+                    t0 = now_ns()
+                    self.counters.add("credit_waits")
+                pr.cv.wait(0.25)
+
+    def _release_landing(self, pr: _PeerRail, slot: int) -> None:
+        with pr.cv:
+            if pr.landing_owner.pop(slot, None) is not None:
+                pr.free_landing.append(slot)
+            pr.cv.notify()
+
+    # --- submit --------------------------------------------------------------------------------------------
+    def _post(self, attempts: List[_Attempt]) -> None:
+        """Post attempts (one doorbell per rail endpoint). Runs in a submit thread or the caller."""
+        groups: Dict[int, List[_Attempt]] = {}
+        for a in attempts:
+            groups.setdefault(id(a.prail), []).append(a)
+        for atts in groups.values():
+            pr = atts[0].prail
+            live = []
+            with self._lock:
+                for a in atts:
+                    if a.cancelled or a.batch.failed:
+                        self._drop(a)
+                        continue
+                    for r in a.reqs:
+                        r.wr_id = next(self._wr_ids)
+                        self._inflight[r.wr_id] = a
+                    # completions to wait for: every write, or only the signaled ones where the fabric is silent
+                    # about the others' success (an error on any of them still completes)
+                    a.pending = sum(1 for r in a.reqs if r.signaled) if self._selective else len(a.reqs)
+                    a.posted = True
+                    live.append(a)
+            if not live:
+                continue
+            for a in live:
+                if a.slot is not None:
+                    a.slot.enter(POSTED)
+            t0 = now_ns()
+            try:
+                if not pr.ep.alive:
+                    raise PeerLost(f"rail {pr.rail} endpoint to {pr.remote_id} is dead")
+                self.fabrics[pr.rail].post_writes(pr.ep, [r for a in live for r in a.reqs])
+            except (FabricError, OSError, ValueError) as e:
+                with self._lock:
+                    for a in live:
+                        self._unpost(a)
+                if isinstance(e, (FabricError, OSError)) and not isinstance(e, RegionError):
+                    self._rail_failed(pr, e)  # the rail is gone: its work fails over
+                    continue
+                for a in live:
+                    # the peer refused a region, or a local check failed (a bug or a racing deregister)
+                    self._fail_batch(a.batch, RemoteRejected(f"post refused: {e}", [e]) if isinstance(e, RegionError)
+                                     else InvalidTransfer(f"post refused locally: {e}", [e]))
+                    self._drop(a)
+                continue
+            t1 = now_ns()
+            nbytes = sum(r.nbytes if isinstance(r, WriteBatch) else r.length for a in live for r in a.reqs)
+            writes = sum(r.count if isinstance(r, WriteBatch) else 1 for a in live for r in a.reqs)
+            self._rail_stats[pr.rail].add_many((("post_calls", 1), ("writes_posted", writes),
+                                                ("bytes_posted", nbytes), ("time_post_s", (t1 - t0) / 1e9)))
+            if self.trace is not None:
+                self.trace.complete("post", "fabric", f"post/rail{pr.rail}", t0, t1,
+                                    {"writes": len(live), "bytes": nbytes})
+
+    def _unpost(self, a: _Attempt) -> None:
+        """Called with the lock held when a post failed: the attempt's writes are not in flight."""
+        for r in a.reqs:
+            self._inflight.pop(r.wr_id, None)
+        a.posted = False
+        a.pending = 0
+
+    def _retire_locked(self, a: _Attempt):
+        """With ``self._lock`` held: take the attempt out of flight (once) and hand back (slot, landing) for the
+        caller to release outside the lock. Returns whether this call retired it."""
+        first = not a.finished
+        if first:
+            a.finished = True
+            a.prail.inflight.discard(a)
+            a.prail.bytes_in_flight -= a.unit.wire_bytes or a.unit.nbytes
+            if self._selective and len(a.reqs) > 1:
+                for r in a.reqs:  # silent writes never complete: forget their ids here
+                    self._inflight.pop(r.wr_id, None)
+        slot, a.slot = a.slot, None
+        landing, a.landing = a.landing, None
+        return first, slot, landing
+
+    def _release(self, a: _Attempt, slot, landing) -> None:
+        if slot is not None:
+            slot.ring.release(slot)
+        if landing is not None:
+            self._release_landing(a.prail, landing)
+
+    def _drop(self, a: _Attempt) -> None:
+        """Give back an attempt's resources when it will not be (or is no longer) in flight. Idempotent."""
+        with self._lock:
+            _, slot, landing = self._retire_locked(a)
+        self._release(a, slot, landing)
+
+    # --- completions ---------------------------------------------------------------------------------------
+    def _poll_loop(self, rail: int) -> None:
+        fab = self.fabrics[rail]
+        last_check = time.monotonic()
+        deferred = self._deferred[rail] if self._deferred else None
+        while not self._closed:
+            try:
+                if deferred is not None:  # completions come by callback; failed ones are handled here
+                    try:
+                        comps = deferred.get(timeout=0.05)
+                    except queue.Empty:
+                        comps = None
+                else:
+                    comps = fab.poll(256, timeout=0.05)
+            except FabricClosed:
+                return
+            except Exception:  # noqa: BLE001
+                log.exception("poll on rail %d failed", rail)
+                time.sleep(0.05)
+                continue
+            for c in comps or ():
+                try:
+                    self._on_completion(rail, c)
+                except Exception:  # noqa: BLE001 — one bad completion must not stop the poller
+                    log.exception("rail %d: handling completion %r failed", rail, c)
+            if deferred is not None and comps is not None:
+                with self._defer_lock:
+                    self._deferring[rail] -= 1
+            now = time.monotonic()
+            if now - last_check > 0.1:
+                last_check = now
+                self._watchdog(rail)
+
+    def _on_completions(self, rail: int, comps) -> None:
+        """Completion handler called by a fabric thread (fabrics with ``completion_callback``). Failures go to the
+        rail's poll loop instead: failover deregisters and re-posts, which must not run in a fabric thread that
+        the fabric itself may be waiting on."""
+        if self._closed:
+            return
+        q = self._deferred[rail]
+        with self._defer_lock:
+            # from the first failure on, and while earlier ones wait, completions keep their order through the
+            # poll loop: a unit's last write must never be counted done before an earlier write's error
+            first_bad = next((i for i, c in enumerate(comps) if c.error is not None), None)
+            if self._deferring[rail] or first_bad is not None:
+                cut = 0 if self._deferring[rail] else first_bad
+                later = comps[cut:]
+                comps = comps[:cut]
+                self._deferring[rail] += 1
+                q.put(later)
+        for c in comps:
+            try:
+                self._on_completion(rail, c)
+            except Exception:  # noqa: BLE001 — one bad completion must not break the fabric's thread
+                log.exception("rail %d: handling completion %r failed", rail, c)
+
+    def _watchdog(self, rail: int) -> None:
+        """A rail whose endpoint died with work in flight (e.g. chunks waiting for acks) fails over even when
+        no completion reports it."""
+        for peer in list(self._peers.values()):
+            if peer.ready and rail < len(peer.rails):
+                pr = peer.rails[rail]
+                if pr.alive and not pr.ep.alive:
+                    self._rail_failed(pr, PeerLost(f"rail {rail} endpoint to {peer.session} died"))
+
+    def _on_completion(self, rail: int, c) -> None:
+        if c.opcode == Opcode.RECV_IMM:
+            if c.imm is not None and c.imm & ACK_FLAG:
+                self._on_ack(rail, c)
+            else:
+                self.receiver.on_chunk(rail, c.peer_id, c.imm or 0, c.byte_len)
+            return
+        if c.wr_id >= ACK_WR_BASE:
+            if c.error is not None:
+                self.counters.add("rx_ack_errors")
+                log.info("ack write on rail %d failed: %s", rail, c.error)
+            return
+        with self._lock:
+            a = self._inflight.pop(c.wr_id, None)
+            if a is not None:
+                a.pending -= 1
+                more = a.pending > 0
+        if a is None:
+            return
+        stats = self._rail_stats[rail]
+        if c.error is None:
+            done_bytes = c.byte_len
+            if not more and self._selective:  # the silent writes before it are done too (posting order)
+                done_bytes += sum(r.length for r in a.reqs if not r.signaled)
+            stats.add_many((("completions", 1), ("bytes_completed", done_bytes)))
+            if more:
+                return
+            if a.unit.kind == COALESCED and not a.cancelled:
+                with self._lock:
+                    a.write_done = True
+                    done = a.acked
+                if done:
+                    self._finish(a)
+                elif a.slot is not None:
+                    a.slot.enter(WAITING)
+                return
+            self._finish(a)
+            return
+        stats.add("completion_errors")
+        if a.cancelled:
+            self._drop(a)
+            return
+        if isinstance(c.error, RegionError):
+            self._drop(a)
+            self._fail_batch(a.batch, RemoteRejected(f"{a.batch.peer.session} refused a write on rail {rail}: "
+                                                     f"{c.error}", [c.error]))
+            return
+        with self._lock:
+            a.write_done = True
+        self._rail_failed(a.prail, c.error)
+
+    def _on_ack(self, rail: int, c) -> None:
+        entry = self._by_remote_rail.get(c.peer_id)
+        if entry is None:
+            return
+        peer, pr = entry
+        slot, status = decode_ack(c.imm)
+        with pr.cv:
+            a = pr.landing_owner.get(slot)
+        if a is None:
+            return
+        if status != ST_OK:
+            off = (pr.rail * pr.slots + slot) * ACK_BYTES
+            reason = decode_ack_payload(peer.credit.array[off:off + ACK_BYTES])
+            self._drop(a)
+            self._fail_batch(a.batch, RemoteRejected(f"{peer.session} rejected a chunk of batch {a.batch.id}: "
+                                                     f"{reason}"))
+            return
+        with self._lock:
+            a.acked = True
+            done = a.write_done
+        if done:
+            self._finish(a)
+
+    def _finish(self, a: _Attempt) -> None:
+        """An attempt succeeded: give back its resources and count its unit done."""
+        # one lock section decides between success and failover: _rail_failed only takes attempts that are
+        # neither finished nor cancelled, so a unit is never counted done twice
+        with self._lock:
+            claimed = not a.finished and not a.cancelled
+            _, slot, landing = self._retire_locked(a)
+        self._release(a, slot, landing)
+        if not claimed:
+            return
+        b = a.batch
+        u = a.unit
+        self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes)))
+        if u.kind == COALESCED:
+            self.counters.add_many((("chunks", 1), ("chunk_items", len(u.segs) if u.items is None else int(u.items.size)),
+                                    ("chunk_wire_bytes", u.wire_bytes)))
+        with b.lock:
+            b.remaining -= 1
+            last = b.remaining == 0 and not b.event.is_set()
+        if last:
+            self._account_done(f"batch {b.id}", b.t0, now_ns(), b.n_items, b.nbytes, True)
+            b.event.set()
+
+    def _account_done(self, name: str, t0: int, t: int, n_items: int, nbytes: int, ok: bool,
+                      path: Optional[str] = None, counted: bool = False) -> None:
+        """A batch finished at ``t`` (ns; submitted at ``t0``): latency window, ok/failed count (unless the caller
+        ``counted`` it with its own counters, one lock round fewer), trace event."""
+        self.latency.add((t - t0) / 1e9)
+        if not counted:
+            self.counters.add("batches_ok" if ok else "batches_failed")
+        if self.trace is not None:
+            args = {"items": n_items, "bytes": nbytes}
+            if path:
+                args["path"] = path
+            self.trace.complete(name, "batch", "batches", t0, t, args)
+
+    # --- failure handling ----------------------------------------------------------------------------------
+    def _fail_batch(self, b: _Batch, exc: BaseException) -> None:
+        with b.lock:
+            if b.event.is_set():
+                return
+            b.error = exc
+        self.counters.add("batches_failed")
+        if self.trace is not None:
+            self.trace.instant(f"batch {b.id} failed", "batch", "batches", {"error": str(exc)[:200]})
+        b.event.set()
+
+    def _all_rails_failed(self, peer: _Peer, what: str) -> TransferError:
+        causes = [pr.cause or PeerLost(f"rail {pr.rail}: endpoint dead") for pr in peer.rails]
+        text = "; ".join(f"rail {pr.rail}: {c}" for pr, c in zip(peer.rails, causes))
+        return TransferError(f"{what}: every rail failed ({text})", causes)
+
+    def _rail_failed(self, pr: _PeerRail, cause: BaseException) -> None:
+        """Mark a rail to a peer dead and re-send its unfinished work on the device's other rails."""
+        with self._lock:
+            if pr.alive:
+                pr.alive = False
+                pr.cause = cause
+                # a peer that closed with nothing in flight is routine; lost work is worth a warning
+                log.log(logging.WARNING if pr.inflight and not self._closed else logging.INFO,
+                        "rail %d to %s failed (%s); re-dispatching %d unit(s)", pr.rail, pr.remote_id, cause,
+                        len(pr.inflight))
+                self.counters.add("rail_failures")
+            victims = [a for a in pr.inflight if not a.cancelled and not a.finished]
+            for a in victims:
+                a.cancelled = True
+            peer = pr.peer
+            if peer is not None and victims:
+                peer.lost_work = True
+            lost = peer is not None and peer.ready and not peer.retired and not any(r.alive for r in peer.rails)
+        with pr.cv:
+            pr.cv.notify_all()
+        if lost:
+            # before the re-dispatch below: it finds no rail and fails the batches with every rail's cause
+            self._forget_peer(peer)
+        for a in victims:
+            # the fabric may still read a slot of a posted write whose completion has not come: that slot is
+            # given back by the completion; everything else now
+            if not a.posted or a.write_done:
+                self._drop(a)
+            if a.batch.failed:
+                continue
+            self._redispatch(a)
+
+    def _fail_peer(self, peer: _Peer, cause: Optional[BaseException]) -> None:
+        """Fail every rail of ``peer`` (``cause``, or each rail's own: its endpoint died), which forgets it."""
+        for pr in list(peer.rails):
+            self._rail_failed(pr, cause or pr.cause or PeerLost(f"rail {pr.rail} endpoint to {peer.session} died"))
+        self._forget_peer(peer)  # a peer without rails (cannot happen after a handshake) is forgotten too
+
+    def _forget_peer(self, peer: _Peer) -> None:
+        """Every rail to ``peer`` failed: drop what this engine holds for it (session entry, rails, credit region,
+        control socket), so that the next batch to its session handshakes from scratch -- with the same process
+        back after a network blip, or a new one at the same host:port. Batches still holding this peer keep
+        its dead rails and fail with their causes; other peers are not touched. Idempotent."""
+        with self._lock:
+            if peer.retired:
+                return
+            peer.retired = True  # from now on _peer() replaces it instead of handing it out
+            why = "; ".join(f"rail {pr.rail}: {pr.cause or 'endpoint dead'}" for pr in peer.rails)
+            if not self._closed:
+                # counted with the flag, under the lock: a batch failed by another thread that found the peer
+                # retired must already see it in stats()
+                self.counters.add("peers_lost")
+                self._lost[peer.session] = why[:500]
+                while len(self._lost) > 1024:  # only for error messages: keep the newest
+                    self._lost.pop(next(iter(self._lost)))
+        # an ack of the old connection still on its way is refused by the fabric (unknown rkey) from now on,
+        # instead of landing in a credit region nobody reads
+        mrs, peer.credit_mrs = peer.credit_mrs, []
+        for fab, mr in zip(self.fabrics, mrs):
+            try:
+                fab.deregister(mr)
+            except FabricError as e:  # a closed fabric released it already
+                log.debug("forgetting %s: deregistering the credit region: %s", peer.session, e)
+        with self._lock:
+            if self._peers.get(peer.session) is peer:
+                del self._peers[peer.session]
+            for pr in peer.rails:
+                if self._by_remote_rail.get(pr.remote_id, (None, None))[0] is peer:
+                    del self._by_remote_rail[pr.remote_id]
+        # the control socket: shutdown() wakes a region refresh blocked on it from any thread; close it here
+        # unless that refresh holds the peer's lock (it closes it on the error it gets)
+        sock = peer.ctrl
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if peer.lock.acquire(blocking=False):
+                try:
+                    self._close_ctrl_locked(peer)
+                finally:
+                    peer.lock.release()
+        if self._closed:
+            return
+        # a peer that closed while idle is routine; one that took batches down with it is worth a warning
+        log.log(logging.WARNING if peer.lost_work else logging.INFO,
+                "engine %s: every rail to %s failed (%s); forgot the peer, the next batch to it handshakes again",
+                self.session_id, peer.session, why)
+
+    def _redispatch(self, old: _Attempt) -> None:
+        b = old.batch
+        u = old.unit
+        choices = self._rail_choices(u.device, b.peer)
+        if not choices:
+            # rails whose endpoint died without a completion saying so yet: fail them now, so that the batch
+            # names their real causes and a peer without any rail left is forgotten before the caller retries
+            for pr in b.peer.rails:
+                if pr.alive and not pr.ep.alive:
+                    self._rail_failed(pr, PeerLost(f"rail {pr.rail} endpoint to {b.peer.session} died"))
+            if b.peer.ready and not any(pr.alive for pr in b.peer.rails):
+                # the thread that failed the last rail may not have forgotten the peer yet; the caller woken by
+                # the failure below must find it forgotten (stats, and a fresh handshake on its next batch)
+                self._forget_peer(b.peer)
+            self._fail_batch(b, self._all_rails_failed(b.peer, f"batch {b.id} to {b.peer.session}"))
+            return
+        load = {pr.rail: pr.bytes_in_flight for pr in b.peer.rails}
+        c = min(choices, key=lambda ch: load.get(ch.rail, 0))
+        self.counters.add("failovers")
+        relay_now = self.relay_mode == "always" or (self.relay_mode == "auto" and not c.local)
+        if u.kind == COALESCED or (u.kind == RELAYED) == relay_now:
+            units = [dataclasses.replace(u, rail=c.rail, relay_device=c.relay_device)]
+        elif relay_now:  # direct pieces, and the new rail is not local to their memory: relay them in slot pieces
+            units = []
+            for s_, d_, length in u.segments():
+                off = 0
+                while off < length:
+                    n = min(self.slot_bytes, length - off)
+                    units.append(Unit(RELAYED, u.device, c.rail, c.relay_device, n, src=s_ + off, dst=d_ + off,
+                                      wire_bytes=n, segs=[(s_ + off, d_ + off, n)]))
+                    off += n
+        else:  # relayed piece(s), and the new rail is local: write them straight from their sources
+            units = [Unit(DIRECT, u.device, c.rail, c.relay_device, u.nbytes, src=u.src, dst=u.dst,
+                          wire_bytes=u.nbytes, segs=list(u.segments()))]
+        if len(units) > 1:
+            with b.lock:
+                b.remaining += len(units) - 1
+        self._dispatch(b, units, from_engine=True)
+
+    def _wait(self, b: _Batch, timeout: Optional[float]) -> None:
+        t0 = now_ns()
+        if b.pending is not None:
+            if not b.event.is_set():
+                try:
+                    b.pending.wait()
+                except RuntimeError as e:  # a CUDA error reported at the synchronise
+                    b.error = TransferError(f"batch {b.id}: load/store copy failed: {e}", [e])
+                t = now_ns()
+                with b.lock:
+                    first = not b.event.is_set()
+                    b.event.set()
+                if first:
+                    self.counters.add("time_wait_s", (t - t0) / 1e9)
+                    self._account_done(f"batch {b.id}", b.t0, t, b.n_items, b.nbytes, b.error is None, "loadstore")
+            if b.error is not None:
+                raise b.error
+            return
+        if not b.event.wait(timeout):
+            self._fail_batch(b, TransferTimeout(f"batch {b.id} ({b.n_items} pieces, {b.nbytes} B) to "
+                                                f"{b.peer.session} did not finish within {timeout} s"))
+        self.counters.add("time_wait_s", (now_ns() - t0) / 1e9)
+        if b.error is not None:
+            # cancel what is still queued so the rings do not work for a dead batch
+            raise b.error
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FabricClosed(f"engine {getattr(self, 'session_id', '?')} is closed")

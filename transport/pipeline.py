@@ -42,11 +42,12 @@ log = logging.getLogger("transport.engine")  # one logger for the engine and its
 
 
 def _group_direct(units: List[Unit]) -> List[Unit]:
-    """One DIRECT unit per (rail, device) holding every direct piece planned for it: one attempt, one post and,
-    on fabrics with selective signaling, one completion, where one unit per piece cost ~20 us of Python each
-    (1024 pieces of 64 KiB: 24 ms per call). Failover re-sends the whole group, which rewrites the same bytes."""
-    groups: Dict[Tuple[int, int], Unit] = {}
-    out: List[Unit] = []
+    """One DIRECT unit per (rail, device) holding every direct piece planned for it (its runs concatenated): one
+    attempt, one post and one completion (a ``WriteBatch``, or selective signaling), where one unit per piece cost
+    ~20 us of Python each (1024 pieces of 64 KiB: 24 ms per call). Failover re-sends the whole group, which
+    rewrites the same bytes. Other units keep their place."""
+    groups: Dict[Tuple[int, int], List[Unit]] = {}
+    out: list = []  # units, and the keys of the groups in the place of their first unit
     for u in units:
         if u.kind != DIRECT:
             out.append(u)
@@ -62,6 +63,7 @@ def _group_direct(units: List[Unit]) -> List[Unit]:
 
 
 def _merge_direct(units: List[Unit]) -> Unit:
+    """One DIRECT unit of the given units' pieces, in order."""
     if len(units) == 1:
         return units[0]
     parts = [u.arrays() for u in units]

@@ -48,8 +48,9 @@ _BASE = {
 
 # Hopper (H100 / H200): the row classes that won benchmarks/kernels.py --sweep on an H200, 2026-11-30 (every
 # candidate byte-checked first; results/kernels-h200.json): 4 KB tiles with 2 warps up to 1.5 KB rows, 8 KB with
-# 4 warps above. Shifted words for pieces whose two ends differ in alignment (benchmarks/NOTES.md, "Unaligned
-# pieces"): 78 x 2.25 MB at odd offsets 238 -> 658 GB/s, aligned pieces unchanged.
+# 4 warps above. Shifted words for pieces whose two ends differ in alignment: they beat the byte path on every
+# unaligned mix measured and leave aligned pieces alone (benchmarks/NOTES.md, "The message path: writes as arrays,
+# completions at the writer", and results/kernels-h200-shift-quick.json).
 _SM90 = dict(_BASE, row={"enabled": True, "max_bytes": 4095,
                          "classes": [{"up_to": 1536, "tile_bytes": 4096, "max_cols": 4096, "num_warps": 2},
                                      {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4}]},

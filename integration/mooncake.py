@@ -902,14 +902,19 @@ class TransferEngine:
         except (TypeError, ValueError):
             return buffers, peers, lengths
 
+    def _prepare(self, opcode, target, buffers, peers, lengths) -> tuple:
+        """What a batch call needs: (opcode, pxn engine, session, buffers, peer addresses, lengths without the
+        empty pieces, timeout). Raises what the caller turns into a code."""
+        op = _opcode(opcode)
+        eng = self._eng()
+        session = self._session(target)
+        b, p, n = self._nonempty(buffers, peers, lengths)
+        return op, eng, session, b, p, n, self._batch_timeout(n)
+
     def _sync(self, what: str, opcode, target, buffers, peers, lengths, notify=None) -> int:
         """One blocking batch: WRITE local -> peer, READ peer -> local; then the notify, if any."""
         try:
-            op = _opcode(opcode)
-            eng = self._eng()
-            session = self._session(target)
-            b, p, n = self._nonempty(buffers, peers, lengths)
-            timeout = self._batch_timeout(n)
+            op, eng, session, b, p, n, timeout = self._prepare(opcode, target, buffers, peers, lengths)
             if op == TransferOpcode.WRITE:
                 eng.batch_write(session, b, p, n, timeout=timeout)
             else:
@@ -924,11 +929,7 @@ class TransferEngine:
     def _async(self, what: str, opcode, target, buffers, peers, lengths) -> int:
         """Submit one batch; its id (>= 1), or 0 when refused at submission (cause logged, nothing written)."""
         try:
-            op = _opcode(opcode)
-            eng = self._eng()
-            session = self._session(target)
-            b, p, n = self._nonempty(buffers, peers, lengths)
-            timeout = self._batch_timeout(n)
+            op, eng, session, b, p, n, timeout = self._prepare(opcode, target, buffers, peers, lengths)
             submit = eng.batch_write_async if op == TransferOpcode.WRITE else eng.batch_read_async
             h = submit(session, b, p, n, timeout=timeout)
         except BaseException as e:  # noqa: BLE001

@@ -187,15 +187,21 @@ class Pipeline:
             raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} does not fit a 64-bit address")
         return arr.astype(np.int64, copy=False)
 
+    @classmethod
+    def _as_arrays(cls, *named) -> tuple:
+        """``_as_array`` of each ``(name, values)`` pair; the arrays must have one length, else InvalidTransfer
+        naming them and their lengths."""
+        arrays = tuple(cls._as_array(name, values) for name, values in named)
+        if len({a.size for a in arrays}) > 1:
+            names = [name for name, _ in named]
+            raise InvalidTransfer(f"{', '.join(names[:-1])} and {names[-1]} must have the same length, got "
+                                  f"{', '.join(str(a.size) for a in arrays)}")
+        return arrays
+
     def _submit(self, session_id, srcs, dsts, lengths, async_: bool = False) -> Optional[_Batch]:
         self._check_open()
         t0 = now_ns()
-        src = self._as_array("srcs", srcs)
-        dst = self._as_array("dsts", dsts)
-        ln = self._as_array("lengths", lengths)
-        if not (src.size == dst.size == ln.size):
-            raise InvalidTransfer(f"srcs, dsts and lengths must have the same length, got {src.size}, "
-                                  f"{dst.size}, {ln.size}")
+        src, dst, ln = self._as_arrays(("srcs", srcs), ("dsts", dsts), ("lengths", lengths))
         if ln.size == 0:
             self._peer(session_id)  # an unknown session is an error even for an empty batch
             return None

@@ -179,12 +179,7 @@ class ReadHandle:
 def _validate(engine, session_id, local_dsts, remote_srcs, lengths):
     """Argument and local-destination checks (all-or-nothing). Returns (dst, src, ln) int64 arrays."""
     engine._check_open()
-    dst = engine._as_array("local_dsts", local_dsts)
-    src = engine._as_array("remote_srcs", remote_srcs)
-    ln = engine._as_array("lengths", lengths)
-    if not (dst.size == src.size == ln.size):
-        raise InvalidTransfer(f"local_dsts, remote_srcs and lengths must have the same length, got {dst.size}, "
-                              f"{src.size}, {ln.size}")
+    dst, src, ln = engine._as_arrays(("local_dsts", local_dsts), ("remote_srcs", remote_srcs), ("lengths", lengths))
     if not isinstance(session_id, str) or session_id.count(":") < 1:
         from transport.engine import UnknownSession
         raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")

@@ -772,27 +772,44 @@ class TcpFabric(Fabric):
         except OverflowError:
             return None
         la, ln, ra, rk, lk, imm = a.T
-        if (ln <= 0).any() or (la < 0).any() or (ra < 0).any() or (la > _I64 - ln).any() or (ra > _I64 - ln).any():
+        regions, k, problem = self._check_write_arrays(la, ln, ra, rk, lk, imm)
+        if problem is not None:
             return None
-        if (rk < 0).any() or (rk > 0xFFFFFFFF).any() or (imm < 0).any() or (imm > IMM_MAX).any():
-            return None
-        by_key = {}
-        for key in np.unique(lk).tolist():
+        return [regions[0]] * len(requests) if len(regions) == 1 else [regions[j] for j in k.tolist()]
+
+    def _check_write_arrays(self, la, ln, ra, rk, lk, imm=None) -> tuple:
+        """The local checks of a post on whole int64 arrays (local address, length, remote address, rkey, lkey,
+        immediate): lengths, addresses and keys in range, each local range inside the region of its lkey. Returns
+        ``(regions, k, None)``: the distinct regions and each write's index into them; or ``(None, None,
+        (write, kind, detail))`` for the first bad write, ``kind`` "value" (``detail``: what is wrong), "lkey"
+        (the unknown key) or "outside" (its region)."""
+        def first(mask) -> int:
+            return int(np.flatnonzero(mask)[0])
+
+        checks = [(ln <= 0, "length must be positive"), (la < 0, "local address is negative"),
+                  (ra < 0, "remote address is negative"), (la > _I64 - ln, "local range overflows"),
+                  (ra > _I64 - ln, "remote range overflows"),
+                  ((rk < 0) | (rk > 0xFFFFFFFF), "rkey is not a 32-bit unsigned int")]
+        if imm is not None:
+            checks.append(((imm < 0) | (imm > IMM_MAX), "imm is not a 32-bit unsigned int"))
+        for bad, what in checks:
+            if bad.any():
+                return None, None, (first(bad), "value", what)
+        keys = np.unique(lk)
+        regions = []
+        for key in keys.tolist():
             mr = self._regions.get(key)
             if mr is None:
-                return None
-            by_key[key] = mr
-        if len(by_key) == 1:
-            mr = next(iter(by_key.values()))
-            if (la < mr.addr).any() or (la + ln > mr.addr + mr.length).any():
-                return None
-            return [mr] * len(requests)
-        mrs = [by_key[k] for k in lk.tolist()]
-        base = np.array([m.addr for m in mrs], dtype=np.int64)
-        end = base + np.array([m.length for m in mrs], dtype=np.int64)
-        if (la < base).any() or (la + ln > end).any():
-            return None
-        return mrs
+                return None, None, (first(lk == key), "lkey", key)
+            regions.append(mr)
+        k = np.searchsorted(keys, lk) if len(regions) > 1 else np.zeros(ln.size, dtype=np.int64)
+        lo = np.array([m.addr for m in regions], dtype=np.int64)[k]
+        hi = lo + np.array([m.length for m in regions], dtype=np.int64)[k]
+        out = (la < lo) | (la + ln > hi)
+        if out.any():
+            i = first(out)
+            return None, None, (i, "outside", regions[int(k[i])])
+        return regions, k, None
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
         requests = list(requests)
@@ -810,37 +827,18 @@ class TcpFabric(Fabric):
     def _validate_batch(self, b: WriteBatch) -> np.ndarray:
         """The checks of ``_validate`` for a ``WriteBatch``, in whole-array numpy. Returns each write's source
         device. Raises ``ValueError`` / ``RegionError`` naming the first bad write."""
-        la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
-
-        def first(mask) -> int:
-            return int(np.flatnonzero(mask)[0])
-
-        for bad, what in ((ln <= 0, "length must be positive"), (la < 0, "local address is negative"),
-                          (ra < 0, "remote address is negative"), (la > _I64 - ln, "local range overflows"),
-                          (ra > _I64 - ln, "remote range overflows"),
-                          ((rk < 0) | (rk > 0xFFFFFFFF), "rkey is not a 32-bit unsigned int")):
-            if bad.any():
-                i = first(bad)
+        la, ln, ra, rk = b.local_addr, b.length, b.remote_addr, b.rkey
+        regions, k, problem = self._check_write_arrays(la, ln, ra, rk, b.lkey)
+        if problem is not None:
+            i, kind, detail = problem
+            if kind == "value":
                 raise ValueError(f"batch wr_id={b.wr_id}, write {i} (local 0x{int(la[i]):x}, {int(ln[i])} B, remote "
-                                 f"0x{int(ra[i]):x}, rkey {int(rk[i])}): {what}")
-        keys = np.unique(lk)
-        regions = []
-        for key in keys.tolist():
-            mr = self._regions.get(key)
-            if mr is None:
-                i = first(lk == key)
-                raise RegionError(f"batch wr_id={b.wr_id}, write {i}: lkey 0x{key:x} is not a region registered with "
-                                  f"{self._id}")
-            regions.append(mr)
-        k = np.searchsorted(keys, lk) if len(regions) > 1 else np.zeros(ln.size, dtype=np.int64)
-        lo = np.array([m.addr for m in regions], dtype=np.int64)[k]
-        hi = lo + np.array([m.length for m in regions], dtype=np.int64)[k]
-        out = (la < lo) | (la + ln > hi)
-        if out.any():
-            i = first(out)
-            mr = regions[int(k[i])]
+                                 f"0x{int(ra[i]):x}, rkey {int(rk[i])}): {detail}")
+            if kind == "lkey":
+                raise RegionError(f"batch wr_id={b.wr_id}, write {i}: lkey 0x{detail:x} is not a region registered "
+                                  f"with {self._id}")
             raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{int(la[i]):x}+{int(ln[i])} lies "
-                              f"outside the region of lkey 0x{mr.lkey:x} (0x{mr.addr:x}+{mr.length})")
+                              f"outside the region of lkey 0x{detail.lkey:x} (0x{detail.addr:x}+{detail.length})")
         return np.array([m.device for m in regions], dtype=np.int64)[k]
 
     def _message_target(self, total: int, nsocks: int) -> int:

@@ -19,6 +19,9 @@ shape the receiver's buffer (with guards) is poisoned, the shape written once an
 image, then timed: wall time of ``batch_write`` calls, median of ``--repeat``. Each row carries the engine's
 ``stats()`` time breakdown per call.
 
+With one GPU visible, only the direct and loadstore rows are measured (both processes on that GPU, both NICs
+next to it) and the files are named ``-x1`` instead of ``-x2``.
+
 Writes ``pxn-x2.json`` (direct / pxn_* rows, both fabrics) and ``message-path-x2.json`` (ipc rows, loadstore and
 nvlink_copy) into ``--out`` (default: a fresh temporary folder) and prints a table last.
 
@@ -48,6 +51,9 @@ for p in (ROOT, os.path.join(ROOT, "tests")):
 KB, MB = 1 << 10, 1 << 20
 AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
 TOPOLOGIES = {"direct": (1, 1), "pxn_send": (0, 1), "pxn_recv": (1, 0), "pxn_both": (0, 0)}
+# GPU of the NIC at (sender, receiver) per topology, with the data on GPU 1; on a machine with one GPU only the
+# direct rows exist (both NICs next to GPU 0, where the data is) and the files are named -x1
+ONE_GPU_TOPOLOGIES = {"direct": (0, 0)}
 BUFFER = 256 * MB
 
 
@@ -102,13 +108,14 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
     from transport import TransferEngine
     from transport.topology import synthetic
     loadstore = topology == "loadstore"
-    send_nic, recv_nic = TOPOLOGIES["direct" if loadstore else topology]
+    gpus = 2 if args.data_gpu == 1 else 1
+    send_nic, recv_nic = (TOPOLOGIES if gpus == 2 else ONE_GPU_TOPOLOGIES)["direct" if loadstore else topology]
     kw = {"fabric": fabric}
     if fabric == "ipc":
         kw["loadstore"] = loadstore
     if not args.no_topology:
-        kw_send = dict(kw, topology=synthetic(2, {send_nic: ["mlx5_0"]}))
-        kw_recv = dict(kw, topology=synthetic(2, {recv_nic: ["mlx5_0"]}))
+        kw_send = dict(kw, topology=synthetic(gpus, {send_nic: ["mlx5_0"]}))
+        kw_recv = dict(kw, topology=synthetic(gpus, {recv_nic: ["mlx5_0"]}))
     else:
         kw_send = kw_recv = kw
     if args.forward_large:
@@ -119,10 +126,10 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
         kw_send = dict(kw_send, trace_path=os.path.join(args.trace, f"trace-send-{tag}.json"))
         kw_recv = dict(kw_recv, trace_path=os.path.join(args.trace, f"trace-recv-{tag}.json"))
     rows = []
-    peer = EnginePeer(BUFFER, device=1, **kw_recv)
+    peer = EnginePeer(BUFFER, device=args.data_gpu, **kw_recv)
     try:
         with TransferEngine(**kw_send) as eng:
-            src = torch.randint(0, 256, (BUFFER,), dtype=torch.uint8, device="cuda:1")
+            src = torch.randint(0, 256, (BUFFER,), dtype=torch.uint8, device=f"cuda:{args.data_gpu}")
             eng.register(src)
             src_host = src.cpu().numpy()
             for name, lengths in all_shapes.items():
@@ -246,10 +253,18 @@ def main(argv=None) -> int:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
     logging.basicConfig(level=logging.WARNING)
     import torch
-    if torch.cuda.device_count() < 2:
-        print(f"message_path: needs 2 CUDA GPUs, {torch.cuda.device_count()} visible", file=sys.stderr)
+    gpus = min(2, torch.cuda.device_count())
+    if gpus < 1:
+        print("message_path: needs a CUDA GPU, none visible", file=sys.stderr)
         return 2
-    if args.enable_peers:
+    args.data_gpu = gpus - 1
+    if gpus == 1:
+        dropped = [t for t in args.topologies.split(",") if t not in ONE_GPU_TOPOLOGIES and t != "loadstore"]
+        if dropped:
+            print(f"message_path: one GPU visible: only the direct and loadstore rows (not {dropped})",
+                  file=sys.stderr)
+        args.topologies = ",".join(t for t in args.topologies.split(",") if t not in dropped)
+    if args.enable_peers and gpus == 2:
         a = torch.ones(16, device="cuda:0")
         b = torch.ones(16, device="cuda:1")
         a.copy_(b)
@@ -274,7 +289,8 @@ def main(argv=None) -> int:
                 continue
             print(f"[{time.time() - t0:6.1f} s] {fabric} / {topo}", file=sys.stderr, flush=True)
             rows += run_pair(fabric, topo, all_shapes, args.repeat, rng, args)
-    rows += nvlink_rows(all_shapes, args.repeat)
+    if gpus == 2:
+        rows += nvlink_rows(all_shapes, args.repeat)
     for r in rows:
         r["label"] = args.label
     out = args.out or tempfile.mkdtemp(prefix="pxn-message-path-")
@@ -283,10 +299,11 @@ def main(argv=None) -> int:
             "command": "python3 benchmarks/message_path.py " + " ".join(_public_args(argv or sys.argv[1:]))}
     pxn_rows = [r for r in rows if r["topology"] in TOPOLOGIES]
     mp_rows = [r for r in rows if r["fabric"] in ("ipc", "-")]
-    for name, subset in (("pxn-x2.json", pxn_rows), ("message-path-x2.json", mp_rows)):
+    names = (f"pxn-x{gpus}.json", f"message-path-x{gpus}.json")
+    for name, subset in zip(names, (pxn_rows, mp_rows)):
         with open(os.path.join(out, name), "w") as f:
             json.dump({**meta, "rows": subset}, f, indent=1)
-    print(f"wrote {out}/pxn-x2.json and {out}/message-path-x2.json", file=sys.stderr)
+    print(f"wrote {out}/{names[0]} and {out}/{names[1]}", file=sys.stderr)
     print(f"{'fabric':6s} {'topology':11s} {'shape':14s} {'ms':>9s} {'GB/s':>9s} exact")
     for r in rows:
         print(f"{r['fabric']:6s} {r['topology']:11s} {r['shape']:14s} {r.get('ms', float('nan')):9.3f} "

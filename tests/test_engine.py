@@ -633,16 +633,23 @@ def ipc_peer():
     peer.close()
 
 
-def test_ipc_fabric_end_to_end_message_path(src, rng, ipc_peer):
-    """loadstore=False: coalesced chunks + receiver scatter + direct writes through the ipc message path."""
-    with TransferEngine(fabric="ipc", loadstore=False) as eng:
+@pytest.mark.parametrize("coalesce", [None, 64 << 10], ids=["fabric-default", "chunks"])
+def test_ipc_fabric_end_to_end_message_path(src, rng, ipc_peer, coalesce):
+    """loadstore=False, the ipc message path: by the fabric's default every piece is a direct write (no chunks);
+    with ``coalesce_bytes`` set, coalesced chunks + receiver scatter + direct writes."""
+    with TransferEngine(fabric="ipc", loadstore=False, coalesce_bytes=coalesce) as eng:
+        assert eng.coalesce_bytes == (0 if coalesce is None else coalesce)
         eng.register(src)
         lengths = AUX + [BLOCK_1K] * 20 + [64] * 4096 + rng.integers(1, 8193, size=300).tolist()
         run_case(eng, ipc_peer, src, disjoint_offsets(rng, lengths, 100 * MB),
                  disjoint_offsets(rng, lengths, 64 * MB), lengths)
         st = eng.stats()
-    assert st["paths"]["coalesced"]["chunks"] >= 1 and st["paths"]["direct"]["bytes"] >= 20 * BLOCK_1K
-    assert sum(r.get("writes_posted", 0) for r in st["rails"]) >= 20 + 1
+    if coalesce is None:
+        assert st["paths"]["coalesced"]["chunks"] == 0
+        assert st["paths"]["direct"]["bytes"] == sum(lengths)
+    else:
+        assert st["paths"]["coalesced"]["chunks"] >= 1 and st["paths"]["direct"]["bytes"] >= 20 * BLOCK_1K
+        assert sum(r.get("writes_posted", 0) for r in st["rails"]) >= 20 + 1
     assert st["paths"]["loadstore"]["units"] == 0
 
 

@@ -9,16 +9,20 @@ MB = 1 << 20
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("loadstore", [False, True], ids=["message-path", "loadstore"])
-def test_gpu_kv_over_ipc(seed, loadstore):
-    """GPU -> GPU pieces of every sglang kind, byte-exact with the peer's guards; through relay chunks and the
-    receiver's scatter (message path), or one copy launch into the peer's IPC-mapped memory (load/store)."""
+@pytest.mark.parametrize("loadstore,coalesce,relay", [(False, None, None), (False, 64 << 10, None),
+                                                       (False, None, "always"), (True, None, None)],
+                         ids=["message-path", "message-path-chunks", "message-path-relayed", "loadstore"])
+def test_gpu_kv_over_ipc(seed, loadstore, coalesce, relay):
+    """GPU -> GPU pieces of every sglang kind, byte-exact with the peer's guards: on the message path as direct
+    writes (the ipc fabric's default), through relay chunks and the receiver's scatter (``coalesce_bytes``
+    set), or through relay slots (``relay="always"``: on one GPU the relay GPU is the data's own), or as one
+    copy launch into the peer's IPC-mapped memory (load/store)."""
     import torch
     rng = np.random.default_rng(seed)
     size = 64 * MB
     peer = EnginePeer(size, device=0, fabric="ipc")
     try:
-        with TransferEngine(fabric="ipc", loadstore=loadstore) as eng:
+        with TransferEngine(fabric="ipc", loadstore=loadstore, coalesce_bytes=coalesce, relay=relay) as eng:
             g = torch.Generator(device="cuda:0").manual_seed(seed)
             src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda:0", generator=g)
             eng.register(src)
@@ -38,6 +42,12 @@ def test_gpu_kv_over_ipc(seed, loadstore):
             st = eng.stats()
         if loadstore:
             assert st["paths"]["loadstore"]["units"] == 6 and st["paths"]["coalesced"]["chunks"] == 0
+        elif relay == "always":
+            assert st["paths"]["relayed"]["units"] >= 6 and st["paths"]["direct"]["units"] == 0, st["paths"]
+            assert st["paths"]["coalesced"]["chunks"] == 0 and st["paths"]["loadstore"]["units"] == 0
+        elif coalesce is None:
+            assert st["paths"]["coalesced"]["chunks"] == 0 and st["paths"]["direct"]["units"] >= 6
+            assert st["paths"]["loadstore"]["units"] == 0
         else:
             assert st["paths"]["coalesced"]["chunks"] >= 3 and any(k.startswith("cuda0/") for k in st["rings"])
             assert st["paths"]["loadstore"]["units"] == 0

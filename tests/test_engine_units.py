@@ -376,3 +376,29 @@ def test_engine_config_precedence_and_errors():
         EngineConfig.from_env({}, max_senders=0)
     with pytest.raises(TypeError, match="unknown setting"):
         EngineConfig.from_env({}, lane=2)
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) \['chunks'\]"):
+        EngineConfig.from_env({}, defaults={"chunks": 0})
+
+
+def test_fabric_defaults_sit_between_variables_and_class_defaults():
+    """A fabric's ``config_defaults`` (ipc: coalesce_bytes 0) replace the class default only: a PXN_* variable
+    or an argument still wins."""
+    from transport.config import EngineConfig
+    from transport.fabric import fabric_class
+    ipc = fabric_class("ipc").config_defaults
+    assert ipc == {"coalesce_bytes": 0} and fabric_class("tcp").config_defaults == {}
+    assert EngineConfig.from_env({}, defaults=ipc).coalesce_bytes == 0
+    assert EngineConfig.from_env({"PXN_COALESCE_BYTES": "8K"}, defaults=ipc).coalesce_bytes == 8 << 10
+    assert EngineConfig.from_env({"PXN_COALESCE_BYTES": "8K"}, defaults=ipc, coalesce_bytes=100).coalesce_bytes == 100
+    assert EngineConfig.from_env({}).coalesce_bytes == 64 << 10
+
+
+def test_planner_keeps_small_direct_batches_on_one_rail():
+    """Direct pieces spread over rails only with at least MIN_RUN_BYTES per rail: a small batch is one run."""
+    from transport.planner import MIN_RUN_BYTES
+    for lengths, rails_used in (([64] * 11, 1), ([64 * KB] * 15, 1), ([64 * KB] * 40, 2),
+                                ([MIN_RUN_BYTES] * 3, 3), ([2359296] * 78, 4)):
+        units, srcs, dsts, _ = _plan(lengths, rails=4, coalesce=0)
+        assert all(u.kind == DIRECT for u in units)
+        assert len({u.rail for u in units}) == rails_used, (lengths[:1], len(lengths), [u.rail for u in units])
+        _covered(units, srcs, dsts, np.asarray(lengths))

@@ -120,20 +120,22 @@ CASES = {"direct": (1, 1), "pxn_send": (0, 1), "pxn_recv": (1, 0), "pxn_both": (
 
 
 @two_gpus
-@pytest.mark.parametrize("fabric", ["ipc", "tcp"])
+@pytest.mark.parametrize("fabric", ["ipc", "ipc-chunks", "tcp"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_relay_and_forward_between_two_processes(seed, fabric, case):
     """Sender data on GPU 1, receiver memory on GPU 1; the one NIC of each side sits next to GPU 1 (direct) or
     GPU 0 (PXN: the sender relays through GPU 0, the receiver lands on GPU 0 and forwards over NVLink).
-    Chunks of small pieces and large pieces, byte-exact with the peer's guards, on the ipc message path
-    (``loadstore=False``) and tcp."""
+    Small and large pieces, byte-exact with the peer's guards, on the ipc message path (``loadstore=False``;
+    by the fabric's default without chunks, and with chunks of small pieces as on tcp) and tcp."""
     import torch
     from transport import TransferEngine
     from transport.topology import synthetic
     send_nic, recv_nic = CASES[case]
     rng = np.random.default_rng(seed)
     size = 64 * MB
-    extra = {"loadstore": False} if fabric == "ipc" else {}
+    extra = {"loadstore": False} if fabric.startswith("ipc") else {}
+    if fabric == "ipc-chunks":
+        fabric, extra["coalesce_bytes"] = "ipc", 64 << 10
     peer = EnginePeer(size, device=1, fabric=fabric, topology=synthetic(2, {recv_nic: ["mlx5_0"]}),
                       forward_large=True, **extra)
     try:

@@ -81,14 +81,17 @@ class EngineConfig:
     max_conns_per_addr: int = 64
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **given) -> "EngineConfig":
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, defaults: Optional[Mapping] = None,
+                 **given) -> "EngineConfig":
         """Each field from ``given`` (a constructor argument; None means not given), else its ``PXN_*`` variable
-        in ``environ`` (default ``os.environ``), else the default; then the whole is checked."""
-        unknown = sorted(set(given) - set(_ENV))
+        in ``environ`` (default ``os.environ``), else ``defaults`` (a fabric's own defaults,
+        ``Fabric.config_defaults``), else the class default; then the whole is checked."""
+        unknown = sorted((set(given) | set(defaults or ())) - set(_ENV))
         if unknown:
             raise TypeError(f"EngineConfig: unknown setting(s) {unknown}")
         given = {name: value for name, value in given.items() if value is not None}
-        values = cls.environment(environ, skip=given)  # a variable under a given argument is not read at all
+        values = dict(defaults or {})
+        values.update(cls.environment(environ, skip=given))  # a variable under a given argument is not read
         values.update(given)
         cfg = cls(**values)
         cfg.check()

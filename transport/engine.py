@@ -172,7 +172,8 @@ class TransferEngine(Pipeline):
             ports become the rails and ``transport.routing.plan_routes`` says which rail is local to which GPU.
             None: a trivial topology, ``rails`` fabric instances, local to every device.
         rails: rail count for the trivial topology (``PXN_RAILS``, default 2).
-        coalesce_bytes: pieces below this are coalesced into chunks (``PXN_COALESCE_BYTES``, default 64 KiB).
+        coalesce_bytes: pieces below this are coalesced into chunks (``PXN_COALESCE_BYTES``, default 64 KiB;
+            0 on the ipc fabric, whose batched writes need no chunks: ``Fabric.config_defaults``).
         relay_slot_bytes: relay / landing slot size = largest chunk and relayed piece (``PXN_RELAY_SLOT_BYTES``,
             default 4 MiB: on tcp, 64 KB pieces coalesce at 1.9 GB/s with 4 MiB chunks, 1.2 with 1 MiB).
         relay_slots: slots per lane (``PXN_RELAY_SLOTS``, default 8). lanes: lanes per ring (``PXN_LANES``, 2).
@@ -221,12 +222,20 @@ class TransferEngine(Pipeline):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
         # arguments first, then PXN_* variables, then defaults: read once, checked as a whole (transport.config)
-        cfg = self.config = EngineConfig.from_env(
+        given = dict(
             fabric=fabric, rails=rails, coalesce_bytes=coalesce_bytes, relay_slot_bytes=relay_slot_bytes,
             relay_slots=relay_slots, lanes=lanes, landing_slots=landing_slots, stripe_bytes=stripe_bytes,
             relay=relay, timeout=timeout, trace_path=trace_path, switch_interval=switch_interval,
             loadstore=loadstore, forward_large=forward_large, max_senders=max_senders,
             handshake_timeout=handshake_timeout, max_conns_per_addr=max_conns_per_addr)
+        cfg = EngineConfig.from_env(**given)
+        from transport.fabric import fabric_class, make_fabric
+        self.fabric_name = self._pick_fabric(cfg.fabric)
+        fabric_cls = fabric_class(self.fabric_name)
+        if fabric_cls.config_defaults:
+            # the fabric's own defaults (ipc: no coalescing); arguments and PXN_* variables still win
+            cfg = EngineConfig.from_env(defaults=fabric_cls.config_defaults, **given)
+        self.config = cfg
         from transport.auth import resolve_secret
         self._secret = resolve_secret(secret)
         self.max_senders = cfg.max_senders
@@ -236,7 +245,6 @@ class TransferEngine(Pipeline):
             # process-wide: how long a thread that released the GIL (socket / CUDA wait) may wait to get it
             # back while another thread runs Python; the default 5 ms stalls every hand-off of the pipeline
             sys.setswitchinterval(float(cfg.switch_interval))
-        fabric = cfg.fabric
         self.coalesce_bytes = cfg.coalesce_bytes
         self.slot_bytes = cfg.relay_slot_bytes
         self.relay_slots = cfg.relay_slots
@@ -272,7 +280,6 @@ class TransferEngine(Pipeline):
         self._rail_gpu: List[Optional[int]] = []  # per rail: the GPU its NIC is local to (topology), else None
 
         # --- rails -------------------------------------------------------------------------------------------
-        from transport.fabric import fabric_class, make_fabric
         options = dict(fabric_options or {})
         self.routes = None
         rail_specs: List[dict] = []
@@ -291,8 +298,6 @@ class TransferEngine(Pipeline):
             self._rail_keys = [f"rail{i}" for i in range(n)]
             self._rail_gpu = [None] * n
             rail_specs = [{} for _ in range(n)]
-        self.fabric_name = self._pick_fabric(fabric)
-        fabric_cls = fabric_class(self.fabric_name)
         options = {**fabric_cls.engine_options, **options}
         self._selective = "selective_signaling" in fabric_cls.capabilities
         self._batches = "write_batches" in fabric_cls.capabilities

@@ -21,7 +21,6 @@ GPU that is not visible in this process, a peer whose rails are down.
 """
 from __future__ import annotations
 
-import collections
 import ctypes
 import logging
 import mmap
@@ -32,43 +31,16 @@ from typing import Optional
 
 import numpy as np
 
+from transport.arrays import distinct
 from transport.errors import PeerLost, TransferError
 from transport.fabric.ipc import process_vm_read, process_vm_write
 
 log = logging.getLogger(__name__)
 
-_PLAN_CACHE = 64  # plans kept per writer (sglang repeats the same piece lengths call after call)
-_LAUNCHES_PER_PLAN = 8  # prepared launches kept per plan (one per staging buffer)
 _MAX_RUNS = 16  # a multi-region batch cut into more runs than this is classified piece by piece
 
 
 _I64 = struct.Struct("<q")
-
-
-_driver_lib = None
-
-
-def _driver():
-    """libcuda through ctypes for the two calls of the hot path (H2D copy, stream synchronise): a ctypes call is
-    ~1 us of host time, a cuda-bindings or torch stream call several (the H200 VM's per-call costs are in
-    benchmarks/NOTES.md, section Engine)."""
-    global _driver_lib
-    if _driver_lib is None:
-        from pxn_kernels._direct_launch import _driver as launch_driver
-        lib = launch_driver()
-        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cuMemcpyHtoDAsync_v2.restype = ctypes.c_int
-        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-        lib.cuStreamSynchronize.restype = ctypes.c_int
-        _driver_lib = lib
-    return _driver_lib
-
-
-def _check(err: int, what: str) -> None:
-    if err:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(err, ctypes.byref(name))
-        raise TransferError(f"{what} failed: {name.value.decode() if name.value else err}")
 
 
 class GenerationCounter:
@@ -162,70 +134,6 @@ class Pending:
             staging.busy = None
 
 
-class _Staging:
-    """Pinned host + device int64 buffers for one thread's descriptors (src | dst | lengths)."""
-
-    __slots__ = ("host", "host_np", "device_buf", "busy")
-
-    def __init__(self, words: int, device):
-        import torch
-        cap = 1 << max(10, (words - 1).bit_length())
-        self.host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
-        self.host_np = self.host.numpy()
-        self.device_buf = torch.empty(cap, dtype=torch.int64, device=device)
-        self.busy = None  # the event of an async batch still reading these buffers
-
-
-class _BoundCopy:
-    """The H2D copy of one staging buffer's first ``3 n`` words and the copy kernel of ``plan`` over them.
-
-    Why a graph: on the H200 VM each driver call costs ~10-20 us of host time, and the copy and the launch were
-    ~43 us of every load/store batch (benchmarks/NOTES.md, section Engine); one graph replay does both. The
-    capture is thread-local (other threads' CUDA calls are not disturbed) and happens once per plan and
-    staging buffer; if it fails, both calls are made one by one.
-    """
-
-    def __init__(self, device_index: int, staging: _Staging, n: int, plan):
-        import torch
-        from pxn_kernels._batched_copy import PreparedCopy
-        d = staging.device_buf
-        self._copy_args = (d.data_ptr(), staging.host.data_ptr(), 3 * n * 8)
-        self._kernel = PreparedCopy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, 0, plan)
-        self._keep = staging
-        self._graph = None
-        device = torch.device("cuda", device_index)
-        try:
-            with torch.cuda.device(device):
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    # One real run outside the capture (module load, lazy init) on the descriptors the caller
-                    # has already staged: the device buffer holds stale or no descriptors before this copy, and
-                    # a kernel run on those faults. The caller's own launch repeats it (same bytes, same place).
-                    self._copy(side.cuda_stream)
-                    self._kernel()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-                        self._copy(side.cuda_stream)
-                        self._kernel()
-                torch.cuda.current_stream(device).wait_stream(side)
-                side.synchronize()
-            self._graph = graph
-        except Exception as e:  # noqa: BLE001 — the two plain calls still work
-            log.info("load/store: graph capture failed (%s); copying and launching one by one", e)
-
-    def _copy(self, raw_stream) -> None:
-        _check(_driver().cuMemcpyHtoDAsync_v2(*self._copy_args, raw_stream), "descriptor copy")
-
-    def __call__(self, raw_stream) -> None:
-        """Enqueue the descriptor copy and the kernel on the current stream (``raw_stream`` is its handle)."""
-        if self._graph is not None:
-            self._graph.replay()
-        else:
-            self._copy(raw_stream)
-            self._kernel()
-
-
 class LoadStoreWriter:
     """Writes batches into one same-host peer (an ``IpcFabric`` endpoint's process) by direct loads/stores.
 
@@ -243,9 +151,7 @@ class LoadStoreWriter:
         self._counter = _CounterReader(self.pid, int(gen_fd), int(gen_addr))
         self.gen_seen = int(gen_seen)
         self._maps = {}  # source device -> (region snapshot, int64 array: mapped start per region or -1)
-        self._plans = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self._local = threading.local()
+        self._copies = fabric.bound_copies  # plans and bound launches, shared with the fabric's message path
 
     # --- region freshness ------------------------------------------------------------------------------------
     def stale(self) -> bool:
@@ -296,7 +202,7 @@ class LoadStoreWriter:
         whole = length_stats
         if len(gpu_groups) != 1 or gpu_groups[0][3] is not lengths:
             length_stats = None  # they describe the whole batch, not a subset
-        launched = [self._launch(d, s, m, n, length_stats) for d, s, m, n in gpu_groups]
+        launched = [self._copies.launch(d, s, m, n, length_stats) for d, s, m, n in gpu_groups]
         try:
             if host is not None:
                 h_src, h_dst, h_len = host
@@ -308,32 +214,8 @@ class LoadStoreWriter:
                         raise PeerLost(f"same-host peer pid {self.pid} is gone: {e}") from e
                     raise TransferError(f"cross-memory write to pid {self.pid} failed: {e}", [e]) from e
         finally:
-            work = self._finish_launches(launched, wait)
+            work = self._copies.finish(launched, wait)
         return Pending(work)
-
-    @staticmethod
-    def _finish_launches(launched, wait: bool) -> list:
-        """Synchronise the launches' streams (``wait``), or record an event on each: (event, staging) pairs."""
-        import torch
-        work = []
-        for device_index, raw_stream, st in launched:
-            if wait:
-                # the default stream's handle (0) means the calling thread's current context: make the launch's
-                # GPU current, or the wait is on another GPU's stream and returns before these bytes land
-                if torch.cuda.current_device() == device_index:
-                    _check(_driver().cuStreamSynchronize(raw_stream), f"load/store copy on cuda:{device_index}")
-                else:
-                    with torch.cuda.device(device_index):
-                        _check(_driver().cuStreamSynchronize(raw_stream), f"load/store copy on cuda:{device_index}")
-                continue
-            try:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device_index))
-            except RuntimeError as e:
-                raise TransferError(f"load/store copy on cuda:{device_index}: {e}", [e]) from e
-            st.busy = event
-            work.append((event, st))
-        return work
 
     def _classify(self, src, dst, lengths, src_dev, dst_index, rsnap):
         """Split a batch spread over several regions into its host part and its GPU groups.
@@ -394,7 +276,7 @@ class LoadStoreWriter:
         if gpu.any():
             g_src, g_dst, g_len, g_dev, g_idx = src[gpu], dst[gpu], lengths[gpu], src_dev[gpu], dst_index[gpu]
             starts_i64 = rsnap.starts_i64 if rsnap.starts_i64 is not None else rsnap.starts.astype(np.int64)
-            for d in np.unique(g_dev).tolist():
+            for d in distinct(g_dev):
                 m = g_dev == d
                 idx = g_idx[m]
                 base = self._mapped_starts(rsnap, d)[idx]
@@ -422,74 +304,3 @@ class LoadStoreWriter:
                          r.addr, device, e)
         self._maps[device] = (rsnap, out)
         return out
-
-    def _plan(self, lengths: np.ndarray, device, length_stats=None) -> dict:
-        """The kernel's work split for these lengths on the device, and the launches prepared with it (one per
-        staging buffer): cached by the lengths themselves, since sglang repeats the same lengths call after call.
-        """
-        from pxn_kernels._batched_copy import plan_for_lengths
-        n = int(lengths.size)
-        total, lmin, lmax = length_stats or (int(lengths.sum()), int(lengths.min()), int(lengths.max()))
-        key = (device.index, n, total, lmin) if lmin == lmax else (device.index, n, total, lengths.tobytes())
-        with self._lock:
-            entry = self._plans.get(key)
-            if entry is not None:
-                self._plans.move_to_end(key)
-                return entry
-        # the grid kernel for sglang's equal per-layer blocks, the range plan for anything else
-        entry = {"plan": plan_for_lengths(lengths, device), "launches": {}}
-        with self._lock:
-            self._plans[key] = entry
-            while len(self._plans) > _PLAN_CACHE:
-                self._plans.popitem(last=False)
-        return entry
-
-    def _staging(self, device, words: int) -> _Staging:
-        per_dev = getattr(self._local, "staging", None)
-        if per_dev is None:
-            per_dev = self._local.staging = {}
-        st = per_dev.get(device.index)
-        if st is not None and st.busy is not None and not st.busy.query():
-            st = None  # an async batch still reads it: this one gets its own
-        elif st is not None and st.host.numel() < words:
-            st = None
-        if st is None:
-            st = per_dev[device.index] = _Staging(words, device)
-        return st
-
-    def _launch(self, device_index: int, src, mapped, lengths, length_stats=None):
-        """The descriptors' H2D copy and the copy kernel on ``device_index``'s current stream, not waited for.
-        Returns (device index, raw stream, staging): the staging buffer must not be reused before that stream
-        passed the launch."""
-        import torch
-        device = torch.device("cuda", device_index)
-        n = int(lengths.size)
-        entry = self._plan(lengths, device, length_stats)
-        st = self._staging(device, 3 * n)
-        d = st.device_buf
-        w = st.host_np
-        w[0:n], w[n:2 * n], w[2 * n:3 * n] = src, mapped, lengths  # before binding: its first run reads them
-        # Bound once per (plan, staging buffer), keyed by the device buffer's address (what is bound keeps that
-        # buffer alive, so the address is never reused): a CUDA graph of [H2D copy of the descriptors, kernel],
-        # replayed with one driver call, or, if capture fails, the prepared launch.
-        launches = entry["launches"]
-        launch = launches.get(d.data_ptr())
-        if launch is None:
-            with self._lock:
-                if len(launches) >= _LAUNCHES_PER_PLAN:
-                    # async batches that overlap each get a fresh staging buffer: keep only the newest
-                    # launches, so that the buffers of old ones can be freed
-                    launches.pop(next(iter(launches)))
-                launch = launches.get(d.data_ptr()) or launches.setdefault(
-                    d.data_ptr(), _BoundCopy(device_index, st, n, entry["plan"]))
-        # On the caller's current stream: ordered after whatever the caller queued that wrote the sources.
-        raw_stream = torch._C._cuda_getCurrentRawStream(device_index)
-        try:
-            if torch.cuda.current_device() == device_index:
-                launch(raw_stream)
-            else:  # the driver works in the calling thread's current context
-                with torch.cuda.device(device):
-                    launch(raw_stream)
-        except RuntimeError as e:  # a failed launch or graph replay
-            raise TransferError(f"load/store copy of {n} piece(s) on cuda:{device_index} failed: {e}", [e]) from e
-        return device_index, raw_stream, st

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from transport.arrays import distinct
 from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected,
                               TransferError, TransferTimeout)
 from transport.fabric.base import DEVICE_HOST, Opcode, WriteBatch, WriteRequest
@@ -100,7 +101,7 @@ class BatchHandle:
 
 class _Batch:
     __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
-                 "peer", "n_items", "pending")
+                 "peer", "n_items", "pending", "spans")
 
     def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int):
         self.id = bid
@@ -114,6 +115,8 @@ class _Batch:
         self.t0 = now_ns()
         self.lock = threading.Lock()
         self.pending = None  # load/store path: the device work still running (transport.loadstore.Pending)
+        self.spans = None  # (local snapshot, region index, peer snapshot, region index) when one region on each
+        # side holds every piece (the validation's finding, reused for the write keys)
 
     @property
     def failed(self) -> bool:
@@ -280,11 +283,13 @@ class Pipeline:
                 batch.pending = pending
                 return batch
         batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
+        if getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0:
+            batch.spans = (lsnap, int(idx), rsnap, int(ridx))
         if getattr(devices, "ndim", 0) == 0:
             device_list = [int(devices)]
             devices = np.full(ln.size, device_list[0], dtype=np.int64)
         else:
-            device_list = np.unique(devices).tolist()
+            device_list = distinct(devices)
         rails_of = {}
         for dev in device_list:
             rails_of[dev] = self._rail_choices(dev, peer)
@@ -371,11 +376,22 @@ class Pipeline:
         else one ``WriteRequest`` per piece, of which, with selective signaling, only each attempt's last
         completes on success."""
         parts = [a.unit.arrays() for a in atts]
+        lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
+        spans = atts[0].batch.spans
+        if (self._batches and spans is not None and spans[0] is lsnap and spans[2] is rsnap
+                and all(a.batch is atts[0].batch for a in atts)):
+            # one region on each side holds the whole batch, and neither table changed since the validation
+            # found them: one key each, no lookup per piece
+            lkey, rkey = lsnap.regions[spans[1]].keys[rail].lkey, rsnap.regions[spans[3]].keys[rail]
+            for a, p in zip(atts, parts):
+                m = p[2].size
+                a.reqs = [WriteBatch(p[0], p[2], p[1], np.full(m, rkey, dtype=np.int64),
+                                     np.full(m, lkey, dtype=np.int64))]
+            return
         if len(parts) == 1:
             src, dst, n = parts[0]
         else:
             src, dst, n = (np.concatenate([p[i] for p in parts]) for i in range(3))
-        lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
         # every unit lies inside a piece the batch's validation accepted, so no end wraps
         li, ri = locate_inside(lsnap, src, src + n), locate_inside(rsnap, dst, dst + n)
         if li is None or ri is None:  # a region went away since validation: name it

@@ -19,8 +19,12 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from pxn_kernels.chunk import ENTRY_BYTES, HEADER_BYTES, PAYLOAD_ALIGN
+from transport.arrays import distinct
 
 DIRECT, RELAYED, COALESCED = "direct", "relayed", "coalesced"
+
+MIN_RUN_BYTES = 1 << 20
+"""Fewest bytes of direct pieces a batch gives each rail it spreads them over (bytes)."""
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,8 @@ class Planner:
         """
         units: List[Unit] = []
         self._rotate += 1
-        small = lengths < self.coalesce_bytes
-        device_list = np.unique(devices).tolist() if device_list is None else device_list
+        small = lengths < self.coalesce_bytes if self.coalesce_bytes else None  # None: no piece is coalesced
+        device_list = distinct(devices) if device_list is None else device_list
         for dev in device_list:
             choices = list(rails_of[dev])
             if not choices:
@@ -155,8 +159,8 @@ class Planner:
             r = self._rotate % len(choices)
             choices = choices[r:] + choices[:r]
             on_dev = devices == dev if len(device_list) > 1 else True  # one device: every piece is on it
-            idx_small = np.nonzero(on_dev & small)[0]
-            if idx_small.size:
+            idx_small = np.nonzero(on_dev & small)[0] if small is not None else ()
+            if len(idx_small):
                 lens_small = lengths[idx_small]
                 start = 0
                 for end in chunk_splits(lens_small, self.chunk_bytes):
@@ -169,14 +173,21 @@ class Planner:
                     start = end
             open_relay: Dict[int, Unit] = {}
             open_fwd: Dict[int, Unit] = {}
-            idx_large = np.nonzero(on_dev & ~small)[0]
+            if small is not None:
+                idx_large = np.nonzero(on_dev & ~small)[0]
+            else:
+                idx_large = np.arange(lengths.size) if on_dev is True else np.nonzero(on_dev)[0]
             if idx_large.size > 1 and forward is None and (
                     self.relay == "never" or (self.relay == "auto" and all(c.local for c in choices))):
                 # every large piece goes direct: runs of whole pieces per rail, balanced by bytes, in a few numpy
                 # calls (a Python step per piece cost ~4 us: 4 ms for 1024 pieces); pieces to stripe go below
-                whole = lengths[idx_large] <= self.stripe_bytes
-                self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large[whole], choices, load)
-                idx_large = idx_large[~whole]
+                whole = (lengths if idx_large.size == lengths.size else lengths[idx_large]) <= self.stripe_bytes
+                if whole.all():
+                    self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large, choices, load)
+                    idx_large = idx_large[:0]
+                else:
+                    self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large[whole], choices, load)
+                    idx_large = idx_large[~whole]
             if idx_large.size > 1 and forward is None and (
                     self.relay == "always" or (self.relay == "auto" and not any(c.local for c in choices))):
                 # every rail relays: slot-sized runs of whole pieces in a few numpy calls
@@ -201,9 +212,22 @@ class Planner:
         about the same bytes in flight (its current ``load`` counted)."""
         if not idx.size:
             return
-        lens = lengths[idx]
+        every = idx.size == lengths.size  # idx holds sorted distinct indices: every piece, in order
+        lens = lengths if every else lengths[idx]
+        total = int(lens.sum())
+        if len(choices) == 1 or total < 2 * MIN_RUN_BYTES:
+            # one rail: one run (a run costs a post and a completion, tens of us of host time, so a rail takes one
+            # only for at least MIN_RUN_BYTES, which takes a 400G NIC longer than that to move)
+            c = min(choices, key=lambda c: load.get(c.rail, 0))
+            nbytes = total
+            run = (srcs, dsts, lengths) if every else (srcs[idx], dsts[idx], lens)
+            units.append(Unit(DIRECT, dev, c.rail, c.relay_device, nbytes, src=int(run[0][0]), dst=int(run[1][0]),
+                              wire_bytes=nbytes, runs=run))
+            load[c.rail] = load.get(c.rail, 0) + nbytes
+            return
         cum = np.cumsum(lens)
         choices = sorted(choices, key=lambda c: load.get(c.rail, 0))  # the least loaded rail takes the first run
+        choices = choices[:min(len(choices), int(cum[-1]) // MIN_RUN_BYTES)]
         loads = [load.get(c.rail, 0) for c in choices]
         share = (int(cum[-1]) + sum(loads)) / len(choices)
         targets = np.cumsum([max(0.0, share - v) for v in loads])[:-1]

@@ -173,6 +173,9 @@ class Fabric(abc.ABC):
     name: str = "abstract"
     engine_options: dict = {}
     """Options the engine gives this fabric unless its caller gives others (``fabric_options``)."""
+    config_defaults: dict = {}
+    """Engine settings (``transport.config.EngineConfig`` fields) whose default this fabric changes; a
+    constructor argument or ``PXN_*`` variable still wins."""
     capabilities: frozenset = frozenset()
     """What the engine may rely on beyond the interface above, so that it never branches on a fabric's name:
     ``"selective_signaling"`` (``WriteRequest.signaled=False`` writes complete silently on success; an endpoint's

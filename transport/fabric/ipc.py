@@ -10,8 +10,9 @@ permission over the target: same user, and with Yama ``ptrace_scope=1`` the targ
 
 GPU memory: the target exports its regions with CUDA IPC handles (``cudaIpcGetMemHandle`` of the allocation base
 from ``cuMemGetAddressRange``); the writer opens each handle once (``cudaIpcOpenMemHandle``, lazy peer access) and
-copies device to device (over NVLink between GPUs): per source GPU one ``pxn_kernels.copy`` launch per message, or
-one ``cudaMemcpyAsync`` per piece for a few pieces; then it synchronises its stream before reporting.
+copies device to device (over NVLink between GPUs) on the posting thread's current stream: per source GPU one
+``pxn_kernels.copy`` launch per message, bound once per piece lengths and replayed (``transport.fabric.gpu_copy``),
+or one ``cudaMemcpyAsync`` per piece for a few pieces; then it synchronises that stream before reporting.
 
 The doorbell is the tcp fabric's socket protocol without payload (several sockets per peer, so large writes run
 as parallel copies): REQ (piece table) -> the target validates every piece against its own regions, pins them
@@ -45,12 +46,15 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from transport.arrays import distinct
 from transport.errors import FabricError, FabricUnavailable
-from transport.fabric.base import DEVICE_HOST, MemoryRegion
+from transport.fabric.base import DEVICE_HOST, MemoryRegion, WriteBatch
 from transport.fabric.tcp import (
-    HDR, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
-    _VECTOR_MIN, _OutMsg, _Sock, cuda_stream, cuda_tensor, gpu_batch_copy, raw_view, recv_exact,
+    HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
+    _MEMCPY_MAX, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, memcpy_async, raw_view,
+    recv_exact,
 )
+from transport.fabric.gpu_copy import BoundCopies
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +225,10 @@ class IpcFabric(TcpFabric):
     # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages took the
     # 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES.md, section Engine)
     engine_options = {"message_bytes": 256 << 20}
+    # No coalescing: a post of many pieces is already one batched-copy launch from the sources straight into the
+    # target's memory, completed at the writer. A chunk would add a gather, a landing slot, the target's scatter
+    # and its ack to the same bytes (benchmarks/NOTES.md, section "Small batches without chunks").
+    config_defaults = {"coalesce_bytes": 0}
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: int = None,
                  message_bytes: int = 16 << 20, grant_timeout: float = 30.0, **kw):
@@ -229,6 +237,7 @@ class IpcFabric(TcpFabric):
         super().__init__(hostname, port, connections_per_peer=connections_per_peer, message_bytes=message_bytes,
                          **kw)
         self.grant_timeout = float(grant_timeout)
+        self.bound_copies = BoundCopies()  # GPU copies of the message path and of load/store writers
         self._pid = os.getpid()
         # Let same-user peers write into us under Yama ptrace_scope=1 (no-op/EINVAL without Yama).
         _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
@@ -397,6 +406,74 @@ class IpcFabric(TcpFabric):
                 self._release(s, seq)
 
     # --- writer side ----------------------------------------------------------------------------------------
+    def post_writes(self, ep: TcpEndpoint, requests) -> None:
+        """As tcp's, but a post of ``WriteBatch`` items alone goes batch by batch through ``_post_batch_direct``
+        (checked, copied and completed by this thread from the batch's own arrays) while the batches qualify; the
+        rest become messages as on tcp. All checks come first: nothing is copied when one batch is bad."""
+        requests = list(requests)
+        if not requests or not all(isinstance(r, WriteBatch) for r in requests):
+            super().post_writes(ep, requests)
+            return
+        self._validate(ep, [])
+        devices = [self._validate_batch(b) for b in requests]
+        for i, (b, dev) in enumerate(zip(requests, devices)):
+            if not self._post_batch_direct(ep, b, dev):
+                self._send(ep, [m for b_, d_ in zip(requests[i:], devices[i:])
+                                for m in self._build_batch(b_, d_, len(ep.socks))])
+                return
+
+    def _post_batch_direct(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray) -> bool:
+        """Copy and complete a checked batch here when every piece goes from one local GPU into one peer GPU
+        region whose description is current and contains it; False (nothing done) otherwise, for the message
+        path (which names the piece at fault, and handles host memory and the GRANT round trip).
+
+        Why: a batch's piece table, and its checks one message field at a time, cost more host time than the
+        copy of most batches (benchmarks/NOTES.md, section "Small batches without chunks"); here the checks are
+        the extremes of the batch's arrays against the region, as ``_copy`` makes them piece by piece."""
+        keys = distinct(b.rkey)
+        if len(keys) != 1:
+            return False
+        info, _ = self._current_info(ep, None, keys)
+        if info is None:
+            return False
+        reg = info[keys[0]]
+        src_devs = distinct(devices)
+        if reg["device"] == DEVICE_HOST or len(src_devs) != 1 or src_devs[0] == DEVICE_HOST:
+            return False
+        ra, ln = b.remote_addr, b.length
+        if int(ra.min()) < reg["addr"] or int((ra + ln).max()) > reg["addr"] + reg["length"]:
+            return False
+        dev, n = src_devs[0], b.count
+        m = _OutMsg(0)
+        m.batch, m.final, m.pieces = _BatchRecord(b), True, n
+        ep.enqueue([m], queue=False, local=[True])  # completes in posting order with the endpoint's other work
+        statuses = bytes(n)
+        try:
+            dst = ra + (self._mapped(reg, dev) - reg["base"])
+            if n > _MEMCPY_MAX or self.bound_copies.repeated(dev, ln):
+                launched = [self.bound_copies.launch(dev, b.local_addr, dst, ln)]
+            else:
+                launched = [self._memcpy_each(dev, b.local_addr, dst, ln)]
+            self.bound_copies.finish(launched, wait=True)
+        except Exception as e:  # noqa: BLE001 — a CUDA failure fails this batch, not the link
+            log.error("ipc GPU copy of %d piece(s) to %s failed: %s", n, ep.peer_id, e)
+            m.table = np.zeros(n, dtype=PIECE_DT)  # the completion names the first piece
+            m.table["addr"], m.table["len"], m.table["waddr"], m.table["wlen"], m.table["rkey"] = ra, ln, ra, ln, \
+                b.rkey
+            statuses = bytes([ST_FAILED]) * n
+        ep.on_ack(m.seq, statuses)
+        return True
+
+    @staticmethod
+    def _memcpy_each(dev: int, src, dst, lengths):
+        """A ``cudaMemcpyAsync`` per piece on ``dev``'s current stream; returns what ``BoundCopies.finish`` takes."""
+        import torch
+        with torch.cuda.device(dev):
+            stream = torch.cuda.current_stream(dev)
+            for s_, d_, n_ in zip(src.tolist(), dst.tolist(), lengths.tolist()):
+                memcpy_async(d_, s_, n_, stream)
+        return dev, stream.cuda_stream, None
+
     def _send(self, ep: TcpEndpoint, msgs: List[_OutMsg]) -> None:
         """When the peer's descriptions of every region involved are current, the copies and their NOTIFYs run in
         the posting thread (no hand-off to a socket's sender thread, no GRANT round trip); else the messages
@@ -433,9 +510,9 @@ class IpcFabric(TcpFabric):
                                                                     int(d["gen_addr"]))
         return reader
 
-    def _current_info(self, ep: TcpEndpoint, table):
-        """(descriptions by rkey, counter value) when every rkey of ``table`` was described by a GRANT and the
-        peer deregistered nothing since; else (None, the counter value or None)."""
+    def _current_info(self, ep: TcpEndpoint, table, keys=None):
+        """(descriptions by rkey, counter value) when every rkey of ``table`` (or every one of ``keys``) was
+        described by a GRANT and the peer deregistered nothing since; else (None, the counter value or None)."""
         reader = self._gen_reader(ep)
         if reader is None:
             return None, None
@@ -444,7 +521,7 @@ class IpcFabric(TcpFabric):
         if not known:
             return None, gen
         info = {}
-        for k in np.unique(table["rkey"]).tolist():
+        for k in (distinct(table["rkey"]) if keys is None else keys):
             got = known.get(k)
             if got is None or got[1] != gen:
                 return None, gen
@@ -519,7 +596,7 @@ class IpcFabric(TcpFabric):
         st = np.frombuffer(statuses, dtype=np.uint8)  # a writable view: updates land in ``statuses``
         addr, ln = t["addr"].astype(np.int64), t["len"].astype(np.int64)
         waddr, wlen, rkey = t["waddr"].astype(np.int64), t["wlen"].astype(np.int64), t["rkey"].astype(np.int64)
-        keys = np.unique(rkey).tolist()
+        keys = distinct(rkey)
         regs = [info.get(k) for k in keys]
         known = np.array([r is not None for r in regs], dtype=bool)
         lo = np.array([r["addr"] if r else 0 for r in regs], dtype=np.int64)
@@ -610,36 +687,42 @@ class IpcFabric(TcpFabric):
 
     def _copy_gpu(self, s: _Sock, idx: np.ndarray, s_addr, s_dev, addr, ln, k, regs) -> None:
         """Copy pieces ``idx`` into the target's GPU memory through its IPC-mapped allocations (``k``: each piece's
-        index into ``regs``, the target's descriptions): per source GPU one batched-copy launch for every piece,
-        large ones included (it runs at a contiguous copy's speed, over NVLink between GPUs, where a copy-engine
-        call per piece costs host time per piece), or a ``cudaMemcpyAsync`` per piece for a few
-        (``gpu_batch_copy``); then one synchronise."""
+        index into ``regs``, the target's descriptions): per source GPU, on the posting thread's current stream
+        (from the caller's thread: after whatever the caller queued there), one batched-copy launch for every
+        piece, large ones included (it runs at a contiguous copy's speed, over NVLink between GPUs), bound once
+        per lengths and replayed (``BoundCopies``), or a ``cudaMemcpyAsync`` per piece for a few pieces whose
+        lengths were not seen before (a chunk, a relay slot); then one synchronise per source GPU."""
         import torch
         dst_dev_of = [self._local_index(r["uuid"]) if r is not None and r["device"] != DEVICE_HOST else -1
                       for r in regs]
-        for dev in np.unique(s_dev[idx]).tolist():
-            sel = idx[s_dev[idx] == dev]
-            if dev == DEVICE_HOST:  # host source -> remote GPU: rare (host staging of a GPU-less sender)
-                for i in sel.tolist():
-                    r = regs[k[i]]
-                    dst = self._mapped(r, dst_dev_of[k[i]]) + (int(addr[i]) - r["base"])
-                    stream = cuda_stream(s.tx_cache, dst_dev_of[k[i]])
-                    with torch.cuda.device(dst_dev_of[k[i]]), torch.cuda.stream(stream):
-                        host = torch.frombuffer(raw_view(int(s_addr[i]), int(ln[i]), writable=True),
-                                                dtype=torch.uint8)
-                        cuda_tensor(dst, int(ln[i]), dst_dev_of[k[i]]).copy_(host)
-                    stream.synchronize()
-                continue
-            # the target's allocations mapped in the source GPU's context: it pushes (over NVLink between GPUs)
-            ks = k[sel]
-            shift = np.zeros(len(regs), dtype=np.int64)
-            for j in np.unique(ks).tolist():
-                shift[j] = self._mapped(regs[j], dev) - regs[j]["base"]
-            dst = addr[sel] + shift[ks]
-            stream = cuda_stream(s.tx_cache, dev)
-            with torch.cuda.device(dev), torch.cuda.stream(stream):
-                gpu_batch_copy(s_addr[sel], dst, ln[sel], dev)
-            stream.synchronize()
+        launched = []
+        try:
+            for dev in distinct(s_dev[idx]):
+                sel = idx[s_dev[idx] == dev]
+                if dev == DEVICE_HOST:  # host source -> remote GPU: rare (host staging of a GPU-less sender)
+                    for i in sel.tolist():
+                        r = regs[k[i]]
+                        dst = self._mapped(r, dst_dev_of[k[i]]) + (int(addr[i]) - r["base"])
+                        stream = cuda_stream(s.tx_cache, dst_dev_of[k[i]])
+                        with torch.cuda.device(dst_dev_of[k[i]]), torch.cuda.stream(stream):
+                            host = torch.frombuffer(raw_view(int(s_addr[i]), int(ln[i]), writable=True),
+                                                    dtype=torch.uint8)
+                            cuda_tensor(dst, int(ln[i]), dst_dev_of[k[i]]).copy_(host)
+                        stream.synchronize()
+                    continue
+                # the target's allocations mapped in the source GPU's context: it pushes (over NVLink between GPUs)
+                ks = k[sel]
+                shift = np.zeros(len(regs), dtype=np.int64)
+                for j in distinct(ks):
+                    shift[j] = self._mapped(regs[j], dev) - regs[j]["base"]
+                dst = addr[sel] + shift[ks]
+                lens = ln[sel]
+                if sel.size > _MEMCPY_MAX or self.bound_copies.repeated(dev, lens):
+                    launched.append(self.bound_copies.launch(dev, s_addr[sel], dst, lens))
+                else:  # a few pieces of lengths not seen before: a copy-engine call each costs less than a launch
+                    launched.append(self._memcpy_each(dev, s_addr[sel], dst, lens))
+        finally:
+            self.bound_copies.finish(launched, wait=True)
 
     def _on_close(self) -> None:
         self._gen.close()

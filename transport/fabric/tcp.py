@@ -49,6 +49,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from transport import auth
+from transport.arrays import distinct
 from transport.errors import FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
     DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteBatch,
@@ -266,7 +267,8 @@ class _WrRecord:
 class _OutMsg:
     """One WRITE message on the wire: its pieces and where each piece's bytes come from."""
 
-    __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at", "batch", "final", "src_arr")
+    __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at", "batch", "final", "src_arr",
+                 "pieces")
 
     def __init__(self, seq: int):
         self.seq = seq
@@ -280,6 +282,7 @@ class _OutMsg:
         self.batch: Optional[_BatchRecord] = None  # a message carrying (part of) a WriteBatch: recs/last unused
         self.final = False  # the batch's last message
         self.src_arr: Optional[np.ndarray] = None  # batch messages: ``src`` as int64 rows
+        self.pieces = 0  # pieces of a message without a table (a batch the posting thread completes itself)
 
     def source_array(self) -> np.ndarray:
         """``src`` as an int64 array of rows (local_addr, length, device)."""
@@ -306,7 +309,7 @@ class _OutMsg:
                 return []
             if cause is not None and b.error is None:
                 b.error = cause
-            elif st is not None and b.error is None and any(st):
+            elif st is not None and b.error is None and st.count(0) != len(st):  # any(st) steps per byte
                 arr = np.frombuffer(st, dtype=np.uint8)
                 i = int(np.flatnonzero(arr)[0])
                 t = self.table
@@ -331,7 +334,7 @@ class _OutMsg:
         return out
 
     def __len__(self) -> int:
-        return len(self.table)
+        return len(self.table) if self.table is not None else self.pieces
 
 
 class _BatchRecord:
@@ -777,6 +780,21 @@ class TcpFabric(Fabric):
             return None
         return [regions[0]] * len(requests) if len(regions) == 1 else [regions[j] for j in k.tolist()]
 
+    @staticmethod
+    def _first_bad_value(la, ln, ra, rk, imm) -> Optional[tuple]:
+        """``(write, "value", what is wrong)`` for the first write with a bad value, in the order of the checks;
+        None when every value is good."""
+        checks = [(ln <= 0, "length must be positive"), (la < 0, "local address is negative"),
+                  (ra < 0, "remote address is negative"), (la > _I64 - ln, "local range overflows"),
+                  (ra > _I64 - ln, "remote range overflows"),
+                  ((rk < 0) | (rk > 0xFFFFFFFF), "rkey is not a 32-bit unsigned int")]
+        if imm is not None:
+            checks.append(((imm < 0) | (imm > IMM_MAX), "imm is not a 32-bit unsigned int"))
+        for bad, what in checks:
+            if bad.any():
+                return int(np.flatnonzero(bad)[0]), "value", what
+        return None
+
     def _check_write_arrays(self, la, ln, ra, rk, lk, imm=None) -> tuple:
         """The local checks of a post on whole int64 arrays (local address, length, remote address, rkey, lkey,
         immediate): lengths, addresses and keys in range, each local range inside the region of its lkey. Returns
@@ -786,25 +804,33 @@ class TcpFabric(Fabric):
         def first(mask) -> int:
             return int(np.flatnonzero(mask)[0])
 
-        checks = [(ln <= 0, "length must be positive"), (la < 0, "local address is negative"),
-                  (ra < 0, "remote address is negative"), (la > _I64 - ln, "local range overflows"),
-                  (ra > _I64 - ln, "remote range overflows"),
-                  ((rk < 0) | (rk > 0xFFFFFFFF), "rkey is not a 32-bit unsigned int")]
-        if imm is not None:
-            checks.append(((imm < 0) | (imm > IMM_MAX), "imm is not a 32-bit unsigned int"))
-        for bad, what in checks:
-            if bad.any():
-                return None, None, (first(bad), "value", what)
-        keys = np.unique(lk)
+        lmax = int(ln.max())
+        if not (int(ln.min()) > 0 and int(la.min()) >= 0 and int(ra.min()) >= 0 and int(la.max()) + lmax <= _I64
+                and int(ra.max()) + lmax <= _I64 and int(rk.min()) >= 0 and int(rk.max()) <= 0xFFFFFFFF
+                and (imm is None or (int(imm.min()) >= 0 and int(imm.max()) <= IMM_MAX))):
+            # some value may be bad (these extremes, fewer numpy calls than the masks, pass every good post):
+            # the first write at fault, in the order of the checks
+            problem = self._first_bad_value(la, ln, ra, rk, imm)
+            if problem is not None:
+                return None, None, problem
+        keys = np.asarray(distinct(lk), dtype=np.int64)
         regions = []
         for key in keys.tolist():
             mr = self._regions.get(key)
             if mr is None:
                 return None, None, (first(lk == key), "lkey", key)
             regions.append(mr)
-        k = np.searchsorted(keys, lk) if len(regions) > 1 else np.zeros(ln.size, dtype=np.int64)
-        lo = np.array([m.addr for m in regions], dtype=np.int64)[k]
-        hi = lo + np.array([m.length for m in regions], dtype=np.int64)[k]
+        if len(regions) == 1:
+            # one region (the common case): its bounds against the extremes, without per-write index arrays
+            m = regions[0]
+            k = np.zeros(ln.size, dtype=np.int64)
+            if int(la.min()) >= m.addr and int((la + ln).max()) <= m.addr + m.length:
+                return regions, k, None
+            lo, hi = m.addr, m.addr + m.length
+        else:
+            k = np.searchsorted(keys, lk)
+            lo = np.array([m.addr for m in regions], dtype=np.int64)[k]
+            hi = lo + np.array([m.length for m in regions], dtype=np.int64)[k]
         out = (la < lo) | (la + ln > hi)
         if out.any():
             i = first(out)

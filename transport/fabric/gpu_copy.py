@@ -1,0 +1,257 @@
+"""Batched GPU copies bound once and replayed: what the load/store writer and the ipc fabric's message path launch.
+
+A batch of pieces (source, destination, length; device or UVA addresses, the destination possibly another
+process's allocation mapped here through CUDA IPC) is one ``pxn_kernels.copy`` launch over int64 descriptors.
+Why this module: on the H200 VM each driver call costs ~10-20 us of host time and a kernel's first launch with
+new descriptor tensors far more (benchmarks/NOTES.md, section Engine), while callers repeat the same piece
+lengths call after call (sglang's per-layer blocks, its aux pieces). So:
+
+* the work plan is cached by the lengths (``plan_for_lengths``, per device);
+* the descriptors are written into a per-thread pinned host buffer and moved in one H2D copy into a device
+  buffer that never moves (``_Staging``);
+* from the second batch with a plan on a staging buffer, the H2D copy and the kernel are a CUDA graph replayed
+  with one driver call (``_BoundCopy``); a first sighting launches without capturing anything, since a capture
+  costs more than a launch and lengths that never repeat would pay it every time.
+
+Every launch goes on the calling thread's current stream of the source GPU, ordered after whatever that thread
+queued there (the sources' producers, in the caller's thread).
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import threading
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from transport.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+_PLAN_CACHE = 64  # plans kept (sglang repeats the same piece lengths call after call)
+_LAUNCHES_PER_PLAN = 8  # bound launches kept per plan (one per staging buffer)
+
+_driver_lib = None
+
+
+def _driver():
+    """libcuda through ctypes for the two calls of the hot path (H2D copy, stream synchronise): a ctypes call is
+    ~1 us of host time, a cuda-bindings or torch stream call several (the H200 VM's per-call costs are in
+    benchmarks/NOTES.md, section Engine)."""
+    global _driver_lib
+    if _driver_lib is None:
+        from pxn_kernels._direct_launch import _driver as launch_driver
+        lib = launch_driver()
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuMemcpyHtoDAsync_v2.restype = ctypes.c_int
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuStreamSynchronize.restype = ctypes.c_int
+        _driver_lib = lib
+    return _driver_lib
+
+
+def check_driver(err: int, what: str) -> None:
+    """Raise ``TransferError`` naming ``what`` and the driver's error name when ``err`` is not CUDA_SUCCESS."""
+    if err:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(err, ctypes.byref(name))
+        raise TransferError(f"{what} failed: {name.value.decode() if name.value else err}")
+
+
+class Staging:
+    """Pinned host + device int64 buffers for one thread's descriptors (src | dst | lengths)."""
+
+    __slots__ = ("host", "host_np", "device_buf", "busy")
+
+    def __init__(self, words: int, device):
+        import torch
+        cap = 1 << max(10, (words - 1).bit_length())
+        self.host = torch.empty(cap, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.device_buf = torch.empty(cap, dtype=torch.int64, device=device)
+        self.busy = None  # the event of an async batch still reading these buffers
+
+
+class _BoundCopy:
+    """The H2D copy of one staging buffer's first ``3 n`` words and the copy kernel of ``plan`` over them.
+
+    ``graph``: capture both in a CUDA graph, replayed with one driver call. The capture is thread-local (other
+    threads' CUDA calls are not disturbed); if it fails, both calls are made one by one.
+    """
+
+    def __init__(self, device_index: int, staging: Staging, n: int, plan, graph: bool = True):
+        import torch
+        from pxn_kernels._batched_copy import PreparedCopy
+        d = staging.device_buf
+        self._copy_args = (d.data_ptr(), staging.host.data_ptr(), 3 * n * 8)
+        self._kernel = PreparedCopy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, 0, plan)
+        self._keep = staging
+        self._graph = None
+        if not graph:
+            return
+        device = torch.device("cuda", device_index)
+        try:
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    # One real run outside the capture (module load, lazy init) on the descriptors the caller
+                    # has already staged: the device buffer holds stale or no descriptors before this copy, and
+                    # a kernel run on those faults. The caller's own launch repeats it (same bytes, same place).
+                    self._copy(side.cuda_stream)
+                    self._kernel()
+                    captured = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(captured, stream=side, capture_error_mode="thread_local"):
+                        self._copy(side.cuda_stream)
+                        self._kernel()
+                torch.cuda.current_stream(device).wait_stream(side)
+                side.synchronize()
+            self._graph = captured
+        except Exception as e:  # noqa: BLE001 — the two plain calls still work
+            log.info("batched copy: graph capture failed (%s); copying and launching one by one", e)
+
+    def _copy(self, raw_stream) -> None:
+        check_driver(_driver().cuMemcpyHtoDAsync_v2(*self._copy_args, raw_stream), "descriptor copy")
+
+    def __call__(self, raw_stream) -> None:
+        """Enqueue the descriptor copy and the kernel on the current stream (``raw_stream`` is its handle)."""
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._copy(raw_stream)
+            self._kernel()
+
+
+def _key(device_index: int, lengths: np.ndarray, length_stats) -> tuple:
+    n = int(lengths.size)
+    total, lmin, lmax = length_stats or (int(lengths.sum()), int(lengths.min()), int(lengths.max()))
+    return (device_index, n, total, lmin) if lmin == lmax else (device_index, n, total, lengths.tobytes())
+
+
+Launched = Tuple[int, int, Staging]
+"""(device index, raw stream handle, staging buffer) of one launch not yet waited for."""
+
+
+class BoundCopies:
+    """Batched copies on any local GPU, their plans cached by lengths and their launches bound per plan and
+    staging buffer. Thread-safe; one staging buffer per thread and device."""
+
+    def __init__(self):
+        self._plans = collections.OrderedDict()
+        self._sighted = collections.OrderedDict()  # lengths keys offered to ``repeated``
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def repeated(self, device_index: int, lengths: np.ndarray) -> bool:
+        """True when a batch of these lengths was launched or offered here before on ``device_index``; else note
+        them (no plan is made) and return False. For callers with a cheaper way for batches seen once: a few
+        pieces as a copy-engine call each cost less than a first launch, but more than a bound one."""
+        key = _key(device_index, lengths, None)
+        with self._lock:
+            if key in self._plans or key in self._sighted:
+                return True
+            self._sighted[key] = True
+            while len(self._sighted) > 4 * _PLAN_CACHE:
+                self._sighted.popitem(last=False)
+        return False
+
+    def launch(self, device_index: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
+               length_stats=None) -> Launched:
+        """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``, addresses valid in
+        ``device_index``'s context; int64 arrays the caller checked) on the calling thread's current stream of
+        ``device_index``. ``length_stats``: (sum, min, max) of ``lengths`` when the caller has them. Returns what
+        ``finish`` takes: the staging buffer must not be reused before that stream passed the launch. Raises
+        ``TransferError`` when the launch fails."""
+        import torch
+        device = torch.device("cuda", device_index)
+        n = int(lengths.size)
+        entry = self._plan(lengths, device, length_stats)
+        st = self._staging(device, 3 * n)
+        d = st.device_buf
+        w = st.host_np
+        w[0:n], w[n:2 * n], w[2 * n:3 * n] = src, dst, lengths  # before binding: its first run reads them
+        # Bound once per (plan, staging buffer), keyed by the device buffer's address (what is bound keeps that
+        # buffer alive, so the address is never reused); a plan's first batch launches unbound.
+        launches = entry["launches"]
+        launch = launches.get(d.data_ptr())
+        if launch is None:
+            if not entry["seen"]:
+                entry["seen"] = True
+                launch = _BoundCopy(device_index, st, n, entry["plan"], graph=False)
+            else:
+                with self._lock:
+                    if len(launches) >= _LAUNCHES_PER_PLAN:
+                        # async batches that overlap each get a fresh staging buffer: keep only the newest
+                        # launches, so that the buffers of old ones can be freed
+                        launches.pop(next(iter(launches)))
+                    launch = launches.get(d.data_ptr()) or launches.setdefault(
+                        d.data_ptr(), _BoundCopy(device_index, st, n, entry["plan"]))
+        raw_stream = torch._C._cuda_getCurrentRawStream(device_index)
+        try:
+            if torch.cuda.current_device() == device_index:
+                launch(raw_stream)
+            else:  # the driver works in the calling thread's current context
+                with torch.cuda.device(device):
+                    launch(raw_stream)
+        except RuntimeError as e:  # a failed launch or graph replay
+            raise TransferError(f"batched copy of {n} piece(s) on cuda:{device_index} failed: {e}", [e]) from e
+        return device_index, raw_stream, st
+
+    @staticmethod
+    def finish(launched: List[Launched], wait: bool) -> list:
+        """Synchronise the launches' streams (``wait``; returns []), or record an event on each: (event,
+        staging) pairs. Raises ``TransferError`` naming the device when the copy failed."""
+        import torch
+        work = []
+        for device_index, raw_stream, st in launched:
+            if wait:
+                # the default stream's handle (0) means the calling thread's current context: make the launch's
+                # GPU current, or the wait is on another GPU's stream and returns before these bytes land
+                if torch.cuda.current_device() == device_index:
+                    check_driver(_driver().cuStreamSynchronize(raw_stream), f"batched copy on cuda:{device_index}")
+                else:
+                    with torch.cuda.device(device_index):
+                        check_driver(_driver().cuStreamSynchronize(raw_stream),
+                                     f"batched copy on cuda:{device_index}")
+                continue
+            try:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device_index))
+            except RuntimeError as e:
+                raise TransferError(f"batched copy on cuda:{device_index}: {e}", [e]) from e
+            st.busy = event
+            work.append((event, st))
+        return work
+
+    def _plan(self, lengths: np.ndarray, device, length_stats=None) -> dict:
+        """The kernel's work split for these lengths on the device, and the launches bound with it (one per
+        staging buffer): cached by the lengths themselves."""
+        from pxn_kernels._batched_copy import plan_for_lengths
+        key = _key(device.index, lengths, length_stats)
+        with self._lock:
+            entry = self._plans.get(key)
+            if entry is not None:
+                self._plans.move_to_end(key)
+                return entry
+        # the grid kernel for sglang's equal per-layer blocks, the range plan for anything else
+        entry = {"plan": plan_for_lengths(lengths, device), "launches": {}, "seen": False}
+        with self._lock:
+            self._plans[key] = entry
+            while len(self._plans) > _PLAN_CACHE:
+                self._plans.popitem(last=False)
+        return entry
+
+    def _staging(self, device, words: int) -> Staging:
+        per_dev = getattr(self._local, "staging", None)
+        if per_dev is None:
+            per_dev = self._local.staging = {}
+        st = per_dev.get(device.index)
+        if st is not None and st.busy is not None and not st.busy.query():
+            st = None  # an async batch still reads it: this one gets its own
+        elif st is not None and st.host.numel() < words:
+            st = None
+        if st is None:
+            st = per_dev[device.index] = Staging(words, device)
+        return st

@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lists", action="store_true", help="pass addresses as Python lists instead of int64 arrays")
     ap.add_argument("--loadstore", choices=("on", "off"), default="on",
                     help="ipc: write GPU->GPU and host->host batches by load/store from the caller's thread (on, the "
-                         "default) or through the message path with relay chunks and the receiver's scatter (off)")
+                         "default) or through the message path (off: fabric writes completed by the writer; chunks "
+                         "and the receiver's scatter only where coalesce_bytes is set)")
     ap.add_argument("--switch-interval", type=float, default=0.0002,
                     help="PXN_SWITCH_INTERVAL for both engines (GIL hand-off; 0 = Python's default 5 ms)")
     ap.add_argument("--profile", action="store_true",

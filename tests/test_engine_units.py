@@ -402,3 +402,27 @@ def test_planner_keeps_small_direct_batches_on_one_rail():
         assert all(u.kind == DIRECT for u in units)
         assert len({u.rail for u in units}) == rails_used, (lengths[:1], len(lengths), [u.rail for u in units])
         _covered(units, srcs, dsts, np.asarray(lengths))
+
+
+def test_distinct_matches_numpy_unique(seed):
+    """``distinct`` (min/max first) gives ``np.unique``'s sorted values for one value, many values and none."""
+    from transport.arrays import distinct
+    rng = np.random.default_rng(seed)
+    for a in (np.full(4096, 7, dtype=np.int64), rng.integers(-5, 5, size=1000), rng.integers(0, 1 << 40, size=3),
+              np.empty(0, dtype=np.int64), np.array([-1], dtype=np.int64)):
+        assert distinct(a) == np.unique(a).tolist(), a[:8]
+
+
+def test_bound_copies_offer_a_binding_only_to_repeated_lengths():
+    """``BoundCopies.repeated``: False the first time lengths are seen on a device (no plan made), True after;
+    lengths differing in one piece, or another device, are new."""
+    from transport.fabric.gpu_copy import BoundCopies
+    bc = BoundCopies()
+    aux = np.array([64, 64, 512, 8192, 64], dtype=np.int64)
+    assert not bc.repeated(0, aux)
+    assert bc.repeated(0, aux)
+    other = aux.copy()
+    other[2] = 513
+    assert not bc.repeated(0, other) and not bc.repeated(1, aux)
+    assert not bc.repeated(0, np.full(7, 64, dtype=np.int64)) and bc.repeated(0, np.full(7, 64, dtype=np.int64))
+    assert not bc._plans  # nothing was planned or bound

@@ -426,3 +426,26 @@ def test_bound_copies_offer_a_binding_only_to_repeated_lengths():
     assert not bc.repeated(0, other) and not bc.repeated(1, aux)
     assert not bc.repeated(0, np.full(7, 64, dtype=np.int64)) and bc.repeated(0, np.full(7, 64, dtype=np.int64))
     assert not bc._plans  # nothing was planned or bound
+
+
+def test_endpoint_failure_completes_a_pending_batch_message_without_a_table():
+    """A batch the posting thread copies itself (ipc) is pending without a piece table while it copies: the
+    endpoint failing meanwhile completes it with PeerLost naming its bytes, like any other message."""
+    from transport.errors import PeerLost
+    from transport.fabric import make_fabric
+    from transport.fabric.base import WriteBatch
+    from transport.fabric.tcp import _BatchRecord, _OutMsg
+    a, b = make_fabric("tcp"), make_fabric("tcp")
+    try:
+        ep = a.connect(b.descriptor())
+        m = _OutMsg(0)
+        m.batch, m.final, m.pieces = _BatchRecord(WriteBatch([4096, 8192], [8, 24], [0, 64], [3, 3], [4, 4],
+                                                             wr_id=77)), True, 2
+        ep.enqueue([m], queue=False, local=[True])
+        ep.fail("test")
+        comps = a.poll(8, timeout=5.0)
+        assert [c.wr_id for c in comps] == [77]
+        assert isinstance(comps[0].error, PeerLost) and "(2 piece(s), 32 B)" in str(comps[0].error)
+    finally:
+        a.close()
+        b.close()

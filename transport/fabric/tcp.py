@@ -336,6 +336,11 @@ class _OutMsg:
     def __len__(self) -> int:
         return len(self.table) if self.table is not None else self.pieces
 
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the message (a message without a table carries its whole batch)."""
+        return int(self.table["len"].sum()) if self.table is not None else self.batch.length
+
 
 class _BatchRecord:
     """Sender-side state of one posted ``WriteBatch`` (its messages share it)."""
@@ -436,8 +441,8 @@ class TcpEndpoint(Endpoint):
         out = []
         for m in pending:
             out.extend(m.completions(self.peer_id, PeerLost(
-                f"peer {self.peer_id} lost ({cause}) before message {m.seq} ({len(m)} piece(s), "
-                f"{int(m.table['len'].sum())} B) was acknowledged")))
+                f"peer {self.peer_id} lost ({cause}) before message {m.seq} ({len(m)} piece(s), {m.nbytes} B) was "
+                f"acknowledged")))
         self.fabric._push(out)
 
     def close_sockets(self) -> None:

@@ -215,10 +215,10 @@ class Fabric(abc.ABC):
 
     @abc.abstractmethod
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
-        """Post many writes with one doorbell (fabrics with ``write_batches``: ``WriteBatch`` items too). Local checks happen before anything is posted: a local range
-        outside the region of its lkey, a zero / negative length, or an overflowing address raise at once
-        (``RegionError`` / ``ValueError``) and none of the requests is posted. A dead endpoint raises
-        ``PeerLost``; a closed fabric ``FabricClosed``."""
+        """Post many writes with one doorbell (fabrics with ``write_batches``: ``WriteBatch`` items too). Local
+        checks happen before anything is posted: a local range outside the region of its lkey, a zero / negative
+        length, or an overflowing address raise at once (``RegionError`` / ``ValueError``) and none of the
+        requests is posted. A dead endpoint raises ``PeerLost``; a closed fabric ``FabricClosed``."""
 
     @abc.abstractmethod
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:

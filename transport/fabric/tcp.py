@@ -809,8 +809,8 @@ class TcpFabric(Fabric):
         def first(mask) -> int:
             return int(np.flatnonzero(mask)[0])
 
-        lmax = int(ln.max())
-        if not (int(ln.min()) > 0 and int(la.min()) >= 0 and int(ra.min()) >= 0 and int(la.max()) + lmax <= _I64
+        lmax, la_min = int(ln.max()), int(la.min())
+        if not (int(ln.min()) > 0 and la_min >= 0 and int(ra.min()) >= 0 and int(la.max()) + lmax <= _I64
                 and int(ra.max()) + lmax <= _I64 and int(rk.min()) >= 0 and int(rk.max()) <= 0xFFFFFFFF
                 and (imm is None or (int(imm.min()) >= 0 and int(imm.max()) <= IMM_MAX))):
             # some value may be bad (these extremes, fewer numpy calls than the masks, pass every good post):
@@ -829,7 +829,7 @@ class TcpFabric(Fabric):
             # one region (the common case): its bounds against the extremes, without per-write index arrays
             m = regions[0]
             k = np.zeros(ln.size, dtype=np.int64)
-            if int(la.min()) >= m.addr and int((la + ln).max()) <= m.addr + m.length:
+            if la_min >= m.addr and int((la + ln).max()) <= m.addr + m.length:
                 return regions, k, None
             lo, hi = m.addr, m.addr + m.length
         else:

@@ -174,7 +174,7 @@ def test_relay_ring_back_pressure_and_states():
         a.slot = slot
         return True
 
-    def post(atts):
+    def post(atts, after=None):
         with lock:
             posted.extend(atts)
             release_later.extend(atts)
@@ -381,13 +381,16 @@ def test_engine_config_precedence_and_errors():
 
 
 def test_fabric_defaults_sit_between_variables_and_class_defaults():
-    """A fabric's ``config_defaults`` (ipc: coalesce_bytes 0) replace the class default only: a PXN_* variable
-    or an argument still wins."""
+    """A fabric's ``config_defaults`` (ipc: coalesce_bytes 0, one 64 MiB relay slot per lane, 2 landing slots)
+    replace the class default only: a PXN_* variable or an argument still wins."""
     from transport.config import EngineConfig
     from transport.fabric import fabric_class
     ipc = fabric_class("ipc").config_defaults
-    assert ipc == {"coalesce_bytes": 0} and fabric_class("tcp").config_defaults == {}
-    assert EngineConfig.from_env({}, defaults=ipc).coalesce_bytes == 0
+    assert ipc == {"coalesce_bytes": 0, "relay_slot_bytes": 64 << 20, "relay_slots": 1, "landing_slots": 2}
+    assert fabric_class("tcp").config_defaults == {}
+    cfg = EngineConfig.from_env({}, defaults=ipc)
+    assert (cfg.coalesce_bytes, cfg.relay_slot_bytes, cfg.relay_slots, cfg.landing_slots) == (0, 64 << 20, 1, 2)
+    assert EngineConfig.from_env({"PXN_RELAY_SLOT_BYTES": "4M"}, defaults=ipc).relay_slot_bytes == 4 << 20
     assert EngineConfig.from_env({"PXN_COALESCE_BYTES": "8K"}, defaults=ipc).coalesce_bytes == 8 << 10
     assert EngineConfig.from_env({"PXN_COALESCE_BYTES": "8K"}, defaults=ipc, coalesce_bytes=100).coalesce_bytes == 100
     assert EngineConfig.from_env({}).coalesce_bytes == 64 << 10

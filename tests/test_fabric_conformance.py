@@ -234,6 +234,67 @@ def test_write_batch_refused_piece_fails_it_once(case):
         WriteBatch([1, 2], [3], [4, 5], [1, 1], [1, 1])
 
 
+def test_writes_after_events_follow_producer_and_free_sources_after_reuse_event(case):
+    """``post_writes_after``: the writes carry the bytes the producer behind ``after`` wrote (a slow GPU
+    producer: a fabric that read the sources before it finished would carry the poison), and an overwrite of
+    the sources queued after the returned event never reaches the target. Host memory: no events, the same
+    call. Each fabric twice: a batch (ordered on the GPU where the fabric can) and plain writes (host wait)."""
+    t = case.target
+    lens = np.concatenate([[1, 63], case.rng.integers(1, 70000, 40), [(2 << 20) + 3]]).astype(np.int64)
+    src_off = np.cumsum(lens) - lens + 5  # unaligned
+    dst_off = np.cumsum(lens + 11) - lens + 3
+    total = int(lens.sum())
+    keys = np.full(lens.size, t.rkey), np.full(lens.size, case.mr.lkey)
+    for as_batch, wr_id in ((True, 61), (False, 62)):
+        if as_batch and "write_batches" not in case.fab.capabilities:
+            continue
+        t.call("poison")
+        data = case.rng.integers(0, 256, total, dtype=np.uint8)
+        case.src.fill(0xA5)  # the poison the producer replaces
+        # warm the peer's region description, so that an ipc writer may take its GPU-ordered path
+        case.fab.post_writes(case.ep, [case.req(0, 1, int(dst_off[-1] + lens[-1] + 64), wr_id=60)])
+        _ok(wait_completions(case.fab, 1))
+        after = []
+        if case.device >= 0:
+            import torch
+            producer = torch.cuda.Stream(case.device)
+            staged = torch.from_numpy(data).to(f"cuda:{case.device}")
+            producer.wait_stream(torch.cuda.current_stream(case.device))
+            with torch.cuda.stream(producer):
+                torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time before the bytes arrive
+                for o, n, k in zip((src_off - 5).tolist(), lens.tolist(), src_off.tolist()):
+                    case.src.arr[k:k + n].copy_(staged[o:o + n])
+                event = torch.cuda.Event()
+                event.record(producer)
+            after = [event]
+        else:
+            for o, n, k in zip((src_off - 5).tolist(), lens.tolist(), src_off.tolist()):
+                case.src.arr[k:k + n] = data[o:o + n]
+        if as_batch:
+            reqs = [WriteBatch(case.src.addr + src_off, lens, t.addr + dst_off, *keys, wr_id=wr_id)]
+        else:
+            reqs = [case.req(int(s_), int(n_), int(d_), wr_id=wr_id + 1000 * i)
+                    for i, (s_, n_, d_) in enumerate(zip(src_off, lens, dst_off))]
+        reusable = case.fab.post_writes_after(case.ep, reqs, after)
+        if reusable is not None:
+            import torch
+            assert "event_ordered_writes" in case.fab.capabilities
+            overwrite = torch.cuda.Stream(case.device)
+            overwrite.wait_event(reusable)
+            with torch.cuda.stream(overwrite):
+                case.src.arr.fill_(0x5A)  # after the writes read the sources: must not reach the target
+        comps = wait_completions(case.fab, len(reqs))
+        _ok(comps)
+        for i in range(lens.size):
+            o = int(src_off[i]) - 5
+            n, d = int(lens[i]), int(dst_off[i])
+            assert t.call("hash", d, n) == digest(data[o:o + n]), \
+                f"{'batch' if as_batch else 'plain'} write {i} ({n} B at target+{d}) is not the producer's bytes"
+        if case.device >= 0:
+            import torch
+            torch.cuda.synchronize(case.device)
+
+
 def test_concurrent_posters(case):
     threads, per, size = 4, 40, 5000
     data = case.fresh(threads * per * size)

@@ -48,6 +48,7 @@ from transport.config import EngineConfig, parse_size
 from transport.control import ControlPlane, PeerGone, UnknownSession, recv_msg, send_msg
 from transport.errors import FabricError, FabricUnavailable, InvalidTransfer, PeerLost, TransferError
 from transport.fabric.base import DEVICE_HOST
+from transport.fabric.gpu_copy import BoundCopies
 from transport.pipeline import BatchHandle, Pipeline, _Attempt, _Batch
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice
 from transport.receiver import Receiver
@@ -276,6 +277,7 @@ class TransferEngine(Pipeline):
         self._lost: Dict[str, str] = {}  # session -> why its last connection was forgotten (for error messages)
         self._regions = RegionTable()
         self._rings: Dict[Tuple[int, int], RelayRing] = {}
+        self._relay_copies = BoundCopies()  # GPU relay fills: plans by lengths, bound launches, per ring thread
         self._rail_stats = []
         self._rail_gpu: List[Optional[int]] = []  # per rail: the GPU its NIC is local to (topology), else None
 

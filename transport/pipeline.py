@@ -28,7 +28,7 @@ from transport.arrays import distinct
 from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected,
                               TransferError, TransferTimeout)
 from transport.fabric.base import DEVICE_HOST, Opcode, WriteBatch, WriteRequest
-from transport.fabric.tcp import _MEMCPY_MAX, gpu_batch_copy, memcpy_async
+from transport.fabric.tcp import _MEMCPY_MAX, memcpy_async
 from transport.planner import COALESCED, DIRECT, RELAYED, Unit
 from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, chunk_imm, decode_ack, decode_ack_payload
 from transport.regions import first_bad, locate_inside, span_region
@@ -459,7 +459,7 @@ class Pipeline:
             pr = a.prail
             a.reqs = [WriteRequest(slot.addr, chunk_bytes, pr.landing_addr + landing * pr.slot_bytes,
                                    pr.landing_rkey, slot.ring.lkey, imm=chunk_imm(landing, seq))]
-        elif u.runs is None or u.runs[2].size <= _MEMCPY_MAX:
+        elif (u.runs is None or u.runs[2].size <= _MEMCPY_MAX) and not (slot.ring.ordered and u.device >= 0):
             # RELAYED, a few pieces: copy them into the slot, then one write per piece to its final address
             # (scalar steps: a few numpy calls per piece would cost more than the copies' host time)
             segs = u.segments()
@@ -482,8 +482,8 @@ class Pipeline:
             for (s_addr, d_addr, n), o in zip(segs, offs):
                 _, rkey = self._keys(a, s_addr, d_addr, n)
                 a.reqs.append(WriteRequest(slot.addr + o, n, d_addr, rkey, slot.ring.lkey))
-        else:  # RELAYED, many pieces sharing the slot: one gather into it, one WriteBatch out of it
-            s_arr, d_arr, n_arr = u.runs
+        else:  # RELAYED, many pieces (or GPU pieces to an event-ordered fabric): one gather into the slot, its writes
+            s_arr, d_arr, n_arr = u.arrays()
             offs = np.cumsum(n_arr) - n_arr
             local = slot.addr + offs
             if slot.tensor is None:
@@ -493,11 +493,13 @@ class Pipeline:
                 for s_addr, o, n in zip(s_arr.tolist(), offs.tolist(), n_arr.tolist()):
                     slot.tensor[o:o + n].copy_(host_view(s_addr, n))
             else:
-                # one batched-copy launch, where a call per piece cost ~10 us each; the ring waits for the stream
+                # one bound batched-copy launch (replayed for lengths seen before), where a call per piece cost
+                # ~10 us each; ordered after the lane's earlier work, which the ring waits for or orders after
                 import torch
                 stream = slot.ring.stream(slot.lane)
-                with torch.cuda.device(slot.ring.device), torch.cuda.stream(stream):
-                    gpu_batch_copy(s_arr, local, n_arr, slot.ring.device)
+                dev = slot.ring.device
+                with torch.cuda.device(dev), torch.cuda.stream(stream):
+                    self._relay_copies.finish([self._relay_copies.copy(dev, s_arr, local, n_arr)], wait=False)
             rail = a.prail.rail
             rsnap = a.batch.peer.regions.snapshot()
             ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
@@ -557,8 +559,11 @@ class Pipeline:
             pr.cv.notify()
 
     # --- submit --------------------------------------------------------------------------------------------
-    def _post(self, attempts: List[_Attempt]) -> None:
-        """Post attempts (one doorbell per rail endpoint). Runs in a submit thread or the caller."""
+    def _post(self, attempts: List[_Attempt], after=None) -> None:
+        """Post attempts (one doorbell per rail endpoint). Runs in a ring's copy or submit thread, or the caller.
+        ``after``: CUDA events the writes must follow (a round of relay fills), for fabrics with
+        ``event_ordered_writes``; their slots go back to the ring as soon as the writes are queued, to be
+        refilled after the writes' own event."""
         groups: Dict[int, List[_Attempt]] = {}
         for a in attempts:
             groups.setdefault(id(a.prail), []).append(a)
@@ -587,7 +592,12 @@ class Pipeline:
             try:
                 if not pr.ep.alive:
                     raise PeerLost(f"rail {pr.rail} endpoint to {pr.remote_id} is dead")
-                self.fabrics[pr.rail].post_writes(pr.ep, [r for a in live for r in a.reqs])
+                reqs = [r for a in live for r in a.reqs]
+                if after is None:
+                    self.fabrics[pr.rail].post_writes(pr.ep, reqs)
+                    reusable = None
+                else:
+                    reusable = self.fabrics[pr.rail].post_writes_after(pr.ep, reqs, after)
             except (FabricError, OSError, ValueError) as e:
                 with self._lock:
                     for a in live:
@@ -601,6 +611,12 @@ class Pipeline:
                                      else InvalidTransfer(f"post refused locally: {e}", [e]))
                     self._drop(a)
                 continue
+            if reusable is not None:
+                for a in live:
+                    with self._lock:
+                        slot, a.slot = a.slot, None  # unless a completion already released it
+                    if slot is not None:
+                        slot.ring.release(slot, after=reusable)
             t1 = now_ns()
             nbytes = sum(r.nbytes if isinstance(r, WriteBatch) else r.length for a in live for r in a.reqs)
             writes = sum(r.count if isinstance(r, WriteBatch) else 1 for a in live for r in a.reqs)

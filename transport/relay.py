@@ -12,6 +12,13 @@ about a slot's copy time in Python; handing every round but the last to the subm
 post with the next round's copies, measured no better: benchmarks/NOTES.md). The submit thread only posts units
 the engine re-dispatches after a failover. Completions release slots, in whichever thread the fabric reports
 them (its callback, or the engine's per-rail poller).
+
+Stream-ordered rounds: on a GPU ring whose fabric declares ``event_ordered_writes`` (ipc: the wire is a GPU
+copy too), the copy thread does not wait on the host. It records an event per lane after the round's fills and
+posts with it (``Fabric.post_writes_after``); the fabric's copy waits for that event on the GPU, and the slots
+go back to the ring at once, marked with the copy's own event, which the slot's next fill waits for on its lane
+stream. The host then only enqueues work, and one round's write overlaps the next round's fill; a round takes at
+most half the slots so that there is a next round to overlap.
 Back-pressure: the copy thread waits for a free slot; nothing that releases slots ever waits for one, so the
 ring cannot deadlock.
 
@@ -36,7 +43,7 @@ log = logging.getLogger(__name__)
 class Slot:
     """One staging slot: ``nbytes`` at ``addr`` (registered; ``lkey`` of the ring's rail)."""
 
-    __slots__ = ("ring", "lane", "index", "addr", "nbytes", "stats", "owner", "tensor", "staging")
+    __slots__ = ("ring", "lane", "index", "addr", "nbytes", "stats", "owner", "tensor", "staging", "reuse_after")
 
     def __init__(self, ring: "RelayRing", lane: int, index: int, addr: int, nbytes: int, tensor=None):
         self.ring = ring
@@ -48,6 +55,7 @@ class Slot:
         self.owner = None  # the attempt using the slot
         self.tensor = tensor  # uint8 tensor view (CUDA rings) for kernels
         self.staging = None  # CUDA rings: (pinned host, device) descriptor buffers, reused (see gpu_pack)
+        self.reuse_after = None  # CUDA event the next fill's stream waits for (the write still reading the slot)
 
     def enter(self, state: str) -> None:
         t = now_ns()
@@ -82,7 +90,9 @@ class RelayRing:
         lanes, slots: lanes and slots per lane. slot_bytes: bytes per slot.
         fill: ``fill(attempt, slot) -> bool`` runs in the copy thread; returns False when the attempt was
             cancelled meanwhile (the slot is then released).
-        post: ``post(attempts)`` runs in the submit thread with every READY attempt (one doorbell per peer).
+        post: ``post(attempts, after)`` runs in the copy thread with a round's READY attempts (one doorbell per
+            peer), ``after`` the round's CUDA events on an ordered fabric (else None: the copies are done); the
+            submit thread calls ``post(attempts, None)`` for re-dispatched units.
         trace: optional Trace.
     """
 
@@ -119,6 +129,12 @@ class RelayRing:
                 self.slots.append(s)
                 self._free[lane].append(s)
         self.lanes = lanes
+        # A fabric that orders its writes after CUDA events (``event_ordered_writes``) gets a GPU ring's rounds
+        # without a host wait between fill and post, and hands each slot back as soon as its write is queued
+        # (the next fill waits for that write on the GPU). A round then takes at most half the slots, so that
+        # the next round's fill runs while this round's write does.
+        self.ordered = device >= 0 and "event_ordered_writes" in getattr(fabric, "capabilities", ())
+        self.round_slots = max(1, len(self.slots) // 2) if self.ordered else len(self.slots)
         self._cv = threading.Condition()
         self._copy_q: collections.deque = collections.deque()
         self._post_q: collections.deque = collections.deque()
@@ -147,8 +163,11 @@ class RelayRing:
             self._post_q.extend(attempts)
             self._post_cv.notify()
 
-    def release(self, slot: Slot) -> None:
-        """Give a slot back (any thread, never blocks on the ring's queues)."""
+    def release(self, slot: Slot, after=None) -> None:
+        """Give a slot back (any thread, never blocks on the ring's queues). ``after``: a CUDA event that fires
+        once the slot's bytes have been read (an event-ordered write still in flight); the next fill of the slot
+        waits for it on the GPU."""
+        slot.reuse_after = after
         slot.owner = None
         slot.enter(FREE)
         with self._cv:
@@ -187,13 +206,16 @@ class RelayRing:
                 work = [(self._copy_q.popleft(), self._acquire())]
                 if work[0][1] is None:
                     return
-                while self._copy_q and any(self._free):
+                while self._copy_q and any(self._free) and len(work) < self.round_slots:
                     work.append((self._copy_q.popleft(), self._acquire()))
             filled = []
             for attempt, slot in work:
                 slot.owner = attempt
                 slot.enter(FILLING)
                 try:
+                    if slot.reuse_after is not None:
+                        self._streams[slot.lane].wait_event(slot.reuse_after)
+                        slot.reuse_after = None
                     ok = self._fill(attempt, slot)
                 except Exception as e:  # noqa: BLE001 — a failed copy fails its batch, not the ring
                     log.exception("%s: filling a slot failed", self.name)
@@ -205,10 +227,20 @@ class RelayRing:
                 filled.append((attempt, slot))
             if not filled:
                 continue
-            # the copies of every slot of this round run back to back on the lanes' streams: wait once per lane
+            # the copies of every slot of this round run back to back on the lanes' streams: an event per lane
+            # for an ordered fabric, else one host wait per lane
+            after = None
             try:
-                for lane in sorted({slot.lane for _, slot in filled}):
-                    if self._streams:
+                lanes = sorted({slot.lane for _, slot in filled}) if self._streams else []
+                if self.ordered:
+                    import torch
+                    after = []
+                    for lane in lanes:
+                        event = torch.cuda.Event()
+                        event.record(self._streams[lane])
+                        after.append(event)
+                else:
+                    for lane in lanes:
                         self._streams[lane].synchronize()
             except Exception as e:  # noqa: BLE001 — a CUDA error fails the round's batches, not the ring
                 log.exception("%s: waiting for slot copies failed", self.name)
@@ -221,7 +253,7 @@ class RelayRing:
                 slot.enter(READY)
                 ready.append(attempt)
             try:
-                self._post(ready)  # from this thread: no hand-off to the submit thread
+                self._post(ready, after)  # from this thread: no hand-off to the submit thread
             except Exception:  # noqa: BLE001 — post() handles its own failures; this is a last resort
                 log.exception("%s: submit failed", self.name)
 
@@ -235,7 +267,7 @@ class RelayRing:
                 batch = list(self._post_q)
                 self._post_q.clear()
             try:
-                self._post(batch)
+                self._post(batch, None)
             except Exception:  # noqa: BLE001 — post() handles its own failures; this is a last resort
                 log.exception("%s: submit failed", self.name)
 

@@ -185,7 +185,8 @@ class Fabric(abc.ABC):
     (``set_completion_handler``), ``"authenticated_rails"`` (rail connections prove the engine's secret and
     must have been announced by an authenticated control hello: the engine passes ``handshake_timeout`` and
     ``guard_claims``), ``"write_batches"`` (``post_writes`` also takes ``WriteBatch`` items: many writes as
-    arrays, one completion)."""
+    arrays, one completion), ``"event_ordered_writes"`` (``post_writes_after`` orders writes from GPU memory
+    after CUDA events on the GPU, with no host wait, and says when their sources may be reused)."""
 
     @property
     @abc.abstractmethod
@@ -219,6 +220,16 @@ class Fabric(abc.ABC):
         checks happen before anything is posted: a local range outside the region of its lkey, a zero / negative
         length, or an overflowing address raise at once (``RegionError`` / ``ValueError``) and none of the
         requests is posted. A dead endpoint raises ``PeerLost``; a closed fabric ``FabricClosed``."""
+
+    def post_writes_after(self, ep: Endpoint, requests: Sequence[WriteRequest], after: Sequence) -> Optional[object]:
+        """``post_writes`` for writes whose sources are still being produced on the GPU: ``after`` holds CUDA
+        events (torch) recorded after their producers. Returns a CUDA event after which the sources may be
+        overwritten, or None: they may be once the writes complete. This default waits for ``after`` on the
+        host, then posts; fabrics with ``event_ordered_writes`` order the writes on the GPU instead."""
+        for event in after:
+            event.synchronize()
+        self.post_writes(ep, requests)
+        return None
 
     @abc.abstractmethod
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:

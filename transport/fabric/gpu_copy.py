@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import itertools
 import logging
 import threading
 from typing import List, Optional, Tuple
@@ -27,13 +28,16 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from transport.errors import TransferError
+from transport.fabric.tcp import _MEMCPY_MAX
 
 log = logging.getLogger(__name__)
 
 _PLAN_CACHE = 64  # plans kept (sglang repeats the same piece lengths call after call)
 _LAUNCHES_PER_PLAN = 8  # bound launches kept per plan (one per staging buffer)
+_STAGING_PER_THREAD = 8  # staging buffers a thread keeps per device (batches it may have in flight at once)
 
 _driver_lib = None
+_serials = itertools.count(1)
 
 
 def _driver():
@@ -63,7 +67,7 @@ def check_driver(err: int, what: str) -> None:
 class Staging:
     """Pinned host + device int64 buffers for one thread's descriptors (src | dst | lengths)."""
 
-    __slots__ = ("host", "host_np", "device_buf", "busy")
+    __slots__ = ("host", "host_np", "device_buf", "busy", "serial")
 
     def __init__(self, words: int, device):
         import torch
@@ -72,6 +76,7 @@ class Staging:
         self.host_np = self.host.numpy()
         self.device_buf = torch.empty(cap, dtype=torch.int64, device=device)
         self.busy = None  # the event of an async batch still reading these buffers
+        self.serial = 0  # when it was last marked busy (``BoundCopies.finish``): the pool waits for the oldest
 
 
 class _BoundCopy:
@@ -130,8 +135,8 @@ def _key(device_index: int, lengths: np.ndarray, length_stats) -> tuple:
     return (device_index, n, total, lmin) if lmin == lmax else (device_index, n, total, lengths.tobytes())
 
 
-Launched = Tuple[int, int, Staging]
-"""(device index, raw stream handle, staging buffer) of one launch not yet waited for."""
+Launched = Tuple[int, int, Optional[Staging]]
+"""(device index, raw stream handle, staging buffer or None for copy-engine calls) of a copy not yet waited for."""
 
 
 class BoundCopies:
@@ -156,6 +161,22 @@ class BoundCopies:
             while len(self._sighted) > 4 * _PLAN_CACHE:
                 self._sighted.popitem(last=False)
         return False
+
+    def copy(self, device_index: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
+             length_stats=None) -> Launched:
+        """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``) on the calling thread's
+        current stream of ``device_index``: one bound launch (``launch``) for many pieces or lengths seen before,
+        else a ``cudaMemcpyAsync`` per piece (a few pieces of new lengths: a copy-engine call each costs less
+        than a first launch). Returns what ``finish`` takes."""
+        if lengths.size > _MEMCPY_MAX or self.repeated(device_index, lengths):
+            return self.launch(device_index, src, dst, lengths, length_stats)
+        import torch
+        from transport.fabric.tcp import memcpy_async
+        with torch.cuda.device(device_index):
+            stream = torch.cuda.current_stream(device_index)
+            for s_, d_, n_ in zip(src.tolist(), dst.tolist(), lengths.tolist()):
+                memcpy_async(d_, s_, n_, stream)
+        return device_index, stream.cuda_stream, None
 
     def launch(self, device_index: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
                length_stats=None) -> Launched:
@@ -221,7 +242,9 @@ class BoundCopies:
                 event.record(torch.cuda.current_stream(device_index))
             except RuntimeError as e:
                 raise TransferError(f"batched copy on cuda:{device_index}: {e}", [e]) from e
-            st.busy = event
+            if st is not None:
+                st.busy = event
+                st.serial = next(_serials)
             work.append((event, st))
         return work
 
@@ -244,14 +267,31 @@ class BoundCopies:
         return entry
 
     def _staging(self, device, words: int) -> Staging:
-        per_dev = getattr(self._local, "staging", None)
-        if per_dev is None:
-            per_dev = self._local.staging = {}
-        st = per_dev.get(device.index)
-        if st is not None and st.busy is not None and not st.busy.query():
-            st = None  # an async batch still reads it: this one gets its own
-        elif st is not None and st.host.numel() < words:
-            st = None
-        if st is None:
-            st = per_dev[device.index] = Staging(words, device)
+        """A staging buffer of this thread for ``device`` with room for ``words``: the first one no async batch
+        still reads, else a new one while the thread has fewer than ``_STAGING_PER_THREAD``, else the oldest
+        once its batch has read it. A pool, not one buffer: a thread that keeps several batches in flight (a
+        relay ring) would otherwise allocate pinned memory, and bind a new graph, for every batch."""
+        pools = getattr(self._local, "staging", None)
+        if pools is None:
+            pools = self._local.staging = {}
+        pool = pools.setdefault(device.index, [])
+        for i, st in enumerate(pool):
+            if st.busy is not None:
+                if not st.busy.query():
+                    continue
+                st.busy = None
+            if st.host.numel() >= words:
+                return st
+            pool[i] = Staging(words, device)  # too small and idle: replace it (its bound launches age out)
+            return pool[i]
+        if len(pool) < _STAGING_PER_THREAD:
+            pool.append(Staging(words, device))
+            return pool[-1]
+        # every buffer is in flight: wait for the oldest (back-pressure on a thread far ahead of its GPU) rather
+        # than allocate, and bind a graph to, a buffer used once
+        st = min(pool, key=lambda b: b.serial)
+        st.busy.synchronize()
+        st.busy = None
+        if st.host.numel() < words:
+            pool[pool.index(st)] = st = Staging(words, device)
         return st

@@ -51,8 +51,7 @@ from transport.errors import FabricError, FabricUnavailable
 from transport.fabric.base import DEVICE_HOST, MemoryRegion, WriteBatch
 from transport.fabric.tcp import (
     HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
-    _MEMCPY_MAX, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, memcpy_async, raw_view,
-    recv_exact,
+    _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, raw_view, recv_exact,
 )
 from transport.fabric.gpu_copy import BoundCopies
 
@@ -221,14 +220,18 @@ class IpcFabric(TcpFabric):
 
     name = "ipc"
     capabilities = frozenset({"selective_signaling", "loadstore", "completion_callback", "authenticated_rails",
-                              "write_batches"})
+                              "write_batches", "event_ordered_writes"})
     # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages took the
     # 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES.md, section Engine)
     engine_options = {"message_bytes": 256 << 20}
     # No coalescing: a post of many pieces is already one batched-copy launch from the sources straight into the
     # target's memory, completed at the writer. A chunk would add a gather, a landing slot, the target's scatter
     # and its ack to the same bytes (benchmarks/NOTES.md, section "Small batches without chunks").
-    config_defaults = {"coalesce_bytes": 0}
+    # Relay slots of 64 MiB, one per lane: a relayed unit costs a fixed amount of host time (fill launch, post,
+    # completion) whatever its size, and this wire moves 4 MiB far faster than that; the fewer the units, the
+    # closer a relayed batch gets to its copies' speed (benchmarks/NOTES.md, section "Stream-ordered relay").
+    # Ring and landing memory: 2 x 64 MiB each (the defaults: 64 MiB each).
+    config_defaults = {"coalesce_bytes": 0, "relay_slot_bytes": 64 << 20, "relay_slots": 1, "landing_slots": 2}
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: int = None,
                  message_bytes: int = 16 << 20, grant_timeout: float = 30.0, **kw):
@@ -256,6 +259,8 @@ class IpcFabric(TcpFabric):
         self._gen = GenerationCounter()
         self._granted_info: Dict[str, Dict[int, tuple]] = {}  # peer id -> rkey -> (description, counter value)
         self._gen_readers: Dict[str, object] = {}
+        self._ordered_streams: Dict[int, object] = {}  # GPU -> stream of event-ordered writes
+        self._completer: Optional[_Completer] = None
 
     def _cuda_api(self) -> _Cuda:
         if self._cuda is None:
@@ -422,6 +427,59 @@ class IpcFabric(TcpFabric):
                                 for m in self._build_batch(b_, d_, len(ep.socks))])
                 return
 
+    def post_writes_after(self, ep: TcpEndpoint, requests, after):
+        """``post_writes``, ordered on the GPU after the CUDA events ``after`` (the sources' producers) instead of
+        after a host wait (capability ``event_ordered_writes``). A post of ``WriteBatch`` items from one local GPU
+        into one described peer GPU region is launched on a stream of that GPU that waits for ``after``, and
+        completes from the fabric's completer thread once the copy has run; the return value is an event after
+        which the sources may be overwritten (the writes have read them). Anything else waits for ``after`` on
+        the host, posts as ``post_writes`` and returns None (the sources are free at completion). Checks come
+        first, as in ``post_writes``: nothing is posted when a request is bad."""
+        requests = list(requests)
+        if requests and all(isinstance(r, WriteBatch) for r in requests):
+            self._validate(ep, [])
+            devices = [self._validate_batch(b) for b in requests]
+            taken, done = self._post_batches_ordered(ep, requests, devices, after)
+            if taken:
+                return done
+        for event in after:
+            event.synchronize()
+        self.post_writes(ep, requests)
+        return None
+
+    def _direct_target(self, ep: TcpEndpoint, batches, devices):
+        """(source GPU, the peer's region description) when every write of ``batches`` goes from one local GPU
+        into one peer GPU region whose description is current and contains it; else None."""
+        keys = distinct(batches[0].rkey) if len(batches) == 1 else distinct(np.concatenate([b.rkey for b in batches]))
+        if len(keys) != 1:
+            return None
+        info, _ = self._current_info(ep, None, keys)
+        if info is None:
+            return None
+        reg = info[keys[0]]
+        src_devs = distinct(devices[0]) if len(devices) == 1 else distinct(np.concatenate(devices))
+        if reg["device"] == DEVICE_HOST or len(src_devs) != 1 or src_devs[0] == DEVICE_HOST:
+            return None
+        lo, hi = reg["addr"], reg["addr"] + reg["length"]
+        for b in batches:
+            if int(b.remote_addr.min()) < lo or int((b.remote_addr + b.length).max()) > hi:
+                return None
+        return src_devs[0], reg
+
+    @staticmethod
+    def _batch_message(b: WriteBatch) -> _OutMsg:
+        m = _OutMsg(0)
+        m.batch, m.final, m.pieces = _BatchRecord(b), True, b.count
+        return m
+
+    @staticmethod
+    def _failed_statuses(m: _OutMsg, b: WriteBatch) -> bytes:
+        """Give a table-less batch message the piece table its failed completion names a piece from."""
+        m.table = np.zeros(b.count, dtype=PIECE_DT)
+        ra, ln = b.remote_addr, b.length
+        m.table["addr"], m.table["len"], m.table["waddr"], m.table["wlen"], m.table["rkey"] = ra, ln, ra, ln, b.rkey
+        return bytes([ST_FAILED]) * b.count
+
     def _post_batch_direct(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray) -> bool:
         """Copy and complete a checked batch here when every piece goes from one local GPU into one peer GPU
         region whose description is current and contains it; False (nothing done) otherwise, for the message
@@ -430,49 +488,74 @@ class IpcFabric(TcpFabric):
         Why: a batch's piece table, and its checks one message field at a time, cost more host time than the
         copy of most batches (benchmarks/NOTES.md, section "Small batches without chunks"); here the checks are
         the extremes of the batch's arrays against the region, as ``_copy`` makes them piece by piece."""
-        keys = distinct(b.rkey)
-        if len(keys) != 1:
+        target = self._direct_target(ep, [b], [devices])
+        if target is None:
             return False
-        info, _ = self._current_info(ep, None, keys)
-        if info is None:
-            return False
-        reg = info[keys[0]]
-        src_devs = distinct(devices)
-        if reg["device"] == DEVICE_HOST or len(src_devs) != 1 or src_devs[0] == DEVICE_HOST:
-            return False
-        ra, ln = b.remote_addr, b.length
-        if int(ra.min()) < reg["addr"] or int((ra + ln).max()) > reg["addr"] + reg["length"]:
-            return False
-        dev, n = src_devs[0], b.count
-        m = _OutMsg(0)
-        m.batch, m.final, m.pieces = _BatchRecord(b), True, n
+        dev, reg = target
+        m = self._batch_message(b)
         ep.enqueue([m], queue=False, local=[True])  # completes in posting order with the endpoint's other work
-        statuses = bytes(n)
+        statuses = bytes(b.count)
         try:
-            dst = ra + (self._mapped(reg, dev) - reg["base"])
-            if n > _MEMCPY_MAX or self.bound_copies.repeated(dev, ln):
-                launched = [self.bound_copies.launch(dev, b.local_addr, dst, ln)]
-            else:
-                launched = [self._memcpy_each(dev, b.local_addr, dst, ln)]
-            self.bound_copies.finish(launched, wait=True)
+            dst = b.remote_addr + (self._mapped(reg, dev) - reg["base"])
+            self.bound_copies.finish([self.bound_copies.copy(dev, b.local_addr, dst, b.length)], wait=True)
         except Exception as e:  # noqa: BLE001 — a CUDA failure fails this batch, not the link
-            log.error("ipc GPU copy of %d piece(s) to %s failed: %s", n, ep.peer_id, e)
-            m.table = np.zeros(n, dtype=PIECE_DT)  # the completion names the first piece
-            m.table["addr"], m.table["len"], m.table["waddr"], m.table["wlen"], m.table["rkey"] = ra, ln, ra, ln, \
-                b.rkey
-            statuses = bytes([ST_FAILED]) * n
+            log.error("ipc GPU copy of %d piece(s) to %s failed: %s", b.count, ep.peer_id, e)
+            statuses = self._failed_statuses(m, b)
         ep.on_ack(m.seq, statuses)
         return True
 
-    @staticmethod
-    def _memcpy_each(dev: int, src, dst, lengths):
-        """A ``cudaMemcpyAsync`` per piece on ``dev``'s current stream; returns what ``BoundCopies.finish`` takes."""
+    def _post_batches_ordered(self, ep: TcpEndpoint, batches, devices, after):
+        """The GPU part of ``post_writes_after``: one launch for every batch, on the source GPU's ordered stream
+        after ``after``; the batches complete from the completer thread. Returns (taken, the copy's event):
+        (False, None) with nothing done when the batches do not qualify (see ``_direct_target``), (True, None)
+        when the launch failed (the batches completed with the failure, ``after`` waited for)."""
         import torch
-        with torch.cuda.device(dev):
-            stream = torch.cuda.current_stream(dev)
-            for s_, d_, n_ in zip(src.tolist(), dst.tolist(), lengths.tolist()):
-                memcpy_async(d_, s_, n_, stream)
-        return dev, stream.cuda_stream, None
+        target = self._direct_target(ep, batches, devices)
+        if target is None:
+            return False, None
+        dev, reg = target
+        msgs = [self._batch_message(b) for b in batches]
+        ep.enqueue(msgs, queue=False, local=[True] * len(msgs))
+        if len(batches) == 1:
+            la, ra, ln = batches[0].local_addr, batches[0].remote_addr, batches[0].length
+        else:
+            la, ra, ln = (np.concatenate([getattr(b, k) for b in batches]) for k in ("local_addr", "remote_addr",
+                                                                                      "length"))
+        try:
+            dst = ra + (self._mapped(reg, dev) - reg["base"])
+            stream = self._ordered_stream(dev)
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
+                for event in after:
+                    stream.wait_event(event)
+                (done, _), = self.bound_copies.finish([self.bound_copies.copy(dev, la, dst, ln)], wait=False)
+        except Exception as e:  # noqa: BLE001 — a CUDA failure fails these batches, not the link
+            log.error("ipc GPU copy of %d piece(s) to %s failed: %s", int(ln.size), ep.peer_id, e)
+            for m, b in zip(msgs, batches):
+                ep.on_ack(m.seq, self._failed_statuses(m, b))
+            for event in after:  # the sources' producers may still run: the caller reuses them after this
+                event.synchronize()
+            return True, None
+        self._completer_thread().put(ep, done, msgs, batches)
+        return True, done
+
+    def _ordered_stream(self, dev: int):
+        stream = self._ordered_streams.get(dev)
+        if stream is None:
+            import torch
+            with self._open_lock:
+                stream = self._ordered_streams.get(dev)
+                if stream is None:
+                    stream = self._ordered_streams[dev] = torch.cuda.Stream(device=dev)
+        return stream
+
+    def _completer_thread(self) -> "_Completer":
+        c = self._completer
+        if c is None:
+            with self._open_lock:
+                if self._completer is None:
+                    self._completer = _Completer(f"pxn-ipc-complete-{self.local_id}", self._failed_statuses)
+                c = self._completer
+        return c
 
     def _send(self, ep: TcpEndpoint, msgs: List[_OutMsg]) -> None:
         """When the peer's descriptions of every region involved are current, the copies and their NOTIFYs run in
@@ -716,15 +799,13 @@ class IpcFabric(TcpFabric):
                 for j in distinct(ks):
                     shift[j] = self._mapped(regs[j], dev) - regs[j]["base"]
                 dst = addr[sel] + shift[ks]
-                lens = ln[sel]
-                if sel.size > _MEMCPY_MAX or self.bound_copies.repeated(dev, lens):
-                    launched.append(self.bound_copies.launch(dev, s_addr[sel], dst, lens))
-                else:  # a few pieces of lengths not seen before: a copy-engine call each costs less than a launch
-                    launched.append(self._memcpy_each(dev, s_addr[sel], dst, lens))
+                launched.append(self.bound_copies.copy(dev, s_addr[sel], dst, ln[sel]))
         finally:
             self.bound_copies.finish(launched, wait=True)
 
     def _on_close(self) -> None:
+        if self._completer is not None:
+            self._completer.close()
         self._gen.close()
         if self._cuda is not None:
             for ptr in self._opened.values():
@@ -732,3 +813,41 @@ class IpcFabric(TcpFabric):
         self._opened.clear()
 
 
+
+
+class _Completer:
+    """The thread that completes event-ordered posts: waits for each post's copy event in posting order, then
+    acks its messages (success, or failure when the copy failed)."""
+
+    def __init__(self, name: str, failed_statuses):
+        import queue
+        self._q = queue.SimpleQueue()
+        self._failed_statuses = failed_statuses
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, ep, event, msgs, batches) -> None:
+        self._q.put((ep, event, msgs, batches))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            ep, event, msgs, batches = item
+            try:
+                event.synchronize()  # releases the GIL while it waits
+                failed = False
+            except Exception as e:  # noqa: BLE001 — a CUDA failure fails these batches, not the link
+                log.error("ipc ordered GPU copy to %s failed: %s", ep.peer_id, e)
+                failed = True
+            for m, b in zip(msgs, batches):
+                try:
+                    ep.on_ack(m.seq, self._failed_statuses(m, b) if failed else bytes(b.count))
+                except Exception:  # noqa: BLE001 — one bad completion must not stop the thread
+                    log.exception("completing ipc message %d to %s failed", m.seq, ep.peer_id)
+
+    def close(self) -> None:
+        self._q.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)

@@ -19,6 +19,7 @@ posts with it (``Fabric.post_writes_after``); the fabric's copy waits for that e
 go back to the ring at once, marked with the copy's own event, which the slot's next fill waits for on its lane
 stream. The host then only enqueues work, and one round's write overlaps the next round's fill; a round takes at
 most half the slots so that there is a next round to overlap.
+
 Back-pressure: the copy thread waits for a free slot; nothing that releases slots ever waits for one, so the
 ring cannot deadlock.
 

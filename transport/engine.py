@@ -38,6 +38,7 @@ import functools
 import itertools
 import logging
 import queue
+import os
 import secrets
 import socket
 import sys
@@ -229,13 +230,15 @@ class TransferEngine(Pipeline):
             relay=relay, timeout=timeout, trace_path=trace_path, switch_interval=switch_interval,
             loadstore=loadstore, forward_large=forward_large, max_senders=max_senders,
             handshake_timeout=handshake_timeout, max_conns_per_addr=max_conns_per_addr)
-        cfg = EngineConfig.from_env(**given)
+        environ = dict(os.environ)  # one reading of the environment for both passes below
+        cfg = EngineConfig.from_env(environ, **given)
         from transport.fabric import fabric_class, make_fabric
         self.fabric_name = self._pick_fabric(cfg.fabric)
         fabric_cls = fabric_class(self.fabric_name)
         if fabric_cls.config_defaults:
-            # the fabric's own defaults (ipc: no coalescing); arguments and PXN_* variables still win
-            cfg = EngineConfig.from_env(defaults=fabric_cls.config_defaults, **given)
+            # the fabric's own defaults (ipc: no coalescing, large relay slots); arguments and PXN_* variables
+            # still win
+            cfg = EngineConfig.from_env(environ, defaults=fabric_cls.config_defaults, **given)
         self.config = cfg
         from transport.auth import resolve_secret
         self._secret = resolve_secret(secret)

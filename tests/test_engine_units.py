@@ -387,10 +387,16 @@ def test_fabric_defaults_sit_between_variables_and_class_defaults():
     from transport.fabric import fabric_class
     ipc = fabric_class("ipc").config_defaults
     assert ipc == {"coalesce_bytes": 0, "relay_slot_bytes": 64 << 20, "relay_slots": 1, "landing_slots": 2}
-    assert fabric_class("tcp").config_defaults == {}
+    tcp = fabric_class("tcp").config_defaults
+    assert tcp == {"direct_pieces": 64}
     cfg = EngineConfig.from_env({}, defaults=ipc)
     assert (cfg.coalesce_bytes, cfg.relay_slot_bytes, cfg.relay_slots, cfg.landing_slots) == (0, 64 << 20, 1, 2)
     assert EngineConfig.from_env({"PXN_RELAY_SLOT_BYTES": "4M"}, defaults=ipc).relay_slot_bytes == 4 << 20
+    assert EngineConfig.from_env({}).direct_pieces == 0
+    assert EngineConfig.from_env({}, defaults=tcp).direct_pieces == 64
+    assert EngineConfig.from_env({"PXN_DIRECT_PIECES": "0"}, defaults=tcp).direct_pieces == 0
+    with pytest.raises(ValueError, match=r"direct_pieces must be an int >= 0, got -1"):
+        EngineConfig.from_env({}, direct_pieces=-1)
     assert EngineConfig.from_env({"PXN_COALESCE_BYTES": "8K"}, defaults=ipc).coalesce_bytes == 8 << 10
     assert EngineConfig.from_env({"PXN_COALESCE_BYTES": "8K"}, defaults=ipc, coalesce_bytes=100).coalesce_bytes == 100
     assert EngineConfig.from_env({}).coalesce_bytes == 64 << 10

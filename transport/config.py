@@ -39,6 +39,7 @@ _ENV = {
     "fabric": ("PXN_FABRIC", str),
     "rails": ("PXN_RAILS", int),
     "coalesce_bytes": ("PXN_COALESCE_BYTES", parse_size),
+    "direct_pieces": ("PXN_DIRECT_PIECES", int),
     "relay_slot_bytes": ("PXN_RELAY_SLOT_BYTES", parse_size),
     "relay_slots": ("PXN_RELAY_SLOTS", int),
     "lanes": ("PXN_LANES", int),
@@ -65,6 +66,7 @@ class EngineConfig:
     fabric: str = "auto"
     rails: int = 2
     coalesce_bytes: int = 64 << 10
+    direct_pieces: int = 0
     relay_slot_bytes: int = 4 << 20
     relay_slots: int = 8
     lanes: int = 2
@@ -130,7 +132,8 @@ class EngineConfig:
         if self.relay not in ("auto", "always", "never"):
             raise ValueError(f"relay must be 'auto', 'always' or 'never', got {self.relay!r}")
         for name, lo in (("rails", 1), ("relay_slots", 1), ("lanes", 1), ("landing_slots", 1),
-                         ("relay_slot_bytes", 4096), ("stripe_bytes", 4096), ("coalesce_bytes", 0)):
+                         ("relay_slot_bytes", 4096), ("stripe_bytes", 4096), ("coalesce_bytes", 0),
+                         ("direct_pieces", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")

@@ -176,6 +176,8 @@ class TransferEngine(Pipeline):
         rails: rail count for the trivial topology (``PXN_RAILS``, default 2).
         coalesce_bytes: pieces below this are coalesced into chunks (``PXN_COALESCE_BYTES``, default 64 KiB;
             0 on the ipc fabric, whose batched writes need no chunks: ``Fabric.config_defaults``).
+        direct_pieces: a batch with at most this many small pieces of host memory on a device writes them direct
+            instead of through a chunk (``PXN_DIRECT_PIECES``; default 0, tcp 64: ``Fabric.config_defaults``).
         relay_slot_bytes: relay / landing slot size = largest chunk and relayed piece (``PXN_RELAY_SLOT_BYTES``,
             default 4 MiB: on tcp, 64 KB pieces coalesce at 1.9 GB/s with 4 MiB chunks, 1.2 with 1 MiB).
         relay_slots: slots per lane (``PXN_RELAY_SLOTS``, default 8). lanes: lanes per ring (``PXN_LANES``, 2).
@@ -219,13 +221,15 @@ class TransferEngine(Pipeline):
                  trace_path: Optional[str] = None, fabric_options: Optional[dict] = None,
                  switch_interval: Optional[float] = None, loadstore: Optional[bool] = None, secret=None,
                  max_senders: Optional[int] = None, handshake_timeout: Optional[float] = None,
-                 max_conns_per_addr: Optional[int] = None, forward_large: Optional[bool] = None):
+                 max_conns_per_addr: Optional[int] = None, forward_large: Optional[bool] = None,
+                 direct_pieces: Optional[int] = None):
         self.hostname = hostname
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
         # arguments first, then PXN_* variables, then defaults: read once, checked as a whole (transport.config)
         given = dict(
-            fabric=fabric, rails=rails, coalesce_bytes=coalesce_bytes, relay_slot_bytes=relay_slot_bytes,
+            fabric=fabric, rails=rails, coalesce_bytes=coalesce_bytes, direct_pieces=direct_pieces,
+            relay_slot_bytes=relay_slot_bytes,
             relay_slots=relay_slots, lanes=lanes, landing_slots=landing_slots, stripe_bytes=stripe_bytes,
             relay=relay, timeout=timeout, trace_path=trace_path, switch_interval=switch_interval,
             loadstore=loadstore, forward_large=forward_large, max_senders=max_senders,
@@ -264,8 +268,9 @@ class TransferEngine(Pipeline):
         from transport.loadstore import GenerationCounter
         self._region_gen = GenerationCounter()
         trace_path = cfg.trace_path
+        self.direct_pieces = cfg.direct_pieces
         self.planner = Planner(self.coalesce_bytes, self.slot_bytes, self.stripe_bytes, self.slot_bytes,
-                               self.relay_mode)
+                               self.relay_mode, self.direct_pieces)
         self.engine_id = secrets.randbits(63) | 1
         self.trace = Trace(trace_path) if trace_path else None
         self.counters = Counters()
@@ -306,6 +311,8 @@ class TransferEngine(Pipeline):
         options = {**fabric_cls.engine_options, **options}
         self._selective = "selective_signaling" in fabric_cls.capabilities
         self._batches = "write_batches" in fabric_cls.capabilities
+        # small batches as one WriteRows post, checked in Python (transport.smallbatch)
+        self._rows = "write_rows" in fabric_cls.capabilities and self.direct_pieces > 0
         options["secret"] = self._secret or ""  # resolved once here: the fabrics do not read PXN_SECRET again
         if "authenticated_rails" in fabric_cls.capabilities:
             # an incoming rail must have been announced by an authenticated control hello (receiver.accept_sender)

@@ -2,6 +2,9 @@
 
 * Small pieces (``length < coalesce_bytes``) of one source device are packed, in order, into chunks that fit a
   relay slot: ``[header | table | payload]`` (``pxn_kernels.chunk``). One chunk = one gather + one fabric write.
+  A batch with at most ``direct_pieces`` small host pieces on a device sends them direct instead, with its large
+  pieces: on a fabric that carries many writes in one message (tcp) a few pieces cost a few table rows, where a
+  chunk adds the gather, a landing slot and the receiver's ack, a thread hand-off at each step.
 * Large pieces go direct (zero copy: the WRITE reads the source address) when the chosen rail is local to their
   device, else through relay slots in slot-size pieces. Pieces above ``stripe_bytes`` are cut so that one big
   block is spread over every rail of its device.
@@ -110,14 +113,18 @@ class Planner:
     relay_bytes: size of one relayed piece (= relay slot size).
     relay: "auto" (relay only where the rail is not local), "always" (every large piece through a slot; the
         benchmark's 'relayed' column), "never" (every large piece direct).
+    direct_pieces: a device's small pieces go direct, not into chunks, when they are host memory, at most this
+        many, and every rail of the device is local (0: small pieces are always coalesced).
     """
 
     def __init__(self, coalesce_bytes: int, chunk_bytes: int, stripe_bytes: int, relay_bytes: int,
-                 relay: str = "auto"):
+                 relay: str = "auto", direct_pieces: int = 0):
         if relay not in ("auto", "always", "never"):
             raise ValueError(f"relay must be 'auto', 'always' or 'never', got {relay!r}")
         if coalesce_bytes < 0:
             raise ValueError(f"coalesce_bytes must be >= 0, got {coalesce_bytes}")
+        if isinstance(direct_pieces, bool) or not isinstance(direct_pieces, int) or direct_pieces < 0:
+            raise ValueError(f"direct_pieces must be an int >= 0, got {direct_pieces!r}")
         min_chunk = HEADER_BYTES + ENTRY_BYTES + PAYLOAD_ALIGN + coalesce_bytes + PAYLOAD_ALIGN
         if coalesce_bytes and chunk_bytes < min_chunk:
             raise ValueError(f"chunk (slot) size {chunk_bytes} B cannot hold one piece of coalesce_bytes "
@@ -127,6 +134,7 @@ class Planner:
         self.stripe_bytes = int(stripe_bytes)
         self.relay_bytes = int(relay_bytes)
         self.relay = relay
+        self.direct_pieces = direct_pieces
         self._rotate = 0
 
     def plan(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray, devices: np.ndarray,
@@ -160,7 +168,9 @@ class Planner:
             choices = choices[r:] + choices[:r]
             on_dev = devices == dev if len(device_list) > 1 else True  # one device: every piece is on it
             idx_small = np.nonzero(on_dev & small)[0] if small is not None else ()
-            if len(idx_small):
+            direct_small = (0 < len(idx_small) <= self.direct_pieces and dev < 0 and forward is None
+                            and self.relay != "always" and all(c.local for c in choices))
+            if len(idx_small) and not direct_small:
                 lens_small = lengths[idx_small]
                 start = 0
                 for end in chunk_splits(lens_small, self.chunk_bytes):
@@ -173,7 +183,9 @@ class Planner:
                     start = end
             open_relay: Dict[int, Unit] = {}
             open_fwd: Dict[int, Unit] = {}
-            if small is not None:
+            if direct_small:  # the small pieces go with the large ones: every piece of the device, in order
+                idx_large = np.arange(lengths.size) if on_dev is True else np.nonzero(on_dev)[0]
+            elif small is not None:
                 idx_large = np.nonzero(on_dev & ~small)[0]
             else:
                 idx_large = np.arange(lengths.size) if on_dev is True else np.nonzero(on_dev)[0]

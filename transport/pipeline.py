@@ -33,6 +33,7 @@ from transport.planner import COALESCED, DIRECT, RELAYED, Unit
 from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, chunk_imm, decode_ack, decode_ack_payload
 from transport.regions import first_bad, locate_inside, span_region
 from transport.relay import gpu_pack, gpu_pack_large, host_memmove
+from transport.smallbatch import submit_rows
 from transport.telemetry import POSTED, WAITING, now_ns
 
 if TYPE_CHECKING:  # annotations only: the engine module imports this one
@@ -203,6 +204,10 @@ class Pipeline:
 
     def _submit(self, session_id, srcs, dsts, lengths, async_: bool = False) -> Optional[_Batch]:
         self._check_open()
+        if self._rows and lengths.__class__ in (list, tuple) and len(lengths) <= self.direct_pieces:
+            batch = submit_rows(self, session_id, srcs, dsts, lengths)  # a few small pieces: transport.smallbatch
+            if batch is not None:
+                return batch
         t0 = now_ns()
         src, dst, ln = self._as_arrays(("srcs", srcs), ("dsts", dsts), ("lengths", lengths))
         if ln.size == 0:

@@ -75,7 +75,15 @@ _STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range out
 # Pieces under this size are received into a staging run and scattered by memmove: one recv per run instead of
 # one syscall per 64 B piece.
 SMALL_PIECE = 32 << 10
+# A WRITE message of at most this many bytes (table and payload) is received in one piece into the staging buffer
+# and placed from there (``_on_small_write``): one receive and no numpy call, where the bytes copied once more
+# cost less than the steps saved.
+SMALL_MESSAGE = 64 << 10
 MAX_TABLE = 1 << 16  # pieces per message; a peer claiming more is broken or hostile
+# A post of one message at most this large (pieces, bytes on the wire) is sent by the posting thread itself when
+# its socket is idle; larger ones go to the sender threads, which stream them over every socket in parallel.
+INLINE_PIECES = 256
+INLINE_BYTES = 64 << 10
 _VECTOR_MIN = 16  # posts of more writes than this are checked and framed by numpy, not one write at a time
 _I64 = (1 << 63) - 1
 MAX_HELLO = 1 << 16  # bytes of a HELLO body
@@ -248,6 +256,39 @@ def send_buffers(sock: socket.socket, bufs: List) -> None:
             break
 
 
+class WriteRows(WriteBatch):
+    """A ``WriteBatch`` of a few writes from one local region (``lkey``) into one remote region (``rkey``), held as
+    lists of ints: the tcp fabric checks and frames it in a few Python steps, where a few numpy calls on arrays
+    of a dozen items cost more than the message's own send. Posted only to fabrics with the ``write_rows``
+    capability (tcp); it completes as one work request, like any ``WriteBatch``.
+
+    Arguments: local_addr, length, remote_addr: lists of ints, one entry per write; rkey, lkey: one int each."""
+
+    __slots__ = ()
+
+    def __init__(self, local_addr: List[int], length: List[int], remote_addr: List[int], rkey: int, lkey: int,
+                 wr_id: int = 0):
+        if not (len(local_addr) == len(length) == len(remote_addr)) or not length:
+            raise ValueError(f"WriteRows: local_addr, length and remote_addr need one length >= 1, got "
+                             f"{len(local_addr)}, {len(length)}, {len(remote_addr)}")
+        self.local_addr, self.length, self.remote_addr = local_addr, length, remote_addr
+        self.rkey, self.lkey = rkey, lkey
+        self.wr_id = wr_id
+        self.signaled = True
+        self.nbytes = sum(length)
+
+    @property
+    def count(self) -> int:
+        return len(self.length)
+
+    def __repr__(self):
+        return f"WriteRows(wr_id={self.wr_id}, writes={self.count}, bytes={self.nbytes})"
+
+
+_ROW = struct.Struct("<QQQQIIII")  # one row of PIECE_DT
+assert _ROW.size == PIECE_DT.itemsize
+
+
 class _WrRecord:
     """Sender-side state of one posted write (possibly cut into several pieces)."""
 
@@ -268,7 +309,7 @@ class _OutMsg:
     """One WRITE message on the wire: its pieces and where each piece's bytes come from."""
 
     __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at", "batch", "final", "src_arr",
-                 "pieces")
+                 "pieces", "rows", "bufs")
 
     def __init__(self, seq: int):
         self.seq = seq
@@ -283,6 +324,8 @@ class _OutMsg:
         self.final = False  # the batch's last message
         self.src_arr: Optional[np.ndarray] = None  # batch messages: ``src`` as int64 rows
         self.pieces = 0  # pieces of a message without a table (a batch the posting thread completes itself)
+        self.rows: Optional[bytes] = None  # a WriteRows message: its table as wire bytes (``table`` stays None) ...
+        self.bufs: Optional[list] = None  # ... and its payload as buffers of host memory, in order
 
     def source_array(self) -> np.ndarray:
         """``src`` as an int64 array of rows (local_addr, length, device)."""
@@ -312,7 +355,7 @@ class _OutMsg:
             elif st is not None and b.error is None and st.count(0) != len(st):  # any(st) steps per byte
                 arr = np.frombuffer(st, dtype=np.uint8)
                 i = int(np.flatnonzero(arr)[0])
-                t = self.table
+                t = self.table if self.table is not None else np.frombuffer(self.rows, dtype=PIECE_DT)
                 b.error = RegionError(
                     f"peer {peer_id} refused write {int(t['wlen'][i])} B at 0x{int(t['waddr'][i]):x} rkey "
                     f"0x{int(t['rkey'][i]):x} of batch wr_id={b.wr_id}: {_STATUS_TEXT.get(int(arr[i]), int(arr[i]))}")
@@ -369,6 +412,9 @@ class _Sock:
         self.grant_cv = threading.Condition()
         self.grants: Dict[int, tuple] = {}
         self.send_lock = threading.Lock()  # ipc sends small messages from several threads
+        # tcp: held while one message's bytes go out, by the sender thread or by a thread that sends a small message
+        # itself while no other is sending (``TcpFabric._send_now``), so that two messages never interleave
+        self.wire_lock = threading.Lock()
         self.granted: Dict[int, tuple] = {}  # ipc target: seq -> (table, statuses, pinned) until DONE
         self.tx_cache: dict = {}  # sender thread's pinned / device staging buffers and CUDA streams
 
@@ -541,9 +587,14 @@ class TcpFabric(Fabric):
     """
 
     name = "tcp"
-    capabilities = frozenset({"selective_signaling", "completion_callback", "authenticated_rails", "write_batches"})
+    capabilities = frozenset({"selective_signaling", "completion_callback", "authenticated_rails", "write_batches",
+                              "write_rows"})
     # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
     engine_options = {"connections_per_peer": 2}
+    # a few small pieces go as rows of one message (placed by the receiving thread) rather than in a chunk, whose
+    # gather, landing slot and ack each add a thread hand-off; many pieces still pay off as a chunk, whose table
+    # the receiver checks and scatters in whole-array steps
+    config_defaults = {"direct_pieces": 64}
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: Optional[int] = None,
                  message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
@@ -571,12 +622,17 @@ class TcpFabric(Fabric):
         self._stop = threading.Event()
         self._lock = threading.RLock()
         self._regions: Dict[int, MemoryRegion] = {}
+        # rkey -> (region, writable view of it) for host regions: small pieces are placed by slice assignment,
+        # a C copy without the ctypes call (and GIL release) of a memmove per piece
+        self._host_views: Dict[int, tuple] = {}
         self._region_use: Dict[int, int] = {}  # rkey -> pieces being placed right now (deregister waits)
         self._region_cv = threading.Condition(threading.Lock())
         self._endpoints: Dict[str, TcpEndpoint] = {}
         self._all_eps: List[TcpEndpoint] = []
         self._cq = CompletionQueue()
         self._cuda_streams: Dict[int, object] = {}
+        # a subclass that handles messages itself (ipc) keeps every message on its own ``_on_message``
+        self._small_writes = type(self)._on_message is TcpFabric._on_message
         try:
             self._listener = socket.create_server((hostname, port), backlog=128)
         except OSError as e:
@@ -618,6 +674,8 @@ class TcpFabric(Fabric):
                     break
             mr = MemoryRegion(addr=addr, length=length, lkey=key, rkey=key, device=device)
             self._regions[key] = mr
+            if device == DEVICE_HOST:
+                self._host_views[key] = (mr, raw_view(addr, length, writable=True))
         self._on_register(mr)
         return mr
 
@@ -631,6 +689,7 @@ class TcpFabric(Fabric):
             if cur is None or cur != mr:
                 raise RegionError(f"deregister: region {mr!r} is not registered with {self._id}")
             del self._regions[mr.rkey]
+            self._host_views.pop(mr.rkey, None)
         # A write being placed right now may still touch the memory: wait until it is done so the caller can
         # free the memory safely once we return.
         deadline = time.monotonic() + 10.0
@@ -843,6 +902,9 @@ class TcpFabric(Fabric):
         return regions, k, None
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
+        if len(requests) == 1 and type(requests[0]) is WriteRows:
+            self._post_rows(ep, requests[0])
+            return
         requests = list(requests)
         batches = [r for r in requests if isinstance(r, WriteBatch)]
         if batches:
@@ -871,6 +933,64 @@ class TcpFabric(Fabric):
             raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{int(la[i]):x}+{int(ln[i])} lies "
                               f"outside the region of lkey 0x{detail.lkey:x} (0x{detail.addr:x}+{detail.length})")
         return np.array([m.device for m in regions], dtype=np.int64)[k]
+
+    def _post_rows(self, ep: Endpoint, b: WriteRows) -> None:
+        """Post a ``WriteRows``: the checks of ``_validate_batch`` in Python, then one message (up to
+        ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path)."""
+        self._check_open()
+        if not isinstance(ep, TcpEndpoint) or ep.fabric is not self:
+            raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {self.name} fabric {self._id}")
+        la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
+        n = len(ln)
+        if n > MAX_TABLE or b.nbytes > self.message_bytes:
+            arrays = [np.asarray(v, dtype=np.int64) for v in (la, ln, ra)]
+            self.post_writes(ep, [WriteBatch(*arrays, np.full(n, rk, dtype=np.int64), np.full(n, lk, dtype=np.int64),
+                                             wr_id=b.wr_id)])
+            return
+        ep.check_alive()
+        for name, v in (("rkey", rk), ("lkey", lk)):
+            if v.__class__ is not int or not 0 <= v <= 0xFFFFFFFF:
+                raise ValueError(f"batch wr_id={b.wr_id}: {name} {v!r} is not a 32-bit unsigned int")
+        mr = self._regions.get(lk)
+        if mr is None:
+            raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
+        lo, hi = mr.addr, mr.addr + mr.length
+        for i in range(n):
+            a, k, r = la[i], ln[i], ra[i]
+            if not (a.__class__ is int and k.__class__ is int and r.__class__ is int and k > 0 and a >= 0
+                    and r >= 0 and r <= _I64 - k):
+                raise ValueError(f"batch wr_id={b.wr_id}, write {i} (local {a!r}, {k!r} B, remote {r!r}, rkey {rk}): "
+                                 f"lengths must be positive ints and addresses non-negative ints whose ranges fit "
+                                 f"64 bits")
+            if a < lo or a + k > hi:
+                raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{a:x}+{k} lies outside the "
+                                  f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
+        pack = _ROW.pack
+        m = _OutMsg(0)
+        m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
+        m.pieces = n
+        m.batch = _BatchRecord(b)
+        m.final = True
+        if mr.device == DEVICE_HOST:
+            # the sources as slices of one view of the region's span (a view per piece costs a ctypes call each),
+            # pieces that follow each other in memory as one buffer
+            first = min(la)
+            span = raw_view(first, max([a + k for a, k in zip(la, ln)]) - first)
+            bufs = []
+            start = end = -1
+            for a, k in zip(la, ln):
+                if a != end:
+                    if end > start:
+                        bufs.append(span[start - first:end - first])
+                    start = a
+                end = a + k
+            bufs.append(span[start - first:end - first])
+            m.bufs = bufs
+        else:  # GPU sources: staged through pinned memory by the sender (``_source_buffers``)
+            m.table = np.frombuffer(m.rows, dtype=PIECE_DT)
+            m.rows = None
+            m.src = [(a, k, mr.device) for a, k in zip(la, ln)]
+        self._send(ep, [m])
 
     def _message_target(self, total: int, nsocks: int) -> int:
         """Payload bytes per message for a post of ``total`` bytes: a share per socket (each socket's sender thread
@@ -915,8 +1035,25 @@ class TcpFabric(Fabric):
         return msgs
 
     def _send(self, ep: TcpEndpoint, msgs: List[_OutMsg]) -> None:
-        """Hand checked messages over: to the sockets' sender threads (a fabric may send some itself)."""
-        ep.enqueue(msgs)
+        """Hand checked messages over: to the sockets' sender threads, except a post of one small message, which
+        this thread sends itself when its socket is idle (``_send_now``)."""
+        m = msgs[0] if len(msgs) == 1 else None
+        # GPU sources are staged through the socket's buffers, which its sender thread owns
+        if m is None or len(m) > INLINE_PIECES or m.nbytes > INLINE_BYTES or (
+                m.bufs is None and any(d != DEVICE_HOST for _, _, d in m.sources())):
+            ep.enqueue(msgs)
+            return
+        s, = ep.enqueue(msgs, queue=False)
+        try:
+            if self._send_now(s, self._wire_buffers(s, m)):
+                return
+        except OSError as e:  # as in the sender thread: the link is unusable, pending work fails over
+            log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
+            ep.fail(f"send failed: {e}")
+            return
+        with s.cv:
+            s.data.append(m)
+            s.cv.notify()
 
     def _build_messages(self, requests, mrs, nsocks: int) -> List[_OutMsg]:
         """Cut the writes into messages of about ``message_bytes`` (fewer, smaller ones when the batch is small,
@@ -1205,13 +1342,17 @@ class TcpFabric(Fabric):
                         s.cv.wait()
                     if s.closed:
                         return
-                    ctrl = list(s.ctrl)
-                    s.ctrl.clear()
-                    msg = s.data.popleft() if (not ctrl and s.data) else None
-                if ctrl:
-                    send_buffers(s.sock, ctrl)
-                if msg is not None:
-                    self._transmit(ep, s, msg)
+                # taken before the queues are read: the rest of a message that a thread began to send itself
+                # (``_send_now``) is at the head of ``ctrl`` by the time the lock is free
+                with s.wire_lock:
+                    with s.cv:
+                        ctrl = list(s.ctrl)
+                        s.ctrl.clear()
+                        msg = s.data.popleft() if (not ctrl and s.data) else None
+                    if ctrl:
+                        send_buffers(s.sock, ctrl)
+                    if msg is not None:
+                        self._transmit(ep, s, msg)
         except Exception as e:  # noqa: BLE001 — any send failure means the link is gone
             if ep.alive and not self._closed:
                 log.debug("send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
@@ -1252,11 +1393,51 @@ class TcpFabric(Fabric):
         return [raw_view(hbase + where[i], n) if d != DEVICE_HOST else raw_view(a, n)
                 for i, (a, n, d) in enumerate(srcs)]
 
-    def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
+    def _wire_buffers(self, s: _Sock, msg: _OutMsg) -> List:
+        """A WRITE message as buffers to send in order: header and table, then each piece's source bytes."""
+        if msg.rows is not None:
+            return [HDR.pack(MAGIC, T_WRITE, 0, 0, msg.pieces, msg.seq, len(msg.rows) + msg.batch.length)
+                    + msg.rows] + msg.bufs
         table = msg.table.tobytes()
         payload = int(msg.table["len"].sum())
         hdr = HDR.pack(MAGIC, T_WRITE, 0, 0, len(msg.table), msg.seq, len(table) + payload)
-        send_buffers(s.sock, [hdr + table] + self._source_buffers(s, msg))
+        return [hdr + table] + self._source_buffers(s, msg)
+
+    def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
+        send_buffers(s.sock, self._wire_buffers(s, msg))
+
+    @staticmethod
+    def _send_now(s: _Sock, bufs: List) -> bool:
+        """Send ``bufs`` (one message) from this thread when no other thread is sending on the socket and the
+        kernel takes at least its first byte without waiting; what it does not take goes to the head of the
+        socket's queue, for the sender thread to send before anything else. False: nothing was sent (the socket
+        is busy or full; queue the message). Never blocks: receiving threads send their acks this way.
+
+        Why: handing a small message to the sender thread costs a thread wake-up on each side of the wire, more
+        than the message's own send; the sender thread stays for large messages and for a socket that is full."""
+        if not s.wire_lock.acquire(blocking=False):
+            return False
+        try:
+            if s.closed:
+                return False
+            try:
+                sent = s.sock.sendmsg(bufs, (), socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return False
+            rest = []
+            for i, b in enumerate(bufs):
+                n = len(b)
+                if sent < n:
+                    rest = [memoryview(b)[sent:]] + list(bufs[i + 1:])
+                    break
+                sent -= n
+            if rest:
+                with s.cv:
+                    s.ctrl.extendleft(reversed(rest))
+                    s.cv.notify()
+            return True
+        finally:
+            s.wire_lock.release()
 
     def _recv_loop(self, ep: TcpEndpoint, s: _Sock) -> None:
         hdr = bytearray(HDR.size)
@@ -1282,6 +1463,9 @@ class TcpFabric(Fabric):
                         raise ValueError(f"body {blen} B shorter than its table {tb} B")
                     if blen - tb > ep.max_payload:
                         raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
+                    if typ == T_WRITE and blen <= SMALL_MESSAGE and self._small_writes:
+                        self._on_small_write(ep, s, seq, count, tb, blen, st)
+                        continue
                     if len(st["table"]) < tb:
                         st["table"] = bytearray(tb)
                     tview = memoryview(st["table"])[:tb]
@@ -1307,17 +1491,22 @@ class TcpFabric(Fabric):
         raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
 
     def _send_ctrl(self, ep: TcpEndpoint, s: _Sock, payload: bytes) -> None:
-        """Send a small control message (ack); tcp queues it to the socket's sender thread."""
-        ep.send_ctrl(s, payload)
+        """Send a small control message (ack): at once when the socket is idle, else through its sender thread
+        (the receiving thread that calls this never waits on a send)."""
+        if not self._send_now(s, [payload]):
+            ep.send_ctrl(s, payload)
 
     def _validate_pieces(self, table: np.ndarray) -> tuple:
         """Check every piece against this fabric's regions and pin the regions it uses (deregister waits).
         Returns (statuses bytearray, regions per piece, pinned rkeys)."""
-        n = len(table)
+        return self._validate_lists(table["addr"].tolist(), table["len"].tolist(), table["waddr"].tolist(),
+                                    table["wlen"].tolist(), table["rkey"].tolist())
+
+    def _validate_lists(self, addrs, lens, waddrs, wlens, rkeys) -> tuple:
+        """``_validate_pieces`` of a table given as one list of ints per column."""
+        n = len(lens)
         statuses = bytearray(n)
         regions: List[Optional[MemoryRegion]] = [None] * n
-        addrs, lens = table["addr"].tolist(), table["len"].tolist()
-        waddrs, wlens, rkeys = table["waddr"].tolist(), table["wlen"].tolist(), table["rkey"].tolist()
         pinned = set()
         with self._region_cv:
             for i in range(n):
@@ -1359,6 +1548,50 @@ class TcpFabric(Fabric):
         finally:
             self._unpin(pinned)
         self._finish_message(ep, s, seq, table, statuses)
+
+    def _on_small_write(self, ep: TcpEndpoint, s: _Sock, seq: int, count: int, tb: int, blen: int,
+                        st: dict) -> None:
+        """``_on_message`` for a WRITE message of at most ``SMALL_MESSAGE`` bytes: table and payload in one
+        receive into the staging buffer, rows read with ``struct``, every accepted piece copied to its place.
+        The checks are ``_validate_pieces``'s, before anything is placed."""
+        stage = st["stage"]  # at least SMALL_MESSAGE bytes
+        view = memoryview(stage)
+        recv_exact(s.sock, view[:blen])
+        rows = list(_ROW.iter_unpack(view[:tb]))
+        addrs, lens, waddrs, wlens, rkeys, flags, imms, _ = zip(*rows) if rows else ((),) * 8
+        if sum(lens) != blen - tb:
+            raise ValueError(f"payload {blen - tb} B does not match the table's {sum(lens)} B")
+        statuses, regions, pinned = self._validate_lists(addrs, lens, waddrs, wlens, rkeys)
+        try:
+            off = tb
+            gpu = []
+            views = self._host_views
+            for i, mr in enumerate(regions):
+                k = lens[i]
+                if mr is not None:
+                    ent = views.get(mr.rkey)
+                    if ent is not None and ent[0] is mr:  # the view of this very region (checked above)
+                        a = addrs[i] - mr.addr
+                        ent[1][a:a + k] = view[off:off + k]
+                    elif mr.device == DEVICE_HOST:  # deregistered meanwhile: still pinned, deregister waits
+                        ctypes.memmove(addrs[i], ctypes.addressof(ctypes.c_char.from_buffer(stage, off)), k)
+                    else:
+                        gpu.append((i, off - tb, k))
+                off += k
+            if gpu:  # GPU regions: staged through pinned memory, as ``_place`` does
+                host = pinned_buffer(st, blen - tb)
+                ctypes.memmove(host.data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(stage, tb)), blen - tb)
+                self._place_gpu(host, gpu, addrs, regions, statuses, st)
+        finally:
+            view.release()
+            self._unpin(pinned)
+        events = []
+        if any(flags):
+            for i, f in enumerate(flags):
+                if f & F_IMM and statuses[i] == ST_OK:
+                    events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))
+        self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, count, seq, count) + bytes(statuses))
+        ep.deliver_in_order(seq, events)
 
     def _finish_message(self, ep: TcpEndpoint, s: _Sock, seq: int, table: np.ndarray, statuses,
                         ack: bool = True) -> None:

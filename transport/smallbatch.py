@@ -1,0 +1,104 @@
+"""Small batches on fabrics that take ``WriteRows`` (tcp): a batch of a few small host pieces, every source in
+one registered region and every destination in one of the peer's, submitted in a few Python steps.
+
+What the general path (``Pipeline._submit``) does for such a batch -- argument arrays, reductions, the plan, a
+``WriteBatch`` of arrays, the fabric's array checks and framing -- is a few dozen numpy calls of ~1-3 us each on
+arrays of a dozen items: more host time than the batch's wire round trip. Here the same checks run on the
+caller's lists of ints, and the batch becomes the plan's own result for it (``Planner.direct_pieces``): one
+DIRECT unit on the least loaded rail, one ``WriteRows`` request, posted by the caller (``Pipeline._post``).
+
+Anything else -- a non-int entry, a piece that is not small, a source or destination outside one region, an
+unknown or unconnected peer, no usable rail -- is left to the general path, which handshakes, refreshes the
+peer's regions, and names the bad entry; nothing is written or counted here before every check passed.
+Failover, completions and failure handling are the general path's: the unit and its attempt are the same kind
+of objects.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from transport.fabric.base import DEVICE_HOST
+from transport.planner import DIRECT, Unit
+from transport.regions import span_region
+from transport.telemetry import now_ns
+
+_END_MAX = 1 << 62  # span_region's bound on region ends; pieces past it take the general path
+
+_pipeline = None  # transport.pipeline, imported at first use (it imports this module)
+
+
+def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int]):
+    """Submit a small batch as one ``WriteRows`` post from this thread. Returns the ``_Batch`` (posted; its
+    completion sets ``batch.event``), or None when the batch does not qualify (nothing was done: the caller takes
+    the general path)."""
+    t0 = now_ns()
+    n = len(lengths)
+    if not 0 < n <= eng.direct_pieces or len(srcs) != n or len(dsts) != n:
+        return None
+    small = eng.coalesce_bytes
+    for k in lengths:
+        if k.__class__ is not int or not 0 < k < small:
+            return None
+    for a in srcs:
+        if a.__class__ is not int or a < 0:
+            return None
+    for a in dsts:
+        if a.__class__ is not int or a < 0:
+            return None
+    peer = eng._peers.get(session_id)
+    if peer is None or not peer.ready or peer.retired or peer.loadstore is not None or peer.forward is not None:
+        return None
+    smin, smax, dmin, dmax = min(srcs), max(srcs), min(dsts), max(dsts)
+    lmax = max(lengths)
+    if smax + lmax >= _END_MAX or dmax + lmax >= _END_MAX:
+        return None
+    send = max([a + k for a, k in zip(srcs, lengths)])
+    dend = max([a + k for a, k in zip(dsts, lengths)])
+    lsnap = eng._regions.snapshot()
+    li = span_region(lsnap, smin, smax, send, lmax)
+    if li is None:
+        return None
+    local = lsnap.regions[li]
+    if local.device != DEVICE_HOST:
+        return None  # GPU sources: gathered into a chunk on the GPU, one launch
+    rsnap = peer.regions.snapshot()
+    ri = span_region(rsnap, dmin, dmax, dend, lmax)
+    if ri is None:
+        return None
+    # the least loaded usable rail, ties rotating as the planner's do
+    rails = peer.rails
+    k = len(rails)
+    planner = eng.planner
+    planner._rotate += 1
+    r = planner._rotate
+    pr = None
+    for j in range(k):
+        c = rails[(r + j) % k]
+        if c.alive and c.ep.alive and (pr is None or c.bytes_in_flight < pr.bytes_in_flight):
+            pr = c
+    if pr is None:
+        return None
+    rail = pr.rail
+    global _pipeline
+    if _pipeline is None:
+        from transport import pipeline as _pipeline
+    from transport.fabric.tcp import WriteRows
+    nbytes = sum(lengths)
+    batch = _pipeline._Batch(next(eng._batch_ids), peer, srcs, dsts, lengths, nbytes)
+    batch.spans = (lsnap, li, rsnap, ri)  # a failover's re-post finds its keys without a lookup per piece
+    batch.remaining = 1
+    unit = Unit(DIRECT, DEVICE_HOST, rail, DEVICE_HOST, nbytes, src=srcs[0], dst=dsts[0], wire_bytes=nbytes,
+                segs=list(zip(srcs, dsts, lengths)))
+    t1 = now_ns()
+    with eng._lock:
+        a = _pipeline._Attempt(eng, unit, batch, pr)
+        pr.inflight.add(a)
+        pr.bytes_in_flight += nbytes
+    a.reqs = [WriteRows(list(srcs), list(lengths), list(dsts), rsnap.regions[ri].keys[rail],
+                        local.keys[rail].lkey)]
+    eng._post([a])
+    t2 = now_ns()
+    eng.counters.add_many((("batches_submitted", 1), ("items", n), ("bytes", nbytes),
+                           ("time_validate_s", (t1 - t0) / 1e9), ("time_dispatch_s", (t2 - t1) / 1e9)))
+    return batch
+

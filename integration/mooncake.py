@@ -861,9 +861,9 @@ class TransferEngine:
     def _session(self, target) -> str:
         """The pxn session of ``target``: itself ("host:port") in P2P mode, looked up at the metadata server
         otherwise (cached until a transfer to it fails). Raises UnknownSession."""
-        from transport.engine import UnknownSession
         if self._metadata is None:
             return normalize_session(target)
+        from transport.engine import UnknownSession
         if not isinstance(target, str) or not target:
             raise UnknownSession(f"segment name must be a non-empty string, got {target!r}")
         session = self._sessions.get(target)
@@ -890,6 +890,8 @@ class TransferEngine:
         """Drop zero-length pieces (Mooncake accepts them and moves nothing). Returns the three lists as given
         when none is zero-length (keeps the engine's fast path for int64 arrays)."""
         try:
+            if lengths.__class__ in (list, tuple) and 0 not in lengths:
+                return buffers, peers, lengths  # a list without a zero (numpy would find none either): as given
             import numpy as np
             ln = np.asarray(lengths)
             if ln.ndim != 1 or ln.dtype.kind not in "iu" or ln.size == 0 or ln.all():

@@ -144,7 +144,7 @@ class WireHarness:
             a.sendall(frame)
             a.shutdown(socket.SHUT_WR)
             self.fab._recv_loop(ep, ep.socks[0])  # returns once the frame is consumed or refused
-            acks = list(ep.socks[0].ctrl)
+            acks = self._acks(a, ep.socks[0])
         finally:
             a.close()
             b.close()
@@ -152,6 +152,29 @@ class WireHarness:
         if not ep.alive:
             self.counts["links_failed"] += 1
         self._check(frame, acks)
+
+    @staticmethod
+    def _acks(a: socket.socket, s) -> list:
+        """The acks the receive loop sent, in order: those it wrote to the socket itself (read at ``a``), then
+        those it queued for the socket's sender thread (none runs here)."""
+        a.setblocking(False)
+        data = bytearray()
+        try:
+            while True:
+                got = a.recv(1 << 16)
+                if not got:
+                    break
+                data += got
+        except BlockingIOError:
+            pass
+        for part in s.ctrl:
+            data += part
+        acks, pos = [], 0
+        while pos + T.HDR.size <= len(data):
+            count = T.HDR.unpack_from(data, pos)[4]
+            acks.append(bytes(data[pos:pos + T.HDR.size + count]))
+            pos += T.HDR.size + count
+        return acks
 
     def _check(self, frame: bytes, acks) -> None:
         """Replay the protocol on ``frame`` (messages back to back) and compare with what the fabric did."""

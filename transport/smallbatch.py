@@ -15,7 +15,8 @@ of objects.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from operator import add
+from typing import Sequence
 
 from transport.fabric.base import DEVICE_HOST
 from transport.planner import DIRECT, Unit
@@ -23,6 +24,7 @@ from transport.regions import span_region
 from transport.telemetry import now_ns
 
 _END_MAX = 1 << 62  # span_region's bound on region ends; pieces past it take the general path
+_INT = {int}
 
 _pipeline = None  # transport.pipeline, imported at first use (it imports this module)
 
@@ -35,25 +37,20 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     n = len(lengths)
     if not 0 < n <= eng.direct_pieces or len(srcs) != n or len(dsts) != n:
         return None
-    small = eng.coalesce_bytes
-    for k in lengths:
-        if k.__class__ is not int or not 0 < k < small:
-            return None
-    for a in srcs:
-        if a.__class__ is not int or a < 0:
-            return None
-    for a in dsts:
-        if a.__class__ is not int or a < 0:
-            return None
+    # builtins over the lists (C loops): ints only (bools and numpy ints are not), in range
+    if {*map(type, lengths), *map(type, srcs), *map(type, dsts)} != _INT:
+        return None
+    lmax = max(lengths)
+    smin, smax, dmin, dmax = min(srcs), max(srcs), min(dsts), max(dsts)
+    if min(lengths) < 1 or lmax >= eng.coalesce_bytes or smin < 0 or dmin < 0:
+        return None
+    if smax + lmax >= _END_MAX or dmax + lmax >= _END_MAX:
+        return None
     peer = eng._peers.get(session_id)
     if peer is None or not peer.ready or peer.retired or peer.loadstore is not None or peer.forward is not None:
         return None
-    smin, smax, dmin, dmax = min(srcs), max(srcs), min(dsts), max(dsts)
-    lmax = max(lengths)
-    if smax + lmax >= _END_MAX or dmax + lmax >= _END_MAX:
-        return None
-    send = max([a + k for a, k in zip(srcs, lengths)])
-    dend = max([a + k for a, k in zip(dsts, lengths)])
+    send = max(map(add, srcs, lengths))
+    dend = max(map(add, dsts, lengths))
     lsnap = eng._regions.snapshot()
     li = span_region(lsnap, smin, smax, send, lmax)
     if li is None:

@@ -44,6 +44,7 @@ import struct
 import threading
 import time
 import uuid
+from operator import add
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -256,6 +257,47 @@ def send_buffers(sock: socket.socket, bufs: List) -> None:
             break
 
 
+class _Rx:
+    """A socket read through a look-ahead buffer: a small read takes whatever the kernel holds (a small message
+    that arrived in one piece: one receive for its header and body instead of one per field); a large one goes
+    straight into its destination once the buffered bytes are used up. Offers ``recv_into`` as a socket does,
+    for ``recv_exact``."""
+
+    __slots__ = ("sock", "buf", "view", "pos", "end")
+    DIRECT = 16 << 10  # reads of at least this many bytes skip the buffer
+
+    def __init__(self, sock: socket.socket, size: int):
+        self.sock = sock
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.pos = self.end = 0
+
+    def recv_into(self, view, nbytes: int = 0, flags: int = 0) -> int:
+        n = nbytes or len(view)
+        have = self.end - self.pos
+        if have:
+            k = have if have < n else n
+            view[:k] = self.view[self.pos:self.pos + k]
+            self.pos += k
+            return k
+        if n >= self.DIRECT:
+            return self.sock.recv_into(view, n, flags)
+        got = self.sock.recv_into(self.buf)
+        k = got if got < n else n
+        view[:k] = self.view[:k]
+        self.pos, self.end = k, got
+        return k
+
+    def take(self, n: int, stage: memoryview) -> memoryview:
+        """The next ``n`` bytes: a view into the buffer when they are all there (valid until the next read), else
+        read into ``stage``."""
+        if self.end - self.pos >= n:
+            self.pos += n
+            return self.view[self.pos - n:self.pos]
+        recv_exact(self, stage[:n])
+        return stage[:n]
+
+
 class WriteRows(WriteBatch):
     """A ``WriteBatch`` of a few writes from one local region (``lkey``) into one remote region (``rkey``), held as
     lists of ints: the tcp fabric checks and frames it in a few Python steps, where a few numpy calls on arrays
@@ -286,6 +328,17 @@ class WriteRows(WriteBatch):
 
 
 _ROW = struct.Struct("<QQQQIIII")  # one row of PIECE_DT
+_INT = {int}
+_TABLES: Dict[int, struct.Struct] = {}
+
+
+def _table_struct(count: int) -> struct.Struct:
+    """A ``struct.Struct`` of ``count`` rows of PIECE_DT (cached: small messages have at most
+    ``SMALL_MESSAGE // PIECE_DT.itemsize`` rows)."""
+    t = _TABLES.get(count)
+    if t is None:
+        t = _TABLES[count] = struct.Struct("<" + "QQQQIIII" * count)
+    return t
 assert _ROW.size == PIECE_DT.itemsize
 
 
@@ -954,17 +1007,26 @@ class TcpFabric(Fabric):
         mr = self._regions.get(lk)
         if mr is None:
             raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
-        lo, hi = mr.addr, mr.addr + mr.length
-        for i in range(n):
-            a, k, r = la[i], ln[i], ra[i]
-            if not (a.__class__ is int and k.__class__ is int and r.__class__ is int and k > 0 and a >= 0
-                    and r >= 0 and r <= _I64 - k):
-                raise ValueError(f"batch wr_id={b.wr_id}, write {i} (local {a!r}, {k!r} B, remote {r!r}, rkey {rk}): "
-                                 f"lengths must be positive ints and addresses non-negative ints whose ranges fit "
-                                 f"64 bits")
-            if a < lo or a + k > hi:
-                raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{a:x}+{k} lies outside the "
-                                  f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
+        # builtins over the lists (C loops); a failing check is named by the loop below
+        first = end = 0
+        ok = {*map(type, la), *map(type, ln), *map(type, ra)} == _INT and min(ln) > 0
+        if ok:
+            first, end = min(la), max(map(add, la, ln))
+            ok = (first >= mr.addr and end <= mr.addr + mr.length and min(ra) >= 0
+                  and max(ra) <= _I64 - max(ln))
+        if not ok:
+            lo, hi = mr.addr, mr.addr + mr.length
+            for i in range(n):
+                a, k, r = la[i], ln[i], ra[i]
+                if not (a.__class__ is int and k.__class__ is int and r.__class__ is int and k > 0 and a >= 0
+                        and r >= 0 and r <= _I64 - k):
+                    raise ValueError(f"batch wr_id={b.wr_id}, write {i} (local {a!r}, {k!r} B, remote {r!r}, rkey "
+                                     f"{rk}): lengths must be positive ints and addresses non-negative ints whose "
+                                     f"ranges fit 64 bits")
+                if a < lo or a + k > hi:
+                    raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{a:x}+{k} lies outside the "
+                                      f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
+            first, end = min(la), max(map(add, la, ln))  # every write passed on its own
         pack = _ROW.pack
         m = _OutMsg(0)
         m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
@@ -974,8 +1036,7 @@ class TcpFabric(Fabric):
         if mr.device == DEVICE_HOST:
             # the sources as slices of one view of the region's span (a view per piece costs a ctypes call each),
             # pieces that follow each other in memory as one buffer
-            first = min(la)
-            span = raw_view(first, max([a + k for a, k in zip(la, ln)]) - first)
+            span = raw_view(first, end - first)
             bufs = []
             start = end = -1
             for a, k in zip(la, ln):
@@ -1418,7 +1479,8 @@ class TcpFabric(Fabric):
         if not s.wire_lock.acquire(blocking=False):
             return False
         try:
-            if s.closed:
+            # anything queued for control may be the rest of a message sent in part: it goes first
+            if s.closed or s.ctrl:
                 return False
             try:
                 sent = s.sock.sendmsg(bufs, (), socket.MSG_DONTWAIT)
@@ -1443,9 +1505,11 @@ class TcpFabric(Fabric):
         hdr = bytearray(HDR.size)
         hview = memoryview(hdr)
         st = {"table": bytearray(64 * 48), "stage": bytearray(1 << 20)}
+        # a subclass reading the socket itself (ipc) gets the bare socket
+        rx = st["rx"] = _Rx(s.sock, HDR.size + SMALL_MESSAGE) if self._small_writes else s.sock
         try:
             while True:
-                recv_exact(s.sock, hview)
+                recv_exact(rx, hview)
                 magic, typ, _, _, count, seq, blen = HDR.unpack(hdr)
                 if magic != MAGIC:
                     raise ValueError(f"bad magic {magic!r}")
@@ -1453,7 +1517,7 @@ class TcpFabric(Fabric):
                     if count > MAX_TABLE or blen != count:
                         raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
                     body = bytearray(count)
-                    recv_exact(s.sock, memoryview(body))
+                    recv_exact(rx, memoryview(body))
                     ep.on_ack(seq, bytes(body))
                 elif typ in (T_WRITE, T_REQ, T_NOTIFY):
                     if count > MAX_TABLE:
@@ -1469,7 +1533,7 @@ class TcpFabric(Fabric):
                     if len(st["table"]) < tb:
                         st["table"] = bytearray(tb)
                     tview = memoryview(st["table"])[:tb]
-                    recv_exact(s.sock, tview)
+                    recv_exact(rx, tview)
                     table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
                     self._on_message(ep, s, typ, seq, table, blen - tb, st)
                 else:
@@ -1478,7 +1542,7 @@ class TcpFabric(Fabric):
                     if count > MAX_TABLE or blen > count + MAX_CTRL_BODY:
                         raise ValueError(f"control message of {count} statuses in {blen} B is implausible")
                     body = bytearray(blen)
-                    recv_exact(s.sock, memoryview(body))
+                    recv_exact(rx, memoryview(body))
                     self._on_other(ep, s, typ, count, seq, bytes(body))
         except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
             if ep.alive and not self._closed:
@@ -1544,47 +1608,69 @@ class TcpFabric(Fabric):
             raise ValueError(f"payload {payload} B does not match the table's {sum(lens)} B")
         statuses, regions, pinned = self._validate_pieces(table)
         try:
-            self._place(s.sock, table, lens, statuses, regions, st)
+            self._place(st.get("rx", s.sock), table, lens, statuses, regions, st)
         finally:
             self._unpin(pinned)
         self._finish_message(ep, s, seq, table, statuses)
 
     def _on_small_write(self, ep: TcpEndpoint, s: _Sock, seq: int, count: int, tb: int, blen: int,
                         st: dict) -> None:
-        """``_on_message`` for a WRITE message of at most ``SMALL_MESSAGE`` bytes: table and payload in one
-        receive into the staging buffer, rows read with ``struct``, every accepted piece copied to its place.
-        The checks are ``_validate_pieces``'s, before anything is placed."""
-        stage = st["stage"]  # at least SMALL_MESSAGE bytes
-        view = memoryview(stage)
-        recv_exact(s.sock, view[:blen])
-        rows = list(_ROW.iter_unpack(view[:tb]))
-        addrs, lens, waddrs, wlens, rkeys, flags, imms, _ = zip(*rows) if rows else ((),) * 8
-        if sum(lens) != blen - tb:
-            raise ValueError(f"payload {blen - tb} B does not match the table's {sum(lens)} B")
-        statuses, regions, pinned = self._validate_lists(addrs, lens, waddrs, wlens, rkeys)
-        try:
-            off = tb
-            gpu = []
-            views = self._host_views
-            for i, mr in enumerate(regions):
-                k = lens[i]
-                if mr is not None:
-                    ent = views.get(mr.rkey)
-                    if ent is not None and ent[0] is mr:  # the view of this very region (checked above)
-                        a = addrs[i] - mr.addr
-                        ent[1][a:a + k] = view[off:off + k]
-                    elif mr.device == DEVICE_HOST:  # deregistered meanwhile: still pinned, deregister waits
-                        ctypes.memmove(addrs[i], ctypes.addressof(ctypes.c_char.from_buffer(stage, off)), k)
-                    else:
-                        gpu.append((i, off - tb, k))
-                off += k
-            if gpu:  # GPU regions: staged through pinned memory, as ``_place`` does
-                host = pinned_buffer(st, blen - tb)
-                ctypes.memmove(host.data_ptr(), ctypes.addressof(ctypes.c_char.from_buffer(stage, tb)), blen - tb)
-                self._place_gpu(host, gpu, addrs, regions, statuses, st)
-        finally:
-            view.release()
-            self._unpin(pinned)
+        """``_on_message`` for a WRITE message of at most ``SMALL_MESSAGE`` bytes: table and payload taken in one
+        receive, the table read by one ``struct`` call, every accepted piece copied to its place from there. The
+        checks are ``_validate_pieces``'s, before anything is placed; a table of whole writes into one host region
+        (what a ``WriteRows`` post sends) is checked by its extremes."""
+        view = st["rx"].take(blen, memoryview(st["stage"]))
+        cols = _table_struct(count).unpack_from(view)
+        addrs, lens, waddrs, wlens, rkeys, flags, imms = (cols[i::8] for i in range(7))
+        payload = blen - tb
+        if sum(lens) != payload:
+            raise ValueError(f"payload {payload} B does not match the table's {sum(lens)} B")
+        statuses = None
+        if count and addrs == waddrs and lens == wlens and rkeys.count(rkeys[0]) == count and min(lens) > 0:
+            rk = rkeys[0]
+            lo, hi = min(addrs), max(map(add, addrs, lens))
+            with self._region_cv:
+                ent = self._host_views.get(rk)
+                mr = self._regions.get(rk)
+                if ent is not None and ent[0] is mr and lo >= mr.addr and hi <= mr.addr + mr.length:
+                    self._region_use[rk] = self._region_use.get(rk, 0) + 1
+                    statuses = bytearray(count)
+            if statuses is not None:
+                try:
+                    dst, base = ent[1], mr.addr
+                    off = tb
+                    for a, k in zip(addrs, lens):
+                        a -= base
+                        dst[a:a + k] = view[off:off + k]
+                        off += k
+                finally:
+                    view.release()
+                    self._unpin((rk,))
+        if statuses is None:
+            statuses, regions, pinned = self._validate_lists(addrs, lens, waddrs, wlens, rkeys)
+            try:
+                off = tb
+                gpu = []
+                views = self._host_views
+                for i, mr in enumerate(regions):
+                    k = lens[i]
+                    if mr is not None:
+                        ent = views.get(mr.rkey)
+                        if ent is not None and ent[0] is mr:  # the view of this very region (checked above)
+                            a = addrs[i] - mr.addr
+                            ent[1][a:a + k] = view[off:off + k]
+                        elif mr.device == DEVICE_HOST:  # deregistered meanwhile: still pinned, deregister waits
+                            raw_view(addrs[i], k, writable=True)[:] = view[off:off + k]
+                        else:
+                            gpu.append((i, off - tb, k))
+                    off += k
+                if gpu:  # GPU regions: staged through pinned memory, as ``_place`` does
+                    host = pinned_buffer(st, payload)
+                    raw_view(host.data_ptr(), payload, writable=True)[:] = view[tb:blen]
+                    self._place_gpu(host, gpu, addrs, regions, statuses, st)
+            finally:
+                view.release()
+                self._unpin(pinned)
         events = []
         if any(flags):
             for i, f in enumerate(flags):

@@ -104,14 +104,14 @@ class _Batch:
     __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
                  "peer", "n_items", "pending", "spans")
 
-    def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int):
+    def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int, event=None):
         self.id = bid
         self.peer = peer
         self.srcs, self.dsts, self.lengths = srcs, dsts, lengths
         self.n_items = len(lengths)
         self.nbytes = nbytes
         self.remaining = 0
-        self.event = threading.Event()
+        self.event = threading.Event() if event is None else event  # or another with set / is_set / wait
         self.error: Optional[BaseException] = None
         self.t0 = now_ns()
         self.lock = threading.Lock()
@@ -204,7 +204,7 @@ class Pipeline:
 
     def _submit(self, session_id, srcs, dsts, lengths, async_: bool = False) -> Optional[_Batch]:
         self._check_open()
-        if self._rows and lengths.__class__ in (list, tuple) and len(lengths) <= self.direct_pieces:
+        if self._rows and lengths.__class__ in (list, tuple):
             batch = submit_rows(self, session_id, srcs, dsts, lengths)  # a few small pieces: transport.smallbatch
             if batch is not None:
                 return batch

@@ -15,17 +15,54 @@ of objects.
 """
 from __future__ import annotations
 
-from operator import add
-from typing import Sequence
+import _thread
+from typing import Optional, Sequence
 
 from transport.fabric.base import DEVICE_HOST
+from transport.fabric.tcp import WriteRows
 from transport.planner import DIRECT, Unit
 from transport.regions import span_region
 from transport.telemetry import now_ns
 
 _END_MAX = 1 << 62  # span_region's bound on region ends; pieces past it take the general path
-_INT = {int}
 
+_LISTS = (list, tuple)
+
+
+class Signal:
+    """A ``threading.Event`` that is set once and never cleared, built on one lock held from creation until
+    ``set``: a wait is one acquire, where an Event's condition variable allocates a lock and takes two more per
+    wait (a cost the caller of a small batch pays on its critical path, with caches cold from the other side's
+    work). Thread-safe for any number of setters and waiters."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self):
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if self._set:
+            return
+        self._set = True
+        try:
+            self._lock.release()
+        except RuntimeError:  # a second setter at the same moment: the lock is already free
+            pass
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(True, -1 if timeout is None else max(float(timeout), 0.0)):
+            try:
+                self._lock.release()  # for the next waiter
+            except RuntimeError:  # a second setter released it meanwhile
+                pass
+        return self._set
 _pipeline = None  # transport.pipeline, imported at first use (it imports this module)
 
 
@@ -34,32 +71,33 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     completion sets ``batch.event``), or None when the batch does not qualify (nothing was done: the caller takes
     the general path)."""
     t0 = now_ns()
+    if srcs.__class__ not in _LISTS or dsts.__class__ not in _LISTS or lengths.__class__ not in _LISTS:
+        return None
     n = len(lengths)
     if not 0 < n <= eng.direct_pieces or len(srcs) != n or len(dsts) != n:
-        return None
-    # builtins over the lists (C loops): ints only (bools and numpy ints are not), in range
-    if {*map(type, lengths), *map(type, srcs), *map(type, dsts)} != _INT:
-        return None
-    lmax = max(lengths)
-    smin, smax, dmin, dmax = min(srcs), max(srcs), min(dsts), max(dsts)
-    if min(lengths) < 1 or lmax >= eng.coalesce_bytes or smin < 0 or dmin < 0:
-        return None
-    if smax + lmax >= _END_MAX or dmax + lmax >= _END_MAX:
         return None
     peer = eng._peers.get(session_id)
     if peer is None or not peer.ready or peer.retired or peer.loadstore is not None or peer.forward is not None:
         return None
-    send = max(map(add, srcs, lengths))
-    dend = max(map(add, dsts, lengths))
+    try:
+        req = WriteRows(srcs, lengths, dsts, 0, 0)  # checks the values; the keys follow with the rail
+    except ValueError:
+        return None
+    lmax = req.max_length
+    if lmax >= eng.coalesce_bytes:
+        return None
+    (smin, send), (dmin, dend) = req.local_span, req.remote_span
+    if send >= _END_MAX or dend >= _END_MAX:
+        return None
     lsnap = eng._regions.snapshot()
-    li = span_region(lsnap, smin, smax, send, lmax)
+    li = span_region(lsnap, smin, send - 1, send, lmax)  # every piece has a byte: no start is past send - 1
     if li is None:
         return None
     local = lsnap.regions[li]
     if local.device != DEVICE_HOST:
         return None  # GPU sources: gathered into a chunk on the GPU, one launch
     rsnap = peer.regions.snapshot()
-    ri = span_region(rsnap, dmin, dmax, dend, lmax)
+    ri = span_region(rsnap, dmin, dend - 1, dend, lmax)
     if ri is None:
         return None
     # the least loaded usable rail, ties rotating as the planner's do
@@ -79,20 +117,20 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     global _pipeline
     if _pipeline is None:
         from transport import pipeline as _pipeline
-    from transport.fabric.tcp import WriteRows
-    nbytes = sum(lengths)
-    batch = _pipeline._Batch(next(eng._batch_ids), peer, srcs, dsts, lengths, nbytes)
+    nbytes = req.nbytes
+    batch = _pipeline._Batch(next(eng._batch_ids), peer, srcs, dsts, lengths, nbytes, Signal())
     batch.spans = (lsnap, li, rsnap, ri)  # a failover's re-post finds its keys without a lookup per piece
     batch.remaining = 1
-    unit = Unit(DIRECT, DEVICE_HOST, rail, DEVICE_HOST, nbytes, src=srcs[0], dst=dsts[0], wire_bytes=nbytes,
-                segs=list(zip(srcs, dsts, lengths)))
+    la, ra = req.local_addr, req.remote_addr
+    unit = Unit(DIRECT, DEVICE_HOST, rail, DEVICE_HOST, nbytes, src=la[0], dst=ra[0], wire_bytes=nbytes,
+                segs=list(zip(la, ra, req.length)))
     t1 = now_ns()
     with eng._lock:
         a = _pipeline._Attempt(eng, unit, batch, pr)
         pr.inflight.add(a)
         pr.bytes_in_flight += nbytes
-    a.reqs = [WriteRows(list(srcs), list(lengths), list(dsts), rsnap.regions[ri].keys[rail],
-                        local.keys[rail].lkey)]
+    req.rkey, req.lkey = rsnap.regions[ri].keys[rail], local.keys[rail].lkey
+    a.reqs = [req]
     eng._post([a])
     t2 = now_ns()
     eng.counters.add_many((("batches_submitted", 1), ("items", n), ("bytes", nbytes),

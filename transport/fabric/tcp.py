@@ -304,20 +304,39 @@ class WriteRows(WriteBatch):
     of a dozen items cost more than the message's own send. Posted only to fabrics with the ``write_rows``
     capability (tcp); it completes as one work request, like any ``WriteBatch``.
 
-    Arguments: local_addr, length, remote_addr: lists of ints, one entry per write; rkey, lkey: one int each."""
+    Arguments: local_addr, length, remote_addr: sequences of ints, one entry per write (copied); rkey, lkey: one
+    int each. The values are checked here, once (ints, lengths >= 1, addresses >= 0, ends within 63 bits: else
+    ``ValueError`` naming the first bad write), and their extremes kept: ``local_span`` and ``remote_span``
+    (lowest address, highest end) and ``max_length``, which the poster and the fabric check against regions."""
 
-    __slots__ = ()
+    __slots__ = ("local_span", "remote_span", "max_length")
 
-    def __init__(self, local_addr: List[int], length: List[int], remote_addr: List[int], rkey: int, lkey: int,
-                 wr_id: int = 0):
-        if not (len(local_addr) == len(length) == len(remote_addr)) or not length:
+    def __init__(self, local_addr: Sequence[int], length: Sequence[int], remote_addr: Sequence[int], rkey: int,
+                 lkey: int, wr_id: int = 0):
+        la, ln, ra = list(local_addr), list(length), list(remote_addr)
+        n = len(ln)
+        if not n or len(la) != n or len(ra) != n:
             raise ValueError(f"WriteRows: local_addr, length and remote_addr need one length >= 1, got "
-                             f"{len(local_addr)}, {len(length)}, {len(remote_addr)}")
-        self.local_addr, self.length, self.remote_addr = local_addr, length, remote_addr
+                             f"{len(la)}, {n}, {len(ra)}")
+        # builtins over the lists (C loops); the loop below only names what they found wrong
+        ok = {*map(type, la), *map(type, ln), *map(type, ra)} == _INT and min(ln) > 0 and min(la) >= 0 \
+            and min(ra) >= 0
+        if ok:
+            self.local_span = (min(la), max(map(add, la, ln)))
+            self.remote_span = (min(ra), max(map(add, ra, ln)))
+            ok = self.local_span[1] <= _I64 and self.remote_span[1] <= _I64
+        if not ok:
+            for i, (a, k, r) in enumerate(zip(la, ln, ra)):
+                if not (a.__class__ is int and k.__class__ is int and r.__class__ is int and k > 0 and a >= 0
+                        and r >= 0 and a <= _I64 - k and r <= _I64 - k):
+                    raise ValueError(f"WriteRows write {i} (local {a!r}, {k!r} B, remote {r!r}): lengths must be "
+                                     f"positive ints and addresses non-negative ints whose ranges fit 63 bits")
+        self.local_addr, self.length, self.remote_addr = la, ln, ra
+        self.max_length = max(ln)
         self.rkey, self.lkey = rkey, lkey
         self.wr_id = wr_id
         self.signaled = True
-        self.nbytes = sum(length)
+        self.nbytes = sum(ln)
 
     @property
     def count(self) -> int:
@@ -1007,26 +1026,11 @@ class TcpFabric(Fabric):
         mr = self._regions.get(lk)
         if mr is None:
             raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
-        # builtins over the lists (C loops); a failing check is named by the loop below
-        first = end = 0
-        ok = {*map(type, la), *map(type, ln), *map(type, ra)} == _INT and min(ln) > 0
-        if ok:
-            first, end = min(la), max(map(add, la, ln))
-            ok = (first >= mr.addr and end <= mr.addr + mr.length and min(ra) >= 0
-                  and max(ra) <= _I64 - max(ln))
-        if not ok:
-            lo, hi = mr.addr, mr.addr + mr.length
-            for i in range(n):
-                a, k, r = la[i], ln[i], ra[i]
-                if not (a.__class__ is int and k.__class__ is int and r.__class__ is int and k > 0 and a >= 0
-                        and r >= 0 and r <= _I64 - k):
-                    raise ValueError(f"batch wr_id={b.wr_id}, write {i} (local {a!r}, {k!r} B, remote {r!r}, rkey "
-                                     f"{rk}): lengths must be positive ints and addresses non-negative ints whose "
-                                     f"ranges fit 64 bits")
-                if a < lo or a + k > hi:
-                    raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{a:x}+{k} lies outside the "
-                                      f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
-            first, end = min(la), max(map(add, la, ln))  # every write passed on its own
+        first, end = b.local_span  # the writes' own checks: WriteRows
+        if first < mr.addr or end > mr.addr + mr.length:
+            i = next(i for i, (a, k) in enumerate(zip(la, ln)) if a < mr.addr or a + k > mr.addr + mr.length)
+            raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{la[i]:x}+{ln[i]} lies outside the "
+                              f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
         pack = _ROW.pack
         m = _OutMsg(0)
         m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])

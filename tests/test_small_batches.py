@@ -1,0 +1,299 @@
+"""Small batches on tcp: the ``WriteRows`` path (``transport.smallbatch``), the tcp fabric's inline sends, its
+look-ahead receive and its one-step placement of small WRITE messages.
+
+End-to-end cases write fresh random bytes into a poisoned peer (another process) and compare its whole buffer,
+guards included, with the expected image; unit cases drive the fabric pieces over socket pairs.
+"""
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine_helpers import EnginePeer, Expected, disjoint_offsets, write_and_check
+from fabric_helpers import wait_completions
+from transport import InvalidTransfer, TransferEngine
+from transport.errors import RegionError
+from transport.fabric import tcp as T
+from transport.smallbatch import Signal
+
+AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = EnginePeer(8 * MB, fabric="tcp")
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def src():
+    from conftest import SEED
+    rng = np.random.default_rng([SEED, 11])
+    return np.frombuffer(rng.bytes(8 * MB), dtype=np.uint8).copy()
+
+
+@pytest.fixture
+def rng(seed, request):
+    return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
+
+
+def _engine(src, **kw):
+    eng = TransferEngine(fabric="tcp", **kw)
+    eng.register(src)
+    return eng
+
+
+def _paths(eng):
+    st = eng.stats()
+    return st["paths"]["direct"]["units"], st["paths"]["coalesced"]["chunks"]
+
+
+def test_aux_batch_goes_direct_and_lands_byte_exact(peer, src, rng):
+    with _engine(src) as eng:
+        assert eng.direct_pieces == 64
+        for _ in range(5):  # destinations and sources move every time: nothing cached between batches
+            write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, AUX, 4 * MB),
+                            disjoint_offsets(rng, AUX, 4 * MB), AUX)
+        direct, chunks = _paths(eng)
+        assert direct == 5 and chunks == 0
+        assert eng.stats()["batches"]["ok"] == 5
+
+
+def test_chunk_path_without_direct_pieces_and_above_the_limit(peer, src, rng):
+    with _engine(src, direct_pieces=0) as eng:
+        write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, AUX, 4 * MB),
+                        disjoint_offsets(rng, AUX, 4 * MB), AUX)
+        assert _paths(eng) == (0, 1)
+    lengths = [64] * 65  # one more than tcp's limit: a chunk
+    with _engine(src) as eng:
+        write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, lengths, 4 * MB),
+                        disjoint_offsets(rng, lengths, 4 * MB), lengths)
+        assert _paths(eng) == (0, 1)
+
+
+def test_inputs_the_small_path_leaves_to_the_general_one(peer, src, rng):
+    """Tuples take the small path; numpy ints, a piece of coalesce_bytes and sources in two regions do not; all
+    land byte-exact."""
+    other = np.frombuffer(rng.bytes(MB), dtype=np.uint8).copy()
+    with _engine(src) as eng:
+        eng.register(other)
+        s_offs, d_offs = disjoint_offsets(rng, AUX, 4 * MB), disjoint_offsets(rng, AUX, 4 * MB)
+        peer.poison()
+        exp = Expected(peer.size)
+        exp.apply(src, s_offs, d_offs, AUX)
+        eng.batch_write(peer.session, tuple(src.ctypes.data + int(o) for o in s_offs),
+                        tuple(peer.base + int(o) for o in d_offs), tuple(AUX))
+        peer.check(exp)
+        assert _paths(eng) == (1, 0)
+        srcs = [np.int64(src.ctypes.data + int(o)) for o in s_offs]
+        write_and_check(eng, peer, src.ctypes.data, src, s_offs, d_offs, AUX)  # ints: small path
+        eng.batch_write(peer.session, srcs, [peer.base + int(o) for o in d_offs], AUX)  # numpy ints: general
+        lengths = [64 << 10, 64]
+        write_and_check(eng, peer, src.ctypes.data, src, [0, 1 << 20], [0, 1 << 20], lengths)
+        # two source regions: the general path, which looks pieces up one by one
+        peer.poison()
+        exp = Expected(peer.size)
+        exp.apply(src, [0], [0], [100])
+        exp.apply(other, [0], [4096], [100])
+        eng.batch_write(peer.session, [src.ctypes.data, other.ctypes.data], [peer.base, peer.base + 4096],
+                        [100, 100])
+        peer.check(exp)
+
+
+def test_destination_outside_the_peer_writes_nothing(peer, src):
+    with _engine(src) as eng:
+        peer.poison()
+        exp = Expected(peer.size)
+        with pytest.raises(InvalidTransfer, match=r"dsts\[1\]"):
+            eng.batch_write(peer.session, [src.ctypes.data, src.ctypes.data + 64],
+                            [peer.base, peer.base + peer.size - 10], [64, 64])
+        with pytest.raises(InvalidTransfer, match=r"srcs\[0\]"):
+            eng.batch_write(peer.session, [src.ctypes.data + src.nbytes - 10], [peer.base], [64])
+        with pytest.raises(InvalidTransfer, match=r"lengths\[0\]"):
+            eng.batch_write(peer.session, [src.ctypes.data], [peer.base], [True])
+        peer.check(exp)
+        assert eng.stats()["batches"]["submitted"] == 0
+
+
+def test_async_small_batches_complete_in_order(peer, src, rng):
+    with _engine(src) as eng:
+        peer.poison()
+        exp = Expected(peer.size)
+        handles = []
+        for k in range(20):
+            s_offs = disjoint_offsets(rng, AUX, MB) + (k % 4) * MB
+            d_offs = np.arange(len(AUX)) * 16384 + k * 200_000
+            exp.apply(src, s_offs, d_offs, AUX)
+            handles.append(eng.batch_write_async(peer.session, [src.ctypes.data + int(o) for o in s_offs],
+                                                 [peer.base + int(o) for o in d_offs], AUX))
+        for h in handles:
+            h.wait(30)
+            assert h.done()
+        peer.check(exp)
+
+
+def test_small_batches_survive_a_dead_rail(peer, src, rng):
+    """With rail 0's endpoint aborted, small batches go over the other rail (or fail rail 0 over) and land."""
+    with _engine(src) as eng:
+        write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, AUX, MB),
+                        disjoint_offsets(rng, AUX, MB), AUX)
+        eng.rail_endpoint(peer.session, 0).abort()
+        for _ in range(6):
+            write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, AUX, MB),
+                            disjoint_offsets(rng, AUX, MB), AUX)
+        assert eng.stats()["batches"]["ok"] == 7
+
+
+def test_small_batches_from_threads(peer, src):
+    """Eight threads, small batches into disjoint destinations: every byte where it belongs."""
+    with _engine(src) as eng:
+        peer.poison()
+        exp = Expected(peer.size)
+        jobs = []
+        for t in range(8):
+            s_offs = np.arange(len(AUX)) * 9000 + t * 100_000
+            d_offs = np.arange(len(AUX)) * 9000 + t * 120_000
+            exp.apply(src, s_offs, d_offs, AUX)
+            jobs.append(([src.ctypes.data + int(o) for o in s_offs], [peer.base + int(o) for o in d_offs]))
+        errors = []
+
+        def run(srcs, dsts):
+            try:
+                for _ in range(30):
+                    eng.batch_write(peer.session, srcs, dsts, AUX)
+            except Exception as e:  # noqa: BLE001 — reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=job) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        peer.check(exp)
+
+
+# --- units ------------------------------------------------------------------------------------------------------
+def test_signal_is_an_event_set_once():
+    s = Signal()
+    assert not s.is_set() and s.wait(0) is False and s.wait(0.01) is False
+    got = []
+    waiters = [threading.Thread(target=lambda: got.append(s.wait(5))) for _ in range(4)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.05)
+    setters = [threading.Thread(target=s.set) for _ in range(4)]  # several setters at once: no error
+    for t in setters:
+        t.start()
+    for t in setters + waiters:
+        t.join(5)
+    assert got == [True] * 4 and s.is_set() and s.wait() and s.wait(0)
+
+
+def test_write_rows_checks_name_the_bad_write():
+    ok = T.WriteRows((10, 20), [1, 2], [30, 40], 5, 6)
+    assert ok.local_span == (10, 22) and ok.remote_span == (30, 42) and ok.max_length == 2 and ok.nbytes == 3
+    assert ok.count == 2 and isinstance(ok.local_addr, list)
+    for args, what in [(([10, 20], [1, 0], [30, 40]), "write 1"), (([10, True], [1, 1], [30, 40]), "write 1"),
+                       (([10, 20], [1, 1], [-1, 40]), "write 0"), (([10], [1 << 63], [0]), "write 0"),
+                       (([10, 20], [1.0, 1], [30, 40]), "write 0")]:
+        with pytest.raises(ValueError, match=what):
+            T.WriteRows(*args, 5, 6)
+    with pytest.raises(ValueError, match="one length"):
+        T.WriteRows([1, 2], [1], [3], 5, 6)
+
+
+@pytest.fixture
+def fabric_pair():
+    a, b = T.TcpFabric(secret=""), T.TcpFabric(secret="")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_write_rows_on_the_fabric(fabric_pair):
+    """A WriteRows post: byte-exact placement, a local range outside its region refused before anything is sent,
+    a remote range outside the peer's region refused by the peer with nothing written there."""
+    a, b = fabric_pair
+    src = np.frombuffer(np.random.default_rng(5).bytes(1 << 16), dtype=np.uint8).copy()
+    dst = np.full(3 << 16, 0xA5, dtype=np.uint8)
+    lmr = a.register(src.ctypes.data, src.nbytes)
+    rmr = b.register(dst.ctypes.data + (1 << 16), 1 << 16)  # the middle third; the rest is a guard
+    ep = a.connect(b.descriptor())
+    base = dst.ctypes.data + (1 << 16)
+    lens = [7, 64, 1, 4000]
+    s_offs, d_offs = [0, 100, 5000, 9000], [60000, 0, 333, 20000]
+    a.post_writes(ep, [T.WriteRows([src.ctypes.data + o for o in s_offs], lens, [base + o for o in d_offs],
+                                   rmr.rkey, lmr.lkey, wr_id=1)])
+    (c,) = wait_completions(a, 1)
+    assert c.wr_id == 1 and c.error is None and c.byte_len == sum(lens)
+    exp = np.full_like(dst, 0xA5)
+    for s_, d_, n in zip(s_offs, d_offs, lens):
+        exp[(1 << 16) + d_:(1 << 16) + d_ + n] = src[s_:s_ + n]
+    assert np.array_equal(dst, exp)
+    with pytest.raises(RegionError, match="write 1: local range"):
+        a.post_writes(ep, [T.WriteRows([src.ctypes.data, src.ctypes.data + src.nbytes - 4], [4, 8], [base, base + 8],
+                                       rmr.rkey, lmr.lkey, wr_id=2)])
+    a.post_writes(ep, [T.WriteRows([src.ctypes.data, src.ctypes.data + 8], [8, 8],
+                                   [base + 100, base + (1 << 16) - 4], rmr.rkey, lmr.lkey, wr_id=3)])
+    (c,) = wait_completions(a, 1)
+    assert c.wr_id == 3 and isinstance(c.error, RegionError)
+    # the refused write left the guard alone (the accepted one may land: each piece stands on its own)
+    assert np.array_equal(dst[2 << 16:], exp[2 << 16:]) and np.array_equal(dst[:1 << 16], exp[:1 << 16])
+
+
+def test_inline_send_of_a_full_socket_leaves_the_rest_first_in_line():
+    """``_send_now``: what the kernel does not take goes to the head of the control queue, and no later inline
+    send overtakes it; the receiving end gets every byte in order."""
+    a, b = socket.socketpair()
+    try:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        s = T._Sock(a, 0)
+        big = np.random.default_rng(1).bytes(1 << 20)
+        assert T.TcpFabric._send_now(s, [b"head", memoryview(big)])
+        assert s.ctrl  # the kernel took part of it
+        assert not T.TcpFabric._send_now(s, [b"later"])  # must not overtake the rest
+        s.ctrl.append(b"later")
+        got = bytearray()
+
+        def drain():
+            while len(got) < 4 + len(big) + 5:
+                chunk = b.recv(1 << 16)
+                if not chunk:
+                    break
+                got.extend(chunk)
+
+        t = threading.Thread(target=drain)
+        t.start()
+        T.send_buffers(a, list(s.ctrl))
+        t.join(10)
+        assert bytes(got) == b"head" + big + b"later"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_look_ahead_receive_returns_the_stream_in_order():
+    a, b = socket.socketpair()
+    try:
+        sizes = [1, 31, 4096, 5, 17000, 100, 60000, 2, 3000]  # small reads buffered, large ones direct
+        data = np.random.default_rng(2).bytes(sum(sizes) + 50 * len(sizes))
+        t = threading.Thread(target=lambda: [a.sendall(data[i:i + 777]) for i in range(0, len(data), 777)])
+        t.start()
+        rx = T._Rx(b, 4096)
+        out = bytearray()
+        stage = memoryview(bytearray(1 << 16))
+        for n in sizes:
+            view = memoryview(bytearray(n))
+            T.recv_exact(rx, view)
+            out += view
+            out += rx.take(50, stage)
+        t.join(10)
+        assert bytes(out) == data
+    finally:
+        a.close()
+        b.close()

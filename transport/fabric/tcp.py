@@ -258,13 +258,14 @@ def send_buffers(sock: socket.socket, bufs: List) -> None:
 
 
 class _Rx:
-    """A socket read through a look-ahead buffer: a small read takes whatever the kernel holds (a small message
-    that arrived in one piece: one receive for its header and body instead of one per field); a large one goes
-    straight into its destination once the buffered bytes are used up. Offers ``recv_into`` as a socket does,
-    for ``recv_exact``."""
+    """A socket read through a look-ahead buffer: a header read takes whatever the kernel holds (a small message
+    that arrived in one piece: one receive for its header and body instead of one per field); every other read
+    goes straight into its destination once the buffered bytes are used up: a large payload read ahead in
+    buffer-sized steps would be copied twice, through the buffer. Offers ``recv_into`` as a socket does, for
+    ``recv_exact``."""
 
     __slots__ = ("sock", "buf", "view", "pos", "end")
-    DIRECT = 16 << 10  # reads of at least this many bytes skip the buffer
+    AHEAD = 32  # reads of at most this many bytes (a message header) fill the buffer; longer ones skip it
 
     def __init__(self, sock: socket.socket, size: int):
         self.sock = sock
@@ -280,7 +281,7 @@ class _Rx:
             view[:k] = self.view[self.pos:self.pos + k]
             self.pos += k
             return k
-        if n >= self.DIRECT:
+        if n > self.AHEAD:
             return self.sock.recv_into(view, n, flags)
         got = self.sock.recv_into(self.buf)
         k = got if got < n else n

@@ -2,9 +2,9 @@
 one registered region and every destination in one of the peer's, submitted in a few Python steps.
 
 What the general path (``Pipeline._submit``) does for such a batch -- argument arrays, reductions, the plan, a
-``WriteBatch`` of arrays, the fabric's array checks and framing -- is a few dozen numpy calls of ~1-3 us each on
-arrays of a dozen items: more host time than the batch's wire round trip. Here the same checks run on the
-caller's lists of ints, and the batch becomes the plan's own result for it (``Planner.direct_pieces``): one
+``WriteBatch`` of arrays, the fabric's array checks and framing -- is a few dozen numpy calls on arrays of a
+dozen items: more host time than the batch's wire round trip (benchmarks/NOTES.md). Here the same checks run
+on the caller's lists of ints, and the batch becomes the plan's own result for it (``Planner.direct_pieces``): one
 DIRECT unit on the least loaded rail, one ``WriteRows`` request, posted by the caller (``Pipeline._post``).
 
 Anything else -- a non-int entry, a piece that is not small, a source or destination outside one region, an

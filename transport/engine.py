@@ -37,8 +37,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import queue
 import os
+import queue
 import secrets
 import socket
 import sys

@@ -183,11 +183,9 @@ class Planner:
                     start = end
             open_relay: Dict[int, Unit] = {}
             open_fwd: Dict[int, Unit] = {}
-            if direct_small:  # the small pieces go with the large ones: every piece of the device, in order
-                idx_large = np.arange(lengths.size) if on_dev is True else np.nonzero(on_dev)[0]
-            elif small is not None:
+            if small is not None and not direct_small:
                 idx_large = np.nonzero(on_dev & ~small)[0]
-            else:
+            else:  # nothing coalesced, or the small pieces go with the large ones: every piece of the device
                 idx_large = np.arange(lengths.size) if on_dev is True else np.nonzero(on_dev)[0]
             if idx_large.size > 1 and forward is None and (
                     self.relay == "never" or (self.relay == "auto" and all(c.local for c in choices))):

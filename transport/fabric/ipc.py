@@ -420,10 +420,14 @@ class IpcFabric(TcpFabric):
             super().post_writes(ep, requests)
             return
         self._validate(ep, [])
-        devices = [self._validate_batch(b) for b in requests]
-        for i, (b, dev) in enumerate(zip(requests, devices)):
+        self._post_checked_batches(ep, requests, [self._validate_batch(b) for b in requests])
+
+    def _post_checked_batches(self, ep: TcpEndpoint, batches, devices) -> None:
+        """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``_validate_batch``) batch
+        by batch through ``_post_batch_direct`` while they qualify, the rest as messages."""
+        for i, (b, dev) in enumerate(zip(batches, devices)):
             if not self._post_batch_direct(ep, b, dev):
-                self._send(ep, [m for b_, d_ in zip(requests[i:], devices[i:])
+                self._send(ep, [m for b_, d_ in zip(batches[i:], devices[i:])
                                 for m in self._build_batch(b_, d_, len(ep.socks))])
                 return
 
@@ -436,15 +440,16 @@ class IpcFabric(TcpFabric):
         the host, posts as ``post_writes`` and returns None (the sources are free at completion). Checks come
         first, as in ``post_writes``: nothing is posted when a request is bad."""
         requests = list(requests)
-        if requests and all(isinstance(r, WriteBatch) for r in requests):
-            self._validate(ep, [])
-            devices = [self._validate_batch(b) for b in requests]
-            taken, done = self._post_batches_ordered(ep, requests, devices, after)
-            if taken:
-                return done
+        if not requests or not all(isinstance(r, WriteBatch) for r in requests):
+            return super().post_writes_after(ep, requests, after)
+        self._validate(ep, [])
+        devices = [self._validate_batch(b) for b in requests]
+        taken, done = self._post_batches_ordered(ep, requests, devices, after)
+        if taken:
+            return done
         for event in after:
             event.synchronize()
-        self.post_writes(ep, requests)
+        self._post_checked_batches(ep, requests, devices)  # checked above
         return None
 
     def _direct_target(self, ep: TcpEndpoint, batches, devices):
@@ -811,8 +816,6 @@ class IpcFabric(TcpFabric):
             for ptr in self._opened.values():
                 self._cuda.close(ptr)
         self._opened.clear()
-
-
 
 
 class _Completer:

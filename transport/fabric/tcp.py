@@ -359,6 +359,8 @@ def _table_struct(count: int) -> struct.Struct:
     if t is None:
         t = _TABLES[count] = struct.Struct("<" + "QQQQIIII" * count)
     return t
+
+
 assert _ROW.size == PIECE_DT.itemsize
 
 

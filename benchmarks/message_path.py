@@ -17,7 +17,8 @@ GPU 1 to GPU 0).
 For every (fabric, topology) a sender engine and a receiving engine in a spawned process are made; for every
 shape the receiver's buffer (with guards) is poisoned, the shape written once and compared with the expected
 image, then timed: wall time of ``batch_write`` calls, median of ``--repeat``. Each row carries the engine's
-``stats()`` time breakdown per call.
+``stats()`` time breakdown per call, and the streamed columns: ms per batch with ``--inflight`` batches submitted
+before waiting (``batch_write_async``), where host work overlaps earlier batches' copies.
 
 With one GPU visible, only the direct and loadstore rows are measured (both processes on that GPU, both NICs
 next to it) and the files are named ``-x1`` instead of ``-x2``.
@@ -177,13 +178,16 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
                                ms_min=round(min(times) * 1e3, 4), repeat=n_rep,
                                time_ms_per_call=_time_breakdown(t_before, t_after, n_rep),
                                receiver_per_call=_receiver_breakdown(rx_before, rx_after, n_rep))
+                    if args.inflight > 1:
+                        row.update(streamed(eng, peer.session, srcs, dsts, lens, args.inflight, n_rep))
                 except Exception as e:  # noqa: BLE001 — a failing row is reported, the run goes on
                     row.update(error=f"{type(e).__name__}: {e}"[:500], byte_exact=False)
                     traceback.print_exc()
                 rows.append(row)
                 print(f"  {fabric:4s} {topology:9s} {name:14s} {row.get('ms', float('nan')):9.3f} ms "
-                      f"{row.get('gbps', float('nan')):9.2f} GB/s exact={row.get('byte_exact')}",
-                      file=sys.stderr, flush=True)
+                      f"{row.get('gbps', float('nan')):9.2f} GB/s exact={row.get('byte_exact')} streamed "
+                      f"{row.get('ms_streamed', float('nan')):9.3f} ms {row.get('gbps_streamed', float('nan')):9.2f} "
+                      f"GB/s", file=sys.stderr, flush=True)
             stats = eng.stats()
             rx = peer.call("stats")
         rows[-1]["sender_stats"] = {k: stats[k] for k in ("paths", "time_s", "rings") if k in stats}
@@ -191,6 +195,23 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
     finally:
         peer.close()
     return rows
+
+
+def streamed(eng, session: str, srcs, dsts, lens, inflight: int, repeat: int) -> dict:
+    """Throughput with ``inflight`` batches of the shape submitted back to back (``batch_write_async``) before
+    waiting for them: what a server moving many requests' KV at once sees, where one batch's host work overlaps
+    the previous batches' copies. The batches write the same bytes to the same place (the sequential run above
+    checked them). Median of ``repeat`` rounds; ms per batch."""
+    nbytes = int(lens.sum())
+    times = []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        handles = [eng.batch_write_async(session, srcs, dsts, lens) for _ in range(inflight)]
+        for h in handles:
+            h.wait()
+        times.append((time.perf_counter() - t0) / inflight)
+    ms = float(np.median(times[1:])) * 1e3
+    return {"inflight": inflight, "ms_streamed": round(ms, 4), "gbps_streamed": round(nbytes / ms / 1e6, 3)}
 
 
 def nvlink_rows(all_shapes: dict, repeat: int) -> list:
@@ -235,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shape names")
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per row (x3 below 1 MB)")
     ap.add_argument("--label", default="", help="stored in every row (e.g. which tree was measured)")
+    ap.add_argument("--inflight", type=int, default=4,
+                    help="batches in flight for the streamed columns (ms_streamed, gbps_streamed); 1: none")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--trace", default=None, help="folder for both engines' Chrome traces (one pair per fabric and "
                                                   "topology; keep the run small)")
@@ -251,6 +274,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.inflight < 1:
+        ap.error(f"--inflight must be >= 1, got {args.inflight}")
     logging.basicConfig(level=logging.WARNING)
     import torch
     gpus = min(2, torch.cuda.device_count())
@@ -304,10 +329,12 @@ def main(argv=None) -> int:
         with open(os.path.join(out, name), "w") as f:
             json.dump({**meta, "rows": subset}, f, indent=1)
     print(f"wrote {out}/{names[0]} and {out}/{names[1]}", file=sys.stderr)
-    print(f"{'fabric':6s} {'topology':11s} {'shape':14s} {'ms':>9s} {'GB/s':>9s} exact")
+    print(f"{'fabric':6s} {'topology':11s} {'shape':14s} {'ms':>9s} {'GB/s':>9s} exact {'streamed ms':>11s} "
+          f"{'GB/s':>9s}")
     for r in rows:
         print(f"{r['fabric']:6s} {r['topology']:11s} {r['shape']:14s} {r.get('ms', float('nan')):9.3f} "
-              f"{r.get('gbps', float('nan')):9.2f} {r.get('byte_exact')}")
+              f"{r.get('gbps', float('nan')):9.2f} {str(r.get('byte_exact')):5s} "
+              f"{r.get('ms_streamed', float('nan')):11.3f} {r.get('gbps_streamed', float('nan')):9.2f}")
     return 0 if all(r.get("byte_exact") for r in rows) else 1
 
 

@@ -344,7 +344,12 @@ class Pipeline:
             ring = self._ring(dev if dev >= 0 else DEVICE_HOST, rail)
             for a in atts:
                 a.ring = ring
-            ring.enqueue_copy(atts)
+            inline = [a for a in atts if a.unit.kind == RELAYED] if ring.ordered and not from_engine else []
+            if len(inline) < len(atts):
+                # chunks wait for the peer's landing credits, and their posts for their fills on the host
+                ring.enqueue_copy([a for a in atts if a.unit.kind != RELAYED] if inline else atts)
+            if inline:
+                ring.fill_and_post(inline)  # only enqueues GPU work: the caller does it, no thread hand-off
         for rail, atts in direct.items():
             try:
                 self._direct_requests(atts, batch.peer, rail)
@@ -499,21 +504,26 @@ class Pipeline:
                     slot.tensor[o:o + n].copy_(host_view(s_addr, n))
             else:
                 # one bound batched-copy launch (replayed for lengths seen before), where a call per piece cost
-                # ~10 us each; ordered after the lane's earlier work, which the ring waits for or orders after
-                import torch
+                # ~10 us each; on the lane's stream, ordered after the lane's earlier work, which the ring waits
+                # for or orders after
                 stream = slot.ring.stream(slot.lane)
-                dev = slot.ring.device
-                with torch.cuda.device(dev), torch.cuda.stream(stream):
-                    self._relay_copies.finish([self._relay_copies.copy(dev, s_arr, local, n_arr)], wait=False)
+                self._relay_copies.finish([self._relay_copies.copy(slot.ring.device, s_arr, local, n_arr,
+                                                                   stream=stream)], wait=False, stream=stream)
             rail = a.prail.rail
             rsnap = a.batch.peer.regions.snapshot()
-            ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
-            if ri is None:  # a region went away since validation: name it
-                for s_addr, d_addr, n in zip(s_arr.tolist(), d_arr.tolist(), n_arr.tolist()):
-                    self._keys(a, s_addr, d_addr, n)
-                raise InvalidTransfer(f"a destination of batch {a.batch.id} is no longer advertised by "
-                                      f"{a.batch.peer.session}")
-            rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)[ri]
+            spans = a.batch.spans
+            if spans is not None and spans[2] is rsnap:
+                # one peer region holds the whole batch and the table has not changed since the validation
+                # found it: its key for every piece, no lookup per piece
+                rkeys = np.full(n_arr.size, rsnap.regions[spans[3]].keys[rail], dtype=np.int64)
+            else:
+                ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
+                if ri is None:  # a region went away since validation: name it
+                    for s_addr, d_addr, n in zip(s_arr.tolist(), d_arr.tolist(), n_arr.tolist()):
+                        self._keys(a, s_addr, d_addr, n)
+                    raise InvalidTransfer(f"a destination of batch {a.batch.id} is no longer advertised by "
+                                          f"{a.batch.peer.session}")
+                rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)[ri]
             lkeys = np.full(n_arr.size, slot.ring.lkey, dtype=np.int64)
             if self._batches:
                 a.reqs = [WriteBatch(local, n_arr, d_arr, rkeys, lkeys)]  # one completion, no object per piece

@@ -14,11 +14,11 @@ the engine re-dispatches after a failover. Completions release slots, in whichev
 them (its callback, or the engine's per-rail poller).
 
 Stream-ordered rounds: on a GPU ring whose fabric declares ``event_ordered_writes`` (ipc: the wire is a GPU
-copy too), the copy thread does not wait on the host. It records an event per lane after the round's fills and
-posts with it (``Fabric.post_writes_after``); the fabric's copy waits for that event on the GPU, and the slots
-go back to the ring at once, marked with the copy's own event, which the slot's next fill waits for on its lane
-stream. The host then only enqueues work, and one round's write overlaps the next round's fill; a round takes at
-most half the slots so that there is a next round to overlap.
+copy too), nothing waits on the host. A round records an event per lane after its fills and posts with it
+(``Fabric.post_writes_after``); the fabric's copy waits for that event on the GPU, and the slots go back to the
+ring at once, marked with the copy's own event, which the slot's next fill waits for on its lane stream. Since
+the host only enqueues work, the engine's caller runs such rounds itself (``fill_and_post``, one unit per
+round, so each write overlaps the next fill) and the copy thread only takes chunks and re-dispatched units.
 
 Back-pressure: the copy thread waits for a free slot; nothing that releases slots ever waits for one, so the
 ring cannot deadlock.
@@ -195,6 +195,22 @@ class RelayRing:
             self._cv.wait(0.5)
         return None
 
+    def fill_and_post(self, attempts) -> None:
+        """An ordered ring's work in the calling thread (``self.ordered``): for each attempt a slot (waiting for one
+        when none is free), its fill enqueued on the slot's lane stream and its write posted after that fill on
+        the GPU, the slot back in the ring as soon as the write is queued. The host only enqueues, so the caller
+        needs no copy thread: a hand-off to it, and the GIL traffic between the two, cost more host time than
+        the enqueues themselves (benchmarks/NOTES.md, "Relay rounds in the caller's thread"). An attempt per
+        round: each write starts as soon as its own fill is done, while the next fill runs."""
+        for attempt in attempts:
+            with self._cv:
+                slot = None if self._closed else self._acquire()
+            if slot is None:
+                from transport.errors import FabricClosed
+                attempt.fail_local(FabricClosed(f"relay ring {self.name} is closed"))
+                continue
+            self._round([(attempt, slot)])
+
     def _copy_loop(self) -> None:
         while True:
             with self._cv:
@@ -209,54 +225,59 @@ class RelayRing:
                     return
                 while self._copy_q and any(self._free) and len(work) < self.round_slots:
                     work.append((self._copy_q.popleft(), self._acquire()))
-            filled = []
-            for attempt, slot in work:
-                slot.owner = attempt
-                slot.enter(FILLING)
-                try:
-                    if slot.reuse_after is not None:
-                        self._streams[slot.lane].wait_event(slot.reuse_after)
-                        slot.reuse_after = None
-                    ok = self._fill(attempt, slot)
-                except Exception as e:  # noqa: BLE001 — a failed copy fails its batch, not the ring
-                    log.exception("%s: filling a slot failed", self.name)
-                    ok = False
-                    attempt.fail_local(e)
-                if not ok:
-                    self.release(slot)
-                    continue
-                filled.append((attempt, slot))
-            if not filled:
-                continue
-            # the copies of every slot of this round run back to back on the lanes' streams: an event per lane
-            # for an ordered fabric, else one host wait per lane
-            after = None
+            self._round(work)
+
+    def _round(self, work) -> None:
+        """Fill the slots of ``work`` ((attempt, slot) pairs), then post the filled ones together: after a host
+        wait per lane, or, on an ordered ring, after an event per lane that the fabric's writes wait for."""
+        filled = []
+        for attempt, slot in work:
+            slot.owner = attempt
+            slot.enter(FILLING)
             try:
-                lanes = sorted({slot.lane for _, slot in filled}) if self._streams else []
-                if self.ordered:
-                    import torch
-                    after = []
-                    for lane in lanes:
-                        event = torch.cuda.Event()
-                        event.record(self._streams[lane])
-                        after.append(event)
-                else:
-                    for lane in lanes:
-                        self._streams[lane].synchronize()
-            except Exception as e:  # noqa: BLE001 — a CUDA error fails the round's batches, not the ring
-                log.exception("%s: waiting for slot copies failed", self.name)
-                for attempt, slot in filled:
-                    self.release(slot)
-                    attempt.fail_local(e)
+                if slot.reuse_after is not None:
+                    self._streams[slot.lane].wait_event(slot.reuse_after)
+                    slot.reuse_after = None
+                ok = self._fill(attempt, slot)
+            except Exception as e:  # noqa: BLE001 — a failed copy fails its batch, not the ring
+                log.exception("%s: filling a slot failed", self.name)
+                ok = False
+                attempt.fail_local(e)
+            if not ok:
+                self.release(slot)
                 continue
-            ready = []
+            filled.append((attempt, slot))
+        if not filled:
+            return
+        # the copies of every slot of this round run back to back on the lanes' streams: an event per lane
+        # for an ordered fabric, else one host wait per lane
+        after = None
+        try:
+            lanes = sorted({slot.lane for _, slot in filled}) if self._streams else []
+            if self.ordered:
+                import torch
+                after = []
+                for lane in lanes:
+                    event = torch.cuda.Event()
+                    event.record(self._streams[lane])
+                    after.append(event)
+            else:
+                for lane in lanes:
+                    self._streams[lane].synchronize()
+        except Exception as e:  # noqa: BLE001 — a CUDA error fails the round's batches, not the ring
+            log.exception("%s: waiting for slot copies failed", self.name)
             for attempt, slot in filled:
-                slot.enter(READY)
-                ready.append(attempt)
-            try:
-                self._post(ready, after)  # from this thread: no hand-off to the submit thread
-            except Exception:  # noqa: BLE001 — post() handles its own failures; this is a last resort
-                log.exception("%s: submit failed", self.name)
+                self.release(slot)
+                attempt.fail_local(e)
+            return
+        ready = []
+        for attempt, slot in filled:
+            slot.enter(READY)
+            ready.append(attempt)
+        try:
+            self._post(ready, after)  # from this thread: no hand-off to the submit thread
+        except Exception:  # noqa: BLE001 — post() handles its own failures; this is a last resort
+            log.exception("%s: submit failed", self.name)
 
     def _submit_loop(self) -> None:
         while True:

@@ -41,8 +41,8 @@ _serials = itertools.count(1)
 
 
 def _driver():
-    """libcuda through ctypes for the two calls of the hot path (H2D copy, stream synchronise): a ctypes call is
-    ~1 us of host time, a cuda-bindings or torch stream call several (the H200 VM's per-call costs are in
+    """libcuda through ctypes for the calls of the hot path (H2D copy, graph launch, stream synchronise): a ctypes
+    call is ~1 us of host time, a cuda-bindings or torch stream call several (the H200 VM's per-call costs are in
     benchmarks/NOTES.md, section Engine)."""
     global _driver_lib
     if _driver_lib is None:
@@ -50,6 +50,8 @@ def _driver():
         lib = launch_driver()
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuMemcpyHtoDAsync_v2.restype = ctypes.c_int
+        lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuGraphLaunch.restype = ctypes.c_int
         lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cuStreamSynchronize.restype = ctypes.c_int
         _driver_lib = lib
@@ -94,6 +96,7 @@ class _BoundCopy:
         self._kernel = PreparedCopy(d[0:n], d[n:2 * n], d[2 * n:3 * n], 0, 0, plan)
         self._keep = staging
         self._graph = None
+        self._exec = None  # the graph's executable handle: launched on any stream with one driver call
         if not graph:
             return
         device = torch.device("cuda", device_index)
@@ -116,12 +119,30 @@ class _BoundCopy:
             self._graph = captured
         except Exception as e:  # noqa: BLE001 — the two plain calls still work
             log.info("batched copy: graph capture failed (%s); copying and launching one by one", e)
+            return
+        try:
+            self._exec = captured.raw_cuda_graph_exec() or None
+        except (AttributeError, RuntimeError):  # an older torch: replay on the current stream
+            self._exec = None
 
     def _copy(self, raw_stream) -> None:
         check_driver(_driver().cuMemcpyHtoDAsync_v2(*self._copy_args, raw_stream), "descriptor copy")
 
-    def __call__(self, raw_stream) -> None:
-        """Enqueue the descriptor copy and the kernel on the current stream (``raw_stream`` is its handle)."""
+    def __call__(self, raw_stream, stream=None) -> None:
+        """Enqueue the descriptor copy and the kernel on ``stream`` (a ``torch.cuda.Stream`` whose handle is
+        ``raw_stream``), or on the current stream (``stream`` None, ``raw_stream`` its handle). A graph goes to the
+        driver with the handle; otherwise the kernel's launch takes the current stream, which ``stream`` then
+        becomes for the call (a stream context costs ~9 us of host time on the H200 VM: the hot path avoids it)."""
+        if self._exec is not None:
+            check_driver(_driver().cuGraphLaunch(self._exec, raw_stream), "batched copy graph launch")
+        elif stream is not None:
+            import torch
+            with torch.cuda.stream(stream):
+                self._enqueue(raw_stream)
+        else:
+            self._enqueue(raw_stream)
+
+    def _enqueue(self, raw_stream) -> None:
         if self._graph is not None:
             self._graph.replay()
         else:
@@ -163,28 +184,31 @@ class BoundCopies:
         return False
 
     def copy(self, device_index: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
-             length_stats=None) -> Launched:
-        """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``) on the calling thread's
-        current stream of ``device_index``: one bound launch (``launch``) for many pieces or lengths seen before,
-        else a ``cudaMemcpyAsync`` per piece (a few pieces of new lengths: a copy-engine call each costs less
-        than a first launch). Returns what ``finish`` takes."""
+             length_stats=None, stream=None) -> Launched:
+        """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``) on ``stream`` (a
+        ``torch.cuda.Stream`` of ``device_index``), or on the calling thread's current stream of ``device_index``:
+        one bound launch (``launch``) for many pieces or lengths seen before, else a ``cudaMemcpyAsync`` per piece
+        (a few pieces of new lengths: a copy-engine call each costs less than a first launch). Returns what
+        ``finish`` takes."""
         if lengths.size > _MEMCPY_MAX or self.repeated(device_index, lengths):
-            return self.launch(device_index, src, dst, lengths, length_stats)
+            return self.launch(device_index, src, dst, lengths, length_stats, stream)
         import torch
         from transport.fabric.tcp import memcpy_async
         with torch.cuda.device(device_index):
-            stream = torch.cuda.current_stream(device_index)
+            if stream is None:
+                stream = torch.cuda.current_stream(device_index)
             for s_, d_, n_ in zip(src.tolist(), dst.tolist(), lengths.tolist()):
                 memcpy_async(d_, s_, n_, stream)
         return device_index, stream.cuda_stream, None
 
     def launch(self, device_index: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
-               length_stats=None) -> Launched:
+               length_stats=None, stream=None) -> Launched:
         """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``, addresses valid in
-        ``device_index``'s context; int64 arrays the caller checked) on the calling thread's current stream of
-        ``device_index``. ``length_stats``: (sum, min, max) of ``lengths`` when the caller has them. Returns what
-        ``finish`` takes: the staging buffer must not be reused before that stream passed the launch. Raises
-        ``TransferError`` when the launch fails."""
+        ``device_index``'s context; int64 arrays the caller checked) on ``stream`` (a ``torch.cuda.Stream`` of
+        ``device_index``) or, when None, on the calling thread's current stream of ``device_index``.
+        ``length_stats``: (sum, min, max) of ``lengths`` when the caller has them. Returns what ``finish`` takes:
+        the staging buffer must not be reused before that stream passed the launch. Raises ``TransferError`` when
+        the launch fails."""
         import torch
         device = torch.device("cuda", device_index)
         n = int(lengths.size)
@@ -209,21 +233,22 @@ class BoundCopies:
                         launches.pop(next(iter(launches)))
                     launch = launches.get(d.data_ptr()) or launches.setdefault(
                         d.data_ptr(), _BoundCopy(device_index, st, n, entry["plan"]))
-        raw_stream = torch._C._cuda_getCurrentRawStream(device_index)
+        raw_stream = torch._C._cuda_getCurrentRawStream(device_index) if stream is None else stream.cuda_stream
         try:
             if torch.cuda.current_device() == device_index:
-                launch(raw_stream)
+                launch(raw_stream, stream)
             else:  # the driver works in the calling thread's current context
                 with torch.cuda.device(device):
-                    launch(raw_stream)
+                    launch(raw_stream, stream)
         except RuntimeError as e:  # a failed launch or graph replay
             raise TransferError(f"batched copy of {n} piece(s) on cuda:{device_index} failed: {e}", [e]) from e
         return device_index, raw_stream, st
 
     @staticmethod
-    def finish(launched: List[Launched], wait: bool) -> list:
+    def finish(launched: List[Launched], wait: bool, stream=None) -> list:
         """Synchronise the launches' streams (``wait``; returns []), or record an event on each: (event,
-        staging) pairs. Raises ``TransferError`` naming the device when the copy failed."""
+        staging) pairs; ``stream``: the ``torch.cuda.Stream`` the launches went to, when not the current one.
+        Raises ``TransferError`` naming the device when the copy failed."""
         import torch
         work = []
         for device_index, raw_stream, st in launched:
@@ -239,7 +264,7 @@ class BoundCopies:
                 continue
             try:
                 event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device_index))
+                event.record(torch.cuda.current_stream(device_index) if stream is None else stream)
             except RuntimeError as e:
                 raise TransferError(f"batched copy on cuda:{device_index}: {e}", [e]) from e
             if st is not None:

@@ -514,7 +514,6 @@ class IpcFabric(TcpFabric):
         after ``after``; the batches complete from the completer thread. Returns (taken, the copy's event):
         (False, None) with nothing done when the batches do not qualify (see ``_direct_target``), (True, None)
         when the launch failed (the batches completed with the failure, ``after`` waited for)."""
-        import torch
         target = self._direct_target(ep, batches, devices)
         if target is None:
             return False, None
@@ -529,10 +528,10 @@ class IpcFabric(TcpFabric):
         try:
             dst = ra + (self._mapped(reg, dev) - reg["base"])
             stream = self._ordered_stream(dev)
-            with torch.cuda.device(dev), torch.cuda.stream(stream):
-                for event in after:
-                    stream.wait_event(event)
-                (done, _), = self.bound_copies.finish([self.bound_copies.copy(dev, la, dst, ln)], wait=False)
+            for event in after:
+                stream.wait_event(event)
+            (done, _), = self.bound_copies.finish([self.bound_copies.copy(dev, la, dst, ln, stream=stream)],
+                                                  wait=False, stream=stream)
         except Exception as e:  # noqa: BLE001 — a CUDA failure fails these batches, not the link
             log.error("ipc GPU copy of %d piece(s) to %s failed: %s", int(ln.size), ep.peer_id, e)
             for m, b in zip(msgs, batches):

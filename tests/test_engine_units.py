@@ -213,6 +213,26 @@ def test_planner_packs_small_relayed_pieces_into_one_slot():
     _covered(units, srcs, dsts, np.asarray([100 * KB] * 30))
 
 
+@pytest.mark.parametrize("total_kb", [1, 1023, 1024, 1025, 3000])
+def test_planner_relayed_runs_one_slot_or_many(total_kb):
+    """Relayed runs with and without the one-slot shortcut: a batch that fits one slot is one unit holding every
+    piece in order (odd sizes, some of a few bytes); a larger one is cut into slot-sized runs of whole pieces;
+    either way every byte is covered once. Two devices: the second device's pieces are a subset (no shortcut
+    on the batch's own arrays)."""
+    rng = np.random.default_rng()
+    lengths = rng.integers(1, 2 * KB, size=4 * total_kb).astype(np.int64)
+    lengths = lengths * (total_kb * KB) // int(lengths.sum()) + 1  # about total_kb KB, every piece >= 1 B
+    for devices in (None, np.arange(lengths.size) % 2):
+        units, srcs, dsts, _ = _plan(lengths, devices=devices, relay="always", coalesce=0, rails=1)
+        assert all(u.kind == RELAYED and u.nbytes <= MB for u in units)
+        _covered(units, srcs, dsts, lengths)
+        per_device = [lengths] if devices is None else [lengths[devices == d] for d in (0, 1)]
+        expect = sum(-(-int(part.sum()) // MB) for part in per_device)  # whole pieces only: at least this many
+        assert len(units) >= expect
+        if all(int(part.sum()) <= MB for part in per_device):
+            assert len(units) == len(per_device)
+
+
 def test_locate_inside_agrees_with_locate():
     """The batch path's five-call lookup: the regions ``locate`` finds when every piece is inside one, None as
     soon as one piece is not (below every region, in a gap, one byte past an end, straddling two regions)."""

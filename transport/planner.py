@@ -261,8 +261,20 @@ class Planner:
         fit one slot, as ``_plan_large`` packs them one at a time; each run to the least loaded rail."""
         if not idx.size:
             return
-        lens = lengths[idx]
-        cum = np.cumsum(lens).tolist()
+        every = idx.size == lengths.size  # idx holds sorted distinct indices: every piece, in order
+        lens = lengths if every else lengths[idx]
+        cum = np.cumsum(lens)
+        if int(cum[-1]) <= self.relay_bytes:
+            # one slot holds them all (small-piece batches): one run, no list of running totals (its tolist was
+            # most of the planning time of 4096 small pieces)
+            c = self._least_loaded(choices, load)
+            nbytes = int(cum[-1])
+            run = (srcs, dsts, lengths) if every else (srcs[idx], dsts[idx], lens)
+            units.append(Unit(RELAYED, dev, c.rail, c.relay_device, nbytes, src=int(run[0][0]), dst=int(run[1][0]),
+                              wire_bytes=nbytes, runs=run))
+            load[c.rail] = load.get(c.rail, 0) + nbytes
+            return
+        cum = cum.tolist()
         start, base = 0, 0
         while start < idx.size:
             # a Python bisect per run: a numpy call per run cost more where most runs are one piece

@@ -170,11 +170,12 @@ class BoundCopies:
         self._lock = threading.Lock()
         self._local = threading.local()
 
-    def repeated(self, device_index: int, lengths: np.ndarray) -> bool:
+    def repeated(self, device_index: int, lengths: np.ndarray, length_stats=None) -> bool:
         """True when a batch of these lengths was launched or offered here before on ``device_index``; else note
         them (no plan is made) and return False. For callers with a cheaper way for batches seen once: a few
-        pieces as a copy-engine call each cost less than a first launch, but more than a bound one."""
-        key = _key(device_index, lengths, None)
+        pieces as a copy-engine call each cost less than a first launch, but more than a bound one.
+        ``length_stats``: (sum, min, max) of ``lengths`` when the caller has them."""
+        key = _key(device_index, lengths, length_stats)
         with self._lock:
             if key in self._plans or key in self._sighted:
                 return True
@@ -190,7 +191,11 @@ class BoundCopies:
         one bound launch (``launch``) for many pieces or lengths seen before, else a ``cudaMemcpyAsync`` per piece
         (a few pieces of new lengths: a copy-engine call each costs less than a first launch). Returns what
         ``finish`` takes."""
-        if lengths.size > _MEMCPY_MAX or self.repeated(device_index, lengths):
+        if lengths.size > _MEMCPY_MAX:
+            return self.launch(device_index, src, dst, lengths, length_stats, stream)
+        if length_stats is None:  # computed once for the two lookups by lengths
+            length_stats = (int(lengths.sum()), int(lengths.min()), int(lengths.max()))
+        if self.repeated(device_index, lengths, length_stats):
             return self.launch(device_index, src, dst, lengths, length_stats, stream)
         import torch
         from transport.fabric.tcp import memcpy_async

@@ -5,18 +5,20 @@ disjoint) and on by default; they are built to cost little host time:
 
 * the index arrays are read once: zero-copy when they are host arrays or CPU tensors, one stacked
   device-to-host read (one synchronisation) when they are GPU tensors;
-* each check is one or two whole-array numpy reductions; only when one fails do the slower per-piece checks run,
-  to name the first bad piece (the message holds its index and value);
+* each check is one or two whole-array numpy reductions (an argument's min and max; its ends only when those
+  do not settle it); only when one fails do the slower per-piece checks run, to name the first bad piece (the
+  message holds its index and value); the address arguments' extremes are returned, and
+  ``peer_access.reachable`` classifies an argument whose extremes lie in one known allocation by them alone;
 * written ranges in ascending order (gathers into a chunk) are proven disjoint by one comparison of each end
-  with the next start; only unordered ones (scatters into a paged pool) are sorted: on the GPU with
-  ``torch.sort`` and one synchronisation when the batch is large, else with numpy on 32-bit keys when the span
-  allows.
+  with the next start; only unordered ones (scatters into a paged pool) need more: a large batch of GPU
+  tensors is sorted there (``torch.sort``, one synchronisation); on the host, rows of one power-of-two length
+  on their grid are told apart by a bitmap of slots, anything else is sorted with numpy (on 32-bit keys when
+  the span allows).
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -68,13 +70,15 @@ def to_host(*tensors):
     return list(stacked)
 
 
-@dataclass(frozen=True)
-class LengthStats:
-    """min, max and sum of a batch's lengths (bytes); what the plan needs from them."""
+class LengthStats(NamedTuple):
+    """min, max and sum of a batch's lengths (bytes); what the plan needs from them. ``spans``: for each address
+    argument the checks looked at (by name), the lowest and highest start address of its pieces of positive
+    length (what ``peer_access.reachable`` classifies by); None or a missing name: not known."""
 
     lmin: int
     lmax: int
     total: int
+    spans: Optional[dict] = None
 
 
 def check_lengths(op: str, lengths: np.ndarray) -> None:
@@ -127,15 +131,23 @@ def check_no_overlap(op: str, name: str, starts: np.ndarray, lengths: np.ndarray
                          f"{name}[{b}] = {int(starts[b])} (length {int(lengths[b])})")
 
 
-def _disjoint_sorted(starts: np.ndarray, ends: np.ndarray, equal: int) -> bool:
+def _disjoint_sorted(starts: np.ndarray, ends: Optional[np.ndarray], equal: int, lowest: Optional[int] = None,
+                     highest: Optional[int] = None) -> bool:
     """Whether ranges [starts[i], ends[i]) of positive length are pairwise disjoint, in any order.
 
     Sorting starts and ends separately suffices: the i-th smallest end is at most the (i+1)-th smallest start
     for every i exactly when no two ranges overlap. ``equal`` > 0: every range has this length, so the sorted
-    starts alone decide (neighbours at least ``equal`` apart).
+    starts alone decide (neighbours at least ``equal`` apart) and ``ends`` may be None. ``lowest`` /
+    ``highest``: the smallest and largest start when the caller has them (saves passes over the array).
     """
-    base = int(starts.min())
-    if int(ends.max()) - base < (1 << 32):  # 32-bit keys sort about twice as fast
+    base = int(starts.min()) if lowest is None else lowest
+    if equal:
+        top = (int(starts.max()) if highest is None else highest) + equal
+    else:
+        if ends is None:
+            raise ValueError("_disjoint_sorted: ranges of several lengths need their ends")
+        top = int(ends.max())
+    if top - base < (1 << 32):  # 32-bit keys sort about twice as fast
         starts = (starts - base).astype(np.uint32)
         ends = None if equal else (ends - base).astype(np.uint32)
     s = np.sort(starts)
@@ -143,6 +155,23 @@ def _disjoint_sorted(starts: np.ndarray, ends: np.ndarray, equal: int) -> bool:
         return bool((np.diff(s) >= equal).all())
     e = np.sort(ends)
     return bool((e[:-1] <= s[1:]).all())
+
+
+def _distinct_slots(starts: np.ndarray, lowest: int, highest: int, length: int) -> Optional[bool]:
+    """Whether ranges of one power-of-two ``length`` (bytes) are pairwise disjoint, for starts that all lie on
+    that grid counted from the lowest (the rows of a paged pool): exactly when no two share a slot, which a
+    bitmap of the span tells in a few passes instead of a sort (~100 us for 32768 on the 2-core CPU box).
+    None: not such a batch (another length, a start off the grid, a span of more than 16 slots per range);
+    the caller sorts."""
+    n = starts.size
+    if length & (length - 1) or (highest - lowest) // length >= 16 * n:
+        return None
+    rel = starts - lowest
+    if int(np.bitwise_or.reduce(rel)) & (length - 1):
+        return None
+    seen = np.zeros((highest - lowest) // length + 1, dtype=np.bool_)
+    seen[rel >> (length.bit_length() - 1)] = True
+    return int(np.count_nonzero(seen)) == n
 
 
 def _disjoint_on_device(starts: torch.Tensor, lengths: torch.Tensor, equal: int) -> bool:
@@ -156,87 +185,119 @@ def _disjoint_on_device(starts: torch.Tensor, lengths: torch.Tensor, equal: int)
     return not bool(bad)
 
 
-def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written_device) -> bool:
-    """Every check on pieces of positive length, as whole-array reductions (a numpy call costs ~1-2 us whatever
-    its size, so their number is what counts). False: some check failed (the caller runs the per-piece checks
-    to name it).
+def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written_device) -> Optional[dict]:
+    """Every check on pieces of positive length (``lengths`` >= 1 here), as whole-array reductions (a numpy call
+    costs ~1-2 us whatever its size, and a pass over 32768 items ~5 us, so their number is what counts). Returns
+    the address arguments' (lowest, highest) starts by name (``LengthStats.spans``), or None when some check
+    failed (the caller runs the per-piece checks to name it).
 
     The written ranges are looked at first: when each ends before the next starts and no end wrapped past
     2**63 (the smallest end is positive), their starts strictly increase, so the first and last entries are the
-    smallest and largest and their checks need no further pass."""
+    smallest and largest and their checks need no further pass. A batch whose first 8 starts do not increase
+    is not in that order, and skips the test. Elsewhere a start + length is only formed when the extremes
+    cannot rule a failure out (the largest start plus the longest length past the bound)."""
+    spans = {}
     ends = {}
+    extremes = {}
     ordered = False
-    if written is not None and lengths.size >= 2:
+    n = lengths.size
+    if written is not None and n >= 2:
         name, starts = written
-        end = starts + lengths  # a sum past 2**63 wraps negative: both terms positive, or the check fails anyway
-        ends[name] = end
-        ordered = bool((end[:-1] <= starts[1:]).all()) and int(end.min()) >= 1
+        head = starts[:8].tolist()
+        if all(map(operator.lt, head, head[1:])):
+            end = starts + lengths  # a sum past 2**63 wraps negative: both terms positive, or the check fails anyway
+            ends[name] = end
+            ordered = bool((end[:-1] <= starts[1:]).all()) and int(end.min()) >= 1
     for check in checks:
         kind, name, values = check[0], check[1], check[2]
-        end = ends.get(name)
-        if end is None:
-            end = ends[name] = values + lengths
         in_order = ordered and name == written[0]
+        if in_order:
+            lo, hi = int(values[0]), int(values[-1])
+        else:
+            lo, hi = int(values.min()), int(values.max())
+        extremes[name] = (lo, hi)
         if kind == "address":
-            lowest = int(values[0]) if in_order else int(values.min())
-            if lowest < 1 or (not in_order and int(end.min()) < 1):
-                return False
+            if lo < 1:
+                return None
+            if hi > _INT64_MAX - lmax:  # some start + length may pass 2**63: the exact test
+                end = ends.get(name)
+                if end is None:
+                    end = ends[name] = values + lengths
+                if int(end.min()) < 1:
+                    return None
+            spans[name] = (lo, hi)
         else:
             limit = check[3]
-            if lmax > limit:
-                return False
-            if in_order:
-                if int(values[0]) < 0 or int(end[-1]) > limit:
-                    return False
-            elif int(values.min()) < 0 or int(values.max()) > limit or int(end.max()) > limit:
-                return False  # (offsets and lengths both at most the limit: their sum cannot overflow)
-    if written is None or lengths.size < 2 or ordered:
-        return True
+            if lmax > limit or lo < 0 or hi > limit:
+                return None
+            if hi + lmax > limit:  # the extremes do not settle it: the largest end (no overflow: each <= limit)
+                end = ends.get(name)
+                if end is None:
+                    end = ends[name] = values + lengths
+                if int(end[-1] if in_order else end.max()) > limit:
+                    return None
+    if written is None or n < 2 or ordered:
+        return spans
     name, starts = written
     equal = lmin if lmin == lmax else 0
     if written_device is not None:
-        return _disjoint_on_device(*written_device, equal)
-    return _disjoint_sorted(starts, ends[name], equal)
+        return spans if _disjoint_on_device(*written_device, equal) else None
+    if equal:
+        lo, hi = extremes.get(name) or (int(starts.min()), int(starts.max()))
+        ok = _distinct_slots(starts, lo, hi, equal)
+        if ok is None:
+            ok = _disjoint_sorted(starts, None, equal, lo, hi)
+        return spans if ok else None
+    end = ends.get(name)
+    if end is None:
+        end = starts + lengths
+    return spans if _disjoint_sorted(starts, end, 0, (extremes.get(name) or (None,))[0]) else None
 
 
 # Up to this many pieces the checks run on Python lists: a numpy call costs ~1-2 us whatever its size.
 SMALL = 64
 
 
-def _small_ok(lengths: list, checks, written) -> bool:
-    """``_fast_ok`` on Python ints (exact: no overflow to guard against) for small batches."""
+def _small_ok(lengths: list, checks, written) -> Optional[dict]:
+    """``_fast_ok`` on Python ints (exact: no overflow to guard against) for small batches: each argument's
+    extremes first, its ends only where they do not settle a check; unordered written ranges by their sorted
+    starts and ends."""
+    spans = {}
     if min(lengths) > 0:
         pick = None
     else:
         live = [i for i, n in enumerate(lengths) if n > 0]
         if not live:
-            return True
+            return spans
         lengths = [lengths[i] for i in live]
         pick = lambda values: [values[i] for i in live]  # noqa: E731
-    ends = {}
+    lmax = max(lengths)
+    seen = {}
     for check in checks:
         values = check[2].tolist()
         if pick is not None:
             values = pick(values)
-        end = list(map(operator.add, values, lengths))
+        lo, hi = min(values), max(values)
         if check[0] == "address":
-            if min(values) < 1 or max(end) > _INT64_MAX:
-                return False
-        elif min(values) < 0 or max(end) > check[3]:
-            return False
-        ends[check[1]] = (values, end)
+            if lo < 1 or (hi + lmax > _INT64_MAX and max(map(operator.add, values, lengths)) > _INT64_MAX):
+                return None
+            spans[check[1]] = (lo, hi)
+        elif lo < 0 or (hi + lmax > check[3] and max(map(operator.add, values, lengths)) > check[3]):
+            return None
+        seen[check[1]] = values
     if written is None or len(lengths) < 2:
-        return True
-    starts, end = ends.get(written[0]) or (None, None)
+        return spans
+    starts = seen.get(written[0])
     if starts is None:
         starts = written[1].tolist()
         if pick is not None:
             starts = pick(starts)
-        end = list(map(operator.add, starts, lengths))
+    end = list(map(operator.add, starts, lengths))
     if all(map(operator.le, end, starts[1:])):
-        return True
-    ordered = sorted(zip(starts, end))
-    return all(a[1] <= b[0] for a, b in zip(ordered, ordered[1:]))
+        return spans
+    # unordered: the i-th smallest end must not pass the (i+1)-th smallest start (see _disjoint_sorted)
+    end.sort()
+    return spans if all(map(operator.le, end, sorted(starts)[1:])) else None
 
 
 def address(name: str, addrs: np.ndarray):
@@ -261,34 +322,35 @@ def validate(op: str, lengths: np.ndarray, checks: Sequence[tuple] = (),
         written_tensors: (starts, lengths) as GPU tensors: a large unordered batch is then sorted there.
     Pieces of length 0 are exempt from every check but the sign of their length.
     Returns:
-        the lengths' min, max and sum.
+        the lengths' min, max and sum, and the address arguments' lowest and highest starts.
     """
     n = int(lengths.size)
     if n == 0:
-        return LengthStats(0, 0, 0)
+        return LengthStats(0, 0, 0, {})
     if n <= SMALL:
         as_list = lengths.tolist()
         lmin, lmax = min(as_list), max(as_list)
         if lmin < 0:
             check_lengths(op, lengths)
-        if not _small_ok(as_list, checks, written):
+        spans = _small_ok(as_list, checks, written)
+        if spans is None:
             _name_failure(op, lengths, checks, written)
-        return LengthStats(lmin, lmax, sum(as_list))
+        return LengthStats(lmin, lmax, sum(as_list), spans)
     lmin, lmax = int(lengths.min()), int(lengths.max())
     if lmin < 0:
         check_lengths(op, lengths)
     device = written_tensors if written_tensors is not None and n >= DEVICE_SORT_MIN and \
         written_tensors[0].is_cuda else None
     if lmin > 0:
-        ok = _fast_ok(lengths, lmin, lmax, checks, written, device)
+        spans = _fast_ok(lengths, lmin, lmax, checks, written, device)
     else:  # pieces of length 0 are exempt: check the others
         live = np.flatnonzero(lengths)
-        ok = not live.size or _fast_ok(lengths[live], int(lengths[live].min()), lmax,
-                                       [c[:2] + (c[2][live],) + c[3:] for c in checks],
-                                       None if written is None else (written[0], written[1][live]), None)
-    if not ok:
+        spans = {} if not live.size else _fast_ok(
+            lengths[live], int(lengths[live].min()), lmax, [c[:2] + (c[2][live],) + c[3:] for c in checks],
+            None if written is None else (written[0], written[1][live]), None)
+    if spans is None:
         _name_failure(op, lengths, checks, written)
-    return LengthStats(lmin, lmax, lmin * n if lmin == lmax else int(lengths.sum()))
+    return LengthStats(lmin, lmax, lmin * n if lmin == lmax else int(lengths.sum()), spans)
 
 
 def _name_failure(op: str, lengths: np.ndarray, checks, written) -> None:
@@ -302,15 +364,17 @@ def _name_failure(op: str, lengths: np.ndarray, checks, written) -> None:
         check_no_overlap(op, written[0], written[1], lengths)
 
 
-@dataclass
 class IndexArgs:
     """The index arguments of one call: ``count`` pieces, given either as tensors on the copy's device
     (``on_host`` False) or as host arrays (numpy int64 or CPU tensors, ``on_host`` True, only for a GPU copy)."""
 
-    count: int
-    on_host: bool
-    values: dict  # name -> torch.Tensor (device mode) or np.ndarray (host mode)
-    _host: Optional[list] = None
+    __slots__ = ("count", "on_host", "values", "_host")
+
+    def __init__(self, count: int, on_host: bool, values: dict, _host: Optional[list] = None):
+        self.count = count
+        self.on_host = on_host
+        self.values = values  # name -> torch.Tensor (device mode) or np.ndarray (host mode)
+        self._host = _host
 
     def host(self) -> list:
         """Host int64 arrays of every argument, in the order given (read once, see ``to_host``)."""
@@ -320,24 +384,18 @@ class IndexArgs:
         return self._host
 
 
-def index_args(op: str, device: torch.device, **named) -> IndexArgs:
-    """Validate the index arguments' types: int64, 1-D, one length. Either all tensors on ``device``, or, when
-    ``device`` is a GPU, all on the host (numpy arrays or CPU tensors): those are then uploaded once with the
-    plan (``stage``)."""
-    host_kinds = device.type != "cpu" and all(
-        isinstance(v, np.ndarray) or (isinstance(v, torch.Tensor) and v.device.type == "cpu") for v in named.values())
-    if not host_kinds:
-        values = named
-        if device.type == "cpu" and any(isinstance(v, np.ndarray) for v in named.values()):
-            values = {k: torch.from_numpy(np.ascontiguousarray(v))
-                      if isinstance(v, np.ndarray) and v.dtype == np.int64 and v.ndim == 1 else v
-                      for k, v in named.items()}
-        return IndexArgs(check_index_tensors(op, device, **values), False, values)
+_INT64 = np.dtype(np.int64)
+
+
+def _host_arrays(op: str, named: dict):
+    """(count, name -> contiguous int64 numpy array) of host arguments (numpy arrays or CPU tensors), each
+    int64, 1-D and of one length; else ValueError naming the argument and what it is."""
     count, first_name, values = None, None, {}
     for name, value in named.items():
         array = value.numpy() if isinstance(value, torch.Tensor) else value
-        if array.dtype != np.int64:
-            raise ValueError(f"{op}: {name} must be int64, got {array.dtype}")
+        dtype = array.dtype
+        if dtype is not _INT64 and dtype != _INT64:
+            raise ValueError(f"{op}: {name} must be int64, got {dtype}")
         if array.ndim != 1:
             raise ValueError(f"{op}: {name} must be 1-D, got shape {tuple(array.shape)}")
         if count is None:
@@ -345,4 +403,26 @@ def index_args(op: str, device: torch.device, **named) -> IndexArgs:
         elif array.size != count:
             raise ValueError(f"{op}: {name} has {array.size} items but {first_name} has {count}")
         values[name] = np.ascontiguousarray(array)
-    return IndexArgs(count, True, values)
+    return count, values
+
+
+def index_args(op: str, device: torch.device, **named) -> IndexArgs:
+    """Validate the index arguments' types: int64, 1-D, one length. Either all tensors on ``device``, or all on
+    the host (numpy arrays or CPU tensors): for a GPU ``device`` those are checked where they are and uploaded
+    once (``_batched_copy.run_batch``); for the CPU they are viewed as tensors (no copy)."""
+    host_kinds = all(isinstance(v, np.ndarray) or (isinstance(v, torch.Tensor) and v.device.type == "cpu")
+                     for v in named.values())
+    if device.type != "cpu":
+        if host_kinds:
+            count, arrays = _host_arrays(op, named)
+            return IndexArgs(count, True, arrays)
+        return IndexArgs(check_index_tensors(op, device, **named), False, named)
+    values = named
+    if any(isinstance(v, np.ndarray) for v in named.values()):
+        if host_kinds:
+            count, arrays = _host_arrays(op, named)
+            return IndexArgs(count, False, {k: torch.from_numpy(a) for k, a in arrays.items()})
+        values = {k: torch.from_numpy(np.ascontiguousarray(v))
+                  if isinstance(v, np.ndarray) and v.dtype == np.int64 and v.ndim == 1 else v
+                  for k, v in named.items()}
+    return IndexArgs(check_index_tensors(op, device, **values), False, values)

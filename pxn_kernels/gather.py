@@ -43,8 +43,9 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
         launch_batched_copy(src_ptrs, out_offsets, lengths, 0, out.data_ptr(), plan)
         return out
     _checks.check_byte_tensor("gather", "out", out)
-    use_host = _use_host(backend, out.device)
-    args = _checks.index_args("gather", out.device, src_ptrs=src_ptrs, lengths=lengths, out_offsets=out_offsets)
+    device = out.device
+    use_host = _use_host(backend, device)
+    args = _checks.index_args("gather", device, src_ptrs=src_ptrs, lengths=lengths, out_offsets=out_offsets)
     stats = None
     if check and args.count:
         src_np, len_np, off_np = args.host()
@@ -54,8 +55,8 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
             written=("out_offsets", off_np),
             written_tensors=None if args.on_host else (args.values["out_offsets"], args.values["lengths"]))
         # sources on another GPU: peer access first, or piece by piece where the pair cannot have it
-        if not use_host and not peer_access.reachable(out.device, [src_np], len_np):
-            peer_access.staged_copy(src_np, out.data_ptr() + off_np, len_np, out.device)
+        if not use_host and not peer_access.reachable(device, [src_np], len_np, [stats.spans.get("src_ptrs")]):
+            peer_access.staged_copy(src_np, out.data_ptr() + off_np, len_np, device)
             return out
     if not args.count:
         return out
@@ -63,7 +64,7 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
         src_np, len_np, off_np = args.host()
         host_copy(src_np, out.data_ptr() + off_np, len_np)
         return out
-    run_batch("gather", args, "src_ptrs", "out_offsets", 0, out.data_ptr(), out.device, plan, stats)
+    run_batch("gather", args, "src_ptrs", "out_offsets", 0, out.data_ptr(), device, plan, stats)
     return out
 
 

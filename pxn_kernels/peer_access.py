@@ -155,6 +155,7 @@ class _RangeCache:
         self.ends: List[int] = []
         self.devs: List[int] = []
         self.arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self.snapshot: Tuple[tuple, tuple, tuple] = ((), (), ())  # the same as tuples, replaced whole (lock-free reads)
         self.lock = threading.Lock()
 
     def insert(self, base: int, end: int, dev: int) -> None:
@@ -173,11 +174,21 @@ class _RangeCache:
             self.devs.insert(k, dev)
             self.arrays = (np.array(self.bases, np.int64), np.array(self.ends, np.int64),
                            np.array(self.devs, np.int64))
+            self.snapshot = (tuple(self.bases), tuple(self.ends), tuple(self.devs))
 
     def clear(self) -> None:
         with self.lock:
             self.bases, self.ends, self.devs = [], [], []
             self.arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
+            self.snapshot = ((), (), ())
+
+    def device_of_span(self, lowest: int, highest: int):
+        """The device of the one cached allocation holding every address in [lowest, highest], else None."""
+        bases, ends, devs = self.snapshot
+        i = bisect.bisect_right(bases, lowest) - 1
+        if i >= 0 and highest < ends[i]:
+            return devs[i]
+        return None
 
 
 _ranges = _RangeCache()
@@ -249,19 +260,40 @@ def forget_pointer_cache() -> None:
     _ranges.clear()
 
 
-def reachable(device, addr_lists, lengths) -> bool:
+def reachable(device, addr_lists, lengths, spans=None) -> bool:
     """For a checked kernel call on ``device`` (a torch.device or index): enable peer access to every other GPU
     that the non-empty items' raw addresses (each array of ``addr_lists``) live on. Returns False when one of
     those GPUs cannot have peer access: the caller then copies with :func:`staged_copy` instead of launching a
-    kernel that would fault. Host and CPU calls: True."""
+    kernel that would fault. Host and CPU calls: True.
+
+    ``spans``: for each array, (lowest, highest) address of its non-empty items when the caller knows them (the
+    checks do: ``LengthStats.spans``), or None. An array whose span lies inside one cached allocation is on that
+    allocation's device without a look at each address (a pool, a chunk: the usual case, two comparisons); any
+    other goes through :func:`pointer_devices`."""
     dev = getattr(device, "index", device)
     if getattr(device, "type", "cuda") != "cuda" or dev is None:
         return True
-    live = np.asarray(lengths) > 0
     others: Set[int] = set()
-    for addrs in addr_lists:
+    live = None
+    for j, addrs in enumerate(addr_lists):
+        span = spans[j] if spans is not None else None
+        if span is not None:
+            found = _ranges.device_of_span(span[0], span[1])
+            if found is not None:
+                if found != dev:
+                    others.add(found)
+                continue
+        if live is None:
+            lengths = np.asarray(lengths)
+            live = lengths > 0
+            if live.all():
+                live = slice(None)
         devs = pointer_devices(np.asarray(addrs)[live])
-        others.update(int(d) for d in np.unique(devs).tolist() if d >= 0 and d != dev)
+        if not devs.size:
+            continue
+        lo, hi = int(devs.min()), int(devs.max())
+        found = (lo,) if lo == hi else np.unique(devs).tolist()
+        others.update(int(d) for d in found if d >= 0 and d != dev)
     if not others:
         return True
     try:

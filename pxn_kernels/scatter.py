@@ -29,8 +29,9 @@ def scatter(src: torch.Tensor, src_offsets, dst_ptrs, lengths, check: bool = Tru
         launch_batched_copy(src_offsets, dst_ptrs, lengths, src.data_ptr(), 0, plan)
         return
     _checks.check_byte_tensor("scatter", "src", src)
-    use_host = _use_host(backend, src.device)
-    args = _checks.index_args("scatter", src.device, src_offsets=src_offsets, dst_ptrs=dst_ptrs, lengths=lengths)
+    device = src.device
+    use_host = _use_host(backend, device)
+    args = _checks.index_args("scatter", device, src_offsets=src_offsets, dst_ptrs=dst_ptrs, lengths=lengths)
     stats = None
     if check and args.count:
         off_np, dst_np, len_np = args.host()
@@ -39,8 +40,8 @@ def scatter(src: torch.Tensor, src_offsets, dst_ptrs, lengths, check: bool = Tru
                                 _checks.address("dst_ptrs", dst_np)],
             written=("dst_ptrs", dst_np),
             written_tensors=None if args.on_host else (args.values["dst_ptrs"], args.values["lengths"]))
-        if not use_host and not peer_access.reachable(src.device, [dst_np], len_np):
-            peer_access.staged_copy(src.data_ptr() + off_np, dst_np, len_np, src.device)
+        if not use_host and not peer_access.reachable(device, [dst_np], len_np, [stats.spans.get("dst_ptrs")]):
+            peer_access.staged_copy(src.data_ptr() + off_np, dst_np, len_np, device)
             return
     if not args.count:
         return
@@ -48,7 +49,7 @@ def scatter(src: torch.Tensor, src_offsets, dst_ptrs, lengths, check: bool = Tru
         off_np, dst_np, len_np = args.host()
         host_copy(src.data_ptr() + off_np, dst_np, len_np)
         return
-    run_batch("scatter", args, "src_offsets", "dst_ptrs", src.data_ptr(), 0, src.device, plan, stats)
+    run_batch("scatter", args, "src_offsets", "dst_ptrs", src.data_ptr(), 0, device, plan, stats)
 
 
 def scatter_torch(src: torch.Tensor, src_offsets: torch.Tensor, dst_ptrs: torch.Tensor,

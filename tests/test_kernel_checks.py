@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pxn_kernels
 from pxn_kernels import _checks, policy
-from test_kernels import DEVICE, HAS_CUDA, _pieces, _random_bytes, _t
+from test_kernels import DEVICE, HAS_CUDA, _packed_offsets, _pieces, _random_bytes, _t
 
 INT64_MAX = (1 << 63) - 1
 
@@ -348,3 +348,208 @@ def test_lean_path_accepts_only_what_the_full_path_accepts():
                      (gbuf, g(1), t(1), g(1)), (gbuf, g(1), g(1).view(1, 1), g(1))]:
             assert not lean(*args, "auto")
         assert not lean(gbuf, g(1), g(1), g(1), "gpu") and not lean(gbuf, g(1), g(1), g(1), "host")
+
+
+# --- host index arrays -------------------------------------------------------------------------------------
+
+def _np(values):
+    return np.asarray(values, dtype=np.int64)
+
+
+def _distinct_pieces(rng, lengths, misalign):
+    """A source buffer whose pieces (at the given misalignments) each hold values no other piece holds in the
+    same position (piece i, byte j: (i + 7 j) mod 256 xor a random byte shared by all), and the addresses."""
+    buf, addrs = _pieces(rng, lengths, misalign)
+    salt = int(rng.integers(0, 256))
+    for i, (addr, length) in enumerate(zip(addrs, lengths)):
+        s = addr - buf.data_ptr()
+        pattern = (torch.arange(length, dtype=torch.int64) * 7 + i) % 256 ^ salt
+        buf[s:s + length] = pattern.to(torch.uint8).to(buf.device)
+    return buf, addrs
+
+
+HOST_CASES = [[1, 63, 5, 64, 17, 300, 0, 129, 2], [63] * 19, [1] * 7, [100] * 70]
+
+
+@pytest.mark.parametrize("lengths", HOST_CASES, ids=["mixed", "63B-rows", "1B-rows", "100B-rows-numpy-checks"])
+def test_host_index_arrays_byte_exact_for_every_entry(rng, lengths):
+    """gather / scatter / copy with numpy index arrays (on a GPU: checked on the host, uploaded in one copy): odd
+    lengths at unaligned places, distinct values per piece, poisoned outputs, byte-exact against the torch
+    references; scatter's destinations in random order."""
+    n = len(lengths)
+    src_buf, src = _distinct_pieces(rng, lengths, [1, 3, 0, 7, 9])
+    offsets, size = _packed_offsets(lengths, misalign=5, gap=3)
+    out = _random_bytes(rng, size + 16)
+    ref = out.clone()
+    pxn_kernels.gather(_np(src), _np(lengths), out, _np(offsets), backend="triton")
+    pxn_kernels.gather_torch(_t(src), _t(lengths), ref, _t(offsets))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+    order = rng.permutation(n)
+    back = _random_bytes(rng, src_buf.numel())
+    expect = back.clone()
+    rel = [src[i] - src_buf.data_ptr() for i in order]
+    pxn_kernels.scatter(out, _np([offsets[i] for i in order]), _np([back.data_ptr() + r for r in rel]),
+                        _np([lengths[i] for i in order]), backend="triton")
+    pxn_kernels.scatter_torch(ref, _t([offsets[i] for i in order]), _t([expect.data_ptr() + r for r in rel]),
+                              _t([lengths[i] for i in order]))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(back, expect)
+    for i, r in zip(order, rel):  # the references moved the pieces themselves
+        assert torch.equal(expect[r:r + lengths[i]], src_buf[r:r + lengths[i]])
+
+    again = _random_bytes(rng, src_buf.numel())
+    expect_again = again.clone()
+    pxn_kernels.copy(_np(src), _np([again.data_ptr() + a - src_buf.data_ptr() for a in src]), _np(lengths),
+                     backend="triton", device=DEVICE)
+    pxn_kernels.copy_torch(_t(src), _t([expect_again.data_ptr() + a - src_buf.data_ptr() for a in src]),
+                           _t(lengths))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(again, expect_again)
+
+
+def test_host_index_arrays_refused_with_the_value_and_nothing_written(rng):
+    """Every bad host argument is refused with a ValueError naming the argument and value, before anything
+    is uploaded or launched: the output and the destinations keep their poison."""
+    src = _random_bytes(rng, 256)
+    p = src.data_ptr()
+    as32 = lambda v: np.asarray([x & 0x7fffffff for x in v], dtype=np.int32)  # noqa: E731
+    g, s, c = pxn_kernels.gather, pxn_kernels.scatter, pxn_kernels.copy
+    cases = [
+        (lambda o: g(_np([p, p + 8]), _np([8, -1]), o, _np([0, 8]), backend="triton"),
+         r"lengths\[1\] = -1 is negative"),
+        (lambda o: g(_np([p, p + 8]), _np([8, 8]), o, _np([0, 250]), backend="triton"),
+         r"out_offsets\[1\] = 250 \+ lengths\[1\] = 8 runs past out \(256 bytes\)"),
+        (lambda o: g(_np([p]), _np([8]), o, _np([-3]), backend="triton"), r"out_offsets\[0\] = -3 is negative"),
+        (lambda o: g(_np([p, p + 8, p + 16]), _np([8, 8, 8]), o, _np([0, 16, 20]), backend="triton"),
+         r"out_offsets\[1\] = 16 \(length 8\) overlaps out_offsets\[2\] = 20"),
+        (lambda o: g(_np([0]), _np([8]), o, _np([0]), backend="triton"), r"src_ptrs\[0\] = 0 is not a valid"),
+        (lambda o: g(as32([p]), _np([8]), o, _np([0]), backend="triton"), "src_ptrs must be int64, got int32"),
+        (lambda o: g(_np([p]), as32([8]), o, _np([0]), backend="triton"), "lengths must be int64, got int32"),
+        (lambda o: g(_np([p, p]), _np([8]), o, _np([0, 8]), backend="triton"), "lengths has 1 items but"),
+        (lambda o: s(src, _np([0, 8]), _np([o.data_ptr() + 40, o.data_ptr()]), _np([8, 41]), backend="triton"),
+         r"dst_ptrs\[1\] = \d+ \(length 41\) overlaps dst_ptrs\[0\]"),
+        (lambda o: s(src, _np([250]), _np([o.data_ptr()]), _np([8]), backend="triton"),
+         r"src_offsets\[0\] = 250 \+ lengths\[0\] = 8 runs past src"),
+        (lambda o: s(src, _np([0]), as32([o.data_ptr()]), _np([8]), backend="triton"),
+         "dst_ptrs must be int64, got int32"),
+        (lambda o: c(_np([p]), _np([o.data_ptr()]), _np([-2]), backend="triton", device=DEVICE),
+         r"lengths\[0\] = -2 is negative"),
+        (lambda o: c(_np([p]), _np([(1 << 63) - 4]), _np([8]), backend="triton", device=DEVICE),
+         r"dst_ptrs\[0\] = 0x7ffffffffffffffc \+ 8 overflows"),
+        (lambda o: c(_np([p] * 100), _np([o.data_ptr() + 2 * i for i in range(100)]), _np([2] * 98 + [3, 2]),
+                     backend="triton", device=DEVICE),
+         r"dst_ptrs\[98\] = \d+ \(length 3\) overlaps dst_ptrs\[99\]"),
+    ]
+    for call, match in cases:
+        out = _random_bytes(rng, 256)
+        before = out.clone()
+        with pytest.raises(ValueError, match=match):
+            call(out)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(out, before), match
+
+
+def test_index_args_for_a_gpu_copy_keep_host_arrays_on_the_host():
+    """For a GPU copy (only the device's type matters here, so this runs anywhere) host arrays and CPU tensors
+    stay host arrays (one contiguous int64 array each, no copy of a contiguous one), and a bad one is named;
+    GPU-side tensors of another device are refused by name."""
+    cuda = torch.device("cuda", 0)
+    src, lengths = _np([1 << 20, 2 << 20, 3 << 20]), torch.tensor([4, 5, 6])
+    offsets = np.arange(6, dtype=np.int64)[::2]  # strided: made contiguous
+    args = _checks.index_args("gather", cuda, src_ptrs=src, lengths=lengths, out_offsets=offsets)
+    assert args.on_host and args.count == 3 and list(args.values) == ["src_ptrs", "lengths", "out_offsets"]
+    got = args.host()
+    assert got[0] is src and got[1].tolist() == [4, 5, 6] and got[2].tolist() == [0, 2, 4]
+    assert all(a.dtype == np.int64 and a.flags.c_contiguous for a in got)
+    for kwargs, match in [
+            (dict(src_ptrs=src.astype(np.int32), lengths=lengths, out_offsets=offsets),
+             "src_ptrs must be int64, got int32"),
+            (dict(src_ptrs=src, lengths=lengths.view(3, 1), out_offsets=offsets),
+             r"lengths must be 1-D, got shape \(3, 1\)"),
+            (dict(src_ptrs=src, lengths=lengths, out_offsets=offsets[:2]),
+             "out_offsets has 2 items but src_ptrs has 3"),
+            (dict(src_ptrs=src, lengths=torch.tensor([4, 5, 6]).to("meta"), out_offsets=offsets),
+             "src_ptrs must be an int64 torch.Tensor, got ndarray")]:
+        with pytest.raises(ValueError, match=match):
+            _checks.index_args("gather", cuda, **kwargs)
+
+
+def test_unordered_rows_of_a_power_of_two_checked_by_slot(rng):
+    """Rows of 2**k bytes on their grid (a paged pool) are checked with a bitmap of slots instead of a sort:
+    same answers as the per-piece checks for disjoint rows, a repeated slot, a row off the grid (sorted
+    instead), over 16 slots per row (sorted instead)."""
+    for length in (1, 64, 2048):
+        for n in (65, 300, 4100):
+            lengths = np.full(n, length, dtype=np.int64)
+            base = (1 << 40) + length * int(rng.integers(0, 1000))
+            slots = rng.permutation(3 * n)[:n].astype(np.int64)
+            for how in ("disjoint", "repeat", "off_grid_overlap", "off_grid_clear", "wide"):
+                starts = base + slots * length
+                if how == "repeat":
+                    starts[int(rng.integers(0, n))] = starts[int(rng.integers(0, n))]
+                elif how == "off_grid_overlap" and length > 1:
+                    i, j = rng.choice(n, 2, replace=False)
+                    starts[i] = starts[j] + length // 2
+                elif how == "off_grid_clear" and length > 1:  # off the grid, in a free slot (maybe touching the next)
+                    free = np.setdiff1d(np.arange(3 * n), slots)
+                    starts[int(rng.integers(0, n))] = base + int(rng.choice(free)) * length + 1
+                elif how == "wide":
+                    starts = base + slots * length * 32
+                checks = [_checks.address("dst_ptrs", starts)]
+                want = _reference("copy", lengths, checks, ("dst_ptrs", starts))
+                assert _outcome("copy", lengths, checks, ("dst_ptrs", starts)) == want
+                if how == "disjoint" or how == "wide":
+                    assert want is None
+                if how == "repeat" and int(np.unique(starts).size) < n:
+                    assert want is not None and "overlaps" in want
+        lo, hi = 1 << 40, (1 << 40) + 4 * length
+        assert _checks._distinct_slots(np.array([lo, hi], np.int64), lo, hi, length) is True
+        assert _checks._distinct_slots(np.array([lo, lo], np.int64), lo, lo, length) is False
+        assert _checks._distinct_slots(np.array([lo, lo + 3], np.int64), lo, lo + 3, 3) is None  # not 2**k
+
+
+def test_spans_of_the_checks_and_reachable_by_span(monkeypatch):
+    """The checks return each address argument's lowest and highest start (pieces of length 0 left out);
+    reachable classifies a span inside one cached allocation without looking at each address, and falls back
+    to the per-address lookup for a span across allocations."""
+    from pxn_kernels import peer_access
+    for n in (5, 300):
+        addrs = (np.arange(n, dtype=np.int64)[::-1] * 4096) + (1 << 40)
+        lengths = np.full(n, 16, dtype=np.int64)
+        lengths[0] = 0  # the highest address, but empty
+        stats = _checks.validate("copy", lengths, [_checks.address("src_ptrs", addrs),
+                                                   _checks.address("dst_ptrs", addrs + (1 << 41))],
+                                 written=("dst_ptrs", addrs + (1 << 41)))
+        assert stats.spans["src_ptrs"] == (1 << 40, (1 << 40) + (n - 2) * 4096)
+        assert stats.spans["dst_ptrs"] == ((1 << 40) + (1 << 41), (1 << 40) + (1 << 41) + (n - 2) * 4096)
+    looked_up = []
+    monkeypatch.setattr(peer_access, "_ranges", peer_access._RangeCache())
+    monkeypatch.setattr(peer_access, "_driver_lookup", lambda a: looked_up.append(a) or (a, a + 1, -1))
+    enabled = []
+    monkeypatch.setattr(peer_access, "ensure_peer_access", lambda dev, peers: enabled.append((dev, sorted(peers))))
+    peer_access._ranges.insert(1 << 40, (1 << 40) + (1 << 30), 0)
+    peer_access._ranges.insert(1 << 42, (1 << 42) + (1 << 30), 1)
+    cuda0 = torch.device("cuda", 0)
+    inside = np.array([(1 << 40) + 64, (1 << 40) + 4096], dtype=np.int64)
+    ones = np.ones(2, dtype=np.int64)
+    assert peer_access._ranges.device_of_span(int(inside.min()), int(inside.max())) == 0
+    assert peer_access.reachable(cuda0, [inside], ones, [(int(inside.min()), int(inside.max()))])
+    assert looked_up == [] and enabled == []
+    on_peer = inside + (1 << 42) - (1 << 40)
+    assert peer_access.reachable(cuda0, [inside, on_peer], ones, [(int(inside.min()), int(inside.max())),
+                                                                  (int(on_peer.min()), int(on_peer.max()))])
+    assert looked_up == [] and enabled == [(0, [1])]
+    across = np.array([(1 << 40) + 64, (1 << 42) + 64], dtype=np.int64)  # two allocations: each address looked at
+    enabled.clear()
+    assert peer_access._ranges.device_of_span(int(across.min()), int(across.max())) is None
+    assert peer_access.reachable(cuda0, [across], ones, [(int(across.min()), int(across.max()))])
+    assert looked_up == [] and enabled == [(0, [1])]  # both in cached ranges: no driver call
+    host = np.array([7 << 20], dtype=np.int64)
+    assert peer_access.reachable(cuda0, [host], np.ones(1, dtype=np.int64), [(7 << 20, 7 << 20)])
+    assert looked_up == [7 << 20]

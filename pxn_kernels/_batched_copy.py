@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pxn_kernels import policy as kernel_policy
+from pxn_kernels import _staging, policy as kernel_policy
 from pxn_kernels._copy_piece import _copy_piece
 from pxn_kernels._grid_copy import GridCopy, GridSettings, grid_settings, launch_grid_copy
 from pxn_kernels._launch import CompiledKernel, anchor
@@ -397,22 +397,44 @@ def stage(arrays, device: torch.device):
 
 
 def run_batch(op: str, args, src_name: str, dst_name: str, src_base: int, dst_base: int, device: torch.device,
-              plan: Optional[CopyPlan], stats) -> None:
-    """Launch the copy of a public entry: descriptors already on ``device``, or host arrays staged in one copy;
-    the plan given, else from the host lengths when there are any (after the checks or with host arrays), else
-    built on the device."""
-    lengths = args.values["lengths"]
+              plan: Optional[CopyPlan], stats, pool=None) -> None:
+    """Launch the copy of a public entry: descriptors already on ``device``, or host arrays moved there in one
+    copy through a reused staging buffer (``_staging.UploadPool``; ``pool``: another pool, tests); the plan
+    given, else from the host lengths when there are any (after the checks or with host arrays), else built on
+    the device."""
+    values = args.values
     if args.on_host:
-        host = dict(zip(args.values, args.host()))
+        host_lengths = values["lengths"]
         if plan is None:
-            plan = plan_for_lengths(host["lengths"], device, stats)
-        src, dst, len_t = stage([host[src_name], host[dst_name], host["lengths"]], device)
-    else:
-        src, dst, len_t = args.values[src_name], args.values[dst_name], lengths
-        if plan is None:
-            plan = _default_plan(lengths, dict(zip(args.values, args.host()))["lengths"]
-                                 if args._host is not None else None, stats)
-    launch_batched_copy(src, dst, len_t, src_base, dst_base, plan)
+            plan = plan_for_lengths(host_lengths, device, stats)
+        # the row kernel reads no lengths: they are not uploaded (the launch gets another view of n words instead)
+        arrays = (values[src_name], values[dst_name]) if plan.row is not None else \
+            (values[src_name], values[dst_name], host_lengths)
+        if pool is None and device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if not _staging.on_device(index):
+                with torch.cuda.device(index):
+                    return run_batch(op, args, src_name, dst_name, src_base, dst_base, device, plan, stats)
+            pool = _staging.pool(index)
+            stream = torch._C._cuda_getCurrentRawStream(index)
+        else:
+            stream = 0
+        upload = pool.upload(arrays, stream) if pool is not None else None
+        if upload is None:  # CUDA graph capture (or no pool): buffers allocated for this call
+            views = stage(arrays, device)
+            launch_batched_copy(views[0], views[1], views[-1], src_base, dst_base, plan)
+            return
+        try:
+            views = upload.views
+            launch_batched_copy(views[0], views[1], views[-1], src_base, dst_base, plan)
+        finally:
+            pool.release(upload)
+        return
+    lengths = values["lengths"]
+    if plan is None:
+        plan = _default_plan(lengths, args.host()[list(values).index("lengths")]
+                             if args._host is not None else None, stats)
+    launch_batched_copy(values[src_name], values[dst_name], lengths, src_base, dst_base, plan)
 
 
 class DeviceBatch:
@@ -473,7 +495,7 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
         # then only the driver call remains (the values are addresses, so other tensors at the same addresses
         # are fine). A first sighting launches as usual: binding costs more than one launch.
         key = (src_index.data_ptr(), dst_index.data_ptr(), lengths.data_ptr(), n, src_base, dst_base,
-               lengths.device.index)
+               lengths.get_device())
         bound = plan._bound.get(key, _UNSEEN)
         if bound is not _UNSEEN:
             if bound is None:

@@ -3,8 +3,8 @@
 The checks are complete (every piece: lengths, address overflow, ranges inside the buffer, written ranges
 disjoint) and on by default; they are built to cost little host time:
 
-* the index arrays are read once: zero-copy when they are host arrays or CPU tensors, one stacked
-  device-to-host read (one synchronisation) when they are GPU tensors;
+* the index arrays are read once: zero-copy when they are host arrays or CPU tensors, one device-to-host copy
+  per tensor into a reused pinned buffer and one synchronisation when they are GPU tensors;
 * each check is one or two whole-array numpy reductions (an argument's min and max; its ends only when those
   do not settle it); only when one fails do the slower per-piece checks run, to name the first bad piece (the
   message holds its index and value); the address arguments' extremes are returned, and
@@ -22,6 +22,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from pxn_kernels import _staging
 
 _INT64_MAX = (1 << 63) - 1
 # Unordered written ranges on a GPU from this many pieces are sorted there (torch.sort, one synchronisation)
@@ -60,12 +62,23 @@ def check_index_tensors(op: str, device: torch.device, **tensors) -> int:
 
 
 def to_host(*tensors):
-    """Host numpy arrays of several int64 tensors: views of CPU tensors (no copy), one stacked copy and one
-    synchronisation for device tensors."""
+    """Host numpy arrays of several int64 tensors (one device, one length): views of CPU tensors (no copy); for
+    CUDA tensors, a copy of each into the calling thread's pinned read buffer on the current stream and one
+    synchronisation (``_staging.read_to_host``: the arrays are valid until the thread's next read), or one
+    stacked copy where that cannot be used."""
     if not tensors or tensors[0].numel() == 0:
         return [np.zeros(0, dtype=np.int64) for _ in tensors]
-    if tensors[0].device.type == "cpu":
+    first = tensors[0]
+    if not first.is_cuda:
         return [t.numpy() for t in tensors]
+    index = first.get_device()
+    if _staging.on_device(index):
+        got = _staging.read_to_host(tensors, index)
+    else:
+        with torch.cuda.device(index):
+            got = _staging.read_to_host(tensors, index)
+    if got is not None:
+        return got
     stacked = torch.stack(tensors).cpu().numpy()
     return list(stacked)
 

@@ -80,7 +80,7 @@ class DirectLauncher:
     def launch(self, grid_x: int, stream: int, values: Sequence[int], grid_y: int = 1) -> None:
         if self._device is not None:
             import torch
-            if torch.cuda.current_device() != self._device:
+            if torch._C._cuda_getDevice() != self._device:
                 # the driver launches in the current context; the function belongs to its own GPU's context
                 with torch.cuda.device(self._device):
                     return self.launch(grid_x, stream, values, grid_y)
@@ -105,7 +105,7 @@ class DirectLauncher:
         def enqueue(stream: int) -> None:
             if device is not None:
                 import torch
-                if torch.cuda.current_device() != device:  # the function lives in its GPU's context
+                if torch._C._cuda_getDevice() != device:  # the function lives in its GPU's context
                     with torch.cuda.device(device):
                         err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, stream, params, None)
                     if err:

@@ -1,6 +1,6 @@
 """The argument checks of gather / scatter / copy (fast whole-array path against the per-piece reference), the
-launch policy (table, PXN_KERNEL_POLICY file, plan cache), host index arrays, and what a CPU caller without the
-interpreter is told."""
+launch policy (table, PXN_KERNEL_POLICY file, plan cache), host index arrays and the staging pool that uploads
+them, and what a CPU caller without the interpreter is told."""
 import json
 
 import numpy as np
@@ -350,7 +350,7 @@ def test_lean_path_accepts_only_what_the_full_path_accepts():
         assert not lean(gbuf, g(1), g(1), g(1), "gpu") and not lean(gbuf, g(1), g(1), g(1), "host")
 
 
-# --- host index arrays -------------------------------------------------------------------------------------
+# --- host index arrays, and the staging pool that uploads them ------------------------------------------------
 
 def _np(values):
     return np.asarray(values, dtype=np.int64)
@@ -373,9 +373,9 @@ HOST_CASES = [[1, 63, 5, 64, 17, 300, 0, 129, 2], [63] * 19, [1] * 7, [100] * 70
 
 @pytest.mark.parametrize("lengths", HOST_CASES, ids=["mixed", "63B-rows", "1B-rows", "100B-rows-numpy-checks"])
 def test_host_index_arrays_byte_exact_for_every_entry(rng, lengths):
-    """gather / scatter / copy with numpy index arrays (on a GPU: checked on the host, uploaded in one copy): odd
-    lengths at unaligned places, distinct values per piece, poisoned outputs, byte-exact against the torch
-    references; scatter's destinations in random order."""
+    """gather / scatter / copy with numpy index arrays (on a GPU: checked on the host, uploaded through the
+    staging pool): odd lengths at unaligned places, distinct values per piece, poisoned outputs, byte-exact
+    against the torch references; scatter's destinations in random order."""
     n = len(lengths)
     src_buf, src = _distinct_pieces(rng, lengths, [1, 3, 0, 7, 9])
     offsets, size = _packed_offsets(lengths, misalign=5, gap=3)
@@ -553,3 +553,226 @@ def test_spans_of_the_checks_and_reachable_by_span(monkeypatch):
     host = np.array([7 << 20], dtype=np.int64)
     assert peer_access.reachable(cuda0, [host], np.ones(1, dtype=np.int64), [(7 << 20, 7 << 20)])
     assert looked_up == [7 << 20]
+
+
+class FakeBackend:
+    """``_staging.CudaBackend`` on the host: buffers are CPU tensors, the copy is a memmove made at once, and an
+    event completes only when the test says so (``complete``)."""
+
+    def __init__(self, capturing=False):
+        self.pending = set()
+        self.waited = []
+        self.copies = []
+        self.made = 0
+        self.capture = capturing
+        self.fail_copy = False
+        self._events = 0
+
+    def buffers(self, words):
+        self.made += 1
+        return torch.empty(words, dtype=torch.int64), torch.empty(words, dtype=torch.int64)
+
+    def event(self):
+        self._events += 1
+        return self._events
+
+    def capturing(self, stream):
+        return self.capture
+
+    def copy(self, dst, src, nbytes, stream):
+        if self.fail_copy:
+            raise RuntimeError("index upload (cuMemcpyHtoDAsync) failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+        import ctypes
+        ctypes.memmove(dst, src, nbytes)
+        self.copies.append((dst, nbytes, stream))
+
+    def record(self, event, stream):
+        self.pending.add(event)
+
+    def done(self, event):
+        return event not in self.pending
+
+    def wait(self, event):
+        self.waited.append(event)
+        self.pending.discard(event)
+
+    def complete(self, *slots):
+        for slot in slots:
+            self.pending.discard(slot.event)
+
+
+def test_staging_pool_never_hands_out_a_slot_still_read():
+    """A slot goes back to a caller only once the event recorded after its last launch completed: while it is
+    pending the pool makes another slot, up to its cap, then waits for the oldest; an idle slot too small is
+    grown, a pending one is not touched; under graph capture the pool declines; a failed copy returns the slot."""
+    from pxn_kernels import _staging
+    fake = FakeBackend()
+    pool = _staging.UploadPool(fake, max_slots=3)
+    a = [_np([1, 2, 3]), _np([4, 5, 6])]
+    first = pool.upload(a, stream=11)
+    assert [v.tolist() for v in first.views] == [[1, 2, 3], [4, 5, 6]]
+    assert fake.copies == [(first.slot.dev_ptr, 48, 11)]
+    pool.release(first)
+    second = pool.upload([_np([7, 8, 9])], stream=12)
+    assert second.slot is not first.slot  # the first is still pending: never rewritten
+    assert [v.tolist() for v in first.views] == [[1, 2, 3], [4, 5, 6]]
+    pool.release(second)
+    fake.complete(first.slot)
+    third = pool.upload([_np([10])], stream=11)
+    assert third.slot is first.slot and third.views[0].tolist() == [10]  # the oldest, once done
+    pool.release(third)
+    # every slot pending and the cap reached: the oldest returned slot is waited for, then reused
+    fourth = pool.upload([_np([1])], stream=1)
+    assert fourth.slot not in (first.slot, second.slot)
+    pool.release(fourth)
+    assert fake.waited == []
+    fifth = pool.upload([_np([2])], stream=1)
+    assert fifth.slot is second.slot and fake.waited == [second.slot.event]
+    pool.release(fifth)
+    # growth: an idle slot too small gets new buffers; the views are of the new ones
+    fake.complete(first.slot, second.slot, fourth.slot)
+    big = np.arange(5000, dtype=np.int64)
+    grown = pool.upload([big, big + 1], stream=2)
+    assert grown.slot.words >= 10000 and grown.views[1][-1].item() == 5000
+    pool.release(grown)
+    # graph capture: no slot taken, nothing copied
+    copies = len(fake.copies)
+    fake.capture = True
+    assert pool.upload(a, stream=3) is None
+    fake.capture = False
+    assert len(fake.copies) == copies
+    # a failed copy: the error reaches the caller and the slot is returned (with its event), not lost
+    fake.complete(*[s for s in pool._free])
+    fake.fail_copy = True
+    free_before = len(pool._free)
+    with pytest.raises(RuntimeError, match="cuMemcpyHtoDAsync"):
+        pool.upload(a, stream=4)
+    assert len(pool._free) == free_before and not pool._lost
+
+
+def test_staging_pool_threads_never_share_a_slot():
+    """Threads uploading at once each get their own slot; a slot is handed out again only after its event."""
+    import threading
+    from pxn_kernels import _staging
+    fake = FakeBackend()
+    pool = _staging.UploadPool(fake, max_slots=64)
+    held, errors = [], []
+    lock = threading.Lock()
+    barrier = threading.Barrier(8)
+
+    def worker(k):
+        try:
+            barrier.wait()
+            for i in range(200):
+                up = pool.upload([np.full(3, k * 1000 + i, dtype=np.int64)], stream=k)
+                with lock:
+                    assert all(h.slot is not up.slot for h in held)
+                    held.append(up)
+                assert up.views[0].tolist() == [k * 1000 + i] * 3  # nobody else wrote into it
+                with lock:
+                    held.remove(up)
+                pool.release(up)
+                if i % 7 == 0:
+                    fake.complete(*list(pool._free))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the host-memory stand-in for the GPU pool runs the interpreted kernels")
+@pytest.mark.parametrize("lengths", [[1, 63, 5, 64, 0, 17, 300], [63] * 11], ids=["range", "row"])
+def test_staged_launch_through_the_pool_is_byte_exact(rng, lengths):
+    """run_batch's upload path (host arrays -> pool slot -> the kernel reads the slot's device half) with the
+    host-memory backend: byte-exact gather and scatter for the range and the row kernel (which gets no lengths
+    uploaded); the slot is returned pending, and not reused while pending."""
+    from pxn_kernels import _batched_copy, _staging
+    fake = FakeBackend()
+    pool = _staging.UploadPool(fake)
+    n = len(lengths)
+    src_buf, src = _distinct_pieces(rng, lengths, [1, 2, 0])
+    offsets, size = _packed_offsets(lengths, misalign=3, gap=1)
+    out = _random_bytes(rng, size + 8)
+    ref = out.clone()
+    cpu = torch.device("cpu")
+    args = _checks.IndexArgs(n, True, {"src_ptrs": _np(src), "lengths": _np(lengths), "out_offsets": _np(offsets)})
+    _batched_copy.run_batch("gather", args, "src_ptrs", "out_offsets", 0, out.data_ptr(), cpu, None, None, pool)
+    pxn_kernels.gather_torch(_t(src), _t(lengths), ref, _t(offsets))
+    assert torch.equal(out, ref)
+    words = fake.copies[-1][1] // 8
+    assert words == (2 * n if len(set(lengths)) == 1 else 3 * n)
+    (slot,) = list(pool._free)
+    assert fake.pending == {slot.event}
+    back = _random_bytes(rng, src_buf.numel())
+    expect = back.clone()
+    dst = [back.data_ptr() + a - src_buf.data_ptr() for a in src]
+    args = _checks.IndexArgs(n, True, {"src_offsets": _np(offsets), "dst_ptrs": _np(dst), "lengths": _np(lengths)})
+    _batched_copy.run_batch("scatter", args, "src_offsets", "dst_ptrs", out.data_ptr(), 0, cpu, None, None, pool)
+    assert fake.copies[-1][0] != slot.dev_ptr  # the pending slot was not rewritten
+    pxn_kernels.scatter_torch(ref, _t(offsets), _t([expect.data_ptr() + a - src_buf.data_ptr() for a in src]),
+                              _t(lengths))
+    assert torch.equal(back, expect)
+
+
+@pytest.mark.gpu
+def test_host_array_uploads_queued_behind_a_busy_gpu_stay_apart(rng):
+    """Many gathers with host arrays queued behind a long kernel, on two streams: each must copy its own
+    pieces. A staging buffer rewritten before the copy that read it ran would send a later call's descriptors
+    to an earlier call's launch."""
+    calls, length = 40, 192
+    src_buf = _random_bytes(rng, calls * 8 * length + 64)
+    streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
+    outs, expects = [], []
+    torch.cuda.synchronize()
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(50_000_000)  # keeps the current stream busy while the calls are queued
+    streams[1].wait_stream(streams[0])
+    for i in range(calls):
+        n = 1 + i % 8
+        picks = rng.choice(calls * 8, n, replace=False)
+        lengths = [length - (i % 5)] * n if i % 2 else [int(x) for x in rng.integers(1, length, n)]
+        src = [src_buf.data_ptr() + int(p) * length + (i % 3) for p in picks]
+        offsets, size = _packed_offsets(lengths, misalign=i % 4, gap=1)
+        out = torch.zeros(size + 8, dtype=torch.uint8, device=DEVICE)
+        with torch.cuda.stream(streams[i % 2]):
+            pxn_kernels.gather(_np(src), _np(lengths), out, _np(offsets))
+        expect = torch.zeros_like(out)
+        pxn_kernels.gather_torch(_t(src), _t(lengths), expect, _t(offsets))
+        outs.append(out)
+        expects.append(expect)
+    torch.cuda.synchronize()
+    for out, expect in zip(outs, expects):
+        assert torch.equal(out, expect)
+
+
+@pytest.mark.gpu
+def test_device_index_tensors_read_through_the_pinned_buffer(rng):
+    """A checked call on device tensors reads them through the thread's pinned buffer (one sync); a strided
+    tensor takes the stacked read; both byte-exact, and a bad value is still named."""
+    lengths = [5, 64, 1, 300, 63]
+    src_buf, src = _distinct_pieces(rng, lengths, [1, 0, 3])
+    offsets, size = _packed_offsets(lengths, misalign=1, gap=2)
+    for strided in (False, True):
+        out = _random_bytes(rng, size + 8)
+        ref = out.clone()
+        s = _t(src)
+        if strided:
+            s = torch.stack([s, s], 1).reshape(-1)[::2]
+            assert not s.is_contiguous()
+        pxn_kernels.gather(s, _t(lengths), out, _t(offsets))
+        pxn_kernels.gather_torch(_t(src), _t(lengths), ref, _t(offsets))
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+    bad = list(offsets)
+    bad[3] = size + 100
+    out = _random_bytes(rng, size + 8)
+    before = out.clone()
+    with pytest.raises(ValueError, match=rf"out_offsets\[3\] = {size + 100} \+ lengths\[3\] = 300 runs past out"):
+        pxn_kernels.gather(_t(src), _t(lengths), out, _t(bad))
+    torch.cuda.synchronize()
+    assert torch.equal(out, before)

@@ -1,0 +1,290 @@
+"""Moving index arrays between host and GPU for the checked entries, with buffers that are kept and reused.
+
+Host arrays (``gather(numpy, ...)`` on a GPU ``out``): the arrays are written into a pinned host buffer and
+moved in one ``cuMemcpyHtoDAsync`` into a device buffer that the kernel then reads. Allocating both per call
+(``torch.empty(pin_memory=True)`` and ``.to(device)``) cost ~30 us of host time on the H200 VM, more than the
+checks; a ctypes driver call costs ~0.6 us. So each GPU has an ``UploadPool`` of such buffer pairs (``_Slot``):
+
+* a slot is taken by one thread at a time (under the pool's lock), filled, copied and launched from, then
+  returned with a driver event recorded on the stream after the launch;
+* a returned slot is handed out again only once that event has completed: the copy that read its pinned half
+  and the kernel that read its device half have both run, whichever stream the next call uses;
+* the oldest returned slot is tried first; when it is still in flight a new slot is made, up to
+  ``max_slots`` per GPU, after which the caller waits for the oldest (a thread far ahead of its GPU);
+* a slot too small for a batch is grown (new buffers) only when it is idle.
+
+Device tensors (``gather(cuda int64 tensors, ...)``, checked): the checks need the values on the host, so
+``read_to_host`` copies each tensor into a per-thread pinned buffer (one ``cuMemcpyDtoHAsync`` each on the
+current stream) and synchronises that stream once; no ``torch.stack``, no pageable buffer.
+
+Every driver call goes to the calling thread's current context, so callers make the tensors' GPU current
+first (``on_device``). During CUDA graph capture the pool is not used (a captured copy would keep reading a
+buffer that later calls rewrite): ``upload`` returns None and the caller moves the arrays the allocating way.
+The backend (driver calls, buffer allocation) is one object, so the pool's reuse rules can be tested without a
+GPU (tests/test_kernel_checks.py).
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY (cuEventQuery)
+_MIN_WORDS = 1 << 10  # smallest slot: 8 KiB, room for 3 x 341 descriptors
+
+_lib = None
+
+
+def _driver():
+    """libcuda through its own ctypes handle (argument types set here do not touch other users' handles)."""
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        vp, i, sz, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64
+        for name, args in (("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]), ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
+                           ("cuStreamSynchronize", [vp]), ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
+                           ("cuEventRecord", [vp, vp]), ("cuEventQuery", [vp]), ("cuEventSynchronize", [vp]),
+                           ("cuStreamIsCapturing", [vp, ctypes.POINTER(i)]), ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
+                           ("cuDeviceGet", [ctypes.POINTER(i), i]),
+                           ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), i]), ("cuCtxSetCurrent", [vp])):
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuGetErrorName.restype = ctypes.c_int
+        _lib = lib
+    return _lib
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else err}")
+
+
+_tls = threading.local()
+
+
+def on_device(index: int) -> bool:
+    """Whether the calling thread's current CUDA context is GPU ``index``'s, so that driver calls for that GPU
+    may be made now. False: the caller makes it current (``torch.cuda.device``) and asks again. The first time
+    a thread asks, a thread that has made no CUDA call yet gets the primary context made current (the runtime
+    does that lazily, and the driver calls here would find no context)."""
+    if torch._C._cuda_getDevice() != index:
+        return False
+    ready = getattr(_tls, "contexts", None)
+    if ready is None:
+        ready = _tls.contexts = set()
+    if index not in ready:
+        lib = _driver()
+        ctx = ctypes.c_void_p()
+        _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            _check(lib.cuDeviceGet(ctypes.byref(dev), index), f"cuDeviceGet({index})")
+            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), f"cuDevicePrimaryCtxRetain({index})")
+            _check(lib.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent({index})")
+        ready.add(index)
+    return True
+
+
+class CudaBackend:
+    """What ``UploadPool`` needs from CUDA, for one GPU (driver calls through ctypes, buffers from torch)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.lib = _driver()
+
+    def buffers(self, words: int):
+        """(pinned host int64 tensor, device int64 tensor), ``words`` each."""
+        return (torch.empty(words, dtype=torch.int64, pin_memory=True),
+                torch.empty(words, dtype=torch.int64, device=torch.device("cuda", self.index)))
+
+    def event(self):
+        ev = ctypes.c_void_p()
+        _check(self.lib.cuEventCreate(ctypes.byref(ev), 2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
+        return ev
+
+    def capturing(self, stream: int) -> bool:
+        status = ctypes.c_int()
+        _check(self.lib.cuStreamIsCapturing(stream, ctypes.byref(status)), "cuStreamIsCapturing")
+        return status.value != 0
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        _check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "index upload (cuMemcpyHtoDAsync)")
+
+    def record(self, event, stream: int) -> None:
+        _check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
+
+    def done(self, event) -> bool:
+        err = self.lib.cuEventQuery(event)
+        if err == _NOT_READY:
+            return False
+        _check(err, "cuEventQuery")
+        return True
+
+    def wait(self, event) -> None:
+        _check(self.lib.cuEventSynchronize(event), "cuEventSynchronize")
+
+
+class _Slot:
+    """One pinned host buffer and one device buffer of ``words`` int64 each, and the event after their last
+    use (``pending``: recorded and not yet seen complete)."""
+
+    __slots__ = ("words", "host", "host_np", "host_ptr", "dev", "dev_ptr", "event", "pending", "views")
+
+    def __init__(self, backend, words: int):
+        self.event = backend.event()
+        self.pending = False
+        self._alloc(backend, words)
+
+    def _alloc(self, backend, words: int) -> None:
+        self.words = words
+        self.host, self.dev = backend.buffers(words)
+        self.host_np = self.host.numpy()
+        self.host_ptr = self.host.data_ptr()
+        self.dev_ptr = self.dev.data_ptr()
+        self.views = {}  # (n, k) -> k device views of n words (the same tensors each time: launches stay bound)
+
+    def device_views(self, n: int, k: int):
+        got = self.views.get((n, k))
+        if got is None:
+            if len(self.views) >= 16:
+                self.views.clear()
+            d = self.dev
+            got = self.views[(n, k)] = tuple(d[j * n:(j + 1) * n] for j in range(k))
+        return got
+
+
+class Upload:
+    """One upload in flight: the slot it used, the device views of the arrays, the stream it went on."""
+
+    __slots__ = ("slot", "views", "stream")
+
+    def __init__(self, slot: _Slot, views, stream: int):
+        self.slot, self.views, self.stream = slot, views, stream
+
+
+class UploadPool:
+    """Reused pinned + device buffer pairs of one GPU (see the module docstring for the reuse rules)."""
+
+    def __init__(self, backend, max_slots: int = 16):
+        self.backend = backend
+        self.max_slots = max_slots
+        self._free = collections.deque()  # returned slots, oldest first
+        self._made = 0
+        self._lock = threading.Lock()
+        self._lost: List[_Slot] = []  # slots whose event could not be recorded: kept alive, never reused
+
+    def _acquire(self, words: int) -> _Slot:
+        backend = self.backend
+        slot, wait = None, False
+        with self._lock:
+            if self._free:
+                head = self._free[0]
+                if not head.pending or backend.done(head.event):
+                    slot = self._free.popleft()
+                elif self._made >= self.max_slots:
+                    slot, wait = self._free.popleft(), True
+            if slot is None:
+                self._made += 1
+        if slot is None:
+            try:
+                return _Slot(backend, max(_MIN_WORDS, 1 << (words - 1).bit_length()))
+            except BaseException:
+                with self._lock:
+                    self._made -= 1
+                raise
+        if wait:
+            try:
+                backend.wait(slot.event)
+            except BaseException:
+                with self._lock:
+                    self._lost.append(slot)
+                raise
+        slot.pending = False
+        if slot.words < words:  # idle (its event completed): its old buffers may be freed
+            slot._alloc(backend, 1 << (words - 1).bit_length())
+        return slot
+
+    def upload(self, arrays: Sequence[np.ndarray], stream: int) -> Optional[Upload]:
+        """Copy the int64 arrays (``n`` items each) into a slot and enqueue their move to the GPU on ``stream``
+        (a raw handle of the current context's GPU). Returns the ``Upload`` whose ``views`` (device int64
+        tensors, in order) the caller launches from and then hands to ``release`` -- always, also when its
+        launch fails. None when ``stream`` is being captured into a CUDA graph (the caller uploads another way)."""
+        if self.backend.capturing(stream):
+            return None
+        n, k = int(arrays[0].size), len(arrays)
+        slot = self._acquire(k * n)
+        try:
+            buf = slot.host_np
+            for j, a in enumerate(arrays):
+                buf[j * n:(j + 1) * n] = a
+            self.backend.copy(slot.dev_ptr, slot.host_ptr, 8 * k * n, stream)
+        except BaseException:
+            try:
+                self.release(Upload(slot, None, stream))
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+            raise
+        return Upload(slot, slot.device_views(n, k), stream)
+
+    def release(self, upload: Upload) -> None:
+        """Return the slot once the reads of it are enqueued: an event on its stream marks when they are done."""
+        slot = upload.slot
+        try:
+            self.backend.record(slot.event, upload.stream)
+        except BaseException:
+            with self._lock:
+                self._lost.append(slot)
+            raise
+        slot.pending = True
+        with self._lock:
+            self._free.append(slot)
+
+
+_pools = {}
+_pools_lock = threading.Lock()
+
+
+def pool(index: int) -> UploadPool:
+    """The upload pool of GPU ``index`` (made on first use)."""
+    found = _pools.get(index)
+    if found is None:
+        with _pools_lock:
+            found = _pools.get(index)
+            if found is None:
+                found = _pools[index] = UploadPool(CudaBackend(index))
+    return found
+
+
+def read_to_host(tensors: Sequence[torch.Tensor], index: int) -> Optional[List[np.ndarray]]:
+    """Host copies of contiguous int64 CUDA tensors of GPU ``index`` (one length, > 0), read on the current
+    stream after the work queued there, which is waited for. The arrays are views of the calling thread's
+    pinned buffer, valid until the thread's next read. None when a tensor is not contiguous (the caller reads
+    another way). The calling thread's current context must be GPU ``index``'s (``on_device``)."""
+    n = tensors[0].numel()
+    for t in tensors:
+        if not t.is_contiguous():
+            return None
+    k = len(tensors)
+    bufs = getattr(_tls, "read", None)
+    if bufs is None:
+        bufs = _tls.read = {}
+    entry = bufs.get(index)
+    if entry is None or entry[1].size < k * n:
+        host = torch.empty(max(_MIN_WORDS, 1 << (k * n - 1).bit_length()), dtype=torch.int64, pin_memory=True)
+        entry = bufs[index] = (host, host.numpy(), host.data_ptr())
+    _host, buf, ptr = entry
+    lib = _driver()
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    for j, t in enumerate(tensors):
+        _check(lib.cuMemcpyDtoHAsync_v2(ptr + 8 * j * n, t.data_ptr(), 8 * n, stream),
+               "index read (cuMemcpyDtoHAsync)")
+    _check(lib.cuStreamSynchronize(stream), "index read (cuStreamSynchronize)")
+    return [buf[j * n:(j + 1) * n] for j in range(k)]

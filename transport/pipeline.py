@@ -27,7 +27,7 @@ import numpy as np
 from transport.arrays import distinct
 from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected,
                               TransferError, TransferTimeout)
-from transport.fabric.base import DEVICE_HOST, Opcode, WriteBatch, WriteRequest
+from transport.fabric.base import DEVICE_HOST, GatherWrite, Opcode, WriteBatch, WriteRequest
 from transport.fabric.tcp import _MEMCPY_MAX, memcpy_async
 from transport.planner import COALESCED, DIRECT, RELAYED, Unit
 from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, chunk_imm, decode_ack, decode_ack_payload
@@ -457,18 +457,26 @@ class Pipeline:
             else:  # large pieces sent through the peer's landing slots (receive-side PXN)
                 srcs, dsts, lens = (np.array(col, dtype=np.int64) for col in zip(*u.segs))
             seq = next(b.peer.seq)
+            gather = None
             if slot.tensor is None:
                 from pxn_kernels.chunk import build_header_table
                 view = slot.ring._buf.array[slot.addr - slot.ring._buf.addr:][:slot.nbytes]
                 _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view)
-                host_memmove(srcs, slot.addr + offsets, lens)
+                fab = self.fabrics[a.prail.rail]
+                if "gather_writes" in fab.capabilities and int(lens.sum()) >= fab.gather_min_bytes * lens.size:
+                    gather = (srcs, slot.addr + offsets, lens)  # the fabric sends each piece from its source
+                else:
+                    host_memmove(srcs, slot.addr + offsets, lens)
             elif u.items is None:  # large pieces for the peer to forward: the copy engine moves them
                 chunk_bytes = gpu_pack_large(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
             else:
                 chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
             pr = a.prail
-            a.reqs = [WriteRequest(slot.addr, chunk_bytes, pr.landing_addr + landing * pr.slot_bytes,
-                                   pr.landing_rkey, slot.ring.lkey, imm=chunk_imm(landing, seq))]
+            a.reqs = [(WriteRequest if gather is None else GatherWrite)(
+                slot.addr, chunk_bytes, pr.landing_addr + landing * pr.slot_bytes, pr.landing_rkey, slot.ring.lkey,
+                imm=chunk_imm(landing, seq))]
+            if gather is not None:
+                a.reqs[0].gather = gather
         elif (u.runs is None or u.runs[2].size <= _MEMCPY_MAX) and not (slot.ring.ordered and u.device >= 0):
             # RELAYED, a few pieces: copy them into the slot, then one write per piece to its final address
             # (scalar steps: a few numpy calls per piece would cost more than the copies' host time)

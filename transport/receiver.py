@@ -6,6 +6,12 @@ it until our ack arrives, so slots double as credits (a sender never has more ch
 
 A chunk arrives as a WRITE_WITH_IMM (imm = landing slot index). The progress thread then
 
+On fabrics with ``landing_handlers`` (tcp) steps 1 and 2 happen as the chunk arrives, in the fabric's receiving
+thread (``_plan_landed``): once its header and table are in the landing slot and pass every check below, its
+items are received straight into their destinations (no landing copy, no scatter), and the chunk's RECV_IMM only
+has the ack sent (``on_chunk``). A chunk that fails a check there lands whole, as on any fabric, and goes the
+progress thread's way, which rejects it with the reason.
+
 1. parses and validates it (``pxn_kernels.chunk.parse_chunk``: magic, version, counts, offsets, checksum, size
    against the bytes that landed), checks the sender id, and checks every destination against the regions this
    receiver registered (exposed to every peer) -- landing and credit buffers are never valid destinations;
@@ -29,6 +35,7 @@ connection can be mistaken for the new one's.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import struct
 import threading
@@ -104,6 +111,7 @@ class SenderState:
     hello_at: float = 0.0  # time.monotonic() of the handshake
     stale_eps: Dict = field(default_factory=dict)  # rail -> endpoint of an earlier connection, dead or dying
     retired: bool = False  # replaced by a newer handshake of the same sender, or released
+    placed: Dict = field(default_factory=dict)  # (rail, imm) -> _Placed: chunks placed as they arrived
 
     def landing_addr(self, rail: int, slot: int) -> int:
         buf = self.landing[rail][0]
@@ -203,6 +211,8 @@ class Receiver:
                         buf = _TensorBuffer(tensor)
                     mr = fab.register(buf.addr, nbytes, device)
                     st.landing.append((buf, mr, tensor))
+                    if device < 0 and "landing_handlers" in getattr(fab, "capabilities", ()):
+                        fab.set_landing_handler(mr, functools.partial(self._plan_landed, st, rail))
                     ack = HostBuffer(st.slots * ACK_BYTES)
                     st.acks.append((ack, fab.register(ack.addr, ack.nbytes, DEVICE_HOST)))
                 self._senders[engine_id] = st
@@ -236,12 +246,65 @@ class Receiver:
                 raise ValueError(f"rail id {rid!r} belongs to sender {holder[0].session} (engine 0x"
                                  f"{holder[0].engine_id:x}); refused the claim of engine 0x{st.engine_id:x}")
 
+    # --- chunks placed as they arrive (fabrics with landing_handlers) -----------------------------------------
+    def _plan_landed(self, st: SenderState, rail: int, peer_id: str, addr: int, length: int, imm: int, read):
+        """The landing handler of sender ``st``'s slots on ``rail`` (``TcpFabric.set_landing_handler``), called by
+        the fabric's receiving thread before any byte of a write into them is placed: reads the chunk's header
+        and table into the slot and checks them as ``_handle`` does (slot and size named by the immediate, the
+        write at that slot, ``parse_chunk``, the sender id, every destination inside a host region this receiver
+        registered). Returns where each item goes, or None (the chunk lands whole and ``_handle`` takes it,
+        rejecting it with the reason when it is bad). Nothing is written outside the slot before every check
+        passed."""
+        if st.retired or self._by_rail_id.get(peer_id) != (st, rail):
+            return None
+        from pxn_kernels.chunk import HEADER_BYTES, parse_chunk, payload_offset_for  # torch-free; lazy as in _handle
+        slot = imm & 0xFFFF
+        buf = st.landing[rail][0]
+        if imm & ACK_FLAG or slot >= st.slots or length > st.slot_bytes or length < HEADER_BYTES \
+                or addr != buf.addr + slot * st.slot_bytes:
+            return None
+        t0 = now_ns()
+        head = read(HEADER_BYTES)
+        count = int.from_bytes(head[16:20], "little")
+        need = payload_offset_for(count)
+        if need > length:
+            return None
+        read(need - HEADER_BYTES)
+        off = slot * st.slot_bytes
+        try:
+            table = parse_chunk(buf.array[off:off + need], available_bytes=length)
+        except ChunkFormatError:
+            return None
+        if table.sender_id != st.engine_id or not count:
+            return None
+        lens = table.lengths
+        if int(lens.sum()) < getattr(self.fabrics[rail], "gather_min_bytes", 0) * count:
+            return None  # small pieces: one scatter copy costs less than a receive step per piece
+        idx, ok = self.exposed.locate(table.dst_addrs, lens)
+        if not ok.all() or (self.exposed.snapshot().devices[idx] >= 0).any():
+            return None  # outside every region (rejected by _handle), or GPU destinations (scattered there)
+        offs = table.offsets
+        if count > 1 and not bool((offs[1:] > offs[:-1]).all()):
+            order = np.argsort(offs, kind="stable")
+            return _Placed(self, st, rail, imm, length, table.dst_addrs[order].tolist(), lens[order].tolist(),
+                           offs[order].tolist(), t0)
+        return _Placed(self, st, rail, imm, length, table.dst_addrs.tolist(), lens.tolist(), offs.tolist(), t0)
+
     # --- progress -------------------------------------------------------------------------------------------
     def on_chunk(self, rail: int, peer_id: str, imm: int, byte_len: int) -> None:
-        """Called by the engine's poller for a chunk's RECV_IMM; the work happens in the progress thread."""
+        """Called by the engine's poller for a chunk's RECV_IMM; the work happens in the progress thread, except
+        for a chunk the fabric already placed (``_plan_landed``), which is acked here."""
         # the sender state is looked up now, when the chunk has landed: if the sender handshakes again before
         # the progress thread gets to it, the chunk still belongs to (and is dropped with) the old state
         entry = self._by_rail_id.get(peer_id)
+        if entry is not None and entry[0].placed:
+            placed = entry[0].placed.pop((rail, imm), None)
+            if placed is not None:
+                if placed.length == byte_len and entry[1] == rail:
+                    self._acked_placed(placed)
+                    return
+                log.warning("receiver: placed chunk on rail %d imm 0x%x does not match its RECV_IMM (%d B vs %d B)",
+                            rail, imm, byte_len, placed.length)
         with self._cv:
             self._q.append((rail, peer_id, entry, imm, byte_len, now_ns()))
             self._cv.notify()
@@ -363,6 +426,20 @@ class Receiver:
             self.trace.complete("validate", "receiver", f"rx/rail{rail}", t0, t1, {"items": table.item_count})
             self.trace.complete("scatter", "receiver", f"rx/rail{rail}", t1, t2, {"bytes": int(table.lengths.sum())})
         del base
+
+    def _acked_placed(self, p: "_Placed") -> None:
+        st = p.st
+        if st.retired:
+            self.counters.add("rx_stale_chunks")
+            return
+        t2 = now_ns()
+        self._ack(st, p.rail, p.imm & 0xFFFF, ST_OK, "")
+        t3 = now_ns()
+        self.counters.add_many((("rx_chunks", 1), ("rx_items", len(p.lens)), ("rx_bytes", sum(p.lens)),
+                                ("rx_placed_chunks", 1), ("rx_validate_s", (p.t1 - p.t0) / 1e9),
+                                ("rx_ack_s", (t3 - t2) / 1e9)))
+        if self.trace is not None:
+            self.trace.complete("validate", "receiver", f"rx/rail{p.rail}", p.t0, p.t1, {"items": len(p.lens)})
 
     def _stream(self, device):
         """A stream of the progress thread's own on ``device``: a created stream's handle names its GPU, where the
@@ -500,6 +577,22 @@ class Receiver:
             landing = sorted({d for st in self._senders.values() for d in st.devices})
             return {"senders": len(self._senders), "landing_slots": self.landing_slots,
                     "slot_bytes": self.slot_bytes, "landing_devices": landing}
+
+
+class _Placed:
+    """A chunk that passed ``Receiver._plan_landed``: where its items go (the fabric receives them there); once
+    every byte is placed (``done``) it waits in its sender's ``placed`` for its RECV_IMM, which sends the ack."""
+
+    __slots__ = ("rx", "st", "rail", "imm", "length", "dsts", "lens", "offs", "t0", "t1")
+
+    def __init__(self, rx: Receiver, st: SenderState, rail: int, imm: int, length: int, dsts, lens, offs, t0: int):
+        self.rx, self.st, self.rail, self.imm, self.length = rx, st, rail, imm, length
+        self.dsts, self.lens, self.offs = dsts, lens, offs
+        self.t0 = t0
+        self.t1 = now_ns()
+
+    def done(self) -> None:
+        self.st.placed[(self.rail, self.imm)] = self
 
 
 class _TensorBuffer:

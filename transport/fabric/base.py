@@ -89,6 +89,19 @@ class WriteRequest:
     fabrics that declare ``selective_signaling``, which complete an endpoint's writes in posting order."""
 
 
+@dataclass
+class GatherWrite(WriteRequest):
+    """A ``WriteRequest`` some of whose byte ranges come from elsewhere (fabrics with the ``gather_writes``
+    capability): the peer receives exactly the bytes a plain write of ``length`` bytes from ``local_addr`` would
+    bring, except that ``gather[2][i]`` bytes at local address ``gather[1][i]`` (inside the write's range) are read
+    from ``gather[0][i]`` instead (a host address inside a region registered with the fabric). ``gather``: three
+    int64 arrays (sources, replaced local addresses in ascending order without overlap, lengths >= 1). A relay
+    chunk of host pieces is sent this way: its header and table from the slot, each piece from its source, with no
+    gather copy into the slot. The sources must stay unchanged until the write completes, as a write's own."""
+
+    gather: tuple = ()
+
+
 class WriteBatch:
     """Many plain writes that complete as one work request (fabrics with the ``write_batches`` capability):
     write i is ``length[i]`` bytes from local ``local_addr[i]`` (inside the region of ``lkey[i]``) to the peer's
@@ -176,6 +189,9 @@ class Fabric(abc.ABC):
     config_defaults: dict = {}
     """Engine settings (``transport.config.EngineConfig`` fields) whose default this fabric changes; a
     constructor argument or ``PXN_*`` variable still wins."""
+    gather_min_bytes: int = 0
+    """Fabrics with ``"gather_writes"``: the engine sends a chunk as a ``GatherWrite`` only when its pieces average
+    at least this many bytes (below, copying them into the slot costs less than a gather entry per piece)."""
     capabilities: frozenset = frozenset()
     """What the engine may rely on beyond the interface above, so that it never branches on a fabric's name:
     ``"selective_signaling"`` (``WriteRequest.signaled=False`` writes complete silently on success; an endpoint's
@@ -184,7 +200,9 @@ class Fabric(abc.ABC):
     NIC port: the engine passes a topology rail's ``device`` and ``port_num``), ``"completion_callback"``
     (``set_completion_handler``), ``"authenticated_rails"`` (rail connections prove the engine's secret and
     must have been announced by an authenticated control hello: the engine passes ``handshake_timeout`` and
-    ``guard_claims``), ``"write_batches"`` (``post_writes`` also takes ``WriteBatch`` items: many writes as
+    ``guard_claims``), ``"gather_writes"`` (``post_writes`` also takes ``GatherWrite`` items), ``"landing_handlers"``
+    (``set_landing_handler``: a region's writes placed where a handler says as they arrive), ``"write_batches"``
+    (``post_writes`` also takes ``WriteBatch`` items: many writes as
     arrays, one completion), ``"event_ordered_writes"`` (``post_writes_after`` orders writes from GPU memory
     after CUDA events on the GPU, with no host wait, and says when their sources may be reused)."""
 

@@ -9,14 +9,18 @@ Wire protocol (little-endian), per socket, in both directions:
 * WRITE: a 32-byte header, a table of ``count`` 48-byte piece descriptors, then the pieces' payloads back to
   back. One message carries many writes (4 KB writes cost one table row, not one syscall each), and a large
   write is cut into pieces spread over the peer's sockets (striping). Every piece carries the bounds of its
-  *whole* write, so all pieces of a write are accepted or refused together.
+  *whole* write, so all pieces of a write are accepted or refused together. A message with header flag
+  ``H_WHOLE`` carries exactly one whole write (a ``GatherWrite``: a relay chunk sent from its header in the slot
+  and its pieces' sources) and may exceed the sender's message size, up to ``MAX_WHOLE``.
 * ACK: header + one status byte per piece; the sender reports completions only from acks, i.e. after the bytes
   are placed at the target.
 
 The target validates every piece (rkey known, whole write inside that region) before placing anything; a refused
 piece's payload is read and discarded, so nothing outside a registered region is ever written. Host pieces are
 received straight into the destination (``recv_into`` a memoryview on the raw address, no extra copy); GPU pieces
-land in a host staging buffer and are copied to the device by torch.
+land in a host staging buffer and are copied to the device by torch. A whole write with an immediate into a region
+with a landing handler (``set_landing_handler``: a receiver's landing slots) is read as far as the handler asks
+(a chunk's header and table), and the byte ranges the handler then names go straight to their destinations.
 
 Ordering: messages of one endpoint carry a sequence number across all its sockets; the sender releases
 completions and the target releases RECV_IMM events in sequence order, so a RECV_IMM means that every write
@@ -53,8 +57,8 @@ from transport import auth
 from transport.arrays import distinct
 from transport.errors import FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
-    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteBatch,
-    WriteRequest, check_range,
+    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, GatherWrite, MemoryRegion, Opcode,
+    WriteBatch, WriteRequest, check_range,
 )
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,11 @@ PIECE_DT = np.dtype([("addr", "<u8"), ("len", "<u8"), ("waddr", "<u8"), ("wlen",
                      ("rkey", "<u4"), ("flags", "<u4"), ("imm", "<u4"), ("wr", "<u4")])
 assert PIECE_DT.itemsize == 48
 F_IMM = 1
+# header flag of a WRITE message that carries one whole write (a ``GatherWrite``, i.e. a relay chunk): its payload may
+# exceed the sender's message size, up to MAX_WHOLE bytes, since it goes into one registered region (or is discarded
+# through the fixed staging buffer) and nothing is allocated for it
+H_WHOLE = 1
+MAX_WHOLE = 64 << 20
 
 ST_OK, ST_BAD_RKEY, ST_BOUNDS, ST_FAILED = 0, 1, 2, 3
 _STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range outside the target's region",
@@ -237,6 +246,29 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
+def recv_views(rx, views: List[memoryview]) -> None:
+    """Fill every view of ``views`` in order from ``rx`` (a socket, or an ``_Rx`` whose look-ahead bytes go first):
+    scattered receives (``recvmsg_into``, up to 1000 buffers a call) instead of one call per view."""
+    i, n = 0, len(views)
+    while i < n and isinstance(rx, _Rx) and rx.end > rx.pos:  # bytes already read ahead
+        recv_exact(rx, views[i])
+        i += 1
+    sock = rx.sock if isinstance(rx, _Rx) else rx
+    while i < n:
+        batch = views[i:i + 1000]
+        got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+        if got == 0:
+            raise ConnectionError("connection closed by peer")
+        for v in batch:  # a short receive (a signal, a huge batch): finish the view it stopped in, go on after it
+            if got >= len(v):
+                got -= len(v)
+                i += 1
+                continue
+            recv_exact(sock, v[got:])
+            i += 1
+            break
+
+
 def send_buffers(sock: socket.socket, bufs: List) -> None:
     """Send every buffer in order with gathered ``sendmsg`` calls (at most IOV_MAX buffers per call)."""
     i = 0
@@ -384,7 +416,7 @@ class _OutMsg:
     """One WRITE message on the wire: its pieces and where each piece's bytes come from."""
 
     __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at", "batch", "final", "src_arr",
-                 "pieces", "rows", "bufs")
+                 "pieces", "rows", "bufs", "whole")
 
     def __init__(self, seq: int):
         self.seq = seq
@@ -401,6 +433,7 @@ class _OutMsg:
         self.pieces = 0  # pieces of a message without a table (a batch the posting thread completes itself)
         self.rows: Optional[bytes] = None  # a WriteRows message: its table as wire bytes (``table`` stays None) ...
         self.bufs: Optional[list] = None  # ... and its payload as buffers of host memory, in order
+        self.whole = False  # a GatherWrite: one whole write, ``table`` its one row and ``bufs`` its payload
 
     def source_array(self) -> np.ndarray:
         """``src`` as an int64 array of rows (local_addr, length, device)."""
@@ -663,9 +696,13 @@ class TcpFabric(Fabric):
 
     name = "tcp"
     capabilities = frozenset({"selective_signaling", "completion_callback", "authenticated_rails", "write_batches",
-                              "write_rows"})
+                              "write_rows", "gather_writes", "landing_handlers"})
     # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
     engine_options = {"connections_per_peer": 2}
+    # a chunk whose pieces average at least this many bytes is sent as a GatherWrite and placed as it arrives; below
+    # it the Python step per piece (a buffer on each side) costs more than the gather and scatter copies it saves
+    # (2 KiB pages: 1.7x slower per call), so such chunks are copied into the slot and scattered from it
+    gather_min_bytes = 16 << 10
     # a few small pieces go as rows of one message (placed by the receiving thread) rather than in a chunk, whose
     # gather, landing slot and ack each add a thread hand-off; many pieces still pay off as a chunk, whose table
     # the receiver checks and scatters in whole-array steps
@@ -701,6 +738,7 @@ class TcpFabric(Fabric):
         # a C copy without the ctypes call (and GIL release) of a memmove per piece
         self._host_views: Dict[int, tuple] = {}
         self._region_use: Dict[int, int] = {}  # rkey -> pieces being placed right now (deregister waits)
+        self._landing: Dict[int, object] = {}  # rkey -> landing handler (``set_landing_handler``)
         self._region_cv = threading.Condition(threading.Lock())
         self._endpoints: Dict[str, TcpEndpoint] = {}
         self._all_eps: List[TcpEndpoint] = []
@@ -765,6 +803,7 @@ class TcpFabric(Fabric):
                 raise RegionError(f"deregister: region {mr!r} is not registered with {self._id}")
             del self._regions[mr.rkey]
             self._host_views.pop(mr.rkey, None)
+            self._landing.pop(mr.rkey, None)
         # A write being placed right now may still touch the memory: wait until it is done so the caller can
         # free the memory safely once we return.
         deadline = time.monotonic() + 10.0
@@ -773,6 +812,26 @@ class TcpFabric(Fabric):
                 if not self._region_cv.wait(timeout=max(0.0, deadline - time.monotonic())):
                     log.warning("deregister of rkey 0x%x: placements still running after 10 s", mr.rkey)
                     break
+
+    def set_landing_handler(self, mr: MemoryRegion, handler) -> None:
+        """Capability ``landing_handlers``: let ``handler`` place writes with an immediate into the host region
+        ``mr`` (a receiver's landing slots) straight into their final destinations.
+
+        For such a write, checked as any write (rkey, whole write inside ``mr``) and carried whole in one message,
+        the receiving thread calls ``handler(peer_id, addr, length, imm, read)`` before placing anything;
+        ``read(n)`` receives the write's next ``n`` bytes into ``mr`` at their own place and returns a view of
+        them (a chunk's header and table). The handler returns None (the rest of the write lands in ``mr`` as
+        usual) or a plan: ``dsts``, ``lens``, ``offs`` (lists of ints: byte ``offs[i]`` of the write onwards,
+        ``lens[i]`` bytes, go to host address ``dsts[i]``, which the handler vouches for; offsets ascending, past
+        what it read, without overlap, inside the write) and ``done()``, called once every byte is placed. Bytes
+        of the write outside the plan land in ``mr``. The RECV_IMM of the write follows as for any write."""
+        with self._lock:
+            if self._regions.get(mr.rkey) is not mr or mr.device != DEVICE_HOST:
+                raise RegionError(f"set_landing_handler: {mr!r} is not a host region registered with {self._id}")
+            if handler is None:
+                self._landing.pop(mr.rkey, None)
+            else:
+                self._landing[mr.rkey] = handler
 
     def descriptor(self) -> bytes:
         self._check_open()
@@ -986,11 +1045,101 @@ class TcpFabric(Fabric):
             requests = [r for r in requests if not isinstance(r, WriteBatch)]
         mrs = self._validate(ep, requests)
         devices = [self._validate_batch(b) for b in batches]  # every check before anything is posted
-        msgs = self._build_messages(requests, mrs, len(ep.socks)) if requests else []
+        gathers = [self._check_gather(r, mr) for r, mr in zip(requests, mrs) if type(r) is GatherWrite]
+        if gathers:
+            msgs = []
+            plain, plain_mrs = [], []
+            for r, mr in zip(requests, mrs):  # posting order kept: plain runs between the gather writes
+                if type(r) is GatherWrite:
+                    if plain:
+                        msgs.extend(self._build_messages(plain, plain_mrs, len(ep.socks)))
+                        plain, plain_mrs = [], []
+                    msgs.append(self._build_gather(r, mr, gathers.pop(0)))
+                else:
+                    plain.append(r)
+                    plain_mrs.append(mr)
+            if plain:
+                msgs.extend(self._build_messages(plain, plain_mrs, len(ep.socks)))
+        else:
+            msgs = self._build_messages(requests, mrs, len(ep.socks)) if requests else []
         for b, dev in zip(batches, devices):
             msgs.extend(self._build_batch(b, dev, len(ep.socks)))
         if msgs:
             self._send(ep, msgs)
+
+    def _check_gather(self, r: GatherWrite, mr: MemoryRegion) -> tuple:
+        """The local checks of a ``GatherWrite`` beyond ``_validate``'s (which checked its own range): the gather
+        arrays well formed, the replaced ranges ascending, without overlap and inside the write, every source inside
+        a host region registered here. Returns (sources, replaced addresses, lengths) as lists and the source
+        region's view when one region holds every source (else None)."""
+        if mr.device != DEVICE_HOST or len(r.gather) != 3:
+            raise ValueError(f"wr_id={r.wr_id}: a gather write goes from host memory and needs (sources, local "
+                             f"addresses, lengths)")
+        try:
+            src, loc, ln = (np.asarray(v, dtype=np.int64) for v in r.gather)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"wr_id={r.wr_id}: gather arrays: {e}") from e
+        n = ln.size
+        if not (n >= 1 and src.shape == loc.shape == ln.shape == (n,)):
+            raise ValueError(f"wr_id={r.wr_id}: gather arrays of sizes {src.size}, {loc.size}, {n}: need one size >= 1")
+        ends = loc + ln
+        if int(ln.min()) < 1 or int(loc[0]) < r.local_addr or int(ends[-1]) > r.local_addr + r.length or \
+                int(src.min()) < 0 or int(src.max()) > _I64 - int(ln.max()) or (n > 1 and bool((loc[1:] < ends[:-1]).any())):
+            raise ValueError(f"wr_id={r.wr_id}: gather ranges must have lengths >= 1 and lie in ascending order, "
+                             f"without overlap, inside the write's local range 0x{r.local_addr:x}+{r.length}")
+        lo, hi = int(src.min()), int((src + ln).max())
+        with self._lock:
+            hosts = [self._host_views[k] for k, m in self._regions.items() if m.device == DEVICE_HOST]
+        src_l, loc_l, ln_l = src.tolist(), loc.tolist(), ln.tolist()
+        for m, view in hosts:
+            if m.addr <= lo and hi <= m.addr + m.length:
+                return src_l, loc_l, ln_l, (m.addr, view)
+        for i, (a, k) in enumerate(zip(src_l, ln_l)):
+            if not any(m.contains(a, k) for m, _ in hosts):
+                raise RegionError(f"wr_id={r.wr_id}: gather source {i} 0x{a:x}+{k} lies outside every host region "
+                                  f"registered with {self._id}")
+        return src_l, loc_l, ln_l, None
+
+    def _build_gather(self, r: GatherWrite, mr: MemoryRegion, checked: tuple) -> _OutMsg:
+        """One message for a checked ``GatherWrite``: one whole-write row, the payload as buffers in order (the
+        write's own bytes between the gathered ranges, each gathered range from its source)."""
+        src, loc, ln, region = checked
+        flags = F_IMM if r.imm is not None else 0
+        m = _OutMsg(0)
+        m.table = np.array([(r.remote_addr, r.length, r.remote_addr, r.length, r.rkey, flags, r.imm or 0, 0)],
+                           dtype=PIECE_DT)
+        m.recs = [_WrRecord(r)]
+        m.last = [True]
+        m.whole = True
+        own = self._host_views[mr.rkey][1]
+        bufs = []
+        pos, end = r.local_addr, r.local_addr + r.length
+        if region is not None:
+            sbase, sview = region
+            run_a = run_e = -1
+            for a, l, k in zip(src, loc, ln):
+                if l > pos:
+                    if run_e > run_a:
+                        bufs.append(sview[run_a - sbase:run_e - sbase])
+                        run_a = run_e = -1
+                    bufs.append(own[pos - mr.addr:l - mr.addr])
+                if a != run_e:  # sources that follow each other in memory go as one buffer
+                    if run_e > run_a:
+                        bufs.append(sview[run_a - sbase:run_e - sbase])
+                    run_a = a
+                run_e = a + k
+                pos = l + k
+            bufs.append(sview[run_a - sbase:run_e - sbase])
+        else:
+            for a, l, k in zip(src, loc, ln):
+                if l > pos:
+                    bufs.append(own[pos - mr.addr:l - mr.addr])
+                bufs.append(raw_view(a, k))
+                pos = l + k
+        if pos < end:
+            bufs.append(own[pos - mr.addr:end - mr.addr])
+        m.bufs = bufs
+        return m
 
     def _validate_batch(self, b: WriteBatch) -> np.ndarray:
         """The checks of ``_validate`` for a ``WriteBatch``, in whole-array numpy. Returns each write's source
@@ -1466,6 +1615,10 @@ class TcpFabric(Fabric):
         if msg.rows is not None:
             return [HDR.pack(MAGIC, T_WRITE, 0, 0, msg.pieces, msg.seq, len(msg.rows) + msg.batch.length)
                     + msg.rows] + msg.bufs
+        if msg.whole:
+            table = msg.table.tobytes()
+            return [HDR.pack(MAGIC, T_WRITE, H_WHOLE, 0, 1, msg.seq, len(table) + int(msg.table["len"][0]))
+                    + table] + msg.bufs
         table = msg.table.tobytes()
         payload = int(msg.table["len"].sum())
         hdr = HDR.pack(MAGIC, T_WRITE, 0, 0, len(msg.table), msg.seq, len(table) + payload)
@@ -1517,7 +1670,7 @@ class TcpFabric(Fabric):
         try:
             while True:
                 recv_exact(rx, hview)
-                magic, typ, _, _, count, seq, blen = HDR.unpack(hdr)
+                magic, typ, hflags, _, count, seq, blen = HDR.unpack(hdr)
                 if magic != MAGIC:
                     raise ValueError(f"bad magic {magic!r}")
                 if typ == T_ACK:
@@ -1532,7 +1685,8 @@ class TcpFabric(Fabric):
                     tb = count * PIECE_DT.itemsize
                     if blen < tb:
                         raise ValueError(f"body {blen} B shorter than its table {tb} B")
-                    if blen - tb > ep.max_payload:
+                    whole = hflags & H_WHOLE and typ == T_WRITE and count == 1
+                    if blen - tb > (MAX_WHOLE if whole else ep.max_payload):
                         raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
                     if typ == T_WRITE and blen <= SMALL_MESSAGE and self._small_writes:
                         self._on_small_write(ep, s, seq, count, tb, blen, st)
@@ -1542,6 +1696,10 @@ class TcpFabric(Fabric):
                     tview = memoryview(st["table"])[:tb]
                     recv_exact(rx, tview)
                     table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
+                    if whole and blen - tb > ep.max_payload and not (
+                            table["addr"][0] == table["waddr"][0] and table["len"][0] == table["wlen"][0]):
+                        raise ValueError(f"a message of {blen - tb} B above the peer's message size is not one whole "
+                                         f"write")
                     self._on_message(ep, s, typ, seq, table, blen - tb, st)
                 else:
                     if typ not in self._OTHER_TYPES:
@@ -1615,10 +1773,95 @@ class TcpFabric(Fabric):
             raise ValueError(f"payload {payload} B does not match the table's {sum(lens)} B")
         statuses, regions, pinned = self._validate_pieces(table)
         try:
-            self._place(st.get("rx", s.sock), table, lens, statuses, regions, st)
+            mr = regions[0] if len(lens) == 1 else None
+            handler = self._landing.get(mr.rkey) if mr is not None and self._landing else None
+            row = table[0] if handler is not None else None
+            if handler is not None and row["flags"] & F_IMM and row["addr"] == row["waddr"] and \
+                    row["len"] == row["wlen"]:
+                self._place_landed(ep, st.get("rx", s.sock), handler, mr, int(row["addr"]), lens[0], int(row["imm"]),
+                                   st)
+            else:
+                self._place(st.get("rx", s.sock), table, lens, statuses, regions, st)
         finally:
             self._unpin(pinned)
         self._finish_message(ep, s, seq, table, statuses)
+
+    def _place_landed(self, ep: TcpEndpoint, sock, handler, mr: MemoryRegion, addr: int, length: int, imm: int,
+                      st: dict) -> None:
+        """Receive one whole write with an immediate into a region with a landing handler
+        (``set_landing_handler``): the handler reads what it needs and may name destinations for byte ranges of
+        the write, which are then received straight there; everything else lands in ``mr``. Runs with ``mr``
+        pinned (checked by ``_validate_pieces``)."""
+        ent = self._host_views.get(mr.rkey)
+        own = ent[1] if ent is not None and ent[0] is mr else raw_view(mr.addr, mr.length, writable=True)
+        base = mr.addr
+        pos = addr
+        end = addr + length
+
+        def read(n: int) -> memoryview:
+            nonlocal pos
+            n = max(0, min(int(n), end - pos))
+            v = own[pos - base:pos - base + n]
+            recv_exact(sock, v)
+            pos += n
+            return v
+
+        plan = None
+        try:
+            plan = handler(ep.peer_id, addr, length, imm, read)
+            if plan is not None:
+                dsts, lens, offs = plan.dsts, plan.lens, plan.offs
+                cur = pos - addr
+                ok = len(dsts) == len(lens) == len(offs)
+                if ok:
+                    for o, k in zip(offs, lens):
+                        if o < cur or k < 1:
+                            ok = False
+                            break
+                        cur = o + k
+                    ok = ok and cur <= length
+                if not ok:
+                    log.warning("%s: landing handler gave a bad plan for a write of %d B; landing it whole", self._id,
+                                length)
+                    plan = None
+        except Exception:  # noqa: BLE001 — a handler bug must not break the link: the write lands as usual
+            log.exception("%s: landing handler failed; landing the write whole", self._id)
+            plan = None
+        if plan is not None:
+            pinned = self._pin_span(dsts, lens)
+            try:
+                dview = pinned[1] if pinned is not None else None
+                views = []
+                for d, k, o in zip(dsts, lens, offs):
+                    o += addr
+                    if o > pos:
+                        views.append(own[pos - base:o - base])
+                    if dview is not None:
+                        d -= pinned[2]
+                        views.append(dview[d:d + k])
+                    else:
+                        views.append(raw_view(d, k, writable=True))
+                    pos = o + k
+                recv_views(sock, views)
+            finally:
+                if pinned is not None:
+                    self._unpin((pinned[0],))
+        if pos < end:
+            recv_exact(sock, own[pos - base:end - base])
+        if plan is not None:
+            plan.done()
+
+    def _pin_span(self, dsts, lens) -> Optional[tuple]:
+        """(rkey, writable view, base address) of a host region registered here that holds every range
+        (``dsts[i]``, ``lens[i]``), pinned against ``deregister`` (``_unpin``); None when no one region does."""
+        lo, hi = min(dsts), max(map(add, dsts, lens))
+        with self._region_cv:
+            for rk, (m, view) in list(self._host_views.items()):
+                # still registered (deregister drops it before it waits for pinned placements, under this lock)
+                if m.addr <= lo and hi <= m.addr + m.length and self._regions.get(rk) is m:
+                    self._region_use[rk] = self._region_use.get(rk, 0) + 1
+                    return rk, view, m.addr
+        return None
 
     def _on_small_write(self, ep: TcpEndpoint, s: _Sock, seq: int, count: int, tb: int, blen: int,
                         st: dict) -> None:

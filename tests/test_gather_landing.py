@@ -1,0 +1,273 @@
+"""Relay chunks on tcp without the host copies: the sender's gather on the wire (``GatherWrite``) and the
+receiver's placement of a chunk's items as they arrive (``TcpFabric.set_landing_handler``, ``Receiver._plan_landed``).
+
+Fabric tests run two tcp fabrics in this process; engine tests a receiving engine in a spawned process, whose whole
+buffer (guards included) is compared with the expected image. Every piece carries its own byte values, sizes
+include 1 B, 63 B and unaligned addresses, and destinations start poisoned.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+from engine_helpers import EnginePeer, Expected, disjoint_offsets
+from transport import RemoteRejected, TransferEngine
+from transport.errors import RegionError
+from transport.fabric import make_fabric
+from transport.fabric.base import GatherWrite, Opcode, WriteRequest
+
+POISON = 0xA5
+MB = 1 << 20
+
+
+@pytest.fixture
+def rng(seed, request):
+    return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
+
+
+@pytest.fixture
+def pair():
+    """Two tcp fabrics, the writer with small messages (4 KiB), so a gather write above the target's usual
+    message bound (64 KiB) must travel as one whole write."""
+    a, b = make_fabric("tcp", message_bytes=4096), make_fabric("tcp")
+    try:
+        yield a, b, a.connect(b.descriptor())
+    finally:
+        a.close()
+        b.close()
+
+
+def _completions(fab, n, timeout=20.0):
+    out = []
+    while len(out) < n:
+        got = fab.poll(64, timeout=timeout)
+        assert got, f"timed out with {len(out)} of {n} completions"
+        out.extend(got)
+    return out
+
+
+def _gather_layout(rng, total: int, sizes):
+    """Ascending, non-overlapping ranges (offset, length) of ``sizes`` inside ``total`` bytes, random gaps."""
+    sizes = list(sizes)
+    slack = total - sum(sizes)
+    gaps = rng.multinomial(slack, np.ones(len(sizes) + 1) / (len(sizes) + 1))
+    out, pos = [], 0
+    for g, k in zip(gaps, sizes):
+        pos += int(g)
+        out.append((pos, k))
+        pos += k
+    return out
+
+
+@pytest.mark.parametrize("total", [8000, 200_000], ids=["small-message", "whole-write-above-message-size"])
+def test_gather_write_is_byte_exact(pair, rng, total):
+    a, b, ep = pair
+    sizes = [1, 63, 17, 4096, 1, 65, 1000] + ([70_000, 33_333] if total > 100_000 else [])
+    slot = np.frombuffer(rng.bytes(total), dtype=np.uint8).copy()
+    src = np.zeros(sum(sizes) + 64 * len(sizes), dtype=np.uint8)
+    dst = np.full(total + 8192, POISON, dtype=np.uint8)
+    mr_slot, mr_src = a.register(slot.ctypes.data, slot.nbytes), a.register(src.ctypes.data, src.nbytes)
+    mr_dst = b.register(dst.ctypes.data, dst.nbytes)
+    layout = _gather_layout(rng, total, sizes)
+    expected = slot.copy()
+    srcs, locs, lens = [], [], []
+    pos = 3  # unaligned sources, in shuffled order
+    spots = {}
+    for i in rng.permutation(len(layout)).tolist():
+        spots[i] = pos
+        pos += layout[i][1] + 5
+    for i in range(len(layout)):
+        o, k = layout[i]
+        s_off = spots[i]
+        src[s_off:s_off + k] = (i * 37 + 11) % 251 + np.arange(k) % 3  # a distinct value per piece
+        expected[o:o + k] = src[s_off:s_off + k]
+        srcs.append(src.ctypes.data + s_off)
+        locs.append(slot.ctypes.data + o)
+        lens.append(k)
+    w = GatherWrite(slot.ctypes.data, total, dst.ctypes.data + 4097, mr_dst.rkey, mr_slot.lkey, imm=9, wr_id=5,
+                    gather=(np.array(srcs), np.array(locs), np.array(lens)))
+    a.post_writes(ep, [w])
+    assert [(c.wr_id, c.error) for c in _completions(a, 1)] == [(5, None)]
+    rimm = [c for c in _completions(b, 1) if c.opcode == Opcode.RECV_IMM]
+    assert [(c.imm, c.byte_len) for c in rimm] == [(9, total)]
+    assert np.array_equal(dst[4097:4097 + total], expected)
+    assert (dst[:4097] == POISON).all() and (dst[4097 + total:] == POISON).all()
+    del mr_src
+
+
+def test_gather_write_bad_input_raises_and_sends_nothing(pair, rng):
+    a, b, ep = pair
+    slot = np.zeros(8192, dtype=np.uint8)
+    src = np.ones(8192, dtype=np.uint8)
+    stray = np.ones(4096, dtype=np.uint8)  # never registered
+    dst = np.full(8192, POISON, dtype=np.uint8)
+    mr_slot = a.register(slot.ctypes.data, slot.nbytes)
+    a.register(src.ctypes.data, src.nbytes)
+    mr_dst = b.register(dst.ctypes.data, dst.nbytes)
+    s, l0 = src.ctypes.data, slot.ctypes.data
+
+    def gw(srcs, locs, lens):
+        return GatherWrite(l0, 4096, dst.ctypes.data, mr_dst.rkey, mr_slot.lkey, imm=1,
+                           gather=(np.array(srcs), np.array(locs), np.array(lens)))
+
+    bad = [
+        (ValueError, gw([s, s + 100], [l0 + 10, l0 + 20], [20, 5])),  # overlapping ranges
+        (ValueError, gw([s, s + 100], [l0 + 200, l0 + 20], [5, 5])),  # not ascending
+        (ValueError, gw([s], [l0 + 4090], [10])),  # past the write's end
+        (ValueError, gw([s], [l0 - 1], [4])),  # before its start
+        (ValueError, gw([s], [l0], [0])),  # empty range
+        (RegionError, gw([stray.ctypes.data], [l0], [64])),  # source outside every registered region
+        (RegionError, gw([s + 8000], [l0], [500])),  # source runs past its region
+    ]
+    for exc, w in bad:
+        with pytest.raises(exc):
+            a.post_writes(ep, [WriteRequest(l0, 64, dst.ctypes.data, mr_dst.rkey, mr_slot.lkey), w])
+    assert a.poll(8, timeout=0.3) == [] and b.poll(8, timeout=0.1) == []
+    assert (dst == POISON).all()
+
+
+class _Plan:
+    def __init__(self, dsts, lens, offs):
+        self.dsts, self.lens, self.offs = dsts, lens, offs
+        self.placed = threading.Event()
+
+    def done(self):
+        self.placed.set()
+
+
+@pytest.mark.parametrize("case", ["plan", "none", "raises", "bad-plan"])
+def test_landing_handler(pair, rng, case):
+    """The target's landing handler reads the write's first bytes into the landing region and names where byte
+    ranges of it go: those arrive there, the rest in the landing region. Without a plan (None, an exception, a
+    plan that overlaps what it read) the write lands whole and no destination byte changes."""
+    a, b, ep = pair
+    total = 150_001
+    data = np.frombuffer(rng.bytes(total), dtype=np.uint8).copy()
+    landing = np.full(total + 100, POISON, dtype=np.uint8)
+    out = np.full(total + 100, POISON, dtype=np.uint8)
+    mr_data = a.register(data.ctypes.data, data.nbytes)
+    mr_land = b.register(landing.ctypes.data, landing.nbytes)
+    b.register(out.ctypes.data, out.nbytes)
+    ranges = [(100, 1), (101, 63), (200, 70_000), (80_001, 5), (90_000, 60_001)]  # (offset in write, length)
+    dests = [out.ctypes.data + d for d in (7, 99, 1003, 90_001, 71_000)]
+    plans = []
+
+    def handler(peer_id, addr, length, imm, read):
+        assert (addr, length, imm) == (landing.ctypes.data + 3, total, 42)
+        head = bytes(read(100))
+        assert head == data[:100].tobytes()
+        if case == "raises":
+            raise RuntimeError("handler bug")
+        if case == "none":
+            return None
+        offs = [o for o, _ in ranges]
+        if case == "bad-plan":
+            offs[0] = 50  # inside what it read
+        plans.append(_Plan(dests, [k for _, k in ranges], offs))
+        return plans[-1]
+
+    b.set_landing_handler(mr_land, handler)
+    # one whole write (a plain write above the writer's 4 KiB messages would be cut into pieces, which land as
+    # usual): a gather write whose one gathered range is its own bytes
+    d0 = data.ctypes.data
+    a.post_writes(ep, [GatherWrite(d0, total, landing.ctypes.data + 3, mr_land.rkey, mr_data.lkey, imm=42, wr_id=3,
+                                   gather=([d0 + 10], [d0 + 10], [5]))])
+    assert [(c.wr_id, c.error) for c in _completions(a, 1)] == [(3, None)]
+    assert [(c.opcode, c.imm) for c in _completions(b, 1)] == [(Opcode.RECV_IMM, 42)]
+    exp_land = np.full_like(landing, POISON)
+    exp_land[3:3 + total] = data
+    exp_out = np.full_like(out, POISON)
+    if case == "plan":
+        assert plans[0].placed.is_set()
+        for (o, k), d in zip(ranges, dests):
+            exp_out[d - out.ctypes.data:d - out.ctypes.data + k] = data[o:o + k]
+            exp_land[3 + o:3 + o + k] = POISON  # received straight into its destination
+    assert np.array_equal(out, exp_out)
+    assert np.array_equal(landing, exp_land)
+
+
+def test_landing_handler_needs_a_registered_host_region(pair):
+    a, b, ep = pair
+    buf = np.zeros(4096, dtype=np.uint8)
+    mr = b.register(buf.ctypes.data, buf.nbytes)
+    b.deregister(mr)
+    with pytest.raises(RegionError):
+        b.set_landing_handler(mr, lambda *a: None)
+
+
+# --- through the engine: coalesced chunks on tcp --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def peer():
+    p = EnginePeer(16 * MB, fabric="tcp")
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def sender():
+    with TransferEngine(fabric="tcp", direct_pieces=0) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def src(sender):
+    buf = np.zeros(16 * MB, dtype=np.uint8)
+    sender.register(buf)
+    return buf
+
+
+def _placed(peer) -> int:
+    return peer.call("stats")["receiver"].get("placed_chunks", 0)
+
+
+@pytest.mark.parametrize("sizes", [[1, 63, 7, 40_000, 65_535, 3, 50_001, 30_000, 100_000] * 40, [(64 << 10) - 1] * 200,
+                                   [2048] * 3000], ids=["odd", "64K", "pages"])
+def test_coalesced_chunks_are_placed_as_they_arrive_byte_exact(sender, peer, src, rng, sizes):
+    """Chunks above tcp's small-message size whose pieces average at least ``gather_min_bytes``: sent from the
+    pieces' sources and each item received straight into its destination; chunks of smaller pieces (2 KiB pages)
+    are gathered and scattered as before. Either way the peer's whole buffer, guards included, matches the
+    expected image."""
+    n = len(sizes)
+    src_offs = disjoint_offsets(rng, sizes, src.size - 64, align=1) + 1  # unaligned sources
+    dst_offs = disjoint_offsets(rng, sizes, peer.size - 64, align=1) + 3
+    for i, (o, k) in enumerate(zip(src_offs, sizes)):
+        src[o:o + k] = (i * 131 + 7) % 256  # a distinct value per piece
+    peer.poison()
+    exp = Expected(peer.size)
+    exp.apply(src, src_offs, dst_offs, sizes)
+    before = _placed(peer)
+    b = src.ctypes.data
+    sender.batch_write(peer.session, [b + int(o) for o in src_offs], [peer.base + int(o) for o in dst_offs],
+                       [int(k) for k in sizes])
+    peer.check(exp)
+    st = sender.stats()["paths"]["coalesced"]
+    assert st["chunks"] >= 1
+    if sizes[0] == 2048:
+        assert _placed(peer) == before
+    else:
+        assert _placed(peer) > before, "no chunk was placed as it arrived"
+    assert n == len(sizes)
+
+
+def test_bad_chunk_is_rejected_and_writes_nothing(sender, peer, src, monkeypatch):
+    """A chunk whose table checksum is wrong (pieces large enough for the placement path) is refused before any
+    destination byte is written: the batch fails with RemoteRejected and the peer's buffer stays poisoned."""
+    import pxn_kernels.chunk as chunk
+    real = chunk.build_header_table
+
+    def corrupt(*args, **kw):
+        buf, offsets, nbytes = real(*args, **kw)
+        buf[40] ^= 0xFF  # the checksum
+        return buf, offsets, nbytes
+
+    src[:] = 0x3C
+    peer.poison()
+    monkeypatch.setattr(chunk, "build_header_table", corrupt)
+    before = _placed(peer)
+    b = src.ctypes.data
+    with pytest.raises(RemoteRejected, match="checksum"):
+        sender.batch_write(peer.session, [b + i * 20_000 for i in range(100)],
+                           [peer.base + 7 + i * 20_000 for i in range(100)], [19_999] * 100)
+    monkeypatch.setattr(chunk, "build_header_table", real)
+    peer.check(Expected(peer.size))
+    assert _placed(peer) == before

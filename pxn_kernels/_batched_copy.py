@@ -268,6 +268,8 @@ def plan_host(lengths: np.ndarray, ranges: int, range_bytes: int = 0):
 
 
 _row_plans = {}
+# (device type, index, length) -> row plan, for the checked entries' batches of one length (no policy lookup)
+_equal_plans = {}
 
 
 def _equal_kernel(length: int, pol: dict) -> Optional[CopyPlan]:
@@ -299,6 +301,7 @@ def _forget_plans() -> None:
     with _plan_lock:
         _plan_cache.clear()
         _row_plans.clear()
+        _equal_plans.clear()
 
 
 kernel_policy.on_change.append(_forget_plans)
@@ -324,13 +327,20 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
     lengths call after call: a repeat costs a hash of short lists, or a fingerprint and one comparison of long
     ones. ``stats``: the lengths' (min, max, sum) when the caller has them (``_checks.LengthStats``).
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    n = int(lengths.size)
     if stats is not None and stats.lmin == stats.lmax and stats.lmin > 0:
+        key = (device.type, device.index, stats.lmin)
+        plan = _equal_plans.get(key)
+        if plan is not None:
+            return plan
         plan = _equal_kernel(stats.lmin, kernel_policy.policy(device) if device.type == "cuda"
                              else kernel_policy.DEFAULT)
         if plan is not None:
+            if len(_equal_plans) > 4096:
+                _equal_plans.clear()
+            _equal_plans[key] = plan
             return plan
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = int(lengths.size)
     # Short lists are their own key; longer ones a fingerprint, confirmed by comparing the stored lengths.
     exact = n <= 256
     key = (device.type, device.index, lengths.tobytes() if exact else (n, _fingerprint(lengths)))

@@ -271,20 +271,20 @@ def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written
 SMALL = 64
 
 
-def _small_ok(lengths: list, checks, written) -> Optional[dict]:
-    """``_fast_ok`` on Python ints (exact: no overflow to guard against) for small batches: each argument's
-    extremes first, its ends only where they do not settle a check; unordered written ranges by their sorted
-    starts and ends."""
+def _small_ok(lengths: list, lmin: int, lmax: int, checks, written) -> Optional[dict]:
+    """``_fast_ok`` on Python ints (exact: no overflow to guard against) for small batches (``lmin`` / ``lmax``:
+    the lengths' extremes): each argument's extremes first, its ends only where they do not settle a check;
+    unordered written ranges by their sorted starts and ends."""
     spans = {}
-    if min(lengths) > 0:
+    if lmin > 0:
         pick = None
     else:
         live = [i for i, n in enumerate(lengths) if n > 0]
         if not live:
             return spans
         lengths = [lengths[i] for i in live]
+        lmin = min(lengths)
         pick = lambda values: [values[i] for i in live]  # noqa: E731
-    lmax = max(lengths)
     seen = {}
     for check in checks:
         values = check[2].tolist()
@@ -305,12 +305,13 @@ def _small_ok(lengths: list, checks, written) -> Optional[dict]:
         starts = written[1].tolist()
         if pick is not None:
             starts = pick(starts)
-    end = list(map(operator.add, starts, lengths))
-    if all(map(operator.le, end, starts[1:])):
+    if all(map(operator.le, map(operator.add, starts, lengths), starts[1:])):
         return spans
-    # unordered: the i-th smallest end must not pass the (i+1)-th smallest start (see _disjoint_sorted)
-    end.sort()
-    return spans if all(map(operator.le, end, sorted(starts)[1:])) else None
+    # unordered: the i-th smallest end must not pass the (i+1)-th smallest start (see _disjoint_sorted); with
+    # one length the ends of the sorted starts are in order already
+    ordered = sorted(starts)
+    ends = map(operator.add, ordered, lengths) if lmin == lmax else sorted(map(operator.add, starts, lengths))
+    return spans if all(map(operator.le, ends, ordered[1:])) else None
 
 
 def address(name: str, addrs: np.ndarray):
@@ -337,7 +338,7 @@ def validate(op: str, lengths: np.ndarray, checks: Sequence[tuple] = (),
     Returns:
         the lengths' min, max and sum, and the address arguments' lowest and highest starts.
     """
-    n = int(lengths.size)
+    n = lengths.size
     if n == 0:
         return LengthStats(0, 0, 0, {})
     if n <= SMALL:
@@ -345,7 +346,7 @@ def validate(op: str, lengths: np.ndarray, checks: Sequence[tuple] = (),
         lmin, lmax = min(as_list), max(as_list)
         if lmin < 0:
             check_lengths(op, lengths)
-        spans = _small_ok(as_list, checks, written)
+        spans = _small_ok(as_list, lmin, lmax, checks, written)
         if spans is None:
             _name_failure(op, lengths, checks, written)
         return LengthStats(lmin, lmax, sum(as_list), spans)
@@ -423,13 +424,14 @@ def index_args(op: str, device: torch.device, **named) -> IndexArgs:
     """Validate the index arguments' types: int64, 1-D, one length. Either all tensors on ``device``, or all on
     the host (numpy arrays or CPU tensors): for a GPU ``device`` those are checked where they are and uploaded
     once (``_batched_copy.run_batch``); for the CPU they are viewed as tensors (no copy)."""
+    if device.type != "cpu":
+        for v in named.values():
+            if not isinstance(v, np.ndarray) and not (isinstance(v, torch.Tensor) and v.device.type == "cpu"):
+                return IndexArgs(check_index_tensors(op, device, **named), False, named)
+        count, arrays = _host_arrays(op, named)
+        return IndexArgs(count, True, arrays)
     host_kinds = all(isinstance(v, np.ndarray) or (isinstance(v, torch.Tensor) and v.device.type == "cpu")
                      for v in named.values())
-    if device.type != "cpu":
-        if host_kinds:
-            count, arrays = _host_arrays(op, named)
-            return IndexArgs(count, True, arrays)
-        return IndexArgs(check_index_tensors(op, device, **named), False, named)
     values = named
     if any(isinstance(v, np.ndarray) for v in named.values()):
         if host_kinds:

@@ -3,14 +3,22 @@
 thread (argument validation, reading the descriptors, the plan, its upload, the launch's argument set-up), and
 ``plan_for_lengths`` alone.
 
+Each call is timed with both kinds of index arguments (the ``args`` field of a row):
+
+* ``host``: numpy int64 arrays the caller already has (checked where they are, then moved to the GPU in one
+  copy through a reused pinned staging buffer);
+* ``device``: int64 tensors on the copy's device (a checked call reads them to the host first: on a GPU one
+  device-to-host copy and one synchronisation with the stream).
+
 On a machine without a GPU the tensors are CPU tensors and the kernel launch itself is stubbed (the Triton
-kernel object's ``[grid]`` returns a no-op), so the figure is the Python / numpy / torch work around the launch.
-On a GPU (``--device cuda``) nothing is stubbed: the launch is real and the host time includes the one
-device-to-host read of the descriptors that a checked call makes (synchronising with the stream).
+kernel object's ``[grid]`` returns a no-op), so the figure is the Python / numpy / torch work around the launch;
+there both kinds take the same path (numpy arrays are viewed as CPU tensors, nothing is moved).
+On a GPU (``--device cuda``) nothing is stubbed: the launch, the upload and the read are real.
 
 Target (issue 12): a checked call <= 30 us + 10 ns per piece; ``plan_for_lengths`` of 4096 pieces <= 20 us.
 
-Usage: python3 benchmarks/kernel_host_time.py [--device cpu|cuda] [--out PATH]   (default: a temporary file)
+Usage: python3 benchmarks/kernel_host_time.py [--device cpu|cuda] [--out PATH] [--args host,device]
+(default output: a temporary file)
 """
 from __future__ import annotations
 
@@ -83,20 +91,22 @@ class Batch:
         offsets = np.concatenate(([0], np.cumsum((lengths + 15) & -16)[:-1])).astype(np.int64)
         self.chunk = torch.empty(int(offsets[-1] + lengths[-1]) + 16, dtype=torch.uint8, device=device)
         self.host_lengths = lengths
-        t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-        self.ptrs = t(self.pool.data_ptr() + starts)
-        self.lengths = t(lengths)
-        self.offsets = t(offsets)
-        self.dst_ptrs = t(self.pool.data_ptr() + starts)  # copy: pool -> a second pool at the same layout
         self.pool2 = torch.empty_like(self.pool)
-        self.copy_dst = t(self.pool2.data_ptr() + starts)
+        self.device = self.pool.device  # with its index (a host-array copy is told its GPU)
+        # the index arguments as host arrays (numpy int64) and as tensors on the device
+        self.host = {"ptrs": self.pool.data_ptr() + starts, "lengths": lengths, "offsets": offsets,
+                     "copy_dst": self.pool2.data_ptr() + starts}  # copy: pool -> a second pool at the same layout
+        self.on_device = {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in self.host.items()}
 
-    def calls(self):
+    def calls(self, args: str = "device"):
+        """The three checked calls with index arguments of kind ``args`` ("host" or "device")."""
+        a = self.host if args == "host" else self.on_device
+        ptrs, lengths, offsets, copy_dst = a["ptrs"], a["lengths"], a["offsets"], a["copy_dst"]
+        device = self.device if args == "host" else None
         return {
-            "gather": lambda: pxn_kernels.gather(self.ptrs, self.lengths, self.chunk, self.offsets, backend="triton"),
-            "scatter": lambda: pxn_kernels.scatter(self.chunk, self.offsets, self.dst_ptrs, self.lengths,
-                                                   backend="triton"),
-            "copy": lambda: pxn_kernels.copy(self.ptrs, self.copy_dst, self.lengths, backend="triton"),
+            "gather": lambda: pxn_kernels.gather(ptrs, lengths, self.chunk, offsets, backend="triton"),
+            "scatter": lambda: pxn_kernels.scatter(self.chunk, offsets, ptrs, lengths, backend="triton"),
+            "copy": lambda: pxn_kernels.copy(ptrs, copy_dst, lengths, backend="triton", device=device),
         }
 
 
@@ -106,6 +116,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="JSON path (default: a temporary file)")
     parser.add_argument("--counts", default=",".join(map(str, COUNTS)))
     parser.add_argument("--label", default="", help="what code was measured (kept in the JSON)")
+    parser.add_argument("--args", default="host,device", help="index argument kinds to time: host, device or both")
     args = parser.parse_args()
     device = torch.device(args.device)
     global pxn_kernels
@@ -121,15 +132,17 @@ def main() -> int:
         for kind in ("rows", "mixed"):
             batch = Batch(n, kind, device, rng)
             budget = 30 + 0.01 * n
-            for op, call in batch.calls().items():
-                us, p10 = host_us(call, device=device)
-                rows.append({"op": op, "pieces": n, "kind": kind, "host_us": us, "host_us_p10": p10,
-                             "target_us": budget, "within_target_p10": p10 <= budget})
-                print(f"{op:>8} {kind:>6} n={n:>6}: median {us:8.1f} us, p10 {p10:8.1f} (target {budget:6.1f})",
-                      flush=True)
+            for arg_kind in args.args.split(","):
+                for op, call in batch.calls(arg_kind).items():
+                    us, p10 = host_us(call, device=device)
+                    rows.append({"op": op, "pieces": n, "kind": kind, "args": arg_kind, "host_us": us,
+                                 "host_us_p10": p10, "target_us": budget, "within_target_p10": p10 <= budget})
+                    print(f"{op:>8} {kind:>6} {arg_kind:>6} n={n:>6}: median {us:8.1f} us, p10 {p10:8.1f} "
+                          f"(target {budget:6.1f})", flush=True)
             plan_us, p10 = host_us(lambda: pxn_kernels.plan_for_lengths(batch.host_lengths, device), device=device)
             rows.append({"op": "plan_for_lengths", "pieces": n, "kind": kind, "host_us": plan_us, "host_us_p10": p10})
-            print(f"{'plan':>8} {kind:>6} n={n:>6}: median {plan_us:8.1f} us, p10 {p10:8.1f}", flush=True)
+            print(f"{'plan':>8} {kind:>6} {'host':>6} n={n:>6}: median {plan_us:8.1f} us, p10 {p10:8.1f}",
+                  flush=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -427,7 +427,7 @@ def index_args(op: str, device: torch.device, **named) -> IndexArgs:
     if device.type != "cpu":
         for v in named.values():
             if not isinstance(v, np.ndarray) and not (isinstance(v, torch.Tensor) and v.device.type == "cpu"):
-                return IndexArgs(check_index_tensors(op, device, **named), False, named)
+                return IndexArgs(check_index_tensors(op, device, **named), False, _flat(named))
         count, arrays = _host_arrays(op, named)
         return IndexArgs(count, True, arrays)
     host_kinds = all(isinstance(v, np.ndarray) or (isinstance(v, torch.Tensor) and v.device.type == "cpu")
@@ -440,4 +440,12 @@ def index_args(op: str, device: torch.device, **named) -> IndexArgs:
         values = {k: torch.from_numpy(np.ascontiguousarray(v))
                   if isinstance(v, np.ndarray) and v.dtype == np.int64 and v.ndim == 1 else v
                   for k, v in named.items()}
-    return IndexArgs(check_index_tensors(op, device, **values), False, values)
+    return IndexArgs(check_index_tensors(op, device, **values), False, _flat(values))
+
+
+def _flat(tensors: dict) -> dict:
+    """The checked index tensors as the kernels read them: flat arrays from their data pointer. A strided view
+    (e.g. every other element of a larger tensor) is copied into a contiguous one; others pass as they are."""
+    if all(t.is_contiguous() for t in tensors.values()):
+        return tensors
+    return {k: t if t.is_contiguous() else t.contiguous() for k, t in tensors.items()}

@@ -79,9 +79,9 @@ def gather_torch(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
 
 def _lean(buffer, a, b, c, backend: str) -> bool:
     """Whether an unchecked call with a plan may launch at once: a contiguous uint8 GPU ``buffer`` (None for
-    ``copy``) and three int64 1-D tensors of one length on that GPU -- what the full path would accept, tested
-    with the cheapest calls, so that a caller relaunching with its cached plan pays for little but the launch.
-    False: the full path decides (and names what is wrong)."""
+    ``copy``) and three contiguous int64 1-D tensors of one length on that GPU -- what the full path would accept
+    without a copy, tested with the cheapest calls, so that a caller relaunching with its cached plan pays for
+    little but the launch. False: the full path decides (it names what is wrong, and copies a strided view)."""
     try:
         index = a.get_device() if buffer is None else buffer.get_device()
         n = a.numel()
@@ -89,6 +89,7 @@ def _lean(buffer, a, b, c, backend: str) -> bool:
                 and (buffer is None or (buffer.dtype is torch.uint8 and buffer.is_contiguous()))
                 and a.dtype is torch.int64 and b.dtype is torch.int64 and c.dtype is torch.int64
                 and a.dim() == 1 and b.dim() == 1 and c.dim() == 1 and b.numel() == n and c.numel() == n
+                and a.is_contiguous() and b.is_contiguous() and c.is_contiguous()
                 and a.get_device() == index and b.get_device() == index and c.get_device() == index)
     except AttributeError:  # not tensors: the full path names the argument
         return False

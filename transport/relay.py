@@ -20,8 +20,9 @@ ring at once, marked with the copy's own event, which the slot's next fill waits
 the host only enqueues work, the engine's caller runs such rounds itself (``fill_and_post``, one unit per
 round, so each write overlaps the next fill) and the copy thread only takes chunks and re-dispatched units.
 
-Back-pressure: the copy thread waits for a free slot; nothing that releases slots ever waits for one, so the
-ring cannot deadlock.
+Back-pressure: the copy thread (on an ordered ring, the caller) waits for a free slot; nothing that releases
+slots ever waits for one, so the ring cannot deadlock. An ordered ring's slot is back as soon as its write is
+queued, so a caller waits only while other callers' rounds hold every slot.
 
 Lanes: slots are split into lanes; on CUDA each lane has its own stream, so copies of different lanes overlap
 with each other and with the fabric. The copy thread takes the lane with the most free slots.

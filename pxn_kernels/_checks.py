@@ -253,14 +253,17 @@ def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written
         return spans
     name, starts = written
     equal = lmin if lmin == lmax else 0
+    if equal:
+        # rows of a paged pool: the bitmap on the host copy the checks already hold, before a sort on the GPU
+        # (a sort, a flag and a synchronisation cost more host time than the bitmap's few passes)
+        lo, hi = extremes.get(name) or (int(starts.min()), int(starts.max()))
+        ok = _distinct_slots(starts, lo, hi, equal)
+        if ok is not None:
+            return spans if ok else None
     if written_device is not None:
         return spans if _disjoint_on_device(*written_device, equal) else None
     if equal:
-        lo, hi = extremes.get(name) or (int(starts.min()), int(starts.max()))
-        ok = _distinct_slots(starts, lo, hi, equal)
-        if ok is None:
-            ok = _disjoint_sorted(starts, None, equal, lo, hi)
-        return spans if ok else None
+        return spans if _disjoint_sorted(starts, None, equal, lo, hi) else None
     end = ends.get(name)
     if end is None:
         end = starts + lengths

@@ -348,6 +348,50 @@ def test_rail_id_claims_are_bound_to_the_announcing_sender(victim, src, rng):
             _insider_rail(victim, "never-announced:1")
 
 
+@pytest.mark.parametrize("holder_dies", [True, False])
+def test_claim_of_a_departing_holders_rail_id_waits_for_its_end(monkeypatch, holder_dies):
+    """A new sender may get the port, so the rail id, of a sender that closed a moment ago, before this side
+    read the old connection's end: its claim waits (up to CLAIM_WAIT_S) for the holder's endpoint to die and is
+    then accepted; a holder that stays alive keeps its id and the claim is refused after the wait."""
+    from transport import receiver as R
+    monkeypatch.setattr(R, "CLAIM_WAIT_S", 0.4)
+
+    class Endpoint:
+        def __init__(self, dies_at):
+            self.dies_at = dies_at
+
+        @property
+        def alive(self):
+            return self.dies_at is None or time.monotonic() < self.dies_at
+
+    class Fabric:
+        def __init__(self, ep):
+            self.ep = ep
+
+        def endpoint(self, rid):
+            return self.ep
+
+    def state(engine_id):
+        return R.SenderState(engine_id=engine_id, session=f"s{engine_id}", rail_ids=["127.0.0.1:4000"],
+                             credit_addr=1, credit_rkeys=[1], slots=1, slot_bytes=4096, devices=[-1])
+
+    rx = R.Receiver.__new__(R.Receiver)
+    rx.fabrics = [Fabric(Endpoint(time.monotonic() + 0.1 if holder_dies else None))]
+    rx._by_rail_id = {"127.0.0.1:4000": (state(1), 0)}
+    rx.counters = R.Counters()
+    new = state(2)
+    t0 = time.monotonic()
+    rx._wait_for_departing_holders(new)
+    waited = time.monotonic() - t0
+    if holder_dies:
+        assert 0.05 <= waited < 0.35, waited
+        rx._check_claims_locked(new)  # accepted
+    else:
+        assert waited >= 0.4, waited
+        with pytest.raises(ValueError, match="belongs to sender s1"):
+            rx._check_claims_locked(new)
+
+
 def test_max_senders():
     v = Victim(secret=SECRET, max_senders=2)
     try:

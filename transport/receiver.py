@@ -64,6 +64,11 @@ SWEEP_S = 1.0  # how often the progress thread looks for departed senders
 # gives it this long to connect before it counts as departed (rails connect one after the other, each within the
 # fabric's connect timeout, 10 s on tcp).
 CONNECT_GRACE_S = 30.0
+# A new sender whose rail id (host:port) is still held by the live-looking endpoint of a sender that just closed
+# (the OS gave the port again before this side read the old connection's end) waits this long for that endpoint
+# to die before its claim is refused: a closed peer's sockets reach end-of-file within milliseconds, a live
+# holder stays alive and the claim is refused as before.
+CLAIM_WAIT_S = 1.0
 _ACK_HDR = struct.Struct("<II")  # status, reason length
 
 
@@ -178,6 +183,7 @@ class Receiver:
                          credit_rkeys=list(rkeys),
                          slots=slots, slot_bytes=slot_bytes, devices=devices, hello_at=time.monotonic())
         old = None
+        self._wait_for_departing_holders(st)
         try:
             with self._lock:
                 # a second claim of a rail id held by another live sender is refused; the holder is not touched
@@ -231,6 +237,26 @@ class Receiver:
                 "landing_rkeys": [mr.rkey for _, mr, _ in st.landing],
                 "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes,
                 "landing_device": devices[0], "landing_devices": devices}
+
+    def _wait_for_departing_holders(self, st: SenderState) -> None:
+        """Before the claims are checked (and without the lock): while a rail id of ``st`` is held by another
+        sender whose endpoint still looks alive, wait up to ``CLAIM_WAIT_S`` for it to die (a sender that closed a
+        moment ago, whose port the new one got). The check under the lock decides; this only gives a departing
+        holder's end-of-file time to arrive."""
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while True:
+            held = False
+            for rail, rid in enumerate(st.rail_ids):
+                holder = self._by_rail_id.get(rid)
+                if holder is None or holder[0].engine_id == st.engine_id:
+                    continue
+                try:
+                    held = held or self.fabrics[rail].endpoint(rid).alive
+                except Exception:  # noqa: BLE001 — announced, not connected: the check under the lock decides
+                    pass
+            if not held or time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
 
     def _check_claims_locked(self, st: SenderState) -> None:
         for rail, rid in enumerate(st.rail_ids):

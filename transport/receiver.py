@@ -238,39 +238,36 @@ class Receiver:
                 "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes,
                 "landing_device": devices[0], "landing_devices": devices}
 
-    def _wait_for_departing_holders(self, st: SenderState) -> None:
-        """Before the claims are checked (and without the lock): while a rail id of ``st`` is held by another
-        sender whose endpoint still looks alive, wait up to ``CLAIM_WAIT_S`` for it to die (a sender that closed a
-        moment ago, whose port the new one got). The check under the lock decides; this only gives a departing
-        holder's end-of-file time to arrive."""
-        deadline = time.monotonic() + CLAIM_WAIT_S
-        while True:
-            held = False
-            for rail, rid in enumerate(st.rail_ids):
-                holder = self._by_rail_id.get(rid)
-                if holder is None or holder[0].engine_id == st.engine_id:
-                    continue
-                try:
-                    held = held or self.fabrics[rail].endpoint(rid).alive
-                except Exception:  # noqa: BLE001 — announced, not connected: the check under the lock decides
-                    pass
-            if not held or time.monotonic() >= deadline:
-                return
-            time.sleep(0.01)
-
-    def _check_claims_locked(self, st: SenderState) -> None:
+    def _other_holders(self, st: SenderState):
+        """For each rail id of ``st`` held by another sender: (rail id, the holder's state, whether the holder's
+        endpoint on that rail is alive, or None when it has not connected it yet)."""
         for rail, rid in enumerate(st.rail_ids):
             holder = self._by_rail_id.get(rid)
             if holder is None or holder[0].engine_id == st.engine_id:
                 continue
             try:
                 alive = self.fabrics[rail].endpoint(rid).alive
-            except Exception:  # noqa: BLE001 — announced, not connected yet: still the holder's
-                alive = time.monotonic() - holder[0].hello_at < CONNECT_GRACE_S
+            except Exception:  # noqa: BLE001 — announced, not connected yet
+                alive = None
+            yield rid, holder[0], alive
+
+    def _wait_for_departing_holders(self, st: SenderState) -> None:
+        """Before the claims are checked (and without the lock): while a rail id of ``st`` is held by another
+        sender whose endpoint still looks alive, wait up to ``CLAIM_WAIT_S`` for it to die (a sender that closed a
+        moment ago, whose port the new one got). The check under the lock decides (a holder that has not
+        connected yet included); this only gives a departing holder's end-of-file time to arrive."""
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while any(alive for _, _, alive in self._other_holders(st)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _check_claims_locked(self, st: SenderState) -> None:
+        for rid, holder, alive in self._other_holders(st):
+            if alive is None:  # announced, not connected yet: still the holder's for a while
+                alive = time.monotonic() - holder.hello_at < CONNECT_GRACE_S
             if alive:
                 self.counters.add("senders_refused_claim")
-                raise ValueError(f"rail id {rid!r} belongs to sender {holder[0].session} (engine 0x"
-                                 f"{holder[0].engine_id:x}); refused the claim of engine 0x{st.engine_id:x}")
+                raise ValueError(f"rail id {rid!r} belongs to sender {holder.session} (engine 0x"
+                                 f"{holder.engine_id:x}); refused the claim of engine 0x{st.engine_id:x}")
 
     # --- chunks placed as they arrive (fabrics with landing_handlers) -----------------------------------------
     def _plan_landed(self, st: SenderState, rail: int, peer_id: str, addr: int, length: int, imm: int, read):

@@ -284,7 +284,7 @@ def _equal_kernel(length: int, pol: dict) -> Optional[CopyPlan]:
         if -(-length // c["max_cols"]) > MAX_GRID_Y:
             return None
         plan = CopyPlan(None, None, None, None, row=row_settings(length, c["tile_bytes"], c["max_cols"],
-                                                                c["num_warps"]))
+                                                                c["num_warps"], c.get("split", False)))
         if len(_row_plans) > 4096:
             _row_plans.clear()
         _row_plans[key] = plan

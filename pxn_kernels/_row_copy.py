@@ -11,6 +11,10 @@ Vector width: the widest of 16 / 8 / 4 / 2 / 1 bytes that divides the length and
 tile (both ends), decided per program at run time, so rows whose size is not a multiple of 16 (100 B, 520 B,
 1500 B) still move 4- or 8-byte words. The tile is laid out ``[ROWS, COLS / VEC, VEC]`` so that the mask is
 constant along the last axis and the compiler can emit one VEC-byte access per thread and row.
+
+Split rows: a tile's width is a power of two, so a 520 B or 576 B row in a 1 KiB tile leaves almost half of the
+lanes masked. With ``tail`` set, a row is copied as a head tile of ``cols`` bytes (the largest power of two
+below the length) and a tail tile of ``tail`` bytes right after it, so the masked share is that of the tail only.
 """
 from __future__ import annotations
 
@@ -42,8 +46,16 @@ def _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS: tl.constexpr, VEC
 
 
 @triton.jit
+def _copy_row_tiles(anchor_ptr, src, dst, live, col0, length, COLS: tl.constexpr, TAIL: tl.constexpr,
+                    VEC: tl.constexpr):
+    _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, VEC)
+    if TAIL > 0:
+        _copy_tile(anchor_ptr, src, dst, live, col0 + COLS, length, TAIL, VEC)
+
+
+@triton.jit
 def _row_copy_kernel(anchor_ptr, src_index, dst_index, src_base, dst_base, n_rows, length,
-                     ROWS: tl.constexpr, COLS: tl.constexpr):
+                     ROWS: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr):
     # Row i: ``length`` bytes from anchor + src_base + src_index[i] to anchor + dst_base + dst_index[i]
     # (bases already relative to the anchor).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -55,26 +67,28 @@ def _row_copy_kernel(anchor_ptr, src_index, dst_index, src_base, dst_base, n_row
     low = tl.where(live, (src | dst | length) & 15, 0)
     vec = tl.min(tl.where(low == 0, 16, low & -low), axis=0)
     if vec == 16:
-        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 16)
+        _copy_row_tiles(anchor_ptr, src, dst, live, col0, length, COLS, TAIL, 16)
     elif vec == 8:
-        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 8)
+        _copy_row_tiles(anchor_ptr, src, dst, live, col0, length, COLS, TAIL, 8)
     elif vec == 4:
-        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 4)
+        _copy_row_tiles(anchor_ptr, src, dst, live, col0, length, COLS, TAIL, 4)
     elif vec == 2:
-        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 2)
+        _copy_row_tiles(anchor_ptr, src, dst, live, col0, length, COLS, TAIL, 2)
     else:
-        _copy_tile(anchor_ptr, src, dst, live, col0, length, COLS, 1)
+        _copy_row_tiles(anchor_ptr, src, dst, live, col0, length, COLS, TAIL, 1)
 
 
 @dataclass(frozen=True)
 class RowSettings:
     """The row kernel's shape for one batch: ``length`` bytes per row, ``rows`` rows and ``cols`` bytes (a power
-    of two >= 16) per program, ``num_warps`` warps per program."""
+    of two >= 16) per program, ``num_warps`` warps per program. ``tail`` (bytes; 0, or a power of two >= 16 with
+    ``cols < length <= cols + tail``): each program copies whole rows as a ``cols`` head and a ``tail`` tile."""
 
     length: int
     rows: int
     cols: int
     num_warps: int
+    tail: int = 0
 
     def __post_init__(self):
         for name in ("rows", "cols", "num_warps"):
@@ -85,9 +99,13 @@ class RowSettings:
             raise ValueError(f"RowSettings.cols must be >= 16, got {self.cols}")
         if self.length < 1 or -(-self.length // self.cols) > MAX_GRID_Y:
             raise ValueError(f"RowSettings.length {self.length}: 1 .. {MAX_GRID_Y} x cols ({self.cols}) supported")
+        if self.tail and (self.tail < 16 or self.tail & (self.tail - 1)
+                          or not self.cols < self.length <= self.cols + self.tail):
+            raise ValueError(f"RowSettings.tail {self.tail}: 0, or a power of two >= 16 with cols ({self.cols}) < "
+                             f"length ({self.length}) <= cols + tail")
 
     def grid(self, n_rows: int):
-        return (max(1, -(-n_rows // self.rows)), -(-self.length // self.cols))
+        return (max(1, -(-n_rows // self.rows)), 1 if self.tail else -(-self.length // self.cols))
 
 
 def _pow2_at_least(value: int) -> int:
@@ -95,14 +113,23 @@ def _pow2_at_least(value: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def row_settings(length: int, tile_bytes: int, max_cols: int, num_warps: int) -> RowSettings:
+def row_settings(length: int, tile_bytes: int, max_cols: int, num_warps: int, split: bool = False) -> RowSettings:
     """The row kernel's settings for rows of ``length`` bytes: a tile of about ``tile_bytes``, as many whole
-    rows as fit (columns: the row rounded up to a power of two, at most ``max_cols``). Pure: no device access."""
+    rows as fit (columns: the row rounded up to a power of two, at most ``max_cols``). ``split``: a row that is
+    not a power of two and fits ``max_cols`` is copied as a head and a tail tile (``RowSettings.tail``) when that
+    masks fewer lanes. Pure: no device access."""
     cols = max(16, min(_pow2_at_least(length), max_cols))
-    rows = max(1, _pow2_at_least(tile_bytes // cols) if tile_bytes >= cols else 1)
-    if rows * cols > tile_bytes and rows > 1:
+    tail = 0
+    if split and 16 < length < cols:
+        head = cols // 2
+        rest = max(16, _pow2_at_least(length - head))
+        if rest < head:
+            cols, tail = head, rest
+    width = cols + tail
+    rows = max(1, _pow2_at_least(tile_bytes // width) if tile_bytes >= width else 1)
+    if rows * width > tile_bytes and rows > 1:
         rows //= 2
-    return RowSettings(int(length), rows, cols, num_warps)
+    return RowSettings(int(length), rows, cols, num_warps, tail)
 
 
 def equal_length(lengths: np.ndarray):
@@ -125,7 +152,7 @@ def _args(src_index, dst_index, src_base, dst_base, n_rows, settings: RowSetting
 
 
 def _constexprs(settings: RowSettings) -> dict:
-    return dict(ROWS=settings.rows, COLS=settings.cols, num_warps=settings.num_warps)
+    return dict(ROWS=settings.rows, COLS=settings.cols, TAIL=settings.tail, num_warps=settings.num_warps)
 
 
 def launch_row_copy(src_index: torch.Tensor, dst_index: torch.Tensor, src_base: int, dst_base: int,

@@ -40,20 +40,26 @@ _BASE = {
     "grid": {"enabled": True, "min_bytes": 4096, "seg_bytes": 4096, "block_bytes": 4096, "num_warps": 2,
              "shift": False},
     # Row kernel, by row length: the first class whose ``up_to`` (bytes) holds the length. tile_bytes: bytes per
-    # program (whole rows, the row rounded up to a power of two, at most max_cols columns).
+    # program (whole rows, the row rounded up to a power of two, at most max_cols columns); split: a row that is
+    # not a power of two goes as a head and a tail tile when that masks fewer lanes (RowSettings.tail).
     "row": {"enabled": True, "max_bytes": 4095,
-            "classes": [{"up_to": 256, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4},
-                        {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4}]},
+            "classes": [{"up_to": 256, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4, "split": False},
+                        {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4, "split": False}]},
 }
 
-# Hopper (H100 / H200): the row classes that won benchmarks/kernels.py --sweep on an H200, 2026-11-30 (every
-# candidate byte-checked first; results/kernels-h200.json): 4 KB tiles with 2 warps up to 1.5 KB rows, 8 KB with
-# 4 warps above. Shifted words for pieces whose two ends differ in alignment: they beat the byte path on every
-# unaligned mix measured and leave aligned pieces alone (benchmarks/NOTES.md, "The message path: writes as arrays,
-# completions at the writer", and results/kernels-h200-shift-quick.json).
+# Hopper (H100 / H200): the row classes that won the paged-row sweeps on an H200 (every candidate byte-checked
+# first; benchmarks/NOTES.md, "Row kernel: one-warp programs and split rows"): one warp per program everywhere,
+# 1 KB tiles for 65-128 B rows, 4 KB split tiles for 257-640 B rows (520 B, 576 B), 2 KB tiles otherwise.
+# Shifted words for pieces whose two ends differ in alignment: they beat the byte path on every unaligned mix
+# measured and leave aligned pieces alone (benchmarks/NOTES.md, "The message path: writes as arrays, completions
+# at the writer", and results/kernels-h200-shift-quick.json).
+_ONE_WARP = {"max_cols": 4096, "num_warps": 1, "split": False}
 _SM90 = dict(_BASE, row={"enabled": True, "max_bytes": 4095,
-                         "classes": [{"up_to": 1536, "tile_bytes": 4096, "max_cols": 4096, "num_warps": 2},
-                                     {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4}]},
+                         "classes": [dict(_ONE_WARP, up_to=64, tile_bytes=2048),
+                                     dict(_ONE_WARP, up_to=128, tile_bytes=1024),
+                                     dict(_ONE_WARP, up_to=256, tile_bytes=2048),
+                                     dict(_ONE_WARP, up_to=640, tile_bytes=4096, split=True),
+                                     dict(_ONE_WARP, up_to=1 << 62, tile_bytes=2048)]},
              range_small=dict(_BASE["range_small"], shift=True), range_large=dict(_BASE["range_large"], shift=True),
              grid=dict(_BASE["grid"], shift=True))
 
@@ -65,6 +71,9 @@ DEFAULT = _BASE
 
 # The CPU interpreter: few, small programs (each costs ~0.5 ms of host time there).
 INTERPRETER = {"block_bytes": 256, "tail_block_bytes": 16, "num_warps": 1, "max_programs": 16}
+
+# Keys an entry of a list may leave out (a row class without "split" does not split).
+_OPTIONAL = {"split"}
 
 _LOCK = threading.Lock()
 # Called after the overrides change (caches of plans built under the old policy).
@@ -101,7 +110,7 @@ def _check(path: str, value, reference) -> None:
             raise ValueError(f"kernel policy: {path} must be a non-empty list, got {value!r}")
         for i, item in enumerate(value):
             _check(f"{path}[{i}]", item, reference[0])
-            missing = set(reference[0]) - set(item)
+            missing = set(reference[0]) - set(item) - _OPTIONAL
             if missing:
                 raise ValueError(f"kernel policy: {path}[{i}] lacks {', '.join(sorted(missing))}")
     elif isinstance(reference, bool):

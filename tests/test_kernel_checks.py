@@ -227,6 +227,8 @@ def test_policy_file_overrides_and_validation(tmp_path, monkeypatch, clean_polic
                          ({"grid": {"num_warps": "4"}}, "grid.num_warps must be a non-negative integer"),
                          ({"sm_90": {"row": {"classes": [{"up_to": 64}]}}}, r"lacks max_cols, num_warps, tile_bytes"),
                          ({"range_small": {"shift": 1}}, "shift must be true or false"),
+                         ({"row": {"classes": [{"up_to": 64, "tile_bytes": 1024, "max_cols": 64, "num_warps": 1,
+                                                "split": 1}]}}, r"classes\[0\]\.split must be true or false"),
                          ([1, 2], "must hold a JSON object")]:
         with pytest.raises(ValueError, match=message):
             policy.parse(json.dumps(bad))

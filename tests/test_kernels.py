@@ -722,7 +722,7 @@ def test_plan_for_lengths_picks_the_kernel():
     assert pick([64] * 100) == "row"  # rows of one length: several whole rows per program
     row_class = next(c for c in pxn_kernels.policy.policy(DEVICE)["row"]["classes"] if 100 <= c["up_to"])  # per architecture
     assert plan([100] * 5).row == pxn_kernels.row_settings(100, row_class["tile_bytes"], row_class["max_cols"],
-                                                           row_class["num_warps"])
+                                                           row_class["num_warps"], row_class.get("split", False))
     assert pick([4095] * 3) == "row" and pick([4096] * 3) == "grid"
     assert pick([64, 2 << 20]) == "range"  # unequal sizes: most of the grid would idle
     assert pick([64, 64, 0]) == "range"
@@ -783,14 +783,17 @@ def test_row_kernel_gather_scatter_copy_paged_rows(rng, length, misalign):
     assert torch.equal(ref[o:o + length], pool[s:s + length])
 
 
-@pytest.mark.parametrize("rows,cols,misaligned_rows", [(4, 16, ()), (2, 64, (5,)), (8, 32, (0, 9)), (1, 128, (3,))])
-def test_row_kernel_tiles_and_mixed_alignment(rng, rows, cols, misaligned_rows):
+@pytest.mark.parametrize("rows,cols,tail,misaligned_rows", [(4, 16, 0, ()), (2, 64, 0, (5,)), (8, 32, 0, (0, 9)),
+                                                         (1, 128, 0, (3,)), (4, 128, 128, ()), (2, 128, 128, (4,)),
+                                                         (1, 128, 128, (0, 12))])
+def test_row_kernel_tiles_and_mixed_alignment(rng, rows, cols, tail, misaligned_rows):
     """Explicit tile shapes: rows longer than a tile (several column tiles, a partial last one), several rows per
-    program, and one misaligned row in a tile of aligned ones (the whole tile takes a narrower vector)."""
+    program, rows as a head and a tail tile, and one misaligned row in a tile of aligned ones (the whole tile
+    takes a narrower vector)."""
     length, n = 200, 13
     pool, src = _pool_rows(rng, length, n, 2 * n + 1, 0)
     src = [a + (1 if i in misaligned_rows else 0) for i, a in enumerate(src)]
-    settings = pxn_kernels.RowSettings(length, rows, cols, 1)
+    settings = pxn_kernels.RowSettings(length, rows, cols, 1, tail)
     plan = pxn_kernels.CopyPlan(None, None, None, None, row=settings)
     out = _random_bytes(rng, n * 208 + 16)
     ref = out.clone()
@@ -834,6 +837,18 @@ def test_row_settings_shape_and_validation():
         pxn_kernels.RowSettings(64, 4, 8, 4)
     with pytest.raises(ValueError, match="length 0"):
         pxn_kernels.RowSettings(0, 4, 64, 4)
+    # split rows: a power-of-two head and the smallest power-of-two tail that holds the rest
+    s = pxn_kernels.row_settings(520, 4096, 4096, 1, split=True)
+    assert (s.cols, s.tail, s.rows) == (512, 16, 4) and s.grid(9) == (3, 1)
+    s = pxn_kernels.row_settings(576, 4096, 4096, 1, split=True)
+    assert (s.cols, s.tail, s.rows) == (512, 64, 4)
+    assert pxn_kernels.row_settings(100, 4096, 4096, 1, split=True).tail == 0  # 64 + 64 masks as many as 128
+    assert pxn_kernels.row_settings(512, 4096, 4096, 1, split=True).tail == 0  # a power of two needs no tail
+    assert pxn_kernels.row_settings(520, 4096, 256, 1, split=True).tail == 0  # column tiles instead
+    with pytest.raises(ValueError, match="tail 16: .* cols \\(512\\) < length \\(600\\) <= cols \\+ tail"):
+        pxn_kernels.RowSettings(600, 4, 512, 1, 16)
+    with pytest.raises(ValueError, match="tail 24"):
+        pxn_kernels.RowSettings(520, 4, 512, 1, 24)
 
 
 @pytest.mark.gpu

@@ -123,6 +123,18 @@ class _Batch:
     def failed(self) -> bool:
         return self.error is not None
 
+    def local_region(self, lsnap):
+        """The local region holding every piece, as the validation found it, while ``lsnap`` is still the table
+        it found it in (a table is replaced on every change, never edited: the same object means nothing
+        changed); else None. Its key then serves every piece, with no lookup per piece."""
+        spans = self.spans
+        return lsnap.regions[spans[1]] if spans is not None and spans[0] is lsnap else None
+
+    def peer_region(self, rsnap):
+        """``local_region`` for the peer's regions (``rsnap``: a snapshot of the peer's table)."""
+        spans = self.spans
+        return rsnap.regions[spans[3]] if spans is not None and spans[2] is rsnap else None
+
 
 class _Attempt:
     """One try of one work unit on one rail. A failed-over unit gets a fresh attempt on another rail; the old
@@ -387,12 +399,11 @@ class Pipeline:
         completes on success."""
         parts = [a.unit.arrays() for a in atts]
         lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
-        spans = atts[0].batch.spans
-        if (self._batches and spans is not None and spans[0] is lsnap and spans[2] is rsnap
-                and all(a.batch is atts[0].batch for a in atts)):
-            # one region on each side holds the whole batch, and neither table changed since the validation
-            # found them: one key each, no lookup per piece
-            lkey, rkey = lsnap.regions[spans[1]].keys[rail].lkey, rsnap.regions[spans[3]].keys[rail]
+        batch = atts[0].batch
+        local, remote = batch.local_region(lsnap), batch.peer_region(rsnap)
+        if self._batches and local is not None and remote is not None and all(a.batch is batch for a in atts):
+            # one region on each side holds the whole batch: one key each, no lookup per piece
+            lkey, rkey = local.keys[rail].lkey, remote.keys[rail]
             for a, p in zip(atts, parts):
                 m = p[2].size
                 a.reqs = [WriteBatch(p[0], p[2], p[1], np.full(m, rkey, dtype=np.int64),
@@ -519,11 +530,9 @@ class Pipeline:
                                                                    stream=stream)], wait=False, stream=stream)
             rail = a.prail.rail
             rsnap = a.batch.peer.regions.snapshot()
-            spans = a.batch.spans
-            if spans is not None and spans[2] is rsnap:
-                # one peer region holds the whole batch and the table has not changed since the validation
-                # found it: its key for every piece, no lookup per piece
-                rkeys = np.full(n_arr.size, rsnap.regions[spans[3]].keys[rail], dtype=np.int64)
+            remote = a.batch.peer_region(rsnap)
+            if remote is not None:  # one peer region holds the whole batch: its key for every piece
+                rkeys = np.full(n_arr.size, remote.keys[rail], dtype=np.int64)
             else:
                 ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
                 if ri is None:  # a region went away since validation: name it

@@ -167,6 +167,19 @@ class _Attempt:
         self.engine._drop(self)
 
 
+def _split_inline(atts: List[_Attempt], ring: RelayRing, from_engine: bool) -> Tuple[List[_Attempt], List[_Attempt]]:
+    """(inline, queued), each in the order of ``atts``: on an ordered ring relayed pieces are filled and posted in
+    the calling thread (it only enqueues GPU work), except when the engine redispatches them (a poller must keep
+    polling); everything else goes to the ring's copy thread (chunks wait for the peer's landing credits, and
+    their posts for their fills on the host)."""
+    if not ring.ordered or from_engine:
+        return [], atts
+    inline, queued = [], []
+    for a in atts:
+        (inline if a.unit.kind == RELAYED else queued).append(a)
+    return inline, queued
+
+
 class Pipeline:
     """The engine's data path (see the module docstring); mixed into ``TransferEngine``."""
 
@@ -356,10 +369,9 @@ class Pipeline:
             ring = self._ring(dev if dev >= 0 else DEVICE_HOST, rail)
             for a in atts:
                 a.ring = ring
-            inline = [a for a in atts if a.unit.kind == RELAYED] if ring.ordered and not from_engine else []
-            if len(inline) < len(atts):
-                # chunks wait for the peer's landing credits, and their posts for their fills on the host
-                ring.enqueue_copy([a for a in atts if a.unit.kind != RELAYED] if inline else atts)
+            inline, queued = _split_inline(atts, ring, from_engine)
+            if queued:
+                ring.enqueue_copy(queued)
             if inline:
                 ring.fill_and_post(inline)  # only enqueues GPU work: the caller does it, no thread hand-off
         for rail, atts in direct.items():

@@ -17,23 +17,11 @@ import re
 import threading
 from typing import Optional, Sequence
 
+from pxn_kernels._libcuda import check, driver
+
 log = logging.getLogger(__name__)
 
 _PARAM = re.compile(r"\.param\s+\.(u64|b64|s64|u32|b32|s32)\b[^,)]*?(\w+)\s*[,)]")
-_libcuda = None
-
-
-def _driver():
-    global _libcuda
-    if _libcuda is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        lib.cuLaunchKernel.restype = ctypes.c_int
-        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                                       ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        _libcuda = lib
-    return _libcuda
 
 
 class DirectLauncher:
@@ -49,7 +37,7 @@ class DirectLauncher:
         self._threads = 32 * num_warps
         self._shared = shared
         self._lock = threading.Lock()
-        self._launch = _driver().cuLaunchKernel
+        self._launch = driver().cuLaunchKernel
 
     @classmethod
     def create(cls, compiled, n_user: int, device: Optional[int] = None) -> Optional["DirectLauncher"]:
@@ -89,8 +77,8 @@ class DirectLauncher:
                 slot.value = value
             err = self._launch(self._function, grid_x, grid_y, 1, self._threads, 1, 1, self._shared, stream,
                                self._params, None)
-        if err:
-            self._fail(err)
+        if err:  # tested here: a call to ``check`` per launch would cost host time on the hot path
+            check(err, "cuLaunchKernel")
 
     def bind(self, grid_x: int, grid_y: int, values: Sequence[int]):
         """A launch with fixed grid and argument values: ``fn(stream)`` is one driver call (no lock, no value
@@ -99,7 +87,7 @@ class DirectLauncher:
         for slot, value in zip(slots, values):
             slot.value = value
         params = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(v) for v in slots])
-        function, launch, threads, shared, fail = self._function, self._launch, self._threads, self._shared, self._fail
+        function, launch, threads, shared = self._function, self._launch, self._threads, self._shared
         device = self._device
 
         def enqueue(stream: int) -> None:
@@ -109,16 +97,10 @@ class DirectLauncher:
                     with torch.cuda.device(device):
                         err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, stream, params, None)
                     if err:
-                        fail(err)
+                        check(err, "cuLaunchKernel")
                     return
             err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, stream, params, None)
             if err:
-                fail(err)
+                check(err, "cuLaunchKernel")
         enqueue.keep = (slots, params)  # the driver reads the values through these pointers
         return enqueue
-
-    @staticmethod
-    def _fail(err: int) -> None:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(err, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchKernel failed: {name.value.decode() if name.value else err}")

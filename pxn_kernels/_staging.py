@@ -33,39 +33,10 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
+from pxn_kernels._libcuda import check, driver
+
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY (cuEventQuery)
 _MIN_WORDS = 1 << 10  # smallest slot: 8 KiB, room for 3 x 341 descriptors
-
-_lib = None
-
-
-def _driver():
-    """libcuda through its own ctypes handle (argument types set here do not touch other users' handles)."""
-    global _lib
-    if _lib is None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        vp, i, sz, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64
-        for name, args in (("cuMemcpyHtoDAsync_v2", [u64, vp, sz, vp]), ("cuMemcpyDtoHAsync_v2", [vp, u64, sz, vp]),
-                           ("cuStreamSynchronize", [vp]), ("cuEventCreate", [ctypes.POINTER(vp), ctypes.c_uint]),
-                           ("cuEventRecord", [vp, vp]), ("cuEventQuery", [vp]), ("cuEventSynchronize", [vp]),
-                           ("cuStreamIsCapturing", [vp, ctypes.POINTER(i)]), ("cuCtxGetCurrent", [ctypes.POINTER(vp)]),
-                           ("cuDeviceGet", [ctypes.POINTER(i), i]),
-                           ("cuDevicePrimaryCtxRetain", [ctypes.POINTER(vp), i]), ("cuCtxSetCurrent", [vp])):
-            fn = getattr(lib, name)
-            fn.argtypes = args
-            fn.restype = ctypes.c_int
-        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-        lib.cuGetErrorName.restype = ctypes.c_int
-        _lib = lib
-    return _lib
-
-
-def _check(err: int, what: str) -> None:
-    if err:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(err, ctypes.byref(name))
-        raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else err}")
-
 
 _tls = threading.local()
 
@@ -81,14 +52,14 @@ def on_device(index: int) -> bool:
     if ready is None:
         ready = _tls.contexts = set()
     if index not in ready:
-        lib = _driver()
+        lib = driver()
         ctx = ctypes.c_void_p()
-        _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         if not ctx.value:
             dev = ctypes.c_int()
-            _check(lib.cuDeviceGet(ctypes.byref(dev), index), f"cuDeviceGet({index})")
-            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), f"cuDevicePrimaryCtxRetain({index})")
-            _check(lib.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent({index})")
+            check(lib.cuDeviceGet(ctypes.byref(dev), index), f"cuDeviceGet({index})")
+            check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), f"cuDevicePrimaryCtxRetain({index})")
+            check(lib.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent({index})")
         ready.add(index)
     return True
 
@@ -98,7 +69,7 @@ class CudaBackend:
 
     def __init__(self, index: int):
         self.index = index
-        self.lib = _driver()
+        self.lib = driver()
 
     def buffers(self, words: int):
         """(pinned host int64 tensor, device int64 tensor), ``words`` each."""
@@ -107,29 +78,29 @@ class CudaBackend:
 
     def event(self):
         ev = ctypes.c_void_p()
-        _check(self.lib.cuEventCreate(ctypes.byref(ev), 2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
+        check(self.lib.cuEventCreate(ctypes.byref(ev), 2), "cuEventCreate")  # CU_EVENT_DISABLE_TIMING
         return ev
 
     def capturing(self, stream: int) -> bool:
         status = ctypes.c_int()
-        _check(self.lib.cuStreamIsCapturing(stream, ctypes.byref(status)), "cuStreamIsCapturing")
+        check(self.lib.cuStreamIsCapturing(stream, ctypes.byref(status)), "cuStreamIsCapturing")
         return status.value != 0
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        _check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "index upload (cuMemcpyHtoDAsync)")
+        check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyHtoDAsync", "index upload")
 
     def record(self, event, stream: int) -> None:
-        _check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
+        check(self.lib.cuEventRecord(event, stream), "cuEventRecord")
 
     def done(self, event) -> bool:
         err = self.lib.cuEventQuery(event)
         if err == _NOT_READY:
             return False
-        _check(err, "cuEventQuery")
+        check(err, "cuEventQuery")
         return True
 
     def wait(self, event) -> None:
-        _check(self.lib.cuEventSynchronize(event), "cuEventSynchronize")
+        check(self.lib.cuEventSynchronize(event), "cuEventSynchronize")
 
 
 class _Slot:
@@ -281,10 +252,10 @@ def read_to_host(tensors: Sequence[torch.Tensor], index: int) -> Optional[List[n
         host = torch.empty(max(_MIN_WORDS, 1 << (k * n - 1).bit_length()), dtype=torch.int64, pin_memory=True)
         entry = bufs[index] = (host, host.numpy(), host.data_ptr())
     _host, buf, ptr = entry
-    lib = _driver()
+    lib = driver()
     stream = torch._C._cuda_getCurrentRawStream(index)
     for j, t in enumerate(tensors):
-        _check(lib.cuMemcpyDtoHAsync_v2(ptr + 8 * j * n, t.data_ptr(), 8 * n, stream),
-               "index read (cuMemcpyDtoHAsync)")
-    _check(lib.cuStreamSynchronize(stream), "index read (cuStreamSynchronize)")
+        check(lib.cuMemcpyDtoHAsync_v2(ptr + 8 * j * n, t.data_ptr(), 8 * n, stream), "cuMemcpyDtoHAsync",
+              "index read")
+    check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize", "index read")
     return [buf[j * n:(j + 1) * n] for j in range(k)]

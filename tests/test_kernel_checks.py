@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pxn_kernels
 from pxn_kernels import _checks, policy
-from test_kernels import DEVICE, HAS_CUDA, _packed_offsets, _pieces, _random_bytes, _t
+from test_kernels import DEVICE, HAS_CUDA, _bad_call_leaves_out_untouched, _packed_offsets, _pieces, _random_bytes, _t
 
 INT64_MAX = (1 << 63) - 1
 
@@ -311,7 +311,7 @@ def test_direct_launcher_passes_grid_values_and_stream(monkeypatch):
             calls.append((gx, gy, bx, shared, stream, values))
             return 0
 
-    monkeypatch.setattr(dl, "_driver", lambda: FakeDriver)
+    monkeypatch.setattr(dl, "driver", lambda: FakeDriver)
     launcher = dl.DirectLauncher(1234, [8, 8, 4, 8], n_user=3, num_warps=4, shared=0)
     launcher.launch(7, 99, [1 << 40, -5, 123], grid_y=3)
     enqueue = launcher.bind(11, 2, [1 << 41, 6, (1 << 31) - 1])
@@ -319,6 +319,70 @@ def test_direct_launcher_passes_grid_values_and_stream(monkeypatch):
     enqueue(97)
     assert calls == [(7, 3, 128, 0, 99, [1 << 40, -5, 123, 0]), (8, 1, 128, 0, 98, [1, 2, 3, 0]),
                      (11, 2, 128, 0, 97, [1 << 41, 6, (1 << 31) - 1, 0])]
+
+
+def test_a_failed_direct_launch_names_the_call_and_the_code(monkeypatch):
+    """A CUresult other than CUDA_SUCCESS from either launch path raises a RuntimeError naming cuLaunchKernel
+    and the code."""
+    from pxn_kernels import _direct_launch as dl, _libcuda
+
+    class FailingDriver:
+        @staticmethod
+        def cuLaunchKernel(*args):
+            return 719
+
+    monkeypatch.setattr(dl, "driver", lambda: FailingDriver)
+    monkeypatch.setattr(_libcuda, "error_name", {719: "CUDA_ERROR_LAUNCH_FAILED"}.get)
+    launcher = dl.DirectLauncher(1234, [8, 4], n_user=2, num_warps=1, shared=0)
+    with pytest.raises(RuntimeError, match=r"^cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED \(719\)$"):
+        launcher.launch(1, 0, [1, 2])
+    with pytest.raises(RuntimeError, match=r"^cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED \(719\)$"):
+        launcher.bind(1, 1, [1, 2])(0)
+
+
+def test_driver_errors_name_the_call_the_code_and_what_it_was_for(monkeypatch):
+    """``_libcuda.check``: nothing for CUDA_SUCCESS; else a CudaDriverError (a RuntimeError) carrying the call,
+    the code and its name, or the caller's exception type with the same message (gpu_copy: TransferError)."""
+    from pxn_kernels import _libcuda
+    from transport.errors import TransferError
+    from transport.fabric import gpu_copy
+    monkeypatch.setattr(_libcuda, "error_name", {700: "CUDA_ERROR_ILLEGAL_ADDRESS"}.get)
+    _libcuda.check(0, "cuGraphLaunch")
+    with pytest.raises(_libcuda.CudaDriverError) as got:
+        _libcuda.check(700, "cuMemcpyHtoDAsync", "index upload")
+    assert str(got.value) == "index upload: cuMemcpyHtoDAsync failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)"
+    assert isinstance(got.value, RuntimeError)
+    assert (got.value.call, got.value.code, got.value.name) == ("cuMemcpyHtoDAsync", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+    with pytest.raises(_libcuda.CudaDriverError, match=r"^cuEventQuery failed: CUresult 12345$"):
+        _libcuda.check(12345, "cuEventQuery")  # a code the driver has no name for
+    with pytest.raises(TransferError) as got:
+        gpu_copy._check(700, "cuGraphLaunch", "batched copy graph launch")
+    assert str(got.value) == "batched copy graph launch: cuGraphLaunch failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)"
+    assert not isinstance(got.value, RuntimeError) and got.value.__cause__.code == 700
+
+
+def test_driver_error_without_a_driver_keeps_the_code(monkeypatch):
+    """Where libcuda cannot be loaded, ``driver()`` raises the loader's OSError naming the library, and an error
+    check still reports the call and the number."""
+    from pxn_kernels import _libcuda
+    monkeypatch.setattr(_libcuda, "_LIBRARY", "libcuda-not-here.so.1")
+    monkeypatch.setattr(_libcuda, "_lib", None)
+    with pytest.raises(OSError, match="libcuda-not-here.so.1"):
+        _libcuda.driver()
+    with pytest.raises(RuntimeError, match=r"^cuStreamSynchronize failed: CUresult 700$"):
+        _libcuda.check(700, "cuStreamSynchronize")
+
+
+def test_importing_pxn_does_not_load_libcuda():
+    """The driver is loaded on first use, never at import: pxn imports on machines without a GPU driver (CI).
+    A fresh interpreter, since this one may have loaded it for earlier tests."""
+    import subprocess
+    import sys
+    code = ("import transport, transport.engine, transport.fabric.gpu_copy, transport.fabric.ipc, pxn_kernels, "
+            "pxn_kernels._staging, pxn_kernels._direct_launch, pxn_kernels._libcuda as lc; "
+            "assert lc._lib is None, lc._lib")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("n", [5, 300])
@@ -451,13 +515,7 @@ def test_host_index_arrays_refused_with_the_value_and_nothing_written(rng):
          r"dst_ptrs\[98\] = \d+ \(length 3\) overlaps dst_ptrs\[99\]"),
     ]
     for call, match in cases:
-        out = _random_bytes(rng, 256)
-        before = out.clone()
-        with pytest.raises(ValueError, match=match):
-            call(out)
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        assert torch.equal(out, before), match
+        _bad_call_leaves_out_untouched(rng, call, match)
 
 
 def test_index_args_for_a_gpu_copy_keep_host_arrays_on_the_host():
@@ -586,7 +644,7 @@ class FakeBackend:
 
     def copy(self, dst, src, nbytes, stream):
         if self.fail_copy:
-            raise RuntimeError("index upload (cuMemcpyHtoDAsync) failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+            raise RuntimeError("index upload: cuMemcpyHtoDAsync failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)")
         import ctypes
         ctypes.memmove(dst, src, nbytes)
         self.copies.append((dst, nbytes, stream))

@@ -282,13 +282,14 @@ def test_parse_chunk_checksum_and_truncation(rng):
 # --- bad input: a clear ValueError naming the argument, and nothing written ---------------------------------
 
 def _bad_call_leaves_out_untouched(rng, call, match):
+    """``call(out)`` on 256 poisoned bytes raises a ValueError matching ``match`` and writes nothing to them."""
     out = _random_bytes(rng, 256)
     before = out.clone()
     with pytest.raises(ValueError, match=match):
         call(out)
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
-    assert torch.equal(out, before)
+    assert torch.equal(out, before), match
 
 
 def test_gather_rejects_bad_input(rng):

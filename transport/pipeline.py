@@ -123,6 +123,18 @@ class _Batch:
     def failed(self) -> bool:
         return self.error is not None
 
+    def local_region(self, lsnap):
+        """The local region holding every piece, as the validation found it, while ``lsnap`` is still the table
+        it found it in (a table is replaced on every change, never edited: the same object means nothing
+        changed); else None. Its key then serves every piece, with no lookup per piece."""
+        spans = self.spans
+        return lsnap.regions[spans[1]] if spans is not None and spans[0] is lsnap else None
+
+    def peer_region(self, rsnap):
+        """``local_region`` for the peer's regions (``rsnap``: a snapshot of the peer's table)."""
+        spans = self.spans
+        return rsnap.regions[spans[3]] if spans is not None and spans[2] is rsnap else None
+
 
 class _Attempt:
     """One try of one work unit on one rail. A failed-over unit gets a fresh attempt on another rail; the old
@@ -153,6 +165,19 @@ class _Attempt:
         self.engine._fail_batch(self.batch, exc if isinstance(exc, TransferError)
                                 else TransferError(f"local copy failed: {exc}", [exc]))
         self.engine._drop(self)
+
+
+def _split_inline(atts: List[_Attempt], ring: RelayRing, from_engine: bool) -> Tuple[List[_Attempt], List[_Attempt]]:
+    """(inline, queued), each in the order of ``atts``: on an ordered ring relayed pieces are filled and posted in
+    the calling thread (it only enqueues GPU work), except when the engine redispatches them (a poller must keep
+    polling); everything else goes to the ring's copy thread (chunks wait for the peer's landing credits, and
+    their posts for their fills on the host)."""
+    if not ring.ordered or from_engine:
+        return [], atts
+    inline, queued = [], []
+    for a in atts:
+        (inline if a.unit.kind == RELAYED else queued).append(a)
+    return inline, queued
 
 
 class Pipeline:
@@ -344,10 +369,9 @@ class Pipeline:
             ring = self._ring(dev if dev >= 0 else DEVICE_HOST, rail)
             for a in atts:
                 a.ring = ring
-            inline = [a for a in atts if a.unit.kind == RELAYED] if ring.ordered and not from_engine else []
-            if len(inline) < len(atts):
-                # chunks wait for the peer's landing credits, and their posts for their fills on the host
-                ring.enqueue_copy([a for a in atts if a.unit.kind != RELAYED] if inline else atts)
+            inline, queued = _split_inline(atts, ring, from_engine)
+            if queued:
+                ring.enqueue_copy(queued)
             if inline:
                 ring.fill_and_post(inline)  # only enqueues GPU work: the caller does it, no thread hand-off
         for rail, atts in direct.items():
@@ -387,12 +411,11 @@ class Pipeline:
         completes on success."""
         parts = [a.unit.arrays() for a in atts]
         lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
-        spans = atts[0].batch.spans
-        if (self._batches and spans is not None and spans[0] is lsnap and spans[2] is rsnap
-                and all(a.batch is atts[0].batch for a in atts)):
-            # one region on each side holds the whole batch, and neither table changed since the validation
-            # found them: one key each, no lookup per piece
-            lkey, rkey = lsnap.regions[spans[1]].keys[rail].lkey, rsnap.regions[spans[3]].keys[rail]
+        batch = atts[0].batch
+        local, remote = batch.local_region(lsnap), batch.peer_region(rsnap)
+        if self._batches and local is not None and remote is not None and all(a.batch is batch for a in atts):
+            # one region on each side holds the whole batch: one key each, no lookup per piece
+            lkey, rkey = local.keys[rail].lkey, remote.keys[rail]
             for a, p in zip(atts, parts):
                 m = p[2].size
                 a.reqs = [WriteBatch(p[0], p[2], p[1], np.full(m, rkey, dtype=np.int64),
@@ -519,11 +542,9 @@ class Pipeline:
                                                                    stream=stream)], wait=False, stream=stream)
             rail = a.prail.rail
             rsnap = a.batch.peer.regions.snapshot()
-            spans = a.batch.spans
-            if spans is not None and spans[2] is rsnap:
-                # one peer region holds the whole batch and the table has not changed since the validation
-                # found it: its key for every piece, no lookup per piece
-                rkeys = np.full(n_arr.size, rsnap.regions[spans[3]].keys[rail], dtype=np.int64)
+            remote = a.batch.peer_region(rsnap)
+            if remote is not None:  # one peer region holds the whole batch: its key for every piece
+                rkeys = np.full(n_arr.size, remote.keys[rail], dtype=np.int64)
             else:
                 ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
                 if ri is None:  # a region went away since validation: name it

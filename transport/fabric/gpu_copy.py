@@ -19,7 +19,6 @@ queued there (the sources' producers, in the caller's thread).
 from __future__ import annotations
 
 import collections
-import ctypes
 import itertools
 import logging
 import threading
@@ -41,29 +40,21 @@ _serials = itertools.count(1)
 
 
 def _driver():
-    """libcuda through ctypes for the calls of the hot path (H2D copy, graph launch, stream synchronise): a ctypes
-    call is ~1 us of host time, a cuda-bindings or torch stream call several (the H200 VM's per-call costs are in
-    benchmarks/NOTES.md, section Engine)."""
+    """The libcuda handle of ``pxn_kernels._libcuda``, imported on first use (pxn_kernels loads torch, which
+    importing this module, as the ipc fabric does, must not), for the calls of the hot path (H2D copy, graph
+    launch, stream synchronise)."""
     global _driver_lib
     if _driver_lib is None:
-        from pxn_kernels._direct_launch import _driver as launch_driver
-        lib = launch_driver()
-        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cuMemcpyHtoDAsync_v2.restype = ctypes.c_int
-        lib.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.cuGraphLaunch.restype = ctypes.c_int
-        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-        lib.cuStreamSynchronize.restype = ctypes.c_int
-        _driver_lib = lib
+        from pxn_kernels._libcuda import driver
+        _driver_lib = driver()
     return _driver_lib
 
 
-def check_driver(err: int, what: str) -> None:
-    """Raise ``TransferError`` naming ``what`` and the driver's error name when ``err`` is not CUDA_SUCCESS."""
+def _check(err: int, call: str, doing: str) -> None:
+    """``pxn_kernels._libcuda.check`` raising ``TransferError`` (imported only for a failure: see ``_driver``)."""
     if err:
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(err, ctypes.byref(name))
-        raise TransferError(f"{what} failed: {name.value.decode() if name.value else err}")
+        from pxn_kernels._libcuda import check
+        check(err, call, doing, TransferError)
 
 
 class Staging:
@@ -126,7 +117,7 @@ class _BoundCopy:
             self._exec = None
 
     def _copy(self, raw_stream) -> None:
-        check_driver(_driver().cuMemcpyHtoDAsync_v2(*self._copy_args, raw_stream), "descriptor copy")
+        _check(_driver().cuMemcpyHtoDAsync_v2(*self._copy_args, raw_stream), "cuMemcpyHtoDAsync", "descriptor copy")
 
     def __call__(self, raw_stream, stream=None) -> None:
         """Enqueue the descriptor copy and the kernel on ``stream`` (a ``torch.cuda.Stream`` whose handle is
@@ -134,7 +125,7 @@ class _BoundCopy:
         driver with the handle; otherwise the kernel's launch takes the current stream, which ``stream`` then
         becomes for the call (a stream context costs ~9 us of host time on the H200 VM: the hot path avoids it)."""
         if self._exec is not None:
-            check_driver(_driver().cuGraphLaunch(self._exec, raw_stream), "batched copy graph launch")
+            _check(_driver().cuGraphLaunch(self._exec, raw_stream), "cuGraphLaunch", "batched copy graph launch")
         elif stream is not None:
             import torch
             with torch.cuda.stream(stream):
@@ -261,11 +252,12 @@ class BoundCopies:
                 # the default stream's handle (0) means the calling thread's current context: make the launch's
                 # GPU current, or the wait is on another GPU's stream and returns before these bytes land
                 if torch.cuda.current_device() == device_index:
-                    check_driver(_driver().cuStreamSynchronize(raw_stream), f"batched copy on cuda:{device_index}")
+                    _check(_driver().cuStreamSynchronize(raw_stream), "cuStreamSynchronize",
+                           f"batched copy on cuda:{device_index}")
                 else:
                     with torch.cuda.device(device_index):
-                        check_driver(_driver().cuStreamSynchronize(raw_stream),
-                                     f"batched copy on cuda:{device_index}")
+                        _check(_driver().cuStreamSynchronize(raw_stream), "cuStreamSynchronize",
+                               f"batched copy on cuda:{device_index}")
                 continue
             try:
                 event = torch.cuda.Event()

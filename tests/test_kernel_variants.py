@@ -117,3 +117,38 @@ def test_variant_settings_follow_the_library_rule():
         (8192 + 15, 1, 4096, False, True, 32)
     with pytest.raises(ValueError, match="2 needs eager"):
         kernel_variants.VariantSettings(256, 16, 1, 4, prefetch=2)
+
+
+# --- the flat-mapped row kernel of benchmarks/row_sweep.py ------------------------------------------------------
+
+import row_sweep  # noqa: E402
+from test_kernels import _pool_rows  # noqa: E402
+
+
+@pytest.mark.parametrize("length", [1, 3, 64, 100, 520])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_flat_row_copy_gathers_and_scatters_rows_byte_exact(rng, length, persistent):
+    """Rows picked at random from a pool (one misaligned by 1 byte, so its tile moves bytes) into a poisoned
+    packed buffer and back into other rows of a second pool; byte-exact against the references."""
+    n = 13
+    pool, src = _pool_rows(rng, length, n, 3 * n)
+    src[5] += 1 if length > 1 else 0  # the pool has 16 spare bytes at its end
+    out = _random_bytes(rng, n * length + 16)
+    ref = out.clone()
+    offsets = _t([i * length for i in range(n)])
+    copy = row_sweep.flat_row_copy(_t([a - pool.data_ptr() for a in src]), offsets, pool.data_ptr(),
+                                   out.data_ptr(), length, 256 if length <= 256 else 1024, 1, persistent, 2)
+    copy()
+    pxn_kernels.gather_torch(_t(src), _t([length] * n), ref, offsets)
+    back, dst = _pool_rows(rng, length, n, 3 * n)
+    expect = back.clone()
+    row_sweep.flat_row_copy(offsets, _t([d - back.data_ptr() for d in dst]), out.data_ptr(), back.data_ptr(),
+                            length, 512 if length <= 512 else 2048, 2, persistent, 3)()
+    pxn_kernels.scatter_torch(ref, offsets, _t([d - back.data_ptr() + expect.data_ptr() for d in dst]),
+                              _t([length] * n))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref) and torch.equal(back, expect)
+    assert torch.equal(ref[:length], pool[src[0] - pool.data_ptr():src[0] - pool.data_ptr() + length])
+    with pytest.raises(ValueError, match="length 2000 must be 1 .. block_bytes \\(1024\\)"):
+        row_sweep.flat_row_copy(offsets, offsets, 0, 0, 2000, 1024, 1, persistent, 1)

@@ -267,6 +267,9 @@ def recv_views(rx, views: List[memoryview]) -> None:
         got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
         if got == 0:
             raise ConnectionError("connection closed by peer")
+        if got == sum(map(len, batch)):  # the usual case: every view filled (one C loop, not a step per view)
+            i += len(batch)
+            continue
         for v in batch:  # a short receive (a signal, a huge batch): finish the view it stopped in, go on after it
             if got >= len(v):
                 got -= len(v)
@@ -1151,15 +1154,15 @@ class TcpFabric(Fabric):
         lo, hi = int(src.min()), int((src + ln).max())
         with self._lock:
             hosts = [self._host_views[k] for k, m in self._regions.items() if m.device == DEVICE_HOST]
-        src_l, loc_l, ln_l = src.tolist(), loc.tolist(), ln.tolist()
         for m, view in hosts:
             if m.addr <= lo and hi <= m.addr + m.length:
-                return src_l, loc_l, ln_l, (m.addr, view)
+                return src, loc, ln, (m.addr, view)
+        src_l, ln_l = src.tolist(), ln.tolist()
         for i, (a, k) in enumerate(zip(src_l, ln_l)):
             if not any(m.contains(a, k) for m, _ in hosts):
                 raise RegionError(f"wr_id={r.wr_id}: gather source {i} 0x{a:x}+{k} lies outside every host region "
                                   f"registered with {self._id}")
-        return src_l, loc_l, ln_l, None
+        return src, loc, ln, None
 
     def _build_gather(self, r: GatherWrite, mr: MemoryRegion, checked: tuple) -> _OutMsg:
         """One message for a checked ``GatherWrite``: one whole-write row, the payload as buffers in order (the
@@ -1177,22 +1180,23 @@ class TcpFabric(Fabric):
         pos, end = r.local_addr, r.local_addr + r.length
         if region is not None:
             sbase, sview = region
-            run_a = run_e = -1
-            for a, l, k in zip(src, loc, ln):
+            # runs of pieces whose sources follow each other in memory and whose ranges follow each other in the
+            # write go as one buffer: found by numpy, so that the loop below takes a step per run, not per piece
+            ends = loc + ln
+            start = np.empty(ln.size, dtype=bool)
+            start[0] = True
+            np.not_equal(loc[1:], ends[:-1], out=start[1:])
+            start[1:] |= src[1:] != src[:-1] + ln[:-1]
+            first = np.flatnonzero(start)
+            last = np.append(first[1:], ln.size) - 1
+            for a, l, e in zip(src[first].tolist(), loc[first].tolist(), ends[last].tolist()):
                 if l > pos:
-                    if run_e > run_a:
-                        bufs.append(sview[run_a - sbase:run_e - sbase])
-                        run_a = run_e = -1
                     bufs.append(own[pos - mr.addr:l - mr.addr])
-                if a != run_e:  # sources that follow each other in memory go as one buffer
-                    if run_e > run_a:
-                        bufs.append(sview[run_a - sbase:run_e - sbase])
-                    run_a = a
-                run_e = a + k
-                pos = l + k
-            bufs.append(sview[run_a - sbase:run_e - sbase])
+                a -= sbase
+                bufs.append(sview[a:a + e - l])
+                pos = e
         else:
-            for a, l, k in zip(src, loc, ln):
+            for a, l, k in zip(src.tolist(), loc.tolist(), ln.tolist()):
                 if l > pos:
                     bufs.append(own[pos - mr.addr:l - mr.addr])
                 bufs.append(raw_view(a, k))

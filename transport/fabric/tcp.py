@@ -1841,11 +1841,10 @@ class TcpFabric(Fabric):
         try:
             mr = regions[0] if len(lens) == 1 else None
             handler = self._landing.get(mr.rkey) if mr is not None and self._landing else None
-            row = table[0] if handler is not None else None
-            if handler is not None and row["flags"] & F_IMM and row["addr"] == row["waddr"] and \
-                    row["len"] == row["wlen"]:
-                self._place_landed(ep, st.get("rx", s.sock), handler, mr, int(row["addr"]), lens[0], int(row["imm"]),
-                                   st)
+            if handler is not None:
+                addr, _, waddr, wlen, _, flags, imm, _ = table[0].tolist()  # ints: one call, not one per field
+            if handler is not None and flags & F_IMM and addr == waddr and lens[0] == wlen:
+                self._place_landed(ep, st.get("rx", s.sock), handler, mr, addr, lens[0], imm, st)
                 landed = True
             else:
                 self._place(st.get("rx", s.sock), table, lens, statuses, regions, st)
@@ -2009,7 +2008,11 @@ class TcpFabric(Fabric):
         them otherwise."""
         events = []
         flags = table["flags"]
-        if flags.any():
+        if len(flags) == 1:  # one piece (a whole write, a relay chunk): its row as ints, no numpy steps
+            _, _, _, wlen, _, f, imm, _ = table[0].tolist()
+            if f & F_IMM and statuses[0] == ST_OK:
+                events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlen, imm))
+        elif flags.any():
             for i in np.nonzero(flags & F_IMM)[0].tolist():
                 if statuses[i] == ST_OK:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, int(table["wlen"][i]),

@@ -500,6 +500,9 @@ class Pipeline:
                 imm=chunk_imm(landing, seq))]
             if gather is not None:
                 a.reqs[0].gather = gather
+                # the receiver acks a chunk only once every byte of it has arrived, so the ack also completes the
+                # write: where the fabric keeps successes silent, the chunk costs one completion, not two
+                a.reqs[0].signaled = not self._selective
         elif (u.runs is None or u.runs[2].size <= _MEMCPY_MAX) and not (slot.ring.ordered and u.device >= 0):
             # RELAYED, a few pieces: copy them into the slot, then one write per piece to its final address
             # (scalar steps: a few numpy calls per piece would cost more than the copies' host time)
@@ -685,7 +688,7 @@ class Pipeline:
             a.finished = True
             a.prail.inflight.discard(a)
             a.prail.bytes_in_flight -= a.unit.wire_bytes or a.unit.nbytes
-            if self._selective and len(a.reqs) > 1:
+            if self._selective and (len(a.reqs) > 1 or (a.reqs and not a.reqs[0].signaled)):
                 for r in a.reqs:  # silent writes never complete: forget their ids here
                     self._inflight.pop(r.wr_id, None)
         slot, a.slot = a.slot, None
@@ -837,9 +840,12 @@ class Pipeline:
             self._fail_batch(a.batch, RemoteRejected(f"{peer.session} rejected a chunk of batch {a.batch.id}: "
                                                      f"{reason}"))
             return
+        silent = not a.reqs[0].signaled  # a silent chunk write: this ack completes it (see ``_fill``)
         with self._lock:
             a.acked = True
-            done = a.write_done
+            done = a.write_done or silent
+        if silent:
+            self._rail_stats[a.prail.rail].add("bytes_completed", a.reqs[0].length)
         if done:
             self._finish(a)
 

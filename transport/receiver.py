@@ -568,17 +568,20 @@ class Receiver:
         ack_buf, ack_mr = st.acks[rail]
         off = slot * ACK_BYTES
         data = reason.encode("utf-8")[:ACK_BYTES - 8]
-        ack_buf.array[off:off + 8] = np.frombuffer(_ACK_HDR.pack(status, len(data)), dtype=np.uint8)
+        _ACK_HDR.pack_into(ack_buf.array, off, status, len(data))
         if data:
             ack_buf.array[off + 8:off + 8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
         length = 8 + len(data)
         remote = st.credit_addr + (rail * st.slots + slot) * ACK_BYTES
         fab = self.fabrics[rail]
+        # unacked where the fabric can: nothing here waits for the ack write's completion (its loss shows at the
+        # sender, whose chunk then never completes), and its own acknowledgement would cost a message each way
+        unacked = "unacked_writes" in getattr(fab, "capabilities", ())
         try:
             ep = fab.endpoint(st.rail_ids[rail])
             fab.post_writes(ep, [WriteRequest(ack_buf.addr + off, length, remote, st.credit_rkeys[rail],
                                               ack_mr.lkey, imm=ack_imm(slot, status),
-                                              wr_id=ACK_WR_BASE + slot)])
+                                              wr_id=ACK_WR_BASE + slot, signaled=not unacked, acked=not unacked)])
         except Exception as e:  # noqa: BLE001 — the sender fails over when the rail is dead
             self.counters.add("rx_ack_failed")
             log.info("receiver: ack for slot %d on rail %d to %s failed: %s", slot, rail, st.session, e)

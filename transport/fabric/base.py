@@ -87,6 +87,12 @@ class WriteRequest:
     signaled: bool = True
     """False: no completion on success (errors still complete), as an unsignaled RDMA work request; honoured by
     fabrics that declare ``selective_signaling``, which complete an endpoint's writes in posting order."""
+    acked: bool = True
+    """False, with ``signaled`` False (fabrics with the ``unacked_writes`` capability; others ignore it): a small
+    write the target does not acknowledge. Its bytes are read at the post (the local range may change as soon as
+    ``post_writes`` returns); it completes on neither side, and a write the target refuses is dropped there with a
+    log line, so the caller must learn of a lost write otherwise (a receiver's ack to a sender, whose loss the
+    sender's timeouts catch). A fabric may still send it as an acknowledged write."""
 
 
 @dataclass

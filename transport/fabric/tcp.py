@@ -13,7 +13,8 @@ Wire protocol (little-endian), per socket, in both directions:
   ``H_WHOLE`` carries exactly one whole write (a ``GatherWrite``: a relay chunk sent from its header in the slot
   and its pieces' sources) and may exceed the sender's message size, up to ``MAX_WHOLE``.
 * ACK: header + one status byte per piece; the sender reports completions only from acks, i.e. after the bytes
-  are placed at the target.
+  are placed at the target. A WRITE with header flag ``H_NOACK`` (an unacked write, ``WriteRequest.acked`` False:
+  one small write, a receiver's ack of a chunk) is not acknowledged; its sender keeps no record of it.
 
 The target validates every piece (rkey known, whole write inside that region) before placing anything; a refused
 piece's payload is read and discarded, so nothing outside a registered region is ever written. Host pieces are
@@ -77,6 +78,13 @@ F_IMM = 1
 # through the fixed staging buffer) and nothing is allocated for it
 H_WHOLE = 1
 MAX_WHOLE = 64 << 20
+# header flag of a WRITE message the target does not acknowledge (``WriteRequest.acked`` False): its sender keeps no
+# pending record and reports no completion for it, so an ACK would only cost a send and a receive on each side
+H_NOACK = 2
+# payload bytes of an unacked write at most; larger ones go as acknowledged writes (the target receives unacked ones
+# in one piece, as a small message)
+UNACKED_MAX = 4096
+_ROW = struct.Struct("<QQQQIIII")  # one PIECE_DT row
 
 ST_OK, ST_BAD_RKEY, ST_BOUNDS, ST_FAILED = 0, 1, 2, 3
 _STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range outside the target's region",
@@ -259,6 +267,9 @@ def recv_views(rx, views: List[memoryview]) -> None:
         got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
         if got == 0:
             raise ConnectionError("connection closed by peer")
+        if got == sum(map(len, batch)):  # the usual case: every view filled (one C loop, not a step per view)
+            i += len(batch)
+            continue
         for v in batch:  # a short receive (a signal, a huge batch): finish the view it stopped in, go on after it
             if got >= len(v):
                 got -= len(v)
@@ -639,6 +650,18 @@ class TcpEndpoint(Endpoint):
                         s.cv.notify()
         return out
 
+    def reserve(self, sock: Optional[_Sock] = None) -> tuple:
+        """(socket, sequence number) for a message that gets no pending record (an unacked write): the peer
+        delivers its RECV_IMM in sequence order like any message's. ``sock``: send it there (else round-robin)."""
+        with self._lock:
+            self.check_alive()
+            seq = self._out_seq
+            self._out_seq += 1
+            if sock is None:
+                sock = self.socks[self._rr % len(self.socks)]
+                self._rr += 1
+            return sock, seq
+
     def on_ack(self, seq: int, statuses: bytes) -> None:
         """Record an ack and release completions of every message acked so far, in sequence order."""
         out = []
@@ -696,7 +719,7 @@ class TcpFabric(Fabric):
 
     name = "tcp"
     capabilities = frozenset({"selective_signaling", "completion_callback", "authenticated_rails", "write_batches",
-                              "write_rows", "gather_writes", "landing_handlers"})
+                              "write_rows", "gather_writes", "landing_handlers", "unacked_writes"})
     # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
     engine_options = {"connections_per_peer": 2}
     # a chunk whose pieces average at least this many bytes is sent as a GatherWrite and placed as it arrives; below
@@ -739,6 +762,9 @@ class TcpFabric(Fabric):
         self._host_views: Dict[int, tuple] = {}
         self._region_use: Dict[int, int] = {}  # rkey -> pieces being placed right now (deregister waits)
         self._landing: Dict[int, object] = {}  # rkey -> landing handler (``set_landing_handler``)
+        # per receiving thread: the ACK of a landed write whose RECV_IMM is being delivered, held so that an unacked
+        # write its handler posts back to the same peer (a receiver's ack of the chunk) leaves in the same send
+        self._held = threading.local()
         self._region_cv = threading.Condition(threading.Lock())
         self._endpoints: Dict[str, TcpEndpoint] = {}
         self._all_eps: List[TcpEndpoint] = []
@@ -746,6 +772,8 @@ class TcpFabric(Fabric):
         self._cuda_streams: Dict[int, object] = {}
         # a subclass that handles messages itself (ipc) keeps every message on its own ``_on_message``
         self._small_writes = type(self)._on_message is TcpFabric._on_message
+        # unacked writes need the receiving side of ``_on_small_write`` (a subclass without it acks every write)
+        self._unacked = self._small_writes and "unacked_writes" in self.capabilities
         try:
             self._listener = socket.create_server((hostname, port), backlog=128)
         except OSError as e:
@@ -1036,9 +1064,14 @@ class TcpFabric(Fabric):
         return regions, k, None
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
-        if len(requests) == 1 and type(requests[0]) is WriteRows:
-            self._post_rows(ep, requests[0])
-            return
+        if len(requests) == 1:
+            r = requests[0]
+            if type(r) is WriteRows:
+                self._post_rows(ep, r)
+                return
+            if type(r) is WriteRequest and not r.acked and not r.signaled and self._unacked \
+                    and self._post_unacked(ep, r):
+                return
         requests = list(requests)
         batches = [r for r in requests if isinstance(r, WriteBatch)]
         if batches:
@@ -1067,6 +1100,37 @@ class TcpFabric(Fabric):
         if msgs:
             self._send(ep, msgs)
 
+    def _post_unacked(self, ep: Endpoint, r: WriteRequest) -> bool:
+        """Post one unacked write (``WriteRequest.acked`` False) as a message with ``H_NOACK``: its bytes copied
+        into the message now, a sequence number but no pending record, sent by this thread when the socket is idle
+        (else queued as a control message). With the ACK of a landed write held by this thread (``_finish_message``)
+        and ``ep`` that write's endpoint, both leave in one send on its socket. False: not posted (larger than
+        ``UNACKED_MAX`` or not host memory); post it as an acknowledged write."""
+        if not isinstance(r.length, int) or r.length > UNACKED_MAX:
+            return False
+        mr, = self._validate(ep, [r])
+        if mr.device != DEVICE_HOST:
+            return False
+        body = _ROW.pack(r.remote_addr, r.length, r.remote_addr, r.length, r.rkey,
+                         0 if r.imm is None else F_IMM, r.imm or 0, 0) + raw_view(r.local_addr, r.length).tobytes()
+        held = self._held.__dict__.pop("ack", None)
+        if held is not None and held[0] is not ep:  # another endpoint's ACK: it goes out on its own, first
+            self._send_ctrl(*held)
+            held = None
+        s, seq = ep.reserve(held[1] if held is not None else None)
+        wire = HDR.pack(MAGIC, T_WRITE, H_NOACK, 0, 1, seq, len(body)) + body
+        if held is not None:
+            wire = held[2] + wire
+        try:
+            if self._send_now(s, [wire]):
+                return True
+        except OSError as e:  # as in the sender thread: the link is unusable, pending work fails over
+            log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
+            ep.fail(f"send failed: {e}")
+            return True
+        ep.send_ctrl(s, wire)
+        return True
+
     def _check_gather(self, r: GatherWrite, mr: MemoryRegion) -> tuple:
         """The local checks of a ``GatherWrite`` beyond ``_validate``'s (which checked its own range): the gather
         arrays well formed, the replaced ranges ascending, without overlap and inside the write, every source inside
@@ -1090,15 +1154,15 @@ class TcpFabric(Fabric):
         lo, hi = int(src.min()), int((src + ln).max())
         with self._lock:
             hosts = [self._host_views[k] for k, m in self._regions.items() if m.device == DEVICE_HOST]
-        src_l, loc_l, ln_l = src.tolist(), loc.tolist(), ln.tolist()
         for m, view in hosts:
             if m.addr <= lo and hi <= m.addr + m.length:
-                return src_l, loc_l, ln_l, (m.addr, view)
+                return src, loc, ln, (m.addr, view)
+        src_l, ln_l = src.tolist(), ln.tolist()
         for i, (a, k) in enumerate(zip(src_l, ln_l)):
             if not any(m.contains(a, k) for m, _ in hosts):
                 raise RegionError(f"wr_id={r.wr_id}: gather source {i} 0x{a:x}+{k} lies outside every host region "
                                   f"registered with {self._id}")
-        return src_l, loc_l, ln_l, None
+        return src, loc, ln, None
 
     def _build_gather(self, r: GatherWrite, mr: MemoryRegion, checked: tuple) -> _OutMsg:
         """One message for a checked ``GatherWrite``: one whole-write row, the payload as buffers in order (the
@@ -1116,22 +1180,23 @@ class TcpFabric(Fabric):
         pos, end = r.local_addr, r.local_addr + r.length
         if region is not None:
             sbase, sview = region
-            run_a = run_e = -1
-            for a, l, k in zip(src, loc, ln):
+            # runs of pieces whose sources follow each other in memory and whose ranges follow each other in the
+            # write go as one buffer: found by numpy, so that the loop below takes a step per run, not per piece
+            ends = loc + ln
+            start = np.empty(ln.size, dtype=bool)
+            start[0] = True
+            np.not_equal(loc[1:], ends[:-1], out=start[1:])
+            start[1:] |= src[1:] != src[:-1] + ln[:-1]
+            first = np.flatnonzero(start)
+            last = np.append(first[1:], ln.size) - 1
+            for a, l, e in zip(src[first].tolist(), loc[first].tolist(), ends[last].tolist()):
                 if l > pos:
-                    if run_e > run_a:
-                        bufs.append(sview[run_a - sbase:run_e - sbase])
-                        run_a = run_e = -1
                     bufs.append(own[pos - mr.addr:l - mr.addr])
-                if a != run_e:  # sources that follow each other in memory go as one buffer
-                    if run_e > run_a:
-                        bufs.append(sview[run_a - sbase:run_e - sbase])
-                    run_a = a
-                run_e = a + k
-                pos = l + k
-            bufs.append(sview[run_a - sbase:run_e - sbase])
+                a -= sbase
+                bufs.append(sview[a:a + e - l])
+                pos = e
         else:
-            for a, l, k in zip(src, loc, ln):
+            for a, l, k in zip(src.tolist(), loc.tolist(), ln.tolist()):
                 if l > pos:
                     bufs.append(own[pos - mr.addr:l - mr.addr])
                 bufs.append(raw_view(a, k))
@@ -1689,7 +1754,7 @@ class TcpFabric(Fabric):
                     if blen - tb > (MAX_WHOLE if whole else ep.max_payload):
                         raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
                     if typ == T_WRITE and blen <= SMALL_MESSAGE and self._small_writes:
-                        self._on_small_write(ep, s, seq, count, tb, blen, st)
+                        self._on_small_write(ep, s, seq, count, tb, blen, st, hflags)
                         continue
                     if len(st["table"]) < tb:
                         st["table"] = bytearray(tb)
@@ -1772,19 +1837,20 @@ class TcpFabric(Fabric):
         if sum(lens) != payload:
             raise ValueError(f"payload {payload} B does not match the table's {sum(lens)} B")
         statuses, regions, pinned = self._validate_pieces(table)
+        landed = False
         try:
             mr = regions[0] if len(lens) == 1 else None
             handler = self._landing.get(mr.rkey) if mr is not None and self._landing else None
-            row = table[0] if handler is not None else None
-            if handler is not None and row["flags"] & F_IMM and row["addr"] == row["waddr"] and \
-                    row["len"] == row["wlen"]:
-                self._place_landed(ep, st.get("rx", s.sock), handler, mr, int(row["addr"]), lens[0], int(row["imm"]),
-                                   st)
+            if handler is not None:
+                addr, _, waddr, wlen, _, flags, imm, _ = table[0].tolist()  # ints: one call, not one per field
+            if handler is not None and flags & F_IMM and addr == waddr and lens[0] == wlen:
+                self._place_landed(ep, st.get("rx", s.sock), handler, mr, addr, lens[0], imm, st)
+                landed = True
             else:
                 self._place(st.get("rx", s.sock), table, lens, statuses, regions, st)
         finally:
             self._unpin(pinned)
-        self._finish_message(ep, s, seq, table, statuses)
+        self._finish_message(ep, s, seq, table, statuses, hold=landed)
 
     def _place_landed(self, ep: TcpEndpoint, sock, handler, mr: MemoryRegion, addr: int, length: int, imm: int,
                       st: dict) -> None:
@@ -1864,7 +1930,7 @@ class TcpFabric(Fabric):
         return None
 
     def _on_small_write(self, ep: TcpEndpoint, s: _Sock, seq: int, count: int, tb: int, blen: int,
-                        st: dict) -> None:
+                        st: dict, hflags: int = 0) -> None:
         """``_on_message`` for a WRITE message of at most ``SMALL_MESSAGE`` bytes: table and payload taken in one
         receive, the table read by one ``struct`` call, every accepted piece copied to its place from there. The
         checks are ``_validate_pieces``'s, before anything is placed; a table of whole writes into one host region
@@ -1926,23 +1992,43 @@ class TcpFabric(Fabric):
             for i, f in enumerate(flags):
                 if f & F_IMM and statuses[i] == ST_OK:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))
-        self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, count, seq, count) + bytes(statuses))
+        if not hflags & H_NOACK:
+            self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, count, seq, count) + bytes(statuses))
+        elif statuses.count(0) != count:
+            i = next(i for i, v in enumerate(statuses) if v)
+            log.warning("%s: refused an unacked write from %s: %d B at 0x%x rkey 0x%x: %s", self._id, ep.peer_id,
+                        wlens[i], waddrs[i], rkeys[i], _STATUS_TEXT.get(statuses[i], statuses[i]))
         ep.deliver_in_order(seq, events)
 
     def _finish_message(self, ep: TcpEndpoint, s: _Sock, seq: int, table: np.ndarray, statuses,
-                        ack: bool = True) -> None:
+                        ack: bool = True, hold: bool = False) -> None:
         """Ack the sender (unless ``ack`` is False: it completed the message itself), then release this message's
-        RECV_IMM events in order."""
+        RECV_IMM events in order. ``hold``: the ACK waits while the events are delivered, for an unacked write
+        that their handler posts to this peer to take it along (``_post_unacked``), and is sent on its own after
+        them otherwise."""
         events = []
         flags = table["flags"]
-        if flags.any():
+        if len(flags) == 1:  # one piece (a whole write, a relay chunk): its row as ints, no numpy steps
+            _, _, _, wlen, _, f, imm, _ = table[0].tolist()
+            if f & F_IMM and statuses[0] == ST_OK:
+                events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlen, imm))
+        elif flags.any():
             for i in np.nonzero(flags & F_IMM)[0].tolist():
                 if statuses[i] == ST_OK:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, int(table["wlen"][i]),
                                              int(table["imm"][i])))
         if ack:
-            self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, len(statuses), seq, len(statuses))
-                            + bytes(statuses))
+            payload = HDR.pack(MAGIC, T_ACK, 0, 0, len(statuses), seq, len(statuses)) + bytes(statuses)
+            if hold and events:
+                held = self._held.__dict__
+                held["ack"] = (ep, s, payload)
+                try:
+                    ep.deliver_in_order(seq, events)
+                finally:
+                    if held.pop("ack", None) is not None:
+                        self._send_ctrl(ep, s, payload)
+                return
+            self._send_ctrl(ep, s, payload)
         ep.deliver_in_order(seq, events)
 
     def _place(self, sock: socket.socket, table, lens, statuses, regions, st: dict) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +34,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kernels import timed  # noqa: E402  (benchmarks/kernels.py, beside this script)
 from pxn_kernels._launch import CompiledKernel, anchor  # noqa: E402
 from pxn_kernels._row_copy import RowCopy, row_settings  # noqa: E402
 
@@ -118,22 +119,6 @@ def flat_row_copy(src_index: torch.Tensor, dst_index: torch.Tensor, src_base: in
     args = (a, src_index, dst_index, src_base - a.data_ptr(), dst_base - a.data_ptr(), n, length, rows, n_tiles)
     return _FLAT.bind(args, grid, dict(ROWS_P2=1 << max(0, rows - 1).bit_length(), BLOCK=block_bytes,
                                        PERSISTENT=persistent, num_warps=num_warps))
-
-
-def timed(fn, repeats: int, trials: int = 5) -> float:
-    """Median seconds per call over ``trials`` runs of ``repeats`` back-to-back calls (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / repeats)
-    return statistics.median(samples)
 
 
 def candidates(length: int, src_index, dst_index, src_base: int, dst_base: int, programs: int) -> dict:

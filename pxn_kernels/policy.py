@@ -51,8 +51,9 @@ _BASE = {
 # first; benchmarks/NOTES.md, "Row kernel: one-warp programs and split rows"): one warp per program everywhere,
 # 1 KB tiles for 65-128 B rows, 4 KB split tiles for 257-640 B rows (520 B, 576 B), 2 KB tiles otherwise.
 # Shifted words for pieces whose two ends differ in alignment: they beat the byte path on every unaligned mix
-# measured and leave aligned pieces alone (benchmarks/NOTES.md, "The message path: writes as arrays, completions
-# at the writer", and results/kernels-h200-shift-quick.json).
+# measured but `mixed` copy, and leave aligned pieces alone (benchmarks/NOTES.md, "The message path: writes as
+# arrays, completions at the writer", results/kernels-h200-shift-quick.json, and for the exception "Row kernel:
+# one-warp programs and split rows").
 _ONE_WARP = {"max_cols": 4096, "num_warps": 1, "split": False}
 _SM90 = dict(_BASE, row={"enabled": True, "max_bytes": 4095,
                          "classes": [dict(_ONE_WARP, up_to=64, tile_bytes=2048),

@@ -70,16 +70,11 @@ def chunk_layout(lengths: Sequence[int]):
     if lengths_np.size and int(lengths_np.min()) < 1:
         bad = int(np.argmin(lengths_np))
         raise ValueError(f"lengths[{bad}] = {int(lengths_np[bad])}: chunk items must be >= 1 byte")
+    padded = (lengths_np + (PAYLOAD_ALIGN - 1)) & ~np.int64(PAYLOAD_ALIGN - 1)
     start = payload_offset_for(lengths_np.size)
-    if not lengths_np.size:
-        return np.zeros(0, dtype=np.int64), start
-    # a sender builds one layout per chunk: each item's end as one running sum from the payload start
-    padded = lengths_np + (PAYLOAD_ALIGN - 1)
-    padded &= -PAYLOAD_ALIGN
-    ends = padded.cumsum()
-    ends += start
-    chunk_bytes = int(ends[-1])
-    item_offsets = ends - padded
+    item_offsets = start + np.concatenate(([0], np.cumsum(padded)[:-1])).astype(np.int64) if lengths_np.size \
+        else np.zeros(0, dtype=np.int64)
+    chunk_bytes = start + int(padded.sum())
     if chunk_bytes > MAX_CHUNK_BYTES:
         raise ValueError(f"chunk of {chunk_bytes} bytes exceeds the u32 limit {MAX_CHUNK_BYTES}")
     return item_offsets, chunk_bytes
@@ -139,7 +134,6 @@ class ChunkTable:
     dst_addrs: np.ndarray  # uint64
     lengths: np.ndarray  # int64
     offsets: np.ndarray  # int64, from the chunk start
-    in_order: bool = True  # items in ascending payload offset (each after the previous one's end)
 
     @property
     def item_count(self) -> int:
@@ -191,50 +185,36 @@ def parse_chunk(data: BufferLike, available_bytes: Optional[int] = None) -> Chun
     lengths = table["length"].astype(np.int64)
     offsets = table["offset"].astype(np.int64)
     dst = table["dst_addr"].copy()
-    in_order = True
     if count:
+        if int(lengths.min()) < 1:
+            bad = int(np.argmin(lengths))
+            raise ChunkFormatError(f"item {bad}: length {int(lengths[bad])} < 1")
+        misaligned = np.nonzero(offsets % PAYLOAD_ALIGN)[0]
+        if misaligned.size:
+            bad = int(misaligned[0])
+            raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} not 16-byte aligned")
         ends = offsets + lengths
-        # every per-item check in one mask (a chunk is checked on the receiver's hot path, once per chunk); only a
-        # chunk that fails goes through the checks one by one below, to name its first bad item and field
-        bad = lengths < 1
-        bad |= (offsets & (PAYLOAD_ALIGN - 1)) != 0
-        bad |= offsets < payload_offset
-        bad |= ends > chunk_bytes
-        bad |= dst > np.uint64((1 << 64) - 1) - lengths.astype(np.uint64)
-        if bad.any():
-            _name_bad_item(lengths, offsets, ends, dst, payload_offset, chunk_bytes)
+        below = np.nonzero(offsets < payload_offset)[0]
+        if below.size:
+            bad = int(below[0])
+            raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} inside header/table "
+                                   f"(payload starts at {payload_offset})")
+        beyond = np.nonzero(ends > chunk_bytes)[0]
+        if beyond.size:
+            bad = int(beyond[0])
+            raise ChunkFormatError(f"item {bad}: payload [{int(offsets[bad])}, {int(ends[bad])}) runs past "
+                                   f"chunk_bytes {chunk_bytes}")
+        overflow = np.nonzero(dst > np.uint64((1 << 64) - 1) - lengths.astype(np.uint64))[0]
+        if overflow.size:
+            bad = int(overflow[0])
+            raise ChunkFormatError(f"item {bad}: dst 0x{int(dst[bad]):x} + length {int(lengths[bad])} "
+                                   f"overflows 64 bits")
         # items in payload order (what every sender writes) need no sort to show that none overlaps
-        in_order = count == 1 or bool((offsets[1:] >= ends[:-1]).all())
-        if not in_order:
+        if count > 1 and not bool((offsets[1:] >= ends[:-1]).all()):
             order = np.argsort(offsets, kind="stable")
             overlap = np.nonzero(ends[order][:-1] > offsets[order][1:])[0]
             if overlap.size:
                 bad = int(order[overlap[0] + 1])
                 raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} overlaps the previous item")
     return ChunkTable(seq=seq, sender_id=sender_id, flags=flags, chunk_bytes=chunk_bytes,
-                      payload_offset=payload_offset, dst_addrs=dst, lengths=lengths, offsets=offsets,
-                      in_order=in_order)
-
-
-def _name_bad_item(lengths, offsets, ends, dst, payload_offset: int, chunk_bytes: int) -> None:
-    """Raise ``ChunkFormatError`` for the first failing check of ``parse_chunk``'s per-item checks, in their
-    order (lengths, alignment, payload start, payload end, address overflow)."""
-    if int(lengths.min()) < 1:
-        bad = int(np.argmin(lengths))
-        raise ChunkFormatError(f"item {bad}: length {int(lengths[bad])} < 1")
-    misaligned = np.nonzero(offsets % PAYLOAD_ALIGN)[0]
-    if misaligned.size:
-        bad = int(misaligned[0])
-        raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} not 16-byte aligned")
-    below = np.nonzero(offsets < payload_offset)[0]
-    if below.size:
-        bad = int(below[0])
-        raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} inside header/table "
-                               f"(payload starts at {payload_offset})")
-    beyond = np.nonzero(ends > chunk_bytes)[0]
-    if beyond.size:
-        bad = int(beyond[0])
-        raise ChunkFormatError(f"item {bad}: payload [{int(offsets[bad])}, {int(ends[bad])}) runs past "
-                               f"chunk_bytes {chunk_bytes}")
-    bad = int(np.nonzero(dst > np.uint64((1 << 64) - 1) - lengths.astype(np.uint64))[0][0])
-    raise ChunkFormatError(f"item {bad}: dst 0x{int(dst[bad]):x} + length {int(lengths[bad])} overflows 64 bits")
+                      payload_offset=payload_offset, dst_addrs=dst, lengths=lengths, offsets=offsets)

@@ -167,14 +167,12 @@ class _Plan:
         self.placed.set()
 
 
-@pytest.mark.parametrize("case", ["plan", "arrays", "adjacent", "none", "raises", "bad-plan", "empty", "past-end",
-                                  "overlap", "wrap", "negative"])
+@pytest.mark.parametrize("case", ["plan", "none", "raises", "bad-plan", "empty", "past-end", "overlap"])
 def test_landing_handler(pair, rng, case):
     """The target's landing handler reads the write's first bytes into the landing region and names where byte
-    ranges of it go: those arrive there, the rest in the landing region. The plan may be lists or int64 arrays,
-    with gaps between the ranges or ranges that follow each other. Without a plan (None, an exception, a plan that
-    overlaps what it read, an empty one, one past the write's end, ranges that overlap, a destination whose end
-    would wrap int64 or a negative one) the write lands whole and no destination byte changes."""
+    ranges of it go: those arrive there, the rest in the landing region. Without a plan (None, an exception, a
+    plan that overlaps what it read, an empty one, one past the write's end, ranges that overlap) the write lands
+    whole, no destination byte changes and the link stays up."""
     a, b, ep = pair
     total = 150_001
     data = np.frombuffer(rng.bytes(total), dtype=np.uint8).copy()
@@ -184,8 +182,6 @@ def test_landing_handler(pair, rng, case):
     mr_land = b.register(landing.ctypes.data, landing.nbytes)
     b.register(out.ctypes.data, out.nbytes)
     ranges = [(100, 1), (101, 63), (200, 70_000), (80_001, 5), (90_000, 60_001)]  # (offset in write, length)
-    if case == "adjacent":  # each range right after the previous one, the first right after what was read
-        ranges = [(100, 1), (101, 63), (164, 70_000), (70_164, 5), (70_169, 60_001)]
     dests = [out.ctypes.data + d for d in (7, 99, 1003, 90_001, 71_000)]
     plans = []
 
@@ -206,12 +202,6 @@ def test_landing_handler(pair, rng, case):
             lens[-1] = total - offs[-1] + 1
         elif case == "overlap":
             offs[3] = offs[2] + lens[2] - 1
-        elif case == "wrap":
-            dsts[1] = (1 << 63) - 10
-        elif case == "negative":
-            dsts[0] = -out.ctypes.data
-        if case in ("arrays", "adjacent"):
-            offs, lens, dsts = (np.array(v, dtype=np.int64) for v in (offs, lens, dsts))
         plans.append(_Plan(dsts, lens, offs))
         return plans[-1]
 
@@ -226,7 +216,7 @@ def test_landing_handler(pair, rng, case):
     exp_land = np.full_like(landing, POISON)
     exp_land[3:3 + total] = data
     exp_out = np.full_like(out, POISON)
-    if case in ("plan", "arrays", "adjacent"):
+    if case == "plan":
         assert plans[0].placed.is_set()
         for (o, k), d in zip(ranges, dests):
             exp_out[d - out.ctypes.data:d - out.ctypes.data + k] = data[o:o + k]

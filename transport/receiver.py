@@ -306,13 +306,12 @@ class Receiver:
         idx, ok = self.exposed.locate(table.dst_addrs, lens)
         if not ok.all() or (self.exposed.snapshot().devices[idx] >= 0).any():
             return None  # outside every region (rejected by _handle), or GPU destinations (scattered there)
-        # int64 arrays for the fabric (its plan checks and views are whole-array steps); every destination lies
-        # inside a registered region (located above), so none is past 2**63
-        dsts, offs = table.dst_addrs.astype(np.int64), table.offsets
-        if not table.in_order:  # parse_chunk showed no overlap; the fabric takes ranges in payload order
+        offs = table.offsets
+        if count > 1 and not bool((offs[1:] > offs[:-1]).all()):
             order = np.argsort(offs, kind="stable")
-            dsts, lens, offs = dsts[order], lens[order], offs[order]
-        return _Placed(self, st, rail, imm, length, dsts, lens, offs, t0)
+            return _Placed(self, st, rail, imm, length, table.dst_addrs[order].tolist(), lens[order].tolist(),
+                           offs[order].tolist(), t0)
+        return _Placed(self, st, rail, imm, length, table.dst_addrs.tolist(), lens.tolist(), offs.tolist(), t0)
 
     # --- progress -------------------------------------------------------------------------------------------
     def on_chunk(self, rail: int, peer_id: str, imm: int, byte_len: int) -> None:

@@ -849,7 +849,7 @@ class TcpFabric(Fabric):
         the receiving thread calls ``handler(peer_id, addr, length, imm, read)`` before placing anything;
         ``read(n)`` receives the write's next ``n`` bytes into ``mr`` at their own place and returns a view of
         them (a chunk's header and table). The handler returns None (the rest of the write lands in ``mr`` as
-        usual) or a plan: ``dsts``, ``lens``, ``offs`` (sequences of ints, lists or int64 arrays: byte ``offs[i]`` of the write onwards,
+        usual) or a plan: ``dsts``, ``lens``, ``offs`` (lists of ints: byte ``offs[i]`` of the write onwards,
         ``lens[i]`` bytes, go to host address ``dsts[i]``, which the handler vouches for; offsets ascending, past
         what it read, without overlap, inside the write) and ``done()``, called once every byte is placed. Bytes
         of the write outside the plan land in ``mr``. The RECV_IMM of the write follows as for any write."""
@@ -1147,12 +1147,11 @@ class TcpFabric(Fabric):
         if not (n >= 1 and src.shape == loc.shape == ln.shape == (n,)):
             raise ValueError(f"wr_id={r.wr_id}: gather arrays of sizes {src.size}, {loc.size}, {n}: need one size >= 1")
         ends = loc + ln
-        lo = int(src.min())
         if int(ln.min()) < 1 or int(loc[0]) < r.local_addr or int(ends[-1]) > r.local_addr + r.length or \
-                lo < 0 or int(src.max()) > _I64 - int(ln.max()) or (n > 1 and bool((loc[1:] < ends[:-1]).any())):
+                int(src.min()) < 0 or int(src.max()) > _I64 - int(ln.max()) or (n > 1 and bool((loc[1:] < ends[:-1]).any())):
             raise ValueError(f"wr_id={r.wr_id}: gather ranges must have lengths >= 1 and lie in ascending order, "
                              f"without overlap, inside the write's local range 0x{r.local_addr:x}+{r.length}")
-        hi = int((src + ln).max())
+        lo, hi = int(src.min()), int((src + ln).max())
         with self._lock:
             hosts = [self._host_views[k] for k, m in self._regions.items() if m.device == DEVICE_HOST]
         for m, view in hosts:
@@ -1877,17 +1876,17 @@ class TcpFabric(Fabric):
         try:
             plan = handler(ep.peer_id, addr, length, imm, read)
             if plan is not None:
-                dsts, lens, offs = (np.asarray(v, dtype=np.int64) for v in (plan.dsts, plan.lens, plan.offs))
-                n = lens.size
-                ends = offs + lens
-                # the plan's rules in a few whole-array steps (a receiver's chunk names ~128 ranges): ranges of
-                # >= 1 B, the first past what the handler read, each after the previous one's end, the last inside
-                # the write; every value bounded first, so that no int64 sum below can wrap
-                ok = n >= 1 and dsts.shape == lens.shape == offs.shape == (n,) and int(lens.min()) >= 1 \
-                    and int(lens.max()) <= length and 0 <= int(offs.min()) and int(offs.max()) <= length \
-                    and 0 <= int(dsts.min()) and int(dsts.max()) < _I64 - length \
-                    and int(offs[0]) >= pos - addr and int(ends[-1]) <= length \
-                    and (n == 1 or bool((offs[1:] >= ends[:-1]).all()))
+                dsts, lens, offs = plan.dsts, plan.lens, plan.offs
+                cur = pos - addr
+                # an empty plan is bad too: the span of its ranges (``_pin_span``) has no ends
+                ok = len(dsts) == len(lens) == len(offs) >= 1
+                if ok:
+                    for o, k in zip(offs, lens):
+                        if o < cur or k < 1:
+                            ok = False
+                            break
+                        cur = o + k
+                    ok = ok and cur <= length
                 if not ok:
                     log.warning("%s: landing handler gave a bad plan for a write of %d B; landing it whole", self._id,
                                 length)
@@ -1899,24 +1898,17 @@ class TcpFabric(Fabric):
             pinned = self._pin_span(dsts, lens)
             try:
                 dview = pinned[1] if pinned is not None else None
-                if dview is not None and int(offs[0]) == pos - addr and (n == 1 or bool((offs[1:] == ends[:-1]).all())):
-                    # the ranges follow each other in the write (a chunk of pieces without padding): no bytes
-                    # land in ``mr`` between them, one slice of the region's view per range
-                    rel = dsts - pinned[2]
-                    views = [dview[a:e] for a, e in zip(rel.tolist(), (rel + lens).tolist())]
-                    pos = addr + int(ends[-1])
-                else:
-                    views = []
-                    for d, k, o in zip(dsts.tolist(), lens.tolist(), offs.tolist()):
-                        o += addr
-                        if o > pos:
-                            views.append(own[pos - base:o - base])
-                        if dview is not None:
-                            d -= pinned[2]
-                            views.append(dview[d:d + k])
-                        else:
-                            views.append(raw_view(d, k, writable=True))
-                        pos = o + k
+                views = []
+                for d, k, o in zip(dsts, lens, offs):
+                    o += addr
+                    if o > pos:
+                        views.append(own[pos - base:o - base])
+                    if dview is not None:
+                        d -= pinned[2]
+                        views.append(dview[d:d + k])
+                    else:
+                        views.append(raw_view(d, k, writable=True))
+                    pos = o + k
                 recv_views(sock, views)
             finally:
                 if pinned is not None:
@@ -1928,8 +1920,8 @@ class TcpFabric(Fabric):
 
     def _pin_span(self, dsts, lens) -> Optional[tuple]:
         """(rkey, writable view, base address) of a host region registered here that holds every range
-        (``dsts[i]``, ``lens[i]``; int64 arrays), pinned against ``deregister`` (``_unpin``); None when no one region does."""
-        lo, hi = int(dsts.min()), int((dsts + lens).max())  # int64 arrays, bounded by the plan check
+        (``dsts[i]``, ``lens[i]``), pinned against ``deregister`` (``_unpin``); None when no one region does."""
+        lo, hi = min(dsts), max(map(add, dsts, lens))
         with self._region_cv:
             for rk, (m, view) in list(self._host_views.items()):
                 # still registered (deregister drops it before it waits for pinned placements, under this lock)

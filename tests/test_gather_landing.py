@@ -167,11 +167,12 @@ class _Plan:
         self.placed.set()
 
 
-@pytest.mark.parametrize("case", ["plan", "none", "raises", "bad-plan"])
+@pytest.mark.parametrize("case", ["plan", "none", "raises", "bad-plan", "empty", "past-end", "overlap"])
 def test_landing_handler(pair, rng, case):
     """The target's landing handler reads the write's first bytes into the landing region and names where byte
     ranges of it go: those arrive there, the rest in the landing region. Without a plan (None, an exception, a
-    plan that overlaps what it read) the write lands whole and no destination byte changes."""
+    plan that overlaps what it read, an empty one, one past the write's end, ranges that overlap) the write lands
+    whole, no destination byte changes and the link stays up."""
     a, b, ep = pair
     total = 150_001
     data = np.frombuffer(rng.bytes(total), dtype=np.uint8).copy()
@@ -192,10 +193,16 @@ def test_landing_handler(pair, rng, case):
             raise RuntimeError("handler bug")
         if case == "none":
             return None
-        offs = [o for o, _ in ranges]
+        offs, lens, dsts = [o for o, _ in ranges], [k for _, k in ranges], list(dests)
         if case == "bad-plan":
             offs[0] = 50  # inside what it read
-        plans.append(_Plan(dests, [k for _, k in ranges], offs))
+        elif case == "empty":
+            offs, lens, dsts = [], [], []
+        elif case == "past-end":
+            lens[-1] = total - offs[-1] + 1
+        elif case == "overlap":
+            offs[3] = offs[2] + lens[2] - 1
+        plans.append(_Plan(dsts, lens, offs))
         return plans[-1]
 
     b.set_landing_handler(mr_land, handler)

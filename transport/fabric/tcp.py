@@ -1878,7 +1878,8 @@ class TcpFabric(Fabric):
             if plan is not None:
                 dsts, lens, offs = plan.dsts, plan.lens, plan.offs
                 cur = pos - addr
-                ok = len(dsts) == len(lens) == len(offs)
+                # an empty plan is bad too: the span of its ranges (``_pin_span``) has no ends
+                ok = len(dsts) == len(lens) == len(offs) >= 1
                 if ok:
                     for o, k in zip(offs, lens):
                         if o < cur or k < 1:

@@ -231,9 +231,7 @@ class Planner:
             c = min(choices, key=lambda c: load.get(c.rail, 0))
             nbytes = total
             run = (srcs, dsts, lengths) if every else (srcs[idx], dsts[idx], lens)
-            units.append(Unit(DIRECT, dev, c.rail, c.relay_device, nbytes, src=int(run[0][0]), dst=int(run[1][0]),
-                              wire_bytes=nbytes, runs=run))
-            load[c.rail] = load.get(c.rail, 0) + nbytes
+            Planner._add_run(units, DIRECT, dev, c, run, nbytes, load)
             return
         cum = np.cumsum(lens)
         choices = sorted(choices, key=lambda c: load.get(c.rail, 0))  # the least loaded rail takes the first run
@@ -251,10 +249,7 @@ class Planner:
                 continue
             sel = idx[a:b]
             nbytes = int(lens[a:b].sum())
-            run = (srcs[sel], dsts[sel], lens[a:b])
-            units.append(Unit(DIRECT, dev, c.rail, c.relay_device, nbytes, src=int(run[0][0]), dst=int(run[1][0]),
-                              wire_bytes=nbytes, runs=run))
-            load[c.rail] = load.get(c.rail, 0) + nbytes
+            Planner._add_run(units, DIRECT, dev, c, (srcs[sel], dsts[sel], lens[a:b]), nbytes, load)
 
     def _plan_relayed_runs(self, units, dev, srcs, dsts, lengths, idx, choices, load) -> None:
         """RELAYED units of the pieces ``idx`` (each at most a slot): runs, in order, of as many whole pieces as
@@ -270,9 +265,7 @@ class Planner:
             c = self._least_loaded(choices, load)
             nbytes = int(cum[-1])
             run = (srcs, dsts, lengths) if every else (srcs[idx], dsts[idx], lens)
-            units.append(Unit(RELAYED, dev, c.rail, c.relay_device, nbytes, src=int(run[0][0]), dst=int(run[1][0]),
-                              wire_bytes=nbytes, runs=run))
-            load[c.rail] = load.get(c.rail, 0) + nbytes
+            self._add_run(units, RELAYED, dev, c, run, nbytes, load)
             return
         cum = cum.tolist()
         start, base = 0, 0
@@ -282,9 +275,7 @@ class Planner:
             sel = idx[start:end]
             nbytes = cum[end - 1] - base
             c = self._least_loaded(choices, load)
-            units.append(Unit(RELAYED, dev, c.rail, c.relay_device, nbytes, src=int(srcs[sel[0]]),
-                              dst=int(dsts[sel[0]]), wire_bytes=nbytes, runs=(srcs[sel], dsts[sel], lens[start:end])))
-            load[c.rail] = load.get(c.rail, 0) + nbytes
+            self._add_run(units, RELAYED, dev, c, (srcs[sel], dsts[sel], lens[start:end]), nbytes, load)
             base = cum[end - 1]
             start = end
 
@@ -340,6 +331,14 @@ class Planner:
                 units.append(Unit(DIRECT, dev, c.rail, c.relay_device, n, src=src + off, dst=dst + off,
                                   wire_bytes=n))
             off += n
+
+    @staticmethod
+    def _add_run(units, kind: str, dev: int, c: RailChoice, run, nbytes: int, load: Dict[int, int]) -> None:
+        """One unit of ``kind`` moving ``run`` (its srcs, dsts and lengths arrays, ``nbytes`` in all) on rail
+        choice ``c``, counted in ``load``."""
+        units.append(Unit(kind, dev, c.rail, c.relay_device, nbytes, src=int(run[0][0]), dst=int(run[1][0]),
+                          wire_bytes=nbytes, runs=run))
+        load[c.rail] = load.get(c.rail, 0) + nbytes
 
     @staticmethod
     def _least_loaded(choices: Sequence[RailChoice], load: Dict[int, int]) -> RailChoice:

@@ -51,6 +51,7 @@ from pxn_kernels._batched_copy import (  # noqa: E402
 )
 from pxn_kernels._grid_copy import GridSettings  # noqa: E402
 from pxn_kernels._row_copy import row_settings  # noqa: E402
+from pxn_kernels._segment_copy import SegmentSettings, segment_table  # noqa: E402
 
 
 def _default_regimes():
@@ -270,7 +271,10 @@ def verify(case: Case, op: str, plan, call=None) -> None:
     (call or pxn_call(case, op, plan))()
     sync()
     src_base, dst_base = case.scattered_src.data_ptr(), case.scattered_dst.data_ptr()
-    for i in list(range(min(case.n, 64))) + list(range(max(0, case.n - 64), case.n)):
+    # the first and last 64 pieces, every piece of 64 KB or more, and every 16th piece in between
+    check = set(range(min(case.n, 64))) | set(range(max(0, case.n - 64), case.n)) | set(range(0, case.n, 16))
+    check |= {int(i) for i in np.flatnonzero(host[3] >= 65536)}
+    for i in sorted(check):
         length, off = int(host[3, i]), int(host[2, i])
         s, d = int(host[0, i]) - src_base, int(host[1, i]) - dst_base
         if op == "gather":
@@ -389,6 +393,8 @@ def plan_fields(plan) -> dict:
         return {"kernel": "row", "row_settings": asdict(plan.row)}
     if plan.grid is not None:
         return {"kernel": "grid", "grid": asdict(plan.grid)}
+    if plan.segment is not None:
+        return {"kernel": "segment", "segment": asdict(plan.segment), "segments": int(plan.segments.numel())}
     s = plan.settings
     return {"kernel": "range", "programs": s.programs, "rounds": s.rounds, "block_bytes": s.block_bytes,
             "tail_block_bytes": s.tail_block_bytes, "num_warps": s.num_warps, "streaming": s.streaming}
@@ -403,11 +409,18 @@ def _range_plan(host_lengths, device, settings) -> CopyPlan:
 
 def candidate_plans(mix, case, host_lengths, plan, device) -> dict:
     """Other kernels timed beside the policy's choice in the same run: the range kernel where the policy picked
-    another, and range-kernel policy candidates on the mixed mixes (RANGE_CANDIDATES)."""
+    another, segment-kernel candidates on mixes of unequal pieces (SEGMENT_CANDIDATES), and range-kernel policy
+    candidates on the mixed mixes (RANGE_CANDIDATES)."""
     out = {}
     total = int(host_lengths.sum())
     if plan.kernel != "range":
         out["pxn_range"] = _range_plan(host_lengths, device, launch_settings(case.n, device, total))
+    if plan.kernel in ("segment", "range") and not SMOKE:
+        for name, (seg, block, warps) in SEGMENT_CANDIDATES.items():
+            settings = SegmentSettings(seg, block, warps, kernel_policy.policy(device)["segment"]["shift"])
+            if settings != plan.segment:
+                out[name] = CopyPlan(None, None, None, None, segment=settings,
+                                     segments=torch.from_numpy(segment_table(host_lengths, seg)).to(device))
     if mix.startswith("mixed"):
         sms = 4 if SMOKE else torch.cuda.get_device_properties(device).multi_processor_count
         for name, override in RANGE_CANDIDATES.items():
@@ -419,6 +432,16 @@ def candidate_plans(mix, case, host_lengths, plan, device) -> dict:
                 settings = replace(base, tail_block_bytes=settings.tail_block_bytes, shift=settings.shift)
             out[name] = _range_plan(host_lengths, device, settings)
     return out
+
+
+# Segment-kernel candidates on mixes of unequal pieces: (bytes per program, bytes per iteration, warps).
+SEGMENT_CANDIDATES = {
+    "segment:4k/b2k/w1": (4096, 2048, 1),
+    "segment:8k/b4k/w1": (8192, 4096, 1),
+    "segment:16k/b2k/w1": (16384, 2048, 1),
+    "segment:16k/b4k/w1": (16384, 4096, 1),
+    "segment:16k/b4k/w2": (16384, 4096, 2),
+}
 
 
 # Range-kernel candidates on the mixed mixes, as launch-policy overrides (what --sweep writes when one wins): a
@@ -441,14 +464,18 @@ RANGE_CANDIDATES = {
 ROW_SIZES = (64, 128, 256, 576, 1024, 2048, 4096, 8192, 100, 520, 1500)
 ROW_COUNT = 32768  # rows per call (32768 x 2 KiB = 64 MiB, the issue's first mix)
 POOL_BYTES = 1 << 30  # rows are picked from a pool this large, so almost every row misses the L2
-# Row-kernel candidates: (tile bytes per program, most columns per tile, warps, split rows).
+# Row-kernel candidates: (tile bytes per program, most columns per tile, warps, split rows, persistent programs
+# per SM: 0 = one program per tile).
 ROW_CANDIDATES = {
-    "row:t1k/w1": (1024, 4096, 1, False),
-    "row:t2k/w1": (2048, 4096, 1, False),
-    "row:t4k/w1/split": (4096, 4096, 1, True),
-    "row:t4k/w1": (4096, 4096, 1, False),
-    "row:t4k/w2": (4096, 4096, 2, False),
-    "row:t8k/w4": (8192, 4096, 4, False),
+    "row:t1k/w1": (1024, 4096, 1, False, 0),
+    "row:t2k/w1": (2048, 4096, 1, False, 0),
+    "row:t4k/w1/split": (4096, 4096, 1, True, 0),
+    "row:t4k/w1": (4096, 4096, 1, False, 0),
+    "row:t1k/w1/pps16": (1024, 4096, 1, False, 16),
+    "row:t2k/w1/pps16": (2048, 4096, 1, False, 16),
+    "row:t1k/w1/pps32": (1024, 4096, 1, False, 32),
+    "row:t2k/w1/pps32": (2048, 4096, 1, False, 32),
+    "row:t4k/w1/pps32": (4096, 4096, 1, False, 32),
 }
 
 
@@ -513,8 +540,8 @@ def _row_plans(case: RowCase, device, sms: int) -> dict:
     the range kernel (the latter two whatever the policy would pick)."""
     plans = {"pxn": plan_for_lengths(case.host_lengths, device)}
     seen = set()
-    for name, (tile, max_cols, warps, split) in ROW_CANDIDATES.items():
-        settings = row_settings(case.length, tile, max_cols, warps, split)
+    for name, (tile, max_cols, warps, split, pps) in ROW_CANDIDATES.items():
+        settings = row_settings(case.length, tile, max_cols, warps, split, pps)
         if settings not in seen:  # split is a no-op at some lengths: time each shape once
             seen.add(settings)
             plans[name] = CopyPlan(None, None, None, None, row=settings)
@@ -624,7 +651,7 @@ def policy_from_rows(rows: list, mix_rows: list = ()) -> dict:
     ``shift`` / ``tail_block_bytes`` from the mixed mixes when a candidate beats the default by 3 % on every
     op of both mixes."""
     range_entry = _range_policy(mix_rows)
-    classes = [(64, (64,)), (128, (100, 128)), (256, (256,)), (640, (520, 576)), (1 << 62, (1024, 1500, 2048))]
+    classes = [(128, (64, 100, 128)), (256, (256,)), (640, (520, 576)), (1024, (1024,)), (1 << 62, (1500, 2048))]
     by = {}
     for r in rows:
         if "ratio" in r and r.get("exact") and r["method"].startswith(("row:", "grid:")):
@@ -638,9 +665,9 @@ def policy_from_rows(rows: list, mix_rows: list = ()) -> dict:
                 scores[name] = min(got)
         if not scores:
             continue
-        tile, max_cols, warps, split = ROW_CANDIDATES[max(scores, key=scores.get)]
+        tile, max_cols, warps, split, pps = ROW_CANDIDATES[max(scores, key=scores.get)]
         out_classes.append({"up_to": up_to, "tile_bytes": tile, "max_cols": max_cols, "num_warps": warps,
-                            "split": split})
+                            "split": split, "programs_per_sm": pps})
     if not out_classes:
         return {"_note": "no exact row-kernel measurement", **range_entry}
     out_classes[-1]["up_to"] = 1 << 62

@@ -42,10 +42,13 @@ from pxn_kernels._row_copy import RowCopy, row_settings  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# (tile bytes, column cap, warps, split rows)
-ROW_VARIANTS = [(1024, 4096, 1, False), (2048, 4096, 1, False), (2048, 4096, 1, True), (4096, 4096, 1, False),
-                (4096, 4096, 1, True), (4096, 4096, 2, False), (4096, 4096, 2, True), (8192, 4096, 4, False),
-                (4096, 256, 2, False), (4096, 64, 2, False)]
+# (tile bytes, column cap, warps, split rows, persistent programs per SM: 0 = one program per tile)
+ROW_VARIANTS = [(1024, 4096, 1, False, 0), (2048, 4096, 1, False, 0), (2048, 4096, 1, True, 0),
+                (4096, 4096, 1, False, 0), (4096, 4096, 1, True, 0), (4096, 4096, 2, False, 0),
+                (8192, 4096, 4, False, 0),
+                (1024, 4096, 1, False, 32), (2048, 4096, 1, False, 16), (2048, 4096, 1, False, 32),
+                (2048, 4096, 1, True, 32), (4096, 4096, 1, False, 32), (4096, 4096, 1, True, 32),
+                (4096, 4096, 2, False, 16), (8192, 4096, 2, False, 16)]
 # (bytes per program, warps, persistent)
 FLAT_VARIANTS = [(2048, 2, False), (4096, 2, False), (4096, 4, False), (8192, 4, False), (4096, 2, True),
                  (8192, 4, True)]
@@ -123,11 +126,12 @@ def flat_row_copy(src_index: torch.Tensor, dst_index: torch.Tensor, src_base: in
 
 def candidates(length: int, src_index, dst_index, src_base: int, dst_base: int, programs: int) -> dict:
     out = {}
-    for tile, max_cols, warps, split in ROW_VARIANTS:
-        settings = row_settings(length, tile, max_cols, warps, split)
+    for tile, max_cols, warps, split, pps in ROW_VARIANTS:
+        settings = row_settings(length, tile, max_cols, warps, split, pps)
         if split and not settings.tail:
             continue  # split is a no-op at this length: the unsplit entry times it
-        name = f"row:t{tile // 1024}k/c{max_cols}/w{warps}" + ("/split" if split else "")
+        name = f"row:t{tile // 1024}k/c{max_cols}/w{warps}" + ("/split" if split else "") + \
+            (f"/pps{pps}" if pps else "")
         out[name] = RowCopy(src_index, dst_index, src_base, dst_base, settings)
     for block, warps, persistent in FLAT_VARIANTS:
         if length <= block:

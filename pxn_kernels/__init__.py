@@ -5,9 +5,10 @@ Public entries (each with a plain-torch reference beside it):
 * ``gather(src_ptrs, lengths, out, out_offsets)`` / ``gather_torch``
 * ``scatter(src, src_offsets, dst_ptrs, lengths)`` / ``scatter_torch``
 * ``copy(src_ptrs, dst_ptrs, lengths)`` / ``copy_torch``: batched memcpy in one launch
-* three kernels behind them: the range kernel (any mix, ``_batched_copy``), the row kernel (pieces of one
-  length, ``_row_copy``) and the 2-D grid kernel (large pieces of one size, ``_grid_copy``);
-  ``plan_for_lengths`` picks one from host lengths, as the launch policy (``policy``) says
+* four kernels behind them: the range kernel (any mix, ``_batched_copy``), the row kernel (pieces of one
+  length, ``_row_copy``), the 2-D grid kernel (large pieces of one size, ``_grid_copy``) and the segment kernel
+  (unequal pieces, one program per segment of one piece, ``_segment_copy``); ``plan_for_lengths`` picks one from
+  host lengths, as the launch policy (``policy``) says
 * ``pack_chunk(...)`` / ``pack_chunk_torch``: header + item table + payload of a relay chunk in one launch
 * ``chunk``: the chunk wire format (``build_header_table``, ``parse_chunk``)
 * ``host_copy``: many memmoves on the host (the CPU path)
@@ -22,6 +23,7 @@ from pxn_kernels._batched_copy import (  # noqa: F401
 )
 from pxn_kernels._grid_copy import GridCopy, GridSettings, grid_settings  # noqa: F401
 from pxn_kernels._row_copy import RowCopy, RowSettings, row_settings  # noqa: F401
+from pxn_kernels._segment_copy import SegmentCopy, SegmentSettings, segment_table  # noqa: F401
 from pxn_kernels._memory import host_copy, host_view, raw_view  # noqa: F401
 from pxn_kernels.batch_copy import copy, copy_torch  # noqa: F401
 from pxn_kernels.gather import gather, gather_torch  # noqa: F401
@@ -32,4 +34,4 @@ __all__ = ["gather", "gather_torch", "scatter", "scatter_torch", "copy", "copy_t
            "chunk", "host_copy", "host_view", "raw_view", "plan_batched_copy", "plan_host", "launch_settings",
            "launch_batched_copy", "LaunchSettings", "CopyPlan", "DeviceBatch", "PreparedCopy", "Regime",
            "settings_for", "plan_for_lengths", "GridCopy", "GridSettings", "grid_settings", "RowCopy", "RowSettings",
-           "row_settings", "policy"]
+           "row_settings", "SegmentCopy", "SegmentSettings", "segment_table", "policy"]

@@ -37,6 +37,8 @@ from pxn_kernels._copy_piece import _copy_piece
 from pxn_kernels._grid_copy import GridCopy, GridSettings, grid_settings, launch_grid_copy
 from pxn_kernels._launch import CompiledKernel, anchor
 from pxn_kernels._row_copy import MAX_GRID_Y, RowCopy, RowSettings, launch_row_copy, row_settings
+from pxn_kernels._segment_copy import (SegmentCopy, SegmentSettings, launch_segment_copy, segment_settings,
+                                       segment_table)
 
 STREAM_ALIGN = 16
 
@@ -209,9 +211,10 @@ def launch_settings(n_items: int, device: torch.device, total_bytes: Optional[in
 class CopyPlan:
     """How a batch is split among programs. Reusable for the same lengths.
 
-    One of three kernels: the range plan (device tensors describing how the settings' ranges split the batch),
+    One of four kernels: the range plan (device tensors describing how the settings' ranges split the batch),
     or, when ``grid`` is set, the 2-D grid kernel of ``_grid_copy``, or, when ``row`` is set, the row kernel of
-    ``_row_copy`` (these two need no plan tensors: pad_ends/bounds/first_item are None).
+    ``_row_copy`` (these two need no plan tensors: pad_ends/bounds/first_item are None), or, when ``segment`` is
+    set, the segment kernel of ``_segment_copy`` over the device table ``segments``.
     """
 
     pad_ends: Optional[torch.Tensor]  # int64 [n]
@@ -220,13 +223,16 @@ class CopyPlan:
     settings: Optional[LaunchSettings]
     grid: Optional[GridSettings] = None
     row: Optional[RowSettings] = None
+    segment: Optional[SegmentSettings] = None
+    segments: Optional[torch.Tensor] = None  # int64 [segments]: the segment table, on the device
     # GPU launches already bound with this plan, by descriptor addresses (see launch_batched_copy)
     _bound: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def kernel(self) -> str:
-        """"row", "grid" or "range"."""
-        return "row" if self.row is not None else "grid" if self.grid is not None else "range"
+        """"row", "grid", "segment" or "range"."""
+        return "row" if self.row is not None else "grid" if self.grid is not None else \
+            "segment" if self.segment is not None else "range"
 
 
 def plan_batched_copy(lengths: torch.Tensor, settings: Optional[LaunchSettings] = None) -> CopyPlan:
@@ -284,7 +290,8 @@ def _equal_kernel(length: int, pol: dict) -> Optional[CopyPlan]:
         if -(-length // c["max_cols"]) > MAX_GRID_Y:
             return None
         plan = CopyPlan(None, None, None, None, row=row_settings(length, c["tile_bytes"], c["max_cols"],
-                                                                c["num_warps"], c.get("split", False)))
+                                                                c["num_warps"], c.get("split", False),
+                                                                c.get("programs_per_sm", 0)))
         if len(_row_plans) > 4096:
             _row_plans.clear()
         _row_plans[key] = plan
@@ -322,7 +329,8 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
 
     Pieces all of one length: the row kernel (short rows) or the 2-D grid kernel (from the policy's
     ``grid.min_bytes``; also pieces within 10 % of one size), as the launch policy says (``pxn_kernels.policy``).
-    Any other mix: the range plan, computed with numpy (``plan_host``) and moved to ``device`` in one copy.
+    Any other mix: on a GPU the segment kernel (its table built with numpy and moved to ``device`` in one copy),
+    unless the policy turns it off; else the range plan, computed with numpy (``plan_host``) and moved the same way.
     Plans are cached by the lengths themselves (the last 64 lists per process), since callers repeat the same
     lengths call after call: a repeat costs a hash of short lists, or a fingerprint and one comparison of long
     ones. ``stats``: the lengths' (min, max, sum) when the caller has them (``_checks.LengthStats``).
@@ -374,12 +382,29 @@ def _new_plan(lengths: np.ndarray, device: torch.device, stats) -> CopyPlan:
         grid = grid_settings(n, total, max(hi, 0), pol)
         if grid is not None:
             return CopyPlan(None, None, None, None, grid)
+        if device.type == "cuda":  # under the CPU interpreter every program costs ~0.5 ms: few range programs
+            plan = _segment_plan(lengths, device, pol)
+            if plan is not None:
+                return plan
     settings = launch_settings(n, device, total)
     ranges = settings.ranges
     pad_ends, bounds, first_item = plan_host(lengths, ranges, settings.range_bytes)
     words = torch.from_numpy(np.concatenate([pad_ends, bounds, first_item]).astype(np.int64, copy=False))
     d = words.to(device, non_blocking=True) if device.type == "cuda" else words
     return CopyPlan(d[:n], d[n:n + ranges + 1], d[n + ranges + 1:], settings)
+
+
+def _segment_plan(lengths: np.ndarray, device: torch.device, pol: dict) -> Optional[CopyPlan]:
+    """The segment kernel's plan for ``lengths`` when the policy enables it and the table fits the kernel."""
+    settings = segment_settings(pol)
+    if settings is None:
+        return None
+    table = segment_table(lengths, settings.seg_bytes)
+    if table is None:
+        return None
+    words = torch.from_numpy(table)
+    d = words.to(device, non_blocking=True) if device.type == "cuda" else words
+    return CopyPlan(None, None, None, None, segment=settings, segments=d)
 
 
 def _default_plan(lengths: torch.Tensor, host_lengths: Optional[np.ndarray], stats=None) -> CopyPlan:
@@ -519,6 +544,8 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
         launch_row_copy(src_index, dst_index, src_base, dst_base, plan.row)
     elif plan.grid is not None:
         launch_grid_copy(src_index, dst_index, lengths, src_base, dst_base, plan.grid)
+    elif plan.segment is not None:
+        launch_segment_copy(src_index, dst_index, lengths, plan.segments, src_base, dst_base, plan.segment)
     else:
         _RANGE_KERNEL.launch(*_range_launch(src_index, dst_index, lengths, src_base, dst_base, plan))
 
@@ -535,6 +562,8 @@ def _bind(src_index, dst_index, lengths, src_base: int, dst_base: int, plan: Cop
         g = plan.grid
         return GridCopy(src_index, dst_index, lengths, src_base, dst_base, g.max_bytes, g.seg_bytes, g.block_bytes,
                         g.num_warps, shift=g.shift)._call
+    if plan.segment is not None:
+        return SegmentCopy(src_index, dst_index, lengths, plan.segments, src_base, dst_base, plan.segment)._call
     return _RANGE_KERNEL.bind(*_range_launch(src_index, dst_index, lengths, src_base, dst_base, plan))
 
 
@@ -561,6 +590,9 @@ class PreparedCopy:
             g = plan.grid
             self._launch = GridCopy(src_index, dst_index, lengths, src_base, dst_base, g.max_bytes, g.seg_bytes,
                                     g.block_bytes, g.num_warps, shift=g.shift)
+        elif plan.segment is not None:
+            self._launch = SegmentCopy(src_index, dst_index, lengths, plan.segments, src_base, dst_base,
+                                       plan.segment)
         else:
             self._launch = _RANGE_KERNEL.bind(*_range_launch(src_index, dst_index, lengths, src_base, dst_base,
                                                              plan))

@@ -7,6 +7,11 @@ rows that chain, not the memory, sets the speed. Here program (r, c) copies byte
 of rows ``r * ROWS .. r * ROWS + ROWS - 1`` as one 2-D tile: the row addresses are one vector load (one memory
 round trip, no plan, no search), and every row of the tile is in flight at once.
 
+Persistent programs: with ``programs_per_sm`` set, a grid of that many programs per multiprocessor walks the row
+tiles in a grid-stride loop, and each program loads the next tile's row addresses before it copies the current
+tile, so that round trip overlaps the copy instead of preceding it. Rows picked at random from a large pool
+(every row a miss) gain most (benchmarks/NOTES.md, "Segment kernel and persistent row programs").
+
 Vector width: the widest of 16 / 8 / 4 / 2 / 1 bytes that divides the length and every row address of the
 tile (both ends), decided per program at run time, so rows whose size is not a multiple of 16 (100 B, 520 B,
 1500 B) still move 4- or 8-byte words. The tile is laid out ``[ROWS, COLS / VEC, VEC]`` so that the mask is
@@ -54,16 +59,9 @@ def _copy_row_tiles(anchor_ptr, src, dst, live, col0, length, COLS: tl.constexpr
 
 
 @triton.jit
-def _row_copy_kernel(anchor_ptr, src_index, dst_index, src_base, dst_base, n_rows, length,
-                     ROWS: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr):
-    # Row i: ``length`` bytes from anchor + src_base + src_index[i] to anchor + dst_base + dst_index[i]
-    # (bases already relative to the anchor).
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    col0 = tl.program_id(1).to(tl.int64) * COLS
-    live = rows < n_rows
-    src = src_base + tl.load(src_index + rows, mask=live, other=0)
-    dst = dst_base + tl.load(dst_index + rows, mask=live, other=0)
-    # the largest power of two (<= 16) dividing every live row's two addresses and the length
+def _copy_rows(anchor_ptr, src, dst, live, col0, length, COLS: tl.constexpr, TAIL: tl.constexpr):
+    # The tile's rows: ``length`` bytes from anchor + src[r] to anchor + dst[r] where ``live[r]``, in the widest
+    # vector (<= 16 bytes) dividing every live row's two addresses and the length.
     low = tl.where(live, (src | dst | length) & 15, 0)
     vec = tl.min(tl.where(low == 0, 16, low & -low), axis=0)
     if vec == 16:
@@ -78,17 +76,70 @@ def _row_copy_kernel(anchor_ptr, src_index, dst_index, src_base, dst_base, n_row
         _copy_row_tiles(anchor_ptr, src, dst, live, col0, length, COLS, TAIL, 1)
 
 
+@triton.jit
+def _row_copy_kernel(anchor_ptr, src_index, dst_index, src_base, dst_base, n_rows, length,
+                     ROWS: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr, VEC: tl.constexpr = 16,
+                     PERSISTENT: tl.constexpr = False, FALLBACK_COLS: tl.constexpr = 64):
+    # Row i: ``length`` bytes from anchor + src_base + src_index[i] to anchor + dst_base + dst_index[i]
+    # (bases already relative to the anchor). Columns [y * COLS, ...) of the rows.
+    col0 = tl.program_id(1).to(tl.int64) * COLS
+    if PERSISTENT:
+        # Program x copies row tiles x, x + X, x + 2X, ... and requests the next tile's row addresses before
+        # this tile's data moves, so their round trip overlaps the copy. VEC (bytes) divides the length. The
+        # first loop runs while every tile's addresses are VEC-aligned too; from the first tile that is not, the
+        # second loop copies the rest byte-wise, FALLBACK_COLS columns at a time. Any wider byte tile, or a choice
+        # of widths there, holds registers that the whole kernel then pays for in occupancy.
+        n_tiles = tl.cdiv(n_rows, ROWS)
+        step = tl.num_programs(0)
+        tile = tl.program_id(0)
+        rows = tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        live = rows < n_rows
+        src = src_base + tl.load(src_index + rows, mask=live, other=0)
+        dst = dst_base + tl.load(dst_index + rows, mask=live, other=0)
+        aligned = tl.max(tl.where(live, (src | dst) & (VEC - 1), 0), axis=0) == 0
+        while (tile < n_tiles) & aligned:
+            next_tile = tile + step
+            next_rows = next_tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            next_live = next_rows < n_rows
+            next_src = src_base + tl.load(src_index + next_rows, mask=next_live, other=0)
+            next_dst = dst_base + tl.load(dst_index + next_rows, mask=next_live, other=0)
+            _copy_row_tiles(anchor_ptr, src, dst, live, col0, length, COLS, TAIL, VEC)
+            tile = next_tile
+            live = next_live
+            src = next_src
+            dst = next_dst
+            aligned = tl.max(tl.where(live, (src | dst) & (VEC - 1), 0), axis=0) == 0
+        end = tl.minimum(length, col0 + COLS + TAIL)  # this program's columns of every row
+        while tile < n_tiles:
+            for c in range(0, COLS + TAIL, FALLBACK_COLS):
+                _copy_tile(anchor_ptr, src, dst, live, col0 + c, end, FALLBACK_COLS, 1)
+            tile = tile + step
+            rows = tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            live = rows < n_rows
+            src = src_base + tl.load(src_index + rows, mask=live, other=0)
+            dst = dst_base + tl.load(dst_index + rows, mask=live, other=0)
+    else:
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        live = rows < n_rows
+        src = src_base + tl.load(src_index + rows, mask=live, other=0)
+        dst = dst_base + tl.load(dst_index + rows, mask=live, other=0)
+        _copy_rows(anchor_ptr, src, dst, live, col0, length, COLS, TAIL)
+
+
 @dataclass(frozen=True)
 class RowSettings:
     """The row kernel's shape for one batch: ``length`` bytes per row, ``rows`` rows and ``cols`` bytes (a power
     of two >= 16) per program, ``num_warps`` warps per program. ``tail`` (bytes; 0, or a power of two >= 16 with
-    ``cols < length <= cols + tail``): each program copies whole rows as a ``cols`` head and a ``tail`` tile."""
+    ``cols < length <= cols + tail``): each program copies whole rows as a ``cols`` head and a ``tail`` tile.
+    ``programs_per_sm``: 0 for one program per row tile, else a persistent grid of at most that many programs per
+    multiprocessor, each walking tiles in a grid-stride loop."""
 
     length: int
     rows: int
     cols: int
     num_warps: int
     tail: int = 0
+    programs_per_sm: int = 0
 
     def __post_init__(self):
         for name in ("rows", "cols", "num_warps"):
@@ -103,9 +154,16 @@ class RowSettings:
                           or not self.cols < self.length <= self.cols + self.tail):
             raise ValueError(f"RowSettings.tail {self.tail}: 0, or a power of two >= 16 with cols ({self.cols}) < "
                              f"length ({self.length}) <= cols + tail")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"RowSettings.programs_per_sm must be >= 0, got {self.programs_per_sm}")
 
-    def grid(self, n_rows: int):
-        return (max(1, -(-n_rows // self.rows)), 1 if self.tail else -(-self.length // self.cols))
+    def grid(self, n_rows: int, multiprocessors: int = 0):
+        """(programs along the row tiles, column tiles) for ``n_rows`` rows on a GPU with ``multiprocessors``
+        SMs (0: unknown, one program per row tile)."""
+        tiles = max(1, -(-n_rows // self.rows))
+        if self.programs_per_sm and multiprocessors:
+            tiles = min(tiles, self.programs_per_sm * multiprocessors)
+        return (tiles, 1 if self.tail else -(-self.length // self.cols))
 
 
 def _pow2_at_least(value: int) -> int:
@@ -113,11 +171,12 @@ def _pow2_at_least(value: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def row_settings(length: int, tile_bytes: int, max_cols: int, num_warps: int, split: bool = False) -> RowSettings:
+def row_settings(length: int, tile_bytes: int, max_cols: int, num_warps: int, split: bool = False,
+                 programs_per_sm: int = 0) -> RowSettings:
     """The row kernel's settings for rows of ``length`` bytes: a tile of about ``tile_bytes``, as many whole
     rows as fit (columns: the row rounded up to a power of two, at most ``max_cols``). ``split``: a row that is
     not a power of two and fits ``max_cols`` is copied as a head and a tail tile (``RowSettings.tail``) when that
-    masks fewer lanes. Pure: no device access."""
+    masks fewer lanes. ``programs_per_sm``: see ``RowSettings``. Pure: no device access."""
     cols = max(16, min(_pow2_at_least(length), max_cols))
     tail = 0
     if split and 16 < length < cols:
@@ -129,7 +188,7 @@ def row_settings(length: int, tile_bytes: int, max_cols: int, num_warps: int, sp
     rows = max(1, _pow2_at_least(tile_bytes // width) if tile_bytes >= width else 1)
     if rows * width > tile_bytes and rows > 1:
         rows //= 2
-    return RowSettings(int(length), rows, cols, num_warps, tail)
+    return RowSettings(int(length), rows, cols, num_warps, tail, programs_per_sm)
 
 
 def equal_length(lengths: np.ndarray):
@@ -151,8 +210,25 @@ def _args(src_index, dst_index, src_base, dst_base, n_rows, settings: RowSetting
     return (a, src_index, dst_index, src_base - base, dst_base - base, n_rows, settings.length)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grid(settings: RowSettings, n_rows: int, device: torch.device):
+    # the CPU interpreter counts as one multiprocessor (its programs run one after the other anyway)
+    if not settings.programs_per_sm:
+        return settings.grid(n_rows)
+    return settings.grid(n_rows, _multiprocessors(device.index if device.index is not None else 0)
+                         if device.type == "cuda" else 1)
+
+
 def _constexprs(settings: RowSettings) -> dict:
-    return dict(ROWS=settings.rows, COLS=settings.cols, TAIL=settings.tail, num_warps=settings.num_warps)
+    out = dict(ROWS=settings.rows, COLS=settings.cols, TAIL=settings.tail, num_warps=settings.num_warps)
+    if settings.programs_per_sm:
+        length = settings.length
+        out.update(PERSISTENT=True, VEC=min(16, length & -length))
+    return out
 
 
 def launch_row_copy(src_index: torch.Tensor, dst_index: torch.Tensor, src_base: int, dst_base: int,
@@ -161,8 +237,8 @@ def launch_row_copy(src_index: torch.Tensor, dst_index: torch.Tensor, src_base: 
     n = src_index.numel()
     if n == 0:
         return
-    _KERNEL.launch(_args(src_index, dst_index, src_base, dst_base, n, settings), settings.grid(n),
-                   _constexprs(settings))
+    _KERNEL.launch(_args(src_index, dst_index, src_base, dst_base, n, settings),
+                   _grid(settings, n, src_index.device), _constexprs(settings))
 
 
 class RowCopy:
@@ -173,7 +249,8 @@ class RowCopy:
         n = src_index.numel()
         self._keep = (src_index, dst_index)
         self._call = (lambda: None) if n == 0 else _KERNEL.bind(
-            _args(src_index, dst_index, src_base, dst_base, n, settings), settings.grid(n), _constexprs(settings))
+            _args(src_index, dst_index, src_base, dst_base, n, settings), _grid(settings, n, src_index.device),
+            _constexprs(settings))
 
     def __call__(self) -> None:
         self._call()

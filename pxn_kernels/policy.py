@@ -1,13 +1,15 @@
 """The launch policy: which kernel copies a batch and with which launch settings, per GPU architecture and size
 class. The code picks from this table; users do not tune it.
 
-Three kernels (see ``_batched_copy``, ``_grid_copy``, ``_row_copy``):
+Four kernels (see ``_batched_copy``, ``_grid_copy``, ``_row_copy``, ``_segment_copy``):
 
 * pieces of one length below ``row.max_bytes``: the row kernel (several whole rows per program);
 * pieces of (nearly) one length from ``grid.min_bytes`` up: the 2-D grid kernel (one segment of one piece per
   program);
-* any other mix: the range kernel, with the ``range_small`` settings, or ``range_large`` when the mean piece is
-  at least ``large_mean_bytes``.
+* any other mix whose lengths the host knows, on a GPU: the segment kernel (one program per ``segment.seg_bytes``
+  of one piece, from a table cached by the lengths);
+* the rest (lengths only on the device, the CPU interpreter, ``segment.enabled`` false): the range kernel, with
+  the ``range_small`` settings, or ``range_large`` when the mean piece is at least ``large_mean_bytes``.
 
 ``PXN_KERNEL_POLICY=file.json`` (read once, at the first launch) replaces entries of the table: a JSON object
 with any of the keys below, either for every architecture or under an architecture's name (``"sm_90"``,
@@ -39,30 +41,35 @@ _BASE = {
     "max_programs": 1 << 16,
     "grid": {"enabled": True, "min_bytes": 4096, "seg_bytes": 4096, "block_bytes": 4096, "num_warps": 2,
              "shift": False},
+    # Unequal pieces: one program per segment of at most seg_bytes of one piece, one warp, 4 KB per iteration.
+    "segment": {"enabled": True, "seg_bytes": 16384, "block_bytes": 4096, "num_warps": 1, "shift": False},
     # Row kernel, by row length: the first class whose ``up_to`` (bytes) holds the length. tile_bytes: bytes per
     # program (whole rows, the row rounded up to a power of two, at most max_cols columns); split: a row that is
-    # not a power of two goes as a head and a tail tile when that masks fewer lanes (RowSettings.tail).
+    # not a power of two goes as a head and a tail tile when that masks fewer lanes (RowSettings.tail);
+    # programs_per_sm: 0 for a program per tile, else a persistent grid of that many programs per SM.
     "row": {"enabled": True, "max_bytes": 4095,
-            "classes": [{"up_to": 256, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4, "split": False},
-                        {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4, "split": False}]},
+            "classes": [{"up_to": 256, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4, "split": False,
+                         "programs_per_sm": 0},
+                        {"up_to": 1 << 62, "tile_bytes": 8192, "max_cols": 4096, "num_warps": 4, "split": False,
+                         "programs_per_sm": 0}]},
 }
 
 # Hopper (H100 / H200): the row classes that won the paged-row sweeps on an H200 (every candidate byte-checked
-# first; benchmarks/NOTES.md, "Row kernel: one-warp programs and split rows"): one warp per program everywhere,
-# 1 KB tiles for 65-128 B rows, 4 KB split tiles for 257-640 B rows (520 B, 576 B), 2 KB tiles otherwise.
-# Shifted words for pieces whose two ends differ in alignment: they beat the byte path on every unaligned mix
-# measured but `mixed` copy, and leave aligned pieces alone (benchmarks/NOTES.md, "The message path: writes as
-# arrays, completions at the writer", results/kernels-h200-shift-quick.json, and for the exception "Row kernel:
-# one-warp programs and split rows").
+# first; benchmarks/NOTES.md, "Row kernel: one-warp programs and split rows" and "Segment kernel and persistent
+# row programs"): one warp per program, persistent grids of 16 programs per SM up to 256 B rows and 32 above;
+# 2 KB tiles up to 128 B rows, 1 KB up to 640 B (a 520 B or 576 B row alone in a 1 KB tile), 2 KB up to 1 KiB,
+# 4 KB above. Shifted words for pieces whose two ends differ in alignment: they beat the byte path on every
+# unaligned mix measured, and leave aligned pieces alone (benchmarks/NOTES.md, "The message path: writes as
+# arrays, completions at the writer", results/kernels-h200-shift-quick.json).
 _ONE_WARP = {"max_cols": 4096, "num_warps": 1, "split": False}
 _SM90 = dict(_BASE, row={"enabled": True, "max_bytes": 4095,
-                         "classes": [dict(_ONE_WARP, up_to=64, tile_bytes=2048),
-                                     dict(_ONE_WARP, up_to=128, tile_bytes=1024),
-                                     dict(_ONE_WARP, up_to=256, tile_bytes=2048),
-                                     dict(_ONE_WARP, up_to=640, tile_bytes=4096, split=True),
-                                     dict(_ONE_WARP, up_to=1 << 62, tile_bytes=2048)]},
+                         "classes": [dict(_ONE_WARP, up_to=128, tile_bytes=2048, programs_per_sm=16),
+                                     dict(_ONE_WARP, up_to=256, tile_bytes=1024, programs_per_sm=16),
+                                     dict(_ONE_WARP, up_to=640, tile_bytes=1024, programs_per_sm=32),
+                                     dict(_ONE_WARP, up_to=1024, tile_bytes=2048, programs_per_sm=32),
+                                     dict(_ONE_WARP, up_to=1 << 62, tile_bytes=4096, programs_per_sm=32)]},
              range_small=dict(_BASE["range_small"], shift=True), range_large=dict(_BASE["range_large"], shift=True),
-             grid=dict(_BASE["grid"], shift=True))
+             grid=dict(_BASE["grid"], shift=True), segment=dict(_BASE["segment"], shift=True))
 
 # Architectures (compute capability -> name) with their own entries; others use "default".
 _TABLE = {"default": _BASE, "sm_90": _SM90}
@@ -73,8 +80,9 @@ DEFAULT = _BASE
 # The CPU interpreter: few, small programs (each costs ~0.5 ms of host time there).
 INTERPRETER = {"block_bytes": 256, "tail_block_bytes": 16, "num_warps": 1, "max_programs": 16}
 
-# Keys an entry of a list may leave out (a row class without "split" does not split).
-_OPTIONAL = {"split"}
+# Keys an entry of a list may leave out (a row class without "split" does not split; without "programs_per_sm"
+# it launches a program per tile).
+_OPTIONAL = {"split", "programs_per_sm"}
 
 _LOCK = threading.Lock()
 # Called after the overrides change (caches of plans built under the old policy).

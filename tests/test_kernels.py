@@ -384,12 +384,18 @@ def test_gather_from_pinned_host_memory(rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["auto", "range"])
 @pytest.mark.parametrize("lengths", [[64] * 4096, [512] * 4096, [8192] * 4096, [65536] * 1024,
-                                     [2359296] * 78, [8650752] * 78])
+                                     [2359296] * 78, [8650752] * 78, "mixed", "mixed_odd"])
 def test_gather_scatter_copy_at_benchmark_sizes(rng, lengths, kernel):
-    """Checked calls pick their kernel from the host lengths (the grid kernel from 8 KB pieces up); "range"
-    forces the range plan on the same sizes."""
+    """Checked calls pick their kernel from the host lengths (the grid kernel from 8 KB pieces up, the segment
+    kernel for the benchmark's mixed mixes); "range" forces the range plan on the same sizes."""
+    if lengths == "mixed":  # 1024 pieces of 64 B - 8 KB with 16 blocks of 2 MB among them
+        lengths = [int(x) for x in rng.integers(64, 8193, 1024)]
+        lengths[63::64] = [2 << 20] * 16
+    elif lengths == "mixed_odd":
+        lengths = [int(x) for x in rng.integers(1, 8193, 1024)]
+        lengths[63::64] = [(2 << 20) + int(x) for x in rng.integers(0, 16, 16)]
     plan = pxn_kernels.plan_batched_copy(_t(lengths)) if kernel == "range" else None
-    src_buf, src_addrs = _pieces(rng, lengths, [0])
+    src_buf, src_addrs = _pieces(rng, lengths, [0] if len(set(lengths)) == 1 else [0, 1, 5, 8, 15])
     offsets, size = _packed_offsets(lengths)
     out = _random_bytes(rng, size)
     ref = out.clone()
@@ -744,13 +750,20 @@ def test_plan_for_lengths_picks_the_kernel():
     assert pick([64] * 100) == "row"  # rows of one length: several whole rows per program
     row_class = next(c for c in pxn_kernels.policy.policy(DEVICE)["row"]["classes"] if 100 <= c["up_to"])  # per architecture
     assert plan([100] * 5).row == pxn_kernels.row_settings(100, row_class["tile_bytes"], row_class["max_cols"],
-                                                           row_class["num_warps"], row_class.get("split", False))
+                                                           row_class["num_warps"], row_class.get("split", False),
+                                                           row_class.get("programs_per_sm", 0))
     assert pick([4095] * 3) == "row" and pick([4096] * 3) == "grid"
-    assert pick([64, 2 << 20]) == "range"  # unequal sizes: most of the grid would idle
-    assert pick([64, 64, 0]) == "range"
-    assert pick([5000, 5000, 6000]) == "range"  # 12.5 % of the grid wasted, over the 10 % allowed
+    # unequal sizes (most of a grid would idle): the segment kernel on a GPU, the range kernel in the interpreter
+    unequal = "segment" if DEVICE.type == "cuda" else "range"
+    assert pick([64, 2 << 20]) == unequal
+    assert pick([64, 64, 0]) == unequal
+    assert pick([5000, 5000, 6000]) == unequal  # 12.5 % of the grid wasted, over the 10 % allowed
     assert pick([5000, 5000, 5400]) == "grid"
     assert pick([]) == "range"
+    if DEVICE.type == "cuda":
+        seg = pxn_kernels.policy.policy(DEVICE)["segment"]["seg_bytes"]
+        got = plan([1, seg, seg + 1, 0])
+        assert got.segments.cpu().tolist() == [0, 1 << 32, 2 << 32, (2 << 32) | 1]
     with pytest.raises(ValueError, match="seg_bytes 1000 must be a multiple of block_bytes 512"):
         pxn_kernels.GridCopy(_t([0]), _t([0]), _t([1]), 0, 0, 1, seg_bytes=1000, block_bytes=512)
 
@@ -906,13 +919,18 @@ def test_row_kernel_at_pool_sizes(rng, length, misalign):
     assert torch.equal(pool, before)
 
 
-@pytest.mark.parametrize("kind", ["row", "grid", "range"])
+@pytest.mark.parametrize("kind", ["row", "grid", "range", "segment"])
 def test_plan_reused_over_other_descriptors(rng, kind):
     """One plan, launched over two descriptor sets and then over the first set rewritten in place: each launch
     copies what its descriptors say now (GPU launches are bound once per descriptor addresses and plan)."""
-    length = {"row": 100, "grid": 4100, "range": None}[kind]
+    length = {"row": 100, "grid": 4100}.get(kind)
     lengths = [length] * 6 if length else [5, 64, 300, 17, 1, 90]
-    plan = pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
+    if kind == "range":
+        plan = pxn_kernels.plan_batched_copy(_t(lengths))
+    elif kind == "segment":
+        plan = _segment_plan(lengths, 64, 32)
+    else:
+        plan = pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
     assert plan.kernel == kind
     len_t = _t(lengths)
     offsets, size = _packed_offsets(lengths, 0, 16)
@@ -938,3 +956,98 @@ def test_plan_reused_over_other_descriptors(rng, kind):
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+# --- the segment kernel: unequal pieces, one program per segment of one piece ----------------------------------
+
+def _segment_plan(lengths, seg_bytes, block_bytes, shift=True):
+    from pxn_kernels._segment_copy import SegmentSettings, segment_table
+    table = segment_table(np.asarray(lengths, dtype=np.int64), seg_bytes)
+    return pxn_kernels.CopyPlan(None, None, None, None, segment=SegmentSettings(seg_bytes, block_bytes, 1, shift),
+                                segments=torch.from_numpy(table).to(DEVICE))
+
+
+def test_segment_table_and_limits(monkeypatch):
+    from pxn_kernels import _segment_copy as sc
+    table = sc.segment_table(np.asarray([1, 0, 64, 65, -5, 200], dtype=np.int64), 64)
+    expect = [(0, 0), (2, 0), (3, 0), (3, 1), (5, 0), (5, 1), (5, 2), (5, 3)]
+    assert table.tolist() == [(i << 32) | k for i, k in expect]
+    assert sc.segment_table(np.zeros(0, dtype=np.int64), 64).size == 0
+    monkeypatch.setattr(sc, "MAX_SEGMENTS", 7)
+    assert sc.segment_table(np.asarray([1, 0, 64, 65, -5, 200], dtype=np.int64), 64) is None
+    with pytest.raises(ValueError, match="seg_bytes 100 must be a multiple of block_bytes 64"):
+        sc.SegmentSettings(100, 64, 1)
+    with pytest.raises(ValueError, match="block_bytes must be a power of two >= 16, got 24"):
+        sc.SegmentSettings(48, 24, 1)
+    with pytest.raises(ValueError, match="num_warps must be a power of two, got 3"):
+        sc.SegmentSettings(64, 64, 3)
+    off = dict(pxn_kernels.policy.defaults(), segment=dict(pxn_kernels.policy.defaults()["segment"], enabled=False))
+    assert sc.segment_settings(off) is None
+
+
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize("lengths,src_misalign,out_misalign", [
+    ([1, 63, 0, 64, 65, 200, 3, 17], (0,), 0), ([1, 63, 0, 64, 65, 200, 3, 17], (1, 3, 8, 15), 5),
+    ([300, 1, 129, 48], (7,), 9), ([513, 2, 0, 0, 31], (0, 4), 16)])
+def test_segment_kernel_byte_exact(rng, shift, lengths, src_misalign, out_misalign):
+    """gather, scatter and copy through the segment kernel with 64-byte segments (a piece over several programs,
+    a short last segment, empty pieces), unaligned sources and outputs, fresh random data, poisoned outputs."""
+    plan = _segment_plan(lengths, 64, 32, shift)
+    assert plan.kernel == "segment"
+    src_buf, src_addrs = _pieces(rng, lengths, list(src_misalign))
+    offsets, size = _packed_offsets(lengths, out_misalign, 5)
+    out = _random_bytes(rng, size + 32)
+    ref = out.clone()
+    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    back = _random_bytes(rng, src_buf.numel())
+    expect = back.clone()
+    shift_to = back.data_ptr() - src_buf.data_ptr()
+    pxn_kernels.scatter(out, _t(offsets), _t([a + shift_to for a in src_addrs]), _t(lengths), plan=plan,
+                        backend="triton")
+    pxn_kernels.scatter_torch(ref, _t(offsets), _t([a + expect.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
+                              _t(lengths))
+    copied = _random_bytes(rng, src_buf.numel())
+    copied_ref = copied.clone()
+    launch = pxn_kernels.PreparedCopy(_t(src_addrs), _t([a + copied.data_ptr() - src_buf.data_ptr()
+                                                         for a in src_addrs]), _t(lengths), 0, 0, plan)
+    launch()
+    pxn_kernels.copy_torch(_t(src_addrs), _t([a + copied_ref.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
+                           _t(lengths))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert torch.equal(back, expect)
+    assert torch.equal(copied, copied_ref)
+    i = max(range(len(lengths)), key=lambda k: lengths[k])  # the reference moved the longest piece
+    start = src_addrs[i] - src_buf.data_ptr()
+    assert torch.equal(ref[offsets[i]:offsets[i] + lengths[i]], src_buf[start:start + lengths[i]])
+
+
+@pytest.mark.parametrize("rows,programs_per_sm,cols", [(1, 1, 256), (2, 3, 256), (4, 2, 256), (8, 1, 256),
+                                                        (2, 3, 128), (1, 2, 64)])
+def test_row_kernel_persistent_programs(rng, rows, programs_per_sm, cols):
+    """A persistent grid: fewer programs than row tiles, each walking tiles and loading the next tile's rows
+    ahead; from the misaligned row's tile on, the byte-wise loop; rows longer than a tile as column tiles. Every
+    row lands once, rows past the last tile are not touched (13 rows, not a multiple of a tile)."""
+    import pxn_kernels._row_copy as rc
+    length, n = 200, 13
+    pool, src = _pool_rows(rng, length, n, 2 * n + 1, 0)
+    src = [a + (1 if i == 6 else 0) for i, a in enumerate(src)]  # one misaligned row: that tile narrows
+    settings = pxn_kernels.RowSettings(length, rows, cols, 1, 0, programs_per_sm)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE.type == "cuda" else 1
+    tiles = -(-n // rows)
+    assert settings.grid(n, sms)[0] == min(tiles, programs_per_sm * sms)
+    assert settings.grid(n) == (tiles, -(-length // cols))
+    plan = pxn_kernels.CopyPlan(None, None, None, None, row=settings)
+    out = _random_bytes(rng, n * 208 + 16)
+    ref = out.clone()
+    offsets = _t([i * 208 for i in range(n)])
+    pxn_kernels.gather(_t(src), _t([length] * n), out, offsets, plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src), _t([length] * n), ref, offsets)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert rc._grid(settings, n, DEVICE)[0] == min(tiles, programs_per_sm * sms)
+    with pytest.raises(ValueError, match="programs_per_sm must be >= 0, got -1"):
+        pxn_kernels.RowSettings(length, rows, cols, 1, 0, -1)

@@ -7,6 +7,7 @@ itself would pick, so the key mirrors that specialisation.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Dict, Sequence, Tuple
 
@@ -83,9 +84,8 @@ class CompiledKernel:
             return lambda: fn[grid](*args, **constexprs)
         values = [t.data_ptr() for t in args[:self.n_tensors]] + list(args[self.n_tensors:])
         index = device.index if device.index is not None else 0
-        enqueue = launcher.bind(grid[0], grid[1], values)
-        stream_of = torch._C._cuda_getCurrentRawStream
-        return lambda: enqueue(stream_of(index))
+        return launcher.bind_current(grid[0], grid[1], values,
+                                     functools.partial(torch._C._cuda_getCurrentRawStream, index))
 
     def launch(self, args: Sequence, grid: Tuple[int, int], constexprs: dict) -> None:
         """Enqueue one launch now."""

@@ -317,8 +317,12 @@ def test_direct_launcher_passes_grid_values_and_stream(monkeypatch):
     enqueue = launcher.bind(11, 2, [1 << 41, 6, (1 << 31) - 1])
     launcher.launch(8, 98, [1, 2, 3])  # the shared buffer changes; the binding keeps its own values
     enqueue(97)
+    current = launcher.bind_current(5, 3, [7, -8, 9], lambda: 96)  # reads the stream itself at each call
+    launcher.launch(8, 98, [4, 5, 6])
+    current()
     assert calls == [(7, 3, 128, 0, 99, [1 << 40, -5, 123, 0]), (8, 1, 128, 0, 98, [1, 2, 3, 0]),
-                     (11, 2, 128, 0, 97, [1 << 41, 6, (1 << 31) - 1, 0])]
+                     (11, 2, 128, 0, 97, [1 << 41, 6, (1 << 31) - 1, 0]), (8, 1, 128, 0, 98, [4, 5, 6, 0]),
+                     (5, 3, 128, 0, 96, [7, -8, 9, 0])]
 
 
 def test_a_failed_direct_launch_names_the_call_and_the_code(monkeypatch):
@@ -338,6 +342,8 @@ def test_a_failed_direct_launch_names_the_call_and_the_code(monkeypatch):
         launcher.launch(1, 0, [1, 2])
     with pytest.raises(RuntimeError, match=r"^cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED \(719\)$"):
         launcher.bind(1, 1, [1, 2])(0)
+    with pytest.raises(RuntimeError, match=r"^cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED \(719\)$"):
+        launcher.bind_current(1, 1, [1, 2], lambda: 0)()
 
 
 def test_driver_errors_name_the_call_the_code_and_what_it_was_for(monkeypatch):
@@ -400,13 +406,18 @@ def test_a_wrapping_offset_inside_an_ordered_batch_is_refused(n):
 
 
 def test_lean_path_accepts_only_what_the_full_path_accepts():
-    """The unchecked-call shortcut (GPU only) takes a call only when every argument is what the full path
-    accepts; anything else, including every CPU call, goes the full way (which raises with the name)."""
+    """The unchecked-call shortcut takes a call only when every argument is what the full path accepts without
+    a copy (on the CPU: only the "triton" backend under the interpreter, never "auto", the memmove path);
+    anything else goes the full way (which raises with the name)."""
     import sys
     lean = sys.modules["pxn_kernels.gather"]._lean
     t = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     buf = torch.zeros(64, dtype=torch.uint8)
-    assert not lean(buf, t(1), t(1), t(1), "auto")  # CPU: never
+    assert not lean(buf, t(1), t(1), t(1), "auto")  # CPU: the memmove path
+    interpreted = sys.modules["pxn_kernels._batched_copy"]._INTERPRETED  # CPU tests: True; a GPU box: False
+    assert lean(buf, t(1), t(1), t(1), "triton") == interpreted
+    assert not lean(buf, t(1), t(1, 2), t(1), "triton") and not lean(buf.view(8, 8).t(), t(1), t(1), t(1), "triton")
+    assert not lean(buf, t(1), t(1).to(torch.int32), t(1), "triton") and not lean(buf, t(1), t(1), t(1), "host")
     assert not lean(buf, [1], t(1), t(1), "auto")
     if HAS_CUDA:
         g = lambda *v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731

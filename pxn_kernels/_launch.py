@@ -18,7 +18,7 @@ from pxn_kernels._direct_launch import DirectLauncher
 # False: every launch goes through Triton's own path (the benchmark's host-overhead probe compares the two).
 USE_DIRECT = True
 
-_ANCHORS: Dict[str, torch.Tensor] = {}
+_ANCHORS: Dict[torch.device, torch.Tensor] = {}
 _ANCHOR_LOCK = threading.Lock()
 
 
@@ -28,7 +28,7 @@ def anchor(device: torch.device) -> torch.Tensor:
     Why: an int->pointer cast loses the alignment facts the compiler needs for 16-byte vector accesses;
     ``anchor + int64 offset`` keeps them.
     """
-    key = str(device)
+    key = device  # torch.device hashes by (type, index), as its string did
     found = _ANCHORS.get(key)
     if found is None:
         with _ANCHOR_LOCK:

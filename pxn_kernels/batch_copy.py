@@ -44,8 +44,8 @@ def copy(src_ptrs, dst_ptrs, lengths, check: bool = True, plan: Optional[CopyPla
             "copy", len_np, [_checks.address("src_ptrs", src_np), _checks.address("dst_ptrs", dst_np)],
             written=("dst_ptrs", dst_np),
             written_tensors=None if args.on_host else (args.values["dst_ptrs"], args.values["lengths"]))
-        if not use_host and not peer_access.reachable(device, [src_np, dst_np], len_np,
-                                                      [stats.spans.get("src_ptrs"), stats.spans.get("dst_ptrs")]):
+        if not use_host and device.type == "cuda" and not peer_access.reachable(
+                device, [src_np, dst_np], len_np, [stats.spans.get("src_ptrs"), stats.spans.get("dst_ptrs")]):
             peer_access.staged_copy(src_np, dst_np, len_np, device)
             return
     if not args.count:

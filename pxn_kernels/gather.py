@@ -54,7 +54,8 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
             written=("out_offsets", off_np),
             written_tensors=None if args.on_host else (args.values["out_offsets"], args.values["lengths"]))
         # sources on another GPU: peer access first, or piece by piece where the pair cannot have it
-        if not use_host and not peer_access.reachable(device, [src_np], len_np, [stats.spans.get("src_ptrs")]):
+        if not use_host and device.type == "cuda" and \
+                not peer_access.reachable(device, [src_np], len_np, [stats.spans.get("src_ptrs")]):
             peer_access.staged_copy(src_np, out.data_ptr() + off_np, len_np, device)
             return out
     if not args.count:

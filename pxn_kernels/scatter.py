@@ -39,7 +39,8 @@ def scatter(src: torch.Tensor, src_offsets, dst_ptrs, lengths, check: bool = Tru
                                 _checks.address("dst_ptrs", dst_np)],
             written=("dst_ptrs", dst_np),
             written_tensors=None if args.on_host else (args.values["dst_ptrs"], args.values["lengths"]))
-        if not use_host and not peer_access.reachable(device, [dst_np], len_np, [stats.spans.get("dst_ptrs")]):
+        if not use_host and device.type == "cuda" and \
+                not peer_access.reachable(device, [dst_np], len_np, [stats.spans.get("dst_ptrs")]):
             peer_access.staged_copy(src.data_ptr() + off_np, dst_np, len_np, device)
             return
     if not args.count:

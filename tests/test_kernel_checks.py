@@ -41,11 +41,16 @@ def _outcome(op, lengths, checks, written, tensors=None):
 
 def _batch(rng, n, kind):
     """(lengths, addresses, offsets, limit) of a valid batch: "sorted" chunk offsets, "rows" unordered rows of
-    one length, "mixed" unordered pieces of any length, some of them 0."""
+    one length, "sorted_rows" rows of one length in ascending order with gaps (a gather of rows into a chunk),
+    "mixed" unordered pieces of any length, some of them 0."""
     if kind == "rows":
         length = int(rng.integers(1, 300))
         lengths = np.full(n, length, dtype=np.int64)
         starts = rng.permutation(3 * n)[:n].astype(np.int64) * length
+    elif kind == "sorted_rows":
+        length = int(rng.integers(1, 300))
+        lengths = np.full(n, length, dtype=np.int64)
+        starts = np.cumsum(rng.integers(0, 3, n) + length).astype(np.int64) - length
     else:
         lengths = rng.integers(0 if kind == "mixed" else 1, 500, n).astype(np.int64)
         gaps = rng.integers(0, 9, n).astype(np.int64)
@@ -85,7 +90,7 @@ HOWS = ["none", "negative_length", "zero_address", "overflow", "negative_offset"
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.sampled_from([1, 2, 5, 63, 64, 65, 300, 5000]), kind=st.sampled_from(["sorted", "rows", "mixed"]),
+@given(n=st.sampled_from([1, 2, 5, 63, 64, 65, 300, 5000]), kind=st.sampled_from(["sorted", "rows", "sorted_rows", "mixed"]),
        how=st.sampled_from(HOWS), case_seed=st.integers(0, 1 << 30))
 def test_fast_checks_agree_with_the_per_piece_checks(seed, n, kind, how, case_seed):
     """Python-int path (<= 64 pieces), numpy path, sorted and unordered written ranges, zero lengths: the
@@ -102,6 +107,25 @@ def test_fast_checks_agree_with_the_per_piece_checks(seed, n, kind, how, case_se
             ("copy", [_checks.address("src_ptrs", addresses), _checks.address("dst_ptrs", starts + (1 << 40))],
              ("dst_ptrs", starts + (1 << 40)))]:
         assert _outcome(op, lengths, checks, written) == _reference(op, lengths, checks, written)
+
+
+@pytest.mark.parametrize("n", [2, 5, 64, 65])
+def test_ordered_rows_overlapping_their_neighbour_are_refused(rng, n):
+    """Rows of one length in ascending order where one starts a byte before its neighbour ends (the order alone
+    does not show it): refused, with the per-piece checks' message; one byte later they are accepted."""
+    length = int(rng.integers(2, 300))
+    lengths = np.full(n, length, dtype=np.int64)
+    starts = np.cumsum(rng.integers(0, 3, n) + length).astype(np.int64) - length
+    k = int(rng.integers(1, n))
+    starts[k:] += starts[k - 1] + length - 1 - starts[k]  # piece k (and all after it) one byte early
+    limit = int(starts[-1]) + length
+    addresses = rng.integers(1, 1 << 46, n).astype(np.int64)
+    for fix in (0, 1):
+        starts[k:] += fix
+        checks = [_checks.address("src_ptrs", addresses), _checks.within("out_offsets", starts, limit + fix, "out")]
+        message = _outcome("gather", lengths, checks, ("out_offsets", starts))
+        assert message == _reference("gather", lengths, checks, ("out_offsets", starts))
+        assert (message is None) == bool(fix) and (fix or f"out_offsets[{k - 1}]" in message)
 
 
 def test_unordered_overlap_found_on_wide_spans(rng):

@@ -455,6 +455,19 @@ def _plain_arrays(named: dict) -> int:
     return count
 
 
+def _plain_tensors(named: dict, device: torch.device) -> int:
+    """As ``_plain_arrays`` for contiguous 1-D int64 tensors on ``device`` (a caller holding its descriptors
+    there), else -1."""
+    count = -1
+    for tensor in named.values():
+        if type(tensor) is not torch.Tensor or tensor.dtype is not torch.int64 or tensor.dim() != 1 \
+                or not tensor.is_contiguous() or tensor.device != device \
+                or (count >= 0 and tensor.numel() != count):
+            return -1
+        count = tensor.numel()
+    return count
+
+
 def index_args(op: str, device: torch.device, **named) -> IndexArgs:
     """Validate the index arguments' types: int64, 1-D, one length. Either all tensors on ``device``, or all on
     the host (numpy arrays or CPU tensors): for a GPU ``device`` those are checked where they are and uploaded
@@ -465,6 +478,9 @@ def index_args(op: str, device: torch.device, **named) -> IndexArgs:
             return IndexArgs(count, True, named)
         # the CPU copy launches from tensors; the checks read the arrays themselves (no round trip through torch)
         return IndexArgs(count, False, {k: torch.from_numpy(a) for k, a in named.items()}, list(named.values()))
+    count = _plain_tensors(named, device)
+    if count >= 0:
+        return IndexArgs(count, False, named)
     if device.type != "cpu":
         for v in named.values():
             if not isinstance(v, np.ndarray) and not (isinstance(v, torch.Tensor) and v.device.type == "cpu"):

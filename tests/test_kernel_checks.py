@@ -553,6 +553,44 @@ def test_host_index_arrays_refused_with_the_value_and_nothing_written(rng):
         _bad_call_leaves_out_untouched(rng, call, match)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_index_args_take_plain_arguments_as_they_are_and_name_the_rest(device):
+    """The one-pass acceptance of plain index arguments (contiguous 1-D int64 numpy arrays, or such tensors on
+    the copy's device): those pass as the very objects given (host copies of numpy arrays are the arrays); a
+    strided view, another dtype, shape, device, count or a tensor subclass goes the general way, which copies
+    a strided view flat and names everything else. ``device`` "cuda": only its type matters for numpy
+    arrays; tensors need the GPU."""
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    arrays = dict(src_ptrs=_np([1 << 20, 2 << 20, 3 << 20]), lengths=_np([4, 5, 6]), out_offsets=_np([0, 8, 16]))
+    args = _checks.index_args("gather", dev, **arrays)
+    assert args.count == 3 and args.on_host == (device == "cuda")
+    assert all(a is b for a, b in zip(args.host(), arrays.values()))
+    if device == "cpu":
+        assert [v.tolist() for v in args.values.values()] == [a.tolist() for a in arrays.values()]
+        assert all(v.data_ptr() == a.ctypes.data for v, a in zip(args.values.values(), arrays.values()))
+    if device == "cuda" and not HAS_CUDA:
+        return
+    tensors = {k: torch.from_numpy(a).to(dev) for k, a in arrays.items()}
+    args = _checks.index_args("gather", dev, **tensors)
+    assert args.count == 3 and not args.on_host and all(a is b for a, b in zip(args.values.values(),
+                                                                                tensors.values()))
+    strided = torch.arange(6, dtype=torch.int64, device=dev)[::2]
+    args = _checks.index_args("gather", dev, **dict(tensors, out_offsets=strided))
+    assert args.values["out_offsets"].is_contiguous() and args.values["out_offsets"].tolist() == [0, 2, 4]
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = tensors["lengths"].as_subclass(Sub)
+    assert _checks.index_args("gather", dev, **dict(tensors, lengths=sub)).count == 3  # accepted the general way
+    for bad, match in [(dict(lengths=tensors["lengths"].to(torch.int32)), "lengths must be int64, got torch.int32"),
+                       (dict(lengths=tensors["lengths"].view(3, 1)), r"lengths must be 1-D, got shape \(3, 1\)"),
+                       (dict(out_offsets=tensors["out_offsets"][:2]), "out_offsets has 2 items but src_ptrs has 3"),
+                       (dict(src_ptrs=tensors["src_ptrs"].to("meta")), "src_ptrs is on meta")]:
+        with pytest.raises(ValueError, match=match):
+            _checks.index_args("gather", dev, **dict(tensors, **bad))
+
+
 def test_index_args_for_a_gpu_copy_keep_host_arrays_on_the_host():
     """For a GPU copy (only the device's type matters here, so this runs anywhere) host arrays and CPU tensors
     stay host arrays (one contiguous int64 array each, no copy of a contiguous one), and a bad one is named;

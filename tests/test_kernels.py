@@ -925,32 +925,32 @@ def test_unchecked_calls_with_a_plan_follow_their_arguments(rng, kind):
 
     out_main = _random_bytes(rng, size + 16)
 
-    def gather_and_compare(src_t, out=out_main, lens=len_t, offs=off_t):
-        out.copy_(_random_bytes(rng, out.numel()))  # poisoned afresh, in place: the same out object each call
-        ref = out.clone()
-        pxn_kernels.gather(src_t, lens, out, offs, check=False, plan=plan, backend="triton")
-        pxn_kernels.gather_torch(src_t, lens, ref, offs)
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        assert torch.equal(out, ref)
-        return out
+    def gather_and_compare(src_t, out=out_main, lens=len_t, offs=off_t, times=1):
+        for _ in range(times):
+            out.copy_(_random_bytes(rng, out.numel()))  # poisoned afresh, in place: the same out object each call
+            ref = out.clone()
+            pxn_kernels.gather(src_t, lens, out, offs, check=False, plan=plan, backend="triton")
+            pxn_kernels.gather_torch(src_t, lens, ref, offs)
+            if DEVICE.type == "cuda":
+                torch.cuda.synchronize()
+            assert torch.equal(out, ref)
 
     src_buf, src = _pieces(rng, lengths, [1, 0, 7])
     src_t = _t(src)
-    for _ in range(3):  # the second call on is remembered (on a GPU from the third, once the launch is bound)
+    for _ in range(3):  # remembered from the first call (on a GPU from the second, once the launch is bound)
         src_buf.copy_(_random_bytes(rng, src_buf.numel()))
         gather_and_compare(src_t)
     assert plan._recent is not None and plan._recent[0]() is src_t
     other_buf, other = _pieces(rng, lengths, [5, 2])
     src_t.copy_(_t(other))  # the same tensor rewritten in place: the remembered launch reads it
     gather_and_compare(src_t)
-    gather_and_compare(_t(src))  # another tensor object with the first addresses
+    gather_and_compare(_t(src))  # another tensor object (elsewhere) holding the first addresses
     kept = _random_bytes(rng, size + 32)
     gather_and_compare(src_t, out=kept)  # another out
     gather_and_compare(src_t, out=kept[16:])  # another out at another address
     moved = _t(src)
     src_t.set_(moved.untyped_storage(), 0, (n,), (1,))  # the same object onto another buffer
-    gather_and_compare(src_t)
+    gather_and_compare(src_t, times=2)  # on a GPU the second call binds and is remembered
     assert plan._recent[4] == moved.data_ptr()
     moved_out = _random_bytes(rng, size + 16)
     out_main.set_(moved_out.untyped_storage(), 0, (size + 16,), (1,))  # the same out object, another address
@@ -993,7 +993,7 @@ def test_unchecked_calls_with_a_plan_follow_their_arguments(rng, kind):
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
         assert torch.equal(copy_dst, copy_ref)
-    gather_and_compare(src_t)
+    gather_and_compare(src_t, times=2)
     assert plan._recent[0]() is src_t and plan._recent[3]() is out_main
     if DEVICE.type == "cpu":  # the CPU's "auto" backend is the memmove path: never the remembered launch
         assert not _batched_copy._lean(None, src_t, src_t, len_t, "auto")

@@ -10,6 +10,13 @@ Each call is timed with both kinds of index arguments (the ``args`` field of a r
 * ``device``: int64 tensors on the copy's device (a checked call reads them to the host first: on a GPU one
   device-to-host copy and one synchronisation with the stream).
 
+and, with tensors on the device and a plan made once (``plan_for_lengths``), two rows per call for a caller that
+keeps its descriptors (the ``call`` field; checked calls are ``checked``):
+
+* ``unchecked``: the public call with ``check=False, plan=...`` over the same tensors every time (what the
+  engine and relay pay per launch);
+* ``bound``: the launch bound once to those tensors (``PreparedCopy``), the floor the unchecked call approaches.
+
 On a machine without a GPU the tensors are CPU tensors and the kernel launch itself is stubbed (the Triton
 kernel object's ``[grid]`` returns a no-op), so the figure is the Python / numpy / torch work around the launch;
 there both kinds take the same path (numpy arrays are viewed as CPU tensors, nothing is moved).
@@ -18,6 +25,7 @@ On a GPU (``--device cuda``) nothing is stubbed: the launch, the upload and the 
 Target (issue 12): a checked call <= 30 us + 10 ns per piece; ``plan_for_lengths`` of 4096 pieces <= 20 us.
 
 Usage: python3 benchmarks/kernel_host_time.py [--device cpu|cuda] [--out PATH] [--args host,device]
+[--no-unchecked]
 (default output: a temporary file)
 """
 from __future__ import annotations
@@ -109,6 +117,27 @@ class Batch:
             "copy": lambda: pxn_kernels.copy(ptrs, copy_dst, lengths, backend="triton", device=device),
         }
 
+    def reused(self):
+        """(unchecked public calls, bound launches) over the device tensors with one plan made before."""
+        a = self.on_device
+        ptrs, lengths, offsets, copy_dst = a["ptrs"], a["lengths"], a["offsets"], a["copy_dst"]
+        plan = pxn_kernels.plan_for_lengths(self.host_lengths, self.device)
+        chunk = self.chunk
+        unchecked = {
+            "gather": lambda: pxn_kernels.gather(ptrs, lengths, chunk, offsets, check=False, plan=plan,
+                                                 backend="triton"),
+            "scatter": lambda: pxn_kernels.scatter(chunk, offsets, ptrs, lengths, check=False, plan=plan,
+                                                   backend="triton"),
+            "copy": lambda: pxn_kernels.copy(ptrs, copy_dst, lengths, check=False, plan=plan, backend="triton"),
+        }
+        prepared = pxn_kernels.PreparedCopy
+        bound = {
+            "gather": prepared(ptrs, offsets, lengths, 0, chunk.data_ptr(), plan),
+            "scatter": prepared(offsets, ptrs, lengths, chunk.data_ptr(), 0, plan),
+            "copy": prepared(ptrs, copy_dst, lengths, 0, 0, plan),
+        }
+        return unchecked, bound
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,6 +146,8 @@ def main() -> int:
     parser.add_argument("--counts", default=",".join(map(str, COUNTS)))
     parser.add_argument("--label", default="", help="what code was measured (kept in the JSON)")
     parser.add_argument("--args", default="host,device", help="index argument kinds to time: host, device or both")
+    parser.add_argument("--no-unchecked", action="store_true",
+                        help="skip the unchecked-call and bound-launch rows (plan reused)")
     args = parser.parse_args()
     device = torch.device(args.device)
     global pxn_kernels
@@ -135,10 +166,20 @@ def main() -> int:
             for arg_kind in args.args.split(","):
                 for op, call in batch.calls(arg_kind).items():
                     us, p10 = host_us(call, device=device)
-                    rows.append({"op": op, "pieces": n, "kind": kind, "args": arg_kind, "host_us": us,
-                                 "host_us_p10": p10, "target_us": budget, "within_target_p10": p10 <= budget})
+                    rows.append({"op": op, "call": "checked", "pieces": n, "kind": kind, "args": arg_kind,
+                                 "host_us": us, "host_us_p10": p10, "target_us": budget,
+                                 "within_target_p10": p10 <= budget})
                     print(f"{op:>8} {kind:>6} {arg_kind:>6} n={n:>6}: median {us:8.1f} us, p10 {p10:8.1f} "
                           f"(target {budget:6.1f})", flush=True)
+            if not args.no_unchecked:
+                unchecked, bound = batch.reused()
+                for op in unchecked:
+                    for call_kind, call in (("unchecked", unchecked[op]), ("bound", bound[op])):
+                        us, p10 = host_us(call, device=device)
+                        rows.append({"op": op, "call": call_kind, "pieces": n, "kind": kind, "args": "device",
+                                     "host_us": us, "host_us_p10": p10})
+                        print(f"{op:>8} {kind:>6} {call_kind:>9} n={n:>6}: median {us:8.1f} us, p10 {p10:8.1f}",
+                              flush=True)
             plan_us, p10 = host_us(lambda: pxn_kernels.plan_for_lengths(batch.host_lengths, device), device=device)
             rows.append({"op": "plan_for_lengths", "pieces": n, "kind": kind, "host_us": plan_us, "host_us_p10": p10})
             print(f"{'plan':>8} {kind:>6} {'host':>6} n={n:>6}: median {plan_us:8.1f} us, p10 {p10:8.1f}",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -227,6 +228,8 @@ class CopyPlan:
     segments: Optional[torch.Tensor] = None  # int64 [segments]: the segment table, on the device
     # GPU launches already bound with this plan, by descriptor addresses (see launch_batched_copy)
     _bound: dict = field(default_factory=dict, repr=False, compare=False)
+    # the last unchecked public call's arguments and its bound launch (see relaunch)
+    _recent: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
     def kernel(self) -> str:
@@ -515,8 +518,9 @@ def _range_launch(src_index, dst_index, lengths, src_base, dst_base, plan):
 
 
 def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, lengths: torch.Tensor,
-                        src_base: int, dst_base: int, plan: CopyPlan) -> None:
+                        src_base: int, dst_base: int, plan: CopyPlan):
     """Enqueue the copy on the current stream of the tensors' device. No checks: callers validate first.
+    Returns the bound launch it used (a callable enqueuing the same copy again), or None.
 
     On CUDA the compiled kernel is launched through ``DirectLauncher`` (one driver call); Triton's own launch
     path re-derives every argument's specialisation per call and costs ~18 us of host time on the H200 VM,
@@ -536,7 +540,7 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
             if bound is None:
                 bound = plan._bound[key] = _bind(src_index, dst_index, lengths, src_base, dst_base, plan)
             bound()
-            return
+            return bound
         if len(plan._bound) >= _BOUND_PER_PLAN:
             plan._bound.clear()
         plan._bound[key] = None
@@ -552,6 +556,77 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
 
 _BOUND_PER_PLAN = 8
 _UNSEEN = object()
+# the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 at import): CPU tensors may take the "triton"
+# backend's launch path
+_INTERPRETED = type(_batched_copy_kernel).__name__ == "InterpretedFunction"
+
+
+def _lean(buffer, a, b, c, backend: str) -> bool:
+    """Whether an unchecked call with a plan may launch at once: a contiguous uint8 ``buffer`` (None for
+    ``copy``) and three contiguous int64 1-D tensors of one length, all on one GPU (or all on the CPU with the
+    "triton" backend and the interpreter on) -- what the full path would accept without a copy, tested with the
+    cheapest calls. False: the full path decides (it names what is wrong, and copies a strided view)."""
+    try:
+        index = a.get_device() if buffer is None else buffer.get_device()
+        n = a.numel()
+        return ((backend == "auto" or backend == "triton") if index >= 0
+                else _interpreted_cpu(buffer, a, b, c, backend)) \
+            and (buffer is None or (buffer.dtype is torch.uint8 and buffer.is_contiguous())) \
+            and a.dtype is torch.int64 and b.dtype is torch.int64 and c.dtype is torch.int64 \
+            and a.dim() == 1 and b.dim() == 1 and c.dim() == 1 and b.numel() == n and c.numel() == n \
+            and a.is_contiguous() and b.is_contiguous() and c.is_contiguous() \
+            and a.get_device() == index and b.get_device() == index and c.get_device() == index
+    except AttributeError:  # not tensors: the full path names the argument
+        return False
+
+
+def _interpreted_cpu(buffer, a, b, c, backend: str) -> bool:
+    return backend == "triton" and _INTERPRETED and a.device.type == "cpu" and b.device.type == "cpu" \
+        and c.device.type == "cpu" and (buffer is None or buffer.device.type == "cpu")
+
+
+def _no_buffer():  # the weak reference slot of a call without a buffer (``copy``)
+    return None
+
+
+def relaunch(plan: CopyPlan, src_index, dst_index, lengths, buffer, buffer_is_src: bool, backend: str) -> bool:
+    """The unchecked public call with a plan (``check=False``): launch the copy at once when the arguments are
+    what the full path would take without a copy (``_lean``); True when launched, False when the full path must
+    run. ``buffer``: gather's ``out`` / scatter's ``src`` (its address is the destination / source base,
+    ``buffer_is_src`` says which), None for ``copy``.
+
+    A caller with cached descriptors passes the same tensor objects call after call; the plan remembers the last
+    such call (weak references to its tensors, their addresses and count, the backend) with its bound launch,
+    and a call with the same objects still at the same addresses and count launches that directly: identity,
+    address and count replace the type test, since those objects passed it and a tensor's dtype, device and
+    layout do not change while its address and count stay (short of ``set_`` / ``as_strided_`` / ``.data`` on
+    the caller's own descriptors, which the unchecked call leaves to its caller as it does their values)."""
+    recent = plan._recent
+    if recent is not None:
+        src_ref, dst_ref, len_ref, buf_ref, src_ptr, dst_ptr, len_ptr, buf_ptr, n, kind, launch = recent
+        if src_ref() is src_index and dst_ref() is dst_index and len_ref() is lengths and buf_ref() is buffer \
+                and backend == kind and src_index.data_ptr() == src_ptr and dst_index.data_ptr() == dst_ptr \
+                and lengths.data_ptr() == len_ptr and (buffer is None or buffer.data_ptr() == buf_ptr) \
+                and lengths.numel() == n and src_index.numel() == n and dst_index.numel() == n:
+            launch()
+            return True
+    if not _lean(buffer, src_index, dst_index, lengths, backend):
+        return False
+    base = 0 if buffer is None else buffer.data_ptr()
+    src_base, dst_base = (base, 0) if buffer_is_src else (0, base)
+    n = lengths.numel()
+    if lengths.is_cuda:
+        launch = launch_batched_copy(src_index, dst_index, lengths, src_base, dst_base, plan)
+    elif n:  # the interpreter: a binding costs no more than a launch
+        launch = _bind(src_index, dst_index, lengths, src_base, dst_base, plan)
+        launch()
+    else:
+        launch = None
+    if launch is not None:
+        plan._recent = (weakref.ref(src_index), weakref.ref(dst_index), weakref.ref(lengths),
+                        _no_buffer if buffer is None else weakref.ref(buffer), src_index.data_ptr(),
+                        dst_index.data_ptr(), lengths.data_ptr(), base, n, backend, launch)
+    return True
 
 
 def _bind(src_index, dst_index, lengths, src_base: int, dst_base: int, plan: CopyPlan):

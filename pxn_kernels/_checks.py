@@ -276,8 +276,9 @@ SMALL = 64
 
 def _small_ok(lengths: list, lmin: int, lmax: int, checks, written) -> Optional[dict]:
     """``_fast_ok`` on Python ints (exact: no overflow to guard against) for small batches (``lmin`` / ``lmax``:
-    the lengths' extremes): each argument's extremes first, its ends only where they do not settle a check;
-    unordered written ranges by their sorted starts and ends."""
+    the lengths' extremes). The written ranges first: in ascending order (each end at most the next start) or,
+    failing that, sorted, which gives their argument's extremes without a pass of its own; then each argument's
+    extremes, its ends only where those do not settle a check."""
     spans = {}
     if lmin > 0:
         pick = None
@@ -288,33 +289,47 @@ def _small_ok(lengths: list, lmin: int, lmax: int, checks, written) -> Optional[
         lengths = [lengths[i] for i in live]
         lmin = min(lengths)
         pick = lambda values: [values[i] for i in live]  # noqa: E731
-    seen = {}
-    for check in checks:
-        values = check[2].tolist()
+    known = None
+    if written is not None and len(lengths) >= 2:
+        starts = written[1].tolist()
         if pick is not None:
-            values = pick(values)
-        lo, hi = min(values), max(values)
+            starts = pick(starts)
+        # one length: neighbours at least that far apart; else each end at most the next start. Unordered: the
+        # i-th smallest end must not pass the (i+1)-th smallest start (see _disjoint_sorted); with one length
+        # the ends of the sorted starts are in order already
+        if lmin == lmax:
+            # a batch whose two first or two last starts are not in order skips the pass that would find it out
+            if starts[1] - starts[0] >= lmin and starts[-1] - starts[-2] >= lmin \
+                    and min(map(operator.sub, starts[1:], starts)) >= lmin:
+                lo, hi = starts[0], starts[-1]
+            else:
+                ordered = sorted(starts)
+                if min(map(operator.sub, ordered[1:], ordered)) < lmin:
+                    return None
+                lo, hi = ordered[0], ordered[-1]
+        elif all(map(operator.le, map(operator.add, starts, lengths), starts[1:])):
+            lo, hi = starts[0], starts[-1]
+        else:
+            ordered = sorted(starts)
+            if not all(map(operator.le, sorted(map(operator.add, starts, lengths)), ordered[1:])):
+                return None
+            lo, hi = ordered[0], ordered[-1]
+        known = (written[0], starts, lo, hi)
+    for check in checks:
+        if known is not None and check[1] == known[0]:
+            _, values, lo, hi = known
+        else:
+            values = check[2].tolist()
+            if pick is not None:
+                values = pick(values)
+            lo, hi = min(values), max(values)
         if check[0] == "address":
             if lo < 1 or (hi + lmax > _INT64_MAX and max(map(operator.add, values, lengths)) > _INT64_MAX):
                 return None
             spans[check[1]] = (lo, hi)
         elif lo < 0 or (hi + lmax > check[3] and max(map(operator.add, values, lengths)) > check[3]):
             return None
-        seen[check[1]] = values
-    if written is None or len(lengths) < 2:
-        return spans
-    starts = seen.get(written[0])
-    if starts is None:
-        starts = written[1].tolist()
-        if pick is not None:
-            starts = pick(starts)
-    if all(map(operator.le, map(operator.add, starts, lengths), starts[1:])):
-        return spans
-    # unordered: the i-th smallest end must not pass the (i+1)-th smallest start (see _disjoint_sorted); with
-    # one length the ends of the sorted starts are in order already
-    ordered = sorted(starts)
-    ends = map(operator.add, ordered, lengths) if lmin == lmax else sorted(map(operator.add, starts, lengths))
-    return spans if all(map(operator.le, ends, ordered[1:])) else None
+    return spans
 
 
 def address(name: str, addrs: np.ndarray):
@@ -346,13 +361,18 @@ def validate(op: str, lengths: np.ndarray, checks: Sequence[tuple] = (),
         return LengthStats(0, 0, 0, {})
     if n <= SMALL:
         as_list = lengths.tolist()
-        lmin, lmax = min(as_list), max(as_list)
+        first = as_list[0]
+        if as_list.count(first) == n:  # one length (rows): its extremes and sum without a pass each
+            lmin = lmax = first
+            total = first * n
+        else:
+            lmin, lmax, total = min(as_list), max(as_list), sum(as_list)
         if lmin < 0:
             check_lengths(op, lengths)
         spans = _small_ok(as_list, lmin, lmax, checks, written)
         if spans is None:
             _name_failure(op, lengths, checks, written)
-        return LengthStats(lmin, lmax, sum(as_list), spans)
+        return LengthStats(lmin, lmax, total, spans)
     lmin, lmax = int(lengths.min()), int(lengths.max())
     if lmin < 0:
         check_lengths(op, lengths)
@@ -423,10 +443,44 @@ def _host_arrays(op: str, named: dict):
     return count, values
 
 
+def _plain_arrays(named: dict) -> int:
+    """The count of index arguments that are all contiguous 1-D int64 numpy arrays of one length (what a caller
+    holding its descriptors on the host passes), else -1: the general path looks at them one by one."""
+    count = -1
+    for array in named.values():
+        if type(array) is not np.ndarray or array.dtype is not _INT64 or array.ndim != 1 \
+                or not array.flags.c_contiguous or (count >= 0 and array.size != count):
+            return -1
+        count = array.size
+    return count
+
+
+def _plain_tensors(named: dict, device: torch.device) -> int:
+    """As ``_plain_arrays`` for contiguous 1-D int64 tensors on ``device`` (a caller holding its descriptors
+    there), else -1."""
+    count = -1
+    for tensor in named.values():
+        if type(tensor) is not torch.Tensor or tensor.dtype is not torch.int64 or tensor.dim() != 1 \
+                or not tensor.is_contiguous() or tensor.device != device \
+                or (count >= 0 and tensor.numel() != count):
+            return -1
+        count = tensor.numel()
+    return count
+
+
 def index_args(op: str, device: torch.device, **named) -> IndexArgs:
     """Validate the index arguments' types: int64, 1-D, one length. Either all tensors on ``device``, or all on
     the host (numpy arrays or CPU tensors): for a GPU ``device`` those are checked where they are and uploaded
     once (``_batched_copy.run_batch``); for the CPU they are viewed as tensors (no copy)."""
+    count = _plain_arrays(named)
+    if count >= 0:
+        if device.type != "cpu":
+            return IndexArgs(count, True, named)
+        # the CPU copy launches from tensors; the checks read the arrays themselves (no round trip through torch)
+        return IndexArgs(count, False, {k: torch.from_numpy(a) for k, a in named.items()}, list(named.values()))
+    count = _plain_tensors(named, device)
+    if count >= 0:
+        return IndexArgs(count, False, named)
     if device.type != "cpu":
         for v in named.values():
             if not isinstance(v, np.ndarray) and not (isinstance(v, torch.Tensor) and v.device.type == "cpu"):
@@ -439,7 +493,8 @@ def index_args(op: str, device: torch.device, **named) -> IndexArgs:
     if any(isinstance(v, np.ndarray) for v in named.values()):
         if host_kinds:
             count, arrays = _host_arrays(op, named)
-            return IndexArgs(count, False, {k: torch.from_numpy(a) for k, a in arrays.items()})
+            return IndexArgs(count, False, {k: torch.from_numpy(a) for k, a in arrays.items()},
+                             list(arrays.values()))
         values = {k: torch.from_numpy(np.ascontiguousarray(v))
                   if isinstance(v, np.ndarray) and v.dtype == np.int64 and v.ndim == 1 else v
                   for k, v in named.items()}

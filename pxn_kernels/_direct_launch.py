@@ -83,24 +83,45 @@ class DirectLauncher:
     def bind(self, grid_x: int, grid_y: int, values: Sequence[int]):
         """A launch with fixed grid and argument values: ``fn(stream)`` is one driver call (no lock, no value
         writes; the relaunch path of callers that reuse their descriptors)."""
+        return self._bound(grid_x, grid_y, values, None)
+
+    def bind_current(self, grid_x: int, grid_y: int, values: Sequence[int], current_stream):
+        """As ``bind``, but ``fn()`` takes no argument: it launches on ``current_stream()`` (a C callable such as
+        ``functools.partial(torch._C._cuda_getCurrentRawStream, index)``), so that a relaunch is one Python
+        frame around the driver call."""
+        return self._bound(grid_x, grid_y, values, current_stream)
+
+    def _bound(self, grid_x: int, grid_y: int, values: Sequence[int], current_stream):
         slots = [type(v)(0) for v in self._values]
         for slot, value in zip(slots, values):
             slot.value = value
         params = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(v) for v in slots])
         function, launch, threads, shared = self._function, self._launch, self._threads, self._shared
         device = self._device
+        if device is not None:
+            import torch
+            current_device = torch._C._cuda_getDevice
 
-        def enqueue(stream: int) -> None:
-            if device is not None:
-                import torch
-                if torch._C._cuda_getDevice() != device:  # the function lives in its GPU's context
-                    with torch.cuda.device(device):
-                        err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, stream, params, None)
-                    if err:
-                        check(err, "cuLaunchKernel")
-                    return
-            err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, stream, params, None)
+        def enqueue_other(stream: int) -> None:  # the function lives in its GPU's context
+            import torch
+            with torch.cuda.device(device):
+                err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, stream, params, None)
             if err:
                 check(err, "cuLaunchKernel")
+
+        if current_stream is None:
+            def enqueue(stream: int) -> None:
+                if device is not None and current_device() != device:
+                    return enqueue_other(stream)
+                err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, stream, params, None)
+                if err:
+                    check(err, "cuLaunchKernel")
+        else:
+            def enqueue() -> None:
+                if device is not None and current_device() != device:
+                    return enqueue_other(current_stream())
+                err = launch(function, grid_x, grid_y, 1, threads, 1, 1, shared, current_stream(), params, None)
+                if err:
+                    check(err, "cuLaunchKernel")
         enqueue.keep = (slots, params)  # the driver reads the values through these pointers
         return enqueue

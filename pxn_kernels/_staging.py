@@ -193,9 +193,7 @@ class UploadPool:
         n, k = int(arrays[0].size), len(arrays)
         slot = self._acquire(k * n)
         try:
-            buf = slot.host_np
-            for j, a in enumerate(arrays):
-                buf[j * n:(j + 1) * n] = a
+            np.concatenate(arrays, out=slot.host_np[:k * n])  # one numpy call for the k arrays
             self.backend.copy(slot.dev_ptr, slot.host_ptr, 8 * k * n, stream)
         except BaseException:
             try:

@@ -6,9 +6,9 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks, peer_access
-from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, run_batch
+from pxn_kernels._batched_copy import CopyPlan, relaunch, run_batch
 from pxn_kernels._memory import host_copy, raw_view
-from pxn_kernels.gather import _lean, _use_host
+from pxn_kernels.gather import _use_host
 
 
 def copy(src_ptrs, dst_ptrs, lengths, check: bool = True, plan: Optional[CopyPlan] = None, backend: str = "auto",
@@ -26,8 +26,8 @@ def copy(src_ptrs, dst_ptrs, lengths, check: bool = True, plan: Optional[CopyPla
     Raises:
         ValueError naming the argument and value.
     """
-    if not check and plan is not None and device is None and _lean(None, src_ptrs, dst_ptrs, lengths, backend):
-        launch_batched_copy(src_ptrs, dst_ptrs, lengths, 0, 0, plan)
+    if not check and plan is not None and device is None and relaunch(plan, src_ptrs, dst_ptrs, lengths, None, False,
+                                                                       backend):
         return
     if device is None:
         if not isinstance(lengths, torch.Tensor):
@@ -44,8 +44,8 @@ def copy(src_ptrs, dst_ptrs, lengths, check: bool = True, plan: Optional[CopyPla
             "copy", len_np, [_checks.address("src_ptrs", src_np), _checks.address("dst_ptrs", dst_np)],
             written=("dst_ptrs", dst_np),
             written_tensors=None if args.on_host else (args.values["dst_ptrs"], args.values["lengths"]))
-        if not use_host and not peer_access.reachable(device, [src_np, dst_np], len_np,
-                                                      [stats.spans.get("src_ptrs"), stats.spans.get("dst_ptrs")]):
+        if not use_host and device.type == "cuda" and not peer_access.reachable(
+                device, [src_np, dst_np], len_np, [stats.spans.get("src_ptrs"), stats.spans.get("dst_ptrs")]):
             peer_access.staged_copy(src_np, dst_np, len_np, device)
             return
     if not args.count:

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks, peer_access
-from pxn_kernels._batched_copy import CopyPlan, _batched_copy_kernel, launch_batched_copy, run_batch
+from pxn_kernels._batched_copy import CopyPlan, _batched_copy_kernel, _lean, relaunch, run_batch  # noqa: F401
 from pxn_kernels._memory import host_copy, raw_view
 
 
@@ -39,8 +39,7 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
         length, an offset range outside ``out`` or overlapping another; RuntimeError when the "triton" backend
         cannot run here. Nothing is written when an argument is rejected.
     """
-    if not check and plan is not None and _lean(out, src_ptrs, lengths, out_offsets, backend):
-        launch_batched_copy(src_ptrs, out_offsets, lengths, 0, out.data_ptr(), plan)
+    if not check and plan is not None and relaunch(plan, src_ptrs, out_offsets, lengths, out, False, backend):
         return out
     _checks.check_byte_tensor("gather", "out", out)
     device = out.device
@@ -55,7 +54,8 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
             written=("out_offsets", off_np),
             written_tensors=None if args.on_host else (args.values["out_offsets"], args.values["lengths"]))
         # sources on another GPU: peer access first, or piece by piece where the pair cannot have it
-        if not use_host and not peer_access.reachable(device, [src_np], len_np, [stats.spans.get("src_ptrs")]):
+        if not use_host and device.type == "cuda" and \
+                not peer_access.reachable(device, [src_np], len_np, [stats.spans.get("src_ptrs")]):
             peer_access.staged_copy(src_np, out.data_ptr() + off_np, len_np, device)
             return out
     if not args.count:
@@ -75,24 +75,6 @@ def gather_torch(src_ptrs: torch.Tensor, lengths: torch.Tensor, out: torch.Tenso
         if length:
             out[offset:offset + length].copy_(raw_view(src, length, out.device))
     return out
-
-
-def _lean(buffer, a, b, c, backend: str) -> bool:
-    """Whether an unchecked call with a plan may launch at once: a contiguous uint8 GPU ``buffer`` (None for
-    ``copy``) and three contiguous int64 1-D tensors of one length on that GPU -- what the full path would accept
-    without a copy, tested with the cheapest calls, so that a caller relaunching with its cached plan pays for
-    little but the launch. False: the full path decides (it names what is wrong, and copies a strided view)."""
-    try:
-        index = a.get_device() if buffer is None else buffer.get_device()
-        n = a.numel()
-        return (index >= 0 and (backend == "auto" or backend == "triton")
-                and (buffer is None or (buffer.dtype is torch.uint8 and buffer.is_contiguous()))
-                and a.dtype is torch.int64 and b.dtype is torch.int64 and c.dtype is torch.int64
-                and a.dim() == 1 and b.dim() == 1 and c.dim() == 1 and b.numel() == n and c.numel() == n
-                and a.is_contiguous() and b.is_contiguous() and c.is_contiguous()
-                and a.get_device() == index and b.get_device() == index and c.get_device() == index)
-    except AttributeError:  # not tensors: the full path names the argument
-        return False
 
 
 def _use_host(backend: str, device: torch.device) -> bool:

@@ -273,6 +273,16 @@ def reachable(device, addr_lists, lengths, spans=None) -> bool:
     dev = getattr(device, "index", device)
     if getattr(device, "type", "cuda") != "cuda" or dev is None:
         return True
+    if spans is not None:  # the usual case: each span inside one cached allocation of this GPU
+        bases, ends, devs = _ranges.snapshot
+        for span in spans:
+            if span is None:
+                break
+            i = bisect.bisect_right(bases, span[0]) - 1
+            if i < 0 or span[1] >= ends[i] or devs[i] != dev:
+                break
+        else:
+            return True
     others: Set[int] = set()
     live = None
     for j, addrs in enumerate(addr_lists):

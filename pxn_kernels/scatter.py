@@ -6,9 +6,9 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks, peer_access
-from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, run_batch
+from pxn_kernels._batched_copy import CopyPlan, relaunch, run_batch
 from pxn_kernels._memory import host_copy, raw_view
-from pxn_kernels.gather import _lean, _use_host
+from pxn_kernels.gather import _use_host
 
 
 def scatter(src: torch.Tensor, src_offsets, dst_ptrs, lengths, check: bool = True, plan: Optional[CopyPlan] = None,
@@ -25,8 +25,7 @@ def scatter(src: torch.Tensor, src_offsets, dst_ptrs, lengths, check: bool = Tru
     Raises:
         ValueError naming the argument and value (as ``gather``).
     """
-    if not check and plan is not None and _lean(src, src_offsets, dst_ptrs, lengths, backend):
-        launch_batched_copy(src_offsets, dst_ptrs, lengths, src.data_ptr(), 0, plan)
+    if not check and plan is not None and relaunch(plan, src_offsets, dst_ptrs, lengths, src, True, backend):
         return
     _checks.check_byte_tensor("scatter", "src", src)
     device = src.device
@@ -40,7 +39,8 @@ def scatter(src: torch.Tensor, src_offsets, dst_ptrs, lengths, check: bool = Tru
                                 _checks.address("dst_ptrs", dst_np)],
             written=("dst_ptrs", dst_np),
             written_tensors=None if args.on_host else (args.values["dst_ptrs"], args.values["lengths"]))
-        if not use_host and not peer_access.reachable(device, [dst_np], len_np, [stats.spans.get("dst_ptrs")]):
+        if not use_host and device.type == "cuda" and \
+                not peer_access.reachable(device, [dst_np], len_np, [stats.spans.get("dst_ptrs")]):
             peer_access.staged_copy(src.data_ptr() + off_np, dst_np, len_np, device)
             return
     if not args.count:

@@ -41,11 +41,16 @@ def _outcome(op, lengths, checks, written, tensors=None):
 
 def _batch(rng, n, kind):
     """(lengths, addresses, offsets, limit) of a valid batch: "sorted" chunk offsets, "rows" unordered rows of
-    one length, "mixed" unordered pieces of any length, some of them 0."""
+    one length, "sorted_rows" rows of one length in ascending order with gaps (a gather of rows into a chunk),
+    "mixed" unordered pieces of any length, some of them 0."""
     if kind == "rows":
         length = int(rng.integers(1, 300))
         lengths = np.full(n, length, dtype=np.int64)
         starts = rng.permutation(3 * n)[:n].astype(np.int64) * length
+    elif kind == "sorted_rows":
+        length = int(rng.integers(1, 300))
+        lengths = np.full(n, length, dtype=np.int64)
+        starts = np.cumsum(rng.integers(0, 3, n) + length).astype(np.int64) - length
     else:
         lengths = rng.integers(0 if kind == "mixed" else 1, 500, n).astype(np.int64)
         gaps = rng.integers(0, 9, n).astype(np.int64)
@@ -85,7 +90,7 @@ HOWS = ["none", "negative_length", "zero_address", "overflow", "negative_offset"
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.sampled_from([1, 2, 5, 63, 64, 65, 300, 5000]), kind=st.sampled_from(["sorted", "rows", "mixed"]),
+@given(n=st.sampled_from([1, 2, 5, 63, 64, 65, 300, 5000]), kind=st.sampled_from(["sorted", "rows", "sorted_rows", "mixed"]),
        how=st.sampled_from(HOWS), case_seed=st.integers(0, 1 << 30))
 def test_fast_checks_agree_with_the_per_piece_checks(seed, n, kind, how, case_seed):
     """Python-int path (<= 64 pieces), numpy path, sorted and unordered written ranges, zero lengths: the
@@ -102,6 +107,25 @@ def test_fast_checks_agree_with_the_per_piece_checks(seed, n, kind, how, case_se
             ("copy", [_checks.address("src_ptrs", addresses), _checks.address("dst_ptrs", starts + (1 << 40))],
              ("dst_ptrs", starts + (1 << 40)))]:
         assert _outcome(op, lengths, checks, written) == _reference(op, lengths, checks, written)
+
+
+@pytest.mark.parametrize("n", [2, 5, 64, 65])
+def test_ordered_rows_overlapping_their_neighbour_are_refused(rng, n):
+    """Rows of one length in ascending order where one starts a byte before its neighbour ends (the order alone
+    does not show it): refused, with the per-piece checks' message; one byte later they are accepted."""
+    length = int(rng.integers(2, 300))
+    lengths = np.full(n, length, dtype=np.int64)
+    starts = np.cumsum(rng.integers(0, 3, n) + length).astype(np.int64) - length
+    k = int(rng.integers(1, n))
+    starts[k:] += starts[k - 1] + length - 1 - starts[k]  # piece k (and all after it) one byte early
+    limit = int(starts[-1]) + length
+    addresses = rng.integers(1, 1 << 46, n).astype(np.int64)
+    for fix in (0, 1):
+        starts[k:] += fix
+        checks = [_checks.address("src_ptrs", addresses), _checks.within("out_offsets", starts, limit + fix, "out")]
+        message = _outcome("gather", lengths, checks, ("out_offsets", starts))
+        assert message == _reference("gather", lengths, checks, ("out_offsets", starts))
+        assert (message is None) == bool(fix) and (fix or f"out_offsets[{k - 1}]" in message)
 
 
 def test_unordered_overlap_found_on_wide_spans(rng):
@@ -323,8 +347,12 @@ def test_direct_launcher_passes_grid_values_and_stream(monkeypatch):
     enqueue = launcher.bind(11, 2, [1 << 41, 6, (1 << 31) - 1])
     launcher.launch(8, 98, [1, 2, 3])  # the shared buffer changes; the binding keeps its own values
     enqueue(97)
+    current = launcher.bind_current(5, 3, [7, -8, 9], lambda: 96)  # reads the stream itself at each call
+    launcher.launch(8, 98, [4, 5, 6])
+    current()
     assert calls == [(7, 3, 128, 0, 99, [1 << 40, -5, 123, 0]), (8, 1, 128, 0, 98, [1, 2, 3, 0]),
-                     (11, 2, 128, 0, 97, [1 << 41, 6, (1 << 31) - 1, 0])]
+                     (11, 2, 128, 0, 97, [1 << 41, 6, (1 << 31) - 1, 0]), (8, 1, 128, 0, 98, [4, 5, 6, 0]),
+                     (5, 3, 128, 0, 96, [7, -8, 9, 0])]
 
 
 def test_a_failed_direct_launch_names_the_call_and_the_code(monkeypatch):
@@ -344,6 +372,8 @@ def test_a_failed_direct_launch_names_the_call_and_the_code(monkeypatch):
         launcher.launch(1, 0, [1, 2])
     with pytest.raises(RuntimeError, match=r"^cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED \(719\)$"):
         launcher.bind(1, 1, [1, 2])(0)
+    with pytest.raises(RuntimeError, match=r"^cuLaunchKernel failed: CUDA_ERROR_LAUNCH_FAILED \(719\)$"):
+        launcher.bind_current(1, 1, [1, 2], lambda: 0)()
 
 
 def test_driver_errors_name_the_call_the_code_and_what_it_was_for(monkeypatch):
@@ -406,13 +436,18 @@ def test_a_wrapping_offset_inside_an_ordered_batch_is_refused(n):
 
 
 def test_lean_path_accepts_only_what_the_full_path_accepts():
-    """The unchecked-call shortcut (GPU only) takes a call only when every argument is what the full path
-    accepts; anything else, including every CPU call, goes the full way (which raises with the name)."""
+    """The unchecked-call shortcut takes a call only when every argument is what the full path accepts without
+    a copy (on the CPU: only the "triton" backend under the interpreter, never "auto", the memmove path);
+    anything else goes the full way (which raises with the name)."""
     import sys
     lean = sys.modules["pxn_kernels.gather"]._lean
     t = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     buf = torch.zeros(64, dtype=torch.uint8)
-    assert not lean(buf, t(1), t(1), t(1), "auto")  # CPU: never
+    assert not lean(buf, t(1), t(1), t(1), "auto")  # CPU: the memmove path
+    interpreted = sys.modules["pxn_kernels._batched_copy"]._INTERPRETED  # CPU tests: True; a GPU box: False
+    assert lean(buf, t(1), t(1), t(1), "triton") == interpreted
+    assert not lean(buf, t(1), t(1, 2), t(1), "triton") and not lean(buf.view(8, 8).t(), t(1), t(1), t(1), "triton")
+    assert not lean(buf, t(1), t(1).to(torch.int32), t(1), "triton") and not lean(buf, t(1), t(1), t(1), "host")
     assert not lean(buf, [1], t(1), t(1), "auto")
     if HAS_CUDA:
         g = lambda *v: torch.tensor(v, dtype=torch.int64, device="cuda")  # noqa: E731
@@ -522,6 +557,44 @@ def test_host_index_arrays_refused_with_the_value_and_nothing_written(rng):
     ]
     for call, match in cases:
         _bad_call_leaves_out_untouched(rng, call, match)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_index_args_take_plain_arguments_as_they_are_and_name_the_rest(device):
+    """The one-pass acceptance of plain index arguments (contiguous 1-D int64 numpy arrays, or such tensors on
+    the copy's device): those pass as the very objects given (host copies of numpy arrays are the arrays); a
+    strided view, another dtype, shape, device, count or a tensor subclass goes the general way, which copies
+    a strided view flat and names everything else. ``device`` "cuda": only its type matters for numpy
+    arrays; tensors need the GPU."""
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    arrays = dict(src_ptrs=_np([1 << 20, 2 << 20, 3 << 20]), lengths=_np([4, 5, 6]), out_offsets=_np([0, 8, 16]))
+    args = _checks.index_args("gather", dev, **arrays)
+    assert args.count == 3 and args.on_host == (device == "cuda")
+    assert all(a is b for a, b in zip(args.host(), arrays.values()))
+    if device == "cpu":
+        assert [v.tolist() for v in args.values.values()] == [a.tolist() for a in arrays.values()]
+        assert all(v.data_ptr() == a.ctypes.data for v, a in zip(args.values.values(), arrays.values()))
+    if device == "cuda" and not HAS_CUDA:
+        return
+    tensors = {k: torch.from_numpy(a).to(dev) for k, a in arrays.items()}
+    args = _checks.index_args("gather", dev, **tensors)
+    assert args.count == 3 and not args.on_host and all(a is b for a, b in zip(args.values.values(),
+                                                                                tensors.values()))
+    strided = torch.arange(6, dtype=torch.int64, device=dev)[::2]
+    args = _checks.index_args("gather", dev, **dict(tensors, out_offsets=strided))
+    assert args.values["out_offsets"].is_contiguous() and args.values["out_offsets"].tolist() == [0, 2, 4]
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = tensors["lengths"].as_subclass(Sub)
+    assert _checks.index_args("gather", dev, **dict(tensors, lengths=sub)).count == 3  # accepted the general way
+    for bad, match in [(dict(lengths=tensors["lengths"].to(torch.int32)), "lengths must be int64, got torch.int32"),
+                       (dict(lengths=tensors["lengths"].view(3, 1)), r"lengths must be 1-D, got shape \(3, 1\)"),
+                       (dict(out_offsets=tensors["out_offsets"][:2]), "out_offsets has 2 items but src_ptrs has 3"),
+                       (dict(src_ptrs=tensors["src_ptrs"].to("meta")), "src_ptrs is on meta")]:
+        with pytest.raises(ValueError, match=match):
+            _checks.index_args("gather", dev, **dict(tensors, **bad))
 
 
 def test_index_args_for_a_gpu_copy_keep_host_arrays_on_the_host():

@@ -920,6 +920,104 @@ def test_row_kernel_at_pool_sizes(rng, length, misalign):
 
 
 @pytest.mark.parametrize("kind", ["row", "grid", "range", "segment"])
+def test_unchecked_calls_with_a_plan_follow_their_arguments(rng, kind):
+    """The unchecked call with a plan remembers its last arguments and launch (``_batched_copy.relaunch``). Each
+    call must still copy what its arguments say now: the same tensors with rewritten contents (the remembered
+    launch), other tensor objects, another ``out``, descriptors whose address or count changed in place (a
+    ``set_`` onto another buffer, a ``resize_``), host arrays (the full path), and the other two entries over
+    the same plan. Odd lengths at unaligned places, distinct bytes per piece, poisoned outputs, byte-exact."""
+    from pxn_kernels import _batched_copy
+    length = {"row": 63, "grid": 4100}.get(kind)
+    lengths = [length] * 7 if length else [1, 63, 300, 17, 5, 90, 2]
+    n = len(lengths)
+    if kind == "range":
+        plan = pxn_kernels.plan_batched_copy(_t(lengths))
+    elif kind == "segment":
+        plan = _segment_plan(lengths, 64, 32)
+    else:
+        plan = pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
+    assert plan.kernel == kind
+    len_t = _t(lengths)
+    offsets, size = _packed_offsets(lengths, misalign=3, gap=5)
+    off_t = _t(offsets)
+
+    out_main = _random_bytes(rng, size + 16)
+
+    def gather_and_compare(src_t, out=out_main, lens=len_t, offs=off_t, times=1):
+        for _ in range(times):
+            out.copy_(_random_bytes(rng, out.numel()))  # poisoned afresh, in place: the same out object each call
+            ref = out.clone()
+            pxn_kernels.gather(src_t, lens, out, offs, check=False, plan=plan, backend="triton")
+            pxn_kernels.gather_torch(src_t, lens, ref, offs)
+            if DEVICE.type == "cuda":
+                torch.cuda.synchronize()
+            assert torch.equal(out, ref)
+
+    src_buf, src = _pieces(rng, lengths, [1, 0, 7])
+    src_t = _t(src)
+    for _ in range(3):  # remembered from the first call (on a GPU from the second, once the launch is bound)
+        src_buf.copy_(_random_bytes(rng, src_buf.numel()))
+        gather_and_compare(src_t)
+    assert plan._recent is not None and plan._recent[0]() is src_t
+    other_buf, other = _pieces(rng, lengths, [5, 2])
+    src_t.copy_(_t(other))  # the same tensor rewritten in place: the remembered launch reads it
+    gather_and_compare(src_t)
+    gather_and_compare(_t(src))  # another tensor object (elsewhere) holding the first addresses
+    kept = _random_bytes(rng, size + 32)
+    gather_and_compare(src_t, out=kept)  # another out
+    gather_and_compare(src_t, out=kept[16:])  # another out at another address
+    moved = _t(src)
+    src_t.set_(moved.untyped_storage(), 0, (n,), (1,))  # the same object onto another buffer
+    gather_and_compare(src_t, times=2)  # on a GPU the second call binds and is remembered
+    assert plan._recent[4] == moved.data_ptr()
+    moved_out = _random_bytes(rng, size + 16)
+    out_main.set_(moved_out.untyped_storage(), 0, (size + 16,), (1,))  # the same out object, another address
+    gather_and_compare(src_t)
+    shorter = _t(src[:-1])
+    short_lens, short_offs = _t(lengths[:-1]), _t(offsets[:-1])
+    if kind in ("row", "grid"):  # the range and segment plans are for n pieces; these hold for any count
+        gather_and_compare(shorter, lens=short_lens, offs=short_offs)
+        short_lens.resize_(n - 2)  # the same objects, one piece fewer each, same addresses
+        short_offs.resize_(n - 2)
+        shorter.resize_(n - 2)
+        gather_and_compare(shorter, lens=short_lens, offs=short_offs)  # piece n - 2 stays poisoned
+    # host arrays with check=False: the full path (checked types, uploaded or viewed)
+    out = _random_bytes(rng, size + 16)
+    ref = out.clone()
+    pxn_kernels.gather(np.asarray(src, dtype=np.int64), np.asarray(lengths, dtype=np.int64), out,
+                       np.asarray(offsets, dtype=np.int64), check=False, plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src), len_t, ref, off_t)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    # scatter and copy over the same plan, each twice (the second remembered), then gather again
+    chunk = _random_bytes(rng, size + 16)
+    for _ in range(2):
+        back = _random_bytes(rng, src_buf.numel())
+        expect = back.clone()
+        dst_t = _t([back.data_ptr() + a - src_buf.data_ptr() for a in src])
+        pxn_kernels.scatter(chunk, off_t, dst_t, len_t, check=False, plan=plan, backend="triton")
+        ref_t = _t([expect.data_ptr() + a - src_buf.data_ptr() for a in src])
+        pxn_kernels.scatter_torch(chunk, off_t, ref_t, len_t)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(back, expect)
+        copy_dst = _random_bytes(rng, src_buf.numel())
+        copy_ref = copy_dst.clone()
+        cd_t = _t([copy_dst.data_ptr() + a - src_buf.data_ptr() for a in src])
+        cr_t = _t([copy_ref.data_ptr() + a - src_buf.data_ptr() for a in src])
+        pxn_kernels.copy(src_t, cd_t, len_t, check=False, plan=plan, backend="triton")
+        pxn_kernels.copy_torch(src_t, cr_t, len_t)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(copy_dst, copy_ref)
+    gather_and_compare(src_t, times=2)
+    assert plan._recent[0]() is src_t and plan._recent[3]() is out_main
+    if DEVICE.type == "cpu":  # the CPU's "auto" backend is the memmove path: never the remembered launch
+        assert not _batched_copy._lean(None, src_t, src_t, len_t, "auto")
+
+
+@pytest.mark.parametrize("kind", ["row", "grid", "range", "segment"])
 def test_plan_reused_over_other_descriptors(rng, kind):
     """One plan, launched over two descriptor sets and then over the first set rewritten in place: each launch
     copies what its descriptors say now (GPU launches are bound once per descriptor addresses and plan)."""

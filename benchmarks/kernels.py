@@ -651,7 +651,7 @@ def policy_from_rows(rows: list, mix_rows: list = ()) -> dict:
     ``shift`` / ``tail_block_bytes`` from the mixed mixes when a candidate beats the default by 3 % on every
     op of both mixes."""
     range_entry = _range_policy(mix_rows)
-    classes = [(128, (64, 100, 128)), (256, (256,)), (640, (520, 576)), (1024, (1024,)), (1 << 62, (1500, 2048))]
+    classes = [(64, (64,)), (256, (100, 128, 256)), (640, (520, 576)), (1024, (1024,)), (1 << 62, (1500, 2048))]
     by = {}
     for r in rows:
         if "ratio" in r and r.get("exact") and r["method"].startswith(("row:", "grid:")):

@@ -57,13 +57,13 @@ _BASE = {
 # Hopper (H100 / H200): the row classes that won the paged-row sweeps on an H200 (every candidate byte-checked
 # first; benchmarks/NOTES.md, "Row kernel: one-warp programs and split rows" and "Segment kernel and persistent
 # row programs"): one warp per program, persistent grids of 16 programs per SM up to 256 B rows and 32 above;
-# 2 KB tiles up to 128 B rows, 1 KB up to 640 B (a 520 B or 576 B row alone in a 1 KB tile), 2 KB up to 1 KiB,
+# 2 KB tiles up to 64 B rows, 1 KB up to 640 B (a 520 B or 576 B row alone in a 1 KB tile), 2 KB up to 1 KiB,
 # 4 KB above. Shifted words for pieces whose two ends differ in alignment: they beat the byte path on every
 # unaligned mix measured, and leave aligned pieces alone (benchmarks/NOTES.md, "The message path: writes as
 # arrays, completions at the writer", results/kernels-h200-shift-quick.json).
 _ONE_WARP = {"max_cols": 4096, "num_warps": 1, "split": False}
 _SM90 = dict(_BASE, row={"enabled": True, "max_bytes": 4095,
-                         "classes": [dict(_ONE_WARP, up_to=128, tile_bytes=2048, programs_per_sm=16),
+                         "classes": [dict(_ONE_WARP, up_to=64, tile_bytes=2048, programs_per_sm=16),
                                      dict(_ONE_WARP, up_to=256, tile_bytes=1024, programs_per_sm=16),
                                      dict(_ONE_WARP, up_to=640, tile_bytes=1024, programs_per_sm=32),
                                      dict(_ONE_WARP, up_to=1024, tile_bytes=2048, programs_per_sm=32),

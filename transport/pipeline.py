@@ -160,6 +160,10 @@ class _Attempt:
         self.reqs: List[WriteRequest] = []
         self.pending = 0  # writes posted and not completed
 
+    def rows_acked(self) -> bool:
+        """The fabric's ``on_acked`` of this attempt's ``WriteRows``: see ``Pipeline._rows_acked``."""
+        return self.engine._rows_acked(self)
+
     def fail_local(self, exc: BaseException) -> None:
         """A copy into a slot failed (the ring gives the slot back): fail the batch, retire the attempt."""
         self.engine._fail_batch(self.batch, exc if isinstance(exc, TransferError)
@@ -762,6 +766,41 @@ class Pipeline:
                 self._on_completion(rail, c)
             except Exception:  # noqa: BLE001 — one bad completion must not break the fabric's thread
                 log.exception("rail %d: handling completion %r failed", rail, c)
+
+    def _rows_acked(self, a: _Attempt) -> bool:
+        """A posted ``WriteRows`` (``transport.smallbatch``) was placed by the peer, in order on its endpoint: what
+        ``_on_completions``, ``_on_completion`` and ``_finish`` do for its completion, with the locks taken once
+        each and no ``Completion``. False when completions of the rail go through the poll loop meanwhile (an
+        earlier failure is being handled there): the fabric then reports the completion, which queues behind it."""
+        if self._closed:
+            return True
+        rail = a.prail.rail
+        with self._defer_lock:
+            if self._deferring[rail]:
+                return False
+        req = a.reqs[0]
+        with self._lock:
+            if self._inflight.pop(req.wr_id, None) is None:
+                return True
+            a.pending = 0
+            claimed = not a.finished and not a.cancelled
+            _, slot, landing = self._retire_locked(a)
+        self._rail_stats[rail].add_many((("completions", 1), ("bytes_completed", req.nbytes)))
+        self._release(a, slot, landing)
+        if not claimed:
+            return True
+        b = a.batch
+        with b.lock:
+            b.remaining -= 1
+            last = b.remaining == 0 and not b.event.is_set()
+        u = a.unit
+        if not last:
+            self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes)))
+            return True
+        self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes), ("batches_ok", 1)))
+        self._account_done(f"batch {b.id}", b.t0, now_ns(), b.n_items, b.nbytes, True, counted=True)
+        b.event.set()
+        return True
 
     def _watchdog(self, rail: int) -> None:
         """A rail whose endpoint died with work in flight (e.g. chunks waiting for acks) fails over even when

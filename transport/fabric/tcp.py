@@ -351,9 +351,13 @@ class WriteRows(WriteBatch):
     Arguments: local_addr, length, remote_addr: sequences of ints, one entry per write (copied); rkey, lkey: one
     int each. The values are checked here, once (ints, lengths >= 1, addresses >= 0, ends within 63 bits: else
     ``ValueError`` naming the first bad write), and their extremes kept: ``local_span`` and ``remote_span``
-    (lowest address, highest end) and ``max_length``, which the poster and the fabric check against regions."""
+    (lowest address, highest end) and ``max_length``, which the poster and the fabric check against regions.
 
-    __slots__ = ("local_span", "remote_span", "max_length")
+    ``on_acked``: None, or a callable the fabric calls, instead of reporting a ``Completion``, when the peer placed
+    every write and no message posted earlier on the endpoint is still waiting for its ack (the callable may
+    return False: the completion is reported after all)."""
+
+    __slots__ = ("local_span", "remote_span", "max_length", "on_acked")
 
     def __init__(self, local_addr: Sequence[int], length: Sequence[int], remote_addr: Sequence[int], rkey: int,
                  lkey: int, wr_id: int = 0):
@@ -381,6 +385,7 @@ class WriteRows(WriteBatch):
         self.wr_id = wr_id
         self.signaled = True
         self.nbytes = sum(ln)
+        self.on_acked = None
 
     @property
     def count(self) -> int:
@@ -427,7 +432,7 @@ class _OutMsg:
     """One WRITE message on the wire: its pieces and where each piece's bytes come from."""
 
     __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at", "batch", "final", "src_arr",
-                 "pieces", "rows", "bufs", "whole")
+                 "pieces", "rows", "bufs", "whole", "on_acked")
 
     def __init__(self, seq: int):
         self.seq = seq
@@ -445,6 +450,7 @@ class _OutMsg:
         self.rows: Optional[bytes] = None  # a WriteRows message: its table as wire bytes (``table`` stays None) ...
         self.bufs: Optional[list] = None  # ... and its payload as buffers of host memory, in order
         self.whole = False  # a GatherWrite: one whole write, ``table`` its one row and ``bufs`` its payload
+        self.on_acked = None  # a WriteRows message: its request's ``on_acked``
 
     def source_array(self) -> np.ndarray:
         """``src`` as an int64 array of rows (local_addr, length, device)."""
@@ -663,7 +669,9 @@ class TcpEndpoint(Endpoint):
             return sock, seq
 
     def on_ack(self, seq: int, statuses: bytes) -> None:
-        """Record an ack and release completions of every message acked so far, in sequence order."""
+        """Record an ack and release completions of every message acked so far, in sequence order. A message with
+        ``on_acked`` (a ``WriteRows``) that is the only one released, every piece placed, is completed by that
+        callable instead: no ``Completion`` and no trip through the completion handler."""
         out = []
         with self._lock:
             m = self._pending.get(seq)
@@ -673,12 +681,23 @@ class TcpEndpoint(Endpoint):
                 raise ValueError(f"ack of message {seq} carries {len(statuses)} statuses for {len(m)} pieces")
             m.statuses = statuses
             m.done = True
-            while self._pending:
-                first = next(iter(self._pending.values()))
+            pending = self._pending
+            if m.on_acked is not None and next(iter(pending)) == seq and statuses.count(0) == len(statuses):
+                del pending[seq]
+                if not pending or not next(iter(pending.values())).done:
+                    out = None
+                else:  # later messages complete with it: all of them in order, as completions
+                    out.extend(m.completions(self.peer_id))
+            while out is not None and pending:
+                first = next(iter(pending.values()))
                 if not first.done:
                     break
-                del self._pending[first.seq]
+                del pending[first.seq]
                 out.extend(first.completions(self.peer_id))
+        if out is None:
+            if m.on_acked():
+                return
+            out = m.completions(self.peer_id)
         self.fabric._push(out)
 
     # --- target side ----------------------------------------------------------------------------------------
@@ -1254,19 +1273,24 @@ class TcpFabric(Fabric):
         m.pieces = n
         m.batch = _BatchRecord(b)
         m.final = True
+        m.on_acked = b.on_acked
         if mr.device == DEVICE_HOST:
-            # the sources as slices of one view of the region's span (a view per piece costs a ctypes call each),
-            # pieces that follow each other in memory as one buffer
-            span = raw_view(first, end - first)
+            # the sources as slices of one view of the region (the one kept since registration, else one of the
+            # span: a view per piece costs a ctypes call each), pieces that follow each other in memory as one buffer
+            ent = self._host_views.get(lk)
+            if ent is not None and ent[0] is mr:
+                span, base = ent[1], mr.addr
+            else:
+                span, base = raw_view(first, end - first), first
             bufs = []
             start = end = -1
             for a, k in zip(la, ln):
                 if a != end:
                     if end > start:
-                        bufs.append(span[start - first:end - first])
+                        bufs.append(span[start - base:end - base])
                     start = a
                 end = a + k
-            bufs.append(span[start - first:end - first])
+            bufs.append(span[start - base:end - base])
             m.bufs = bufs
         else:  # GPU sources: staged through pinned memory by the sender (``_source_buffers``)
             m.table = np.frombuffer(m.rows, dtype=PIECE_DT)
@@ -1741,9 +1765,12 @@ class TcpFabric(Fabric):
                 if typ == T_ACK:
                     if count > MAX_TABLE or blen != count:
                         raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
-                    body = bytearray(count)
-                    recv_exact(rx, memoryview(body))
-                    ep.on_ack(seq, bytes(body))
+                    if rx is not s.sock:  # the statuses are usually in the look-ahead buffer already
+                        ep.on_ack(seq, bytes(rx.take(count, memoryview(st["stage"]))))
+                    else:
+                        body = bytearray(count)
+                        recv_exact(rx, memoryview(body))
+                        ep.on_ack(seq, bytes(body))
                 elif typ in (T_WRITE, T_REQ, T_NOTIFY):
                     if count > MAX_TABLE:
                         raise ValueError(f"piece count {count} above {MAX_TABLE}")

@@ -656,6 +656,21 @@ class TcpEndpoint(Endpoint):
                         s.cv.notify()
         return out
 
+    def enqueue_one(self, m: _OutMsg) -> _Sock:
+        """``enqueue([m], queue=False)``: register one message as pending and return the socket to send it on
+        (the poster's inline send of a small message, ``TcpFabric._post_rows``)."""
+        with self._lock:
+            if not self._alive:
+                self.check_alive()
+            m.seq = seq = self._out_seq
+            self._out_seq = seq + 1
+            m.posted_at = time.monotonic()
+            self._pending[seq] = m
+            socks = self.socks
+            s = socks[self._rr % len(socks)]
+            self._rr += 1
+        return s
+
     def reserve(self, sock: Optional[_Sock] = None) -> tuple:
         """(socket, sequence number) for a message that gets no pending record (an unacked write): the peer
         delivers its RECV_IMM in sequence order like any message's. ``sock``: send it there (else round-robin)."""
@@ -1244,59 +1259,80 @@ class TcpFabric(Fabric):
 
     def _post_rows(self, ep: Endpoint, b: WriteRows) -> None:
         """Post a ``WriteRows``: the checks of ``_validate_batch`` in Python, then one message (up to
-        ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path)."""
-        self._check_open()
+        ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path). A message of host sources
+        small enough for an inline send is registered, framed and sent here in one step (what ``_send``,
+        ``enqueue``, ``_wire_buffers`` and ``_send_now`` do for it), since its Python steps are its latency."""
+        if self._closed:
+            self._check_open()
         if not isinstance(ep, TcpEndpoint) or ep.fabric is not self:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {self.name} fabric {self._id}")
         la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
         n = len(ln)
-        if n > MAX_TABLE or b.nbytes > self.message_bytes:
+        nbytes = b.nbytes
+        if n > MAX_TABLE or nbytes > self.message_bytes:
             arrays = [np.asarray(v, dtype=np.int64) for v in (la, ln, ra)]
             self.post_writes(ep, [WriteBatch(*arrays, np.full(n, rk, dtype=np.int64), np.full(n, lk, dtype=np.int64),
                                              wr_id=b.wr_id)])
             return
-        ep.check_alive()
-        for name, v in (("rkey", rk), ("lkey", lk)):
-            if v.__class__ is not int or not 0 <= v <= 0xFFFFFFFF:
-                raise ValueError(f"batch wr_id={b.wr_id}: {name} {v!r} is not a 32-bit unsigned int")
+        if not ep._alive:
+            ep.check_alive()
+        if rk.__class__ is not int or lk.__class__ is not int or not (0 <= rk <= 0xFFFFFFFF and 0 <= lk <= 0xFFFFFFFF):
+            for name, v in (("rkey", rk), ("lkey", lk)):
+                if v.__class__ is not int or not 0 <= v <= 0xFFFFFFFF:
+                    raise ValueError(f"batch wr_id={b.wr_id}: {name} {v!r} is not a 32-bit unsigned int")
         mr = self._regions.get(lk)
         if mr is None:
             raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
         first, end = b.local_span  # the writes' own checks: WriteRows
-        if first < mr.addr or end > mr.addr + mr.length:
+        base = mr.addr
+        if first < base or end > base + mr.length:
             i = next(i for i, (a, k) in enumerate(zip(la, ln)) if a < mr.addr or a + k > mr.addr + mr.length)
             raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{la[i]:x}+{ln[i]} lies outside the "
                               f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
         pack = _ROW.pack
         m = _OutMsg(0)
-        m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
+        rows = m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
         m.pieces = n
         m.batch = _BatchRecord(b)
         m.final = True
         m.on_acked = b.on_acked
-        if mr.device == DEVICE_HOST:
-            # the sources as slices of one view of the region (the one kept since registration, else one of the
-            # span: a view per piece costs a ctypes call each), pieces that follow each other in memory as one buffer
-            ent = self._host_views.get(lk)
-            if ent is not None and ent[0] is mr:
-                span, base = ent[1], mr.addr
-            else:
-                span, base = raw_view(first, end - first), first
-            bufs = []
-            start = end = -1
-            for a, k in zip(la, ln):
-                if a != end:
-                    if end > start:
-                        bufs.append(span[start - base:end - base])
-                    start = a
-                end = a + k
-            bufs.append(span[start - base:end - base])
-            m.bufs = bufs
-        else:  # GPU sources: staged through pinned memory by the sender (``_source_buffers``)
+        if mr.device != DEVICE_HOST:  # GPU sources: staged through pinned memory by the sender (``_source_buffers``)
             m.table = np.frombuffer(m.rows, dtype=PIECE_DT)
             m.rows = None
             m.src = [(a, k, mr.device) for a, k in zip(la, ln)]
-        self._send(ep, [m])
+            self._send(ep, [m])
+            return
+        # the sources as slices of one view of the region (the one kept since registration, else one of the
+        # span: a view per piece costs a ctypes call each), pieces that follow each other in memory as one buffer
+        ent = self._host_views.get(lk)
+        if ent is not None and ent[0] is mr:
+            span = ent[1]
+        else:
+            span, base = raw_view(first, end - first), first
+        bufs = []
+        start = end = -1
+        for a, k in zip(la, ln):
+            if a != end:
+                if end > start:
+                    bufs.append(span[start - base:end - base])
+                start = a
+            end = a + k
+        bufs.append(span[start - base:end - base])
+        m.bufs = bufs
+        if n > INLINE_PIECES or nbytes > INLINE_BYTES:
+            ep.enqueue([m])
+            return
+        s = ep.enqueue_one(m)
+        try:
+            if self._send_now(s, [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs]):
+                return
+        except OSError as e:  # as in the sender thread: the link is unusable, pending work fails over
+            log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
+            ep.fail(f"send failed: {e}")
+            return
+        with s.cv:
+            s.data.append(m)
+            s.cv.notify()
 
     def _message_target(self, total: int, nsocks: int) -> int:
         """Payload bytes per message for a post of ``total`` bytes: a share per socket (each socket's sender thread

@@ -43,6 +43,9 @@ if TYPE_CHECKING:  # annotations only: the engine module imports this one
 log = logging.getLogger("transport.engine")  # one logger for the engine and its data path
 
 
+_PATH_COUNTERS = {kind: (f"path_{kind}_units", f"path_{kind}_bytes") for kind in (DIRECT, RELAYED, COALESCED)}
+
+
 def _group_direct(units: List[Unit]) -> List[Unit]:
     """One DIRECT unit per (rail, device) holding every direct piece planned for it (its runs concatenated): one
     attempt, one post and one completion (a ``WriteBatch``, or selective signaling), where one unit per piece cost
@@ -786,19 +789,23 @@ class Pipeline:
             claimed = not a.finished and not a.cancelled
             _, slot, landing = self._retire_locked(a)
         self._rail_stats[rail].add_many((("completions", 1), ("bytes_completed", req.nbytes)))
-        self._release(a, slot, landing)
+        if slot is not None or landing is not None:
+            self._release(a, slot, landing)
         if not claimed:
             return True
         b = a.batch
         with b.lock:
             b.remaining -= 1
             last = b.remaining == 0 and not b.event.is_set()
-        u = a.unit
+        units, nbytes = _PATH_COUNTERS[a.unit.kind]
         if not last:
-            self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes)))
+            self.counters.add_many(((units, 1), (nbytes, a.unit.nbytes)))
             return True
-        self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes), ("batches_ok", 1)))
-        self._account_done(f"batch {b.id}", b.t0, now_ns(), b.n_items, b.nbytes, True, counted=True)
+        self.counters.add_many(((units, 1), (nbytes, a.unit.nbytes), ("batches_ok", 1)))
+        t = now_ns()
+        self.latency.add((t - b.t0) / 1e9)  # ``_account_done`` of a counted batch
+        if self.trace is not None:
+            self.trace.complete(f"batch {b.id}", "batch", "batches", b.t0, t, {"items": b.n_items, "bytes": b.nbytes})
         b.event.set()
         return True
 

@@ -332,6 +332,24 @@ class _Rx:
         self.pos, self.end = k, got
         return k
 
+    def unpack(self, st: struct.Struct) -> tuple:
+        """The next ``st.size`` bytes (a message header) unpacked by ``st``, read from the look-ahead buffer, which
+        one receive of whatever the kernel holds refills when it runs short: no copy out of the buffer."""
+        pos, size = self.pos, st.size
+        if self.end - pos < size:
+            have = self.end - pos
+            if have:
+                self.buf[:have] = self.buf[pos:self.end]
+            pos = 0
+            while have < size:
+                got = self.sock.recv_into(self.view[have:])
+                if got == 0:
+                    raise ConnectionError("connection closed by peer")
+                have += got
+            self.end = have
+        self.pos = pos + size
+        return st.unpack_from(self.buf, pos)
+
     def take(self, n: int, stage: memoryview) -> memoryview:
         """The next ``n`` bytes: a view into the buffer when they are all there (valid until the next read), else
         read into ``stage``."""
@@ -367,12 +385,12 @@ class WriteRows(WriteBatch):
             raise ValueError(f"WriteRows: local_addr, length and remote_addr need one length >= 1, got "
                              f"{len(la)}, {n}, {len(ra)}")
         # builtins over the lists (C loops); the loop below only names what they found wrong
-        ok = {*map(type, la), *map(type, ln), *map(type, ra)} == _INT and min(ln) > 0 and min(la) >= 0 \
-            and min(ra) >= 0
+        ok = {*map(type, la), *map(type, ln), *map(type, ra)} == _INT
         if ok:
-            self.local_span = (min(la), max(map(add, la, ln)))
-            self.remote_span = (min(ra), max(map(add, ra, ln)))
-            ok = self.local_span[1] <= _I64 and self.remote_span[1] <= _I64
+            lo, rlo = min(la), min(ra)
+            self.local_span = (lo, max(map(add, la, ln)))
+            self.remote_span = (rlo, max(map(add, ra, ln)))
+            ok = min(ln) > 0 and lo >= 0 and rlo >= 0 and self.local_span[1] <= _I64 and self.remote_span[1] <= _I64
         if not ok:
             for i, (a, k, r) in enumerate(zip(la, ln, ra)):
                 if not (a.__class__ is int and k.__class__ is int and r.__class__ is int and k > 0 and a >= 0
@@ -1792,10 +1810,14 @@ class TcpFabric(Fabric):
         st = {"table": bytearray(64 * 48), "stage": bytearray(1 << 20)}
         # a subclass reading the socket itself (ipc) gets the bare socket
         rx = st["rx"] = _Rx(s.sock, HDR.size + SMALL_MESSAGE) if self._small_writes else s.sock
+        ahead = rx is not s.sock
         try:
             while True:
-                recv_exact(rx, hview)
-                magic, typ, hflags, _, count, seq, blen = HDR.unpack(hdr)
+                if ahead:
+                    magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
+                else:
+                    recv_exact(rx, hview)
+                    magic, typ, hflags, _, count, seq, blen = HDR.unpack(hdr)
                 if magic != MAGIC:
                     raise ValueError(f"bad magic {magic!r}")
                 if typ == T_ACK:
@@ -2001,7 +2023,7 @@ class TcpFabric(Fabric):
         (what a ``WriteRows`` post sends) is checked by its extremes."""
         view = st["rx"].take(blen, memoryview(st["stage"]))
         cols = _table_struct(count).unpack_from(view)
-        addrs, lens, waddrs, wlens, rkeys, flags, imms = (cols[i::8] for i in range(7))
+        addrs, lens, waddrs, wlens, rkeys, flags = cols[0::8], cols[1::8], cols[2::8], cols[3::8], cols[4::8], cols[5::8]
         payload = blen - tb
         if sum(lens) != payload:
             raise ValueError(f"payload {payload} B does not match the table's {sum(lens)} B")
@@ -2013,19 +2035,17 @@ class TcpFabric(Fabric):
                 ent = self._host_views.get(rk)
                 mr = self._regions.get(rk)
                 if ent is not None and ent[0] is mr and lo >= mr.addr and hi <= mr.addr + mr.length:
-                    self._region_use[rk] = self._region_use.get(rk, 0) + 1
+                    # placed while holding the lock instead of pinning the region: ``deregister`` waits for this
+                    # lock before it returns, and the copies of at most SMALL_MESSAGE bytes never block
                     statuses = bytearray(count)
-            if statuses is not None:
-                try:
                     dst, base = ent[1], mr.addr
                     off = tb
                     for a, k in zip(addrs, lens):
                         a -= base
                         dst[a:a + k] = view[off:off + k]
                         off += k
-                finally:
-                    view.release()
-                    self._unpin((rk,))
+            if statuses is not None:
+                view.release()
         if statuses is None:
             statuses, regions, pinned = self._validate_lists(addrs, lens, waddrs, wlens, rkeys)
             try:
@@ -2053,6 +2073,7 @@ class TcpFabric(Fabric):
                 self._unpin(pinned)
         events = []
         if any(flags):
+            imms = cols[6::8]
             for i, f in enumerate(flags):
                 if f & F_IMM and statuses[i] == ST_OK:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))

@@ -736,12 +736,16 @@ class TcpEndpoint(Endpoint):
     # --- target side ----------------------------------------------------------------------------------------
     def deliver_in_order(self, seq: int, events: List[Completion]) -> None:
         """Release RECV_IMM events of message ``seq`` once every earlier message of this endpoint has landed."""
-        out = []
         with self._in_lock:
-            self._in_done[seq] = events
-            while self._in_next in self._in_done:
-                out.extend(self._in_done.pop(self._in_next))
-                self._in_next += 1
+            if seq == self._in_next and not self._in_done:  # the usual case: the next message, nothing waiting
+                self._in_next = seq + 1
+                out = events
+            else:
+                out = []
+                self._in_done[seq] = events
+                while self._in_next in self._in_done:
+                    out.extend(self._in_done.pop(self._in_next))
+                    self._in_next += 1
         if out:
             self.fabric._push(out)
 

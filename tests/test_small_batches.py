@@ -134,6 +134,9 @@ def test_async_small_batches_complete_in_order(peer, src, rng):
             h.wait(30)
             assert h.done()
         peer.check(exp)
+        # batches completed by their ack and those completed after an earlier one, counted alike
+        st = eng.stats()
+        assert st["batches"]["ok"] == 20 and st["paths"]["direct"]["units"] == 20 and not eng._inflight
 
 
 def test_small_batches_survive_a_dead_rail(peer, src, rng):
@@ -175,6 +178,7 @@ def test_small_batches_from_threads(peer, src):
             t.join(60)
         assert not errors
         peer.check(exp)
+        assert eng.stats()["batches"]["ok"] == 8 * 30 and not eng._inflight
 
 
 # --- units ------------------------------------------------------------------------------------------------------

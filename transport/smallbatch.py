@@ -5,13 +5,15 @@ What the general path (``Pipeline._submit``) does for such a batch -- argument a
 ``WriteBatch`` of arrays, the fabric's array checks and framing -- is a few dozen numpy calls on arrays of a
 dozen items: more host time than the batch's wire round trip (benchmarks/NOTES.md). Here the same checks run
 on the caller's lists of ints, and the batch becomes the plan's own result for it (``Planner.direct_pieces``): one
-DIRECT unit on the least loaded rail, one ``WriteRows`` request, posted by the caller (``Pipeline._post``).
+DIRECT unit on the least loaded rail, one ``WriteRows`` request, posted by the caller with ``Pipeline._post``'s
+bookkeeping done here in one lock section. Its ack completes the batch straight away (``WriteRows.on_acked``,
+``Pipeline._rows_acked``) when nothing posted earlier on the endpoint is still waiting; otherwise it completes
+through the fabric's completions like any write.
 
 Anything else -- a non-int entry, a piece that is not small, a source or destination outside one region, an
 unknown or unconnected peer, no usable rail -- is left to the general path, which handshakes, refreshes the
 peer's regions, and names the bad entry; nothing is written or counted here before every check passed.
-Failover, completions and failure handling are the general path's: the unit and its attempt are the same kind
-of objects.
+Failover and failure handling are the general path's: the unit and its attempt are the same kind of objects.
 """
 from __future__ import annotations
 

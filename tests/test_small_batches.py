@@ -134,6 +134,9 @@ def test_async_small_batches_complete_in_order(peer, src, rng):
             h.wait(30)
             assert h.done()
         peer.check(exp)
+        # batches completed by their ack and those completed after an earlier one, counted alike
+        st = eng.stats()
+        assert st["batches"]["ok"] == 20 and st["paths"]["direct"]["units"] == 20 and not eng._inflight
 
 
 def test_small_batches_survive_a_dead_rail(peer, src, rng):
@@ -175,6 +178,7 @@ def test_small_batches_from_threads(peer, src):
             t.join(60)
         assert not errors
         peer.check(exp)
+        assert eng.stats()["batches"]["ok"] == 8 * 30 and not eng._inflight
 
 
 # --- units ------------------------------------------------------------------------------------------------------
@@ -297,3 +301,116 @@ def test_look_ahead_receive_returns_the_stream_in_order():
     finally:
         a.close()
         b.close()
+
+
+def test_look_ahead_header_unpack_across_partial_receives(rng):
+    """``_Rx.unpack``: headers split over receives (down to one byte at a time), left partly in the buffer by the
+    read before, and followed by bodies read through ``take`` and ``recv_exact``, all come back whole and in
+    order."""
+    a, b = socket.socketpair()
+    try:
+        n = 300
+        bodies = [rng.bytes(int(k)) for k in rng.integers(0, 9000, n)]
+        fields = [(T.MAGIC, int(rng.integers(1, 9)), 0, 0, int(rng.integers(0, 1 << 32)), int(rng.integers(0, 1 << 63)),
+                   len(body)) for body in bodies]
+        data = b"".join(T.HDR.pack(*f) + body for f, body in zip(fields, bodies))
+        cuts = np.sort(rng.choice(len(data), size=4000, replace=False))  # many one-byte and short sends
+
+        def send():
+            pos = 0
+            for c in cuts.tolist() + [len(data)]:
+                a.sendall(data[pos:c])
+                pos = c
+        t = threading.Thread(target=send)
+        t.start()
+        rx = T._Rx(b, T.HDR.size + 4096)
+        stage = memoryview(bytearray(1 << 16))
+        for i, (f, body) in enumerate(zip(fields, bodies)):
+            assert rx.unpack(T.HDR) == f, f"header {i}"
+            if i % 2:
+                assert bytes(rx.take(len(body), stage)) == body, f"body {i}"
+            else:
+                view = memoryview(bytearray(len(body)))
+                T.recv_exact(rx, view)
+                assert bytes(view) == body, f"body {i}"
+        t.join(10)
+    finally:
+        a.close()
+        b.close()
+
+
+class _Pushed:
+    """A stand-in fabric for ``TcpEndpoint.on_ack``: records what it pushes."""
+
+    def __init__(self):
+        self.pushed = []
+
+    def _push(self, comps):
+        self.pushed.extend(comps)
+
+
+def _rows_message(wr_id: int, on_acked=None) -> "T._OutMsg":
+    req = T.WriteRows([0, 8], [8, 8], [100, 200], 5, 6, wr_id=wr_id)
+    m = T._OutMsg(0)
+    m.rows = b"".join(T._ROW.pack(r, k, r, k, 5, 0, 0, 0) for r, k in zip(req.remote_addr, req.length))
+    m.pieces, m.batch, m.final, m.on_acked = 2, T._BatchRecord(req), True, on_acked
+    return m
+
+
+def test_ack_completes_a_rows_message_by_its_callback_only_in_order():
+    """``on_acked`` runs instead of a completion only for a message whose ack releases it alone with every piece
+    placed; after an earlier message, with a refused piece, or when the callback declines, the completion is
+    reported as for any message, in order."""
+    sa, sb = socket.socketpair()
+    fab = _Pushed()
+    ep = T.TcpEndpoint(fab, "peer", [sa])
+    called = []
+    try:
+        # a later rows message acked before an earlier one: both complete in order, as completions
+        m1, m2 = _rows_message(1), _rows_message(2, on_acked=lambda: called.append(2) or True)
+        for m in (m1, m2):
+            ep.enqueue_one(m)
+        ep.on_ack(m2.seq, bytes(2))
+        assert not called and not fab.pushed
+        ep.on_ack(m1.seq, bytes(2))
+        assert not called and [c.wr_id for c in fab.pushed] == [1, 2] and all(c.error is None for c in fab.pushed)
+        # alone and placed: the callback, no completion
+        fab.pushed.clear()
+        m3 = _rows_message(3, on_acked=lambda: called.append(3) or True)
+        ep.enqueue_one(m3)
+        ep.on_ack(m3.seq, bytes(2))
+        assert called == [3] and not fab.pushed and not ep._pending
+        # the callback declines: the completion goes out
+        m4 = _rows_message(4, on_acked=lambda: called.append(4) and False)
+        ep.enqueue_one(m4)
+        ep.on_ack(m4.seq, bytes(2))
+        assert called == [3, 4] and [c.wr_id for c in fab.pushed] == [4] and fab.pushed[0].error is None
+        # a refused piece: no callback, the completion names the refused write
+        fab.pushed.clear()
+        m5 = _rows_message(5, on_acked=lambda: called.append(5) or True)
+        ep.enqueue_one(m5)
+        ep.on_ack(m5.seq, bytes([0, T.ST_BOUNDS]))
+        assert called == [3, 4] and len(fab.pushed) == 1
+        assert isinstance(fab.pushed[0].error, RegionError) and "0xc8" in str(fab.pushed[0].error)
+    finally:
+        sa.close()
+        sb.close()
+
+
+def test_small_batches_counted_when_they_complete_by_their_ack(peer, src, rng):
+    """Batches completed straight from their ack (``Pipeline._rows_acked``) are counted as the completion path
+    counts them: batch, path, latency and rail counters, nothing left in flight; every byte lands."""
+    with _engine(src) as eng:
+        n = 20
+        for _ in range(n):
+            write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, AUX, 4 * MB),
+                            disjoint_offsets(rng, AUX, 4 * MB), AUX)
+        st = eng.stats()
+        assert st["batches"]["ok"] == n and st["paths"]["direct"]["units"] == n
+        assert st["paths"]["direct"]["bytes"] == n * sum(AUX)
+        assert st["batches"]["submitted"] == n and st["batches"]["latency"]["count"] == n
+        assert sum(r.get("completions", 0) for r in st["rails"]) == n
+        assert sum(r.get("bytes_completed", 0) for r in st["rails"]) == n * sum(AUX)
+        assert sum(r.get("post_calls", 0) for r in st["rails"]) == n
+        assert not eng._inflight and all(not pr.inflight and pr.bytes_in_flight == 0
+                                         for p in eng._peers.values() for pr in p.rails)

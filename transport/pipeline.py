@@ -43,6 +43,9 @@ if TYPE_CHECKING:  # annotations only: the engine module imports this one
 log = logging.getLogger("transport.engine")  # one logger for the engine and its data path
 
 
+_PATH_COUNTERS = {kind: (f"path_{kind}_units", f"path_{kind}_bytes") for kind in (DIRECT, RELAYED, COALESCED)}
+
+
 def _group_direct(units: List[Unit]) -> List[Unit]:
     """One DIRECT unit per (rail, device) holding every direct piece planned for it (its runs concatenated): one
     attempt, one post and one completion (a ``WriteBatch``, or selective signaling), where one unit per piece cost
@@ -159,6 +162,10 @@ class _Attempt:
         self.finished = False
         self.reqs: List[WriteRequest] = []
         self.pending = 0  # writes posted and not completed
+
+    def rows_acked(self) -> bool:
+        """The fabric's ``on_acked`` of this attempt's ``WriteRows``: see ``Pipeline._rows_acked``."""
+        return self.engine._rows_acked(self)
 
     def fail_local(self, exc: BaseException) -> None:
         """A copy into a slot failed (the ring gives the slot back): fail the batch, retire the attempt."""
@@ -762,6 +769,45 @@ class Pipeline:
                 self._on_completion(rail, c)
             except Exception:  # noqa: BLE001 — one bad completion must not break the fabric's thread
                 log.exception("rail %d: handling completion %r failed", rail, c)
+
+    def _rows_acked(self, a: _Attempt) -> bool:
+        """A posted ``WriteRows`` (``transport.smallbatch``) was placed by the peer, in order on its endpoint: what
+        ``_on_completions``, ``_on_completion`` and ``_finish`` do for its completion, with the locks taken once
+        each and no ``Completion``. False when completions of the rail go through the poll loop meanwhile (an
+        earlier failure is being handled there): the fabric then reports the completion, which queues behind it."""
+        if self._closed:
+            return True
+        rail = a.prail.rail
+        with self._defer_lock:
+            if self._deferring[rail]:
+                return False
+        req = a.reqs[0]
+        with self._lock:
+            if self._inflight.pop(req.wr_id, None) is None:
+                return True
+            a.pending = 0
+            claimed = not a.finished and not a.cancelled
+            _, slot, landing = self._retire_locked(a)
+        self._rail_stats[rail].add_many((("completions", 1), ("bytes_completed", req.nbytes)))
+        if slot is not None or landing is not None:
+            self._release(a, slot, landing)
+        if not claimed:
+            return True
+        b = a.batch
+        with b.lock:
+            b.remaining -= 1
+            last = b.remaining == 0 and not b.event.is_set()
+        units, nbytes = _PATH_COUNTERS[a.unit.kind]
+        if not last:
+            self.counters.add_many(((units, 1), (nbytes, a.unit.nbytes)))
+            return True
+        self.counters.add_many(((units, 1), (nbytes, a.unit.nbytes), ("batches_ok", 1)))
+        t = now_ns()
+        self.latency.add((t - b.t0) / 1e9)  # ``_account_done`` of a counted batch
+        if self.trace is not None:
+            self.trace.complete(f"batch {b.id}", "batch", "batches", b.t0, t, {"items": b.n_items, "bytes": b.nbytes})
+        b.event.set()
+        return True
 
     def _watchdog(self, rail: int) -> None:
         """A rail whose endpoint died with work in flight (e.g. chunks waiting for acks) fails over even when

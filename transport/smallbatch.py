@@ -5,19 +5,22 @@ What the general path (``Pipeline._submit``) does for such a batch -- argument a
 ``WriteBatch`` of arrays, the fabric's array checks and framing -- is a few dozen numpy calls on arrays of a
 dozen items: more host time than the batch's wire round trip (benchmarks/NOTES.md). Here the same checks run
 on the caller's lists of ints, and the batch becomes the plan's own result for it (``Planner.direct_pieces``): one
-DIRECT unit on the least loaded rail, one ``WriteRows`` request, posted by the caller (``Pipeline._post``).
+DIRECT unit on the least loaded rail, one ``WriteRows`` request, posted by the caller with ``Pipeline._post``'s
+bookkeeping done here in one lock section. Its ack completes the batch straight away (``WriteRows.on_acked``,
+``Pipeline._rows_acked``) when nothing posted earlier on the endpoint is still waiting; otherwise it completes
+through the fabric's completions like any write.
 
 Anything else -- a non-int entry, a piece that is not small, a source or destination outside one region, an
 unknown or unconnected peer, no usable rail -- is left to the general path, which handshakes, refreshes the
 peer's regions, and names the bad entry; nothing is written or counted here before every check passed.
-Failover, completions and failure handling are the general path's: the unit and its attempt are the same kind
-of objects.
+Failover and failure handling are the general path's: the unit and its attempt are the same kind of objects.
 """
 from __future__ import annotations
 
 import _thread
 from typing import Optional, Sequence
 
+from transport.errors import FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected
 from transport.fabric.base import DEVICE_HOST
 from transport.fabric.tcp import WriteRows
 from transport.planner import DIRECT, Unit
@@ -125,15 +128,43 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     unit = Unit(DIRECT, DEVICE_HOST, rail, DEVICE_HOST, nbytes, src=la[0], dst=ra[0], wire_bytes=nbytes,
                 segs=list(zip(la, ra, req.length)))
     t1 = now_ns()
+    req.rkey, req.lkey = rsnap.regions[ri].keys[rail], local.keys[rail].lkey
+    # ``Pipeline._post`` for this one attempt and request, its bookkeeping in the same lock section as the
+    # attempt's creation
     with eng._lock:
         a = _pipeline._Attempt(eng, unit, batch, pr)
         pr.inflight.add(a)
         pr.bytes_in_flight += nbytes
-    req.rkey, req.lkey = rsnap.regions[ri].keys[rail], local.keys[rail].lkey
-    a.reqs = [req]
-    eng._post([a])
+        req.wr_id = wr_id = next(eng._wr_ids)
+        eng._inflight[wr_id] = a
+        a.reqs = [req]
+        a.pending = 1
+        a.posted = True
+    if eng._deferred:  # completions by callback: the ack completes the batch straight away (``_rows_acked``)
+        req.on_acked = a.rows_acked
+    try:
+        if not pr.ep.alive:
+            raise PeerLost(f"rail {rail} endpoint to {pr.remote_id} is dead")
+        eng.fabrics[rail].post_writes(pr.ep, (req,))
+        posted = True
+    except (FabricError, OSError, ValueError) as e:
+        posted = False
+        with eng._lock:
+            eng._unpost(a)
+        if isinstance(e, (FabricError, OSError)) and not isinstance(e, RegionError):
+            eng._rail_failed(pr, e)  # the rail is gone: the attempt fails over, as from ``_post``
+            if a.cancelled:
+                eng._drop(a)  # a failover that took the attempt while it was being posted re-sent its unit
+        else:
+            eng._fail_batch(batch, RemoteRejected(f"post refused: {e}", [e]) if isinstance(e, RegionError)
+                            else InvalidTransfer(f"post refused locally: {e}", [e]))
+            eng._drop(a)
     t2 = now_ns()
+    if posted:
+        eng._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
+                                        ("time_post_s", (t2 - t1) / 1e9)))
+        if eng.trace is not None:
+            eng.trace.complete("post", "fabric", f"post/rail{rail}", t1, t2, {"writes": 1, "bytes": nbytes})
     eng.counters.add_many((("batches_submitted", 1), ("items", n), ("bytes", nbytes),
                            ("time_validate_s", (t1 - t0) / 1e9), ("time_dispatch_s", (t2 - t1) / 1e9)))
     return batch
-

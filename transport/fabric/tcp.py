@@ -332,6 +332,24 @@ class _Rx:
         self.pos, self.end = k, got
         return k
 
+    def unpack(self, st: struct.Struct) -> tuple:
+        """The next ``st.size`` bytes (a message header) unpacked by ``st``, read from the look-ahead buffer, which
+        one receive of whatever the kernel holds refills when it runs short: no copy out of the buffer."""
+        pos, size = self.pos, st.size
+        if self.end - pos < size:
+            have = self.end - pos
+            if have:
+                self.buf[:have] = self.buf[pos:self.end]
+            pos = 0
+            while have < size:
+                got = self.sock.recv_into(self.view[have:])
+                if got == 0:
+                    raise ConnectionError("connection closed by peer")
+                have += got
+            self.end = have
+        self.pos = pos + size
+        return st.unpack_from(self.buf, pos)
+
     def take(self, n: int, stage: memoryview) -> memoryview:
         """The next ``n`` bytes: a view into the buffer when they are all there (valid until the next read), else
         read into ``stage``."""
@@ -351,9 +369,13 @@ class WriteRows(WriteBatch):
     Arguments: local_addr, length, remote_addr: sequences of ints, one entry per write (copied); rkey, lkey: one
     int each. The values are checked here, once (ints, lengths >= 1, addresses >= 0, ends within 63 bits: else
     ``ValueError`` naming the first bad write), and their extremes kept: ``local_span`` and ``remote_span``
-    (lowest address, highest end) and ``max_length``, which the poster and the fabric check against regions."""
+    (lowest address, highest end) and ``max_length``, which the poster and the fabric check against regions.
 
-    __slots__ = ("local_span", "remote_span", "max_length")
+    ``on_acked``: None, or a callable the fabric calls, instead of reporting a ``Completion``, when the peer placed
+    every write and no message posted earlier on the endpoint is still waiting for its ack (the callable may
+    return False: the completion is reported after all)."""
+
+    __slots__ = ("local_span", "remote_span", "max_length", "on_acked")
 
     def __init__(self, local_addr: Sequence[int], length: Sequence[int], remote_addr: Sequence[int], rkey: int,
                  lkey: int, wr_id: int = 0):
@@ -363,12 +385,12 @@ class WriteRows(WriteBatch):
             raise ValueError(f"WriteRows: local_addr, length and remote_addr need one length >= 1, got "
                              f"{len(la)}, {n}, {len(ra)}")
         # builtins over the lists (C loops); the loop below only names what they found wrong
-        ok = {*map(type, la), *map(type, ln), *map(type, ra)} == _INT and min(ln) > 0 and min(la) >= 0 \
-            and min(ra) >= 0
+        ok = {*map(type, la), *map(type, ln), *map(type, ra)} == _INT
         if ok:
-            self.local_span = (min(la), max(map(add, la, ln)))
-            self.remote_span = (min(ra), max(map(add, ra, ln)))
-            ok = self.local_span[1] <= _I64 and self.remote_span[1] <= _I64
+            lo, rlo = min(la), min(ra)
+            self.local_span = (lo, max(map(add, la, ln)))
+            self.remote_span = (rlo, max(map(add, ra, ln)))
+            ok = min(ln) > 0 and lo >= 0 and rlo >= 0 and self.local_span[1] <= _I64 and self.remote_span[1] <= _I64
         if not ok:
             for i, (a, k, r) in enumerate(zip(la, ln, ra)):
                 if not (a.__class__ is int and k.__class__ is int and r.__class__ is int and k > 0 and a >= 0
@@ -381,6 +403,7 @@ class WriteRows(WriteBatch):
         self.wr_id = wr_id
         self.signaled = True
         self.nbytes = sum(ln)
+        self.on_acked = None
 
     @property
     def count(self) -> int:
@@ -427,7 +450,7 @@ class _OutMsg:
     """One WRITE message on the wire: its pieces and where each piece's bytes come from."""
 
     __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at", "batch", "final", "src_arr",
-                 "pieces", "rows", "bufs", "whole")
+                 "pieces", "rows", "bufs", "whole", "on_acked")
 
     def __init__(self, seq: int):
         self.seq = seq
@@ -445,6 +468,7 @@ class _OutMsg:
         self.rows: Optional[bytes] = None  # a WriteRows message: its table as wire bytes (``table`` stays None) ...
         self.bufs: Optional[list] = None  # ... and its payload as buffers of host memory, in order
         self.whole = False  # a GatherWrite: one whole write, ``table`` its one row and ``bufs`` its payload
+        self.on_acked = None  # a WriteRows message: its request's ``on_acked``
 
     def source_array(self) -> np.ndarray:
         """``src`` as an int64 array of rows (local_addr, length, device)."""
@@ -650,6 +674,21 @@ class TcpEndpoint(Endpoint):
                         s.cv.notify()
         return out
 
+    def enqueue_one(self, m: _OutMsg) -> _Sock:
+        """``enqueue([m], queue=False)``: register one message as pending and return the socket to send it on
+        (the poster's inline send of a small message, ``TcpFabric._post_rows``)."""
+        with self._lock:
+            if not self._alive:
+                self.check_alive()
+            m.seq = seq = self._out_seq
+            self._out_seq = seq + 1
+            m.posted_at = time.monotonic()
+            self._pending[seq] = m
+            socks = self.socks
+            s = socks[self._rr % len(socks)]
+            self._rr += 1
+        return s
+
     def reserve(self, sock: Optional[_Sock] = None) -> tuple:
         """(socket, sequence number) for a message that gets no pending record (an unacked write): the peer
         delivers its RECV_IMM in sequence order like any message's. ``sock``: send it there (else round-robin)."""
@@ -663,7 +702,9 @@ class TcpEndpoint(Endpoint):
             return sock, seq
 
     def on_ack(self, seq: int, statuses: bytes) -> None:
-        """Record an ack and release completions of every message acked so far, in sequence order."""
+        """Record an ack and release completions of every message acked so far, in sequence order. A message with
+        ``on_acked`` (a ``WriteRows``) that is the only one released, every piece placed, is completed by that
+        callable instead: no ``Completion`` and no trip through the completion handler."""
         out = []
         with self._lock:
             m = self._pending.get(seq)
@@ -673,23 +714,38 @@ class TcpEndpoint(Endpoint):
                 raise ValueError(f"ack of message {seq} carries {len(statuses)} statuses for {len(m)} pieces")
             m.statuses = statuses
             m.done = True
-            while self._pending:
-                first = next(iter(self._pending.values()))
+            pending = self._pending
+            if m.on_acked is not None and next(iter(pending)) == seq and statuses.count(0) == len(statuses):
+                del pending[seq]
+                if not pending or not next(iter(pending.values())).done:
+                    out = None
+                else:  # later messages complete with it: all of them in order, as completions
+                    out.extend(m.completions(self.peer_id))
+            while out is not None and pending:
+                first = next(iter(pending.values()))
                 if not first.done:
                     break
-                del self._pending[first.seq]
+                del pending[first.seq]
                 out.extend(first.completions(self.peer_id))
+        if out is None:
+            if m.on_acked():
+                return
+            out = m.completions(self.peer_id)
         self.fabric._push(out)
 
     # --- target side ----------------------------------------------------------------------------------------
     def deliver_in_order(self, seq: int, events: List[Completion]) -> None:
         """Release RECV_IMM events of message ``seq`` once every earlier message of this endpoint has landed."""
-        out = []
         with self._in_lock:
-            self._in_done[seq] = events
-            while self._in_next in self._in_done:
-                out.extend(self._in_done.pop(self._in_next))
-                self._in_next += 1
+            if seq == self._in_next and not self._in_done:  # the usual case: the next message, nothing waiting
+                self._in_next = seq + 1
+                out = events
+            else:
+                out = []
+                self._in_done[seq] = events
+                while self._in_next in self._in_done:
+                    out.extend(self._in_done.pop(self._in_next))
+                    self._in_next += 1
         if out:
             self.fabric._push(out)
 
@@ -1225,54 +1281,80 @@ class TcpFabric(Fabric):
 
     def _post_rows(self, ep: Endpoint, b: WriteRows) -> None:
         """Post a ``WriteRows``: the checks of ``_validate_batch`` in Python, then one message (up to
-        ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path)."""
-        self._check_open()
+        ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path). A message of host sources
+        small enough for an inline send is registered, framed and sent here in one step (what ``_send``,
+        ``enqueue``, ``_wire_buffers`` and ``_send_now`` do for it), since its Python steps are its latency."""
+        if self._closed:
+            self._check_open()
         if not isinstance(ep, TcpEndpoint) or ep.fabric is not self:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {self.name} fabric {self._id}")
         la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
         n = len(ln)
-        if n > MAX_TABLE or b.nbytes > self.message_bytes:
+        nbytes = b.nbytes
+        if n > MAX_TABLE or nbytes > self.message_bytes:
             arrays = [np.asarray(v, dtype=np.int64) for v in (la, ln, ra)]
             self.post_writes(ep, [WriteBatch(*arrays, np.full(n, rk, dtype=np.int64), np.full(n, lk, dtype=np.int64),
                                              wr_id=b.wr_id)])
             return
-        ep.check_alive()
-        for name, v in (("rkey", rk), ("lkey", lk)):
-            if v.__class__ is not int or not 0 <= v <= 0xFFFFFFFF:
-                raise ValueError(f"batch wr_id={b.wr_id}: {name} {v!r} is not a 32-bit unsigned int")
+        if not ep._alive:
+            ep.check_alive()
+        if rk.__class__ is not int or lk.__class__ is not int or not (0 <= rk <= 0xFFFFFFFF and 0 <= lk <= 0xFFFFFFFF):
+            for name, v in (("rkey", rk), ("lkey", lk)):
+                if v.__class__ is not int or not 0 <= v <= 0xFFFFFFFF:
+                    raise ValueError(f"batch wr_id={b.wr_id}: {name} {v!r} is not a 32-bit unsigned int")
         mr = self._regions.get(lk)
         if mr is None:
             raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
         first, end = b.local_span  # the writes' own checks: WriteRows
-        if first < mr.addr or end > mr.addr + mr.length:
+        base = mr.addr
+        if first < base or end > base + mr.length:
             i = next(i for i, (a, k) in enumerate(zip(la, ln)) if a < mr.addr or a + k > mr.addr + mr.length)
             raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{la[i]:x}+{ln[i]} lies outside the "
                               f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
         pack = _ROW.pack
         m = _OutMsg(0)
-        m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
+        rows = m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
         m.pieces = n
         m.batch = _BatchRecord(b)
         m.final = True
-        if mr.device == DEVICE_HOST:
-            # the sources as slices of one view of the region's span (a view per piece costs a ctypes call each),
-            # pieces that follow each other in memory as one buffer
-            span = raw_view(first, end - first)
-            bufs = []
-            start = end = -1
-            for a, k in zip(la, ln):
-                if a != end:
-                    if end > start:
-                        bufs.append(span[start - first:end - first])
-                    start = a
-                end = a + k
-            bufs.append(span[start - first:end - first])
-            m.bufs = bufs
-        else:  # GPU sources: staged through pinned memory by the sender (``_source_buffers``)
+        m.on_acked = b.on_acked
+        if mr.device != DEVICE_HOST:  # GPU sources: staged through pinned memory by the sender (``_source_buffers``)
             m.table = np.frombuffer(m.rows, dtype=PIECE_DT)
             m.rows = None
             m.src = [(a, k, mr.device) for a, k in zip(la, ln)]
-        self._send(ep, [m])
+            self._send(ep, [m])
+            return
+        # the sources as slices of one view of the region (the one kept since registration, else one of the
+        # span: a view per piece costs a ctypes call each), pieces that follow each other in memory as one buffer
+        ent = self._host_views.get(lk)
+        if ent is not None and ent[0] is mr:
+            span = ent[1]
+        else:
+            span, base = raw_view(first, end - first), first
+        bufs = []
+        start = end = -1
+        for a, k in zip(la, ln):
+            if a != end:
+                if end > start:
+                    bufs.append(span[start - base:end - base])
+                start = a
+            end = a + k
+        bufs.append(span[start - base:end - base])
+        m.bufs = bufs
+        if n > INLINE_PIECES or nbytes > INLINE_BYTES:
+            ep.enqueue([m])
+            return
+        s = ep.enqueue_one(m)
+        try:
+            if self._send_now(s, [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs]):
+                return
+        except OSError as e:  # as in the sender thread: the link is unusable, pending work fails over
+            log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
+            ep.fail(f"send failed: {e}")
+            return
+        with s.cv:
+            s.data.append(m)
+            s.cv.notify()
 
     def _message_target(self, total: int, nsocks: int) -> int:
         """Payload bytes per message for a post of ``total`` bytes: a share per socket (each socket's sender thread
@@ -1732,18 +1814,25 @@ class TcpFabric(Fabric):
         st = {"table": bytearray(64 * 48), "stage": bytearray(1 << 20)}
         # a subclass reading the socket itself (ipc) gets the bare socket
         rx = st["rx"] = _Rx(s.sock, HDR.size + SMALL_MESSAGE) if self._small_writes else s.sock
+        ahead = rx is not s.sock
         try:
             while True:
-                recv_exact(rx, hview)
-                magic, typ, hflags, _, count, seq, blen = HDR.unpack(hdr)
+                if ahead:
+                    magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
+                else:
+                    recv_exact(rx, hview)
+                    magic, typ, hflags, _, count, seq, blen = HDR.unpack(hdr)
                 if magic != MAGIC:
                     raise ValueError(f"bad magic {magic!r}")
                 if typ == T_ACK:
                     if count > MAX_TABLE or blen != count:
                         raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
-                    body = bytearray(count)
-                    recv_exact(rx, memoryview(body))
-                    ep.on_ack(seq, bytes(body))
+                    if rx is not s.sock:  # the statuses are usually in the look-ahead buffer already
+                        ep.on_ack(seq, bytes(rx.take(count, memoryview(st["stage"]))))
+                    else:
+                        body = bytearray(count)
+                        recv_exact(rx, memoryview(body))
+                        ep.on_ack(seq, bytes(body))
                 elif typ in (T_WRITE, T_REQ, T_NOTIFY):
                     if count > MAX_TABLE:
                         raise ValueError(f"piece count {count} above {MAX_TABLE}")
@@ -1938,7 +2027,7 @@ class TcpFabric(Fabric):
         (what a ``WriteRows`` post sends) is checked by its extremes."""
         view = st["rx"].take(blen, memoryview(st["stage"]))
         cols = _table_struct(count).unpack_from(view)
-        addrs, lens, waddrs, wlens, rkeys, flags, imms = (cols[i::8] for i in range(7))
+        addrs, lens, waddrs, wlens, rkeys, flags = cols[0::8], cols[1::8], cols[2::8], cols[3::8], cols[4::8], cols[5::8]
         payload = blen - tb
         if sum(lens) != payload:
             raise ValueError(f"payload {payload} B does not match the table's {sum(lens)} B")
@@ -1950,19 +2039,17 @@ class TcpFabric(Fabric):
                 ent = self._host_views.get(rk)
                 mr = self._regions.get(rk)
                 if ent is not None and ent[0] is mr and lo >= mr.addr and hi <= mr.addr + mr.length:
-                    self._region_use[rk] = self._region_use.get(rk, 0) + 1
+                    # placed while holding the lock instead of pinning the region: ``deregister`` waits for this
+                    # lock before it returns, and the copies of at most SMALL_MESSAGE bytes never block
                     statuses = bytearray(count)
-            if statuses is not None:
-                try:
                     dst, base = ent[1], mr.addr
                     off = tb
                     for a, k in zip(addrs, lens):
                         a -= base
                         dst[a:a + k] = view[off:off + k]
                         off += k
-                finally:
-                    view.release()
-                    self._unpin((rk,))
+            if statuses is not None:
+                view.release()
         if statuses is None:
             statuses, regions, pinned = self._validate_lists(addrs, lens, waddrs, wlens, rkeys)
             try:
@@ -1990,6 +2077,7 @@ class TcpFabric(Fabric):
                 self._unpin(pinned)
         events = []
         if any(flags):
+            imms = cols[6::8]
             for i, f in enumerate(flags):
                 if f & F_IMM and statuses[i] == ST_OK:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))

@@ -453,8 +453,9 @@ class IpcFabric(TcpFabric):
         return None
 
     def _direct_target(self, ep: TcpEndpoint, batches, devices):
-        """(source GPU, the peer's region description) when every write of ``batches`` goes from one local GPU
-        into one peer GPU region whose description is current and contains it; else None."""
+        """(source device, the peer's region description) when every write of ``batches`` goes from one local
+        GPU into one peer GPU region, or from host memory into one peer host region, whose description is current
+        and contains it; else None."""
         keys = distinct(batches[0].rkey) if len(batches) == 1 else distinct(np.concatenate([b.rkey for b in batches]))
         if len(keys) != 1:
             return None
@@ -463,7 +464,7 @@ class IpcFabric(TcpFabric):
             return None
         reg = info[keys[0]]
         src_devs = distinct(devices[0]) if len(devices) == 1 else distinct(np.concatenate(devices))
-        if reg["device"] == DEVICE_HOST or len(src_devs) != 1 or src_devs[0] == DEVICE_HOST:
+        if len(src_devs) != 1 or (src_devs[0] == DEVICE_HOST) != (reg["device"] == DEVICE_HOST):
             return None
         lo, hi = reg["addr"], reg["addr"] + reg["length"]
         for b in batches:
@@ -487,8 +488,9 @@ class IpcFabric(TcpFabric):
 
     def _post_batch_direct(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray) -> bool:
         """Copy and complete a checked batch here when every piece goes from one local GPU into one peer GPU
-        region whose description is current and contains it; False (nothing done) otherwise, for the message
-        path (which names the piece at fault, and handles host memory and the GRANT round trip).
+        region, or from host memory into one peer host region, whose description is current and contains it;
+        False (nothing done) otherwise, for the message path (which names the piece at fault, and handles the
+        mixed cases and the GRANT round trip).
 
         Why: a batch's piece table, and its checks one message field at a time, cost more host time than the
         copy of most batches (benchmarks/NOTES.md, section "Small batches without chunks"); here the checks are
@@ -500,6 +502,18 @@ class IpcFabric(TcpFabric):
         m = self._batch_message(b)
         ep.enqueue([m], queue=False, local=[True])  # completes in posting order with the endpoint's other work
         statuses = bytes(b.count)
+        if dev == DEVICE_HOST:
+            try:
+                # the pid was verified at connect (token read back), not taken from a GRANT
+                process_vm_write(int(ep.peer_desc["pid"]), b.local_addr, b.remote_addr, b.length, total=b.nbytes)
+            except OSError as e:
+                # as a failed copy on the message path: the link is unusable (ESRCH: the target process is gone);
+                # fail() completes this batch with PeerLost, so it fails over
+                log.debug("ipc direct host write to %s failed", ep.peer_id, exc_info=True)
+                ep.fail(f"send failed: {e}")
+                return True
+            ep.on_ack(m.seq, statuses)
+            return True
         try:
             dst = b.remote_addr + (self._mapped(reg, dev) - reg["base"])
             self.bound_copies.finish([self.bound_copies.copy(dev, b.local_addr, dst, b.length)], wait=True)
@@ -515,7 +529,7 @@ class IpcFabric(TcpFabric):
         (False, None) with nothing done when the batches do not qualify (see ``_direct_target``), (True, None)
         when the launch failed (the batches completed with the failure, ``after`` waited for)."""
         target = self._direct_target(ep, batches, devices)
-        if target is None:
+        if target is None or target[0] == DEVICE_HOST:  # host memory: no GPU stream to order on
             return False, None
         dev, reg = target
         msgs = [self._batch_message(b) for b in batches]

@@ -27,7 +27,7 @@ import numpy as np
 from transport.arrays import distinct
 from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected,
                               TransferError, TransferTimeout)
-from transport.fabric.base import DEVICE_HOST, GatherWrite, Opcode, WriteBatch, WriteRequest
+from transport.fabric.base import DEVICE_HOST, GatherWrite, Opcode, WriteBatch, WriteBounds, WriteRequest
 from transport.fabric.tcp import _MEMCPY_MAX, memcpy_async
 from transport.planner import COALESCED, DIRECT, RELAYED, Unit
 from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, chunk_imm, decode_ack, decode_ack_payload
@@ -102,7 +102,7 @@ class BatchHandle:
 
 class _Batch:
     __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
-                 "peer", "n_items", "pending", "spans")
+                 "peer", "n_items", "pending", "spans", "extremes")
 
     def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int, event=None):
         self.id = bid
@@ -118,6 +118,8 @@ class _Batch:
         self.pending = None  # load/store path: the device work still running (transport.loadstore.Pending)
         self.spans = None  # (local snapshot, region index, peer snapshot, region index) when one region on each
         # side holds every piece (the validation's finding, reused for the write keys)
+        self.extremes = None  # the validation's (smallest length, largest, smallest source, largest source end,
+        # smallest destination, largest destination end): a WriteBatch of these same arrays carries them
 
     @property
     def failed(self) -> bool:
@@ -315,9 +317,10 @@ class Pipeline:
         batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
         if getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0:
             batch.spans = (lsnap, int(idx), rsnap, int(ridx))
+            batch.extremes = (lmin, lmax, smin, send, dmin, dend)
         if getattr(devices, "ndim", 0) == 0:
             device_list = [int(devices)]
-            devices = np.full(ln.size, device_list[0], dtype=np.int64)
+            devices = None  # the planner reads one device from device_list
         else:
             device_list = distinct(devices)
         rails_of = {}
@@ -332,7 +335,7 @@ class Pipeline:
             if getattr(dst_devices, "ndim", 0) == 0:
                 dst_devices = np.full(ln.size, int(dst_devices), dtype=np.int64)
         units = _group_direct(self.planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices,
-                                                peer.forward))
+                                                peer.forward, (nbytes, lmax)))
         t2 = now_ns()
         batch.remaining = len(units)
         self._dispatch(batch, units)
@@ -418,8 +421,15 @@ class Pipeline:
             lkey, rkey = local.keys[rail].lkey, remote.keys[rail]
             for a, p in zip(atts, parts):
                 m = p[2].size
+                if batch.extremes is not None and p[2] is batch.lengths and p[0] is batch.srcs \
+                        and p[1] is batch.dsts:
+                    # the unit is the whole batch, whose arrays the validation reduced: the fabric checks those
+                    # extremes instead of reducing the same arrays again
+                    sized = {"nbytes": batch.nbytes, "bounds": WriteBounds(*batch.extremes, rkey, lkey)}
+                else:
+                    sized = {}
                 a.reqs = [WriteBatch(p[0], p[2], p[1], np.full(m, rkey, dtype=np.int64),
-                                     np.full(m, lkey, dtype=np.int64))]
+                                     np.full(m, lkey, dtype=np.int64), **sized)]
             return
         if len(parts) == 1:
             src, dst, n = parts[0]
@@ -665,8 +675,15 @@ class Pipeline:
                     if slot is not None:
                         slot.ring.release(slot, after=reusable)
             t1 = now_ns()
-            nbytes = sum(r.nbytes if isinstance(r, WriteBatch) else r.length for a in live for r in a.reqs)
-            writes = sum(r.count if isinstance(r, WriteBatch) else 1 for a in live for r in a.reqs)
+            nbytes = writes = 0  # one loop, not two generator sums: this runs once per post
+            for a in live:
+                for r in a.reqs:
+                    if isinstance(r, WriteBatch):
+                        nbytes += r.nbytes
+                        writes += r.count
+                    else:
+                        nbytes += r.length
+                        writes += 1
             self._rail_stats[pr.rail].add_many((("post_calls", 1), ("writes_posted", writes),
                                                 ("bytes_posted", nbytes), ("time_post_s", (t1 - t0) / 1e9)))
             if self.trace is not None:
@@ -794,7 +811,8 @@ class Pipeline:
         stats = self._rail_stats[rail]
         if c.error is None:
             done_bytes = c.byte_len
-            if not more and self._selective:  # the silent writes before it are done too (posting order)
+            if not more and self._selective and (len(a.reqs) > 1 or not a.reqs[0].signaled):
+                # the silent writes before it are done too (posting order)
                 done_bytes += sum(r.length for r in a.reqs if not r.signaled)
             stats.add_many((("completions", 1), ("bytes_completed", done_bytes)))
             if more:

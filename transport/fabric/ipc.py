@@ -51,7 +51,7 @@ from transport.errors import FabricError, FabricUnavailable
 from transport.fabric.base import DEVICE_HOST, MemoryRegion, WriteBatch
 from transport.fabric.tcp import (
     HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
-    _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, raw_view, recv_exact,
+    _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, raw_view, recv_exact,
 )
 from transport.fabric.gpu_copy import BoundCopies
 
@@ -422,6 +422,21 @@ class IpcFabric(TcpFabric):
         self._validate(ep, [])
         self._post_checked_batches(ep, requests, [self._validate_batch(b) for b in requests])
 
+    def _validate_batch(self, b: WriteBatch) -> np.ndarray:
+        """tcp's checks of a ``WriteBatch``. A batch that carries ``bounds`` (the engine's extremes of these same
+        arrays, and its one key on each side) gets the same checks on those extremes, without reducing its arrays
+        again; when they do not pass, the batch loses its bounds (nothing later relies on them) and tcp's checks
+        of the arrays name the write at fault."""
+        bd = getattr(b, "bounds", None)
+        if bd is not None:
+            mr = self._regions.get(bd.lkey)
+            if (mr is not None and bd.len_min > 0 and bd.local_min >= 0 and bd.remote_min >= 0
+                    and bd.local_end <= _I64 and bd.remote_end <= _I64 and 0 <= bd.rkey <= 0xFFFFFFFF
+                    and mr.addr <= bd.local_min and bd.local_end <= mr.addr + mr.length):
+                return np.full(b.count, mr.device, dtype=np.int64)
+            b.bounds = None
+        return super()._validate_batch(b)
+
     def _post_checked_batches(self, ep: TcpEndpoint, batches, devices) -> None:
         """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``_validate_batch``) batch
         by batch through ``_post_batch_direct`` while they qualify, the rest as messages."""
@@ -456,17 +471,29 @@ class IpcFabric(TcpFabric):
         """(source device, the peer's region description) when every write of ``batches`` goes from one local
         GPU into one peer GPU region, or from host memory into one peer host region, whose description is current
         and contains it; else None."""
-        keys = distinct(batches[0].rkey) if len(batches) == 1 else distinct(np.concatenate([b.rkey for b in batches]))
+        # one batch with bounds (checked by ``_validate_batch``): its one rkey, source device and remote extremes
+        # without reducing its arrays
+        bd = batches[0].bounds if len(batches) == 1 else None
+        if bd is not None:
+            keys = [bd.rkey]
+        else:
+            keys = distinct(batches[0].rkey) if len(batches) == 1 else distinct(np.concatenate([b.rkey for b in
+                                                                                              batches]))
         if len(keys) != 1:
             return None
         info, _ = self._current_info(ep, None, keys)
         if info is None:
             return None
         reg = info[keys[0]]
-        src_devs = distinct(devices[0]) if len(devices) == 1 else distinct(np.concatenate(devices))
+        if bd is not None:
+            src_devs = [int(devices[0][0])]  # one local region holds every source: one device
+        else:
+            src_devs = distinct(devices[0]) if len(devices) == 1 else distinct(np.concatenate(devices))
         if len(src_devs) != 1 or (src_devs[0] == DEVICE_HOST) != (reg["device"] == DEVICE_HOST):
             return None
         lo, hi = reg["addr"], reg["addr"] + reg["length"]
+        if bd is not None:
+            return (src_devs[0], reg) if lo <= bd.remote_min and bd.remote_end <= hi else None
         for b in batches:
             if int(b.remote_addr.min()) < lo or int((b.remote_addr + b.length).max()) > hi:
                 return None

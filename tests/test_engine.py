@@ -664,8 +664,14 @@ def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, 
     real = IpcFabric._post_batch_direct
 
     def spy(self, ep, b, devices):
+        if b.bounds is not None:  # the engine's extremes must be those of the arrays it posts
+            la, ln, ra = b.local_addr, b.length, b.remote_addr
+            assert tuple(b.bounds[:6]) == (ln.min(), ln.max(), la.min(), (la + ln).max(), ra.min(),
+                                           (ra + ln).max()), b.bounds
+            assert {*b.rkey.tolist()} == {b.bounds.rkey} and {*b.lkey.tolist()} == {b.bounds.lkey}
+            assert b.nbytes == int(ln.sum())
         got = real(self, ep, b, devices)
-        taken.append(got)
+        taken.append((got, b.bounds is not None))
         return got
 
     monkeypatch.setattr(IpcFabric, "_post_batch_direct", spy)
@@ -687,23 +693,23 @@ def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, 
         for lengths in shapes:
             for _ in range(2):
                 write_arrays(eng, lengths)
-        assert taken[-2:] == [True, True], taken
+        assert taken[-2:] == [(True, True)] * 2, taken
         extra = ipc_peer.call("register_extra", size=1 * MB)
         dsts = np.array([extra + i * 100 for i in range(10)], dtype=np.int64)
         srcs, lens = b + 1000 * np.arange(10, dtype=np.int64), np.full(10, 64, dtype=np.int64)
         for _ in range(4):  # the first on each rail learns the region's description, the next writes by it
             eng.batch_write(ipc_peer.session, srcs, dsts, lens)
-        assert taken[-2:] == [True, True], taken
+        assert taken[-2:] == [(True, True)] * 2, taken
         ipc_peer.call("poison")
         clean = ipc_peer.call("extra_digest", addr=extra)
         ipc_peer.call("deregister", addr=extra)
         with pytest.raises(RemoteRejected):
             eng.batch_write(ipc_peer.session, srcs, dsts, lens)
-        assert taken[-1] is False
+        assert taken[-1][0] is False
         assert ipc_peer.call("extra_digest", addr=extra) == clean
         for _ in range(4):  # small batches alternate between the rails, each learning the region again
             write_arrays(eng, AUX)
-        assert taken[-2:] == [True, True], taken
+        assert taken[-2:] == [(True, True)] * 2, taken
 
 
 def test_ipc_loadstore_path_is_byte_exact(src, rng, ipc_peer):

@@ -473,7 +473,7 @@ class IpcFabric(TcpFabric):
         and contains it; else None."""
         # one batch with bounds (checked by ``_validate_batch``): its one rkey, source device and remote extremes
         # without reducing its arrays
-        bd = batches[0].bounds if len(batches) == 1 else None
+        bd = getattr(batches[0], "bounds", None) if len(batches) == 1 else None
         if bd is not None:
             keys = [bd.rkey]
         else:

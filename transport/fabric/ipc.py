@@ -28,7 +28,11 @@ piece against the kept descriptions, copies, synchronises and completes the mess
 completes a write once its bytes are placed. A message without an immediate is not announced at all (it takes a
 key outside the peer's sequence); one with an immediate is followed by a one-way NOTIFY (piece table + statuses),
 and the target checks the pieces again against its own regions before it delivers RECV_IMM, in sequence order.
-No hand-off to a sender thread and no ack to wait for. As for an RDMA write or the load/store path, a write racing
+No hand-off to a sender thread and no ack to wait for. A post of ``WriteBatch``es (the engine's direct runs) into
+one described region, from one local GPU into peer GPU memory or from host memory into peer host memory, skips the
+piece table as well: checked on the batch's extremes (the engine's ``WriteBounds`` when it carries them, else
+reductions of its arrays), copied (a bound batched-copy launch, or ``process_vm_writev`` of its arrays) and
+completed by the posting thread. As for an RDMA write or the load/store path, a write racing
 a ``deregister`` of its own destination is the caller's error (the GRANT path pins regions; this one cannot).
 The posting thread copies a post's messages one after the other, so a post is one message (``message_bytes``),
 not one per socket.

@@ -222,8 +222,9 @@ class Pipeline:
     def _as_arrays(cls, *named) -> tuple:
         """``_as_array`` of each ``(name, values)`` pair; the arrays must have one length, else InvalidTransfer
         naming them and their lengths."""
-        arrays = tuple(cls._as_array(name, values) for name, values in named)
-        if len({a.size for a in arrays}) > 1:
+        arrays = tuple([cls._as_array(name, values) for name, values in named])
+        n = arrays[0].size
+        if any(a.size != n for a in arrays):
             names = [name for name, _ in named]
             raise InvalidTransfer(f"{', '.join(names[:-1])} and {names[-1]} must have the same length, got "
                                   f"{', '.join(str(a.size) for a in arrays)}")
@@ -425,11 +426,11 @@ class Pipeline:
                         and p[1] is batch.dsts:
                     # the unit is the whole batch, whose arrays the validation reduced: the fabric checks those
                     # extremes instead of reducing the same arrays again
-                    sized = {"nbytes": batch.nbytes, "bounds": WriteBounds(*batch.extremes, rkey, lkey)}
+                    nbytes, bounds = batch.nbytes, WriteBounds(*batch.extremes, rkey, lkey)
                 else:
-                    sized = {}
+                    nbytes = bounds = None
                 a.reqs = [WriteBatch(p[0], p[2], p[1], np.full(m, rkey, dtype=np.int64),
-                                     np.full(m, lkey, dtype=np.int64), **sized)]
+                                     np.full(m, lkey, dtype=np.int64), nbytes=nbytes, bounds=bounds)]
             return
         if len(parts) == 1:
             src, dst, n = parts[0]
@@ -767,7 +768,10 @@ class Pipeline:
         with self._defer_lock:
             # from the first failure on, and while earlier ones wait, completions keep their order through the
             # poll loop: a unit's last write must never be counted done before an earlier write's error
-            first_bad = next((i for i, c in enumerate(comps) if c.error is not None), None)
+            if len(comps) == 1:  # the common case (a batch's one completion): no generator
+                first_bad = None if comps[0].error is None else 0
+            else:
+                first_bad = next((i for i, c in enumerate(comps) if c.error is not None), None)
             if self._deferring[rail] or first_bad is not None:
                 cut = 0 if self._deferring[rail] else first_bad
                 later = comps[cut:]
@@ -879,7 +883,6 @@ class Pipeline:
             return
         b = a.batch
         u = a.unit
-        self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes)))
         if u.kind == COALESCED:
             self.counters.add_many((("chunks", 1), ("chunk_items", len(u.segs) if u.items is None else int(u.items.size)),
                                     ("chunk_wire_bytes", u.wire_bytes)))
@@ -887,8 +890,12 @@ class Pipeline:
             b.remaining -= 1
             last = b.remaining == 0 and not b.event.is_set()
         if last:
-            self._account_done(f"batch {b.id}", b.t0, now_ns(), b.n_items, b.nbytes, True)
+            # the batch's ok count with the unit's counters: one lock round
+            self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes), ("batches_ok", 1)))
+            self._account_done(f"batch {b.id}", b.t0, now_ns(), b.n_items, b.nbytes, True, counted=True)
             b.event.set()
+        else:
+            self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes)))
 
     def _account_done(self, name: str, t0: int, t: int, n_items: int, nbytes: int, ok: bool,
                       path: Optional[str] = None, counted: bool = False) -> None:

@@ -31,6 +31,10 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable, List, NamedTuple, Optional, Sequence
 
+import numpy as _np
+
+_ndarray, _INT64 = _np.ndarray, _np.dtype(_np.int64)
+
 DEVICE_HOST = -1
 """``device`` value meaning host (CPU) memory; a CUDA device index otherwise."""
 
@@ -143,18 +147,24 @@ class WriteBatch:
 
     def __init__(self, local_addr, length, remote_addr, rkey, lkey, wr_id: int = 0, nbytes: Optional[int] = None,
                  bounds: Optional[WriteBounds] = None):
-        import numpy as np
-        cols = [np.asarray(v) for v in (local_addr, length, remote_addr, rkey, lkey)]
-        n = cols[1].size
-        for name, v in zip(("local_addr", "length", "remote_addr", "rkey", "lkey"), cols):
-            if v.ndim != 1 or v.dtype.kind not in "iu":
-                raise ValueError(f"WriteBatch: {name} must be a 1-D integer array, got {v.dtype} {tuple(v.shape)}")
-            if v.size != n:
-                raise ValueError(f"WriteBatch: {name} has {v.size} items but length has {n}")
-        if n == 0:
-            raise ValueError("WriteBatch: no writes")
-        self.local_addr, self.length, self.remote_addr, self.rkey, self.lkey = (
-            v.astype(np.int64, copy=False) for v in cols)
+        cols = (local_addr, length, remote_addr, rkey, lkey)
+        n = length.size if length.__class__ is _ndarray else -1
+        if n > 0 and all(v.__class__ is _ndarray and v.dtype is _INT64 and v.ndim == 1 and v.size == n for v in cols):
+            # the engine's case: int64 arrays already, nothing to convert
+            self.local_addr, self.length, self.remote_addr, self.rkey, self.lkey = cols
+        else:
+            cols = [_np.asarray(v) for v in cols]
+            n = cols[1].size
+            for name, v in zip(("local_addr", "length", "remote_addr", "rkey", "lkey"), cols):
+                if v.ndim != 1 or v.dtype.kind not in "iu":
+                    raise ValueError(f"WriteBatch: {name} must be a 1-D integer array, got {v.dtype} "
+                                     f"{tuple(v.shape)}")
+                if v.size != n:
+                    raise ValueError(f"WriteBatch: {name} has {v.size} items but length has {n}")
+            if n == 0:
+                raise ValueError("WriteBatch: no writes")
+            self.local_addr, self.length, self.remote_addr, self.rkey, self.lkey = (
+                v.astype(_np.int64, copy=False) for v in cols)
         self.wr_id = wr_id
         self.signaled = True  # the batch always completes once
         self.nbytes = int(self.length.sum()) if nbytes is None else nbytes

@@ -20,6 +20,17 @@ reported, with the engine's own split (``stats()["time_s"]``: ``validate`` = arg
 Output: a JSON list of rows (a temporary file unless ``--out`` names one, e.g. ``benchmarks/results/host-overhead-cpu.json``) and a table.
 
 Run:  python3 benchmarks/host_overhead.py [--calls 1000] [--rounds 7] [--out PATH]
+
+``--message-path``: instead, the host time per ``batch_write`` of the engine's message path (ipc fabric with
+``loadstore=False`` on both sides, host memory, numpy arrays as the caller's arguments): validation, plan, the
+post, the ipc fabric's write by ``process_vm_writev`` and the completion, which on a GPU machine run the same
+Python around a CUDA copy. Shapes of ``benchmarks/message_path.py``: ``aux11``, ``1024x64KB``,
+``kv78x2.25MB``, ``4096x64B``, ``mix2000+8x2MB``. Per shape, verified byte for byte once, then ``--rounds``
+rounds of ``--calls`` calls with the cross-memory copy replaced by a no-op (``python_us``: the host work the
+GPU path also pays; median round, wall and caller-thread CPU time), and the same with the copy (``us``, fewer
+calls for the large shapes). ``--profile DIR``: a cProfile of the caller over one more round per shape.
+
+Run:  python3 benchmarks/host_overhead.py --message-path [--calls 300] [--rounds 7] [--shapes aux11,...]
 """
 from __future__ import annotations
 
@@ -113,13 +124,132 @@ def _classify_row(args, date: str) -> dict:
     return row
 
 
+MESSAGE_PATH_BUFFER = 256 * MB
+
+
+def message_path_shapes(rng) -> dict:
+    """The shapes of ``benchmarks/message_path.py`` (lengths per piece)."""
+    mix = rng.integers(1, 8193, size=2000).tolist() + [2 * MB] * 8
+    return {"aux11": list(AUX), "1024x64KB": [64 * KB] * 1024, "kv78x2.25MB": [2359296] * 78,
+            "4096x64B": [64] * 4096, "mix2000+8x2MB": mix}
+
+
+def _timed_rounds(fn, calls: int, rounds: int) -> tuple:
+    """(wall, caller-thread CPU) seconds per call of ``fn``: one mean per round of ``calls`` calls."""
+    wall, cpu = [], []
+    for _ in range(rounds):
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        wall.append((t1 - t0) / calls / 1e9)
+        cpu.append((c1 - c0) / calls / 1e9)
+    return wall, cpu
+
+
+def message_path(args) -> int:
+    """The ``--message-path`` mode (see the module docstring)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from engine_helpers import disjoint_offsets
+    from transport.engine import TransferEngine
+    from transport.fabric import ipc
+
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % (1 << 31))
+    print(f"message path, ipc loadstore=False, host memory; seed {seed}; {args.rounds} rounds x {args.calls} calls",
+          flush=True)
+    rng = np.random.default_rng(seed)
+    shapes = message_path_shapes(rng)
+    wanted = args.shapes.split(",") if args.shapes else list(shapes)
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    size = MESSAGE_PATH_BUFFER
+    rows = []
+    real_copy = ipc.process_vm_write
+    kw = {"fabric": "ipc", "loadstore": False, "rails": args.rails}
+    with LocalPeer({"kv": (size, -1)}, **kw) as peer:
+        src = Buffer(size, -1, random_seed=int(rng.integers(1 << 30)))
+        with TransferEngine(**kw) as eng:
+            eng.register(src.addr, size)
+            for name in wanted:
+                lengths = np.asarray(shapes[name], dtype=np.int64)
+                s_off, d_off = disjoint_offsets(rng, lengths, size), disjoint_offsets(rng, lengths, size)
+                s, d = (src.addr + s_off).astype(np.int64), (peer.addrs["kv"] + d_off).astype(np.int64)
+                nbytes = int(lengths.sum())
+                peer.call("poison")
+                eng.batch_write(peer.session, s, d, lengths)
+                img = np.full(size, POISON, dtype=np.uint8)
+                host = src.host()
+                for so, do, k in zip(s_off.tolist(), d_off.tolist(), lengths.tolist()):
+                    img[do:do + k] = host[so:so + k]
+                if peer.call("digest", name="kv") != digest(img):
+                    raise SystemExit(f"{name}: the peer's buffer does not match the expected image")
+
+                def call():
+                    eng.batch_write(peer.session, s, d, lengths)
+                copy_calls = max(3, min(args.calls, int(args.calls * 4 * MB // max(nbytes, 1))))
+                for _ in range(min(copy_calls, 30)):
+                    call()
+                wall, cpu = _timed_rounds(call, copy_calls, args.rounds)
+                ipc.process_vm_write = lambda *a, **k: None
+                try:
+                    for _ in range(100):
+                        call()
+                    before = eng.stats()["time_s"]
+                    py_wall, py_cpu = _timed_rounds(call, args.calls, args.rounds)
+                    after = eng.stats()["time_s"]
+                    if args.profile:
+                        import cProfile
+                        import pstats
+                        prof = cProfile.Profile()
+                        prof.enable()
+                        for _ in range(args.calls):
+                            call()
+                        prof.disable()
+                        os.makedirs(args.profile, exist_ok=True)
+                        with open(os.path.join(args.profile, f"profile-message-path-{name}.txt"), "w") as f:
+                            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(45)
+                finally:
+                    ipc.process_vm_write = real_copy
+                n_calls = args.rounds * args.calls
+                split = {k: round((after.get(k, 0) - before.get(k, 0)) / n_calls * 1e6, 2)
+                         for k in ("validate", "plan", "dispatch", "post", "wait")}
+                row = {"case": name, "pieces": int(lengths.size), "bytes": nbytes,
+                       "us": round(float(np.median(wall)) * 1e6, 2), "copy_calls": copy_calls,
+                       "python_us": round(float(np.median(py_wall)) * 1e6, 2),
+                       "python_cpu_us": round(float(np.median(py_cpu)) * 1e6, 2),
+                       "python_us_best_round": round(min(py_wall) * 1e6, 2), "split_us": split,
+                       "verified": "byte-exact", "fabric": "ipc", "loadstore": False, "rails": args.rails,
+                       "memory": "host",
+                       "seed": seed, "machine": platform.node(), "cpus": os.cpu_count(),
+                       "python": platform.python_version(), "numpy": np.__version__, "date": date}
+                rows.append(row)
+                print(f"  {name:<14} {lengths.size:5d} pieces {row['us']:9.1f} us/call with the copy; host work "
+                      f"{row['python_us']:7.1f} us wall, {row['python_cpu_us']:7.1f} us CPU (best round "
+                      f"{row['python_us_best_round']:.1f}); split {split}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=1000, help="calls per round (default 1000)")
     ap.add_argument("--rounds", type=int, default=7, help="rounds per case; the median round is reported")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "pxn-host-overhead-cpu.json"),
                     help="JSON path (default: a temporary file; the committed results are written only with --out)")
+    ap.add_argument("--message-path", action="store_true",
+                    help="time the message path (ipc, loadstore=False) instead of the load/store path")
+    ap.add_argument("--shapes", default=None, help="--message-path: comma-separated shape names (default all)")
+    ap.add_argument("--rails", type=int, default=1,
+                    help="--message-path: rails of both engines (1: as benchmarks/message_path.py's one-NIC topology)")
+    ap.add_argument("--seed", type=int, default=None, help="--message-path: offsets' and data's seed")
+    ap.add_argument("--profile", default=None, help="--message-path: write a cProfile of each shape to this folder")
     args = ap.parse_args(argv)
+    if args.message_path:
+        if args.out == ap.get_default("out"):
+            args.out = os.path.join(tempfile.gettempdir(), "pxn-host-overhead-message-path-cpu.json")
+        return message_path(args)
     from transport import loadstore
     from transport.engine import TransferEngine
     import torch

@@ -653,6 +653,67 @@ def test_ipc_fabric_end_to_end_message_path(src, rng, ipc_peer, coalesce):
     assert st["paths"]["loadstore"]["units"] == 0
 
 
+def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, ipc_peer, monkeypatch):
+    """loadstore=False with numpy arrays: once a GRANT has described the peer's region, each batch of host memory
+    is checked against that description, copied and completed by the posting thread
+    (``IpcFabric._post_batch_direct``), byte-exact, fresh offsets every round. After the peer deregisters a
+    region, its kept description is stale (the counter moved): a batch into it goes to the peer, is refused and
+    writes nothing; the next batches into the live region land, and the direct path resumes."""
+    from transport.fabric.ipc import IpcFabric
+    taken = []
+    real = IpcFabric._post_batch_direct
+
+    def spy(self, ep, b, devices):
+        if b.bounds is not None:  # the engine's extremes must be those of the arrays it posts
+            la, ln, ra = b.local_addr, b.length, b.remote_addr
+            assert tuple(b.bounds[:6]) == (ln.min(), ln.max(), la.min(), (la + ln).max(), ra.min(),
+                                           (ra + ln).max()), b.bounds
+            assert {*b.rkey.tolist()} == {b.bounds.rkey} and {*b.lkey.tolist()} == {b.bounds.lkey}
+            assert b.nbytes == int(ln.sum())
+        got = real(self, ep, b, devices)
+        taken.append((got, b.bounds is not None))
+        return got
+
+    monkeypatch.setattr(IpcFabric, "_post_batch_direct", spy)
+    b = src.ctypes.data
+    # the last shape small enough for one rail: one unit of the whole batch, which carries the bounds (larger
+    # batches are cut between the two rails)
+    shapes = [AUX, [BLOCK_1K] * 20, rng.integers(1, 8193, size=500).tolist() + [2 * MB] * 2, [64] * 4096]
+
+    def write_arrays(eng, lengths):
+        s_off = disjoint_offsets(rng, lengths, 100 * MB)
+        d_off = disjoint_offsets(rng, lengths, 64 * MB)
+        ipc_peer.poison()
+        exp = Expected(ipc_peer.size)
+        exp.apply(src, s_off, d_off, lengths)
+        eng.batch_write(ipc_peer.session, (b + s_off).astype(np.int64), (ipc_peer.base + d_off).astype(np.int64),
+                        np.asarray(lengths, dtype=np.int64))
+        ipc_peer.check(exp)
+
+    with TransferEngine(fabric="ipc", loadstore=False) as eng:
+        eng.register(src)
+        for lengths in shapes:
+            for _ in range(2):
+                write_arrays(eng, lengths)
+        assert taken[-2:] == [(True, True)] * 2, taken
+        extra = ipc_peer.call("register_extra", size=1 * MB)
+        dsts = np.array([extra + i * 100 for i in range(10)], dtype=np.int64)
+        srcs, lens = b + 1000 * np.arange(10, dtype=np.int64), np.full(10, 64, dtype=np.int64)
+        for _ in range(4):  # the first on each rail learns the region's description, the next writes by it
+            eng.batch_write(ipc_peer.session, srcs, dsts, lens)
+        assert taken[-2:] == [(True, True)] * 2, taken
+        ipc_peer.call("poison")
+        clean = ipc_peer.call("extra_digest", addr=extra)
+        ipc_peer.call("deregister", addr=extra)
+        with pytest.raises(RemoteRejected):
+            eng.batch_write(ipc_peer.session, srcs, dsts, lens)
+        assert taken[-1][0] is False
+        assert ipc_peer.call("extra_digest", addr=extra) == clean
+        for _ in range(4):  # small batches alternate between the rails, each learning the region again
+            write_arrays(eng, AUX)
+        assert taken[-2:] == [(True, True)] * 2, taken
+
+
 def test_ipc_loadstore_path_is_byte_exact(src, rng, ipc_peer):
     """The default on ipc: the whole batch by cross-memory attach from the caller's thread, no chunks."""
     with TransferEngine(fabric="ipc") as eng:

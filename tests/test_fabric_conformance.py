@@ -16,7 +16,7 @@ import pytest
 from fabric_helpers import Buffer, RemoteError, Target, digest, wait_completions
 from transport.errors import FabricClosed, FabricUnavailable, PeerLost, RegionError, UnknownPeer
 from transport.fabric import make_fabric
-from transport.fabric.base import Opcode, WriteBatch, WriteRequest
+from transport.fabric.base import Opcode, WriteBatch, WriteBounds, WriteRequest
 
 try:
     import torch
@@ -232,6 +232,64 @@ def test_write_batch_refused_piece_fails_it_once(case):
     assert nbad == 0 and nsmall == 0, f"a refused write changed memory (first at region+{bad_at})"
     with pytest.raises(ValueError, match="local_addr has 2 items but length has 1"):
         WriteBatch([1, 2], [3], [4, 5], [1, 1], [1, 1])
+
+
+def _bounded_batch(case, src_off, lens, dst_off, wr_id):
+    """A WriteBatch with its ``bounds``: the true extremes of its arrays, as the engine gives them."""
+    t = case.target
+    la, ra = case.src.addr + src_off, t.addr + dst_off
+    bounds = WriteBounds(int(lens.min()), int(lens.max()), int(la.min()), int((la + lens).max()), int(ra.min()),
+                         int((ra + lens).max()), t.rkey, case.mr.lkey)
+    return WriteBatch(la, lens, ra, np.full(lens.size, t.rkey), np.full(lens.size, case.mr.lkey), wr_id=wr_id,
+                      nbytes=int(lens.sum()), bounds=bounds)
+
+
+def test_write_batch_with_bounds_alone_after_warm_up(case):
+    """A WriteBatch posted alone with its ``bounds`` once the target's region is known to the writer (on ipc: the
+    kept description, so the posting thread writes it): byte-exact, fresh data, odd sizes and offsets, every
+    piece its own bytes; one completion. A batch whose (true) bounds reach past the target's region completes
+    once with a RegionError naming that write and nothing of it written (the others land, as in any refused
+    batch); one whose local range leaves the local region raises, naming the write, before anything is posted."""
+    _batches(case)
+    t = case.target
+    t.call("poison")
+    case.fab.post_writes(case.ep, [case.req(0, 1, REGION - 1, wr_id=70)])  # the target's region described
+    _ok(wait_completions(case.fab, 1))
+    lens = np.concatenate([[1, 63, 64, 65], case.rng.integers(1, 9000, 700)]).astype(np.int64)
+    case.rng.shuffle(lens)
+    total = int(lens.sum())
+    data = case.fresh(total + 4096)
+    src_off = np.cumsum(lens) - lens + 3
+    slots = case.rng.permutation(lens.size)
+    gaps = case.rng.integers(1, 40, lens.size)
+    dst_start = np.cumsum(lens[slots] + gaps[slots]) - lens[slots]
+    dst_off = np.empty_like(dst_start)
+    dst_off[slots] = dst_start
+    for wr_id in (71, 72):  # twice: on ipc the first may still ask the target, the second is written here
+        case.fab.post_writes(case.ep, [_bounded_batch(case, src_off, lens, dst_off, wr_id)])
+        (c,) = wait_completions(case.fab, 1)
+        assert c.ok and c.wr_id == wr_id and c.byte_len == total, c
+    for i in range(lens.size):
+        s, n, d = int(src_off[i]), int(lens[i]), int(dst_off[i])
+        assert t.call("hash", d, n) == digest(data[s:s + n]), f"batch write {i} ({n} B at target+{d}) differs"
+    written = [(REGION - 1, 1)] + [(int(d), int(n)) for d, n in zip(dst_off, lens)]
+    bad, nbad, nsmall = t.call("untouched", written)
+    assert nbad == 0 and nsmall == 0, f"bytes outside the batch's writes changed (first at region+{bad})"
+    t.call("poison")
+    lens = np.full(50, 64, dtype=np.int64)
+    dst_off = 64 * np.arange(50, dtype=np.int64)
+    dst_off[31] = REGION - 10  # crosses the end of the target's region
+    case.fab.post_writes(case.ep, [_bounded_batch(case, 64 * np.arange(50, dtype=np.int64), lens, dst_off, 73)])
+    (c,) = wait_completions(case.fab, 1)
+    assert c.wr_id == 73 and isinstance(c.error, RegionError), c
+    assert f"0x{t.addr + REGION - 10:x}" in str(c.error)
+    src_off = 64 * np.arange(50, dtype=np.int64)
+    src_off[44] = REGION - 1  # leaves the local region
+    with pytest.raises(RegionError, match="write 44"):
+        case.fab.post_writes(case.ep, [_bounded_batch(case, src_off, lens, 64 * np.arange(50, dtype=np.int64), 74)])
+    assert not case.fab.poll(16, timeout=0.2), "a refused post completed"
+    bad_at, nbad, nsmall = t.call("untouched", [(64 * i, 64) for i in range(50) if i != 31])
+    assert nbad == 0 and nsmall == 0, f"a refused write changed memory (first at region+{bad_at})"
 
 
 def test_writes_after_events_follow_producer_and_free_sources_after_reuse_event(case):

@@ -27,7 +27,7 @@ import numpy as np
 from transport.arrays import distinct
 from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected,
                               TransferError, TransferTimeout)
-from transport.fabric.base import DEVICE_HOST, GatherWrite, Opcode, WriteBatch, WriteRequest
+from transport.fabric.base import DEVICE_HOST, GatherWrite, Opcode, WriteBatch, WriteBounds, WriteRequest
 from transport.fabric.tcp import _MEMCPY_MAX, memcpy_async
 from transport.planner import COALESCED, DIRECT, RELAYED, Unit
 from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, chunk_imm, decode_ack, decode_ack_payload
@@ -105,7 +105,7 @@ class BatchHandle:
 
 class _Batch:
     __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
-                 "peer", "n_items", "pending", "spans")
+                 "peer", "n_items", "pending", "spans", "extremes")
 
     def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int, event=None):
         self.id = bid
@@ -121,6 +121,8 @@ class _Batch:
         self.pending = None  # load/store path: the device work still running (transport.loadstore.Pending)
         self.spans = None  # (local snapshot, region index, peer snapshot, region index) when one region on each
         # side holds every piece (the validation's finding, reused for the write keys)
+        self.extremes = None  # the validation's (smallest length, largest, smallest source, largest source end,
+        # smallest destination, largest destination end): a WriteBatch of these same arrays carries them
 
     @property
     def failed(self) -> bool:
@@ -227,8 +229,9 @@ class Pipeline:
     def _as_arrays(cls, *named) -> tuple:
         """``_as_array`` of each ``(name, values)`` pair; the arrays must have one length, else InvalidTransfer
         naming them and their lengths."""
-        arrays = tuple(cls._as_array(name, values) for name, values in named)
-        if len({a.size for a in arrays}) > 1:
+        arrays = tuple([cls._as_array(name, values) for name, values in named])
+        n = arrays[0].size
+        if any(a.size != n for a in arrays):
             names = [name for name, _ in named]
             raise InvalidTransfer(f"{', '.join(names[:-1])} and {names[-1]} must have the same length, got "
                                   f"{', '.join(str(a.size) for a in arrays)}")
@@ -322,9 +325,10 @@ class Pipeline:
         batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
         if getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0:
             batch.spans = (lsnap, int(idx), rsnap, int(ridx))
+            batch.extremes = (lmin, lmax, smin, send, dmin, dend)
         if getattr(devices, "ndim", 0) == 0:
             device_list = [int(devices)]
-            devices = np.full(ln.size, device_list[0], dtype=np.int64)
+            devices = None  # the planner reads one device from device_list
         else:
             device_list = distinct(devices)
         rails_of = {}
@@ -339,7 +343,7 @@ class Pipeline:
             if getattr(dst_devices, "ndim", 0) == 0:
                 dst_devices = np.full(ln.size, int(dst_devices), dtype=np.int64)
         units = _group_direct(self.planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices,
-                                                peer.forward))
+                                                peer.forward, (nbytes, lmax)))
         t2 = now_ns()
         batch.remaining = len(units)
         self._dispatch(batch, units)
@@ -425,8 +429,15 @@ class Pipeline:
             lkey, rkey = local.keys[rail].lkey, remote.keys[rail]
             for a, p in zip(atts, parts):
                 m = p[2].size
+                if batch.extremes is not None and p[2] is batch.lengths and p[0] is batch.srcs \
+                        and p[1] is batch.dsts:
+                    # the unit is the whole batch, whose arrays the validation reduced: the fabric checks those
+                    # extremes instead of reducing the same arrays again
+                    nbytes, bounds = batch.nbytes, WriteBounds(*batch.extremes, rkey, lkey)
+                else:
+                    nbytes = bounds = None
                 a.reqs = [WriteBatch(p[0], p[2], p[1], np.full(m, rkey, dtype=np.int64),
-                                     np.full(m, lkey, dtype=np.int64))]
+                                     np.full(m, lkey, dtype=np.int64), nbytes=nbytes, bounds=bounds)]
             return
         if len(parts) == 1:
             src, dst, n = parts[0]
@@ -672,8 +683,15 @@ class Pipeline:
                     if slot is not None:
                         slot.ring.release(slot, after=reusable)
             t1 = now_ns()
-            nbytes = sum(r.nbytes if isinstance(r, WriteBatch) else r.length for a in live for r in a.reqs)
-            writes = sum(r.count if isinstance(r, WriteBatch) else 1 for a in live for r in a.reqs)
+            nbytes = writes = 0  # one loop, not two generator sums: this runs once per post
+            for a in live:
+                for r in a.reqs:
+                    if isinstance(r, WriteBatch):
+                        nbytes += r.nbytes
+                        writes += r.count
+                    else:
+                        nbytes += r.length
+                        writes += 1
             self._rail_stats[pr.rail].add_many((("post_calls", 1), ("writes_posted", writes),
                                                 ("bytes_posted", nbytes), ("time_post_s", (t1 - t0) / 1e9)))
             if self.trace is not None:
@@ -757,7 +775,10 @@ class Pipeline:
         with self._defer_lock:
             # from the first failure on, and while earlier ones wait, completions keep their order through the
             # poll loop: a unit's last write must never be counted done before an earlier write's error
-            first_bad = next((i for i, c in enumerate(comps) if c.error is not None), None)
+            if len(comps) == 1:  # the common case (a batch's one completion): no generator
+                first_bad = None if comps[0].error is None else 0
+            else:
+                first_bad = next((i for i, c in enumerate(comps) if c.error is not None), None)
             if self._deferring[rail] or first_bad is not None:
                 cut = 0 if self._deferring[rail] else first_bad
                 later = comps[cut:]
@@ -840,7 +861,8 @@ class Pipeline:
         stats = self._rail_stats[rail]
         if c.error is None:
             done_bytes = c.byte_len
-            if not more and self._selective:  # the silent writes before it are done too (posting order)
+            if not more and self._selective and (len(a.reqs) > 1 or not a.reqs[0].signaled):
+                # the silent writes before it are done too (posting order)
                 done_bytes += sum(r.length for r in a.reqs if not r.signaled)
             stats.add_many((("completions", 1), ("bytes_completed", done_bytes)))
             if more:
@@ -907,7 +929,6 @@ class Pipeline:
             return
         b = a.batch
         u = a.unit
-        self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes)))
         if u.kind == COALESCED:
             self.counters.add_many((("chunks", 1), ("chunk_items", len(u.segs) if u.items is None else int(u.items.size)),
                                     ("chunk_wire_bytes", u.wire_bytes)))
@@ -915,8 +936,12 @@ class Pipeline:
             b.remaining -= 1
             last = b.remaining == 0 and not b.event.is_set()
         if last:
-            self._account_done(f"batch {b.id}", b.t0, now_ns(), b.n_items, b.nbytes, True)
+            # the batch's ok count with the unit's counters: one lock round
+            self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes), ("batches_ok", 1)))
+            self._account_done(f"batch {b.id}", b.t0, now_ns(), b.n_items, b.nbytes, True, counted=True)
             b.event.set()
+        else:
+            self.counters.add_many(((f"path_{u.kind}_units", 1), (f"path_{u.kind}_bytes", u.nbytes)))
 
     def _account_done(self, name: str, t0: int, t: int, n_items: int, nbytes: int, ok: bool,
                       path: Optional[str] = None, counted: bool = False) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -140,14 +140,16 @@ class Planner:
     def plan(self, srcs: np.ndarray, dsts: np.ndarray, lengths: np.ndarray, devices: np.ndarray,
              rails_of: Dict[int, Sequence[RailChoice]], load: Dict[int, int],
              device_list: Optional[List[int]] = None, dst_devices: Optional[np.ndarray] = None,
-             forward: Optional[Dict[int, int]] = None) -> List[Unit]:
+             forward: Optional[Dict[int, int]] = None, length_stats: Optional[Tuple[int, int]] = None) -> List[Unit]:
         """Plan one batch.
 
         Arguments:
             srcs, dsts, lengths, devices: int64 arrays, one entry per item (devices: source device, -1 host).
             rails_of: device -> usable rails (alive, in preference order); every device in ``devices`` present.
             load: rail -> bytes in flight now (updated in place with what this plan adds).
-            device_list: the distinct values of ``devices`` when the caller has them (saves a sort per batch).
+            device_list: the distinct values of ``devices`` when the caller has them (saves a sort per batch);
+                with one device given here, ``devices`` may be None (every piece is on it).
+            length_stats: (sum, largest) of ``lengths`` when the caller has them (saves reductions per batch).
             dst_devices, forward: receive-side PXN. ``forward`` maps a rail to the peer GPU its chunks land on
                 (the GPU next to the peer's NIC); a large piece whose destination device (``dst_devices``) is
                 another GPU goes through that rail's landing slots as chunk items, and the peer forwards it over
@@ -191,7 +193,13 @@ class Planner:
                     self.relay == "never" or (self.relay == "auto" and all(c.local for c in choices))):
                 # every large piece goes direct: runs of whole pieces per rail, balanced by bytes, in a few numpy
                 # calls (a Python step per piece cost ~4 us: 4 ms for 1024 pieces); pieces to stripe go below
-                whole = (lengths if idx_large.size == lengths.size else lengths[idx_large]) <= self.stripe_bytes
+                every = idx_large.size == lengths.size
+                if every and length_stats is not None and length_stats[1] <= self.stripe_bytes:
+                    # no piece to stripe, by the caller's largest length: one comparison instead of an array's
+                    self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large, choices, load, length_stats[0])
+                    idx_large = idx_large[:0]
+                    continue
+                whole = (lengths if every else lengths[idx_large]) <= self.stripe_bytes
                 if whole.all():
                     self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large, choices, load)
                     idx_large = idx_large[:0]
@@ -217,14 +225,15 @@ class Planner:
         return units
 
     @staticmethod
-    def _plan_direct_runs(units, dev, srcs, dsts, lengths, idx, choices, load) -> None:
+    def _plan_direct_runs(units, dev, srcs, dsts, lengths, idx, choices, load, total_of_all=None) -> None:
         """Direct units of the pieces ``idx``: contiguous runs, one per rail, sized so that every rail ends with
-        about the same bytes in flight (its current ``load`` counted)."""
+        about the same bytes in flight (its current ``load`` counted). ``total_of_all``: the sum of ``lengths``
+        when the caller has it."""
         if not idx.size:
             return
         every = idx.size == lengths.size  # idx holds sorted distinct indices: every piece, in order
         lens = lengths if every else lengths[idx]
-        total = int(lens.sum())
+        total = total_of_all if every and total_of_all is not None else int(lens.sum())
         if len(choices) == 1 or total < 2 * MIN_RUN_BYTES:
             # one rail: one run (a run costs a post and a completion, tens of us of host time, so a rail takes one
             # only for at least MIN_RUN_BYTES, which takes a 400G NIC longer than that to move)

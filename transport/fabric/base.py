@@ -29,7 +29,11 @@ import collections
 import enum
 import threading
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, NamedTuple, Optional, Sequence
+
+import numpy as _np
+
+_ndarray, _INT64 = _np.ndarray, _np.dtype(_np.int64)
 
 DEVICE_HOST = -1
 """``device`` value meaning host (CPU) memory; a CUDA device index otherwise."""
@@ -108,6 +112,24 @@ class GatherWrite(WriteRequest):
     gather: tuple = ()
 
 
+class WriteBounds(NamedTuple):
+    """The extremes of a ``WriteBatch``'s arrays and its one key on each side, as the poster found them while
+    checking those same arrays (the engine's validation): smallest and largest length, smallest local address
+    and largest local end (address + length), the same for the remote side, and the rkey and lkey of every
+    write. A fabric checks these against its regions instead of reducing the arrays again (each reduction is a
+    numpy call of host time per batch); a batch without them is checked from its arrays. They must describe the
+    arrays exactly: only code that has just reduced the same arrays sets them."""
+
+    len_min: int
+    len_max: int
+    local_min: int
+    local_end: int
+    remote_min: int
+    remote_end: int
+    rkey: int
+    lkey: int
+
+
 class WriteBatch:
     """Many plain writes that complete as one work request (fabrics with the ``write_batches`` capability):
     write i is ``length[i]`` bytes from local ``local_addr[i]`` (inside the region of ``lkey[i]``) to the peer's
@@ -116,26 +138,37 @@ class WriteBatch:
 
     Exactly one completion (``wr_id``, opcode WRITE, ``byte_len`` the total) reports the batch: success once every
     write has been placed, else the first error, naming the write. Nothing of a batch with a bad local range is
-    posted. No immediates: a batch is the zero-copy body of a transfer, not a chunk."""
+    posted. No immediates: a batch is the zero-copy body of a transfer, not a chunk.
 
-    __slots__ = ("local_addr", "length", "remote_addr", "rkey", "lkey", "wr_id", "signaled", "nbytes")
+    ``nbytes``: the sum of ``length`` when the caller has it; ``bounds``: a ``WriteBounds`` of the arrays, for
+    fabrics that can use it (ipc), or None."""
 
-    def __init__(self, local_addr, length, remote_addr, rkey, lkey, wr_id: int = 0):
-        import numpy as np
-        cols = [np.asarray(v) for v in (local_addr, length, remote_addr, rkey, lkey)]
-        n = cols[1].size
-        for name, v in zip(("local_addr", "length", "remote_addr", "rkey", "lkey"), cols):
-            if v.ndim != 1 or v.dtype.kind not in "iu":
-                raise ValueError(f"WriteBatch: {name} must be a 1-D integer array, got {v.dtype} {tuple(v.shape)}")
-            if v.size != n:
-                raise ValueError(f"WriteBatch: {name} has {v.size} items but length has {n}")
-        if n == 0:
-            raise ValueError("WriteBatch: no writes")
-        self.local_addr, self.length, self.remote_addr, self.rkey, self.lkey = (
-            v.astype(np.int64, copy=False) for v in cols)
+    __slots__ = ("local_addr", "length", "remote_addr", "rkey", "lkey", "wr_id", "signaled", "nbytes", "bounds")
+
+    def __init__(self, local_addr, length, remote_addr, rkey, lkey, wr_id: int = 0, nbytes: Optional[int] = None,
+                 bounds: Optional[WriteBounds] = None):
+        cols = (local_addr, length, remote_addr, rkey, lkey)
+        n = length.size if length.__class__ is _ndarray else -1
+        if n > 0 and all(v.__class__ is _ndarray and v.dtype is _INT64 and v.ndim == 1 and v.size == n for v in cols):
+            # the engine's case: int64 arrays already, nothing to convert
+            self.local_addr, self.length, self.remote_addr, self.rkey, self.lkey = cols
+        else:
+            cols = [_np.asarray(v) for v in cols]
+            n = cols[1].size
+            for name, v in zip(("local_addr", "length", "remote_addr", "rkey", "lkey"), cols):
+                if v.ndim != 1 or v.dtype.kind not in "iu":
+                    raise ValueError(f"WriteBatch: {name} must be a 1-D integer array, got {v.dtype} "
+                                     f"{tuple(v.shape)}")
+                if v.size != n:
+                    raise ValueError(f"WriteBatch: {name} has {v.size} items but length has {n}")
+            if n == 0:
+                raise ValueError("WriteBatch: no writes")
+            self.local_addr, self.length, self.remote_addr, self.rkey, self.lkey = (
+                v.astype(_np.int64, copy=False) for v in cols)
         self.wr_id = wr_id
         self.signaled = True  # the batch always completes once
-        self.nbytes = int(self.length.sum())
+        self.nbytes = int(self.length.sum()) if nbytes is None else nbytes
+        self.bounds = bounds
 
     @property
     def count(self) -> int:

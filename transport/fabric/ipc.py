@@ -28,7 +28,11 @@ piece against the kept descriptions, copies, synchronises and completes the mess
 completes a write once its bytes are placed. A message without an immediate is not announced at all (it takes a
 key outside the peer's sequence); one with an immediate is followed by a one-way NOTIFY (piece table + statuses),
 and the target checks the pieces again against its own regions before it delivers RECV_IMM, in sequence order.
-No hand-off to a sender thread and no ack to wait for. As for an RDMA write or the load/store path, a write racing
+No hand-off to a sender thread and no ack to wait for. A post of ``WriteBatch``es (the engine's direct runs) into
+one described region, from one local GPU into peer GPU memory or from host memory into peer host memory, skips the
+piece table as well: checked on the batch's extremes (the engine's ``WriteBounds`` when it carries them, else
+reductions of its arrays), copied (a bound batched-copy launch, or ``process_vm_writev`` of its arrays) and
+completed by the posting thread. As for an RDMA write or the load/store path, a write racing
 a ``deregister`` of its own destination is the caller's error (the GRANT path pins regions; this one cannot).
 The posting thread copies a post's messages one after the other, so a post is one message (``message_bytes``),
 not one per socket.
@@ -51,7 +55,7 @@ from transport.errors import FabricError, FabricUnavailable
 from transport.fabric.base import DEVICE_HOST, MemoryRegion, WriteBatch
 from transport.fabric.tcp import (
     HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
-    _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, raw_view, recv_exact,
+    _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, raw_view, recv_exact,
 )
 from transport.fabric.gpu_copy import BoundCopies
 
@@ -422,6 +426,21 @@ class IpcFabric(TcpFabric):
         self._validate(ep, [])
         self._post_checked_batches(ep, requests, [self._validate_batch(b) for b in requests])
 
+    def _validate_batch(self, b: WriteBatch) -> np.ndarray:
+        """tcp's checks of a ``WriteBatch``. A batch that carries ``bounds`` (the engine's extremes of these same
+        arrays, and its one key on each side) gets the same checks on those extremes, without reducing its arrays
+        again; when they do not pass, the batch loses its bounds (nothing later relies on them) and tcp's checks
+        of the arrays name the write at fault."""
+        bd = getattr(b, "bounds", None)
+        if bd is not None:
+            mr = self._regions.get(bd.lkey)
+            if (mr is not None and bd.len_min > 0 and bd.local_min >= 0 and bd.remote_min >= 0
+                    and bd.local_end <= _I64 and bd.remote_end <= _I64 and 0 <= bd.rkey <= 0xFFFFFFFF
+                    and mr.addr <= bd.local_min and bd.local_end <= mr.addr + mr.length):
+                return np.full(b.count, mr.device, dtype=np.int64)
+            b.bounds = None
+        return super()._validate_batch(b)
+
     def _post_checked_batches(self, ep: TcpEndpoint, batches, devices) -> None:
         """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``_validate_batch``) batch
         by batch through ``_post_batch_direct`` while they qualify, the rest as messages."""
@@ -453,19 +472,32 @@ class IpcFabric(TcpFabric):
         return None
 
     def _direct_target(self, ep: TcpEndpoint, batches, devices):
-        """(source GPU, the peer's region description) when every write of ``batches`` goes from one local GPU
-        into one peer GPU region whose description is current and contains it; else None."""
-        keys = distinct(batches[0].rkey) if len(batches) == 1 else distinct(np.concatenate([b.rkey for b in batches]))
+        """(source device, the peer's region description) when every write of ``batches`` goes from one local
+        GPU into one peer GPU region, or from host memory into one peer host region, whose description is current
+        and contains it; else None."""
+        # one batch with bounds (checked by ``_validate_batch``): its one rkey, source device and remote extremes
+        # without reducing its arrays
+        bd = getattr(batches[0], "bounds", None) if len(batches) == 1 else None
+        if bd is not None:
+            keys = [bd.rkey]
+        else:
+            keys = distinct(batches[0].rkey) if len(batches) == 1 else distinct(np.concatenate([b.rkey for b in
+                                                                                              batches]))
         if len(keys) != 1:
             return None
         info, _ = self._current_info(ep, None, keys)
         if info is None:
             return None
         reg = info[keys[0]]
-        src_devs = distinct(devices[0]) if len(devices) == 1 else distinct(np.concatenate(devices))
-        if reg["device"] == DEVICE_HOST or len(src_devs) != 1 or src_devs[0] == DEVICE_HOST:
+        if bd is not None:
+            src_devs = [int(devices[0][0])]  # one local region holds every source: one device
+        else:
+            src_devs = distinct(devices[0]) if len(devices) == 1 else distinct(np.concatenate(devices))
+        if len(src_devs) != 1 or (src_devs[0] == DEVICE_HOST) != (reg["device"] == DEVICE_HOST):
             return None
         lo, hi = reg["addr"], reg["addr"] + reg["length"]
+        if bd is not None:
+            return (src_devs[0], reg) if lo <= bd.remote_min and bd.remote_end <= hi else None
         for b in batches:
             if int(b.remote_addr.min()) < lo or int((b.remote_addr + b.length).max()) > hi:
                 return None
@@ -487,8 +519,9 @@ class IpcFabric(TcpFabric):
 
     def _post_batch_direct(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray) -> bool:
         """Copy and complete a checked batch here when every piece goes from one local GPU into one peer GPU
-        region whose description is current and contains it; False (nothing done) otherwise, for the message
-        path (which names the piece at fault, and handles host memory and the GRANT round trip).
+        region, or from host memory into one peer host region, whose description is current and contains it;
+        False (nothing done) otherwise, for the message path (which names the piece at fault, and handles the
+        mixed cases and the GRANT round trip).
 
         Why: a batch's piece table, and its checks one message field at a time, cost more host time than the
         copy of most batches (benchmarks/NOTES.md, section "Small batches without chunks"); here the checks are
@@ -500,6 +533,18 @@ class IpcFabric(TcpFabric):
         m = self._batch_message(b)
         ep.enqueue([m], queue=False, local=[True])  # completes in posting order with the endpoint's other work
         statuses = bytes(b.count)
+        if dev == DEVICE_HOST:
+            try:
+                # the pid was verified at connect (token read back), not taken from a GRANT
+                process_vm_write(int(ep.peer_desc["pid"]), b.local_addr, b.remote_addr, b.length, total=b.nbytes)
+            except OSError as e:
+                # as a failed copy on the message path: the link is unusable (ESRCH: the target process is gone);
+                # fail() completes this batch with PeerLost, so it fails over
+                log.debug("ipc direct host write to %s failed", ep.peer_id, exc_info=True)
+                ep.fail(f"send failed: {e}")
+                return True
+            ep.on_ack(m.seq, statuses)
+            return True
         try:
             dst = b.remote_addr + (self._mapped(reg, dev) - reg["base"])
             self.bound_copies.finish([self.bound_copies.copy(dev, b.local_addr, dst, b.length)], wait=True)
@@ -515,7 +560,7 @@ class IpcFabric(TcpFabric):
         (False, None) with nothing done when the batches do not qualify (see ``_direct_target``), (True, None)
         when the launch failed (the batches completed with the failure, ``after`` waited for)."""
         target = self._direct_target(ep, batches, devices)
-        if target is None:
+        if target is None or target[0] == DEVICE_HOST:  # host memory: no GPU stream to order on
             return False, None
         dev, reg = target
         msgs = [self._batch_message(b) for b in batches]

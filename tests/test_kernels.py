@@ -919,6 +919,19 @@ def test_row_kernel_at_pool_sizes(rng, length, misalign):
     assert torch.equal(pool, before)
 
 
+def _plan_of_kind(kind, lengths):
+    """A plan for ``lengths`` that runs ``kind``'s kernel on any device: the range plan built on the device, the
+    segment kernel over 64-byte segments, else what the policy picks (row, grid)."""
+    if kind == "range":
+        plan = pxn_kernels.plan_batched_copy(_t(lengths))
+    elif kind == "segment":
+        plan = _segment_plan(lengths, 64, 32)
+    else:
+        plan = pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
+    assert plan.kernel == kind
+    return plan
+
+
 @pytest.mark.parametrize("kind", ["row", "grid", "range", "segment"])
 def test_unchecked_calls_with_a_plan_follow_their_arguments(rng, kind):
     """The unchecked call with a plan remembers its last arguments and launch (``_batched_copy.relaunch``). Each
@@ -930,13 +943,7 @@ def test_unchecked_calls_with_a_plan_follow_their_arguments(rng, kind):
     length = {"row": 63, "grid": 4100}.get(kind)
     lengths = [length] * 7 if length else [1, 63, 300, 17, 5, 90, 2]
     n = len(lengths)
-    if kind == "range":
-        plan = pxn_kernels.plan_batched_copy(_t(lengths))
-    elif kind == "segment":
-        plan = _segment_plan(lengths, 64, 32)
-    else:
-        plan = pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
-    assert plan.kernel == kind
+    plan = _plan_of_kind(kind, lengths)
     len_t = _t(lengths)
     offsets, size = _packed_offsets(lengths, misalign=3, gap=5)
     off_t = _t(offsets)
@@ -1023,13 +1030,7 @@ def test_plan_reused_over_other_descriptors(rng, kind):
     copies what its descriptors say now (GPU launches are bound once per descriptor addresses and plan)."""
     length = {"row": 100, "grid": 4100}.get(kind)
     lengths = [length] * 6 if length else [5, 64, 300, 17, 1, 90]
-    if kind == "range":
-        plan = pxn_kernels.plan_batched_copy(_t(lengths))
-    elif kind == "segment":
-        plan = _segment_plan(lengths, 64, 32)
-    else:
-        plan = pxn_kernels.plan_for_lengths(np.asarray(lengths, dtype=np.int64), DEVICE)
-    assert plan.kernel == kind
+    plan = _plan_of_kind(kind, lengths)
     len_t = _t(lengths)
     offsets, size = _packed_offsets(lengths, 0, 16)
     runs = []

@@ -1345,16 +1345,7 @@ class TcpFabric(Fabric):
             ep.enqueue([m])
             return
         s = ep.enqueue_one(m)
-        try:
-            if self._send_now(s, [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs]):
-                return
-        except OSError as e:  # as in the sender thread: the link is unusable, pending work fails over
-            log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
-            ep.fail(f"send failed: {e}")
-            return
-        with s.cv:
-            s.data.append(m)
-            s.cv.notify()
+        self._send_inline(ep, s, m, [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs])
 
     def _message_target(self, total: int, nsocks: int) -> int:
         """Payload bytes per message for a post of ``total`` bytes: a share per socket (each socket's sender thread
@@ -1408,8 +1399,13 @@ class TcpFabric(Fabric):
             ep.enqueue(msgs)
             return
         s, = ep.enqueue(msgs, queue=False)
+        self._send_inline(ep, s, m, self._wire_buffers(s, m))
+
+    def _send_inline(self, ep: TcpEndpoint, s: _Sock, m: _OutMsg, buffers) -> None:
+        """Send message ``m`` (already numbered on socket ``s``) from the posting thread when the socket is free,
+        else hand it to the socket's sender thread, behind what it holds."""
         try:
-            if self._send_now(s, self._wire_buffers(s, m)):
+            if self._send_now(s, buffers):
                 return
         except OSError as e:  # as in the sender thread: the link is unusable, pending work fails over
             log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)

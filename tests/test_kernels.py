@@ -685,6 +685,42 @@ def test_launch_settings_validation():
 
 # --- range plan (any mix) and 2-D grid (large pieces of one size) ------------------------------------------
 
+def _gather_scatter_copy_exact(rng, plan, lengths, src_misalign, out_misalign, prepared=False):
+    """gather, scatter and copy of ``lengths`` through ``plan`` against the torch references: pieces at the given
+    misalignments, fresh random data, poisoned outputs compared whole; the copy through the public call, or
+    through a ``PreparedCopy`` of the plan (``prepared``)."""
+    src_buf, src_addrs = _pieces(rng, lengths, list(src_misalign))
+    offsets, size = _packed_offsets(lengths, out_misalign, 5)
+    out = _random_bytes(rng, size + 32)
+    ref = out.clone()
+    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    back = _random_bytes(rng, src_buf.numel())
+    expect = back.clone()
+    shift = back.data_ptr() - src_buf.data_ptr()
+    pxn_kernels.scatter(out, _t(offsets), _t([a + shift for a in src_addrs]), _t(lengths), plan=plan,
+                        backend="triton")
+    pxn_kernels.scatter_torch(ref, _t(offsets), _t([a + expect.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
+                              _t(lengths))
+    copied = _random_bytes(rng, src_buf.numel())
+    copied_ref = copied.clone()
+    copy_dst = _t([a + copied.data_ptr() - src_buf.data_ptr() for a in src_addrs])
+    if prepared:
+        pxn_kernels.PreparedCopy(_t(src_addrs), copy_dst, _t(lengths), 0, 0, plan)()
+    else:
+        pxn_kernels.copy(_t(src_addrs), copy_dst, _t(lengths), plan=plan, backend="triton")
+    pxn_kernels.copy_torch(_t(src_addrs), _t([a + copied_ref.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
+                           _t(lengths))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    assert torch.equal(back, expect)
+    assert torch.equal(copied, copied_ref)
+    i = max(range(len(lengths)), key=lambda k: lengths[k])  # the reference moved the longest piece
+    start = src_addrs[i] - src_buf.data_ptr()
+    assert torch.equal(ref[offsets[i]:offsets[i] + lengths[i]], src_buf[start:start + lengths[i]])
+
+
 @pytest.mark.parametrize("kernel", ["grid", "range"])
 @pytest.mark.parametrize("lengths,src_misalign,out_misalign", [
     ([5000] * 3, (0,), 0), ([4099] * 4, (1, 3), 7), ([4096] * 5, (8,), 8), ([9000, 8999, 9001], (0,), 16),
@@ -695,32 +731,7 @@ def test_grid_and_range_kernels_byte_exact(rng, kernel, lengths, src_misalign, o
     plan = (pxn_kernels.plan_for_lengths(np.asarray(lengths), DEVICE) if kernel == "grid"
             else pxn_kernels.plan_batched_copy(_t(lengths)))
     assert (plan.grid is not None) == (kernel == "grid")
-    src_buf, src_addrs = _pieces(rng, lengths, list(src_misalign))
-    offsets, size = _packed_offsets(lengths, out_misalign, 5)
-    out = _random_bytes(rng, size + 32)
-    ref = out.clone()
-    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
-    back, expect = _random_bytes(rng, src_buf.numel()), None
-    expect = back.clone()
-    shift = back.data_ptr() - src_buf.data_ptr()
-    pxn_kernels.scatter(out, _t(offsets), _t([a + shift for a in src_addrs]), _t(lengths), plan=plan,
-                        backend="triton")
-    pxn_kernels.scatter_torch(ref, _t(offsets), _t([a + expect.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
-                              _t(lengths))
-    copied = _random_bytes(rng, src_buf.numel())
-    copied_ref = copied.clone()
-    pxn_kernels.copy(_t(src_addrs), _t([a + copied.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
-                     _t(lengths), plan=plan, backend="triton")
-    pxn_kernels.copy_torch(_t(src_addrs), _t([a + copied_ref.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
-                           _t(lengths))
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    assert torch.equal(out, ref)
-    assert torch.equal(back, expect)
-    assert torch.equal(copied, copied_ref)
-    start = src_addrs[-1] - src_buf.data_ptr()
-    assert torch.equal(ref[offsets[-1]:offsets[-1] + lengths[-1]], src_buf[start:start + lengths[-1]])
+    _gather_scatter_copy_exact(rng, plan, lengths, src_misalign, out_misalign)
 
 
 def test_prepared_copy_through_the_grid_kernel(rng):
@@ -1093,34 +1104,7 @@ def test_segment_kernel_byte_exact(rng, shift, lengths, src_misalign, out_misali
     a short last segment, empty pieces), unaligned sources and outputs, fresh random data, poisoned outputs."""
     plan = _segment_plan(lengths, 64, 32, shift)
     assert plan.kernel == "segment"
-    src_buf, src_addrs = _pieces(rng, lengths, list(src_misalign))
-    offsets, size = _packed_offsets(lengths, out_misalign, 5)
-    out = _random_bytes(rng, size + 32)
-    ref = out.clone()
-    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
-    back = _random_bytes(rng, src_buf.numel())
-    expect = back.clone()
-    shift_to = back.data_ptr() - src_buf.data_ptr()
-    pxn_kernels.scatter(out, _t(offsets), _t([a + shift_to for a in src_addrs]), _t(lengths), plan=plan,
-                        backend="triton")
-    pxn_kernels.scatter_torch(ref, _t(offsets), _t([a + expect.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
-                              _t(lengths))
-    copied = _random_bytes(rng, src_buf.numel())
-    copied_ref = copied.clone()
-    launch = pxn_kernels.PreparedCopy(_t(src_addrs), _t([a + copied.data_ptr() - src_buf.data_ptr()
-                                                         for a in src_addrs]), _t(lengths), 0, 0, plan)
-    launch()
-    pxn_kernels.copy_torch(_t(src_addrs), _t([a + copied_ref.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
-                           _t(lengths))
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    assert torch.equal(out, ref)
-    assert torch.equal(back, expect)
-    assert torch.equal(copied, copied_ref)
-    i = max(range(len(lengths)), key=lambda k: lengths[k])  # the reference moved the longest piece
-    start = src_addrs[i] - src_buf.data_ptr()
-    assert torch.equal(ref[offsets[i]:offsets[i] + lengths[i]], src_buf[start:start + lengths[i]])
+    _gather_scatter_copy_exact(rng, plan, lengths, src_misalign, out_misalign, prepared=True)
 
 
 @pytest.mark.parametrize("rows,programs_per_sm,cols", [(1, 1, 256), (2, 3, 256), (4, 2, 256), (8, 1, 256),

@@ -21,7 +21,6 @@ piece takes a byte-wide path, or with ``shift`` 8-byte words (``_copy_piece``). 
 """
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -37,6 +36,7 @@ from pxn_kernels import _staging, policy as kernel_policy
 from pxn_kernels._copy_piece import _copy_piece
 from pxn_kernels._grid_copy import GridCopy, GridSettings, grid_settings, launch_grid_copy
 from pxn_kernels._launch import CompiledKernel, anchor
+from pxn_kernels._launch import multiprocessors as _multiprocessors
 from pxn_kernels._row_copy import MAX_GRID_Y, RowCopy, RowSettings, launch_row_copy, row_settings
 from pxn_kernels._segment_copy import (SegmentCopy, SegmentSettings, launch_segment_copy, segment_settings,
                                        segment_table)
@@ -138,11 +138,6 @@ def regime_of(entry: dict) -> Regime:
                   programs_per_sm=entry["programs_per_sm"], range_bytes=entry["range_bytes"],
                   persistent=entry["persistent"], streaming=entry["streaming"],
                   tail_block_bytes=entry["tail_block_bytes"], shift=entry["shift"])
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 _MAX_GRID = (1 << 31) - 1
@@ -405,9 +400,8 @@ def _segment_plan(lengths: np.ndarray, device: torch.device, pol: dict) -> Optio
     table = segment_table(lengths, settings.seg_bytes)
     if table is None:
         return None
-    words = torch.from_numpy(table)
-    d = words.to(device, non_blocking=True) if device.type == "cuda" else words
-    return CopyPlan(None, None, None, None, segment=settings, segments=d)
+    segments = torch.from_numpy(table).to(device, non_blocking=True)
+    return CopyPlan(None, None, None, None, segment=settings, segments=segments)
 
 
 def _default_plan(lengths: torch.Tensor, host_lengths: Optional[np.ndarray], stats=None) -> CopyPlan:

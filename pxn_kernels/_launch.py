@@ -36,6 +36,12 @@ def anchor(device: torch.device) -> torch.Tensor:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_index: int) -> int:
+    """The SM count of CUDA device ``device_index`` (launch settings scale their program counts by it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def current_stream(device_index: int) -> int:
     """The raw handle of the current CUDA stream of ``device_index``."""
     return torch._C._cuda_getCurrentRawStream(device_index)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pxn_kernels._launch import CompiledKernel, anchor
+from pxn_kernels._launch import CompiledKernel, anchor, multiprocessors
 
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: the column tiles of one row
 
@@ -210,16 +210,11 @@ def _args(src_index, dst_index, src_base, dst_base, n_rows, settings: RowSetting
     return (a, src_index, dst_index, src_base - base, dst_base - base, n_rows, settings.length)
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _grid(settings: RowSettings, n_rows: int, device: torch.device):
     # the CPU interpreter counts as one multiprocessor (its programs run one after the other anyway)
     if not settings.programs_per_sm:
         return settings.grid(n_rows)
-    return settings.grid(n_rows, _multiprocessors(device.index if device.index is not None else 0)
+    return settings.grid(n_rows, multiprocessors(device.index if device.index is not None else 0)
                          if device.type == "cuda" else 1)
 
 

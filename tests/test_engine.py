@@ -655,26 +655,37 @@ def test_ipc_fabric_end_to_end_message_path(src, rng, ipc_peer, coalesce):
 
 def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, ipc_peer, monkeypatch):
     """loadstore=False with numpy arrays: once a GRANT has described the peer's region, each batch of host memory
-    is checked against that description, copied and completed by the posting thread
-    (``IpcFabric._post_batch_direct``), byte-exact, fresh offsets every round. After the peer deregisters a
-    region, its kept description is stale (the counter moved): a batch into it goes to the peer, is refused and
-    writes nothing; the next batches into the live region land, and the direct path resumes."""
+    is checked against that description, copied and completed by the calling thread, byte-exact, fresh offsets
+    every round: a batch that goes whole as one unit through ``IpcFabric.write_inline``, with the extremes of the
+    validation, one cut between rails as posted batches (``IpcFabric._post_batch_direct``). After the peer
+    deregisters a region, its kept description is stale (the counter moved): ``write_inline`` declines, the batch
+    goes to the peer, is refused and writes nothing; the next batches into the live region land, and the direct
+    path resumes. ``taken`` holds (copied by the caller, with the validation's extremes) per call."""
     from transport.fabric.ipc import IpcFabric
     taken = []
-    real = IpcFabric._post_batch_direct
+    real_post, real_inline = IpcFabric._post_batch_direct, IpcFabric.write_inline
 
-    def spy(self, ep, b, devices):
-        if b.bounds is not None:  # the engine's extremes must be those of the arrays it posts
-            la, ln, ra = b.local_addr, b.length, b.remote_addr
-            assert tuple(b.bounds[:6]) == (ln.min(), ln.max(), la.min(), (la + ln).max(), ra.min(),
-                                           (ra + ln).max()), b.bounds
+    def check_bounds(bounds, la, ln, ra, nbytes):  # the engine's extremes must be those of the arrays it writes
+        assert tuple(bounds[:6]) == (ln.min(), ln.max(), la.min(), (la + ln).max(), ra.min(), (ra + ln).max()), bounds
+        assert nbytes == int(ln.sum())
+
+    def spy_post(self, ep, b, devices):
+        if b.bounds is not None:
+            check_bounds(b.bounds, b.local_addr, b.length, b.remote_addr, b.nbytes)
             assert {*b.rkey.tolist()} == {b.bounds.rkey} and {*b.lkey.tolist()} == {b.bounds.lkey}
-            assert b.nbytes == int(ln.sum())
-        got = real(self, ep, b, devices)
+        got = real_post(self, ep, b, devices)
         taken.append((got, b.bounds is not None))
         return got
 
-    monkeypatch.setattr(IpcFabric, "_post_batch_direct", spy)
+    def spy_inline(self, ep, la, ra, ln, bounds, nbytes, wait=True):
+        check_bounds(bounds, la, ln, ra, nbytes)
+        got = real_inline(self, ep, la, ra, ln, bounds, nbytes, wait)
+        if got is not None:  # declined: the posted path's call is the one to record
+            taken.append((True, True))
+        return got
+
+    monkeypatch.setattr(IpcFabric, "_post_batch_direct", spy_post)
+    monkeypatch.setattr(IpcFabric, "write_inline", spy_inline)
     b = src.ctypes.data
     # the last shape small enough for one rail: one unit of the whole batch, which carries the bounds (larger
     # batches are cut between the two rails)
@@ -712,6 +723,52 @@ def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, 
         for _ in range(4):  # small batches alternate between the rails, each learning the region again
             write_arrays(eng, AUX)
         assert taken[-2:] == [(True, True)] * 2, taken
+
+
+def test_ipc_message_path_async_batches_are_written_inline(src, rng, ipc_peer, monkeypatch):
+    """loadstore=False, host memory, several ``batch_write_async`` batches in flight at once into disjoint
+    ranges, each of fresh lengths (1 B and 63 B pieces among them): once both rails know the peer's region, every
+    one is written inline by the caller (counted as direct units), its handle done, the peer's whole buffer
+    byte-exact; a batch counts as ok only once waited for."""
+    from transport.fabric.ipc import IpcFabric
+    inline = []
+    real = IpcFabric.write_inline
+
+    def spy(self, *args, **kw):
+        got = real(self, *args, **kw)
+        inline.append(got is not None)
+        return got
+
+    monkeypatch.setattr(IpcFabric, "write_inline", spy)
+    with TransferEngine(fabric="ipc", loadstore=False) as eng:
+        eng.register(src)
+        b = src.ctypes.data
+        warm = 0
+        while inline[-2:] != [True, True]:  # batches alternate between the rails: each learns the region
+            assert warm < 20, f"the rails did not learn the peer's region: {inline}"
+            eng.batch_write(ipc_peer.session, [b], [ipc_peer.base], [1])
+            warm += 1
+        ipc_peer.poison()
+        exp = Expected(ipc_peer.size)
+        shapes = [[1, 63, 65], AUX, rng.integers(1, 8193, 200).tolist(), [65536 + 7] * 20]
+        region = 64 * MB // len(shapes)
+        handles = []
+        for k, lengths in enumerate(shapes):
+            s_off = disjoint_offsets(rng, lengths, 100 * MB)
+            d_off = k * region + disjoint_offsets(rng, lengths, region)
+            exp.apply(src, s_off, d_off, lengths)
+            handles.append(eng.batch_write_async(ipc_peer.session, (b + s_off).astype(np.int64),
+                                                 (ipc_peer.base + d_off).astype(np.int64),
+                                                 np.asarray(lengths, dtype=np.int64)))
+        ok_before = eng.stats()["batches"]["ok"]
+        for h in handles:
+            h.wait()
+            assert h.done()
+        st = eng.stats()
+    ipc_peer.check(exp)
+    assert inline[-len(shapes):] == [True] * len(shapes), inline
+    assert ok_before == warm and st["batches"]["ok"] == warm + len(shapes), (warm, ok_before, st["batches"])
+    assert st["paths"]["direct"]["units"] == warm + len(shapes) and st["paths"]["loadstore"]["units"] == 0
 
 
 def test_ipc_loadstore_path_is_byte_exact(src, rng, ipc_peer):

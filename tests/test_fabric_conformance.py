@@ -292,6 +292,64 @@ def test_write_batch_with_bounds_alone_after_warm_up(case):
     assert nbad == 0 and nsmall == 0, f"a refused write changed memory (first at region+{bad_at})"
 
 
+def test_inline_write_places_every_byte_or_declines_writing_nothing(case):
+    """``write_inline``: a fabric without ``inline_writes`` declines (None) and writes nothing. One with it, once
+    the target's region is known to the writer: a ``Pending`` that, waited for, means every piece is placed,
+    byte-exact, fresh data, odd sizes (1 B, 63 B) at odd offsets, no completion to poll; the same without the
+    wait, then ``wait()``; a batch whose (true) extremes reach past the target's region, or that names a local
+    key that is not registered, is declined with nothing written."""
+    t = case.target
+    t.call("poison")
+    case.fab.post_writes(case.ep, [case.req(0, 1, REGION - 1, wr_id=80)])  # the target's region described
+    _ok(wait_completions(case.fab, 1))
+    lens = np.concatenate([[1, 63, 64, 65], case.rng.integers(1, 9000, 300)]).astype(np.int64)
+    case.rng.shuffle(lens)
+    total = int(lens.sum())
+    data = case.fresh(total + 4096)
+    src_off = np.cumsum(lens) - lens + 5
+    gaps = case.rng.integers(1, 40, lens.size)
+    dst_off = np.cumsum(lens + gaps) - lens + 3
+    batch = _bounded_batch(case, src_off, lens, dst_off, 0)
+    args = (batch.local_addr, batch.remote_addr, batch.length, batch.bounds, total)
+    if "inline_writes" not in case.fab.capabilities:
+        assert case.fab.write_inline(case.ep, *args) is None
+        bad_at, nbad, nsmall = t.call("untouched", [(REGION - 1, 1)])
+        assert nbad == 0 and nsmall == 0, f"a declined write changed memory (first at region+{bad_at})"
+        return
+    written = [(REGION - 1, 1)] + [(int(d), int(n)) for d, n in zip(dst_off, lens)]
+    for wait in (True, False):
+        if not wait:
+            t.call("poison")
+            data = case.fresh(total + 4096)
+        for _ in range(2):  # on ipc the first post above may still have asked the target: one decline allowed
+            pending = case.fab.write_inline(case.ep, *args, wait=wait)
+            if pending is not None:
+                break
+        else:
+            pytest.fail(f"{case.name}: write_inline declined a batch inside the described region twice")
+        if not wait:
+            pending.wait()
+        assert pending.done()
+        assert not case.fab.poll(16, timeout=0.05), "an inline write left a completion behind"
+        for i in range(lens.size):
+            s_, n, d = int(src_off[i]), int(lens[i]), int(dst_off[i])
+            assert t.call("hash", d, n) == digest(data[s_:s_ + n]), \
+                f"inline write {i} ({n} B at target+{d}, wait={wait}) differs"
+        # the first round also finds the byte the describing post wrote; the second follows a poison
+        bad_at, nbad, nsmall = t.call("untouched", written if wait else written[1:])
+        assert nbad == 0 and nsmall == 0, f"bytes outside the writes changed (first at region+{bad_at})"
+    t.call("poison")
+    lens = np.full(20, 64, dtype=np.int64)
+    dst_off = 64 * np.arange(20, dtype=np.int64)
+    dst_off[7] = REGION - 10  # crosses the end of the target's region
+    past = _bounded_batch(case, 64 * np.arange(20, dtype=np.int64), lens, dst_off, 0)
+    assert case.fab.write_inline(case.ep, past.local_addr, past.remote_addr, past.length, past.bounds, 1280) is None
+    unknown = past.bounds._replace(remote_end=past.bounds.remote_min + 64, lkey=past.bounds.lkey ^ 0x5A5A)
+    assert case.fab.write_inline(case.ep, past.local_addr, past.remote_addr, past.length, unknown, 1280) is None
+    bad_at, nbad, nsmall = t.call("untouched", [])
+    assert nbad == 0 and nsmall == 0, f"a declined write changed memory (first at region+{bad_at})"
+
+
 def test_writes_after_events_follow_producer_and_free_sources_after_reuse_event(case):
     """``post_writes_after``: the writes carry the bytes the producer behind ``after`` wrote (a slow GPU
     producer: a fabric that read the sources before it finished would carry the poison), and an overwrite of

@@ -311,6 +311,8 @@ class TransferEngine(Pipeline):
         options = {**fabric_cls.engine_options, **options}
         self._selective = "selective_signaling" in fabric_cls.capabilities
         self._batches = "write_batches" in fabric_cls.capabilities
+        # a batch that goes whole as one direct unit is written by the caller's thread (write_inline)
+        self._inline = "inline_writes" in fabric_cls.capabilities
         # small batches as one WriteRows post, checked in Python (transport.smallbatch)
         self._rows = "write_rows" in fabric_cls.capabilities and self.direct_pieces > 0
         options["secret"] = self._secret or ""  # resolved once here: the fabrics do not read PXN_SECRET again

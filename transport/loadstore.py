@@ -33,6 +33,7 @@ import numpy as np
 
 from transport.arrays import distinct
 from transport.errors import PeerLost, TransferError
+from transport.fabric.gpu_copy import Pending
 from transport.fabric.ipc import process_vm_read, process_vm_write
 
 log = logging.getLogger(__name__)
@@ -114,24 +115,6 @@ class _CounterReader:
         if self._map is not None:
             self._map.close()
             self._map = None
-
-
-class Pending:
-    """The device work of one batch (one CUDA event per source GPU): ``wait()`` returns once every byte is in
-    place, ``done()`` polls."""
-
-    __slots__ = ("_work",)
-
-    def __init__(self, work=()):
-        self._work = list(work)  # (event, staging) pairs
-
-    def done(self) -> bool:
-        return all(event.query() for event, _ in self._work)
-
-    def wait(self) -> None:
-        for event, staging in self._work:
-            event.synchronize()
-            staging.busy = None
 
 
 class LoadStoreWriter:

@@ -105,7 +105,7 @@ class BatchHandle:
 
 class _Batch:
     __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
-                 "peer", "n_items", "pending", "spans", "extremes")
+                 "peer", "n_items", "pending", "path", "spans", "extremes")
 
     def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int, event=None):
         self.id = bid
@@ -118,7 +118,8 @@ class _Batch:
         self.error: Optional[BaseException] = None
         self.t0 = now_ns()
         self.lock = threading.Lock()
-        self.pending = None  # load/store path: the device work still running (transport.loadstore.Pending)
+        self.pending = None  # load/store or inline path: the device work still running (gpu_copy.Pending)
+        self.path = "loadstore"  # the path of ``pending``
         self.spans = None  # (local snapshot, region index, peer snapshot, region index) when one region on each
         # side holds every piece (the validation's finding, reused for the write keys)
         self.extremes = None  # the validation's (smallest length, largest, smallest source, largest source end,
@@ -322,8 +323,18 @@ class Pipeline:
                 batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
                 batch.pending = pending
                 return batch
+        one_region = getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0
+        if one_region and self._inline:
+            pending = self._write_inline(peer, src, dst, ln, int(devices), lsnap.regions[idx], rsnap.regions[ridx],
+                                         (lmin, lmax, smin, send, dmin, dend), nbytes, t0, t1, not async_)
+            if pending is not None:
+                if not async_:
+                    return None
+                batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
+                batch.pending, batch.path = pending, DIRECT
+                return batch
         batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
-        if getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0:
+        if one_region:
             batch.spans = (lsnap, int(idx), rsnap, int(ridx))
             batch.extremes = (lmin, lmax, smin, send, dmin, dend)
         if getattr(devices, "ndim", 0) == 0:
@@ -343,7 +354,7 @@ class Pipeline:
             if getattr(dst_devices, "ndim", 0) == 0:
                 dst_devices = np.full(ln.size, int(dst_devices), dtype=np.int64)
         units = _group_direct(self.planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices,
-                                                peer.forward, (nbytes, lmax)))
+                                                peer.forward, (nbytes, lmax, lmin)))
         t2 = now_ns()
         batch.remaining = len(units)
         self._dispatch(batch, units)
@@ -352,6 +363,54 @@ class Pipeline:
                                 ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
                                 ("time_dispatch_s", (t3 - t2) / 1e9)))
         return batch
+
+    def _write_inline(self, peer: "_Peer", src, dst, ln, dev: int, local, remote, extremes: tuple, nbytes: int,
+                      t0: int, t1: int, wait: bool):
+        """Write a batch from the calling thread (fabrics with ``inline_writes``) when the planner would send it
+        whole, in order, as one direct unit: the same rail and the same writes as the planned path, without its
+        unit, attempt, request, post and completion (each a few function calls of host time per batch, which on
+        the message path cost more than the copy of most batches: benchmarks/NOTES.md, section "Inline writes").
+        ``local`` and ``remote``: the one region on each side holding every piece; ``extremes``: (lmin, lmax, smin,
+        send, dmin, dend) from the validation; ``wait``: return only once every byte is placed. Returns the
+        fabric's ``Pending`` (already waited for when ``wait``; the batch counted, and done when ``wait``), or
+        None with nothing counted when the batch does not qualify or the fabric did not take or make the writes:
+        the caller then plans and posts it, and that path reports any failure (a batch written in part is written
+        again: the writes are idempotent)."""
+        choices = self._rail_choices(dev, peer)
+        load = {pr.rail: pr.bytes_in_flight for pr in peer.rails} if len(choices) > 1 else {}
+        c = self.planner.whole_batch_rail(dev, choices, load, int(ln.size), nbytes, extremes[0], extremes[1],
+                                          peer.forward)
+        if c is None:
+            return None
+        rail = c.rail
+        bounds = WriteBounds(*extremes, remote.keys[rail], local.keys[rail].lkey)
+        t2 = now_ns()
+        try:
+            pending = self.fabrics[rail].write_inline(peer.rails[rail].ep, src, dst, ln, bounds, nbytes, wait)
+        except (FabricError, TransferError, OSError) as e:
+            log.info("rail %d: the inline write of %d piece(s) to %s failed (%s); posting it instead", rail,
+                     ln.size, peer.session, e)
+            pending = None
+        if pending is None:
+            # the posted path takes the same rail: what it does there (on ipc, a GRANT that describes the peer's
+            # region) lets that rail take the next batch inline
+            self.planner.rewind()
+            return None
+        t3 = now_ns()
+        n = int(ln.size)
+        counts = [("batches_submitted", 1), ("items", n), ("bytes", nbytes), ("path_direct_units", 1),
+                  ("path_direct_bytes", nbytes), ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
+                  ("time_dispatch_s", (t3 - t2) / 1e9)]
+        if wait:
+            counts.append(("batches_ok", 1))
+        self.counters.add_many(counts)
+        # the rail's view: one post of n writes, complete once placed (``_wait`` for an async batch)
+        self._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
+                                         ("time_post_s", (t3 - t2) / 1e9), ("completions", 1),
+                                         ("bytes_completed", nbytes)))
+        if wait:
+            self._account_done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, DIRECT, counted=True)
+        return pending
 
     def _dispatch(self, batch: _Batch, units: List[Unit], from_engine: bool = False) -> None:
         """Create attempts for units and hand them to rings (chunks, relayed pieces) or post them (direct)."""
@@ -1107,14 +1166,14 @@ class Pipeline:
                 try:
                     b.pending.wait()
                 except RuntimeError as e:  # a CUDA error reported at the synchronise
-                    b.error = TransferError(f"batch {b.id}: load/store copy failed: {e}", [e])
+                    b.error = TransferError(f"batch {b.id}: {b.path} copy failed: {e}", [e])
                 t = now_ns()
                 with b.lock:
                     first = not b.event.is_set()
                     b.event.set()
                 if first:
                     self.counters.add("time_wait_s", (t - t0) / 1e9)
-                    self._account_done(f"batch {b.id}", b.t0, t, b.n_items, b.nbytes, b.error is None, "loadstore")
+                    self._account_done(f"batch {b.id}", b.t0, t, b.n_items, b.nbytes, b.error is None, b.path)
             if b.error is not None:
                 raise b.error
             return

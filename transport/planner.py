@@ -149,7 +149,9 @@ class Planner:
             load: rail -> bytes in flight now (updated in place with what this plan adds).
             device_list: the distinct values of ``devices`` when the caller has them (saves a sort per batch);
                 with one device given here, ``devices`` may be None (every piece is on it).
-            length_stats: (sum, largest) of ``lengths`` when the caller has them (saves reductions per batch).
+            length_stats: (sum, largest) or (sum, largest, smallest) of ``lengths`` when the caller has them
+                (saves reductions per batch; with the smallest, a batch that ``whole_batch_rail`` sends whole is
+                planned without looking at its arrays).
             dst_devices, forward: receive-side PXN. ``forward`` maps a rail to the peer GPU its chunks land on
                 (the GPU next to the peer's NIC); a large piece whose destination device (``dst_devices``) is
                 another GPU goes through that rail's landing slots as chunk items, and the peer forwards it over
@@ -157,10 +159,18 @@ class Planner:
         Returns:
             the work units; each item of the batch is covered exactly once.
         """
-        units: List[Unit] = []
+        device_list = distinct(devices) if device_list is None else device_list
+        if len(device_list) == 1 and length_stats is not None and len(length_stats) > 2:
+            dev = device_list[0]
+            c = self.whole_batch_rail(dev, rails_of[dev], load, int(lengths.size), length_stats[0],
+                                      length_stats[2], length_stats[1], forward)
+            if c is not None:
+                units = []
+                self._add_run(units, DIRECT, dev, c, (srcs, dsts, lengths), length_stats[0], load)
+                return units
+        units = []
         self._rotate += 1
         small = lengths < self.coalesce_bytes if self.coalesce_bytes else None  # None: no piece is coalesced
-        device_list = distinct(devices) if device_list is None else device_list
         for dev in device_list:
             choices = list(rails_of[dev])
             if not choices:
@@ -223,6 +233,36 @@ class Planner:
                         continue
                 self._plan_large(units, dev, src, dst, length, choices, load, open_relay)
         return units
+
+    def whole_batch_rail(self, device: int, choices: Sequence[RailChoice], load: Dict[int, int], count: int,
+                         nbytes: int, lmin: int, lmax: int, forward: Optional[Dict[int, int]] = None
+                         ) -> Optional[RailChoice]:
+        """The rail when ``plan`` makes a batch of ``count`` pieces on ``device`` (``nbytes`` in all, lengths
+        ``lmin`` to ``lmax`` bytes) one direct unit of every piece in order: nothing to coalesce (or a few host
+        pieces that go direct), nothing to stripe or relay, one run. Else None. Decided from those figures alone,
+        so a caller learns it without the batch's arrays; counts as a ``plan`` call (the tie rotation)."""
+        if not choices or forward is not None or lmax > self.stripe_bytes:
+            return None
+        all_local = all(c.local for c in choices)
+        if self.coalesce_bytes and lmin < self.coalesce_bytes and not (
+                count <= self.direct_pieces and device < 0 and self.relay != "always" and all_local):
+            return None
+        if not (self.relay == "never" or (self.relay == "auto" and all_local)):
+            return None
+        if len(choices) > 1 and nbytes >= 2 * MIN_RUN_BYTES:
+            return None  # runs on several rails (``_plan_direct_runs``)
+        self._rotate += 1
+        r = self._rotate % len(choices)
+        best = None
+        for c in list(choices[r:]) + list(choices[:r]):  # the first of the least loaded, as ``plan`` picks
+            if best is None or load.get(c.rail, 0) < load.get(best.rail, 0):
+                best = c
+        return best
+
+    def rewind(self) -> None:
+        """Take back the last call's tie rotation: a caller that asked ``whole_batch_rail`` but did not use the
+        rail, and now plans the same batch, gets the same rail from ``plan``."""
+        self._rotate -= 1
 
     @staticmethod
     def _plan_direct_runs(units, dev, srcs, dsts, lengths, idx, choices, load, total_of_all=None) -> None:

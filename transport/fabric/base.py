@@ -243,7 +243,8 @@ class Fabric(abc.ABC):
     (``set_landing_handler``: a region's writes placed where a handler says as they arrive), ``"write_batches"``
     (``post_writes`` also takes ``WriteBatch`` items: many writes as
     arrays, one completion), ``"event_ordered_writes"`` (``post_writes_after`` orders writes from GPU memory
-    after CUDA events on the GPU, with no host wait, and says when their sources may be reused)."""
+    after CUDA events on the GPU, with no host wait, and says when their sources may be reused),
+    ``"inline_writes"`` (``write_inline`` writes a checked batch from the calling thread)."""
 
     @property
     @abc.abstractmethod
@@ -286,6 +287,18 @@ class Fabric(abc.ABC):
         for event in after:
             event.synchronize()
         self.post_writes(ep, requests)
+        return None
+
+    def write_inline(self, ep: Endpoint, local_addr, remote_addr, length, bounds: WriteBounds, nbytes: int,
+                     wait: bool = True):
+        """Capability ``inline_writes``: write piece i (``length[i]`` bytes from local ``local_addr[i]`` to the
+        peer's ``remote_addr[i]``; int64 arrays whose extremes and one key on each side are ``bounds``, and whose
+        lengths sum to ``nbytes``) from the calling thread: no request, completion or poller, for a caller that
+        would only wait for the completion. Returns None, with nothing written, when the fabric does not take
+        these writes this way (the caller posts them instead); else a ``Pending`` (``transport.fabric.gpu_copy``)
+        whose ``wait()`` returns once every byte is placed, already waited for when ``wait``. Raises a
+        ``FabricError`` or ``TransferError`` when the writes were not all made; the caller may post them again
+        (a write is idempotent). This default takes nothing."""
         return None
 
     @abc.abstractmethod

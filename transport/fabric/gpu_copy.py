@@ -151,6 +151,25 @@ Launched = Tuple[int, int, Optional[Staging]]
 """(device index, raw stream handle, staging buffer or None for copy-engine calls) of a copy not yet waited for."""
 
 
+class Pending:
+    """The device work of one batch (one CUDA event per source GPU, from ``BoundCopies.finish``): ``wait()``
+    returns once every byte is in place, ``done()`` polls. Empty: the batch was complete when it was made."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work=()):
+        self._work = list(work)  # (event, staging) pairs
+
+    def done(self) -> bool:
+        return all(event.query() for event, _ in self._work)
+
+    def wait(self) -> None:
+        for event, staging in self._work:
+            event.synchronize()
+            if staging is not None:  # None: copy-engine calls, no staging buffer
+                staging.busy = None
+
+
 class BoundCopies:
     """Batched copies on any local GPU, their plans cached by lengths and their launches bound per plan and
     staging buffer. Thread-safe; one staging buffer per thread and device."""

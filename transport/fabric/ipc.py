@@ -52,12 +52,12 @@ import numpy as np
 
 from transport.arrays import distinct
 from transport.errors import FabricError, FabricUnavailable
-from transport.fabric.base import DEVICE_HOST, MemoryRegion, WriteBatch
+from transport.fabric.base import DEVICE_HOST, MemoryRegion, WriteBatch, WriteBounds
 from transport.fabric.tcp import (
     HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
     _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, raw_view, recv_exact,
 )
-from transport.fabric.gpu_copy import BoundCopies
+from transport.fabric.gpu_copy import BoundCopies, Pending
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class IpcFabric(TcpFabric):
 
     name = "ipc"
     capabilities = frozenset({"selective_signaling", "loadstore", "completion_callback", "authenticated_rails",
-                              "write_batches", "event_ordered_writes"})
+                              "write_batches", "event_ordered_writes", "inline_writes"})
     # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages took the
     # 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES.md, section Engine)
     engine_options = {"message_bytes": 256 << 20}
@@ -433,13 +433,58 @@ class IpcFabric(TcpFabric):
         of the arrays name the write at fault."""
         bd = getattr(b, "bounds", None)
         if bd is not None:
-            mr = self._regions.get(bd.lkey)
-            if (mr is not None and bd.len_min > 0 and bd.local_min >= 0 and bd.remote_min >= 0
-                    and bd.local_end <= _I64 and bd.remote_end <= _I64 and 0 <= bd.rkey <= 0xFFFFFFFF
-                    and mr.addr <= bd.local_min and bd.local_end <= mr.addr + mr.length):
+            mr = self._bounded_local(bd)
+            if mr is not None:
                 return np.full(b.count, mr.device, dtype=np.int64)
             b.bounds = None
         return super()._validate_batch(b)
+
+    def _bounded_local(self, bd: WriteBounds) -> Optional[MemoryRegion]:
+        """The local region of ``bd.lkey`` when the extremes ``bd`` pass tcp's checks of a batch's arrays (lengths
+        >= 1, addresses and ends inside 63 bits, a 32-bit rkey, every source inside that region); else None."""
+        mr = self._regions.get(bd.lkey)
+        if (mr is not None and bd.len_min > 0 and bd.local_min >= 0 and bd.remote_min >= 0
+                and bd.local_end <= _I64 and bd.remote_end <= _I64 and 0 <= bd.rkey <= 0xFFFFFFFF
+                and mr.addr <= bd.local_min and bd.local_end <= mr.addr + mr.length):
+            return mr
+        return None
+
+    def write_inline(self, ep: TcpEndpoint, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray,
+                     bounds: WriteBounds, nbytes: int, wait: bool = True) -> Optional[Pending]:
+        """Capability ``inline_writes`` (see ``Fabric.write_inline``): the pieces are copied by the calling thread,
+        as ``_post_batch_direct`` copies a posted batch, when every one goes from one local GPU into one peer GPU
+        region, or from host memory into one peer host region, whose kept description is current (the peer
+        deregistered nothing since a GRANT described it) and contains them all. Anything else, or a closed
+        fabric or dead endpoint, returns None with nothing written: the message path's GRANT round trip, and its
+        naming of a bad piece, stay with ``post_writes``. Host memory is written before this returns; a GPU copy
+        is waited for when ``wait``. Raises ``FabricError`` (the endpoint failed: the target process is gone) or
+        ``TransferError`` (the device copy failed)."""
+        if self._closed or not isinstance(ep, TcpEndpoint) or ep.fabric is not self or not ep.alive:
+            return None
+        mr = self._bounded_local(bounds)
+        if mr is None:
+            return None
+        reg = self._bounded_target(ep, bounds, mr.device)
+        if reg is None:
+            return None
+        if mr.device == DEVICE_HOST:
+            try:
+                process_vm_write(int(ep.peer_desc["pid"]), local_addr, remote_addr, length, total=nbytes)
+            except OSError as e:
+                ep.fail(f"send failed: {e}")  # as on the message path: the target process is unreachable
+                raise FabricError(f"ipc write to {ep.peer_id} failed: {e}") from e
+            return Pending()
+        return Pending(self._copy_to_gpu(mr.device, reg, local_addr, remote_addr, length,
+                                         (nbytes, bounds.len_min, bounds.len_max), wait))
+
+    def _copy_to_gpu(self, dev: int, reg: dict, local_addr, remote_addr, length, length_stats=None,
+                     wait: bool = True) -> list:
+        """Copy piece i from ``local_addr[i]`` on GPU ``dev`` to ``remote_addr[i]`` in the peer GPU region ``reg``
+        (opened here on ``dev``) on the calling thread's current stream, and wait for it, or not (``wait``: then
+        the work ``BoundCopies.finish`` returns). ``length_stats``: (sum, min, max) of ``length`` when known."""
+        dst = remote_addr + (self._mapped(reg, dev) - reg["base"])
+        copies = self.bound_copies
+        return copies.finish([copies.copy(dev, local_addr, dst, length, length_stats)], wait=wait)
 
     def _post_checked_batches(self, ep: TcpEndpoint, batches, devices) -> None:
         """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``_validate_batch``) batch
@@ -479,29 +524,36 @@ class IpcFabric(TcpFabric):
         # without reducing its arrays
         bd = getattr(batches[0], "bounds", None) if len(batches) == 1 else None
         if bd is not None:
-            keys = [bd.rkey]
-        else:
-            keys = distinct(batches[0].rkey) if len(batches) == 1 else distinct(np.concatenate([b.rkey for b in
-                                                                                              batches]))
+            dev = int(devices[0][0])  # one local region holds every source: one device
+            reg = self._bounded_target(ep, bd, dev)
+            return None if reg is None else (dev, reg)
+        keys = distinct(batches[0].rkey) if len(batches) == 1 else distinct(np.concatenate([b.rkey for b in batches]))
         if len(keys) != 1:
             return None
         info, _ = self._current_info(ep, None, keys)
         if info is None:
             return None
         reg = info[keys[0]]
-        if bd is not None:
-            src_devs = [int(devices[0][0])]  # one local region holds every source: one device
-        else:
-            src_devs = distinct(devices[0]) if len(devices) == 1 else distinct(np.concatenate(devices))
+        src_devs = distinct(devices[0]) if len(devices) == 1 else distinct(np.concatenate(devices))
         if len(src_devs) != 1 or (src_devs[0] == DEVICE_HOST) != (reg["device"] == DEVICE_HOST):
             return None
         lo, hi = reg["addr"], reg["addr"] + reg["length"]
-        if bd is not None:
-            return (src_devs[0], reg) if lo <= bd.remote_min and bd.remote_end <= hi else None
         for b in batches:
             if int(b.remote_addr.min()) < lo or int((b.remote_addr + b.length).max()) > hi:
                 return None
         return src_devs[0], reg
+
+    def _bounded_target(self, ep: TcpEndpoint, bd: WriteBounds, src_dev: int) -> Optional[dict]:
+        """The peer's current description of region ``bd.rkey`` when it contains the remote extremes of ``bd`` and
+        lies on the same side (host or GPU) as the sources' device ``src_dev``; else None."""
+        info, _ = self._current_info(ep, None, (bd.rkey,))
+        if info is None:
+            return None
+        reg = info[bd.rkey]
+        if (src_dev == DEVICE_HOST) != (reg["device"] == DEVICE_HOST):
+            return None
+        lo = reg["addr"]
+        return reg if lo <= bd.remote_min and bd.remote_end <= lo + reg["length"] else None
 
     @staticmethod
     def _batch_message(b: WriteBatch) -> _OutMsg:
@@ -545,9 +597,10 @@ class IpcFabric(TcpFabric):
                 return True
             ep.on_ack(m.seq, statuses)
             return True
+        bd = b.bounds
         try:
-            dst = b.remote_addr + (self._mapped(reg, dev) - reg["base"])
-            self.bound_copies.finish([self.bound_copies.copy(dev, b.local_addr, dst, b.length)], wait=True)
+            self._copy_to_gpu(dev, reg, b.local_addr, b.remote_addr, b.length,
+                              None if bd is None else (b.nbytes, bd.len_min, bd.len_max))
         except Exception as e:  # noqa: BLE001 — a CUDA failure fails this batch, not the link
             log.error("ipc GPU copy of %d piece(s) to %s failed: %s", b.count, ep.peer_id, e)
             statuses = self._failed_statuses(m, b)

@@ -244,6 +244,20 @@ def _bounded_batch(case, src_off, lens, dst_off, wr_id):
                       nbytes=int(lens.sum()), bounds=bounds)
 
 
+def _described_odd_pieces(case, wr_id: int, count: int, src_start: int):
+    """Poison the target, describe its region to the writer (one 1-byte post, ``wr_id``, at its last byte), and lay
+    out ``count`` + 4 fresh source pieces of 1 B – 9 KB (1, 63, 64 and 65 among them) back to back from source
+    offset ``src_start``: (lengths, total bytes, the source bytes, source offsets)."""
+    case.target.call("poison")
+    case.fab.post_writes(case.ep, [case.req(0, 1, REGION - 1, wr_id=wr_id)])
+    _ok(wait_completions(case.fab, 1))
+    lens = np.concatenate([[1, 63, 64, 65], case.rng.integers(1, 9000, count)]).astype(np.int64)
+    case.rng.shuffle(lens)
+    total = int(lens.sum())
+    data = case.fresh(total + 4096)
+    return lens, total, data, np.cumsum(lens) - lens + src_start
+
+
 def test_write_batch_with_bounds_alone_after_warm_up(case):
     """A WriteBatch posted alone with its ``bounds`` once the target's region is known to the writer (on ipc: the
     kept description, so the posting thread writes it): byte-exact, fresh data, odd sizes and offsets, every
@@ -252,14 +266,7 @@ def test_write_batch_with_bounds_alone_after_warm_up(case):
     batch); one whose local range leaves the local region raises, naming the write, before anything is posted."""
     _batches(case)
     t = case.target
-    t.call("poison")
-    case.fab.post_writes(case.ep, [case.req(0, 1, REGION - 1, wr_id=70)])  # the target's region described
-    _ok(wait_completions(case.fab, 1))
-    lens = np.concatenate([[1, 63, 64, 65], case.rng.integers(1, 9000, 700)]).astype(np.int64)
-    case.rng.shuffle(lens)
-    total = int(lens.sum())
-    data = case.fresh(total + 4096)
-    src_off = np.cumsum(lens) - lens + 3
+    lens, total, data, src_off = _described_odd_pieces(case, 70, 700, 3)
     slots = case.rng.permutation(lens.size)
     gaps = case.rng.integers(1, 40, lens.size)
     dst_start = np.cumsum(lens[slots] + gaps[slots]) - lens[slots]
@@ -299,14 +306,7 @@ def test_inline_write_places_every_byte_or_declines_writing_nothing(case):
     wait, then ``wait()``; a batch whose (true) extremes reach past the target's region, or that names a local
     key that is not registered, is declined with nothing written."""
     t = case.target
-    t.call("poison")
-    case.fab.post_writes(case.ep, [case.req(0, 1, REGION - 1, wr_id=80)])  # the target's region described
-    _ok(wait_completions(case.fab, 1))
-    lens = np.concatenate([[1, 63, 64, 65], case.rng.integers(1, 9000, 300)]).astype(np.int64)
-    case.rng.shuffle(lens)
-    total = int(lens.sum())
-    data = case.fresh(total + 4096)
-    src_off = np.cumsum(lens) - lens + 5
+    lens, total, data, src_off = _described_odd_pieces(case, 80, 300, 5)
     gaps = case.rng.integers(1, 40, lens.size)
     dst_off = np.cumsum(lens + gaps) - lens + 3
     batch = _bounded_batch(case, src_off, lens, dst_off, 0)

@@ -21,7 +21,9 @@ image, then timed: wall time of ``batch_write`` calls, median of ``--repeat``. E
 before waiting (``batch_write_async``), where host work overlaps earlier batches' copies.
 
 With one GPU visible, only the direct and loadstore rows are measured (both processes on that GPU, both NICs
-next to it) and the files are named ``-x1`` instead of ``-x2``.
+next to it) and the files are named ``-x1`` instead of ``-x2``, plus ``relay_x1``: the direct topology with the
+sender's engine made with ``relay="always"``, so that every piece goes through a relay slot on the data's own GPU
+(a copy into the slot, then the write from it): the relay's machinery and its host cost, without NVLink.
 
 Writes ``pxn-x2.json`` (direct / pxn_* rows, both fabrics) and ``message-path-x2.json`` (ipc rows, loadstore and
 nvlink_copy) into ``--out`` (default: a fresh temporary folder) and prints a table last.
@@ -54,7 +56,7 @@ AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
 TOPOLOGIES = {"direct": (1, 1), "pxn_send": (0, 1), "pxn_recv": (1, 0), "pxn_both": (0, 0)}
 # GPU of the NIC at (sender, receiver) per topology, with the data on GPU 1; on a machine with one GPU only the
 # direct rows exist (both NICs next to GPU 0, where the data is) and the files are named -x1
-ONE_GPU_TOPOLOGIES = {"direct": (0, 0)}
+ONE_GPU_TOPOLOGIES = {"direct": (0, 0), "relay_x1": (0, 0)}  # relay_x1: the sender relays every piece
 BUFFER = 256 * MB
 
 
@@ -119,6 +121,8 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
         kw_recv = dict(kw, topology=synthetic(gpus, {recv_nic: ["mlx5_0"]}))
     else:
         kw_send = kw_recv = kw
+    if topology == "relay_x1":
+        kw_send = dict(kw_send, relay="always")
     if args.forward_large:
         kw_recv = dict(kw_recv, forward_large=True)
     if args.trace:
@@ -252,7 +256,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="folder for the two JSON files (default: a new temporary folder)")
     ap.add_argument("--fabrics", default="ipc,tcp")
-    ap.add_argument("--topologies", default="direct,pxn_send,pxn_recv,pxn_both,loadstore")
+    ap.add_argument("--topologies", default="direct,pxn_send,pxn_recv,pxn_both,relay_x1,loadstore",
+                    help="relay_x1 runs on a machine with one GPU only (two GPUs: pxn_send is the relay)")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the shape names")
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per row (x3 below 1 MB)")
     ap.add_argument("--label", default="", help="stored in every row (e.g. which tree was measured)")
@@ -283,10 +288,12 @@ def main(argv=None) -> int:
         print("message_path: needs a CUDA GPU, none visible", file=sys.stderr)
         return 2
     args.data_gpu = gpus - 1
+    if gpus == 2:
+        args.topologies = ",".join(t for t in args.topologies.split(",") if t != "relay_x1")
     if gpus == 1:
         dropped = [t for t in args.topologies.split(",") if t not in ONE_GPU_TOPOLOGIES and t != "loadstore"]
         if dropped:
-            print(f"message_path: one GPU visible: only the direct and loadstore rows (not {dropped})",
+            print(f"message_path: one GPU visible: only the direct, relay_x1 and loadstore rows (not {dropped})",
                   file=sys.stderr)
         args.topologies = ",".join(t for t in args.topologies.split(",") if t not in dropped)
     if args.enable_peers and gpus == 2:

@@ -771,6 +771,58 @@ def test_ipc_message_path_async_batches_are_written_inline(src, rng, ipc_peer, m
     assert st["paths"]["direct"]["units"] == warm + len(shapes) and st["paths"]["loadstore"]["units"] == 0
 
 
+def test_ipc_message_path_relayed_batches_are_written_inline(src, rng, ipc_peer, monkeypatch):
+    """relay="always" on ipc with loadstore=False, host memory, 1 MiB relay slots: once the rails know the peer's
+    region, a batch the planner relays whole goes through the relay ring's slots with each slot written inline
+    by the caller (``IpcFabric.write_inline`` from the slot), synchronous and asynchronous, byte-exact: fresh
+    offsets, 1 B and 63 B pieces, a shape of many pieces per slot and one of pieces larger than a slot (cut
+    into slot-sized parts). Every unit is counted as relayed, none as direct."""
+    from transport.fabric.ipc import IpcFabric
+    inline = []
+    real = IpcFabric.write_inline
+
+    def spy(self, ep, la, ra, ln, bounds, nbytes, wait=True):
+        got = real(self, ep, la, ra, ln, bounds, nbytes, wait)
+        inline.append(got is not None)
+        return got
+
+    monkeypatch.setattr(IpcFabric, "write_inline", spy)
+    with TransferEngine(fabric="ipc", loadstore=False, relay="always", relay_slot_bytes=1 * MB, relay_slots=2) as eng:
+        eng.register(src)
+        b = src.ctypes.data
+        warm = 0
+        while inline[-2:] != [True, True]:  # batches alternate between the rails: each learns the region
+            assert warm < 20, f"the rails did not learn the peer's region: {inline}"
+            eng.batch_write(ipc_peer.session, [b], [ipc_peer.base], [1])
+            warm += 1
+        shapes = [[1, 63, 65], AUX, rng.integers(1, 8193, 600).tolist(), [5 * MB // 2 + 3] * 3]
+        for asynchronous in (False, True):
+            ipc_peer.poison()
+            exp = Expected(ipc_peer.size)
+            region = 64 * MB // len(shapes)
+            handles, before = [], len(inline)
+            for k, lengths in enumerate(shapes):
+                s_off = disjoint_offsets(rng, lengths, 100 * MB)
+                d_off = k * region + disjoint_offsets(rng, lengths, region)
+                exp.apply(src, s_off, d_off, lengths)
+                args = (ipc_peer.session, (b + s_off).astype(np.int64), (ipc_peer.base + d_off).astype(np.int64),
+                        np.asarray(lengths, dtype=np.int64))
+                if asynchronous:
+                    handles.append(eng.batch_write_async(*args))
+                else:
+                    eng.batch_write(*args)
+            for h in handles:
+                h.wait()
+            ipc_peer.check(exp)
+            # every unit inline, but for one decline per rail where the peer's counter moved since the rail
+            # learnt its region (the posted unit then learns it again)
+            taken = inline[before:]
+            assert len(taken) >= len(shapes) + 2 and taken.count(False) <= 2 and all(taken[-len(shapes):]), taken
+        st = eng.stats()
+    assert st["paths"]["direct"]["units"] == 0 and st["paths"]["relayed"]["units"] >= warm + 2 * (len(shapes) + 2)
+    assert st["batches"]["ok"] == warm + 2 * len(shapes) and st["paths"]["loadstore"]["units"] == 0
+
+
 def test_ipc_loadstore_path_is_byte_exact(src, rng, ipc_peer):
     """The default on ipc: the whole batch by cross-memory attach from the caller's thread, no chunks."""
     with TransferEngine(fabric="ipc") as eng:

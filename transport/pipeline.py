@@ -28,6 +28,7 @@ from transport.arrays import distinct
 from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected,
                               TransferError, TransferTimeout)
 from transport.fabric.base import DEVICE_HOST, GatherWrite, Opcode, WriteBatch, WriteBounds, WriteRequest
+from transport.fabric.gpu_copy import Pending
 from transport.fabric.tcp import _MEMCPY_MAX, memcpy_async
 from transport.planner import COALESCED, DIRECT, RELAYED, Unit
 from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, chunk_imm, decode_ack, decode_ack_payload
@@ -381,6 +382,9 @@ class Pipeline:
         c = self.planner.whole_batch_rail(dev, choices, load, int(ln.size), nbytes, extremes[0], extremes[1],
                                           peer.forward)
         if c is None:
+            if self.planner.relays_all(choices, extremes[0], peer.forward):
+                return self._relay_inline(peer, src, dst, ln, dev, remote, extremes, nbytes, choices, load, t0, t1,
+                                          wait)
             return None
         rail = c.rail
         bounds = WriteBounds(*extremes, remote.keys[rail], local.keys[rail].lkey)
@@ -411,6 +415,97 @@ class Pipeline:
         if wait:
             self._account_done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, DIRECT, counted=True)
         return pending
+
+    def _relay_inline(self, peer: "_Peer", src, dst, ln, dev: int, remote, extremes: tuple, nbytes: int, choices,
+                      load: dict, t0: int, t1: int, wait: bool):
+        """``_write_inline`` for a batch the planner relays whole (every piece a RELAYED unit): for each unit the
+        caller takes a slot of the unit's relay ring, fills it on the slot's lane stream, has the fabric write it
+        from there on the same stream (``write_inline``, not waited for) and gives the slot back at once: its
+        next fill follows that write on the stream. No attempt, post, completer thread or completion chain, and
+        each unit's write starts as soon as its own fill is done while the next unit fills on another lane.
+        Returns the units' joined ``Pending`` (waited for when ``wait``), or None with nothing counted when a
+        fabric declined or failed a unit: the writes already made are waited for, and the caller posts the
+        whole batch (the writes are idempotent)."""
+        units = self.planner.plan(src, dst, ln, None, {dev: choices}, load, [dev], None, None,
+                                  (nbytes, extremes[1], extremes[0]))
+        t2 = now_ns()
+        pendings = []
+        per_rail: Dict[int, List[int]] = {}
+        try:
+            for u in units:
+                got = self._relay_unit_inline(peer, u, remote) if u.kind == RELAYED else None
+                if got is None:
+                    break
+                pendings.append(got)
+                counts = per_rail.setdefault(u.rail, [0, 0, 0])
+                counts[0] += 1
+                counts[1] += u.runs[2].size if u.runs is not None else len(u.segments())
+                counts[2] += u.nbytes
+            else:
+                got = Pending.joined(pendings)
+                if wait:
+                    got.wait()
+        except (FabricError, TransferError, OSError, RuntimeError) as e:
+            log.info("the inline relay of %d piece(s) to %s failed (%s); posting it instead", ln.size, peer.session,
+                     e)
+            got = None
+        if got is None:
+            try:
+                Pending.joined(pendings).wait()  # nothing of this try may land after the posted path's writes
+            except RuntimeError:
+                log.exception("waiting for the inline relay's writes to %s failed", peer.session)
+            self.planner.rewind()  # the posted path plans the same rails
+            return None
+        t3 = now_ns()
+        n = int(ln.size)
+        counts = [("batches_submitted", 1), ("items", n), ("bytes", nbytes), ("path_relayed_units", len(units)),
+                  ("path_relayed_bytes", nbytes), ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
+                  ("time_dispatch_s", (t3 - t2) / 1e9)]
+        if wait:
+            counts.append(("batches_ok", 1))
+        self.counters.add_many(counts)
+        for rail, (posts, writes, rail_bytes) in per_rail.items():
+            self._rail_stats[rail].add_many((("post_calls", posts), ("writes_posted", writes),
+                                             ("bytes_posted", rail_bytes), ("completions", posts),
+                                             ("bytes_completed", rail_bytes)))
+        if wait:
+            self._account_done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, RELAYED, counted=True)
+        return got
+
+    def _relay_unit_inline(self, peer: "_Peer", u: Unit, remote):
+        """One RELAYED unit of ``_relay_inline``: slot, fill, inline write on the slot's lane; the fabric's
+        ``Pending``, or None (declined, or the ring is closed)."""
+        relay = u.relay_device if u.device >= 0 else DEVICE_HOST
+        if relay >= 0 and u.device != relay:
+            from pxn_kernels.peer_access import ensure_peer_access
+            ensure_peer_access(relay, {u.device})  # the relay GPU's fill reads the sources' GPU
+        ring = self._ring(relay, u.rail)
+        slot = ring.take()
+        if slot is None:
+            return None
+        try:
+            s_arr, d_arr, n_arr = u.arrays()
+            local = slot.addr + (np.cumsum(n_arr) - n_arr)
+            stream = ring.stream(slot.lane)
+            if stream is None:  # a host ring
+                host_memmove(s_arr, local, n_arr)
+            else:
+                if slot.reuse_after is not None:  # a posted write of this slot still reads it
+                    stream.wait_event(slot.reuse_after)
+                    slot.reuse_after = None
+                copies = self._relay_copies
+                copies.finish([copies.copy(ring.device, s_arr, local, n_arr, stream=stream)], wait=False,
+                              stream=stream)
+            bounds = WriteBounds(int(n_arr.min()), int(n_arr.max()), slot.addr, slot.addr + u.nbytes,
+                                 int(d_arr.min()), int((d_arr + n_arr).max()), remote.keys[u.rail], ring.lkey)
+            fab, ep = self.fabrics[u.rail], peer.rails[u.rail].ep
+            if stream is None:
+                return fab.write_inline(ep, local, d_arr, n_arr, bounds, u.nbytes, wait=False)
+            import torch
+            with torch.cuda.stream(stream):  # after the fill, in order
+                return fab.write_inline(ep, local, d_arr, n_arr, bounds, u.nbytes, wait=False)
+        finally:
+            ring.release(slot)
 
     def _dispatch(self, batch: _Batch, units: List[Unit], from_engine: bool = False) -> None:
         """Create attempts for units and hand them to rings (chunks, relayed pieces) or post them (direct)."""

@@ -259,6 +259,13 @@ class Planner:
                 best = c
         return best
 
+    def relays_all(self, choices: Sequence[RailChoice], lmin: int, forward: Optional[Dict[int, int]] = None) -> bool:
+        """Whether ``plan`` makes every piece of a batch (smallest length ``lmin``) of a device with these rail
+        ``choices`` a RELAYED unit: nothing to coalesce, no receive-side forwarding, and no rail it may write
+        from directly."""
+        return (bool(choices) and forward is None and not (self.coalesce_bytes and lmin < self.coalesce_bytes)
+                and (self.relay == "always" or (self.relay == "auto" and not any(c.local for c in choices))))
+
     def rewind(self) -> None:
         """Take back the last call's tie rotation: a caller that asked ``whole_batch_rail`` but did not use the
         rail, and now plans the same batch, gets the same rail from ``plan``."""

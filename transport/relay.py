@@ -176,6 +176,12 @@ class RelayRing:
             self._free[slot.lane].append(slot)
             self._cv.notify_all()
 
+    def take(self) -> Optional[Slot]:
+        """A free slot for the calling thread, waiting for one when none is free (back-pressure); None once the
+        ring is closed. The caller gives it back with ``release``."""
+        with self._cv:
+            return None if self._closed else self._acquire()
+
     def free_slots(self) -> int:
         with self._cv:
             return sum(len(q) for q in self._free)

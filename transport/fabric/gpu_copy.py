@@ -160,6 +160,11 @@ class Pending:
     def __init__(self, work=()):
         self._work = list(work)  # (event, staging) pairs
 
+    @classmethod
+    def joined(cls, pendings) -> "Pending":
+        """One ``Pending`` for the work of several."""
+        return cls([w for p in pendings for w in p._work])
+
     def done(self) -> bool:
         return all(event.query() for event, _ in self._work)
 

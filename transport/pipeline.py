@@ -432,8 +432,8 @@ class Pipeline:
         pendings = []
         per_rail: Dict[int, List[int]] = {}
         try:
-            for u in units:
-                got = self._relay_unit_inline(peer, u, remote) if u.kind == RELAYED else None
+            for k, u in enumerate(units):
+                got = self._relay_unit_inline(peer, u, remote, k) if u.kind == RELAYED else None
                 if got is None:
                     break
                 pendings.append(got)
@@ -472,15 +472,16 @@ class Pipeline:
             self._account_done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, RELAYED, counted=True)
         return got
 
-    def _relay_unit_inline(self, peer: "_Peer", u: Unit, remote):
-        """One RELAYED unit of ``_relay_inline``: slot, fill, inline write on the slot's lane; the fabric's
-        ``Pending``, or None (declined, or the ring is closed)."""
+    def _relay_unit_inline(self, peer: "_Peer", u: Unit, remote, k: int):
+        """The ``k``-th RELAYED unit of ``_relay_inline``: slot (of lane ``k``: consecutive units on alternating
+        streams), fill, inline write on the slot's lane; the fabric's ``Pending``, or None (declined, or the ring
+        is closed)."""
         relay = u.relay_device if u.device >= 0 else DEVICE_HOST
         if relay >= 0 and u.device != relay:
             from pxn_kernels.peer_access import ensure_peer_access
             ensure_peer_access(relay, {u.device})  # the relay GPU's fill reads the sources' GPU
         ring = self._ring(relay, u.rail)
-        slot = ring.take()
+        slot = ring.take(k)
         if slot is None:
             return None
         try:

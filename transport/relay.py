@@ -176,11 +176,27 @@ class RelayRing:
             self._free[slot.lane].append(slot)
             self._cv.notify_all()
 
-    def take(self) -> Optional[Slot]:
-        """A free slot for the calling thread, waiting for one when none is free (back-pressure); None once the
-        ring is closed. The caller gives it back with ``release``."""
+    def take(self, lane: Optional[int] = None) -> Optional[Slot]:
+        """A free slot for the calling thread, waiting for one when none is free (back-pressure): of lane
+        ``lane % lanes`` when given (a caller that alternates lanes runs one slot's write while the next slot
+        fills on another stream), else of the lane with the most. None once the ring is closed. The caller gives
+        it back with ``release``."""
+        if lane is None:
+            with self._cv:
+                return None if self._closed else self._acquire()
+        free = self._free[lane % self.lanes]
+        t0 = None
         with self._cv:
-            return None if self._closed else self._acquire()
+            while not self._closed:
+                if free:
+                    if t0 is not None:
+                        self.wait_slot_ns += now_ns() - t0
+                    return free.popleft()
+                if t0 is None:
+                    t0 = now_ns()
+                    self.waits_for_slot += 1
+                self._cv.wait(0.5)
+        return None
 
     def free_slots(self) -> int:
         with self._cv:

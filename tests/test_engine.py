@@ -725,29 +725,43 @@ def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, 
         assert taken[-2:] == [(True, True)] * 2, taken
 
 
+def _spy_inline(monkeypatch) -> list:
+    """A list that gets, per ``IpcFabric.write_inline`` call, whether the fabric took the writes (True) or
+    declined them (False)."""
+    from transport.fabric.ipc import IpcFabric
+    taken = []
+    real = IpcFabric.write_inline
+
+    def spy(self, *args, **kw):
+        got = real(self, *args, **kw)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(IpcFabric, "write_inline", spy)
+    return taken
+
+
+def _teach_rails(eng, peer, src_addr: int, inline: list) -> int:
+    """One-byte batches until two in a row were written inline: batches alternate between the two rails, and a
+    rail writes inline once a posted batch has described the peer's region to it. Returns how many it took."""
+    warm = 0
+    while inline[-2:] != [True, True]:
+        assert warm < 20, f"the rails did not learn the peer's region: {inline}"
+        eng.batch_write(peer.session, [src_addr], [peer.base], [1])
+        warm += 1
+    return warm
+
+
 def test_ipc_message_path_async_batches_are_written_inline(src, rng, ipc_peer, monkeypatch):
     """loadstore=False, host memory, several ``batch_write_async`` batches in flight at once into disjoint
     ranges, each of fresh lengths (1 B and 63 B pieces among them): once both rails know the peer's region, every
     one is written inline by the caller (counted as direct units), its handle done, the peer's whole buffer
     byte-exact; a batch counts as ok only once waited for."""
-    from transport.fabric.ipc import IpcFabric
-    inline = []
-    real = IpcFabric.write_inline
-
-    def spy(self, *args, **kw):
-        got = real(self, *args, **kw)
-        inline.append(got is not None)
-        return got
-
-    monkeypatch.setattr(IpcFabric, "write_inline", spy)
+    inline = _spy_inline(monkeypatch)
     with TransferEngine(fabric="ipc", loadstore=False) as eng:
         eng.register(src)
         b = src.ctypes.data
-        warm = 0
-        while inline[-2:] != [True, True]:  # batches alternate between the rails: each learns the region
-            assert warm < 20, f"the rails did not learn the peer's region: {inline}"
-            eng.batch_write(ipc_peer.session, [b], [ipc_peer.base], [1])
-            warm += 1
+        warm = _teach_rails(eng, ipc_peer, b, inline)
         ipc_peer.poison()
         exp = Expected(ipc_peer.size)
         shapes = [[1, 63, 65], AUX, rng.integers(1, 8193, 200).tolist(), [65536 + 7] * 20]
@@ -777,24 +791,11 @@ def test_ipc_message_path_relayed_batches_are_written_inline(src, rng, ipc_peer,
     by the caller (``IpcFabric.write_inline`` from the slot), synchronous and asynchronous, byte-exact: fresh
     offsets, 1 B and 63 B pieces, a shape of many pieces per slot and one of pieces larger than a slot (cut
     into slot-sized parts). Every unit is counted as relayed, none as direct."""
-    from transport.fabric.ipc import IpcFabric
-    inline = []
-    real = IpcFabric.write_inline
-
-    def spy(self, ep, la, ra, ln, bounds, nbytes, wait=True):
-        got = real(self, ep, la, ra, ln, bounds, nbytes, wait)
-        inline.append(got is not None)
-        return got
-
-    monkeypatch.setattr(IpcFabric, "write_inline", spy)
+    inline = _spy_inline(monkeypatch)
     with TransferEngine(fabric="ipc", loadstore=False, relay="always", relay_slot_bytes=1 * MB, relay_slots=2) as eng:
         eng.register(src)
         b = src.ctypes.data
-        warm = 0
-        while inline[-2:] != [True, True]:  # batches alternate between the rails: each learns the region
-            assert warm < 20, f"the rails did not learn the peer's region: {inline}"
-            eng.batch_write(ipc_peer.session, [b], [ipc_peer.base], [1])
-            warm += 1
+        warm = _teach_rails(eng, ipc_peer, b, inline)
         shapes = [[1, 63, 65], AUX, rng.integers(1, 8193, 600).tolist(), [5 * MB // 2 + 3] * 3]
         for asynchronous in (False, True):
             ipc_peer.poison()

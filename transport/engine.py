@@ -311,7 +311,8 @@ class TransferEngine(Pipeline):
         options = {**fabric_cls.engine_options, **options}
         self._selective = "selective_signaling" in fabric_cls.capabilities
         self._batches = "write_batches" in fabric_cls.capabilities
-        # a batch that goes whole as one direct unit is written by the caller's thread (write_inline)
+        # a batch that goes whole as one direct unit, or relayed whole, is written by the caller's thread
+        # (Fabric.write_inline; Pipeline._write_inline)
         self._inline = "inline_writes" in fabric_cls.capabilities
         # small batches as one WriteRows post, checked in Python (transport.smallbatch)
         self._rows = "write_rows" in fabric_cls.capabilities and self.direct_pieces > 0

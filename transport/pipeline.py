@@ -120,7 +120,7 @@ class _Batch:
         self.t0 = now_ns()
         self.lock = threading.Lock()
         self.pending = None  # load/store or inline path: the device work still running (gpu_copy.Pending)
-        self.path = "loadstore"  # the path of ``pending``
+        self.path = "loadstore"  # the path of ``pending``: "loadstore" or "inline" (``_write_inline``)
         self.spans = None  # (local snapshot, region index, peer snapshot, region index) when one region on each
         # side holds every piece (the validation's finding, reused for the write keys)
         self.extremes = None  # the validation's (smallest length, largest, smallest source, largest source end,
@@ -332,7 +332,7 @@ class Pipeline:
                 if not async_:
                     return None
                 batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
-                batch.pending, batch.path = pending, DIRECT
+                batch.pending, batch.path = pending, "inline"
                 return batch
         batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
         if one_region:

@@ -824,6 +824,37 @@ def test_ipc_message_path_relayed_batches_are_written_inline(src, rng, ipc_peer,
     assert st["batches"]["ok"] == warm + 2 * len(shapes) and st["paths"]["loadstore"]["units"] == 0
 
 
+@pytest.mark.parametrize("relay", ["auto", "always"])
+def test_ipc_inline_write_failure_posts_the_batch_instead(src, rng, ipc_peer, monkeypatch, relay):
+    """An inline write that fails (here: the fabric raises on every second call, in the middle of a relayed batch's
+    units too) leaves the batch to the posted path: it still lands byte-exact, counted once as ok, and the next
+    batches go inline again."""
+    from transport.errors import FabricError
+    from transport.fabric.ipc import IpcFabric
+    inline = _spy_inline(monkeypatch)
+    spied = IpcFabric.write_inline
+    calls = []
+
+    def flaky(self, *args, **kw):
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            raise FabricError("injected: the inline write failed")
+        return spied(self, *args, **kw)
+
+    with TransferEngine(fabric="ipc", loadstore=False, relay=relay, relay_slot_bytes=1 * MB, relay_slots=2) as eng:
+        eng.register(src)
+        b = src.ctypes.data
+        warm = _teach_rails(eng, ipc_peer, b, inline)
+        monkeypatch.setattr(IpcFabric, "write_inline", flaky)
+        shapes = [AUX, rng.integers(1, 8193, 300).tolist(), [5 * MB // 2 + 3] * 3]
+        for lengths in shapes:
+            s_off, d_off = disjoint_offsets(rng, lengths, 100 * MB), disjoint_offsets(rng, lengths, 64 * MB)
+            run_case(eng, ipc_peer, src, s_off, d_off, lengths)
+        st = eng.stats()
+    assert len(calls) >= 2, calls  # one went inline, the next failed and was posted
+    assert st["batches"]["ok"] == warm + len(shapes) and st["batches"]["failed"] == 0, st["batches"]
+
+
 def test_ipc_loadstore_path_is_byte_exact(src, rng, ipc_peer):
     """The default on ipc: the whole batch by cross-memory attach from the caller's thread, no chunks."""
     with TransferEngine(fabric="ipc") as eng:

@@ -233,6 +233,52 @@ def test_planner_relayed_runs_one_slot_or_many(total_kb):
             assert len(units) == len(per_device)
 
 
+def test_whole_batch_rail_agrees_with_plan():
+    """``Planner.whole_batch_rail`` (decided from count, sum and extremes alone) names a rail only when ``plan``
+    makes the batch one DIRECT unit of every piece in order, and names that unit's rail; it names one whenever
+    ``plan`` does so and those figures decide it (it cannot count a batch's small pieces: with more pieces than
+    ``direct_pieces``, some below ``coalesce_bytes``, it declines); ``plan`` given the smallest length too returns
+    the same unit; ``relays_all`` holds exactly when every unit ``plan`` makes is RELAYED. Random batches over
+    coalescing, relay policy, rails, locality, host or GPU sources, loads and sizes around the thresholds (1 B
+    pieces, pieces at the stripe size and one byte over)."""
+    from conftest import SEED
+    rng = np.random.default_rng(SEED)
+    for trial in range(400):
+        coalesce = int(rng.choice([0, 4 * KB, 64 * KB]))
+        relay = str(rng.choice(["auto", "always", "never"]))
+        rails, local, dev = int(rng.integers(1, 4)), bool(rng.integers(2)), int(rng.choice([-1, 0]))
+        stripe = 1 * MB
+        n = int(rng.choice([1, 2, 11, 64, 65, 300]))
+        top = int(rng.choice([2, 8 * KB, 128 * KB, stripe, stripe + 1]))
+        lengths = rng.integers(1, top + 1, size=n).astype(np.int64)
+        if rng.integers(2):
+            lengths[int(rng.integers(n))] = top  # the largest at the threshold itself
+        srcs = np.cumsum(np.concatenate(([0], lengths[:-1]))) + 4096
+        dsts = srcs + (1 << 40)
+        choices = [RailChoice(r, local, dev if local else 7) for r in range(rails)]
+        load = {r: int(rng.integers(0, 3 * MB)) for r in range(rails)} if rng.integers(2) else {}
+        stats = (int(lengths.sum()), int(lengths.max()), int(lengths.min()))
+        kw = dict(relay=relay, direct_pieces=64)
+        reference = Planner(coalesce, 2 * MB, stripe, 2 * MB, **kw)
+        units = reference.plan(srcs, dsts, lengths, None, {dev: choices}, dict(load), [dev], None, None, stats[:2])
+        probe = Planner(coalesce, 2 * MB, stripe, 2 * MB, **kw)
+        got = probe.whole_batch_rail(dev, choices, dict(load), n, stats[0], stats[2], stats[1])
+        whole = (len(units) == 1 and units[0].kind == DIRECT and units[0].nbytes == stats[0]
+                 and [tuple(x) for x in units[0].segments()] == list(zip(srcs.tolist(), dsts.tolist(),
+                                                                        lengths.tolist())))
+        case = (coalesce, relay, rails, local, dev, n, top, load)
+        decided = not coalesce or stats[2] >= coalesce or n <= 64
+        assert (got is not None) == whole if decided else got is None or whole, \
+            (case, got, [(u.kind, u.rail, u.nbytes) for u in units])
+        if got is not None:
+            assert got.rail == units[0].rail, case
+            short = Planner(coalesce, 2 * MB, stripe, 2 * MB, **kw).plan(srcs, dsts, lengths, None, {dev: choices},
+                                                                         dict(load), [dev], None, None, stats)
+            assert [(u.kind, u.rail, u.nbytes) for u in short] == [(DIRECT, got.rail, stats[0])], case
+            assert [tuple(x) for x in short[0].segments()] == [tuple(x) for x in units[0].segments()], case
+        assert probe.relays_all(choices, stats[2]) == all(u.kind == RELAYED for u in units), case
+
+
 def test_locate_inside_agrees_with_locate():
     """The batch path's five-call lookup: the regions ``locate`` finds when every piece is inside one, None as
     soon as one piece is not (below every region, in a gap, one byte past an end, straddling two regions)."""

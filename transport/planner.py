@@ -241,15 +241,17 @@ class Planner:
         ``lmin`` to ``lmax`` bytes) one direct unit of every piece in order: nothing to coalesce (or a few host
         pieces that go direct), nothing to stripe or relay, one run. Else None. Decided from those figures alone,
         so a caller learns it without the batch's arrays; counts as a ``plan`` call (the tie rotation)."""
-        if not choices or forward is not None or lmax > self.stripe_bytes:
+        if not choices or forward is not None:
             return None
+        if lmax > self.stripe_bytes and not (count == 1 and lmax - self.stripe_bytes < self.stripe_bytes // 4):
+            return None  # striped (a lone piece keeps a tail under a quarter stripe, as ``_plan_large`` does)
         all_local = all(c.local for c in choices)
         if self.coalesce_bytes and lmin < self.coalesce_bytes and not (
                 count <= self.direct_pieces and device < 0 and self.relay != "always" and all_local):
             return None
         if not (self.relay == "never" or (self.relay == "auto" and all_local)):
             return None
-        if len(choices) > 1 and nbytes >= 2 * MIN_RUN_BYTES:
+        if count > 1 and len(choices) > 1 and nbytes >= 2 * MIN_RUN_BYTES:
             return None  # runs on several rails (``_plan_direct_runs``)
         self._rotate += 1
         r = self._rotate % len(choices)

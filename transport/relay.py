@@ -176,14 +176,10 @@ class RelayRing:
             self._free[slot.lane].append(slot)
             self._cv.notify_all()
 
-    def take(self, lane: Optional[int] = None) -> Optional[Slot]:
-        """A free slot for the calling thread, waiting for one when none is free (back-pressure): of lane
-        ``lane % lanes`` when given (a caller that alternates lanes runs one slot's write while the next slot
-        fills on another stream), else of the lane with the most. None once the ring is closed. The caller gives
-        it back with ``release``."""
-        if lane is None:
-            with self._cv:
-                return None if self._closed else self._acquire()
+    def take(self, lane: int) -> Optional[Slot]:
+        """A free slot of lane ``lane % lanes`` for the calling thread, waiting for one when that lane has none
+        (back-pressure): a caller that alternates lanes runs one slot's write while the next slot fills on
+        another stream. None once the ring is closed. The caller gives it back with ``release``."""
         free = self._free[lane % self.lanes]
         t0 = None
         with self._cv:

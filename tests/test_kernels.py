@@ -930,6 +930,17 @@ def test_row_kernel_at_pool_sizes(rng, length, misalign):
     assert torch.equal(pool, before)
 
 
+def _unchecked_gather_exact(src_t, len_t, out, off_t, plan):
+    """An unchecked gather through ``plan`` into ``out`` (random bytes: its poison) leaves every byte of ``out``
+    as ``gather_torch`` leaves a copy of it."""
+    ref = out.clone()
+    pxn_kernels.gather(src_t, len_t, out, off_t, check=False, plan=plan, backend="triton")
+    pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+
+
 def _plan_of_kind(kind, lengths):
     """A plan for ``lengths`` that runs ``kind``'s kernel on any device: the range plan built on the device, the
     segment kernel over 64-byte segments, else what the policy picks (row, grid)."""
@@ -964,12 +975,7 @@ def test_unchecked_calls_with_a_plan_follow_their_arguments(rng, kind):
     def gather_and_compare(src_t, out=out_main, lens=len_t, offs=off_t, times=1):
         for _ in range(times):
             out.copy_(_random_bytes(rng, out.numel()))  # poisoned afresh, in place: the same out object each call
-            ref = out.clone()
-            pxn_kernels.gather(src_t, lens, out, offs, check=False, plan=plan, backend="triton")
-            pxn_kernels.gather_torch(src_t, lens, ref, offs)
-            if DEVICE.type == "cuda":
-                torch.cuda.synchronize()
-            assert torch.equal(out, ref)
+            _unchecked_gather_exact(src_t, lens, out, offs, plan)
 
     src_buf, src = _pieces(rng, lengths, [1, 0, 7])
     src_t = _t(src)
@@ -1050,13 +1056,7 @@ def test_plan_reused_over_other_descriptors(rng, kind):
         runs.append((src_buf, _t(src), _t(offsets)))
     for src_buf, src_t, off_t in runs + [runs[0]]:
         src_buf.copy_(_random_bytes(rng, src_buf.numel()))  # fresh bytes at the same addresses
-        out = _random_bytes(rng, size + 16)
-        ref = out.clone()
-        pxn_kernels.gather(src_t, len_t, out, off_t, check=False, plan=plan, backend="triton")
-        pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-        assert torch.equal(out, ref)
+        _unchecked_gather_exact(src_t, len_t, _random_bytes(rng, size + 16), off_t, plan)
     import pxn_kernels._batched_copy as bc
     src_buf, src_t, off_t = runs[1]
     out = _random_bytes(rng, size + 16)

@@ -402,18 +402,11 @@ class Pipeline:
             return None
         t3 = now_ns()
         n = int(ln.size)
-        counts = [("batches_submitted", 1), ("items", n), ("bytes", nbytes), ("path_direct_units", 1),
-                  ("path_direct_bytes", nbytes), ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
-                  ("time_dispatch_s", (t3 - t2) / 1e9)]
-        if wait:
-            counts.append(("batches_ok", 1))
-        self.counters.add_many(counts)
         # the rail's view: one post of n writes, complete once placed (``_wait`` for an async batch)
         self._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
                                          ("time_post_s", (t3 - t2) / 1e9), ("completions", 1),
                                          ("bytes_completed", nbytes)))
-        if wait:
-            self._account_done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, DIRECT, counted=True)
+        self._count_inline(DIRECT, 1, n, nbytes, (t0, t1, t2, t3), wait)
         return pending
 
     def _relay_inline(self, peer: "_Peer", src, dst, ln, dev: int, remote, extremes: tuple, nbytes: int, choices,
@@ -457,20 +450,26 @@ class Pipeline:
             self.planner.rewind()  # the posted path plans the same rails
             return None
         t3 = now_ns()
-        n = int(ln.size)
-        counts = [("batches_submitted", 1), ("items", n), ("bytes", nbytes), ("path_relayed_units", len(units)),
-                  ("path_relayed_bytes", nbytes), ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
-                  ("time_dispatch_s", (t3 - t2) / 1e9)]
-        if wait:
-            counts.append(("batches_ok", 1))
-        self.counters.add_many(counts)
         for rail, (posts, writes, rail_bytes) in per_rail.items():
             self._rail_stats[rail].add_many((("post_calls", posts), ("writes_posted", writes),
                                              ("bytes_posted", rail_bytes), ("completions", posts),
                                              ("bytes_completed", rail_bytes)))
-        if wait:
-            self._account_done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, RELAYED, counted=True)
+        self._count_inline(RELAYED, len(units), int(ln.size), nbytes, (t0, t1, t2, t3), wait)
         return got
+
+    def _count_inline(self, kind: str, units: int, n: int, nbytes: int, times: tuple, wait: bool) -> None:
+        """The batch counters of an inline batch of ``units`` units of ``kind`` (DIRECT / RELAYED), ``n`` pieces
+        and ``nbytes`` bytes; ``times``: (submitted, validated, planned, written) in ns. A batch already placed
+        (``wait``) counts as ok and done here; an async one when ``_wait`` finds its copies done."""
+        t0, t1, t2, t3 = times
+        counts = [("batches_submitted", 1), ("items", n), ("bytes", nbytes), (f"path_{kind}_units", units),
+                  (f"path_{kind}_bytes", nbytes), ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
+                  ("time_dispatch_s", (t3 - t2) / 1e9)]
+        if wait:
+            counts.append(("batches_ok", 1))
+        self.counters.add_many(counts)
+        if wait:
+            self._account_done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, kind, counted=True)
 
     def _relay_unit_inline(self, peer: "_Peer", u: Unit, remote, k: int):
         """The ``k``-th RELAYED unit of ``_relay_inline``: slot (of lane ``k``: consecutive units on alternating

@@ -1,8 +1,8 @@
 """The copy of one piece's byte range inside a Triton program, shared by the range kernel (``_batched_copy``)
-and the grid kernel (``_grid_copy``): 16-byte vector tiles when both ends are 16-byte aligned; otherwise, with
-SHIFT, 8-byte words assembled from two aligned source words (a funnel shift), else bytes; int64 offsets from a
-16-byte aligned anchor pointer. With SHIFT, a piece whose two ends are equally misaligned takes a byte head and
-then 16-byte vectors."""
+and, with the piece's descriptor loads (``_copy_segment``), by the segment and grid kernels: 16-byte vector
+tiles when both ends are 16-byte aligned; otherwise, with SHIFT, 8-byte words assembled from two aligned source
+words (a funnel shift), else bytes; int64 offsets from a 16-byte aligned anchor pointer. With SHIFT, a piece
+whose two ends are equally misaligned takes a byte head and then 16-byte vectors."""
 import triton
 import triton.language as tl
 
@@ -100,3 +100,16 @@ def _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n,
             _copy_shifted(anchor, src, dst, n, BLOCK, TAIL_BLOCK)
     else:
         _copy_bytes(anchor, src, dst, n, TAIL_BLOCK)
+
+
+@triton.jit
+def _copy_segment(anchor, src_index, dst_index, lengths, src_base, dst_base, item, begin,
+                  SEG: tl.constexpr, BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, SHIFT: tl.constexpr):
+    # Bytes [begin, begin + SEG) of piece ``item``, clipped to its length: what one program of the segment and
+    # grid kernels copies. The three descriptor loads depend on ``item`` only: one round trip before the data.
+    length = tl.load(lengths + item)
+    src_i = tl.load(src_index + item)
+    dst_i = tl.load(dst_index + item)
+    n = tl.minimum(length - begin, SEG)
+    if n > 0:
+        _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n, BLOCK, TAIL_BLOCK, False, SHIFT)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pxn_kernels._copy_piece import _copy_piece
+from pxn_kernels._copy_piece import _copy_segment
 from pxn_kernels._launch import CompiledKernel, anchor
 
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y: the piece count
@@ -30,13 +30,8 @@ def _grid_copy_kernel(anchor, src_index, dst_index, lengths, src_base, dst_base,
     # Addresses are int64 offsets from ``anchor`` (16-byte aligned): see _batched_copy for why not int->pointer.
     item = tl.program_id(1)
     begin = tl.program_id(0).to(tl.int64) * SEG
-    # all three descriptor loads depend on the program id only: one round trip before the data
-    length = tl.load(lengths + item)
-    src_i = tl.load(src_index + item)
-    dst_i = tl.load(dst_index + item)
-    n = tl.minimum(length - begin, SEG)
-    if n > 0:
-        _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n, BLOCK, TAIL_BLOCK, False, SHIFT)
+    _copy_segment(anchor, src_index, dst_index, lengths, src_base, dst_base, item, begin, SEG, BLOCK, TAIL_BLOCK,
+                  SHIFT)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pxn_kernels._copy_piece import _copy_piece
+from pxn_kernels._copy_piece import _copy_segment
 from pxn_kernels._launch import CompiledKernel, anchor
 
 MAX_SEGMENTS = (1 << 31) - 1  # CUDA's limit on gridDim.x
@@ -38,13 +38,8 @@ def _segment_copy_kernel(anchor, src_index, dst_index, lengths, segments, src_ba
     entry = tl.load(segments + tl.program_id(0))
     item = entry >> 32
     begin = (entry & 0xFFFFFFFF) * SEG
-    # the three descriptor loads depend on the table entry only: one round trip before the data
-    length = tl.load(lengths + item)
-    src_i = tl.load(src_index + item)
-    dst_i = tl.load(dst_index + item)
-    n = tl.minimum(length - begin, SEG)
-    if n > 0:
-        _copy_piece(anchor, src_base, src_i, dst_base, dst_i, begin, n, BLOCK, TAIL_BLOCK, False, SHIFT)
+    _copy_segment(anchor, src_index, dst_index, lengths, src_base, dst_base, item, begin, SEG, BLOCK, TAIL_BLOCK,
+                  SHIFT)
 
 
 @dataclass(frozen=True)

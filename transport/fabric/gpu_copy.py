@@ -190,7 +190,9 @@ class BoundCopies:
         them (no plan is made) and return False. For callers with a cheaper way for batches seen once: a few
         pieces as a copy-engine call each cost less than a first launch, but more than a bound one.
         ``length_stats``: (sum, min, max) of ``lengths`` when the caller has them."""
-        key = _key(device_index, lengths, length_stats)
+        return self._repeated(_key(device_index, lengths, length_stats))
+
+    def _repeated(self, key: tuple) -> bool:
         with self._lock:
             if key in self._plans or key in self._sighted:
                 return True
@@ -208,10 +210,9 @@ class BoundCopies:
         ``finish`` takes."""
         if lengths.size > _MEMCPY_MAX:
             return self.launch(device_index, src, dst, lengths, length_stats, stream)
-        if length_stats is None:  # computed once for the two lookups by lengths
-            length_stats = (int(lengths.sum()), int(lengths.min()), int(lengths.max()))
-        if self.repeated(device_index, lengths, length_stats):
-            return self.launch(device_index, src, dst, lengths, length_stats, stream)
+        key = _key(device_index, lengths, length_stats)  # once for the two lookups by lengths
+        if self._repeated(key):
+            return self.launch(device_index, src, dst, lengths, length_stats, stream, key)
         import torch
         from transport.fabric.tcp import memcpy_async
         with torch.cuda.device(device_index):
@@ -222,17 +223,17 @@ class BoundCopies:
         return device_index, stream.cuda_stream, None
 
     def launch(self, device_index: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
-               length_stats=None, stream=None) -> Launched:
+               length_stats=None, stream=None, key: Optional[tuple] = None) -> Launched:
         """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``, addresses valid in
         ``device_index``'s context; int64 arrays the caller checked) on ``stream`` (a ``torch.cuda.Stream`` of
         ``device_index``) or, when None, on the calling thread's current stream of ``device_index``.
-        ``length_stats``: (sum, min, max) of ``lengths`` when the caller has them. Returns what ``finish`` takes:
-        the staging buffer must not be reused before that stream passed the launch. Raises ``TransferError`` when
-        the launch fails."""
+        ``length_stats``: (sum, min, max) of ``lengths`` when the caller has them; ``key``: their ``_key`` when the
+        caller made it. Returns what ``finish`` takes: the staging buffer must not be reused before that stream
+        passed the launch. Raises ``TransferError`` when the launch fails."""
         import torch
         device = torch.device("cuda", device_index)
         n = int(lengths.size)
-        entry = self._plan(lengths, device, length_stats)
+        entry = self._plan(lengths, device, length_stats, key)
         st = self._staging(device, 3 * n)
         d = st.device_buf
         w = st.host_np
@@ -294,11 +295,12 @@ class BoundCopies:
             work.append((event, st))
         return work
 
-    def _plan(self, lengths: np.ndarray, device, length_stats=None) -> dict:
+    def _plan(self, lengths: np.ndarray, device, length_stats=None, key: Optional[tuple] = None) -> dict:
         """The kernel's work split for these lengths on the device, and the launches bound with it (one per
-        staging buffer): cached by the lengths themselves."""
+        staging buffer): cached by the lengths themselves (``key``: their ``_key``, when made already)."""
         from pxn_kernels._batched_copy import plan_for_lengths
-        key = _key(device.index, lengths, length_stats)
+        if key is None:
+            key = _key(device.index, lengths, length_stats)
         with self._lock:
             entry = self._plans.get(key)
             if entry is not None:

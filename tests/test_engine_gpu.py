@@ -59,6 +59,57 @@ def test_gpu_kv_over_ipc(seed, loadstore, coalesce, relay):
         peer.close()
 
 
+@pytest.mark.parametrize("fabric,loadstore,coalesce,relay", [
+    ("ipc", False, None, None), ("ipc", False, 64 << 10, None), ("ipc", False, None, "always"),
+    ("ipc", True, None, None), ("tcp", False, None, None)],
+    ids=["message-path", "message-path-chunks", "message-path-relayed", "loadstore", "tcp"])
+def test_gpu_sources_written_on_the_callers_stream(seed, fabric, loadstore, coalesce, relay):
+    """Sources written on the caller's current stream just before the call, behind ~20 ms of other work there:
+    every path reads them after that work (the new bytes land, never the stale ones before them), sync and
+    async, for a batch whose sources lie in one registered region (inline writes) and in two (posted)."""
+    import torch
+    rng = np.random.default_rng(seed)
+    size = 16 * MB
+    peer = EnginePeer(size, device=0, fabric=fabric)
+    try:
+        with TransferEngine(fabric=fabric, loadstore=loadstore, coalesce_bytes=coalesce, relay=relay) as eng:
+            src = torch.full((size,), 0xA5, dtype=torch.uint8, device="cuda:0")  # stale bytes
+            eng.register(src[:size // 2])
+            eng.register(src[size // 2:])
+            g = torch.Generator(device="cuda:0").manual_seed(seed)
+            lengths = rng.integers(1, 8193, size=300).tolist() + [MB + 3] * 4 + [1, 63]
+            for regions in (1, 2):
+                for call in ("sync", "async"):
+                    fresh = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda:0", generator=g)
+                    fresh_host = fresh.cpu().numpy()
+                    # two regions: every other piece in the second half, so that the batch spans both and no
+                    # piece crosses from one registered region into the next
+                    half = size // 2
+                    so = disjoint_offsets(rng, lengths, half)
+                    if regions == 2:
+                        so[1::2] += half
+                    do = disjoint_offsets(rng, lengths, size)
+                    peer.poison()
+                    exp = Expected(size)
+                    exp.apply(fresh_host, so, do, lengths)
+                    src.fill_(0xA5)
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(40_000_000)  # ~20 ms of the caller's stream before the sources are written
+                    src.copy_(fresh)
+                    srcs = [src.data_ptr() + int(o) for o in so]
+                    dsts = [peer.base + int(o) for o in do]
+                    if call == "sync":
+                        eng.batch_write(peer.session, srcs, dsts, lengths)
+                    else:
+                        eng.batch_write_async(peer.session, srcs, dsts, lengths).wait()
+                    try:
+                        peer.check(exp)
+                    except AssertionError as e:
+                        raise AssertionError(f"sources in {regions} region(s), {call} call: {e}") from None
+    finally:
+        peer.close()
+
+
 def test_gpu_loadstore_host_to_gpu_takes_message_path(seed):
     """Host -> GPU pieces are not for the load/store path: the message path stages them, byte-exact."""
     import torch

@@ -343,6 +343,10 @@ class Pipeline:
             devices = None  # the planner reads one device from device_list
         else:
             device_list = distinct(devices)
+        for dev in device_list:
+            if dev >= 0:
+                self._await_sources(device_list)
+                break
         rails_of = {}
         for dev in device_list:
             rails_of[dev] = self._rail_choices(dev, peer)
@@ -364,6 +368,17 @@ class Pipeline:
                                 ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
                                 ("time_dispatch_s", (t3 - t2) / 1e9)))
         return batch
+
+    @staticmethod
+    def _await_sources(devices) -> None:
+        """Wait for the work the calling thread queued on the current stream of each source GPU in ``devices``
+        (the sources' producers). The posted path reads GPU sources from other streams and threads (relay lanes,
+        chunk gathers, the tcp sender's staging copies, a NIC), which nothing else orders after that work; the
+        load/store and inline paths queue their copies behind it instead."""
+        import torch
+        for dev in devices:
+            if dev >= 0:
+                torch.cuda.current_stream(dev).synchronize()
 
     def _write_inline(self, peer: "_Peer", src, dst, ln, dev: int, local, remote, extremes: tuple, nbytes: int,
                       t0: int, t1: int, wait: bool):
@@ -424,9 +439,16 @@ class Pipeline:
         t2 = now_ns()
         pendings = []
         per_rail: Dict[int, List[int]] = {}
+        # the fills run on the rings' lane streams: each lane waits once for what the caller queued on the data
+        # GPU's current stream (the sources' producers) before its first fill of this batch
+        after, waited = None, set()
         try:
+            if dev >= 0:
+                import torch
+                after = torch.cuda.Event()
+                after.record(torch.cuda.current_stream(dev))
             for k, u in enumerate(units):
-                got = self._relay_unit_inline(peer, u, remote, k) if u.kind == RELAYED else None
+                got = self._relay_unit_inline(peer, u, remote, k, after, waited) if u.kind == RELAYED else None
                 if got is None:
                     break
                 pendings.append(got)
@@ -471,10 +493,11 @@ class Pipeline:
         if wait:
             self._account_done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, kind, counted=True)
 
-    def _relay_unit_inline(self, peer: "_Peer", u: Unit, remote, k: int):
+    def _relay_unit_inline(self, peer: "_Peer", u: Unit, remote, k: int, after=None, waited: Optional[set] = None):
         """The ``k``-th RELAYED unit of ``_relay_inline``: slot (of lane ``k``: consecutive units on alternating
         streams), fill, inline write on the slot's lane; the fabric's ``Pending``, or None (declined, or the ring
-        is closed)."""
+        is closed). ``after``: a CUDA event the fill waits for, once per lane stream (``waited``: the streams that
+        already wait for it)."""
         relay = u.relay_device if u.device >= 0 else DEVICE_HOST
         if relay >= 0 and u.device != relay:
             from pxn_kernels.peer_access import ensure_peer_access
@@ -493,6 +516,9 @@ class Pipeline:
                 if slot.reuse_after is not None:  # a posted write of this slot still reads it
                     stream.wait_event(slot.reuse_after)
                     slot.reuse_after = None
+                if after is not None and stream not in waited:
+                    stream.wait_event(after)
+                    waited.add(stream)
                 copies = self._relay_copies
                 copies.finish([copies.copy(ring.device, s_arr, local, n_arr, stream=stream)], wait=False,
                               stream=stream)

@@ -543,7 +543,9 @@ class TransferEngine(Pipeline):
 
         Arguments:
             session_id: the peer engine's ``session_id`` ("host:port").
-            srcs: source addresses, each piece inside a region registered here (GPU or host).
+            srcs: source addresses, each piece inside a region registered here (GPU or host). GPU sources are
+                read after the work this thread queued on their GPU's current stream (a producer such as
+                ``t.copy_(x)`` needs no synchronise before the call).
             dsts: destination addresses, each piece inside a region the peer registered.
             lengths: bytes per piece (>= 1).
             timeout: seconds (default: the engine's ``timeout``).
@@ -561,7 +563,9 @@ class TransferEngine(Pipeline):
     def batch_write_async(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
                           lengths: Sequence[int], timeout: Optional[float] = None) -> BatchHandle:
         """As ``batch_write`` but returns at once with a ``BatchHandle`` (``wait(timeout)``, ``done()``).
-        Validation errors are raised here, before anything is posted."""
+        Validation errors are raised here, before anything is posted. GPU sources: the load/store and inline
+        paths queue their copies behind this thread's work on the sources' current stream and return; the posted
+        path (chunks, posted relays, fabrics that read from other threads) first waits for that work."""
         batch = self._submit(session_id, srcs, dsts, lengths, async_=True)
         if batch is None:
             batch = _Batch(0, None, None, None, [], 0)

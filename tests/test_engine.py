@@ -677,9 +677,9 @@ def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, 
         taken.append((got, b.bounds is not None))
         return got
 
-    def spy_inline(self, ep, la, ra, ln, bounds, nbytes, wait=True):
+    def spy_inline(self, ep, la, ra, ln, bounds, nbytes, wait=True, stream=None):
         check_bounds(bounds, la, ln, ra, nbytes)
-        got = real_inline(self, ep, la, ra, ln, bounds, nbytes, wait)
+        got = real_inline(self, ep, la, ra, ln, bounds, nbytes, wait, stream)
         if got is not None:  # declined: the posted path's call is the one to record
             taken.append((True, True))
         return got

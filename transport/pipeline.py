@@ -442,13 +442,15 @@ class Pipeline:
         # the fills run on the rings' lane streams: each lane waits once for what the caller queued on the data
         # GPU's current stream (the sources' producers) before its first fill of this batch
         after, waited = None, set()
+        dspan = (extremes[4], extremes[5])  # (dmin, dend) of the batch
         try:
             if dev >= 0:
                 import torch
                 after = torch.cuda.Event()
                 after.record(torch.cuda.current_stream(dev))
             for k, u in enumerate(units):
-                got = self._relay_unit_inline(peer, u, remote, k, after, waited) if u.kind == RELAYED else None
+                got = self._relay_unit_inline(peer, u, remote, k, dspan, after, waited) if u.kind == RELAYED \
+                    else None
                 if got is None:
                     break
                 pendings.append(got)
@@ -493,11 +495,12 @@ class Pipeline:
         if wait:
             self._account_done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, kind, counted=True)
 
-    def _relay_unit_inline(self, peer: "_Peer", u: Unit, remote, k: int, after=None, waited: Optional[set] = None):
+    def _relay_unit_inline(self, peer: "_Peer", u: Unit, remote, k: int, dspan: Tuple[int, int], after=None,
+                           waited: Optional[set] = None):
         """The ``k``-th RELAYED unit of ``_relay_inline``: slot (of lane ``k``: consecutive units on alternating
         streams), fill, inline write on the slot's lane; the fabric's ``Pending``, or None (declined, or the ring
-        is closed). ``after``: a CUDA event the fill waits for, once per lane stream (``waited``: the streams that
-        already wait for it)."""
+        is closed). ``dspan``: (lowest destination, highest destination end) of the batch. ``after``: a CUDA
+        event the fill waits for, once per lane (``waited``: the (ring, lane) pairs that already wait for it)."""
         relay = u.relay_device if u.device >= 0 else DEVICE_HOST
         if relay >= 0 and u.device != relay:
             from pxn_kernels.peer_access import ensure_peer_access
@@ -516,20 +519,19 @@ class Pipeline:
                 if slot.reuse_after is not None:  # a posted write of this slot still reads it
                     stream.wait_event(slot.reuse_after)
                     slot.reuse_after = None
-                if after is not None and stream not in waited:
+                if after is not None and (ring, slot.lane) not in waited:
                     stream.wait_event(after)
-                    waited.add(stream)
+                    waited.add((ring, slot.lane))
                 copies = self._relay_copies
                 copies.finish([copies.copy(ring.device, s_arr, local, n_arr, stream=stream)], wait=False,
                               stream=stream)
-            bounds = WriteBounds(int(n_arr.min()), int(n_arr.max()), slot.addr, slot.addr + u.nbytes,
-                                 int(d_arr.min()), int((d_arr + n_arr).max()), remote.keys[u.rail], ring.lkey)
-            fab, ep = self.fabrics[u.rail], peer.rails[u.rail].ep
-            if stream is None:
-                return fab.write_inline(ep, local, d_arr, n_arr, bounds, u.nbytes, wait=False)
-            import torch
-            with torch.cuda.stream(stream):  # after the fill, in order
-                return fab.write_inline(ep, local, d_arr, n_arr, bounds, u.nbytes, wait=False)
+            # the unit's own lengths (a piece larger than a slot is split, so the batch's extremes may not hold);
+            # the batch's destination span holds every unit's destinations
+            bounds = WriteBounds(int(n_arr.min()), int(n_arr.max()), slot.addr, slot.addr + u.nbytes, dspan[0],
+                                 dspan[1], remote.keys[u.rail], ring.lkey)
+            # on the fill's stream: the write follows the fill in stream order
+            return self.fabrics[u.rail].write_inline(peer.rails[u.rail].ep, local, d_arr, n_arr, bounds, u.nbytes,
+                                                     wait=False, stream=stream)
         finally:
             ring.release(slot)
 

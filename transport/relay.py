@@ -142,6 +142,7 @@ class RelayRing:
         self._post_q: collections.deque = collections.deque()
         self._post_cv = threading.Condition()
         self._closed = False
+        self._slot_waiters = 0  # threads in take / _acquire waiting for a free slot (under _cv)
         self.waits_for_slot = 0
         self.wait_slot_ns = 0
         self._threads = [
@@ -174,7 +175,10 @@ class RelayRing:
         slot.enter(FREE)
         with self._cv:
             self._free[slot.lane].append(slot)
-            self._cv.notify_all()
+            # only a thread waiting for a slot needs waking: an idle copy thread (it waits on the same condition
+            # for queued attempts) would wake for nothing at every release of an inline relay's slot
+            if self._slot_waiters:
+                self._cv.notify_all()
 
     def take(self, lane: int) -> Optional[Slot]:
         """A free slot of lane ``lane % lanes`` for the calling thread, waiting for one when that lane has none
@@ -191,7 +195,7 @@ class RelayRing:
                 if t0 is None:
                     t0 = now_ns()
                     self.waits_for_slot += 1
-                self._cv.wait(0.5)
+                self._wait_for_slot()
         return None
 
     def free_slots(self) -> int:
@@ -211,8 +215,16 @@ class RelayRing:
             if t0 is None:
                 t0 = now_ns()
                 self.waits_for_slot += 1
-            self._cv.wait(0.5)
+            self._wait_for_slot()
         return None
+
+    def _wait_for_slot(self) -> None:
+        """Called with ``self._cv`` held: wait until ``release`` (or ``close``) wakes this thread, or 0.5 s."""
+        self._slot_waiters += 1
+        try:
+            self._cv.wait(0.5)
+        finally:
+            self._slot_waiters -= 1
 
     def fill_and_post(self, attempts) -> None:
         """An ordered ring's work in the calling thread (``self.ordered``): for each attempt a slot (waiting for one

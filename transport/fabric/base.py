@@ -290,7 +290,7 @@ class Fabric(abc.ABC):
         return None
 
     def write_inline(self, ep: Endpoint, local_addr, remote_addr, length, bounds: WriteBounds, nbytes: int,
-                     wait: bool = True):
+                     wait: bool = True, stream=None):
         """Capability ``inline_writes``: write piece i (``length[i]`` bytes from local ``local_addr[i]`` to the
         peer's ``remote_addr[i]``; int64 arrays whose extremes and one key on each side are ``bounds``, and whose
         lengths sum to ``nbytes``) from the calling thread: no request, completion or poller, for a caller that
@@ -298,7 +298,9 @@ class Fabric(abc.ABC):
         these writes this way (the caller posts them instead); else a ``Pending`` (``transport.fabric.gpu_copy``)
         whose ``wait()`` returns once every byte is placed, already waited for when ``wait``. Raises a
         ``FabricError`` or ``TransferError`` when the writes were not all made; the caller may post them again
-        (a write is idempotent). This default takes nothing."""
+        (a write is idempotent). ``stream``: a ``torch.cuda.Stream`` of the sources' GPU that a device copy goes
+        on, ordered after what is queued there (default: the calling thread's current stream of that GPU). This
+        default takes nothing."""
         return None
 
     @abc.abstractmethod

@@ -450,7 +450,7 @@ class IpcFabric(TcpFabric):
         return None
 
     def write_inline(self, ep: TcpEndpoint, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray,
-                     bounds: WriteBounds, nbytes: int, wait: bool = True) -> Optional[Pending]:
+                     bounds: WriteBounds, nbytes: int, wait: bool = True, stream=None) -> Optional[Pending]:
         """Capability ``inline_writes`` (see ``Fabric.write_inline``): the pieces are copied by the calling thread,
         as ``_post_batch_direct`` copies a posted batch, when every one goes from one local GPU into one peer GPU
         region, or from host memory into one peer host region, whose kept description is current (the peer
@@ -475,16 +475,18 @@ class IpcFabric(TcpFabric):
                 raise FabricError(f"ipc write to {ep.peer_id} failed: {e}") from e
             return Pending()
         return Pending(self._copy_to_gpu(mr.device, reg, local_addr, remote_addr, length,
-                                         (nbytes, bounds.len_min, bounds.len_max), wait))
+                                         (nbytes, bounds.len_min, bounds.len_max), wait, stream))
 
     def _copy_to_gpu(self, dev: int, reg: dict, local_addr, remote_addr, length, length_stats=None,
-                     wait: bool = True) -> list:
+                     wait: bool = True, stream=None) -> list:
         """Copy piece i from ``local_addr[i]`` on GPU ``dev`` to ``remote_addr[i]`` in the peer GPU region ``reg``
-        (opened here on ``dev``) on the calling thread's current stream, and wait for it, or not (``wait``: then
-        the work ``BoundCopies.finish`` returns). ``length_stats``: (sum, min, max) of ``length`` when known."""
+        (opened here on ``dev``) on ``stream`` (a ``torch.cuda.Stream`` of ``dev``; default: the calling thread's
+        current stream of ``dev``), and wait for it, or not (``wait``: then the work ``BoundCopies.finish``
+        returns). ``length_stats``: (sum, min, max) of ``length`` when known."""
         dst = remote_addr + (self._mapped(reg, dev) - reg["base"])
         copies = self.bound_copies
-        return copies.finish([copies.copy(dev, local_addr, dst, length, length_stats)], wait=wait)
+        return copies.finish([copies.copy(dev, local_addr, dst, length, length_stats, stream)], wait=wait,
+                             stream=stream)
 
     def _post_checked_batches(self, ep: TcpEndpoint, batches, devices) -> None:
         """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``_validate_batch``) batch

@@ -785,6 +785,87 @@ def test_ipc_message_path_async_batches_are_written_inline(src, rng, ipc_peer, m
     assert st["paths"]["direct"]["units"] == warm + len(shapes) and st["paths"]["loadstore"]["units"] == 0
 
 
+def _spy_inline_regions(monkeypatch) -> list:
+    """``_spy_inline`` for ``IpcFabric.write_inline_regions``."""
+    from transport.fabric.ipc import IpcFabric
+    taken = []
+    real = IpcFabric.write_inline_regions
+
+    def spy(self, *args, **kw):
+        got = real(self, *args, **kw)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(IpcFabric, "write_inline_regions", spy)
+    return taken
+
+
+def test_ipc_message_path_batches_over_many_regions_are_written_inline(rng, ipc_peer, monkeypatch):
+    """sglang registers each aux buffer and each layer's KV buffer on its own, so one call names a region per
+    piece on both sides. loadstore=False, host memory, a source and a peer region per piece (odd sizes among
+    them, unaligned offsets): once the rails know the peer's regions, every batch is written inline by the
+    caller (``write_inline_regions``), sync and async, byte-exact in every peer region, counted as a direct unit.
+    Once the peer deregisters one of its regions, a batch naming it is not written inline and is refused
+    (RemoteRejected) with nothing in that region; the regions still registered keep taking batches inline."""
+    from transport.peer_process import POISON, digest
+    inline = _spy_inline_regions(monkeypatch)
+    lengths = [64, 64, 512, 8192, 1, 63, 128, 64, 4096 + 7, 64, 2]
+    with TransferEngine(fabric="ipc", loadstore=False) as eng:
+        bufs = []
+        for n in lengths:
+            buf = np.frombuffer(rng.bytes(n + 32), dtype=np.uint8).copy()
+            eng.register(buf)
+            bufs.append(buf)
+        extras = [ipc_peer.call("register_extra", size=n + 32, device=-1) for n in lengths]
+        s_off = rng.integers(0, 32, len(lengths))
+        d_off = rng.integers(0, 32, len(lengths))
+        srcs = np.array([b.ctypes.data + int(o) for b, o in zip(bufs, s_off)], dtype=np.int64)
+        dsts = np.array([a + int(o) for a, o in zip(extras, d_off)], dtype=np.int64)
+        ln = np.asarray(lengths, dtype=np.int64)
+
+        def expected(k: int) -> str:
+            img = np.full(lengths[k] + 32, POISON, dtype=np.uint8)
+            img[d_off[k]:d_off[k] + lengths[k]] = bufs[k][s_off[k]:s_off[k] + lengths[k]]
+            return digest(img)
+
+        warm = 0
+        while inline[-2:] != [True, True]:  # each rail learns the peer's regions from one posted batch
+            assert warm < 20, f"the rails did not learn the peer's regions: {inline}"
+            eng.batch_write(ipc_peer.session, srcs, dsts, ln)
+            warm += 1
+        for asynchronous in (False, True, False):
+            for b in bufs:
+                b[:] = np.frombuffer(rng.bytes(b.size), dtype=np.uint8)  # fresh bytes every round
+            ipc_peer.poison()
+            if asynchronous:
+                h = eng.batch_write_async(ipc_peer.session, srcs, dsts, ln)
+                h.wait()
+                assert h.done()
+            else:
+                eng.batch_write(ipc_peer.session, srcs, dsts, ln)
+            assert inline[-1] is True, inline
+            for k, a in enumerate(extras):
+                assert ipc_peer.call("extra_digest", addr=a) == expected(k), \
+                    f"piece {k} ({lengths[k]} B, async={asynchronous}) differs"
+        st = eng.stats()
+        assert st["paths"]["direct"]["units"] == warm + 3 and st["paths"]["loadstore"]["units"] == 0, st["paths"]
+        # the peer deregisters the region of piece 3: the caller's inline write declines (the peer's
+        # deregistration counter moved), and the posted batch is refused there; nothing lands in that region
+        ipc_peer.call("deregister", addr=extras[3])
+        ipc_peer.poison()
+        with pytest.raises(RemoteRejected):
+            eng.batch_write(ipc_peer.session, srcs, dsts, ln)
+        assert inline[-1] is False, inline
+        clean = digest(np.full(lengths[3] + 32, POISON, dtype=np.uint8))
+        assert ipc_peer.call("extra_digest", addr=extras[3]) == clean, "a deregistered region was written"
+        keep = [k for k in range(len(lengths)) if k != 3]
+        for _ in range(4):  # each rail learns the peer's regions again after the deregistration
+            eng.batch_write(ipc_peer.session, srcs[keep], dsts[keep], ln[keep])
+        assert inline[-2:] == [True, True], inline
+        for k in keep:
+            assert ipc_peer.call("extra_digest", addr=extras[k]) == expected(k), f"piece {k} differs"
+
+
 def test_ipc_message_path_relayed_batches_are_written_inline(src, rng, ipc_peer, monkeypatch):
     """relay="always" on ipc with loadstore=False, host memory, 1 MiB relay slots: once the rails know the peer's
     region, a batch the planner relays whole goes through the relay ring's slots with each slot written inline

@@ -110,6 +110,74 @@ def test_gpu_sources_written_on_the_callers_stream(seed, fabric, loadstore, coal
         peer.close()
 
 
+def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch):
+    """sglang's layout: a KV buffer registered per layer on each side (8 layers), one batch naming a block and a
+    small odd piece of every layer (1 B and 63 B among them, odd offsets). On the message path with one rail,
+    once the rail knows the peer's regions, every batch is written inline by one launch that maps each piece
+    into its own peer region's mapping (``IpcFabric.write_inline_regions``), sync and async, byte-exact in every
+    peer region with the poison around the pieces intact."""
+    import torch
+    from transport.fabric.ipc import IpcFabric
+    from transport.peer_process import POISON, digest
+    from transport.topology import synthetic
+    taken = []
+    real = IpcFabric.write_inline_regions
+
+    def spy(self, *args, **kw):
+        got = real(self, *args, **kw)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(IpcFabric, "write_inline_regions", spy)
+    rng = np.random.default_rng(seed)
+    layers, layer_bytes = 8, 4 * MB
+    kw = {"fabric": "ipc", "loadstore": False, "topology": synthetic(1, {0: ["mlx5_0"]})}
+    peer = EnginePeer(MB, device=0, **kw)
+    try:
+        extras = [peer.call("register_extra", size=layer_bytes, device=0) for _ in range(layers)]
+        with TransferEngine(**kw) as eng:
+            g = torch.Generator(device="cuda:0").manual_seed(seed)
+            src = [torch.empty(layer_bytes, dtype=torch.uint8, device="cuda:0") for _ in range(layers)]
+            for t in src:
+                eng.register(t)
+            pieces = []  # (layer, src offset, dst offset, length)
+            for k in range(layers):
+                small = [1, 63, 100, 7, 4097, 2, 65, 1000][k]
+                big = 2359296 + k
+                pieces += [(k, 3 + k, 11 + 2 * k, big), (k, 3 * MB + k, 3 * MB + 5, small)]
+            order = rng.permutation(len(pieces))
+            pieces = [pieces[i] for i in order]
+            srcs = np.array([src[k].data_ptr() + so for k, so, _, _ in pieces], dtype=np.int64)
+            dsts = np.array([extras[k] + do for k, _, do, _ in pieces], dtype=np.int64)
+            lens = np.array([n for _, _, _, n in pieces], dtype=np.int64)
+            warm = 0
+            while not taken or taken[-1] is not True:
+                assert warm < 5, f"the rail did not learn the peer's regions: {taken}"
+                eng.batch_write(peer.session, srcs, dsts, lens)
+                warm += 1
+            for asynchronous in (False, True):
+                for t in src:
+                    torch.randint(0, 256, (layer_bytes,), dtype=torch.uint8, device="cuda:0", generator=g, out=t)
+                host = [t.cpu().numpy() for t in src]
+                peer.poison()
+                if asynchronous:
+                    eng.batch_write_async(peer.session, srcs, dsts, lens).wait()
+                else:
+                    eng.batch_write(peer.session, srcs, dsts, lens)
+                assert taken[-1] is True, taken
+                for k in range(layers):
+                    img = np.full(layer_bytes, POISON, dtype=np.uint8)
+                    for k_, so, do, n in pieces:
+                        if k_ == k:
+                            img[do:do + n] = host[k][so:so + n]
+                    assert peer.call("extra_digest", addr=extras[k]) == digest(img), \
+                        f"layer {k}'s peer region differs (async={asynchronous})"
+            st = eng.stats()
+        assert st["paths"]["direct"]["units"] == warm + 2 and st["paths"]["loadstore"]["units"] == 0, st["paths"]
+    finally:
+        peer.close()
+
+
 def test_gpu_loadstore_host_to_gpu_takes_message_path(seed):
     """Host -> GPU pieces are not for the load/store path: the message path stages them, byte-exact."""
     import torch

@@ -16,7 +16,7 @@ import pytest
 from fabric_helpers import Buffer, RemoteError, Target, digest, wait_completions
 from transport.errors import FabricClosed, FabricUnavailable, PeerLost, RegionError, UnknownPeer
 from transport.fabric import make_fabric
-from transport.fabric.base import Opcode, WriteBatch, WriteBounds, WriteRequest
+from transport.fabric.base import Opcode, RegionSpans, WriteBatch, WriteBounds, WriteRequest
 
 try:
     import torch
@@ -346,6 +346,62 @@ def test_inline_write_places_every_byte_or_declines_writing_nothing(case):
     assert case.fab.write_inline(case.ep, past.local_addr, past.remote_addr, past.length, past.bounds, 1280) is None
     unknown = past.bounds._replace(remote_end=past.bounds.remote_min + 64, lkey=past.bounds.lkey ^ 0x5A5A)
     assert case.fab.write_inline(case.ep, past.local_addr, past.remote_addr, past.length, unknown, 1280) is None
+    bad_at, nbad, nsmall = t.call("untouched", [])
+    assert nbad == 0 and nsmall == 0, f"a declined write changed memory (first at region+{bad_at})"
+
+
+def test_inline_write_over_regions_places_every_byte_or_declines_writing_nothing(case):
+    """``write_inline_regions``: the pieces of one batch named by region on each side (``RegionSpans``): here two
+    spans of the target's region, the pieces alternating between them, and the local region twice, so that each
+    piece's peer region position (``remote_index``) is used. A fabric without ``inline_writes`` declines and
+    writes nothing; one with it places every piece, byte-exact, fresh data, odd sizes at odd offsets, waited for
+    or not. Declined with nothing written: a span that reaches past the target's region, an unknown rkey, a
+    local span outside the local region, an unknown lkey."""
+    t = case.target
+    lens, total, data, src_off = _described_odd_pieces(case, 81, 200, 11)
+    half = REGION // 2
+    gaps = case.rng.integers(1, 40, lens.size)
+    dst_off = np.cumsum(lens + gaps) - lens + 5
+    dst_off[1::2] += half  # every other piece in the second span
+    where = np.zeros(lens.size, dtype=np.int64)
+    where[1::2] = 1
+    la, ra = case.src.addr + src_off, t.addr + dst_off
+    lkey = case.mr.lkey
+    spans = RegionSpans(int(lens.min()), int(lens.max()), int(la.min()), int((la + lens).max()), int(ra.min()),
+                        int((ra + lens).max()), ((lkey, case.src.addr, case.src.addr + half),
+                                                 (lkey, case.src.addr, case.src.addr + REGION)),
+                        ((t.rkey, t.addr, t.addr + half), (t.rkey, t.addr + half, t.addr + REGION)), where)
+    if "inline_writes" not in case.fab.capabilities:
+        assert case.fab.write_inline_regions(case.ep, la, ra, lens, spans, total) is None
+        bad_at, nbad, nsmall = t.call("untouched", [(REGION - 1, 1)])
+        assert nbad == 0 and nsmall == 0, f"a declined write changed memory (first at region+{bad_at})"
+        return
+    written = [(REGION - 1, 1)] + [(int(d), int(n)) for d, n in zip(dst_off, lens)]
+    for wait in (True, False):
+        if not wait:
+            t.call("poison")
+            data = case.fresh(total + 4096)
+        pending = case.fab.write_inline_regions(case.ep, la, ra, lens, spans, total, wait=wait)
+        assert pending is not None, f"{case.name}: write_inline_regions declined pieces inside described regions"
+        if not wait:
+            pending.wait()
+        assert pending.done()
+        assert not case.fab.poll(16, timeout=0.05), "an inline write left a completion behind"
+        for i in range(lens.size):
+            s_, n, d = int(src_off[i]), int(lens[i]), int(dst_off[i])
+            assert t.call("hash", d, n) == digest(data[s_:s_ + n]), \
+                f"inline write {i} ({n} B at target+{d}, wait={wait}) differs"
+        bad_at, nbad, nsmall = t.call("untouched", written if wait else written[1:])
+        assert nbad == 0 and nsmall == 0, f"bytes outside the writes changed (first at region+{bad_at})"
+    t.call("poison")
+    refused = [
+        spans._replace(remote=((t.rkey, t.addr, t.addr + half), (t.rkey, t.addr + half, t.addr + REGION + 1))),
+        spans._replace(remote=((t.rkey, t.addr, t.addr + half), (t.rkey ^ 0x5A5A, t.addr + half, t.addr + REGION))),
+        spans._replace(local=((lkey, case.src.addr - 1, case.src.addr + half),)),
+        spans._replace(local=((lkey ^ 0x5A5A, case.src.addr, case.src.addr + REGION),)),
+    ]
+    for bad in refused:
+        assert case.fab.write_inline_regions(case.ep, la, ra, lens, bad, total) is None, bad
     bad_at, nbad, nsmall = t.call("untouched", [])
     assert nbad == 0 and nsmall == 0, f"a declined write changed memory (first at region+{bad_at})"
 

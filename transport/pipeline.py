@@ -27,7 +27,8 @@ import numpy as np
 from transport.arrays import distinct
 from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected,
                               TransferError, TransferTimeout)
-from transport.fabric.base import DEVICE_HOST, GatherWrite, Opcode, WriteBatch, WriteBounds, WriteRequest
+from transport.fabric.base import (DEVICE_HOST, GatherWrite, Opcode, RegionSpans, WriteBatch, WriteBounds,
+                                   WriteRequest)
 from transport.fabric.gpu_copy import Pending
 from transport.fabric.tcp import _MEMCPY_MAX, memcpy_async
 from transport.planner import COALESCED, DIRECT, RELAYED, Unit
@@ -325,9 +326,14 @@ class Pipeline:
                 batch.pending = pending
                 return batch
         one_region = getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0
-        if one_region and self._inline:
-            pending = self._write_inline(peer, src, dst, ln, int(devices), lsnap.regions[idx], rsnap.regions[ridx],
-                                         (lmin, lmax, smin, send, dmin, dend), nbytes, t0, t1, not async_)
+        if self._inline:
+            extremes = (lmin, lmax, smin, send, dmin, dend)
+            if one_region:
+                pending = self._write_inline(peer, src, dst, ln, int(devices), lsnap.regions[idx],
+                                             rsnap.regions[ridx], extremes, nbytes, t0, t1, not async_)
+            else:
+                pending = self._write_inline_regions(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, extremes,
+                                                     nbytes, t0, t1, not async_)
             if pending is not None:
                 if not async_:
                     return None
@@ -415,14 +421,65 @@ class Pipeline:
             # region) lets that rail take the next batch inline
             self.planner.rewind()
             return None
-        t3 = now_ns()
-        n = int(ln.size)
+        self._count_inline_write(rail, int(ln.size), nbytes, (t0, t1, t2, now_ns()), wait)
+        return pending
+
+    def _write_inline_regions(self, peer: "_Peer", src, dst, ln, devices, lsnap, idx, rsnap, ridx, extremes: tuple,
+                              nbytes: int, t0: int, t1: int, wait: bool):
+        """``_write_inline`` for a batch whose pieces lie in several registered regions on either side (``idx`` /
+        ``ridx``: each piece's region in ``lsnap`` / ``rsnap``, or one index for all), as sglang's calls do: it
+        registers each layer's KV buffer and each aux buffer apart, so one call names a region per layer or per
+        aux buffer on each side. Taken when every source is on one device and the planner would send the batch
+        whole as one direct unit; the fabric gets each side's regions (``RegionSpans``) instead of one key. The
+        same returns as ``_write_inline``."""
+        if getattr(devices, "ndim", 0):
+            dev = int(devices[0])
+            if int(devices.min()) != dev or int(devices.max()) != dev:
+                return None  # sources on several devices: one unit per device, posted
+        else:
+            dev = int(devices)
+        choices = self._rail_choices(dev, peer)
+        load = {pr.rail: pr.bytes_in_flight for pr in peer.rails} if len(choices) > 1 else {}
+        c = self.planner.whole_batch_rail(dev, choices, load, int(ln.size), nbytes, extremes[0], extremes[1],
+                                          peer.forward)
+        if c is None:
+            return None
+        rail = c.rail
+        local = []
+        for i in (np.unique(idx).tolist() if getattr(idx, "ndim", 0) else (int(idx),)):
+            r = lsnap.regions[i]
+            local.append((r.keys[rail].lkey, r.addr, r.addr + r.length))
+        if getattr(ridx, "ndim", 0):
+            used, where = np.unique(ridx, return_inverse=True)
+            used = used.tolist()
+        else:
+            used, where = (int(ridx),), None
+        remote = []
+        for i in used:
+            r = rsnap.regions[i]
+            remote.append((r.keys[rail], r.addr, r.addr + r.length))
+        spans = RegionSpans(*extremes, tuple(local), tuple(remote), where)
+        t2 = now_ns()
+        try:
+            pending = self.fabrics[rail].write_inline_regions(peer.rails[rail].ep, src, dst, ln, spans, nbytes, wait)
+        except (FabricError, TransferError, OSError) as e:
+            log.info("rail %d: the inline write of %d piece(s) in %d + %d regions to %s failed (%s); posting it "
+                     "instead", rail, ln.size, len(local), len(remote), peer.session, e)
+            pending = None
+        if pending is None:
+            self.planner.rewind()  # as in _write_inline: the posted path takes the same rail
+            return None
+        self._count_inline_write(rail, int(ln.size), nbytes, (t0, t1, t2, now_ns()), wait)
+        return pending
+
+    def _count_inline_write(self, rail: int, n: int, nbytes: int, times: tuple, wait: bool) -> None:
+        """The counters of a batch written inline as one direct unit of ``n`` pieces on ``rail``; ``times``:
+        (submitted, validated, planned, written) in ns."""
         # the rail's view: one post of n writes, complete once placed (``_wait`` for an async batch)
         self._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
-                                         ("time_post_s", (t3 - t2) / 1e9), ("completions", 1),
+                                         ("time_post_s", (times[3] - times[2]) / 1e9), ("completions", 1),
                                          ("bytes_completed", nbytes)))
-        self._count_inline(DIRECT, 1, n, nbytes, (t0, t1, t2, t3), wait)
-        return pending
+        self._count_inline(DIRECT, 1, n, nbytes, times, wait)
 
     def _relay_inline(self, peer: "_Peer", src, dst, ln, dev: int, remote, extremes: tuple, nbytes: int, choices,
                       load: dict, t0: int, t1: int, wait: bool):

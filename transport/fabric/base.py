@@ -130,6 +130,26 @@ class WriteBounds(NamedTuple):
     lkey: int
 
 
+class RegionSpans(NamedTuple):
+    """What ``Fabric.write_inline_regions`` checks a batch spread over several registered regions against, as
+    the poster found it while checking the batch's arrays (the engine's validation placed every piece inside one
+    local and one peer region): the batch's smallest and largest length, smallest local address and largest
+    local end, the same for the remote side; ``local``: ``(lkey, start, end)`` of each local region holding a
+    piece; ``remote``: ``(rkey, start, end)`` of each peer region holding one, as the poster knows them;
+    ``remote_index``: for each piece, the position of its peer region in ``remote`` (int64 array), or None when
+    ``remote`` has one entry. Every piece lies inside its regions: a fabric checks the regions, not the pieces."""
+
+    len_min: int
+    len_max: int
+    local_min: int
+    local_end: int
+    remote_min: int
+    remote_end: int
+    local: tuple
+    remote: tuple
+    remote_index: Optional[_np.ndarray]
+
+
 class WriteBatch:
     """Many plain writes that complete as one work request (fabrics with the ``write_batches`` capability):
     write i is ``length[i]`` bytes from local ``local_addr[i]`` (inside the region of ``lkey[i]``) to the peer's
@@ -301,6 +321,13 @@ class Fabric(abc.ABC):
         (a write is idempotent). ``stream``: a ``torch.cuda.Stream`` of the sources' GPU that a device copy goes
         on, ordered after what is queued there (default: the calling thread's current stream of that GPU). This
         default takes nothing."""
+        return None
+
+    def write_inline_regions(self, ep: Endpoint, local_addr, remote_addr, length, spans: RegionSpans, nbytes: int,
+                             wait: bool = True, stream=None):
+        """``write_inline`` for a batch whose pieces lie in several registered regions on either side (sglang
+        registers each layer's KV buffer and each aux buffer on its own, so one call spans many): ``spans`` gives
+        the regions instead of one key each side. The same returns and errors. This default takes nothing."""
         return None
 
     @abc.abstractmethod

@@ -52,7 +52,7 @@ import numpy as np
 
 from transport.arrays import distinct
 from transport.errors import FabricError, FabricUnavailable
-from transport.fabric.base import DEVICE_HOST, MemoryRegion, WriteBatch, WriteBounds
+from transport.fabric.base import DEVICE_HOST, MemoryRegion, RegionSpans, WriteBatch, WriteBounds
 from transport.fabric.tcp import (
     HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
     _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, raw_view, recv_exact,
@@ -468,14 +468,57 @@ class IpcFabric(TcpFabric):
         if reg is None:
             return None
         if mr.device == DEVICE_HOST:
-            try:
-                process_vm_write(int(ep.peer_desc["pid"]), local_addr, remote_addr, length, total=nbytes)
-            except OSError as e:
-                ep.fail(f"send failed: {e}")  # as on the message path: the target process is unreachable
-                raise FabricError(f"ipc write to {ep.peer_id} failed: {e}") from e
-            return Pending()
+            return self._write_host(ep, local_addr, remote_addr, length, nbytes)
         return Pending(self._copy_to_gpu(mr.device, reg, local_addr, remote_addr, length,
                                          (nbytes, bounds.len_min, bounds.len_max), wait, stream))
+
+    def write_inline_regions(self, ep: TcpEndpoint, local_addr: np.ndarray, remote_addr: np.ndarray,
+                             length: np.ndarray, spans: RegionSpans, nbytes: int, wait: bool = True,
+                             stream=None) -> Optional[Pending]:
+        """Capability ``inline_writes`` for a batch over several regions (see ``Fabric.write_inline_regions``):
+        as ``write_inline`` when every local region of ``spans`` is registered here and covers its span, on one
+        device, and every peer region's kept description is current, on the same side (host or GPU), and covers
+        its span. A GPU copy maps each piece into its peer region's mapping here: one launch for the batch."""
+        if self._closed or not isinstance(ep, TcpEndpoint) or ep.fabric is not self or not ep.alive:
+            return None
+        if not (spans.len_min > 0 and spans.local_min >= 0 and spans.remote_min >= 0 and spans.local_end <= _I64
+                and spans.remote_end <= _I64):
+            return None
+        dev = None
+        for lkey, lo, hi in spans.local:
+            mr = self._regions.get(lkey)
+            if mr is None or not (mr.addr <= lo and hi <= mr.addr + mr.length) or dev not in (None, mr.device):
+                return None
+            dev = mr.device
+        keys = [k for k, _, _ in spans.remote]
+        if dev is None or not keys or not all(0 <= k <= 0xFFFFFFFF for k in keys):
+            return None
+        info, _ = self._current_info(ep, None, keys)
+        if info is None:
+            return None
+        regs = [info[k] for k in keys]
+        for reg, (_, lo, hi) in zip(regs, spans.remote):
+            if (dev == DEVICE_HOST) != (reg["device"] == DEVICE_HOST) or \
+                    not (reg["addr"] <= lo and hi <= reg["addr"] + reg["length"]):
+                return None
+        if dev == DEVICE_HOST:
+            return self._write_host(ep, local_addr, remote_addr, length, nbytes)
+        if spans.remote_index is None:
+            dst = remote_addr + (self._mapped(regs[0], dev) - regs[0]["base"])
+        else:
+            shift = np.array([self._mapped(reg, dev) - reg["base"] for reg in regs], dtype=np.int64)
+            dst = remote_addr + shift[spans.remote_index]
+        return Pending(self._copy_mapped(dev, local_addr, dst, length, (nbytes, spans.len_min, spans.len_max), wait,
+                                         stream))
+
+    def _write_host(self, ep: TcpEndpoint, local_addr, remote_addr, length, nbytes: int) -> Pending:
+        """The inline write of checked host pieces: one ``process_vm_writev`` into the peer process."""
+        try:
+            process_vm_write(int(ep.peer_desc["pid"]), local_addr, remote_addr, length, total=nbytes)
+        except OSError as e:
+            ep.fail(f"send failed: {e}")  # as on the message path: the target process is unreachable
+            raise FabricError(f"ipc write to {ep.peer_id} failed: {e}") from e
+        return Pending()
 
     def _copy_to_gpu(self, dev: int, reg: dict, local_addr, remote_addr, length, length_stats=None,
                      wait: bool = True, stream=None) -> list:
@@ -483,7 +526,11 @@ class IpcFabric(TcpFabric):
         (opened here on ``dev``) on ``stream`` (a ``torch.cuda.Stream`` of ``dev``; default: the calling thread's
         current stream of ``dev``), and wait for it, or not (``wait``: then the work ``BoundCopies.finish``
         returns). ``length_stats``: (sum, min, max) of ``length`` when known."""
-        dst = remote_addr + (self._mapped(reg, dev) - reg["base"])
+        return self._copy_mapped(dev, local_addr, remote_addr + (self._mapped(reg, dev) - reg["base"]), length,
+                                 length_stats, wait, stream)
+
+    def _copy_mapped(self, dev: int, local_addr, dst, length, length_stats, wait: bool, stream) -> list:
+        """``_copy_to_gpu`` with the destinations already translated into their mappings on ``dev``."""
         copies = self.bound_copies
         return copies.finish([copies.copy(dev, local_addr, dst, length, length_stats, stream)], wait=wait,
                              stream=stream)

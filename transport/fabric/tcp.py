@@ -801,7 +801,9 @@ class TcpFabric(Fabric):
     taken only for a peer id announced by ``expect_peer``, and never replaces a live endpoint of that id unless
     announced again), ``max_peers_per_addr`` (live incoming endpoints per source address, default 256),
     ``own_acks`` (default True: a thread that posted a small ``WriteRows`` with ``read_ack`` may read its ack from
-    the socket itself, ``await_rows``; False: only the receive threads read).
+    the socket itself, ``await_rows``; False: only the receive threads read), ``ack_spin`` (seconds such a thread
+    keeps reading its socket without sleeping before it blocks in ``poll``, default ``PXN_ACK_SPIN_US`` or 100 us:
+    a sleeping thread's wake-up is a good part of a small batch's round trip on a busy host; 0: block at once).
     """
 
     name = "tcp"
@@ -821,7 +823,8 @@ class TcpFabric(Fabric):
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: Optional[int] = None,
                  message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
                  ack_timeout: float = 30.0, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
-                 guard_claims: bool = False, max_peers_per_addr: int = 256, own_acks: bool = True):
+                 guard_claims: bool = False, max_peers_per_addr: int = 256, own_acks: bool = True,
+                 ack_spin: Optional[float] = None):
         if connections_per_peer is None:
             # loopback on a 2-core box peaks at 2 sockets (more threads only contend); bigger hosts use 4
             connections_per_peer = max(2, min(4, (os.cpu_count() or 2) // 2))
@@ -852,7 +855,8 @@ class TcpFabric(Fabric):
         # per receiving thread: the ACK of a landed write whose RECV_IMM is being delivered, held so that an unacked
         # write its handler posts back to the same peer (a receiver's ack of the chunk) leaves in the same send
         self._held = threading.local()
-        self._region_cv = threading.Condition(threading.Lock())
+        self._region_lock = threading.Lock()
+        self._region_cv = threading.Condition(self._region_lock)  # ``with`` on the lock itself: no Python frame
         self._endpoints: Dict[str, TcpEndpoint] = {}
         self._all_eps: List[TcpEndpoint] = []
         self._cq = CompletionQueue()
@@ -864,6 +868,11 @@ class TcpFabric(Fabric):
         # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: receive threads
         # read every message, and block in ``recv`` rather than in epoll
         self._own_acks = self._small_writes and bool(own_acks) and hasattr(select, "epoll")
+        if ack_spin is None:
+            ack_spin = float(os.environ.get("PXN_ACK_SPIN_US", "100")) / 1e6
+        if not 0.0 <= float(ack_spin) <= 1.0:
+            raise ValueError(f"ack_spin must be seconds in [0, 1], got {ack_spin!r}")
+        self._spin = float(ack_spin)
         try:
             self._listener = socket.create_server((hostname, port), backlog=128)
         except OSError as e:
@@ -1413,13 +1422,19 @@ class TcpFabric(Fabric):
             st = s.rx_state
             rx = st["rx"]
             wait = st["wait"]
+            spin_until = time.monotonic() + self._spin
             while not m.done and ep._alive:
                 if rx.pos == rx.end:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    if not wait.poll(left * 1000.0 + 1.0) or not rx.ready():
-                        continue
+                    now = time.monotonic()
+                    if now < spin_until:
+                        if not rx.ready():
+                            continue
+                    else:
+                        left = deadline - now
+                        if left <= 0:
+                            break
+                        if not wait.poll(left * 1000.0 + 1.0) or not rx.ready():
+                            continue
                 self._read_one(ep, s, rx, st)
         except Exception as e:  # noqa: BLE001 — as in ``_recv_loop``: the link is unusable
             if ep.alive and not self._closed:
@@ -1917,8 +1932,10 @@ class TcpFabric(Fabric):
                     if rx.pos == rx.end:
                         poller.poll()
                     with token:
-                        while rx.ready():
+                        if rx.ready():  # else a caller read what woke this thread
                             self._read_one(ep, s, rx, st)
+                            while rx.pos < rx.end:  # the rest of what one receive took; more wakes the poll
+                                self._read_one(ep, s, rx, st)
             finally:
                 with token:
                     s.poller = None
@@ -2145,7 +2162,7 @@ class TcpFabric(Fabric):
         if count and addrs == waddrs and lens == wlens and rkeys.count(rkeys[0]) == count and min(lens) > 0:
             rk = rkeys[0]
             lo, hi = min(addrs), max(map(add, addrs, lens))
-            with self._region_cv:
+            with self._region_lock:
                 ent = self._host_views.get(rk)
                 mr = self._regions.get(rk)
                 if ent is not None and ent[0] is mr and lo >= mr.addr and hi <= mr.addr + mr.length:

@@ -589,6 +589,7 @@ class _Sock:
         self.rx_state: Optional[dict] = None
         self.poller = None
         self.fd = sock.fileno()
+        self.want_shared = False  # a caller asked for shared reading (the receive thread switches after a message)
 
 
 class TcpEndpoint(Endpoint):
@@ -1390,7 +1391,9 @@ class TcpFabric(Fabric):
         s = ep.enqueue_one(m)
         wire = [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs]
         poller = s.poller
-        if b.read_ack and poller is not None and s.reader.acquire(False):
+        if b.read_ack and poller is None and self._own_acks:
+            s.want_shared = True  # this ack still comes through the receive thread; later ones need not
+        elif b.read_ack and poller is not None and s.reader.acquire(False):
             # the ack will be read by this thread (``await_rows``): taken before the send, so that the receive
             # thread, out of the epoll set meanwhile, never sees it
             try:
@@ -1915,11 +1918,15 @@ class TcpFabric(Fabric):
             if rx is s.sock or not self._own_acks:
                 while True:
                     self._read_one(ep, s, rx, st)
-            # Shared reading: this thread waits for readability (epoll) and reads under the socket's reader token,
-            # so that a caller waiting for its own small batch can take the token and read its ack itself
-            # (``await_rows``), one thread wake-up fewer on its critical path. While a caller holds the token the
-            # socket is left out of this thread's epoll set (its events mask 0), so the ack does not wake this
-            # thread too; hang-ups and errors still do.
+            # Blocking reads, by this thread alone, until a caller on this side waits for a small batch of its own
+            # here (``want_shared``; a target that only receives stays here: a wake-up from ``recv`` is one step
+            # less than one from epoll). Then shared reading: this thread waits for readability (epoll) and reads
+            # under the socket's reader token, so that a caller waiting for its own small batch can take the token
+            # and read its ack itself (``await_rows``), one thread wake-up fewer on its critical path. While a
+            # caller holds the token the socket is left out of this thread's epoll set (its events mask 0), so the
+            # ack does not wake this thread too; hang-ups and errors still do.
+            while not s.want_shared:
+                self._read_one(ep, s, rx, st)
             poller = select.epoll(1)
             poller.register(s.fd, _EPOLLIN)
             st["wait"] = select.poll()  # a caller's wait for readability, with a timeout (``await_rows``)

@@ -590,6 +590,7 @@ class _Sock:
         self.poller = None
         self.fd = sock.fileno()
         self.want_shared = False  # a caller asked for shared reading (the receive thread switches after a message)
+        self.own_reads = 0  # acks of small batches their waiting callers read themselves (counted under ``reader``)
 
 
 class TcpEndpoint(Endpoint):
@@ -1438,6 +1439,12 @@ class TcpFabric(Fabric):
                             break
                         if not wait.poll(left * 1000.0 + 1.0) or not rx.ready():
                             continue
+                self._read_one(ep, s, rx, st)
+            if m.done:
+                s.own_reads += 1
+            # what the last receive took beyond the ack (another message, whole or in part) is read here: the
+            # receive thread is woken by bytes still in the socket, never by bytes already in the buffer
+            while ep._alive and rx.pos < rx.end:
                 self._read_one(ep, s, rx, st)
         except Exception as e:  # noqa: BLE001 — as in ``_recv_loop``: the link is unusable
             if ep.alive and not self._closed:

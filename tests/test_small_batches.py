@@ -482,6 +482,25 @@ def test_odd_sizes_through_the_own_ack_path(peer, src, rng):
         assert _own_reads(eng) > 0
 
 
+def test_a_spinning_caller_reads_its_acks_byte_exact(peer, src, rng, monkeypatch):
+    """``ack_spin`` (and ``PXN_ACK_SPIN_US``, read at construction): the waiting caller polls its socket without
+    sleeping first; the batches land byte-exact all the same; a spin outside [0, 1] s is refused."""
+    with _engine(src, fabric_options={"ack_spin": 0.002}) as eng:
+        assert all(f._spin == 0.002 for f in eng.fabrics)
+        for _ in range(10):
+            write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, AUX, MB),
+                            disjoint_offsets(rng, AUX, 4 * MB), AUX)
+        assert _own_reads(eng) > 0
+    monkeypatch.setenv("PXN_ACK_SPIN_US", "250")
+    f = T.TcpFabric()
+    try:
+        assert f._spin == 250e-6
+    finally:
+        f.close()
+    with pytest.raises(ValueError, match="ack_spin"):
+        T.TcpFabric(ack_spin=2.0)
+
+
 def test_a_caller_waiting_for_its_ack_times_out_and_gives_the_socket_back(src, rng):
     """The target drops its acks: the caller that reads its own ack gives up at the batch timeout with
     TransferTimeout (not later), and the socket goes back to its receive thread."""

@@ -804,8 +804,9 @@ class TcpFabric(Fabric):
     announced again), ``max_peers_per_addr`` (live incoming endpoints per source address, default 256),
     ``own_acks`` (default True: a thread that posted a small ``WriteRows`` with ``read_ack`` may read its ack from
     the socket itself, ``await_rows``; False: only the receive threads read), ``ack_spin`` (seconds such a thread
-    keeps reading its socket without sleeping before it blocks in ``poll``, default ``PXN_ACK_SPIN_US`` or 100 us:
-    a sleeping thread's wake-up is a good part of a small batch's round trip on a busy host; 0: block at once).
+    keeps reading its socket without sleeping before it blocks in ``poll``; default ``PXN_ACK_SPIN_US`` or 0: block
+    at once. A spin saves the waiting thread's wake-up where a core is free for the peer meanwhile, and costs the
+    peer its core where none is: benchmarks/NOTES.md has both).
     """
 
     name = "tcp"
@@ -871,7 +872,7 @@ class TcpFabric(Fabric):
         # read every message, and block in ``recv`` rather than in epoll
         self._own_acks = self._small_writes and bool(own_acks) and hasattr(select, "epoll")
         if ack_spin is None:
-            ack_spin = float(os.environ.get("PXN_ACK_SPIN_US", "100")) / 1e6
+            ack_spin = float(os.environ.get("PXN_ACK_SPIN_US", "0")) / 1e6
         if not 0.0 <= float(ack_spin) <= 1.0:
             raise ValueError(f"ack_spin must be seconds in [0, 1], got {ack_spin!r}")
         self._spin = float(ack_spin)
@@ -1394,7 +1395,7 @@ class TcpFabric(Fabric):
         poller = s.poller
         if b.read_ack and poller is None and self._own_acks:
             s.want_shared = True  # this ack still comes through the receive thread; later ones need not
-        elif b.read_ack and poller is not None and s.reader.acquire(False):
+        elif b.read_ack and poller is not None and self._own_acks and s.reader.acquire(False):
             # the ack will be read by this thread (``await_rows``): taken before the send, so that the receive
             # thread, out of the epoll set meanwhile, never sees it
             try:

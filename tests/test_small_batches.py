@@ -414,3 +414,218 @@ def test_small_batches_counted_when_they_complete_by_their_ack(peer, src, rng):
         assert sum(r.get("post_calls", 0) for r in st["rails"]) == n
         assert not eng._inflight and all(not pr.inflight and pr.bytes_in_flight == 0
                                          for p in eng._peers.values() for pr in p.rails)
+
+
+# --- a waiting caller reads its own ack ---------------------------------------------------------------------------
+def _own_reads(eng):
+    """Acks of small batches that the waiting callers of ``eng`` read themselves, over every rail's sockets."""
+    return sum(s.own_reads for r in range(len(eng.fabrics)) for ep in eng.fabrics[r]._all_eps for s in ep.socks)
+
+
+def _local_pair(src, size=4 * MB, **kw):
+    """(sender, target engine, target buffer poisoned): both in this process, so that the target's fabric can be
+    made to hold or drop its acks."""
+    dst = np.full(size, 0xA5, dtype=np.uint8)
+    tgt = TransferEngine(fabric="tcp")
+    tgt.register(dst)
+    return _engine(src, **kw), tgt, dst
+
+
+def _aux_lists(rng, src, base, space):
+    s_offs = disjoint_offsets(rng, AUX, MB)
+    d_offs = disjoint_offsets(rng, AUX, space)
+    return s_offs, d_offs, [src.ctypes.data + int(o) for o in s_offs], [base + int(o) for o in d_offs]
+
+
+def _expect(dst_len, src, s_offs, d_offs, lengths=AUX):
+    img = np.full(dst_len, 0xA5, dtype=np.uint8)
+    for so, do, k in zip(s_offs, d_offs, lengths):
+        img[int(do):int(do) + k] = src[int(so):int(so) + k]
+    return img
+
+
+def test_waiting_callers_read_their_own_acks(peer, src, rng):
+    """After the first batch on a socket (whose ack its receive thread still reads), sync small batches are
+    completed by their callers reading the ack themselves, byte-exact; with ``own_acks`` off, never."""
+    with _engine(src) as eng:
+        for _ in range(12):
+            write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, AUX, MB),
+                            disjoint_offsets(rng, AUX, 4 * MB), AUX)
+        assert _own_reads(eng) >= 12 - 2 * len(eng.fabrics) * eng.fabrics[0].connections_per_peer
+        assert not any(s.reader.locked() for f in eng.fabrics for ep in f._all_eps for s in ep.socks)
+        assert eng.stats()["batches"]["ok"] == 12 and not eng._inflight
+    from transport.fabric.tcp import TcpFabric
+    orig = TcpFabric.__init__
+
+    def no_own(self, *a, **kw):
+        kw["own_acks"] = False
+        orig(self, *a, **kw)
+
+    TcpFabric.__init__ = no_own
+    try:
+        with _engine(src) as eng:
+            for _ in range(6):
+                write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, AUX, MB),
+                                disjoint_offsets(rng, AUX, 4 * MB), AUX)
+            assert _own_reads(eng) == 0
+    finally:
+        TcpFabric.__init__ = orig
+
+
+def test_odd_sizes_through_the_own_ack_path(peer, src, rng):
+    """1 B, 63 B and unaligned pieces, many times over the same sockets (their callers read the acks)."""
+    lengths = [1, 63, 7, 4097, 1, 65, 3]
+    with _engine(src) as eng:
+        for _ in range(10):
+            write_and_check(eng, peer, src.ctypes.data + 1, src[1:], disjoint_offsets(rng, lengths, MB),
+                            disjoint_offsets(rng, lengths, 4 * MB) + 3, lengths)
+        assert _own_reads(eng) > 0
+
+
+def test_a_spinning_caller_reads_its_acks_byte_exact(peer, src, rng, monkeypatch):
+    """``ack_spin`` (and ``PXN_ACK_SPIN_US``, read at construction): the waiting caller polls its socket without
+    sleeping first; the batches land byte-exact all the same; a spin outside [0, 1] s is refused."""
+    with _engine(src, fabric_options={"ack_spin": 0.002}) as eng:
+        assert all(f._spin == 0.002 for f in eng.fabrics)
+        for _ in range(10):
+            write_and_check(eng, peer, src.ctypes.data, src, disjoint_offsets(rng, AUX, MB),
+                            disjoint_offsets(rng, AUX, 4 * MB), AUX)
+        assert _own_reads(eng) > 0
+    monkeypatch.setenv("PXN_ACK_SPIN_US", "250")
+    f = T.TcpFabric()
+    try:
+        assert f._spin == 250e-6
+    finally:
+        f.close()
+    with pytest.raises(ValueError, match="ack_spin"):
+        T.TcpFabric(ack_spin=2.0)
+
+
+def test_a_caller_waiting_for_its_ack_times_out_and_gives_the_socket_back(src, rng):
+    """The target drops its acks: the caller that reads its own ack gives up at the batch timeout with
+    TransferTimeout (not later), and the socket goes back to its receive thread."""
+    from transport.errors import TransferTimeout
+    eng, tgt, dst = _local_pair(src)
+    try:
+        base = dst.ctypes.data
+        for _ in range(10):  # every socket shared and its callers reading
+            so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+            eng.batch_write(tgt.session_id, s_l, d_l, AUX)
+        before = _own_reads(eng)
+        assert before > 0
+        dropped = []
+        for f in tgt.fabrics:
+            f._send_ctrl = lambda ep, s, payload: dropped.append(payload)  # acks never leave the target
+        so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            eng.batch_write(tgt.session_id, s_l, d_l, AUX, timeout=0.4)
+        took = time.monotonic() - t0
+        assert 0.35 < took < 2.0, took
+        assert dropped  # the write was placed and its ack held back
+        assert not any(s.reader.locked() for f in eng.fabrics for ep in f._all_eps for s in ep.socks)
+        # the pieces did land (the target placed them before the ack it dropped)
+        for o_s, o_d, k in zip(so, do, AUX):
+            assert np.array_equal(dst[int(o_d):int(o_d) + k], src[int(o_s):int(o_s) + k])
+    finally:
+        eng.close()
+        tgt.close()
+
+
+def test_a_dead_endpoint_while_the_caller_reads_its_ack_fails_over(src, rng):
+    """The target holds its acks back; meanwhile the sender's endpoint of that rail is aborted. The caller reading
+    its own ack sees the link end, the batch fails over to the other rail and lands byte-exact, well before the
+    timeout."""
+    eng, tgt, dst = _local_pair(src)
+    try:
+        base = dst.ctypes.data
+        for _ in range(10):
+            so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+            eng.batch_write(tgt.session_id, s_l, d_l, AUX)
+        assert _own_reads(eng) > 0
+        held = threading.Event()
+        originals = [f._send_ctrl for f in tgt.fabrics]
+
+        def slow_ack(orig):
+            def send(ep, s, payload):
+                if not held.is_set():
+                    held.set()
+                    time.sleep(0.5)  # the first ack after the switch comes late: the caller is waiting for it
+                orig(ep, s, payload)
+            return send
+
+        for f, orig in zip(tgt.fabrics, originals):
+            f._send_ctrl = slow_ack(orig)
+        dst[:] = 0xA5
+        so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+        killer_done = threading.Event()
+        aborted = []
+
+        def kill():
+            held.wait(5)
+            time.sleep(0.05)
+            for r in range(len(eng.fabrics)):  # the rail whose socket the waiting caller reads
+                ep = eng.rail_endpoint(tgt.session_id, r)
+                if any(s.reader.locked() for s in ep.socks):
+                    aborted.append(r)
+                    ep.abort()
+            killer_done.set()
+
+        th = threading.Thread(target=kill)
+        th.start()
+        t0 = time.monotonic()
+        eng.batch_write(tgt.session_id, s_l, d_l, AUX, timeout=20)
+        took = time.monotonic() - t0
+        th.join(10)
+        assert killer_done.is_set() and aborted
+        assert took < 10, took
+        assert np.array_equal(dst, _expect(len(dst), src, so, do))
+        assert not eng._inflight
+        # and the engine goes on: more batches, byte-exact
+        for _ in range(4):
+            dst[:] = 0xA5
+            so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+            eng.batch_write(tgt.session_id, s_l, d_l, AUX)
+            assert np.array_equal(dst, _expect(len(dst), src, so, do))
+    finally:
+        eng.close()
+        tgt.close()
+
+
+def test_sync_and_async_small_batches_from_threads(peer, src):
+    """Six threads, each alternating sync batches (whose callers read acks, also other threads') and async ones
+    (left to the receive threads) into disjoint destinations: every byte where it belongs, every batch counted."""
+    with _engine(src) as eng:
+        peer.poison()
+        exp = Expected(peer.size)
+        jobs = []
+        for t in range(6):
+            s_offs = np.arange(len(AUX)) * 9000 + t * 100_000
+            d_offs = np.arange(len(AUX)) * 9000 + t * 120_000
+            exp.apply(src, s_offs, d_offs, AUX)
+            jobs.append(([src.ctypes.data + int(o) for o in s_offs], [peer.base + int(o) for o in d_offs]))
+        errors = []
+
+        def run(srcs, dsts):
+            try:
+                for i in range(40):
+                    if i % 3 == 1:
+                        hs = [eng.batch_write_async(peer.session, srcs, dsts, AUX) for _ in range(3)]
+                        eng.batch_write(peer.session, srcs, dsts, AUX)
+                        for h in hs:
+                            h.wait(30)
+                    else:
+                        eng.batch_write(peer.session, srcs, dsts, AUX)
+            except Exception as e:  # noqa: BLE001 — reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=job) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors
+        peer.check(exp)
+        n = 6 * (40 + 13 * 3)
+        assert eng.stats()["batches"]["ok"] == n and not eng._inflight
+        assert _own_reads(eng) > 0

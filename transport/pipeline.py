@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # annotations only: the engine module imports this one
 log = logging.getLogger("transport.engine")  # one logger for the engine and its data path
 
 
+_READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
 _PATH_COUNTERS = {kind: (f"path_{kind}_units", f"path_{kind}_bytes") for kind in (DIRECT, RELAYED, COALESCED)}
 
 
@@ -107,7 +108,7 @@ class BatchHandle:
 
 class _Batch:
     __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
-                 "peer", "n_items", "pending", "path", "spans", "extremes")
+                 "peer", "n_items", "pending", "path", "spans", "extremes", "reader")
 
     def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int, event=None):
         self.id = bid
@@ -126,6 +127,7 @@ class _Batch:
         # side holds every piece (the validation's finding, reused for the write keys)
         self.extremes = None  # the validation's (smallest length, largest, smallest source, largest source end,
         # smallest destination, largest destination end): a WriteBatch of these same arrays carries them
+        self.reader = None  # (fabric, WriteRows) whose ack the submitting thread reads itself in ``_wait``
 
     @property
     def failed(self) -> bool:
@@ -243,7 +245,8 @@ class Pipeline:
     def _submit(self, session_id, srcs, dsts, lengths, async_: bool = False) -> Optional[_Batch]:
         self._check_open()
         if self._rows and lengths.__class__ in (list, tuple):
-            batch = submit_rows(self, session_id, srcs, dsts, lengths)  # a few small pieces: transport.smallbatch
+            # a few small pieces: transport.smallbatch
+            batch = submit_rows(self, session_id, srcs, dsts, lengths, read_ack=not async_)
             if batch is not None:
                 return batch
         t0 = now_ns()
@@ -1357,6 +1360,13 @@ class Pipeline:
             if b.error is not None:
                 raise b.error
             return
+        reader = b.reader
+        if reader is not None:  # a small batch whose ack this thread reads itself (``transport.smallbatch``)
+            b.reader = None
+            start = time.monotonic()
+            reader[0].await_rows(reader[1], start + (_READ_MAX if timeout is None else min(timeout, _READ_MAX)))
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - start))
         if not b.event.wait(timeout):
             self._fail_batch(b, TransferTimeout(f"batch {b.id} ({b.n_items} pieces, {b.nbytes} B) to "
                                                 f"{b.peer.session} did not finish within {timeout} s"))

@@ -69,10 +69,12 @@ class Signal:
 _pipeline = None  # transport.pipeline, imported at first use (it imports this module)
 
 
-def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int]):
+def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
+                read_ack: bool = False):
     """Submit a small batch as one ``WriteRows`` post from this thread. Returns the ``_Batch`` (posted; its
     completion sets ``batch.event``), or None when the batch does not qualify (nothing was done: the caller takes
-    the general path)."""
+    the general path). ``read_ack``: this thread waits for the batch next (``Pipeline._wait``) and may read the
+    ack itself when the fabric lets it (``batch.reader`` set: then ``_wait`` must follow)."""
     t0 = now_ns()
     if srcs.__class__ not in _LISTS or dsts.__class__ not in _LISTS or lengths.__class__ not in _LISTS:
         return None
@@ -142,11 +144,15 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
         a.posted = True
     if eng._deferred:  # completions by callback: the ack completes the batch straight away (``_rows_acked``)
         req.on_acked = a.rows_acked
+        req.read_ack = read_ack
     try:
         if not pr.ep.alive:
             raise PeerLost(f"rail {rail} endpoint to {pr.remote_id} is dead")
-        eng.fabrics[rail].post_writes(pr.ep, (req,))
+        fab = eng.fabrics[rail]
+        fab.post_writes(pr.ep, (req,))
         posted = True
+        if req.reader is not None:
+            batch.reader = (fab, req)
     except (FabricError, OSError, ValueError) as e:
         posted = False
         with eng._lock:

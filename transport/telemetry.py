@@ -24,8 +24,7 @@ FREE, FILLING, READY, POSTED, WAITING = "free", "filling", "ready", "posted", "w
 SLOT_STATES = (FREE, FILLING, READY, POSTED, WAITING)
 
 
-def now_ns() -> int:
-    return time.perf_counter_ns()
+now_ns = time.perf_counter_ns  # the clock of every span and latency (ns); bound, not wrapped: no Python frame
 
 
 class Trace:

@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -85,6 +86,7 @@ H_NOACK = 2
 # in one piece, as a small message)
 UNACKED_MAX = 4096
 _ROW = struct.Struct("<QQQQIIII")  # one PIECE_DT row
+_EPOLLIN = getattr(select, "EPOLLIN", 1)
 
 ST_OK, ST_BAD_RKEY, ST_BOUNDS, ST_FAILED = 0, 1, 2, 3
 _STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range outside the target's region",
@@ -332,6 +334,20 @@ class _Rx:
         self.pos, self.end = k, got
         return k
 
+    def ready(self) -> bool:
+        """True when a message's first bytes are here: in the buffer, or taken from the socket by one receive that
+        does not wait. Raises ConnectionError at EOF."""
+        if self.end > self.pos:
+            return True
+        try:
+            got = self.sock.recv_into(self.buf, 0, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        if got == 0:
+            raise ConnectionError("connection closed by peer")
+        self.pos, self.end = 0, got
+        return True
+
     def unpack(self, st: struct.Struct) -> tuple:
         """The next ``st.size`` bytes (a message header) unpacked by ``st``, read from the look-ahead buffer, which
         one receive of whatever the kernel holds refills when it runs short: no copy out of the buffer."""
@@ -373,9 +389,14 @@ class WriteRows(WriteBatch):
 
     ``on_acked``: None, or a callable the fabric calls, instead of reporting a ``Completion``, when the peer placed
     every write and no message posted earlier on the endpoint is still waiting for its ack (the callable may
-    return False: the completion is reported after all)."""
+    return False: the completion is reported after all).
 
-    __slots__ = ("local_span", "remote_span", "max_length", "on_acked")
+    ``read_ack``: the posting thread will wait for this request right after posting it and may read its ack itself
+    (fabrics with ``own_acks``). When the fabric lets it, ``reader`` is set by the post: that thread then must call
+    the fabric's ``await_rows`` once (it reads until the ack is in, the endpoint failed or the deadline passed, and
+    gives the socket back to its receive thread)."""
+
+    __slots__ = ("local_span", "remote_span", "max_length", "on_acked", "read_ack", "reader")
 
     def __init__(self, local_addr: Sequence[int], length: Sequence[int], remote_addr: Sequence[int], rkey: int,
                  lkey: int, wr_id: int = 0):
@@ -404,6 +425,8 @@ class WriteRows(WriteBatch):
         self.signaled = True
         self.nbytes = sum(ln)
         self.on_acked = None
+        self.read_ack = False
+        self.reader = None
 
     @property
     def count(self) -> int:
@@ -560,6 +583,14 @@ class _Sock:
         self.wire_lock = threading.Lock()
         self.granted: Dict[int, tuple] = {}  # ipc target: seq -> (table, statuses, pinned) until DONE
         self.tx_cache: dict = {}  # sender thread's pinned / device staging buffers and CUDA streams
+        # tcp, shared reading (``TcpFabric._recv_loop``): whoever holds ``reader`` reads the socket, through the
+        # receive thread's state ``rx_state``; ``poller`` is that thread's epoll set (None once it ended)
+        self.reader = threading.Lock()
+        self.rx_state: Optional[dict] = None
+        self.poller = None
+        self.fd = sock.fileno()
+        self.want_shared = False  # a caller asked for shared reading (the receive thread switches after a message)
+        self.own_reads = 0  # acks of small batches their waiting callers read themselves (counted under ``reader``)
 
 
 class TcpEndpoint(Endpoint):
@@ -770,7 +801,12 @@ class TcpFabric(Fabric):
     ``PXN_SECRET``; "" or unset: no authentication), ``handshake_timeout`` (seconds an incoming connection has
     to authenticate and say hello, default 5), ``guard_claims`` (the engine's mode: an incoming connection is
     taken only for a peer id announced by ``expect_peer``, and never replaces a live endpoint of that id unless
-    announced again), ``max_peers_per_addr`` (live incoming endpoints per source address, default 256).
+    announced again), ``max_peers_per_addr`` (live incoming endpoints per source address, default 256),
+    ``own_acks`` (default True: a thread that posted a small ``WriteRows`` with ``read_ack`` may read its ack from
+    the socket itself, ``await_rows``; False: only the receive threads read), ``ack_spin`` (seconds such a thread
+    keeps reading its socket without sleeping before it blocks in ``poll``; default ``PXN_ACK_SPIN_US`` or 0: block
+    at once. A spin saves the waiting thread's wake-up where a core is free for the peer meanwhile, and costs the
+    peer its core where none is: benchmarks/NOTES.md has both).
     """
 
     name = "tcp"
@@ -790,7 +826,8 @@ class TcpFabric(Fabric):
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: Optional[int] = None,
                  message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
                  ack_timeout: float = 30.0, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
-                 guard_claims: bool = False, max_peers_per_addr: int = 256):
+                 guard_claims: bool = False, max_peers_per_addr: int = 256, own_acks: bool = True,
+                 ack_spin: Optional[float] = None):
         if connections_per_peer is None:
             # loopback on a 2-core box peaks at 2 sockets (more threads only contend); bigger hosts use 4
             connections_per_peer = max(2, min(4, (os.cpu_count() or 2) // 2))
@@ -821,7 +858,8 @@ class TcpFabric(Fabric):
         # per receiving thread: the ACK of a landed write whose RECV_IMM is being delivered, held so that an unacked
         # write its handler posts back to the same peer (a receiver's ack of the chunk) leaves in the same send
         self._held = threading.local()
-        self._region_cv = threading.Condition(threading.Lock())
+        self._region_lock = threading.Lock()
+        self._region_cv = threading.Condition(self._region_lock)  # ``with`` on the lock itself: no Python frame
         self._endpoints: Dict[str, TcpEndpoint] = {}
         self._all_eps: List[TcpEndpoint] = []
         self._cq = CompletionQueue()
@@ -830,6 +868,14 @@ class TcpFabric(Fabric):
         self._small_writes = type(self)._on_message is TcpFabric._on_message
         # unacked writes need the receiving side of ``_on_small_write`` (a subclass without it acks every write)
         self._unacked = self._small_writes and "unacked_writes" in self.capabilities
+        # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: receive threads
+        # read every message, and block in ``recv`` rather than in epoll
+        self._own_acks = self._small_writes and bool(own_acks) and hasattr(select, "epoll")
+        if ack_spin is None:
+            ack_spin = float(os.environ.get("PXN_ACK_SPIN_US", "0")) / 1e6
+        if not 0.0 <= float(ack_spin) <= 1.0:
+            raise ValueError(f"ack_spin must be seconds in [0, 1], got {ack_spin!r}")
+        self._spin = float(ack_spin)
         try:
             self._listener = socket.create_server((hostname, port), backlog=128)
         except OSError as e:
@@ -1345,7 +1391,74 @@ class TcpFabric(Fabric):
             ep.enqueue([m])
             return
         s = ep.enqueue_one(m)
-        self._send_inline(ep, s, m, [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs])
+        wire = [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs]
+        poller = s.poller
+        if b.read_ack and poller is None and self._own_acks:
+            s.want_shared = True  # this ack still comes through the receive thread; later ones need not
+        elif b.read_ack and poller is not None and self._own_acks and s.reader.acquire(False):
+            # the ack will be read by this thread (``await_rows``): taken before the send, so that the receive
+            # thread, out of the epoll set meanwhile, never sees it
+            try:
+                if s.poller is poller:
+                    poller.modify(s.fd, 0)
+                    b.reader = (ep, s, m)
+            except (OSError, ValueError):  # the receive thread ended meanwhile
+                pass
+            if b.reader is None:
+                s.reader.release()
+        try:
+            self._send_inline(ep, s, m, wire)
+        except BaseException:
+            self.await_rows(b, 0.0)
+            raise
+
+    def await_rows(self, b: WriteRows, deadline: float) -> None:
+        """For the thread that posted ``b`` with ``read_ack`` and got its socket (``b.reader`` set): read that
+        socket -- every message on it, whoever it is for -- until ``b``'s ack is handled, the endpoint failed or
+        ``time.monotonic()`` passes ``deadline``, then hand the socket back to its receive thread. The ack
+        completes ``b`` as the receive thread would have (``on_acked`` or a completion). A read that fails (EOF,
+        reset, a malformed stream) fails the endpoint, as in the receive thread. No-op when ``b.reader`` is None."""
+        held = b.reader
+        if held is None:
+            return
+        b.reader = None
+        ep, s, m = held
+        try:
+            st = s.rx_state
+            rx = st["rx"]
+            wait = st["wait"]
+            spin_until = time.monotonic() + self._spin
+            while not m.done and ep._alive:
+                if rx.pos == rx.end:
+                    now = time.monotonic()
+                    if now < spin_until:
+                        if not rx.ready():
+                            continue
+                    else:
+                        left = deadline - now
+                        if left <= 0:
+                            break
+                        if not wait.poll(left * 1000.0 + 1.0) or not rx.ready():
+                            continue
+                self._read_one(ep, s, rx, st)
+            if m.done:
+                s.own_reads += 1
+            # what the last receive took beyond the ack (another message, whole or in part) is read here: the
+            # receive thread is woken by bytes still in the socket, never by bytes already in the buffer
+            while ep._alive and rx.pos < rx.end:
+                self._read_one(ep, s, rx, st)
+        except Exception as e:  # noqa: BLE001 — as in ``_recv_loop``: the link is unusable
+            if ep.alive and not self._closed:
+                log.debug("receive on %s/%d by a waiting caller ended", ep.peer_id, s.index, exc_info=True)
+            ep.fail(f"receive failed: {e}")
+        finally:
+            poller = s.poller
+            if poller is not None:
+                try:
+                    poller.modify(s.fd, _EPOLLIN)
+                except (OSError, ValueError):
+                    pass
+            s.reader.release()
 
     def _message_target(self, total: int, nsocks: int) -> int:
         """Payload bytes per message for a post of ``total`` bytes: a share per socket (each socket's sender thread
@@ -1806,63 +1919,96 @@ class TcpFabric(Fabric):
 
     def _recv_loop(self, ep: TcpEndpoint, s: _Sock) -> None:
         hdr = bytearray(HDR.size)
-        hview = memoryview(hdr)
-        st = {"table": bytearray(64 * 48), "stage": bytearray(1 << 20)}
+        st = {"table": bytearray(64 * 48), "stage": bytearray(1 << 20), "hdr": hdr, "hview": memoryview(hdr)}
         # a subclass reading the socket itself (ipc) gets the bare socket
         rx = st["rx"] = _Rx(s.sock, HDR.size + SMALL_MESSAGE) if self._small_writes else s.sock
-        ahead = rx is not s.sock
         try:
-            while True:
-                if ahead:
-                    magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
-                else:
-                    recv_exact(rx, hview)
-                    magic, typ, hflags, _, count, seq, blen = HDR.unpack(hdr)
-                if magic != MAGIC:
-                    raise ValueError(f"bad magic {magic!r}")
-                if typ == T_ACK:
-                    if count > MAX_TABLE or blen != count:
-                        raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
-                    if rx is not s.sock:  # the statuses are usually in the look-ahead buffer already
-                        ep.on_ack(seq, bytes(rx.take(count, memoryview(st["stage"]))))
-                    else:
-                        body = bytearray(count)
-                        recv_exact(rx, memoryview(body))
-                        ep.on_ack(seq, bytes(body))
-                elif typ in (T_WRITE, T_REQ, T_NOTIFY):
-                    if count > MAX_TABLE:
-                        raise ValueError(f"piece count {count} above {MAX_TABLE}")
-                    tb = count * PIECE_DT.itemsize
-                    if blen < tb:
-                        raise ValueError(f"body {blen} B shorter than its table {tb} B")
-                    whole = hflags & H_WHOLE and typ == T_WRITE and count == 1
-                    if blen - tb > (MAX_WHOLE if whole else ep.max_payload):
-                        raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
-                    if typ == T_WRITE and blen <= SMALL_MESSAGE and self._small_writes:
-                        self._on_small_write(ep, s, seq, count, tb, blen, st, hflags)
-                        continue
-                    if len(st["table"]) < tb:
-                        st["table"] = bytearray(tb)
-                    tview = memoryview(st["table"])[:tb]
-                    recv_exact(rx, tview)
-                    table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
-                    if whole and blen - tb > ep.max_payload and not (
-                            table["addr"][0] == table["waddr"][0] and table["len"][0] == table["wlen"][0]):
-                        raise ValueError(f"a message of {blen - tb} B above the peer's message size is not one whole "
-                                         f"write")
-                    self._on_message(ep, s, typ, seq, table, blen - tb, st)
-                else:
-                    if typ not in self._OTHER_TYPES:
-                        raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
-                    if count > MAX_TABLE or blen > count + MAX_CTRL_BODY:
-                        raise ValueError(f"control message of {count} statuses in {blen} B is implausible")
-                    body = bytearray(blen)
-                    recv_exact(rx, memoryview(body))
-                    self._on_other(ep, s, typ, count, seq, bytes(body))
+            if rx is s.sock or not self._own_acks:
+                while True:
+                    self._read_one(ep, s, rx, st)
+            # Blocking reads, by this thread alone, until a caller on this side waits for a small batch of its own
+            # here (``want_shared``; a target that only receives stays here: a wake-up from ``recv`` is one step
+            # less than one from epoll). Then shared reading: this thread waits for readability (epoll) and reads
+            # under the socket's reader token, so that a caller waiting for its own small batch can take the token
+            # and read its ack itself (``await_rows``), one thread wake-up fewer on its critical path. While a
+            # caller holds the token the socket is left out of this thread's epoll set (its events mask 0), so the
+            # ack does not wake this thread too; hang-ups and errors still do.
+            while not s.want_shared:
+                self._read_one(ep, s, rx, st)
+            poller = select.epoll(1)
+            poller.register(s.fd, _EPOLLIN)
+            st["wait"] = select.poll()  # a caller's wait for readability, with a timeout (``await_rows``)
+            st["wait"].register(s.fd, select.POLLIN)
+            s.rx_state = st
+            s.poller = poller
+            token = s.reader
+            try:
+                while True:
+                    if rx.pos == rx.end:
+                        poller.poll()
+                    with token:
+                        if rx.ready():  # else a caller read what woke this thread
+                            self._read_one(ep, s, rx, st)
+                            while rx.pos < rx.end:  # the rest of what one receive took; more wakes the poll
+                                self._read_one(ep, s, rx, st)
+            finally:
+                with token:
+                    s.poller = None
+                    poller.close()
         except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
             if ep.alive and not self._closed:
                 log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"receive failed: {e}")
+
+    def _read_one(self, ep: TcpEndpoint, s: _Sock, rx, st: dict) -> None:
+        """Read and handle one message from socket ``s`` (through ``rx``, its look-ahead reader or the bare socket);
+        blocks until the whole message is read. Raises on EOF, a reset or a malformed stream."""
+        if rx is not s.sock:
+            magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
+        else:
+            recv_exact(rx, st["hview"])
+            magic, typ, hflags, _, count, seq, blen = HDR.unpack(st["hdr"])
+        if magic != MAGIC:
+            raise ValueError(f"bad magic {magic!r}")
+        if typ == T_ACK:
+            if count > MAX_TABLE or blen != count:
+                raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
+            if rx is not s.sock:  # the statuses are usually in the look-ahead buffer already
+                ep.on_ack(seq, bytes(rx.take(count, memoryview(st["stage"]))))
+            else:
+                body = bytearray(count)
+                recv_exact(rx, memoryview(body))
+                ep.on_ack(seq, bytes(body))
+        elif typ in (T_WRITE, T_REQ, T_NOTIFY):
+            if count > MAX_TABLE:
+                raise ValueError(f"piece count {count} above {MAX_TABLE}")
+            tb = count * PIECE_DT.itemsize
+            if blen < tb:
+                raise ValueError(f"body {blen} B shorter than its table {tb} B")
+            whole = hflags & H_WHOLE and typ == T_WRITE and count == 1
+            if blen - tb > (MAX_WHOLE if whole else ep.max_payload):
+                raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
+            if typ == T_WRITE and blen <= SMALL_MESSAGE and self._small_writes:
+                self._on_small_write(ep, s, seq, count, tb, blen, st, hflags)
+                return
+            if len(st["table"]) < tb:
+                st["table"] = bytearray(tb)
+            tview = memoryview(st["table"])[:tb]
+            recv_exact(rx, tview)
+            table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
+            if whole and blen - tb > ep.max_payload and not (
+                    table["addr"][0] == table["waddr"][0] and table["len"][0] == table["wlen"][0]):
+                raise ValueError(f"a message of {blen - tb} B above the peer's message size is not one whole "
+                                 f"write")
+            self._on_message(ep, s, typ, seq, table, blen - tb, st)
+        else:
+            if typ not in self._OTHER_TYPES:
+                raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
+            if count > MAX_TABLE or blen > count + MAX_CTRL_BODY:
+                raise ValueError(f"control message of {count} statuses in {blen} B is implausible")
+            body = bytearray(blen)
+            recv_exact(rx, memoryview(body))
+            self._on_other(ep, s, typ, count, seq, bytes(body))
 
     _OTHER_TYPES: tuple = ()  # message types besides WRITE / REQ / ACK this fabric receives (ipc: GRANT, DONE)
 
@@ -2031,7 +2177,7 @@ class TcpFabric(Fabric):
         if count and addrs == waddrs and lens == wlens and rkeys.count(rkeys[0]) == count and min(lens) > 0:
             rk = rkeys[0]
             lo, hi = min(addrs), max(map(add, addrs, lens))
-            with self._region_cv:
+            with self._region_lock:
                 ent = self._host_views.get(rk)
                 mr = self._regions.get(rk)
                 if ent is not None and ent[0] is mr and lo >= mr.addr and hi <= mr.addr + mr.length:

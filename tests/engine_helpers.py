@@ -142,3 +142,18 @@ def disjoint_offsets(rng: np.random.Generator, lengths, space: int, align: int =
         offs[i] = pos
         pos += int(padded[i])
     return offs
+
+
+def spy_taken(monkeypatch, cls, name: str) -> list:
+    """Replace method ``name`` of ``cls`` (an inline write: ``IpcFabric.write_inline`` / ``write_inline_regions``)
+    by a spy; the returned list gets, per call, whether the fabric took the writes (True) or declined (False)."""
+    taken = []
+    real = getattr(cls, name)
+
+    def spy(self, *args, **kw):
+        got = real(self, *args, **kw)
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(cls, name, spy)
+    return taken

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from engine_helpers import EnginePeer, Expected, disjoint_offsets, write_and_check
+from engine_helpers import EnginePeer, Expected, disjoint_offsets, spy_taken, write_and_check
 from transport import TransferEngine
 
 MB = 1 << 20
@@ -120,15 +120,7 @@ def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch):
     from transport.fabric.ipc import IpcFabric
     from transport.peer_process import POISON, digest
     from transport.topology import synthetic
-    taken = []
-    real = IpcFabric.write_inline_regions
-
-    def spy(self, *args, **kw):
-        got = real(self, *args, **kw)
-        taken.append(got is not None)
-        return got
-
-    monkeypatch.setattr(IpcFabric, "write_inline_regions", spy)
+    taken = spy_taken(monkeypatch, IpcFabric, "write_inline_regions")
     rng = np.random.default_rng(seed)
     layers, layer_bytes = 8, 4 * MB
     kw = {"fabric": "ipc", "loadstore": False, "topology": synthetic(1, {0: ["mlx5_0"]})}

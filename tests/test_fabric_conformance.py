@@ -299,6 +299,22 @@ def test_write_batch_with_bounds_alone_after_warm_up(case):
     assert nbad == 0 and nsmall == 0, f"a refused write changed memory (first at region+{bad_at})"
 
 
+def _check_inline_landed(case, pending, wait: bool, data, src_off, lens, dst_off, written) -> None:
+    """An inline write's ``Pending`` (waited for here when not ``wait``): done, no completion left behind, every
+    piece's bytes at the target, nothing outside ``written`` changed."""
+    t = case.target
+    if not wait:
+        pending.wait()
+    assert pending.done()
+    assert not case.fab.poll(16, timeout=0.05), "an inline write left a completion behind"
+    for i in range(lens.size):
+        s_, n, d = int(src_off[i]), int(lens[i]), int(dst_off[i])
+        assert t.call("hash", d, n) == digest(data[s_:s_ + n]), \
+            f"inline write {i} ({n} B at target+{d}, wait={wait}) differs"
+    bad_at, nbad, nsmall = t.call("untouched", written)
+    assert nbad == 0 and nsmall == 0, f"bytes outside the writes changed (first at region+{bad_at})"
+
+
 def test_inline_write_places_every_byte_or_declines_writing_nothing(case):
     """``write_inline``: a fabric without ``inline_writes`` declines (None) and writes nothing. One with it, once
     the target's region is known to the writer: a ``Pending`` that, waited for, means every piece is placed,
@@ -327,17 +343,8 @@ def test_inline_write_places_every_byte_or_declines_writing_nothing(case):
                 break
         else:
             pytest.fail(f"{case.name}: write_inline declined a batch inside the described region twice")
-        if not wait:
-            pending.wait()
-        assert pending.done()
-        assert not case.fab.poll(16, timeout=0.05), "an inline write left a completion behind"
-        for i in range(lens.size):
-            s_, n, d = int(src_off[i]), int(lens[i]), int(dst_off[i])
-            assert t.call("hash", d, n) == digest(data[s_:s_ + n]), \
-                f"inline write {i} ({n} B at target+{d}, wait={wait}) differs"
         # the first round also finds the byte the describing post wrote; the second follows a poison
-        bad_at, nbad, nsmall = t.call("untouched", written if wait else written[1:])
-        assert nbad == 0 and nsmall == 0, f"bytes outside the writes changed (first at region+{bad_at})"
+        _check_inline_landed(case, pending, wait, data, src_off, lens, dst_off, written if wait else written[1:])
     t.call("poison")
     lens = np.full(20, 64, dtype=np.int64)
     dst_off = 64 * np.arange(20, dtype=np.int64)
@@ -383,16 +390,7 @@ def test_inline_write_over_regions_places_every_byte_or_declines_writing_nothing
             data = case.fresh(total + 4096)
         pending = case.fab.write_inline_regions(case.ep, la, ra, lens, spans, total, wait=wait)
         assert pending is not None, f"{case.name}: write_inline_regions declined pieces inside described regions"
-        if not wait:
-            pending.wait()
-        assert pending.done()
-        assert not case.fab.poll(16, timeout=0.05), "an inline write left a completion behind"
-        for i in range(lens.size):
-            s_, n, d = int(src_off[i]), int(lens[i]), int(dst_off[i])
-            assert t.call("hash", d, n) == digest(data[s_:s_ + n]), \
-                f"inline write {i} ({n} B at target+{d}, wait={wait}) differs"
-        bad_at, nbad, nsmall = t.call("untouched", written if wait else written[1:])
-        assert nbad == 0 and nsmall == 0, f"bytes outside the writes changed (first at region+{bad_at})"
+        _check_inline_landed(case, pending, wait, data, src_off, lens, dst_off, written if wait else written[1:])
     t.call("poison")
     refused = [
         spans._replace(remote=((t.rkey, t.addr, t.addr + half), (t.rkey, t.addr + half, t.addr + REGION + 1))),

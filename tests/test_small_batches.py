@@ -52,6 +52,18 @@ def _paths(eng):
     return st["paths"]["direct"]["units"], st["paths"]["coalesced"]["chunks"]
 
 
+
+def _aux_jobs(src, peer, exp, threads: int) -> list:
+    """Per thread, the (srcs, dsts) lists of an aux batch in disjoint ranges of ``src`` and of the peer, applied
+    to ``exp``."""
+    jobs = []
+    for t in range(threads):
+        s_offs = np.arange(len(AUX)) * 9000 + t * 100_000
+        d_offs = np.arange(len(AUX)) * 9000 + t * 120_000
+        exp.apply(src, s_offs, d_offs, AUX)
+        jobs.append(([src.ctypes.data + int(o) for o in s_offs], [peer.base + int(o) for o in d_offs]))
+    return jobs
+
 def test_aux_batch_goes_direct_and_lands_byte_exact(peer, src, rng):
     with _engine(src) as eng:
         assert eng.direct_pieces == 64
@@ -156,12 +168,7 @@ def test_small_batches_from_threads(peer, src):
     with _engine(src) as eng:
         peer.poison()
         exp = Expected(peer.size)
-        jobs = []
-        for t in range(8):
-            s_offs = np.arange(len(AUX)) * 9000 + t * 100_000
-            d_offs = np.arange(len(AUX)) * 9000 + t * 120_000
-            exp.apply(src, s_offs, d_offs, AUX)
-            jobs.append(([src.ctypes.data + int(o) for o in s_offs], [peer.base + int(o) for o in d_offs]))
+        jobs = _aux_jobs(src, peer, exp, 8)
         errors = []
 
         def run(srcs, dsts):
@@ -598,12 +605,7 @@ def test_sync_and_async_small_batches_from_threads(peer, src):
     with _engine(src) as eng:
         peer.poison()
         exp = Expected(peer.size)
-        jobs = []
-        for t in range(6):
-            s_offs = np.arange(len(AUX)) * 9000 + t * 100_000
-            d_offs = np.arange(len(AUX)) * 9000 + t * 120_000
-            exp.apply(src, s_offs, d_offs, AUX)
-            jobs.append(([src.ctypes.data + int(o) for o in s_offs], [peer.base + int(o) for o in d_offs]))
+        jobs = _aux_jobs(src, peer, exp, 6)
         errors = []
 
         def run(srcs, dsts):

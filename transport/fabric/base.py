@@ -117,8 +117,10 @@ class WriteBounds(NamedTuple):
     checking those same arrays (the engine's validation): smallest and largest length, smallest local address
     and largest local end (address + length), the same for the remote side, and the rkey and lkey of every
     write. A fabric checks these against its regions instead of reducing the arrays again (each reduction is a
-    numpy call of host time per batch); a batch without them is checked from its arrays. They must describe the
-    arrays exactly: only code that has just reduced the same arrays sets them."""
+    numpy call of host time per batch); a batch without them is checked from its arrays. Only code that has just
+    reduced the same arrays sets them: the lengths and local extremes exactly (equal extreme lengths mean equal
+    lengths), the remote ones exactly or as a span that holds every remote piece (a relayed unit carries its
+    batch's destination span)."""
 
     len_min: int
     len_max: int

@@ -352,10 +352,7 @@ class Pipeline:
             devices = None  # the planner reads one device from device_list
         else:
             device_list = distinct(devices)
-        for dev in device_list:
-            if dev >= 0:
-                self._await_sources(device_list)
-                break
+        self._await_sources(device_list)
         rails_of = {}
         for dev in device_list:
             rails_of[dev] = self._rail_choices(dev, peer)
@@ -383,10 +380,11 @@ class Pipeline:
         """Wait for the work the calling thread queued on the current stream of each source GPU in ``devices``
         (the sources' producers). The posted path reads GPU sources from other streams and threads (relay lanes,
         chunk gathers, the tcp sender's staging copies, a NIC), which nothing else orders after that work; the
-        load/store and inline paths queue their copies behind it instead."""
-        import torch
-        for dev in devices:
-            if dev >= 0:
+        load/store and inline paths queue their copies behind it instead. Host sources: nothing to wait for."""
+        gpus = [dev for dev in devices if dev >= 0]
+        if gpus:
+            import torch
+            for dev in gpus:
                 torch.cuda.current_stream(dev).synchronize()
 
     def _write_inline(self, peer: "_Peer", src, dst, ln, dev: int, local, remote, extremes: tuple, nbytes: int,
@@ -401,10 +399,7 @@ class Pipeline:
         None with nothing counted when the batch does not qualify or the fabric did not take or make the writes:
         the caller then plans and posts it, and that path reports any failure (a batch written in part is written
         again: the writes are idempotent)."""
-        choices = self._rail_choices(dev, peer)
-        load = {pr.rail: pr.bytes_in_flight for pr in peer.rails} if len(choices) > 1 else {}
-        c = self.planner.whole_batch_rail(dev, choices, load, int(ln.size), nbytes, extremes[0], extremes[1],
-                                          peer.forward)
+        choices, load, c = self._whole_batch_rail(dev, peer, int(ln.size), nbytes, extremes)
         if c is None:
             if self.planner.relays_all(choices, extremes[0], peer.forward):
                 return self._relay_inline(peer, src, dst, ln, dev, remote, extremes, nbytes, choices, load, t0, t1,
@@ -412,19 +407,39 @@ class Pipeline:
             return None
         rail = c.rail
         bounds = WriteBounds(*extremes, remote.keys[rail], local.keys[rail].lkey)
+        return self._inline_on_rail(peer, rail, lambda fab, ep: fab.write_inline(ep, src, dst, ln, bounds, nbytes,
+                                                                                  wait),
+                                    int(ln.size), nbytes, t0, t1, wait)
+
+    def _whole_batch_rail(self, dev: int, peer: "_Peer", n: int, nbytes: int, extremes: tuple):
+        """(the usable rails of ``dev`` to ``peer``, their load, ``Planner.whole_batch_rail``'s choice or None) for a
+        batch of ``n`` pieces and ``nbytes`` bytes with the validation's ``extremes``."""
+        choices = self._rail_choices(dev, peer)
+        load = {pr.rail: pr.bytes_in_flight for pr in peer.rails} if len(choices) > 1 else {}
+        return choices, load, self.planner.whole_batch_rail(dev, choices, load, n, nbytes, extremes[0], extremes[1],
+                                                            peer.forward)
+
+    def _inline_on_rail(self, peer: "_Peer", rail: int, write, n: int, nbytes: int, t0: int, t1: int, wait: bool):
+        """Make an inline write (``write(fabric, endpoint)`` of rail ``rail``) and count it as one direct unit of
+        ``n`` pieces; the fabric's ``Pending``, or None with nothing counted when it declined or failed (logged)."""
         t2 = now_ns()
         try:
-            pending = self.fabrics[rail].write_inline(peer.rails[rail].ep, src, dst, ln, bounds, nbytes, wait)
+            pending = write(self.fabrics[rail], peer.rails[rail].ep)
         except (FabricError, TransferError, OSError) as e:
-            log.info("rail %d: the inline write of %d piece(s) to %s failed (%s); posting it instead", rail,
-                     ln.size, peer.session, e)
+            log.info("rail %d: the inline write of %d piece(s) to %s failed (%s); posting it instead", rail, n,
+                     peer.session, e)
             pending = None
         if pending is None:
             # the posted path takes the same rail: what it does there (on ipc, a GRANT that describes the peer's
-            # region) lets that rail take the next batch inline
+            # regions) lets that rail take the next batch inline
             self.planner.rewind()
             return None
-        self._count_inline_write(rail, int(ln.size), nbytes, (t0, t1, t2, now_ns()), wait)
+        t3 = now_ns()
+        # the rail's view: one post of n writes, complete once placed (``_wait`` for an async batch)
+        self._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
+                                         ("time_post_s", (t3 - t2) / 1e9), ("completions", 1),
+                                         ("bytes_completed", nbytes)))
+        self._count_inline(DIRECT, 1, n, nbytes, (t0, t1, t2, t3), wait)
         return pending
 
     def _write_inline_regions(self, peer: "_Peer", src, dst, ln, devices, lsnap, idx, rsnap, ridx, extremes: tuple,
@@ -441,10 +456,7 @@ class Pipeline:
                 return None  # sources on several devices: one unit per device, posted
         else:
             dev = int(devices)
-        choices = self._rail_choices(dev, peer)
-        load = {pr.rail: pr.bytes_in_flight for pr in peer.rails} if len(choices) > 1 else {}
-        c = self.planner.whole_batch_rail(dev, choices, load, int(ln.size), nbytes, extremes[0], extremes[1],
-                                          peer.forward)
+        c = self._whole_batch_rail(dev, peer, int(ln.size), nbytes, extremes)[2]
         if c is None:
             return None
         rail = c.rail
@@ -462,27 +474,9 @@ class Pipeline:
             r = rsnap.regions[i]
             remote.append((r.keys[rail], r.addr, r.addr + r.length))
         spans = RegionSpans(*extremes, tuple(local), tuple(remote), where)
-        t2 = now_ns()
-        try:
-            pending = self.fabrics[rail].write_inline_regions(peer.rails[rail].ep, src, dst, ln, spans, nbytes, wait)
-        except (FabricError, TransferError, OSError) as e:
-            log.info("rail %d: the inline write of %d piece(s) in %d + %d regions to %s failed (%s); posting it "
-                     "instead", rail, ln.size, len(local), len(remote), peer.session, e)
-            pending = None
-        if pending is None:
-            self.planner.rewind()  # as in _write_inline: the posted path takes the same rail
-            return None
-        self._count_inline_write(rail, int(ln.size), nbytes, (t0, t1, t2, now_ns()), wait)
-        return pending
-
-    def _count_inline_write(self, rail: int, n: int, nbytes: int, times: tuple, wait: bool) -> None:
-        """The counters of a batch written inline as one direct unit of ``n`` pieces on ``rail``; ``times``:
-        (submitted, validated, planned, written) in ns."""
-        # the rail's view: one post of n writes, complete once placed (``_wait`` for an async batch)
-        self._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
-                                         ("time_post_s", (times[3] - times[2]) / 1e9), ("completions", 1),
-                                         ("bytes_completed", nbytes)))
-        self._count_inline(DIRECT, 1, n, nbytes, times, wait)
+        return self._inline_on_rail(peer, rail, lambda fab, ep: fab.write_inline_regions(ep, src, dst, ln, spans,
+                                                                                          nbytes, wait),
+                                    int(ln.size), nbytes, t0, t1, wait)
 
     def _relay_inline(self, peer: "_Peer", src, dst, ln, dev: int, remote, extremes: tuple, nbytes: int, choices,
                       load: dict, t0: int, t1: int, wait: bool):

@@ -299,6 +299,12 @@ def test_write_batch_with_bounds_alone_after_warm_up(case):
     assert nbad == 0 and nsmall == 0, f"a refused write changed memory (first at region+{bad_at})"
 
 
+def _assert_untouched(t, written, what: str) -> None:
+    """Nothing of the target's region changed outside ``written`` ((offset, length) pairs) by ``what``."""
+    bad_at, nbad, nsmall = t.call("untouched", written)
+    assert nbad == 0 and nsmall == 0, f"{what} changed memory outside its ranges (first at region+{bad_at})"
+
+
 def _check_inline_landed(case, pending, wait: bool, data, src_off, lens, dst_off, written) -> None:
     """An inline write's ``Pending`` (waited for here when not ``wait``): done, no completion left behind, every
     piece's bytes at the target, nothing outside ``written`` changed."""
@@ -311,8 +317,7 @@ def _check_inline_landed(case, pending, wait: bool, data, src_off, lens, dst_off
         s_, n, d = int(src_off[i]), int(lens[i]), int(dst_off[i])
         assert t.call("hash", d, n) == digest(data[s_:s_ + n]), \
             f"inline write {i} ({n} B at target+{d}, wait={wait}) differs"
-    bad_at, nbad, nsmall = t.call("untouched", written)
-    assert nbad == 0 and nsmall == 0, f"bytes outside the writes changed (first at region+{bad_at})"
+    _assert_untouched(t, written, "the writes")
 
 
 def test_inline_write_places_every_byte_or_declines_writing_nothing(case):
@@ -329,8 +334,7 @@ def test_inline_write_places_every_byte_or_declines_writing_nothing(case):
     args = (batch.local_addr, batch.remote_addr, batch.length, batch.bounds, total)
     if "inline_writes" not in case.fab.capabilities:
         assert case.fab.write_inline(case.ep, *args) is None
-        bad_at, nbad, nsmall = t.call("untouched", [(REGION - 1, 1)])
-        assert nbad == 0 and nsmall == 0, f"a declined write changed memory (first at region+{bad_at})"
+        _assert_untouched(t, [(REGION - 1, 1)], "a declined write")
         return
     written = [(REGION - 1, 1)] + [(int(d), int(n)) for d, n in zip(dst_off, lens)]
     for wait in (True, False):
@@ -353,8 +357,7 @@ def test_inline_write_places_every_byte_or_declines_writing_nothing(case):
     assert case.fab.write_inline(case.ep, past.local_addr, past.remote_addr, past.length, past.bounds, 1280) is None
     unknown = past.bounds._replace(remote_end=past.bounds.remote_min + 64, lkey=past.bounds.lkey ^ 0x5A5A)
     assert case.fab.write_inline(case.ep, past.local_addr, past.remote_addr, past.length, unknown, 1280) is None
-    bad_at, nbad, nsmall = t.call("untouched", [])
-    assert nbad == 0 and nsmall == 0, f"a declined write changed memory (first at region+{bad_at})"
+    _assert_untouched(t, [], "a declined write")
 
 
 def test_inline_write_over_regions_places_every_byte_or_declines_writing_nothing(case):
@@ -380,8 +383,7 @@ def test_inline_write_over_regions_places_every_byte_or_declines_writing_nothing
                         ((t.rkey, t.addr, t.addr + half), (t.rkey, t.addr + half, t.addr + REGION)), where)
     if "inline_writes" not in case.fab.capabilities:
         assert case.fab.write_inline_regions(case.ep, la, ra, lens, spans, total) is None
-        bad_at, nbad, nsmall = t.call("untouched", [(REGION - 1, 1)])
-        assert nbad == 0 and nsmall == 0, f"a declined write changed memory (first at region+{bad_at})"
+        _assert_untouched(t, [(REGION - 1, 1)], "a declined write")
         return
     written = [(REGION - 1, 1)] + [(int(d), int(n)) for d, n in zip(dst_off, lens)]
     for wait in (True, False):
@@ -400,8 +402,7 @@ def test_inline_write_over_regions_places_every_byte_or_declines_writing_nothing
     ]
     for bad in refused:
         assert case.fab.write_inline_regions(case.ep, la, ra, lens, bad, total) is None, bad
-    bad_at, nbad, nsmall = t.call("untouched", [])
-    assert nbad == 0 and nsmall == 0, f"a declined write changed memory (first at region+{bad_at})"
+    _assert_untouched(t, [], "a declined write")
 
 
 def test_writes_after_events_follow_producer_and_free_sources_after_reuse_event(case):

@@ -53,6 +53,24 @@ def _paths(eng):
 
 
 
+def _run_threads(work, jobs, join_s: float) -> list:
+    """``work(*job)`` in a thread per job, joined (``join_s`` seconds each at most); the exceptions raised."""
+    errors = []
+
+    def run(*job):
+        try:
+            work(*job)
+        except Exception as e:  # noqa: BLE001 — returned to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    return errors
+
+
 def _aux_jobs(src, peer, exp, threads: int) -> list:
     """Per thread, the (srcs, dsts) lists of an aux batch in disjoint ranges of ``src`` and of the peer, applied
     to ``exp``."""
@@ -169,21 +187,12 @@ def test_small_batches_from_threads(peer, src):
         peer.poison()
         exp = Expected(peer.size)
         jobs = _aux_jobs(src, peer, exp, 8)
-        errors = []
 
         def run(srcs, dsts):
-            try:
-                for _ in range(30):
-                    eng.batch_write(peer.session, srcs, dsts, AUX)
-            except Exception as e:  # noqa: BLE001 — reported below
-                errors.append(e)
+            for _ in range(30):
+                eng.batch_write(peer.session, srcs, dsts, AUX)
 
-        threads = [threading.Thread(target=run, args=job) for job in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors
+        assert not _run_threads(run, jobs, 60)
         peer.check(exp)
         assert eng.stats()["batches"]["ok"] == 8 * 30 and not eng._inflight
 
@@ -606,27 +615,18 @@ def test_sync_and_async_small_batches_from_threads(peer, src):
         peer.poison()
         exp = Expected(peer.size)
         jobs = _aux_jobs(src, peer, exp, 6)
-        errors = []
 
         def run(srcs, dsts):
-            try:
-                for i in range(40):
-                    if i % 3 == 1:
-                        hs = [eng.batch_write_async(peer.session, srcs, dsts, AUX) for _ in range(3)]
-                        eng.batch_write(peer.session, srcs, dsts, AUX)
-                        for h in hs:
-                            h.wait(30)
-                    else:
-                        eng.batch_write(peer.session, srcs, dsts, AUX)
-            except Exception as e:  # noqa: BLE001 — reported below
-                errors.append(e)
+            for i in range(40):
+                if i % 3 == 1:
+                    hs = [eng.batch_write_async(peer.session, srcs, dsts, AUX) for _ in range(3)]
+                    eng.batch_write(peer.session, srcs, dsts, AUX)
+                    for h in hs:
+                        h.wait(30)
+                else:
+                    eng.batch_write(peer.session, srcs, dsts, AUX)
 
-        threads = [threading.Thread(target=run, args=job) for job in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors
+        assert not _run_threads(run, jobs, 120)
         peer.check(exp)
         n = 6 * (40 + 13 * 3)
         assert eng.stats()["batches"]["ok"] == n and not eng._inflight

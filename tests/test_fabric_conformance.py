@@ -405,6 +405,51 @@ def test_inline_write_over_regions_places_every_byte_or_declines_writing_nothing
     _assert_untouched(t, [], "a declined write")
 
 
+def test_inline_write_over_regions_is_checked_again_after_a_local_deregistration(case):
+    """A fabric may remember its checks of a batch layout over several regions (ipc does, for the same
+    ``RegionSpans.local`` / ``remote`` tuples, which the engine passes again for a layout it saw before). The
+    same spans written three times, fresh data each time, byte-exact; then the writer deregisters one of the
+    local regions the spans name: the same spans are declined, with nothing written. Pieces alternate between
+    the fabric's source region and a second local region, and between two spans of the target's region."""
+    if "inline_writes" not in case.fab.capabilities:
+        pytest.skip(f"{case.name}: no inline_writes capability")
+    t = case.target
+    lens, total, data, src_off = _described_odd_pieces(case, 82, 40, 7)
+    other = Buffer(total + 4096, case.device)
+    other_mr = case.fab.register(other.addr, other.size, case.device)
+    half = REGION // 2
+    dst_off = np.cumsum(lens + case.rng.integers(1, 40, lens.size)) - lens + 9
+    dst_off[1::2] += half
+    where = np.zeros(lens.size, dtype=np.int64)
+    where[1::2] = 1
+    la = case.src.addr + src_off
+    la[1::2] = other.addr + src_off[1::2]  # every other piece from the second local region (same offsets)
+    ra = t.addr + dst_off
+    lkey = case.mr.lkey
+    spans = RegionSpans(int(lens.min()), int(lens.max()), int(la.min()), int((la + lens).max()), int(ra.min()),
+                        int((ra + lens).max()), ((lkey, case.src.addr, case.src.addr + REGION),
+                                                 (other_mr.lkey, other.addr, other.addr + other.size)),
+                        ((t.rkey, t.addr, t.addr + half), (t.rkey, t.addr + half, t.addr + REGION)), where)
+    written = [(int(d), int(n)) for d, n in zip(dst_off, lens)]
+    try:
+        for round_ in range(3):
+            t.call("poison")
+            data = case.fresh(total + 4096)
+            other.write(0, data)  # the second region holds the same bytes at the same offsets
+            pending = case.fab.write_inline_regions(case.ep, la, ra, lens, spans, total)
+            assert pending is not None, f"{case.name}: round {round_} declined pieces inside described regions"
+            _check_inline_landed(case, pending, True, data, src_off, lens, dst_off, written)
+        case.fab.deregister(other_mr)
+        other_mr = None
+        t.call("poison")
+        assert case.fab.write_inline_regions(case.ep, la, ra, lens, spans, total) is None, \
+            "the remembered layout was written after one of its local regions was deregistered"
+        _assert_untouched(t, [], "a declined write")
+    finally:
+        if other_mr is not None:
+            case.fab.deregister(other_mr)
+
+
 def test_writes_after_events_follow_producer_and_free_sources_after_reuse_event(case):
     """``post_writes_after``: the writes carry the bytes the producer behind ``after`` wrote (a slow GPU
     producer: a fabric that read the sources before it finished would carry the poison), and an overwrite of

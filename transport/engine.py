@@ -314,6 +314,8 @@ class TransferEngine(Pipeline):
         # a batch that goes whole as one direct unit, or relayed whole, is written by the caller's thread
         # (Fabric.write_inline; Pipeline._write_inline)
         self._inline = "inline_writes" in fabric_cls.capabilities
+        self._spans_memo = {}  # Pipeline._region_spans: the regions of batches over several regions, by layout
+        self._spans_lock = threading.Lock()
         # small batches as one WriteRows post, checked in Python (transport.smallbatch)
         self._rows = "write_rows" in fabric_cls.capabilities and self.direct_pieces > 0
         options["secret"] = self._secret or ""  # resolved once here: the fabrics do not read PXN_SECRET again

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # annotations only: the engine module imports this one
 log = logging.getLogger("transport.engine")  # one logger for the engine and its data path
 
 
+_SPANS_MEMO = 64  # batch layouts over several regions remembered per engine (Pipeline._region_spans)
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
 _PATH_COUNTERS = {kind: (f"path_{kind}_units", f"path_{kind}_bytes") for kind in (DIRECT, RELAYED, COALESCED)}
 
@@ -460,6 +461,27 @@ class Pipeline:
         if c is None:
             return None
         rail = c.rail
+        spans = RegionSpans(*extremes, *self._region_spans(rail, lsnap, idx, rsnap, ridx))
+        return self._inline_on_rail(peer, rail, lambda fab, ep: fab.write_inline_regions(ep, src, dst, ln, spans,
+                                                                                          nbytes, wait),
+                                    int(ln.size), nbytes, t0, t1, wait)
+
+    def _region_spans(self, rail: int, lsnap, idx, rsnap, ridx) -> tuple:
+        """``RegionSpans``' (local, remote, remote_index) on ``rail`` for pieces in regions ``idx`` of ``lsnap`` and
+        ``ridx`` of ``rsnap`` (arrays, or one index for all). Remembered by the snapshots and the index arrays'
+        bytes: sglang names the same regions (a KV buffer per layer, an aux buffer per field) in the same order
+        call after call, and working them out again costs a ``np.unique`` and a Python step per region (on the
+        GPU VM ~5 µs per region and call: benchmarks/NOTES.md, "A region per layer on the GPU"). The same
+        ``local`` and ``remote`` tuple objects come back for the same layout, which lets a fabric remember its own
+        checks of them (``IpcFabric.write_inline_regions``). A snapshot is immutable and replaced on any
+        change, so an entry holds its two snapshots and is used only for those very objects."""
+        ikey = idx.tobytes() if getattr(idx, "ndim", 0) else int(idx)
+        rkey = ridx.tobytes() if getattr(ridx, "ndim", 0) else int(ridx)
+        key = (rail, id(lsnap), id(rsnap), ikey, rkey)
+        memo = self._spans_memo
+        got = memo.get(key)
+        if got is not None and got[0] is lsnap and got[1] is rsnap:
+            return got[2]
         local = []
         for i in (np.unique(idx).tolist() if getattr(idx, "ndim", 0) else (int(idx),)):
             r = lsnap.regions[i]
@@ -467,16 +489,19 @@ class Pipeline:
         if getattr(ridx, "ndim", 0):
             used, where = np.unique(ridx, return_inverse=True)
             used = used.tolist()
+            where.flags.writeable = False  # shared by every batch of this layout
         else:
             used, where = (int(ridx),), None
         remote = []
         for i in used:
             r = rsnap.regions[i]
             remote.append((r.keys[rail], r.addr, r.addr + r.length))
-        spans = RegionSpans(*extremes, tuple(local), tuple(remote), where)
-        return self._inline_on_rail(peer, rail, lambda fab, ep: fab.write_inline_regions(ep, src, dst, ln, spans,
-                                                                                          nbytes, wait),
-                                    int(ln.size), nbytes, t0, t1, wait)
+        value = (tuple(local), tuple(remote), where)
+        with self._spans_lock:
+            if len(memo) >= _SPANS_MEMO:
+                memo.pop(next(iter(memo)))  # the oldest layout
+            memo[key] = (lsnap, rsnap, value)
+        return value
 
     def _relay_inline(self, peer: "_Peer", src, dst, ln, dev: int, remote, extremes: tuple, nbytes: int, choices,
                       load: dict, t0: int, t1: int, wait: bool):

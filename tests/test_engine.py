@@ -844,6 +844,73 @@ def test_ipc_message_path_batches_over_many_regions_are_written_inline(rng, ipc_
             assert ipc_peer.call("extra_digest", addr=extras[k]) == expected(k), f"piece {k} differs"
 
 
+def test_ipc_posted_batches_over_many_regions_are_copied_by_the_poster(rng, ipc_peer, monkeypatch):
+    """A batch with a region per piece on both sides (sglang's region per layer) that the planner splits between
+    two rails is posted as one ``WriteBatch`` per rail. Once the rails know the peer's regions, the ipc fabric
+    copies each of them from the posting thread (``_post_batch_direct`` through ``_regions_target``) rather than
+    as messages: byte-exact in every peer region, fresh data each round, odd sizes (1 B, 63 B, 4097 B) at odd
+    offsets among 16-80 KB pieces, sync and async. Once the peer deregisters one of its regions, a batch naming
+    it is not copied that way, is refused (RemoteRejected), and nothing lands in that region."""
+    from transport.fabric.ipc import IpcFabric
+    from transport.peer_process import POISON, digest
+    found = []
+    real = IpcFabric._regions_target
+
+    def spy(self, *args, **kw):
+        got = real(self, *args, **kw)
+        found.append(got is not None and got[2] is not None)  # taken, over several regions
+        return got
+
+    monkeypatch.setattr(IpcFabric, "_regions_target", spy)
+    lengths = [1, 63, 4097] + rng.integers(16 << 10, 80 << 10, 45).tolist()
+    rng.shuffle(lengths)
+    assert sum(lengths) >= 2 * MB  # split between the two rails, so posted
+    with TransferEngine(fabric="ipc", loadstore=False, rails=2) as eng:
+        bufs = []
+        for n in lengths:
+            buf = np.frombuffer(rng.bytes(n + 32), dtype=np.uint8).copy()
+            eng.register(buf)
+            bufs.append(buf)
+        extras = [ipc_peer.call("register_extra", size=n + 32, device=-1) for n in lengths]
+        s_off = rng.integers(0, 32, len(lengths))
+        d_off = rng.integers(0, 32, len(lengths))
+        srcs = np.array([b.ctypes.data + int(o) for b, o in zip(bufs, s_off)], dtype=np.int64)
+        dsts = np.array([a + int(o) for a, o in zip(extras, d_off)], dtype=np.int64)
+        ln = np.asarray(lengths, dtype=np.int64)
+
+        def expected(k: int) -> str:
+            img = np.full(lengths[k] + 32, POISON, dtype=np.uint8)
+            img[d_off[k]:d_off[k] + lengths[k]] = bufs[k][s_off[k]:s_off[k] + lengths[k]]
+            return digest(img)
+
+        warm = 0
+        while found[-2:] != [True, True]:  # each rail learns the peer's regions from one batch as messages
+            assert warm < 20, f"the rails did not learn the peer's regions: {found}"
+            eng.batch_write(ipc_peer.session, srcs, dsts, ln)
+            warm += 1
+        for asynchronous in (False, True, False):
+            for b in bufs:
+                b[:] = np.frombuffer(rng.bytes(b.size), dtype=np.uint8)
+            ipc_peer.poison()
+            del found[:]
+            if asynchronous:
+                eng.batch_write_async(ipc_peer.session, srcs, dsts, ln).wait()
+            else:
+                eng.batch_write(ipc_peer.session, srcs, dsts, ln)
+            assert found == [True, True], f"not copied by the poster on both rails: {found}"
+            for k, a in enumerate(extras):
+                assert ipc_peer.call("extra_digest", addr=a) == expected(k), \
+                    f"piece {k} ({lengths[k]} B, async={asynchronous}) differs"
+        ipc_peer.call("deregister", addr=extras[3])
+        ipc_peer.poison()
+        del found[:]
+        with pytest.raises(RemoteRejected):
+            eng.batch_write(ipc_peer.session, srcs, dsts, ln)
+        assert True not in found, found
+        clean = digest(np.full(lengths[3] + 32, POISON, dtype=np.uint8))
+        assert ipc_peer.call("extra_digest", addr=extras[3]) == clean, "a deregistered region was written"
+
+
 def test_ipc_message_path_relayed_batches_are_written_inline(src, rng, ipc_peer, monkeypatch):
     """relay="always" on ipc with loadstore=False, host memory, 1 MiB relay slots: once the rails know the peer's
     region, a batch the planner relays whole goes through the relay ring's slots with each slot written inline

@@ -110,20 +110,35 @@ def test_gpu_sources_written_on_the_callers_stream(seed, fabric, loadstore, coal
         peer.close()
 
 
-def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch):
+@pytest.mark.parametrize("rails", [1, 2])
+def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch, rails):
     """sglang's layout: a KV buffer registered per layer on each side (8 layers), one batch naming a block and a
-    small odd piece of every layer (1 B and 63 B among them, odd offsets). On the message path with one rail,
-    once the rail knows the peer's regions, every batch is written inline by one launch that maps each piece
-    into its own peer region's mapping (``IpcFabric.write_inline_regions``), sync and async, byte-exact in every
-    peer region with the poison around the pieces intact."""
+    small odd piece of every layer (1 B and 63 B among them, odd offsets). On the message path, once the rails
+    know the peer's regions, sync and async, byte-exact in every peer region with the poison around the pieces
+    intact: with one rail every batch is written inline by one launch that maps each piece into its own peer
+    region's mapping (``IpcFabric.write_inline_regions``); with two rails the planner splits it between them,
+    and each rail's posted ``WriteBatch`` is copied by the posting thread the same way (``_post_batch_direct``
+    through ``_regions_target``), not as messages."""
     import torch
     from transport.fabric.ipc import IpcFabric
     from transport.peer_process import POISON, digest
     from transport.topology import synthetic
-    taken = spy_taken(monkeypatch, IpcFabric, "write_inline_regions")
+    if rails == 1:
+        taken = spy_taken(monkeypatch, IpcFabric, "write_inline_regions")
+    else:
+        taken = []
+        real = IpcFabric._regions_target
+
+        def spy(self, *args, **kw):
+            got = real(self, *args, **kw)
+            taken.append(got is not None and got[2] is not None)  # copied by the poster, over several regions
+            return got
+
+        monkeypatch.setattr(IpcFabric, "_regions_target", spy)
     rng = np.random.default_rng(seed)
     layers, layer_bytes = 8, 4 * MB
-    kw = {"fabric": "ipc", "loadstore": False, "topology": synthetic(1, {0: ["mlx5_0"]})}
+    kw = {"fabric": "ipc", "loadstore": False,
+          "topology": synthetic(1, {0: ["mlx5_0", "mlx5_1"][:rails]})}
     peer = EnginePeer(MB, device=0, **kw)
     try:
         extras = [peer.call("register_extra", size=layer_bytes, device=0) for _ in range(layers)]
@@ -143,8 +158,8 @@ def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch):
             dsts = np.array([extras[k] + do for k, _, do, _ in pieces], dtype=np.int64)
             lens = np.array([n for _, _, _, n in pieces], dtype=np.int64)
             warm = 0
-            while not taken or taken[-1] is not True:
-                assert warm < 5, f"the rail did not learn the peer's regions: {taken}"
+            while taken[-rails:] != [True] * rails:
+                assert warm < 5 * rails, f"the rails did not learn the peer's regions: {taken}"
                 eng.batch_write(peer.session, srcs, dsts, lens)
                 warm += 1
             for asynchronous in (False, True):
@@ -156,7 +171,7 @@ def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch):
                     eng.batch_write_async(peer.session, srcs, dsts, lens).wait()
                 else:
                     eng.batch_write(peer.session, srcs, dsts, lens)
-                assert taken[-1] is True, taken
+                assert taken[-rails:] == [True] * rails, taken
                 for k in range(layers):
                     img = np.full(layer_bytes, POISON, dtype=np.uint8)
                     for k_, so, do, n in pieces:
@@ -165,7 +180,8 @@ def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch):
                     assert peer.call("extra_digest", addr=extras[k]) == digest(img), \
                         f"layer {k}'s peer region differs (async={asynchronous})"
             st = eng.stats()
-        assert st["paths"]["direct"]["units"] == warm + 2 and st["paths"]["loadstore"]["units"] == 0, st["paths"]
+        assert st["paths"]["direct"]["units"] == rails * (warm + 2) and st["paths"]["loadstore"]["units"] == 0, \
+            st["paths"]
     finally:
         peer.close()
 

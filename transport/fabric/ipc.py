@@ -624,6 +624,29 @@ class IpcFabric(TcpFabric):
                 return None
         return src_devs[0], reg
 
+    def _regions_target(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray):
+        """(source device, the peer's descriptions of the batch's regions by position, each piece's position
+        in them or None for one region) when every write of the checked batch ``b`` goes from one local device
+        into peer regions on the same side (host or GPU) whose descriptions are current and each contains its
+        pieces; else None. ``devices``: each write's source device (``_validate_batch``)."""
+        keys = distinct(b.rkey)
+        src_devs = distinct(devices)
+        if len(src_devs) != 1:
+            return None
+        dev = src_devs[0]
+        info, _ = self._current_info(ep, None, keys)
+        if info is None:
+            return None
+        regs = [info[key] for key in keys]
+        _, lo, hi, on_host = self._remembered(("bounds",), regs, self._bounds_of)
+        if not (on_host.all() if dev == DEVICE_HOST else not on_host.any()):
+            return None
+        ra, end = b.remote_addr, b.remote_addr + b.length
+        if len(keys) == 1:
+            return (dev, regs, None) if lo[0] <= int(ra.min()) and int(end.max()) <= hi[0] else None
+        k = np.searchsorted(np.asarray(keys, dtype=np.int64), b.rkey)
+        return (dev, regs, k) if ((lo[k] <= ra) & (end <= hi[k])).all() else None
+
     def _bounded_target(self, ep: TcpEndpoint, bd: WriteBounds, src_dev: int) -> Optional[dict]:
         """The peer's current description of region ``bd.rkey`` when it contains the remote extremes of ``bd`` and
         lies on the same side (host or GPU) as the sources' device ``src_dev``; else None."""
@@ -651,18 +674,25 @@ class IpcFabric(TcpFabric):
         return bytes([ST_FAILED]) * b.count
 
     def _post_batch_direct(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray) -> bool:
-        """Copy and complete a checked batch here when every piece goes from one local GPU into one peer GPU
-        region, or from host memory into one peer host region, whose description is current and contains it;
+        """Copy and complete a checked batch here when every piece goes from one local GPU into peer GPU regions,
+        or from host memory into peer host regions, whose descriptions are current and contain their pieces;
         False (nothing done) otherwise, for the message path (which names the piece at fault, and handles the
         mixed cases and the GRANT round trip).
 
         Why: a batch's piece table, and its checks one message field at a time, cost more host time than the
         copy of most batches (benchmarks/NOTES.md, section "Small batches without chunks"); here the checks are
         the extremes of the batch's arrays against the region, as ``_copy`` makes them piece by piece."""
-        target = self._direct_target(ep, [b], [devices])
-        if target is None:
-            return False
-        dev, reg = target
+        if b.bounds is not None:
+            target = self._direct_target(ep, [b], [devices])
+            if target is None:
+                return False
+            dev, reg = target
+            regs, k = [reg], None
+        else:  # a batch over several peer regions (sglang's region per layer) has no bounds: per piece
+            target = self._regions_target(ep, b, devices)
+            if target is None:
+                return False
+            dev, regs, k = target
         m = self._batch_message(b)
         ep.enqueue([m], queue=False, local=[True])  # completes in posting order with the endpoint's other work
         statuses = bytes(b.count)
@@ -680,8 +710,12 @@ class IpcFabric(TcpFabric):
             return True
         bd = b.bounds
         try:
-            self._copy_to_gpu(dev, reg, b.local_addr, b.remote_addr, b.length,
-                              None if bd is None else (b.nbytes, bd.len_min, bd.len_max))
+            if k is None:
+                self._copy_to_gpu(dev, regs[0], b.local_addr, b.remote_addr, b.length,
+                                  None if bd is None else (b.nbytes, bd.len_min, bd.len_max))
+            else:
+                shift = self._remembered(("shift", dev), regs, lambda rs: self._shifts_on(rs, dev))
+                self._copy_mapped(dev, b.local_addr, b.remote_addr + shift[k], b.length, None, True, None)
         except Exception as e:  # noqa: BLE001 — a CUDA failure fails this batch, not the link
             log.error("ipc GPU copy of %d piece(s) to %s failed: %s", b.count, ep.peer_id, e)
             statuses = self._failed_statuses(m, b)

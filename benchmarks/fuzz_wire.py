@@ -124,7 +124,7 @@ class WireHarness:
         self.mem = np.full(GUARD + REGION + GUARD, POISON, dtype=np.uint8)
         self.base = self.mem.ctypes.data + GUARD
         self.mr = self.fab.register(self.base, REGION)
-        self.counts = {"cases": 0, "pieces_refused": 0, "pieces_accepted": 0, "links_failed": 0, "acked": 0}
+        self.counts = {"cases": 0, "pieces_refused": 0, "pieces_accepted": 0, "links_failed": 0, "acked": 0, "unacked": 0}
 
     def close(self) -> None:
         self.fab.close()
@@ -180,9 +180,9 @@ class WireHarness:
         """Replay the protocol on ``frame`` (messages back to back) and compare with what the fabric did."""
         may_change = np.zeros(self.mem.size, dtype=bool)
         exp = np.full(self.mem.size, POISON, dtype=np.uint8)
-        pos, n_acked = 0, 0
+        pos, n_acked, n_complete = 0, 0, 0
         while pos + T.HDR.size <= len(frame):
-            magic, typ, _, _, count, _, blen = T.HDR.unpack_from(frame, pos)
+            magic, typ, hflags, _, count, _, blen = T.HDR.unpack_from(frame, pos)
             if magic != T.MAGIC or typ != T.T_WRITE or count > T.MAX_TABLE:
                 break  # the link fails here (or an ACK / other type: never a write)
             tb = count * T.PIECE_DT.itemsize
@@ -203,20 +203,24 @@ class WireHarness:
                 off += ln
             if off > len(frame):
                 break  # truncated payload: accepted pieces may hold part of it, nothing is acked
+            n_complete += 1
+            self.counts["pieces_refused"] += sum(1 for g in ok if not g)
+            self.counts["pieces_accepted"] += sum(1 for g in ok if g)
+            pos = off
+            if hflags & T.H_NOACK:  # an unacked write: its pieces land (or are refused) and nothing answers
+                self.counts["unacked"] += 1
+                continue
             assert n_acked < len(acks), "a complete WRITE message was not acked"
             statuses = acks[n_acked][T.HDR.size:]
             assert len(statuses) == count, (len(statuses), count)
             for i, good in enumerate(ok):
                 assert (statuses[i] == T.ST_OK) == good, (i, statuses[i], table[i])
-            self.counts["pieces_refused"] += sum(1 for g in ok if not g)
-            self.counts["pieces_accepted"] += sum(1 for g in ok if g)
             n_acked += 1
-            pos = off
         assert len(acks) == n_acked, f"{len(acks)} acks for {n_acked} complete messages"
         self.counts["acked"] += n_acked
         stray = np.nonzero((self.mem != POISON) & ~may_change)[0]
         assert stray.size == 0, f"{stray.size} byte(s) changed outside accepted pieces, first at {int(stray[0])}"
-        if n_acked and pos == len(frame):  # every message complete: the accepted pieces landed byte-exact
+        if n_complete and pos == len(frame):  # every message complete: the accepted pieces landed byte-exact
             bad = np.nonzero(self.mem != exp)[0]
             assert bad.size == 0, f"{bad.size} byte(s) differ from the accepted pieces, first at {int(bad[0])}"
 
@@ -255,7 +259,8 @@ def frames(draw, base: int, rkey: int):
         blen = len(table) + lens if draw(st.integers(0, 3)) else draw(st.sampled_from(
             [len(table) + body_len, 0, (1 << 64) - 1, draw(st.integers(0, (1 << 64) - 1))]))
         blen %= 1 << 64
-        frame = T.HDR.pack(T.MAGIC, T.T_WRITE, 0, 0, count, draw(st.integers(0, 3)), blen) + table + payload
+        hflags = draw(st.sampled_from([0, 0, 0, T.H_NOACK]))  # an unacked write now and then: no ACK expected
+        frame = T.HDR.pack(T.MAGIC, T.T_WRITE, hflags, 0, count, draw(st.integers(0, 3)), blen) + table + payload
     else:
         typ = T.T_ACK if kind == "ack" else draw(st.integers(0, 255))
         count = draw(st.sampled_from([0, 1, 8, T.MAX_TABLE, T.MAX_TABLE + 1, (1 << 32) - 1]))

@@ -605,4 +605,5 @@ def test_fuzz_parse_chunk(seed):
 
 def test_fuzz_tcp_frames(seed):
     counts = fuzz_wire.fuzz_frames(1000, seed)
-    assert counts["cases"] == 1000 and counts["acked"] > 0 and counts["pieces_refused"] > 0, counts
+    assert counts["cases"] == 1000 and counts["acked"] > 0 and counts["unacked"] > 0, counts
+    assert counts["pieces_refused"] > 0, counts

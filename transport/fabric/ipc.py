@@ -344,7 +344,7 @@ class IpcFabric(TcpFabric):
         with s.send_lock:
             s.sock.sendall(payload)
 
-    def _on_message(self, ep, s, typ, seq, table, payload, st) -> None:
+    def _on_message(self, ep, s, typ, seq, table, payload, st, ack: bool = True) -> None:
         if typ == T_NOTIFY:
             self._on_notify(ep, s, seq, table, payload)
             return

@@ -2000,7 +2000,7 @@ class TcpFabric(Fabric):
                     table["addr"][0] == table["waddr"][0] and table["len"][0] == table["wlen"][0]):
                 raise ValueError(f"a message of {blen - tb} B above the peer's message size is not one whole "
                                  f"write")
-            self._on_message(ep, s, typ, seq, table, blen - tb, st)
+            self._on_message(ep, s, typ, seq, table, blen - tb, st, ack=not hflags & H_NOACK)
         else:
             if typ not in self._OTHER_TYPES:
                 raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
@@ -2061,7 +2061,9 @@ class TcpFabric(Fabric):
             self._region_cv.notify_all()
 
     def _on_message(self, ep: TcpEndpoint, s: _Sock, typ: int, seq: int, table: np.ndarray, payload: int,
-                    st: dict) -> None:
+                    st: dict, ack: bool = True) -> None:
+        """Receive one WRITE message (table read, payload still on the socket) and put its accepted pieces in
+        place; ``ack`` False for an unacked write (header flag ``H_NOACK``), whose sender waits for no ACK."""
         if typ != T_WRITE:
             raise ValueError(f"tcp fabric got message type {typ}")
         lens = table["len"].tolist()
@@ -2081,7 +2083,7 @@ class TcpFabric(Fabric):
                 self._place(st.get("rx", s.sock), table, lens, statuses, regions, st)
         finally:
             self._unpin(pinned)
-        self._finish_message(ep, s, seq, table, statuses, hold=landed)
+        self._finish_message(ep, s, seq, table, statuses, ack=ack, hold=landed and ack)
 
     def _place_landed(self, ep: TcpEndpoint, sock, handler, mr: MemoryRegion, addr: int, length: int, imm: int,
                       st: dict) -> None:

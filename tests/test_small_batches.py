@@ -579,6 +579,32 @@ def test_a_receive_thread_stops_spinning_when_messages_come_far_apart(src, rng):
         tgt.close()
 
 
+def test_receive_threads_spin_only_after_small_writes(src, rng):
+    """Large writes (chunks of 1 MB pieces) leave the target's receive threads blocking after each message; small
+    batches make the one that received them spin for the next. Byte-exact either way."""
+    eng, tgt, dst = _local_pair(src, size=8 * MB)
+    try:
+        base = dst.ctypes.data
+        lengths = [MB] * 3
+        for _ in range(5):
+            dst[:] = 0xA5
+            so, do = disjoint_offsets(rng, lengths, 4 * MB), disjoint_offsets(rng, lengths, 8 * MB)
+            eng.batch_write(tgt.session_id, [src.ctypes.data + int(o) for o in so], [base + int(o) for o in do],
+                            lengths)
+            assert np.array_equal(dst, _expect(len(dst), src, so, do, lengths))
+        socks = [s for f in tgt.fabrics for ep in f._all_eps for s in ep.socks]
+        assert socks and not _spins(socks)
+        for _ in range(5):
+            dst[:] = 0xA5
+            so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+            eng.batch_write(tgt.session_id, s_l, d_l, AUX)
+            assert np.array_equal(dst, _expect(len(dst), src, so, do))
+        assert _spins([s for f in tgt.fabrics for ep in f._all_eps for s in ep.socks])
+    finally:
+        eng.close()
+        tgt.close()
+
+
 def test_small_batches_keep_to_one_socket_until_it_is_busy(src, rng):
     """One sync small batch after another goes to one rail and one socket of it (where the peer's receive thread
     is awake from the last one); when that socket is busy sending, the batch waits for its sender thread and the

@@ -827,11 +827,11 @@ class TcpFabric(Fabric):
     ``own_acks`` (default True: a thread that posted a small ``WriteRows`` with ``read_ack`` may read its ack from
     the socket itself, ``await_rows``; False: only the receive threads read), ``ack_spin`` (seconds such a thread
     keeps reading its socket without sleeping before it blocks in ``poll``, at most; default ``PXN_ACK_SPIN_US`` or
-    ``SPIN``; 0: block at once), ``recv_spin`` (the same for a receive thread in blocking reads after each message,
-    waiting for the next; default ``PXN_RECV_SPIN_US`` or ``SPIN``). A spin saves the waiting thread's wake-up and
+    ``SPIN``; 0: block at once), ``recv_spin`` (the same for a receive thread in blocking reads after it placed and
+    acknowledged a small write, waiting for the next message; default ``PXN_RECV_SPIN_US`` or ``SPIN``). A spin saves the waiting thread's wake-up and
     the peer's cost of waking it where a core is free meanwhile, and costs the peer its core where none is
     (benchmarks/NOTES.md has both): each is an ``AdaptiveSpin``, on only while what it waits for comes within it
-    and the host has no more runnable threads than cores.
+    and the waiting thread gets a core whenever it wants one.
     """
 
     name = "tcp"
@@ -1966,9 +1966,9 @@ class TcpFabric(Fabric):
                     self._read_one(ep, s, rx, st)
             # Blocking reads, by this thread alone, until a caller on this side waits for a small batch of its own
             # here (``want_shared``; a target that only receives stays here: a wake-up from ``recv`` is one step
-            # less than one from epoll). Before it blocks, this thread reads without sleeping for a while
-            # (``recv_spin``) while the next message comes within that while and the host has a core to spare:
-            # a sender of back-to-back small batches then finds it awake. Then shared reading: this thread waits
+            # less than one from epoll). After a small write it acknowledged, this thread reads without sleeping
+            # for a while before it blocks (``recv_spin``), while the next message comes within that while and the
+            # host has a core to spare: a sender of back-to-back small batches then finds it awake. Then shared reading: this thread waits
             # for readability (epoll) and reads under the socket's reader token, so that a caller waiting for its
             # own small batch can take the token and read its ack itself (``await_rows``), one thread wake-up fewer
             # on its critical path. While a caller holds the token the socket is left out of this thread's epoll
@@ -1976,7 +1976,9 @@ class TcpFabric(Fabric):
             spin = s.spin = AdaptiveSpin(self._recv_spin)
             mono = time.monotonic
             while not s.want_shared:
-                if rx.pos == rx.end and spin.budget:
+                # only after an acknowledged small write (a small batch): its sender may send the next one as soon
+                # as it has the ack; after a chunk, an ack or an unacked write the next message is not that close
+                if rx.pos == rx.end and st.pop("small", False) and spin.budget:
                     until = spin.until(mono())
                     if until:
                         hit = rx.ready()
@@ -2274,6 +2276,7 @@ class TcpFabric(Fabric):
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))
         if not hflags & H_NOACK:
             self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, count, seq, count) + bytes(statuses))
+            st["small"] = True  # the receive thread may spin for the next one (``recv_spin``)
         elif statuses.count(0) != count:
             i = next(i for i, v in enumerate(statuses) if v)
             log.warning("%s: refused an unacked write from %s: %d B at 0x%x rkey 0x%x: %s", self._id, ep.peer_id,

@@ -517,6 +517,141 @@ def test_a_spinning_caller_reads_its_acks_byte_exact(peer, src, rng, monkeypatch
         T.TcpFabric(ack_spin=2.0)
 
 
+def _delay_acks(tgt, seconds):
+    """Every ack of ``tgt``'s fabrics leaves ``seconds`` late."""
+    for f in tgt.fabrics:
+        def send(ep, s, payload, orig=f._send_ctrl):
+            time.sleep(seconds)
+            orig(ep, s, payload)
+        f._send_ctrl = send
+
+
+def _spins(socks):
+    """The receive spins of ``socks`` that ever spun."""
+    return [s.spin for s in socks if s.spin is not None and s.spin.spins]
+
+
+def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
+    """The target answers every small batch 2 ms late, far past the 150 us spin: after one miss more than a window
+    allows, the waiting callers stop spinning (``AdaptiveSpin``) for the rest of the run; every batch lands
+    byte-exact all the same."""
+    from transport.fabric.spin import AdaptiveSpin
+    eng, tgt, dst = _local_pair(src)
+    try:
+        base = dst.ctypes.data
+        assert all(f._ack_spin.on and f._ack_spin.budget == T.SPIN for f in eng.fabrics)
+        _delay_acks(tgt, 0.002)
+        n = 30  # fewer than a window's misses plus the shortest pause: off until the end
+        for _ in range(n):
+            dst[:] = 0xA5
+            so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+            eng.batch_write(tgt.session_id, s_l, d_l, AUX)
+            assert np.array_equal(dst, _expect(len(dst), src, so, do))
+        spins = [f._ack_spin for f in eng.fabrics]
+        assert _own_reads(eng) > AdaptiveSpin.MISSES + 1
+        assert sum(sp.hits for sp in spins) == 0
+        assert sum(sp.spins for sp in spins) == sum(sp.offs for sp in spins) * (AdaptiveSpin.MISSES + 1)
+        assert sum(sp.offs for sp in spins) >= 1 and not all(sp.on for sp in spins)
+        assert not eng._inflight
+    finally:
+        eng.close()
+        tgt.close()
+
+
+def test_a_receive_thread_stops_spinning_when_messages_come_far_apart(src, rng):
+    """Small batches 3 ms apart: the target's receive thread, which spins for the next message after each one
+    (``recv_spin``), misses every time and stops; the bytes land byte-exact."""
+    from transport.fabric.spin import AdaptiveSpin
+    eng, tgt, dst = _local_pair(src)
+    try:
+        base = dst.ctypes.data
+        for _ in range(2 * (AdaptiveSpin.MISSES + 1)):
+            time.sleep(0.003)
+            dst[:] = 0xA5
+            so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+            eng.batch_write(tgt.session_id, s_l, d_l, AUX)
+            assert np.array_equal(dst, _expect(len(dst), src, so, do))
+        spins = _spins([s for f in tgt.fabrics for ep in f._all_eps for s in ep.socks])
+        assert spins and sum(sp.offs for sp in spins) >= 1, [sp.stats() for sp in spins]
+        assert sum(sp.hits for sp in spins) <= 2, [sp.stats() for sp in spins]
+    finally:
+        eng.close()
+        tgt.close()
+
+
+def test_receive_threads_spin_only_after_small_writes(src, rng):
+    """Large writes (chunks of 1 MB pieces) leave the target's receive threads blocking after each message; small
+    batches make the one that received them spin for the next. Byte-exact either way."""
+    eng, tgt, dst = _local_pair(src, size=8 * MB)
+    try:
+        base = dst.ctypes.data
+        lengths = [MB] * 3
+        for _ in range(5):
+            dst[:] = 0xA5
+            so, do = disjoint_offsets(rng, lengths, 4 * MB), disjoint_offsets(rng, lengths, 8 * MB)
+            eng.batch_write(tgt.session_id, [src.ctypes.data + int(o) for o in so], [base + int(o) for o in do],
+                            lengths)
+            assert np.array_equal(dst, _expect(len(dst), src, so, do, lengths))
+        socks = [s for f in tgt.fabrics for ep in f._all_eps for s in ep.socks]
+        assert socks and not _spins(socks)
+        for _ in range(5):
+            dst[:] = 0xA5
+            so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+            eng.batch_write(tgt.session_id, s_l, d_l, AUX)
+            assert np.array_equal(dst, _expect(len(dst), src, so, do))
+        assert _spins([s for f in tgt.fabrics for ep in f._all_eps for s in ep.socks])
+    finally:
+        eng.close()
+        tgt.close()
+
+
+def test_small_batches_keep_to_one_socket_until_it_is_busy(src, rng):
+    """One sync small batch after another goes to one rail and one socket of it (where the peer's receive thread
+    is awake from the last one); when that socket is busy sending, the batch waits for its sender thread and the
+    next ones move to the next socket. Byte-exact throughout."""
+    eng, tgt, dst = _local_pair(src)
+    try:
+        base = dst.ctypes.data
+        n = 20
+
+        def batch(wait=True):
+            dst[:] = 0xA5
+            so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
+            if wait:
+                eng.batch_write(tgt.session_id, s_l, d_l, AUX)
+            else:
+                eng.batch_write_async(tgt.session_id, s_l, d_l, AUX).wait(30)
+            assert np.array_equal(dst, _expect(len(dst), src, so, do))
+
+        for _ in range(n):
+            batch()
+        posts = [r.get("post_calls", 0) for r in eng.stats()["rails"]]
+        rail = int(np.argmax(posts))
+        assert posts[rail] >= n - 1, posts  # the first batch (the handshake) may take the general path
+        ep = eng.rail_endpoint(tgt.session_id, rail)
+        reads = sorted(s.own_reads for s in ep.socks)
+        assert reads[-1] >= n - 3 and sum(reads[:-1]) == 0, reads
+        first = ep._small
+        sock = ep.socks[first]
+        sock.wire_lock.acquire()  # the socket is busy sending: the next small message goes to its sender thread
+        try:
+            done = threading.Event()
+            th = threading.Thread(target=lambda: (batch(wait=False), done.set()))
+            th.start()
+            time.sleep(0.2)
+            assert not done.is_set()
+        finally:
+            sock.wire_lock.release()
+        th.join(30)
+        assert done.is_set() and ep._small == (first + 1) % len(ep.socks)
+        for _ in range(3):
+            batch()
+        assert not eng._inflight
+    finally:
+        eng.close()
+        tgt.close()
+
+
 def test_a_caller_waiting_for_its_ack_times_out_and_gives_the_socket_back(src, rng):
     """The target drops its acks: the caller that reads its own ack gives up at the batch timeout with
     TransferTimeout (not later), and the socket goes back to its receive thread."""

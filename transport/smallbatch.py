@@ -105,12 +105,12 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     ri = span_region(rsnap, dmin, dend - 1, dend, lmax)
     if ri is None:
         return None
-    # the least loaded usable rail, ties rotating as the planner's do
+    # the least loaded usable rail, ties going to the planner's current turn without moving it: one small batch
+    # after another keeps to one rail (and its socket, ``TcpEndpoint.enqueue_one``), where the peer's receive
+    # thread is still awake from the last one (``recv_spin``); batches in flight at once still spread by load
     rails = peer.rails
     k = len(rails)
-    planner = eng.planner
-    planner._rotate += 1
-    r = planner._rotate
+    r = eng.planner._rotate
     pr = None
     for j in range(k):
         c = rails[(r + j) % k]

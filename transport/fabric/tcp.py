@@ -62,6 +62,7 @@ from transport.fabric.base import (
     DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, GatherWrite, MemoryRegion, Opcode,
     WriteBatch, WriteRequest, check_range,
 )
+from transport.fabric.spin import AdaptiveSpin
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,10 @@ INLINE_PIECES = 256
 INLINE_BYTES = 64 << 10
 _VECTOR_MIN = 16  # posts of more writes than this are checked and framed by numpy, not one write at a time
 _I64 = (1 << 63) - 1
+# seconds a thread reads its socket without sleeping before it blocks, at most (``AdaptiveSpin`` keeps it on only
+# while it pays): a waiting caller for its small batch's ack (``ack_spin``), a receive thread for the next message
+# (``recv_spin``)
+SPIN = 150e-6
 MAX_HELLO = 1 << 16  # bytes of a HELLO body
 MAX_MESSAGE_BYTES = 1 << 30  # largest message_bytes a peer may announce
 MAX_CTRL_BODY = 1 << 20  # bytes of a control message body beyond its per-piece statuses (an ipc GRANT's JSON)
@@ -591,6 +596,7 @@ class _Sock:
         self.fd = sock.fileno()
         self.want_shared = False  # a caller asked for shared reading (the receive thread switches after a message)
         self.own_reads = 0  # acks of small batches their waiting callers read themselves (counted under ``reader``)
+        self.spin: Optional[AdaptiveSpin] = None  # the receive thread's spin while it reads blocking (``recv_spin``)
 
 
 class TcpEndpoint(Endpoint):
@@ -605,6 +611,7 @@ class TcpEndpoint(Endpoint):
         self._out_local = 0  # keys of messages completed without the peer: -1, -2, ...
         self._pending: "collections.OrderedDict[int, _OutMsg]" = collections.OrderedDict()
         self._rr = 0
+        self._small = 0  # index of the socket small messages go to (``enqueue_one``)
         self._in_lock = threading.Lock()
         self._in_next = 0
         self._in_done: Dict[int, List[Completion]] = {}
@@ -705,9 +712,13 @@ class TcpEndpoint(Endpoint):
                         s.cv.notify()
         return out
 
-    def enqueue_one(self, m: _OutMsg) -> _Sock:
+    def enqueue_one(self, m: _OutMsg, reader: bool = False) -> _Sock:
         """``enqueue([m], queue=False)``: register one message as pending and return the socket to send it on
-        (the poster's inline send of a small message, ``TcpFabric._post_rows``)."""
+        (the poster's inline send of a small message, ``TcpFabric._post_rows``). Small messages keep to one socket
+        (``_small``) while it serves: a sender of one small batch after another then meets the same receive thread
+        at the peer, still awake from the last one (``recv_spin``), and the same caches. ``reader``: the poster
+        will wait for the ack and read it itself, so a socket whose reader token another waiting caller holds is
+        passed over when another's is free. ``small_busy`` moves the choice on when the socket was busy."""
         with self._lock:
             if not self._alive:
                 self.check_alive()
@@ -716,9 +727,20 @@ class TcpEndpoint(Endpoint):
             m.posted_at = time.monotonic()
             self._pending[seq] = m
             socks = self.socks
-            s = socks[self._rr % len(socks)]
-            self._rr += 1
+            s = socks[self._small]
+            if reader and s.reader.locked():
+                for t in socks:
+                    if not t.reader.locked():
+                        s = t
+                        break
         return s
+
+    def small_busy(self, s: _Sock) -> None:
+        """The small message just given socket ``s`` had to wait for it (its sender thread was sending): the next
+        small message tries the next socket."""
+        socks = self.socks
+        if socks[self._small] is s:
+            self._small = (s.index + 1) % len(socks)
 
     def reserve(self, sock: Optional[_Sock] = None) -> tuple:
         """(socket, sequence number) for a message that gets no pending record (an unacked write): the peer
@@ -804,9 +826,12 @@ class TcpFabric(Fabric):
     announced again), ``max_peers_per_addr`` (live incoming endpoints per source address, default 256),
     ``own_acks`` (default True: a thread that posted a small ``WriteRows`` with ``read_ack`` may read its ack from
     the socket itself, ``await_rows``; False: only the receive threads read), ``ack_spin`` (seconds such a thread
-    keeps reading its socket without sleeping before it blocks in ``poll``; default ``PXN_ACK_SPIN_US`` or 0: block
-    at once. A spin saves the waiting thread's wake-up where a core is free for the peer meanwhile, and costs the
-    peer its core where none is: benchmarks/NOTES.md has both).
+    keeps reading its socket without sleeping before it blocks in ``poll``, at most; default ``PXN_ACK_SPIN_US`` or
+    ``SPIN``; 0: block at once), ``recv_spin`` (the same for a receive thread in blocking reads after it placed and
+    acknowledged a small write, waiting for the next message; default ``PXN_RECV_SPIN_US`` or ``SPIN``). A spin saves the waiting thread's wake-up and
+    the peer's cost of waking it where a core is free meanwhile, and costs the peer its core where none is
+    (benchmarks/NOTES.md has both): each is an ``AdaptiveSpin``, on only while what it waits for comes within it
+    and the waiting thread gets a core whenever it wants one.
     """
 
     name = "tcp"
@@ -827,7 +852,7 @@ class TcpFabric(Fabric):
                  message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
                  ack_timeout: float = 30.0, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
                  guard_claims: bool = False, max_peers_per_addr: int = 256, own_acks: bool = True,
-                 ack_spin: Optional[float] = None):
+                 ack_spin: Optional[float] = None, recv_spin: Optional[float] = None):
         if connections_per_peer is None:
             # loopback on a 2-core box peaks at 2 sockets (more threads only contend); bigger hosts use 4
             connections_per_peer = max(2, min(4, (os.cpu_count() or 2) // 2))
@@ -871,11 +896,16 @@ class TcpFabric(Fabric):
         # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: receive threads
         # read every message, and block in ``recv`` rather than in epoll
         self._own_acks = self._small_writes and bool(own_acks) and hasattr(select, "epoll")
-        if ack_spin is None:
-            ack_spin = float(os.environ.get("PXN_ACK_SPIN_US", "0")) / 1e6
-        if not 0.0 <= float(ack_spin) <= 1.0:
-            raise ValueError(f"ack_spin must be seconds in [0, 1], got {ack_spin!r}")
-        self._spin = float(ack_spin)
+        spins = []
+        for name, v, env in (("ack_spin", ack_spin, "PXN_ACK_SPIN_US"), ("recv_spin", recv_spin, "PXN_RECV_SPIN_US")):
+            if v is None:
+                v = float(os.environ[env]) / 1e6 if os.environ.get(env) else SPIN
+            if not 0.0 <= float(v) <= 1.0:
+                raise ValueError(f"{name} must be seconds in [0, 1], got {v!r}")
+            spins.append(float(v))
+        self._spin, self._recv_spin = spins
+        self._ack_spin = AdaptiveSpin(self._spin)  # one for every caller of this fabric: the acks come from peers
+        # whose pace is the host's and the network's, the same for each caller
         try:
             self._listener = socket.create_server((hostname, port), backlog=128)
         except OSError as e:
@@ -1390,7 +1420,7 @@ class TcpFabric(Fabric):
         if n > INLINE_PIECES or nbytes > INLINE_BYTES:
             ep.enqueue([m])
             return
-        s = ep.enqueue_one(m)
+        s = ep.enqueue_one(m, b.read_ack)
         wire = [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs]
         poller = s.poller
         if b.read_ack and poller is None and self._own_acks:
@@ -1427,7 +1457,9 @@ class TcpFabric(Fabric):
             st = s.rx_state
             rx = st["rx"]
             wait = st["wait"]
-            spin_until = time.monotonic() + self._spin
+            spin = self._ack_spin
+            spin_until = spin.until(time.monotonic())
+            spun = spin_until > 0.0  # reported to ``spin`` once: a hit when the ack is in before the spin ends
             while not m.done and ep._alive:
                 if rx.pos == rx.end:
                     now = time.monotonic()
@@ -1435,12 +1467,17 @@ class TcpFabric(Fabric):
                         if not rx.ready():
                             continue
                     else:
+                        if spun:
+                            spun = False
+                            spin.done(False)
                         left = deadline - now
                         if left <= 0:
                             break
                         if not wait.poll(left * 1000.0 + 1.0) or not rx.ready():
                             continue
                 self._read_one(ep, s, rx, st)
+            if spun:
+                spin.done(m.done)
             if m.done:
                 s.own_reads += 1
             # what the last receive took beyond the ack (another message, whole or in part) is read here: the
@@ -1524,6 +1561,7 @@ class TcpFabric(Fabric):
             log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"send failed: {e}")
             return
+        ep.small_busy(s)
         with s.cv:
             s.data.append(m)
             s.cv.notify()
@@ -1923,17 +1961,30 @@ class TcpFabric(Fabric):
         # a subclass reading the socket itself (ipc) gets the bare socket
         rx = st["rx"] = _Rx(s.sock, HDR.size + SMALL_MESSAGE) if self._small_writes else s.sock
         try:
-            if rx is s.sock or not self._own_acks:
+            if rx is s.sock:
                 while True:
                     self._read_one(ep, s, rx, st)
             # Blocking reads, by this thread alone, until a caller on this side waits for a small batch of its own
             # here (``want_shared``; a target that only receives stays here: a wake-up from ``recv`` is one step
-            # less than one from epoll). Then shared reading: this thread waits for readability (epoll) and reads
-            # under the socket's reader token, so that a caller waiting for its own small batch can take the token
-            # and read its ack itself (``await_rows``), one thread wake-up fewer on its critical path. While a
-            # caller holds the token the socket is left out of this thread's epoll set (its events mask 0), so the
-            # ack does not wake this thread too; hang-ups and errors still do.
+            # less than one from epoll). After a small write it acknowledged, this thread reads without sleeping
+            # for a while before it blocks (``recv_spin``), while the next message comes within that while and the
+            # host has a core to spare: a sender of back-to-back small batches then finds it awake. Then shared reading: this thread waits
+            # for readability (epoll) and reads under the socket's reader token, so that a caller waiting for its
+            # own small batch can take the token and read its ack itself (``await_rows``), one thread wake-up fewer
+            # on its critical path. While a caller holds the token the socket is left out of this thread's epoll
+            # set (its events mask 0), so the ack does not wake this thread too; hang-ups and errors still do.
+            spin = s.spin = AdaptiveSpin(self._recv_spin)
+            mono = time.monotonic
             while not s.want_shared:
+                # only after an acknowledged small write (a small batch): its sender may send the next one as soon
+                # as it has the ack; after a chunk, an ack or an unacked write the next message is not that close
+                if rx.pos == rx.end and st.pop("small", False) and spin.budget:
+                    until = spin.until(mono())
+                    if until:
+                        hit = rx.ready()
+                        while not hit and mono() < until:
+                            hit = rx.ready()
+                        spin.done(hit)
                 self._read_one(ep, s, rx, st)
             poller = select.epoll(1)
             poller.register(s.fd, _EPOLLIN)
@@ -2227,6 +2278,7 @@ class TcpFabric(Fabric):
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))
         if not hflags & H_NOACK:
             self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, count, seq, count) + bytes(statuses))
+            st["small"] = True  # the receive thread may spin for the next one (``recv_spin``)
         elif statuses.count(0) != count:
             i = next(i for i, v in enumerate(statuses) if v)
             log.warning("%s: refused an unacked write from %s: %d B at 0x%x rkey 0x%x: %s", self._id, ep.peer_id,

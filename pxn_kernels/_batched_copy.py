@@ -187,7 +187,7 @@ def launch_settings(n_items: int, device: torch.device, total_bytes: Optional[in
 
     Programs: at least ``programs_per_sm`` per multiprocessor so that large blocks keep enough bytes in flight,
     and at least one per item (capped) so that thousands of tiny pieces are copied in parallel rather than a
-    few per program in sequence. Under the CPU interpreter each program costs ~0.5 ms, so few are used.
+    few per program in sequence. Under the CPU interpreter each program is slow Python, so few are used.
     Rounds: when the caller knows the batch's bytes, it is cut into ranges of about ``rounds_bytes`` so that
     resident programs work on neighbouring memory (see the kernel); and a batch whose mean piece is at least
     ``large_mean_bytes`` gets the large-piece settings. See ``settings_for``.
@@ -380,7 +380,7 @@ def _new_plan(lengths: np.ndarray, device: torch.device, stats) -> CopyPlan:
         grid = grid_settings(n, total, max(hi, 0), pol)
         if grid is not None:
             return CopyPlan(None, None, None, None, grid)
-        if device.type == "cuda":  # under the CPU interpreter every program costs ~0.5 ms: few range programs
+        if device.type == "cuda":  # under the CPU interpreter every program is slow Python: few range programs
             plan = _segment_plan(lengths, device, pol)
             if plan is not None:
                 return plan
@@ -517,8 +517,8 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
     Returns the bound launch it used (a callable enqueuing the same copy again), or None.
 
     On CUDA the compiled kernel is launched through ``DirectLauncher`` (one driver call); Triton's own launch
-    path re-derives every argument's specialisation per call and costs ~18 us of host time on the H200 VM,
-    twice a whole small ``copy_`` (benchmarks/NOTES.md).
+    path re-derives every argument's specialisation per call and costs more host time than a whole small
+    ``copy_`` (benchmarks/NOTES.md, "Kernels").
     """
     n = lengths.numel()
     if n == 0:
@@ -641,8 +641,8 @@ class PreparedCopy:
 
     The relay reuses the same descriptor buffers for every chunk of a slot (it rewrites their contents), so
     everything but the launch itself is done once here. ``graph=True`` captures the launch in a CUDA graph:
-    on the H200 VM a graph replay costs ~5 us of host time against ~10 us for a plain kernel launch, and for a
-    batch of small pieces host time is the whole cost.
+    a graph replay costs less host time than a plain kernel launch, and for a batch of small pieces host time is
+    the whole cost (benchmarks/NOTES.md, "Kernels").
 
     Arguments: as ``launch_batched_copy``; the tensors must stay alive and at the same addresses.
     """

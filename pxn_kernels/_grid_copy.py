@@ -2,8 +2,8 @@
 
 Why a second kernel: the range plan of ``_batched_copy`` lets one launch serve any mix, but every program first
 walks a chain of dependent descriptor loads (range bounds -> item -> addresses) before its first data load, and
-on the H200 that capped 78-block batches at 0.93-0.95 of one contiguous ``copy_`` whatever the tile and
-occupancy (benchmarks/NOTES.md, kernel sweeps). Here program (s, i) copies bytes ``[s*SEG, (s+1)*SEG)``
+that kept 78-block batches short of one contiguous ``copy_`` whatever the tile and occupancy
+(benchmarks/NOTES.md, "Kernels"). Here program (s, i) copies bytes ``[s*SEG, (s+1)*SEG)``
 of piece i: its three descriptor loads depend only on the program id, so they are issued together, one memory
 round trip, and there is no plan at all. The price is a grid as wide as the longest piece: programs past the end
 of a shorter piece exit at once, so this kernel is only picked when the pieces are (nearly) equal in size, which

@@ -2,8 +2,9 @@
 
 Host arrays (``gather(numpy, ...)`` on a GPU ``out``): the arrays are written into a pinned host buffer and
 moved in one ``cuMemcpyHtoDAsync`` into a device buffer that the kernel then reads. Allocating both per call
-(``torch.empty(pin_memory=True)`` and ``.to(device)``) cost ~30 us of host time on the H200 VM, more than the
-checks; a ctypes driver call costs ~0.6 us. So each GPU has an ``UploadPool`` of such buffer pairs (``_Slot``):
+(``torch.empty(pin_memory=True)`` and ``.to(device)``) cost more host time than the checks, where a ctypes driver
+call costs little (benchmarks/NOTES.md, "Kernels on the H200, rows of a paged pool, launch policy"). So each GPU
+has an ``UploadPool`` of such buffer pairs (``_Slot``):
 
 * a slot is taken by one thread at a time (under the pool's lock), filled, copied and launched from, then
   returned with a driver event recorded on the stream after the launch;

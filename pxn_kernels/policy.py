@@ -77,7 +77,7 @@ _TABLE = {"default": _BASE, "sm_90": _SM90}
 # The built-in entry for the CPU (interpreter) runs and for callers that want the table without a device.
 DEFAULT = _BASE
 
-# The CPU interpreter: few, small programs (each costs ~0.5 ms of host time there).
+# The CPU interpreter: few, small programs (each is slow Python there).
 INTERPRETER = {"block_bytes": 256, "tail_block_bytes": 16, "num_warps": 1, "max_programs": 16}
 
 # Keys an entry of a list may leave out (a row class without "split" does not split; without "programs_per_sm"

@@ -154,7 +154,8 @@ class _Peer:
         self.loadstore = None  # transport.loadstore.LoadStoreWriter for a same-host peer on the ipc fabric
 
     def connected(self) -> bool:
-        for pr in self.rails:  # a plain loop: called twice per batch, and any(<genexpr>) costs ~1 us more
+        # a plain loop: called twice per batch, and any(<genexpr>) costs more (benchmarks/NOTES.md, "Engine")
+        for pr in self.rails:
             if pr.alive and pr.ep.alive:
                 return True
         return False
@@ -179,7 +180,8 @@ class TransferEngine(Pipeline):
         direct_pieces: a batch with at most this many small pieces of host memory on a device writes them direct
             instead of through a chunk (``PXN_DIRECT_PIECES``; default 0, tcp 64: ``Fabric.config_defaults``).
         relay_slot_bytes: relay / landing slot size = largest chunk and relayed piece (``PXN_RELAY_SLOT_BYTES``,
-            default 4 MiB: on tcp, 64 KB pieces coalesce at 1.9 GB/s with 4 MiB chunks, 1.2 with 1 MiB).
+            default 4 MiB: on tcp, 64 KB pieces coalesce much faster into 4 MiB chunks than into 1 MiB ones;
+            benchmarks/NOTES.md, "Engine").
         relay_slots: slots per lane (``PXN_RELAY_SLOTS``, default 8). lanes: lanes per ring (``PXN_LANES``, 2).
         landing_slots: landing slots per peer and rail = chunk credits (``PXN_LANDING_SLOTS``, default 16).
         stripe_bytes: direct pieces above this are split across rails (``PXN_STRIPE_BYTES``, default 16 MiB).
@@ -196,9 +198,9 @@ class TransferEngine(Pipeline):
         forward_large: receive-side PXN for large pieces too (``PXN_FORWARD_LARGE``, default off): with a
             topology, chunks of small pieces always land on the GPU next to the rail's NIC and are forwarded over
             NVLink; with this on, senders also send large pieces for this engine's other GPUs through those
-            landing slots instead of writing them straight to their destination. Off by default because each
-            forwarded chunk costs the receiver about a millisecond of Python (2 GB/s for 2.25 MB pieces on the
-            H200 VM, benchmarks/NOTES.md), below what a NIC's write across PCIe reaches.
+            landing slots instead of writing them straight to their destination. Off by default because the
+            receiver's Python work per forwarded chunk then bounds these pieces below what a NIC's write across
+            PCIe reaches (benchmarks/NOTES.md, "The message path on two GPUs").
         loadstore: on the ipc fabric, write batches between GPU memories (and between host memories) straight
             from the caller's thread with one copy launch, skipping the message path (``PXN_LOADSTORE``,
             default on; see ``transport.loadstore``).

@@ -53,8 +53,9 @@ _PATH_COUNTERS = {kind: (f"path_{kind}_units", f"path_{kind}_bytes") for kind in
 def _group_direct(units: List[Unit]) -> List[Unit]:
     """One DIRECT unit per (rail, device) holding every direct piece planned for it (its runs concatenated): one
     attempt, one post and one completion (a ``WriteBatch``, or selective signaling), where one unit per piece cost
-    ~20 us of Python each (1024 pieces of 64 KiB: 24 ms per call). Failover re-sends the whole group, which
-    rewrites the same bytes. Other units keep their place."""
+    a unit, an attempt, a write request and a completion in Python for every piece, most of a call of many pieces
+    (benchmarks/NOTES.md, "The message path on two GPUs"). Failover re-sends the whole group, which rewrites the
+    same bytes. Other units keep their place."""
     groups: Dict[Tuple[int, int], List[Unit]] = {}
     out: list = []  # units, and the keys of the groups in the place of their first unit
     for u in units:
@@ -257,7 +258,8 @@ class Pipeline:
             return None
         # One pass of reductions serves the argument checks and the common case of the region lookups below
         # (every source in one registered buffer, every destination in one of the peer's): per-call host time
-        # is the cost that matters for small batches, and each numpy call is ~1-2 us on the H200 VM.
+        # is the cost that matters for small batches, and each numpy call has a fixed cost of its own
+        # (benchmarks/NOTES.md, "Engine").
         # rows: src, dst, lengths, src + lengths, dst + lengths (int64: an end past 2**63 wraps negative, which
         # span_region's checks catch); two axis reductions instead of eight whole-array ones
         n = ln.size
@@ -470,11 +472,11 @@ class Pipeline:
         """``RegionSpans``' (local, remote, remote_index) on ``rail`` for pieces in regions ``idx`` of ``lsnap`` and
         ``ridx`` of ``rsnap`` (arrays, or one index for all). Remembered by the snapshots and the index arrays'
         bytes: sglang names the same regions (a KV buffer per layer, an aux buffer per field) in the same order
-        call after call, and working them out again costs a ``np.unique`` and a Python step per region (on the
-        GPU VM ~5 µs per region and call: benchmarks/NOTES.md, "A region per layer on the GPU"). The same
-        ``local`` and ``remote`` tuple objects come back for the same layout, which lets a fabric remember its own
-        checks of them (``IpcFabric.write_inline_regions``). A snapshot is immutable and replaced on any
-        change, so an entry holds its two snapshots and is used only for those very objects."""
+        call after call, and working them out again costs a ``np.unique`` and a Python step per region and call
+        (benchmarks/NOTES.md, "Inline writes over several regions"). The same ``local`` and ``remote`` tuple
+        objects come back for the same layout, which lets a fabric remember its own checks of them
+        (``IpcFabric.write_inline_regions``). A snapshot is immutable and replaced on any change, so an entry
+        holds its two snapshots and is used only for those very objects."""
         ikey = idx.tobytes() if getattr(idx, "ndim", 0) else int(idx)
         rkey = ridx.tobytes() if getattr(ridx, "ndim", 0) else int(ridx)
         key = (rail, id(lsnap), id(rsnap), ikey, rkey)
@@ -712,8 +714,9 @@ class Pipeline:
                           for s_, d_, n_ in a.unit.segments()]
             return
         if self._batches:
-            # one WriteBatch per attempt: arrays end to end, one completion (an object per write cost ~1 us at
-            # each of five steps between here and the fabric's ack)
+            # one WriteBatch per attempt: arrays end to end, one completion (an object per write cost a Python step
+            # at each of five stages between here and the fabric's ack: benchmarks/NOTES.md, "The message path:
+            # writes as arrays, completions at the writer")
             lkeys = np.array([r.keys[rail].lkey for r in lsnap.regions], dtype=np.int64)
             rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)
             k = 0
@@ -817,8 +820,9 @@ class Pipeline:
                     slot.tensor[o:o + n].copy_(host_view(s_addr, n))
             else:
                 # one bound batched-copy launch (replayed for lengths seen before), where a call per piece cost
-                # ~10 us each; on the lane's stream, ordered after the lane's earlier work, which the ring waits
-                # for or orders after
+                # host time for every piece (benchmarks/NOTES.md, "The message path: writes as arrays, completions
+                # at the writer"); on the lane's stream, ordered after the lane's earlier work, which the ring
+                # waits for or orders after
                 stream = slot.ring.stream(slot.lane)
                 self._relay_copies.finish([self._relay_copies.copy(slot.ring.device, s_arr, local, n_arr,
                                                                    stream=stream)], wait=False, stream=stream)

@@ -371,9 +371,10 @@ def host_memmove(srcs, dsts, lengths) -> None:
     """Copy piece i (``lengths[i]`` bytes) from host address ``srcs[i]`` to ``dsts[i]``; sources and destinations
     must not overlap. Arguments: int64 arrays or sequences.
 
-    Why two ways: a ctypes memmove per piece costs ~0.7 us of Python, i.e. 23 ms for the 32768 pages of 2 KiB of
-    an MHA call, on each side of a coalesced transfer. Paged KV caches have a shape one numpy call can copy: every
-    piece of one length L, and every source (destination) at a multiple of L from the lowest one. Those go as
+    Why two ways: a ctypes memmove per piece is a Python step per piece, a large share of a call for the 32768
+    pages of 2 KiB of an MHA call, on each side of a coalesced transfer (benchmarks/NOTES.md, "Engine"). Paged KV
+    caches have a shape one numpy call can copy: every piece of one length L, and every source (destination) at
+    a multiple of L from the lowest one. Those go as
     rows of an (n, L) view: ``take`` into a run of contiguous rows (a chunk's payload when L is a multiple of its
     16-B alignment), an indexed store out of one, or an indexed load then store otherwise. Anything else: one
     memmove per piece (ctypes releases the GIL during each).

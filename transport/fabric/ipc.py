@@ -72,7 +72,7 @@ class _Iovec(ctypes.Structure):
 
 
 _pvw = _libc.process_vm_writev
-# iovec arrays are passed as plain addresses (of numpy buffers): a pointer cast per call cost ~2.5 us
+# iovec arrays are passed as plain addresses (of numpy buffers): a pointer cast per call would add host time
 _pvw.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
 _pvw.restype = ctypes.c_ssize_t
 _pvr = _libc.process_vm_readv
@@ -105,7 +105,8 @@ _iov_local = threading.local()
 
 def _iov_buffer():
     """This thread's iovec buffer (local | remote, IOV_BATCH pairs each) and its address: allocating one and
-    asking numpy for its address cost ~2 us of the ~25 us of a same-host aux batch."""
+    asking numpy for its address per call was a noticeable share of a same-host aux batch (benchmarks/NOTES.md,
+    "Engine")."""
     got = getattr(_iov_local, "iov", None)
     if got is None:
         buf = np.empty((2, IOV_BATCH, 2), dtype=np.int64)
@@ -125,7 +126,8 @@ def process_vm_write(pid: int, local, remote, lengths, total: Optional[int] = No
     i = 0
     while i < n:
         k = min(IOV_BATCH, n - i)
-        # Both iovec arrays (base, len pairs) in one numpy buffer: a Python loop over 4096 pieces cost ~4 ms.
+        # Both iovec arrays (base, len pairs) in one numpy buffer, filled by slices: a Python loop per piece costs
+        # far more.
         iov[0, :k, 0], iov[0, :k, 1] = local[i:i + k], lengths[i:i + k]
         iov[1, :k, 0], iov[1, :k, 1] = remote[i:i + k], lengths[i:i + k]
         want = total if (total is not None and k == n) else int(lengths[i:i + k].sum())
@@ -226,8 +228,8 @@ class IpcFabric(TcpFabric):
     name = "ipc"
     capabilities = frozenset({"selective_signaling", "loadstore", "completion_callback", "authenticated_rails",
                               "write_batches", "event_ordered_writes", "inline_writes"})
-    # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages took the
-    # 78 x 8.65 MB call from 13.5 to 5.0 ms on the H200 (benchmarks/NOTES.md, section Engine)
+    # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages made large
+    # calls far faster (benchmarks/NOTES.md, "Engine")
     engine_options = {"message_bytes": 256 << 20}
     # No coalescing: a post of many pieces is already one batched-copy launch from the sources straight into the
     # target's memory, completed at the writer. A chunk would add a gather, a landing slot, the target's scatter
@@ -886,7 +888,8 @@ class IpcFabric(TcpFabric):
     def _copy(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
         """Copy the pieces of ``msg`` that are ``ST_OK`` in ``statuses``, after checking each against the region
         the target described for its rkey (``info``); a piece outside it becomes ``ST_BOUNDS``. Whole-array numpy:
-        one Python step per piece cost ~8 us on the H200 VM (8 ms for 1024 pieces)."""
+        a Python step per piece was a large share of a post of many pieces (benchmarks/NOTES.md, "The message path:
+        writes as arrays, completions at the writer")."""
         t = msg.table
         n = len(t)
         pid = int(ep.peer_desc["pid"])  # verified at connect (token read back), not taken from the GRANT
@@ -1020,8 +1023,7 @@ class IpcFabric(TcpFabric):
         regions named by a message, or None for an unknown rkey). A description is replaced by a new object
         whenever a GRANT describes its region again, and the entry holds ``regs``, so equal identities mean the
         same descriptions. Why: a batch over many regions (sglang's region per layer) paid a Python step per
-        region and post for these arrays, ~3-6 µs per region on the GPU VM (benchmarks/NOTES.md, "A region per
-        layer on the GPU")."""
+        region and post for these arrays (benchmarks/NOTES.md, "Inline writes over several regions")."""
         key = kind + tuple(map(id, regs))
         got = self._by_descriptions.get(key)
         if got is not None:

@@ -166,8 +166,8 @@ def gpu_batch_copy(src_ptrs, dst_ptrs, lengths, device: int) -> None:
             fn = False
         _batched_copy_fn = fn
     src_ptrs, dst_ptrs, lengths = (np.asarray(v, dtype=np.int64) for v in (src_ptrs, dst_ptrs, lengths))
-    # a few pieces: one cudaMemcpyAsync each (~10 us of host time apiece, where the launch with its descriptor
-    # upload costs ~200 us on the H200 VM)
+    # a few pieces: one cudaMemcpyAsync each, less host time in all than the launch with its descriptor upload
+    # (benchmarks/NOTES.md, "The message path: writes as arrays, completions at the writer")
     if _batched_copy_fn and lengths.size > _MEMCPY_MAX:
         _batched_copy_fn(src_ptrs, dst_ptrs, lengths, check=False, device=torch.device("cuda", device))
         return
@@ -841,7 +841,8 @@ class TcpFabric(Fabric):
     engine_options = {"connections_per_peer": 2}
     # a chunk whose pieces average at least this many bytes is sent as a GatherWrite and placed as it arrives; below
     # it the Python step per piece (a buffer on each side) costs more than the gather and scatter copies it saves
-    # (2 KiB pages: 1.7x slower per call), so such chunks are copied into the slot and scattered from it
+    # (benchmarks/NOTES.md, "Coalesced chunks on tcp without the host copies"), so such chunks are copied into
+    # the slot and scattered from it
     gather_min_bytes = 16 << 10
     # a few small pieces go as rows of one message (placed by the receiving thread) rather than in a chunk, whose
     # gather, landing slot and ack each add a thread hand-off; many pieces still pay off as a chunk, whose table
@@ -1121,9 +1122,9 @@ class TcpFabric(Fabric):
         return mrs
 
     def _validate_many(self, requests: Sequence[WriteRequest]) -> Optional[List[MemoryRegion]]:
-        """The checks of ``_validate`` for many requests in a few numpy calls (one Python step per request cost
-        ~20 us on the H200 VM: 20 ms per 1024-write post). None when any request fails a check: the per-request
-        loop then raises the error that names it."""
+        """The checks of ``_validate`` for many requests in a few numpy calls (a Python step per request was most
+        of a post of many writes: benchmarks/NOTES.md, "The message path on two GPUs"). None when any request
+        fails a check: the per-request loop then raises the error that names it."""
         cols = [(r.local_addr, r.length, r.remote_addr, r.rkey, r.lkey, 0 if r.imm is None else r.imm)
                 for r in requests]
         if not set(map(type, itertools.chain.from_iterable(cols))) <= {int}:

@@ -849,7 +849,7 @@ def test_ipc_posted_batches_over_many_regions_are_copied_by_the_poster(rng, ipc_
     two rails is posted as one ``WriteBatch`` per rail. Once the rails know the peer's regions, the ipc fabric
     copies each of them from the posting thread (``_post_batch_direct`` through ``_regions_target``) rather than
     as messages: byte-exact in every peer region, fresh data each round, odd sizes (1 B, 63 B, 4097 B) at odd
-    offsets among 16-80 KB pieces, sync and async. Once the peer deregisters one of its regions, a batch naming
+    offsets among 48-96 KB pieces, sync and async. Once the peer deregisters one of its regions, a batch naming
     it is not copied that way, is refused (RemoteRejected), and nothing lands in that region."""
     from transport.fabric.ipc import IpcFabric
     from transport.peer_process import POISON, digest
@@ -862,7 +862,7 @@ def test_ipc_posted_batches_over_many_regions_are_copied_by_the_poster(rng, ipc_
         return got
 
     monkeypatch.setattr(IpcFabric, "_regions_target", spy)
-    lengths = [1, 63, 4097] + rng.integers(16 << 10, 80 << 10, 45).tolist()
+    lengths = [1, 63, 4097] + rng.integers(48 << 10, 96 << 10, 45).tolist()
     rng.shuffle(lengths)
     assert sum(lengths) >= 2 * MB  # split between the two rails, so posted
     with TransferEngine(fabric="ipc", loadstore=False, rails=2) as eng:

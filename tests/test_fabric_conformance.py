@@ -450,6 +450,61 @@ def test_inline_write_over_regions_is_checked_again_after_a_local_deregistration
             case.fab.deregister(other_mr)
 
 
+def test_write_batch_over_local_regions_is_checked_again_after_a_local_deregistration(case):
+    """A fabric may remember what it derived from a batch's lkeys when they name several local regions (tcp and
+    ipc do, by the lkey array's bytes). A WriteBatch with its pieces alternating between the fabric's source region
+    and a second local region, posted three times with fresh data: byte-exact each time. Then the second region is
+    deregistered: the same batch is refused at the post (RegionError naming that lkey), nothing posted or written;
+    and the same memory registered again one byte short of the last piece read from it is refused naming that
+    piece."""
+    _batches(case)
+    t = case.target
+    lens, total, data, src_off = _described_odd_pieces(case, 83, 40, 5)
+    other = Buffer(total + 4096, case.device)
+    other_mr = case.fab.register(other.addr, other.size, case.device)
+    la = case.src.addr + src_off
+    la[1::2] = other.addr + src_off[1::2]  # every other piece from the second local region (same offsets)
+    dst_off = np.cumsum(lens + case.rng.integers(1, 40, lens.size)) - lens + 11
+    lkeys = np.full(lens.size, case.mr.lkey, dtype=np.int64)
+    written = [(int(d), int(n)) for d, n in zip(dst_off, lens)]
+
+    def batch(wr_id):
+        return WriteBatch(la.copy(), lens, t.addr + dst_off, np.full(lens.size, t.rkey), lkeys.copy(), wr_id=wr_id)
+
+    try:
+        lkeys[1::2] = other_mr.lkey
+        for round_ in range(3):
+            t.call("poison")
+            data = case.fresh(total + 4096)
+            other.write(0, data)  # the second region holds the same bytes at the same offsets
+            case.fab.post_writes(case.ep, [batch(90 + round_)])
+            (c,) = wait_completions(case.fab, 1)
+            assert c.ok and c.wr_id == 90 + round_, c
+            for i in case.rng.choice(lens.size, 16, replace=False).tolist():
+                s, n = int(src_off[i]), int(lens[i])
+                assert t.call("hash", int(dst_off[i]), n) == digest(data[s:s + n]), \
+                    f"round {round_}: piece {i} ({n} B) differs"
+            _assert_untouched(t, written, f"round {round_}")
+        case.fab.deregister(other_mr)
+        gone, other_mr = other_mr.lkey, None
+        t.call("poison")
+        with pytest.raises(RegionError, match=f"lkey 0x{gone:x}"):
+            case.fab.post_writes(case.ep, [batch(94)])
+        assert not case.fab.poll(16, timeout=0.2), "a refused post completed"
+        _assert_untouched(t, [], "a refused post")
+        # the same memory registered again, one byte short of the last piece read from it: that piece is named
+        last = int(np.flatnonzero(la >= other.addr)[-1])
+        other_mr = case.fab.register(other.addr, int(src_off[last] + lens[last]) - 1, case.device)
+        lkeys[1::2] = other_mr.lkey
+        with pytest.raises(RegionError, match=f"write {last}: local range"):
+            case.fab.post_writes(case.ep, [batch(95)])
+        assert not case.fab.poll(16, timeout=0.2), "a refused post completed"
+        _assert_untouched(t, [], "a refused post")
+    finally:
+        if other_mr is not None:
+            case.fab.deregister(other_mr)
+
+
 def test_writes_after_events_follow_producer_and_free_sources_after_reuse_event(case):
     """``post_writes_after``: the writes carry the bytes the producer behind ``after`` wrote (a slow GPU
     producer: a fabric that read the sources before it finished would carry the poison), and an overwrite of

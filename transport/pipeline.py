@@ -473,7 +473,7 @@ class Pipeline:
         ``ridx`` of ``rsnap`` (arrays, or one index for all). Remembered by the snapshots and the index arrays'
         bytes: sglang names the same regions (a KV buffer per layer, an aux buffer per field) in the same order
         call after call, and working them out again costs a ``np.unique`` and a Python step per region and call
-        (benchmarks/NOTES.md, "Inline writes over several regions"). The same ``local`` and ``remote`` tuple
+        (benchmarks/NOTES.md, "A region per layer on the GPU"). The same ``local`` and ``remote`` tuple
         objects come back for the same layout, which lets a fabric remember its own checks of them
         (``IpcFabric.write_inline_regions``). A snapshot is immutable and replaced on any change, so an entry
         holds its two snapshots and is used only for those very objects."""

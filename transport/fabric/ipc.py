@@ -265,6 +265,8 @@ class IpcFabric(TcpFabric):
         from transport.loadstore import GenerationCounter
         self._gen = GenerationCounter()
         self._granted_info: Dict[str, Dict[int, tuple]] = {}  # peer id -> rkey -> (description, counter value)
+        self._granted_changes = 0  # bumped whenever ``_granted_info`` changes: ``_regions_target``'s entries hold it
+        self._target_layouts: Dict[tuple, tuple] = {}  # ``_regions_target``: (peer id, rkeys' bytes) -> layout
         self._spans_checked: Dict[int, tuple] = {}  # _checked_spans: what it found, by id of the remote spans
         self._by_descriptions: Dict[tuple, tuple] = {}  # _remembered: arrays of the target's descriptions
         self._gen_readers: Dict[str, object] = {}
@@ -308,6 +310,7 @@ class IpcFabric(TcpFabric):
             except Exception:
                 with self._lock:
                     self._regions.pop(mr.rkey, None)
+                    self._regions_gen += 1
                 raise
 
     def deregister(self, mr: MemoryRegion) -> None:
@@ -628,26 +631,69 @@ class IpcFabric(TcpFabric):
 
     def _regions_target(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray):
         """(source device, the peer's descriptions of the batch's regions by position, each piece's position
-        in them or None for one region) when every write of the checked batch ``b`` goes from one local device
-        into peer regions on the same side (host or GPU) whose descriptions are current and each contains its
-        pieces; else None. ``devices``: each write's source device (``_validate_batch``)."""
-        keys = distinct(b.rkey)
+        in them or None for one region, a dict to keep each piece's shift into its mapping by GPU in (None for
+        one region or host memory; filled by ``_post_batch_direct``)) when every
+        write of the checked batch ``b`` goes from one local device into peer regions on the same side (host or
+        GPU) whose descriptions are current and each contains its pieces; else None. ``devices``: each write's
+        source device (``_validate_batch``)."""
         src_devs = distinct(devices)
         if len(src_devs) != 1:
             return None
         dev = src_devs[0]
-        info, _ = self._current_info(ep, None, keys)
-        if info is None:
+        rk = b.rkey
+        layout = None
+        if rk.size > 1 and rk.dtype == np.int64:
+            lkey = (ep.peer_id, rk.tobytes())
+            layout = self._target_layouts.get(lkey)
+            if layout is not None:
+                reader = self._gen_reader(ep)
+                if reader is None or layout[0] != (reader.read(), self._granted_changes):
+                    layout = None
+        if layout is None:
+            keys = distinct(rk)
+            changes = self._granted_changes  # before the descriptions are read: a GRANT after them retires the entry
+            info, gen = self._current_info(ep, None, keys)
+            if info is None:
+                return None
+            regs = [info[key] for key in keys]
+            if len(keys) == 1:
+                _, lo, hi, on_host = self._remembered(("bounds",), regs, self._bounds_of)
+                if not (on_host.all() if dev == DEVICE_HOST else not on_host.any()):
+                    return None
+                ok = lo[0] <= int(b.remote_addr.min()) and int((b.remote_addr + b.length).max()) <= hi[0]
+                return (dev, regs, None, None) if ok else None
+            layout = self._remember_target(ep, rk, keys, regs, (gen, changes))
+        _, regs, k, lo, hi, on_host, shifts = layout
+        if not (on_host if dev == DEVICE_HOST else on_host is False):
+            return None  # regions on both sides of the host / GPU line, or on the other side than the sources
+        ra = b.remote_addr
+        if not ((lo <= ra) & (ra + b.length <= hi)).all():
             return None
-        regs = [info[key] for key in keys]
-        _, lo, hi, on_host = self._remembered(("bounds",), regs, self._bounds_of)
-        if not (on_host.all() if dev == DEVICE_HOST else not on_host.any()):
-            return None
-        ra, end = b.remote_addr, b.remote_addr + b.length
-        if len(keys) == 1:
-            return (dev, regs, None) if lo[0] <= int(ra.min()) and int(end.max()) <= hi[0] else None
-        k = np.searchsorted(np.asarray(keys, dtype=np.int64), b.rkey)
-        return (dev, regs, k) if ((lo[k] <= ra) & (end <= hi[k])).all() else None
+        return dev, regs, k, (None if dev == DEVICE_HOST else shifts)
+
+    def _remember_target(self, ep: TcpEndpoint, rk: np.ndarray, keys: list, regs: list, valid: tuple) -> tuple:
+        """Remember, by the peer and the bytes of the rkey array ``rk`` (``keys``: its distinct values, ``regs``
+        their current descriptions, read at ``valid``: the peer's counter value and the fabric's count of GRANT
+        changes), what ``_regions_target`` derives from them: (valid, regs, each write's position in them, start
+        and end of each write's region, True / False when every region is on the host / on a GPU (None: both),
+        and a dict for each write's shift into its mapping by source GPU). Valid while the peer deregisters
+        nothing and no GRANT describes a region again. Why: sglang's batches name the same regions (a buffer per
+        layer) call after call, and working them out per post cost a ``np.unique`` and Python steps per region
+        (benchmarks/NOTES.md, "A region per layer on the GPU"). The arrays are shared between calls: read only."""
+        k = np.searchsorted(np.asarray(keys, dtype=np.int64), rk)
+        _, lo, hi, on_host = self._bounds_of(regs)
+        lo, hi = lo[k], hi[k]
+        for a in (k, lo, hi):
+            a.flags.writeable = False
+        side = True if on_host.all() else (False if not on_host.any() else None)
+        layout = (valid, regs, k, lo, hi, side, {})
+        with self._open_lock:
+            memo = self._target_layouts
+            if len(memo) >= _SPANS_CHECKED:
+                memo.pop(next(iter(memo)))
+            if rk.dtype == np.int64:
+                memo[(ep.peer_id, rk.tobytes())] = layout
+        return layout
 
     def _bounded_target(self, ep: TcpEndpoint, bd: WriteBounds, src_dev: int) -> Optional[dict]:
         """The peer's current description of region ``bd.rkey`` when it contains the remote extremes of ``bd`` and
@@ -694,7 +740,7 @@ class IpcFabric(TcpFabric):
             target = self._regions_target(ep, b, devices)
             if target is None:
                 return False
-            dev, regs, k = target
+            dev, regs, k, shifts = target
         m = self._batch_message(b)
         ep.enqueue([m], queue=False, local=[True])  # completes in posting order with the endpoint's other work
         statuses = bytes(b.count)
@@ -716,8 +762,10 @@ class IpcFabric(TcpFabric):
                 self._copy_to_gpu(dev, regs[0], b.local_addr, b.remote_addr, b.length,
                                   None if bd is None else (b.nbytes, bd.len_min, bd.len_max))
             else:
-                shift = self._remembered(("shift", dev), regs, lambda rs: self._shifts_on(rs, dev))
-                self._copy_mapped(dev, b.local_addr, b.remote_addr + shift[k], b.length, None, True, None)
+                shift = shifts.get(dev)
+                if shift is None:  # each piece's shift into its region's mapping here: once per layout and GPU
+                    shift = shifts[dev] = self._shifts_on(regs, dev)[k]
+                self._copy_mapped(dev, b.local_addr, b.remote_addr + shift, b.length, None, True, None)
         except Exception as e:  # noqa: BLE001 — a CUDA failure fails this batch, not the link
             log.error("ipc GPU copy of %d piece(s) to %s failed: %s", b.count, ep.peer_id, e)
             statuses = self._failed_statuses(m, b)
@@ -873,6 +921,7 @@ class IpcFabric(TcpFabric):
             known = self._granted_info.setdefault(ep.peer_id, {})
             for k, v in info.items():
                 known[k] = (v, gen)
+            self._granted_changes += 1
         self._copy_checked(ep, s, msg, statuses, info)
         with s.send_lock:
             s.sock.sendall(HDR.pack(MAGIC, T_DONE, 0, 0, len(statuses), msg.seq, len(statuses)) + bytes(statuses))
@@ -1023,7 +1072,7 @@ class IpcFabric(TcpFabric):
         regions named by a message, or None for an unknown rkey). A description is replaced by a new object
         whenever a GRANT describes its region again, and the entry holds ``regs``, so equal identities mean the
         same descriptions. Why: a batch over many regions (sglang's region per layer) paid a Python step per
-        region and post for these arrays (benchmarks/NOTES.md, "Inline writes over several regions")."""
+        region and post for these arrays (benchmarks/NOTES.md, "A region per layer on the GPU")."""
         key = kind + tuple(map(id, regs))
         got = self._by_descriptions.get(key)
         if got is not None:

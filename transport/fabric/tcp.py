@@ -107,6 +107,7 @@ INLINE_PIECES = 256
 INLINE_BYTES = 64 << 10
 _VECTOR_MIN = 16  # posts of more writes than this are checked and framed by numpy, not one write at a time
 _I64 = (1 << 63) - 1
+_LAYOUTS_KEPT = 64  # batch layouts over several local regions whose checks a fabric remembers (_remember_layout)
 # seconds a thread reads its socket without sleeping before it blocks, at most (``AdaptiveSpin`` keeps it on only
 # while it pays): a waiting caller for its small batch's ack (``ack_spin``), a receive thread for the next message
 # (``recv_spin``)
@@ -876,6 +877,8 @@ class TcpFabric(Fabric):
         self._stop = threading.Event()
         self._lock = threading.RLock()
         self._regions: Dict[int, MemoryRegion] = {}
+        self._regions_gen = 0  # bumped whenever ``_regions`` changes: ``_local_layout``'s entries hold its value
+        self._local_layouts: Dict[bytes, tuple] = {}  # ``_local_layout``: lkeys' bytes -> (gen, layout)
         # rkey -> (region, writable view of it) for host regions: small pieces are placed by slice assignment,
         # a C copy without the ctypes call (and GIL release) of a memmove per piece
         self._host_views: Dict[int, tuple] = {}
@@ -948,6 +951,7 @@ class TcpFabric(Fabric):
                     break
             mr = MemoryRegion(addr=addr, length=length, lkey=key, rkey=key, device=device)
             self._regions[key] = mr
+            self._regions_gen += 1
             if device == DEVICE_HOST:
                 self._host_views[key] = (mr, raw_view(addr, length, writable=True))
         self._on_register(mr)
@@ -963,6 +967,7 @@ class TcpFabric(Fabric):
             if cur is None or cur != mr:
                 raise RegionError(f"deregister: region {mr!r} is not registered with {self._id}")
             del self._regions[mr.rkey]
+            self._regions_gen += 1
             self._host_views.pop(mr.rkey, None)
             self._landing.pop(mr.rkey, None)
         # A write being placed right now may still touch the memory: wait until it is done so the caller can
@@ -1172,24 +1177,26 @@ class TcpFabric(Fabric):
             problem = self._first_bad_value(la, ln, ra, rk, imm)
             if problem is not None:
                 return None, None, problem
-        keys = np.asarray(distinct(lk), dtype=np.int64)
-        regions = []
-        for key in keys.tolist():
-            mr = self._regions.get(key)
-            if mr is None:
-                return None, None, (first(lk == key), "lkey", key)
-            regions.append(mr)
-        if len(regions) == 1:
-            # one region (the common case): its bounds against the extremes, without per-write index arrays
-            m = regions[0]
-            k = np.zeros(ln.size, dtype=np.int64)
-            if la_min >= m.addr and int((la + ln).max()) <= m.addr + m.length:
-                return regions, k, None
-            lo, hi = m.addr, m.addr + m.length
+        layout = self._local_layouts.get(lk.tobytes()) if lk.size > 1 and lk.dtype == np.int64 else None
+        if layout is not None and layout[0] == self._regions_gen:
+            _, regions, k, lo, hi, _ = layout
         else:
-            k = np.searchsorted(keys, lk)
-            lo = np.array([m.addr for m in regions], dtype=np.int64)[k]
-            hi = lo + np.array([m.length for m in regions], dtype=np.int64)[k]
+            keys = np.asarray(distinct(lk), dtype=np.int64)
+            regions = []
+            for key in keys.tolist():
+                mr = self._regions.get(key)
+                if mr is None:
+                    return None, None, (first(lk == key), "lkey", key)
+                regions.append(mr)
+            if len(regions) == 1:
+                # one region (the common case): its bounds against the extremes, without per-write index arrays
+                m = regions[0]
+                k = np.zeros(ln.size, dtype=np.int64)
+                if la_min >= m.addr and int((la + ln).max()) <= m.addr + m.length:
+                    return regions, k, None
+                lo, hi = m.addr, m.addr + m.length
+            else:
+                _, regions, k, lo, hi, _ = self._remember_layout(lk, keys, regions)
         out = (la < lo) | (la + ln > hi)
         if out.any():
             i = first(out)
@@ -1354,7 +1361,36 @@ class TcpFabric(Fabric):
                                   f"with {self._id}")
             raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{int(la[i]):x}+{int(ln[i])} lies "
                               f"outside the region of lkey 0x{detail.lkey:x} (0x{detail.addr:x}+{detail.length})")
+        if len(regions) > 1:
+            layout = self._local_layouts.get(b.lkey.tobytes()) if b.lkey.dtype == np.int64 else None
+            if layout is not None and layout[1] is regions:
+                return layout[5]
         return np.array([m.device for m in regions], dtype=np.int64)[k]
+
+    def _remember_layout(self, lk: np.ndarray, keys: np.ndarray, regions: list) -> tuple:
+        """Remember, by the bytes of the lkey array ``lk``, what ``_check_write_arrays`` derives from it when it
+        names several regions (``keys``: its distinct values, ``regions`` theirs): (the registration counter,
+        regions, each write's index into them, start and end of each write's region, each write's device). Why: a
+        batch over many regions (sglang registers a buffer per layer) paid a ``np.unique`` and Python steps per
+        region and post for these, though its lkeys repeat call after call (benchmarks/NOTES.md, "A region per
+        layer on the GPU"); any registration or deregistration changes the counter, and the entry is made again.
+        The arrays are shared between calls: read only."""
+        k = np.searchsorted(keys, lk)
+        lo = np.array([m.addr for m in regions], dtype=np.int64)[k]
+        hi = lo + np.array([m.length for m in regions], dtype=np.int64)[k]
+        devices = np.array([m.device for m in regions], dtype=np.int64)[k]
+        for a in (k, lo, hi, devices):
+            a.flags.writeable = False
+        layout = (self._regions_gen, regions, k, lo, hi, devices)
+        memo = self._local_layouts
+        if len(memo) >= _LAYOUTS_KEPT:
+            try:
+                memo.pop(next(iter(memo)))
+            except (StopIteration, RuntimeError, KeyError):  # another thread changed it: it stays bounded
+                pass
+        if lk.dtype == np.int64:
+            memo[lk.tobytes()] = layout
+        return layout
 
     def _post_rows(self, ep: Endpoint, b: WriteRows) -> None:
         """Post a ``WriteRows``: the checks of ``_validate_batch`` in Python, then one message (up to

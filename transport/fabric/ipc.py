@@ -630,12 +630,12 @@ class IpcFabric(TcpFabric):
         return src_devs[0], reg
 
     def _regions_target(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray):
-        """(source device, the peer's descriptions of the batch's regions by position, each piece's position
-        in them or None for one region, a dict to keep each piece's shift into its mapping by GPU in (None for
-        one region or host memory; filled by ``_post_batch_direct``)) when every
-        write of the checked batch ``b`` goes from one local device into peer regions on the same side (host or
-        GPU) whose descriptions are current and each contains its pieces; else None. ``devices``: each write's
-        source device (``_validate_batch``)."""
+        """(source device, the peer's descriptions of the batch's regions by position, each piece's position in
+        them, the layout's cache of each piece's shift into its region's mapping by source GPU) when every write
+        of the checked batch ``b`` goes from one local device into peer regions on the same side (host or GPU)
+        whose descriptions are current and each contains its pieces; else None. For one region the position and
+        the cache are None, and for host memory the cache. ``devices``: each write's source device
+        (``_validate_batch``)."""
         src_devs = distinct(devices)
         if len(src_devs) != 1:
             return None

@@ -877,8 +877,8 @@ class TcpFabric(Fabric):
         self._stop = threading.Event()
         self._lock = threading.RLock()
         self._regions: Dict[int, MemoryRegion] = {}
-        self._regions_gen = 0  # bumped whenever ``_regions`` changes: ``_local_layout``'s entries hold its value
-        self._local_layouts: Dict[bytes, tuple] = {}  # ``_local_layout``: lkeys' bytes -> (gen, layout)
+        self._regions_gen = 0  # bumped whenever ``_regions`` changes: ``_remember_layout``'s entries hold its value
+        self._local_layouts: Dict[bytes, tuple] = {}  # ``_remember_layout``: lkeys' bytes -> (counter, ...)
         # rkey -> (region, writable view of it) for host regions: small pieces are placed by slice assignment,
         # a C copy without the ctypes call (and GIL release) of a memmove per piece
         self._host_views: Dict[int, tuple] = {}

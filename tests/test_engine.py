@@ -657,31 +657,45 @@ def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, 
     """loadstore=False with numpy arrays: once a GRANT has described the peer's region, each batch of host memory
     is checked against that description, copied and completed by the calling thread, byte-exact, fresh offsets
     every round: a batch that goes whole as one unit through ``IpcFabric.write_inline``, with the extremes of the
-    validation, one cut between rails as posted batches (``IpcFabric._post_batch_direct``). After the peer
+    validation, one cut between rails as a run per rail through ``write_inline`` too (each with its own lengths'
+    extremes and the batch's address spans), or, while a rail has not had the region described, as posted
+    batches (``IpcFabric._post_batch_direct``). After the peer
     deregisters a region, its kept description is stale (the counter moved): ``write_inline`` declines, the batch
     goes to the peer, is refused and writes nothing; the next batches into the live region land, and the direct
     path resumes. ``taken`` holds (copied by the caller, with the validation's extremes) per call."""
     from transport.fabric.ipc import IpcFabric
-    taken = []
+    taken, runs = [], []
+    pieces = [0]  # the piece count of the batch being written
     real_post, real_inline = IpcFabric._post_batch_direct, IpcFabric.write_inline
 
-    def check_bounds(bounds, la, ln, ra, nbytes):  # the engine's extremes must be those of the arrays it writes
-        assert tuple(bounds[:6]) == (ln.min(), ln.max(), la.min(), (la + ln).max(), ra.min(), (ra + ln).max()), bounds
+    def check_bounds(bounds, la, ln, ra, nbytes, exact=True):
+        # the engine's lengths must be those of the arrays it writes; its address extremes those of the arrays
+        # (a whole batch) or spans that hold every write (a run of the batch's pieces posted on one rail)
+        assert (bounds.len_min, bounds.len_max) == (ln.min(), ln.max()), bounds
+        got = (la.min(), (la + ln).max(), ra.min(), (ra + ln).max())
+        if exact:
+            assert tuple(bounds[2:6]) == got, bounds
+        else:
+            assert bounds.local_min <= got[0] and got[1] <= bounds.local_end, (bounds, got)
+            assert bounds.remote_min <= got[2] and got[3] <= bounds.remote_end, (bounds, got)
         assert nbytes == int(ln.sum())
 
     def spy_post(self, ep, b, devices):
         if b.bounds is not None:
-            check_bounds(b.bounds, b.local_addr, b.length, b.remote_addr, b.nbytes)
+            check_bounds(b.bounds, b.local_addr, b.length, b.remote_addr, b.nbytes, exact=False)
             assert {*b.rkey.tolist()} == {b.bounds.rkey} and {*b.lkey.tolist()} == {b.bounds.lkey}
         got = real_post(self, ep, b, devices)
         taken.append((got, b.bounds is not None))
         return got
 
     def spy_inline(self, ep, la, ra, ln, bounds, nbytes, wait=True, stream=None):
-        check_bounds(bounds, la, ln, ra, nbytes)
+        whole = ln.size == pieces[0]
+        check_bounds(bounds, la, ln, ra, nbytes, exact=whole)
         got = real_inline(self, ep, la, ra, ln, bounds, nbytes, wait, stream)
         if got is not None:  # declined: the posted path's call is the one to record
             taken.append((True, True))
+            if not whole:
+                runs.append(int(ln.size))
         return got
 
     monkeypatch.setattr(IpcFabric, "_post_batch_direct", spy_post)
@@ -697,6 +711,7 @@ def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, 
         ipc_peer.poison()
         exp = Expected(ipc_peer.size)
         exp.apply(src, s_off, d_off, lengths)
+        pieces[0] = len(lengths)
         eng.batch_write(ipc_peer.session, (b + s_off).astype(np.int64), (ipc_peer.base + d_off).astype(np.int64),
                         np.asarray(lengths, dtype=np.int64))
         ipc_peer.check(exp)
@@ -707,6 +722,9 @@ def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, 
             for _ in range(2):
                 write_arrays(eng, lengths)
         assert taken[-2:] == [(True, True)] * 2, taken
+        # batches of several MB, cut between the two rails once both know the region: a run per rail
+        assert len(runs) >= 2, runs
+        pieces[0] = 10
         extra = ipc_peer.call("register_extra", size=1 * MB)
         dsts = np.array([extra + i * 100 for i in range(10)], dtype=np.int64)
         srcs, lens = b + 1000 * np.arange(10, dtype=np.int64), np.full(10, 64, dtype=np.int64)
@@ -844,27 +862,43 @@ def test_ipc_message_path_batches_over_many_regions_are_written_inline(rng, ipc_
             assert ipc_peer.call("extra_digest", addr=extras[k]) == expected(k), f"piece {k} differs"
 
 
-def test_ipc_posted_batches_over_many_regions_are_copied_by_the_poster(rng, ipc_peer, monkeypatch):
+@pytest.mark.parametrize("runs_inline", [True, False], ids=["inline-runs", "posted"])
+def test_ipc_batches_over_many_regions_split_between_rails_are_copied_by_the_caller(rng, ipc_peer, monkeypatch,
+                                                                                    runs_inline):
     """A batch with a region per piece on both sides (sglang's region per layer) that the planner splits between
-    two rails is posted as one ``WriteBatch`` per rail. Once the rails know the peer's regions, the ipc fabric
-    copies each of them from the posting thread (``_post_batch_direct`` through ``_regions_target``) rather than
-    as messages: byte-exact in every peer region, fresh data each round, odd sizes (1 B, 63 B, 4097 B) at odd
-    offsets among 48-96 KB pieces, sync and async. Once the peer deregisters one of its regions, a batch naming
-    it is not copied that way, is refused (RemoteRejected), and nothing lands in that region."""
+    two rails: a run of pieces per rail. Once the rails know the peer's regions, the ipc fabric copies each run
+    from the calling thread rather than as messages: through ``write_inline_regions`` (``inline-runs``, the
+    engine's path), or, with that path turned off, as one posted ``WriteBatch`` per rail through
+    ``_post_batch_direct`` and ``_regions_target`` (``posted``: the path of a batch redispatched or declined
+    inline). Byte-exact in every peer region, fresh data each round, odd sizes (1 B, 63 B, 4097 B) at odd offsets
+    among 48-96 KB pieces, sync and async. Once the peer deregisters one of its regions, a batch naming it is not
+    copied that way, is refused (RemoteRejected), and nothing lands in that region."""
     from transport.fabric.ipc import IpcFabric
     from transport.peer_process import POISON, digest
+    from transport.planner import Planner
     found = []
-    real = IpcFabric._regions_target
+    if runs_inline:
+        real_inline = IpcFabric.write_inline_regions
 
-    def spy(self, *args, **kw):
-        got = real(self, *args, **kw)
-        found.append(got is not None and got[2] is not None)  # taken, over several regions
-        return got
+        def spy(self, ep, la, ra, ln, spans, nbytes, wait=True, stream=None):
+            got = real_inline(self, ep, la, ra, ln, spans, nbytes, wait, stream)
+            found.append(got is not None and ln.size < len(lengths))  # taken, a run of the batch
+            return got
 
-    monkeypatch.setattr(IpcFabric, "_regions_target", spy)
+        monkeypatch.setattr(IpcFabric, "write_inline_regions", spy)
+    else:
+        real = IpcFabric._regions_target
+
+        def spy(self, *args, **kw):
+            got = real(self, *args, **kw)
+            found.append(got is not None and got[2] is not None)  # taken, over several regions
+            return got
+
+        monkeypatch.setattr(IpcFabric, "_regions_target", spy)
+        monkeypatch.setattr(Planner, "direct_runs_all", lambda self, *a, **kw: False)
     lengths = [1, 63, 4097] + rng.integers(48 << 10, 96 << 10, 45).tolist()
     rng.shuffle(lengths)
-    assert sum(lengths) >= 2 * MB  # split between the two rails, so posted
+    assert sum(lengths) >= 2 * MB  # split between the two rails
     with TransferEngine(fabric="ipc", loadstore=False, rails=2) as eng:
         bufs = []
         for n in lengths:
@@ -897,7 +931,7 @@ def test_ipc_posted_batches_over_many_regions_are_copied_by_the_poster(rng, ipc_
                 eng.batch_write_async(ipc_peer.session, srcs, dsts, ln).wait()
             else:
                 eng.batch_write(ipc_peer.session, srcs, dsts, ln)
-            assert found == [True, True], f"not copied by the poster on both rails: {found}"
+            assert found == [True, True], f"not copied by the caller on both rails: {found}"
             for k, a in enumerate(extras):
                 assert ipc_peer.call("extra_digest", addr=a) == expected(k), \
                     f"piece {k} ({lengths[k]} B, async={asynchronous}) differs"
@@ -909,6 +943,61 @@ def test_ipc_posted_batches_over_many_regions_are_copied_by_the_poster(rng, ipc_
         assert True not in found, found
         clean = digest(np.full(lengths[3] + 32, POISON, dtype=np.uint8))
         assert ipc_peer.call("extra_digest", addr=extras[3]) == clean, "a deregistered region was written"
+
+
+def test_ipc_posted_runs_of_a_one_region_batch_carry_bounds(rng, ipc_peer, monkeypatch):
+    """A batch inside one region on each side that the planner splits between two rails is posted as one
+    ``WriteBatch`` per rail. Each carries ``WriteBounds``: its own lengths' extremes and the batch's address spans,
+    so the ipc fabric checks those instead of reducing its arrays, and copies it from the posting thread. Pieces of
+    odd sizes (1 B, 63 B, 4097 B, up to 600 KB) at odd offsets, one piece larger than the stripe size (so some
+    writes are parts of a piece); fresh data each round, sync and async, byte-exact with nothing else written.
+    A batch reaching one byte past the peer's region is refused with nothing written."""
+    from transport.fabric.ipc import IpcFabric
+    seen = []
+    real = IpcFabric._direct_target
+
+    def spy(self, ep, batches, devices):
+        got = real(self, ep, batches, devices)
+        seen.extend((b.bounds, got is not None, b.length.copy()) for b in batches)
+        return got
+
+    monkeypatch.setattr(IpcFabric, "_direct_target", spy)
+    lengths = [1, 63, 4097, 3 * MB + 5] + rng.integers(1, 600 << 10, 20).tolist()
+    rng.shuffle(lengths)
+    size = sum(lengths) + 64 * len(lengths) + 4096
+    own = np.frombuffer(rng.bytes(size), dtype=np.uint8).copy()
+    with TransferEngine(fabric="ipc", loadstore=False, rails=2, stripe_bytes=MB) as eng:
+        eng.register(own)
+        src_offs = disjoint_offsets(rng, lengths, size)
+        dst_offs = disjoint_offsets(rng, lengths, ipc_peer.size)
+        srcs = [own.ctypes.data + int(o) for o in src_offs]
+        dsts = [ipc_peer.base + int(o) for o in dst_offs]
+        for _ in range(20):  # each rail learns the peer's region from one post as messages
+            del seen[:]
+            eng.batch_write(ipc_peer.session, srcs, dsts, lengths)
+            if len(seen) >= 2 and all(got for _, got, _ in seen):
+                break
+        for asynchronous in (False, True, False):
+            own[:] = np.frombuffer(rng.bytes(size), dtype=np.uint8)
+            ipc_peer.poison()
+            del seen[:]
+            if asynchronous:
+                eng.batch_write_async(ipc_peer.session, srcs, dsts, lengths).wait()
+            else:
+                eng.batch_write(ipc_peer.session, srcs, dsts, lengths)
+            exp = Expected(ipc_peer.size)
+            exp.apply(own, src_offs, dst_offs, lengths)
+            ipc_peer.check(exp)
+            assert len(seen) >= 2, f"the batch was not split between the rails: {len(seen)} post(s)"
+            for bounds, taken, ln in seen:
+                assert bounds is not None and taken, (bounds, taken)
+                assert (bounds.len_min, bounds.len_max) == (int(ln.min()), int(ln.max())), bounds
+            assert sum(int(ln.size) for _, _, ln in seen) > len(lengths), "no write was part of a piece"
+        ipc_peer.poison()
+        with pytest.raises(InvalidTransfer):
+            eng.batch_write(ipc_peer.session, srcs + [own.ctypes.data], dsts + [ipc_peer.base + ipc_peer.size - 8],
+                            lengths + [9])
+        ipc_peer.check(Expected(ipc_peer.size))
 
 
 def test_ipc_message_path_relayed_batches_are_written_inline(src, rng, ipc_peer, monkeypatch):

@@ -110,20 +110,22 @@ def test_gpu_sources_written_on_the_callers_stream(seed, fabric, loadstore, coal
         peer.close()
 
 
-@pytest.mark.parametrize("rails", [1, 2])
-def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch, rails):
+@pytest.mark.parametrize("rails,posted", [(1, False), (2, False), (2, True)], ids=["1-rail", "2-rails", "2-posted"])
+def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch, rails, posted):
     """sglang's layout: a KV buffer registered per layer on each side (8 layers), one batch naming a block and a
     small odd piece of every layer (1 B and 63 B among them, odd offsets). On the message path, once the rails
     know the peer's regions, sync and async, byte-exact in every peer region with the poison around the pieces
     intact: with one rail every batch is written inline by one launch that maps each piece into its own peer
-    region's mapping (``IpcFabric.write_inline_regions``); with two rails the planner splits it between them,
-    and each rail's posted ``WriteBatch`` is copied by the posting thread the same way (``_post_batch_direct``
-    through ``_regions_target``), not as messages."""
+    region's mapping (``IpcFabric.write_inline_regions``); with two rails the planner splits it into a run per
+    rail, each written inline the same way; with that path turned off (``2-posted``: the path of a batch
+    redispatched or declined inline), each rail's posted ``WriteBatch`` is copied by the posting thread the same
+    way (``_post_batch_direct`` through ``_regions_target``), not as messages."""
     import torch
     from transport.fabric.ipc import IpcFabric
     from transport.peer_process import POISON, digest
+    from transport.planner import Planner
     from transport.topology import synthetic
-    if rails == 1:
+    if not posted:
         taken = spy_taken(monkeypatch, IpcFabric, "write_inline_regions")
     else:
         taken = []
@@ -135,6 +137,7 @@ def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch, rails):
             return got
 
         monkeypatch.setattr(IpcFabric, "_regions_target", spy)
+        monkeypatch.setattr(Planner, "direct_runs_all", lambda self, *a, **kw: False)
     rng = np.random.default_rng(seed)
     layers, layer_bytes = 8, 4 * MB
     kw = {"fabric": "ipc", "loadstore": False,
@@ -167,11 +170,12 @@ def test_gpu_message_path_batches_over_many_regions(seed, monkeypatch, rails):
                     torch.randint(0, 256, (layer_bytes,), dtype=torch.uint8, device="cuda:0", generator=g, out=t)
                 host = [t.cpu().numpy() for t in src]
                 peer.poison()
+                before = len(taken)
                 if asynchronous:
                     eng.batch_write_async(peer.session, srcs, dsts, lens).wait()
                 else:
                     eng.batch_write(peer.session, srcs, dsts, lens)
-                assert taken[-rails:] == [True] * rails, taken
+                assert taken[before:] == [True] * rails, taken  # one write (one run) per rail, each taken
                 for k in range(layers):
                     img = np.full(layer_bytes, POISON, dtype=np.uint8)
                     for k_, so, do, n in pieces:

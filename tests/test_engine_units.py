@@ -238,11 +238,13 @@ def test_whole_batch_rail_agrees_with_plan():
     makes the batch one DIRECT unit of every piece in order, and names that unit's rail; it names one whenever
     ``plan`` does so and those figures decide it (it cannot count a batch's small pieces: with more pieces than
     ``direct_pieces``, some below ``coalesce_bytes``, it declines); ``plan`` given the smallest length too returns
-    the same unit; ``relays_all`` holds exactly when every unit ``plan`` makes is RELAYED. Random batches over
-    coalescing, relay policy, rails, locality, host or GPU sources, loads and sizes around the thresholds (1 B
-    pieces, pieces at the stripe size and one byte over)."""
+    the same unit; ``relays_all`` holds exactly when every unit ``plan`` makes is RELAYED; when
+    ``direct_runs_all`` holds, ``plan`` makes DIRECT runs whose arrays, joined in order, are the batch's. Random
+    batches over coalescing, relay policy, rails, locality, host or GPU sources, loads and sizes around the
+    thresholds (1 B pieces, pieces at the stripe size and one byte over)."""
     from conftest import SEED
     rng = np.random.default_rng(SEED)
+    runs_all = 0  # batches ``direct_runs_all`` named
     for trial in range(400):
         coalesce = int(rng.choice([0, 4 * KB, 64 * KB]))
         relay = str(rng.choice(["auto", "always", "never"]))
@@ -277,6 +279,14 @@ def test_whole_batch_rail_agrees_with_plan():
             assert [(u.kind, u.rail, u.nbytes) for u in short] == [(DIRECT, got.rail, stats[0])], case
             assert [tuple(x) for x in short[0].segments()] == [tuple(x) for x in units[0].segments()], case
         assert probe.relays_all(choices, stats[2]) == all(u.kind == RELAYED for u in units), case
+        if probe.direct_runs_all(choices, n, stats[2], stats[1]):
+            runs_all += 1
+            assert all(u.kind == DIRECT and u.runs is not None for u in units), (case, [u.kind for u in units])
+            for k, arr in enumerate((srcs, dsts, lengths)):
+                assert np.array_equal(np.concatenate([u.runs[k] for u in units]), arr), case
+            assert sum(u.nbytes for u in units) == stats[0], case
+            assert all(u.nbytes == int(u.runs[2].sum()) for u in units), case
+    assert runs_all >= 20, runs_all
 
 
 def test_locate_inside_agrees_with_locate():

@@ -407,6 +407,13 @@ class Pipeline:
             if self.planner.relays_all(choices, extremes[0], peer.forward):
                 return self._relay_inline(peer, src, dst, ln, dev, remote, extremes, nbytes, choices, load, t0, t1,
                                           wait)
+            if self.planner.direct_runs_all(choices, int(ln.size), extremes[0], extremes[1], peer.forward):
+                def write_run(fab, ep, rail, a, b, s, d, n, run_bytes, lmin, lmax):
+                    # the run's own lengths; the batch's address spans hold every one of its pieces
+                    bd = WriteBounds(lmin, lmax, *extremes[2:], remote.keys[rail], local.keys[rail].lkey)
+                    return fab.write_inline(ep, s, d, n, bd, run_bytes, wait=False)
+                return self._direct_runs_inline(peer, src, dst, ln, dev, extremes, nbytes, choices, load, t0, t1,
+                                                wait, write_run)
             return None
         rail = c.rail
         bounds = WriteBounds(*extremes, remote.keys[rail], local.keys[rail].lkey)
@@ -459,9 +466,20 @@ class Pipeline:
                 return None  # sources on several devices: one unit per device, posted
         else:
             dev = int(devices)
-        c = self._whole_batch_rail(dev, peer, int(ln.size), nbytes, extremes)[2]
+        choices, load, c = self._whole_batch_rail(dev, peer, int(ln.size), nbytes, extremes)
         if c is None:
-            return None
+            if not self.planner.direct_runs_all(choices, int(ln.size), extremes[0], extremes[1], peer.forward):
+                return None
+            many_local, many_remote = getattr(idx, "ndim", 0), getattr(ridx, "ndim", 0)
+
+            def write_run(fab, ep, rail, a, b, s, d, n, run_bytes, lmin, lmax):
+                # the run's regions (remembered per run as per batch: the planner cuts a layout the same way
+                # while the rails' loads are the same), its own lengths, the batch's address spans
+                sp = RegionSpans(lmin, lmax, *extremes[2:], *self._region_spans(
+                    rail, lsnap, idx[a:b] if many_local else idx, rsnap, ridx[a:b] if many_remote else ridx))
+                return fab.write_inline_regions(ep, s, d, n, sp, run_bytes, wait=False)
+            return self._direct_runs_inline(peer, src, dst, ln, dev, extremes, nbytes, choices, load, t0, t1, wait,
+                                            write_run)
         rail = c.rail
         spans = RegionSpans(*extremes, *self._region_spans(rail, lsnap, idx, rsnap, ridx))
         return self._inline_on_rail(peer, rail, lambda fab, ep: fab.write_inline_regions(ep, src, dst, ln, spans,
@@ -504,6 +522,61 @@ class Pipeline:
                 memo.pop(next(iter(memo)))  # the oldest layout
             memo[key] = (lsnap, rsnap, value)
         return value
+
+    def _direct_runs_inline(self, peer: "_Peer", src, dst, ln, dev: int, extremes: tuple, nbytes: int, choices,
+                            load: dict, t0: int, t1: int, wait: bool, write_run):
+        """``_write_inline`` for a batch the planner cuts into DIRECT runs of whole pieces on several rails (a
+        batch of at least twice ``MIN_RUN_BYTES`` with two rails or more): the same runs on the same rails, each
+        written by the calling thread through its rail's fabric (``write_run(fabric, endpoint, rail, first, end,
+        srcs, dsts, lengths, bytes, smallest length, largest)`` for the run of pieces ``first:end``, not waited
+        for), then waited for together when ``wait``. No unit, attempt, request, post or completion per run.
+        Returns the runs' joined ``Pending``, or None with nothing counted when a fabric declined or failed a run
+        (on ipc: a rail that has not yet had the peer's region described): the runs already written are waited
+        for, and the caller posts the whole batch (the writes are idempotent)."""
+        units = self.planner.plan(src, dst, ln, None, {dev: choices}, load, [dev], None, None,
+                                  (nbytes, extremes[1], extremes[0]))
+        t2 = now_ns()
+        pendings, per_rail, first = [], [], 0
+        got = None
+        try:
+            for u in units:
+                if u.kind != DIRECT or u.runs is None:  # not what ``direct_runs_all`` promised: post it
+                    break
+                s_, d_, n_ = u.runs
+                end = first + n_.size
+                if u.nbytes <= 0 or end > ln.size:
+                    break
+                lmin, lmax = (int(n_[0]),) * 2 if n_.size == 1 else (int(n_.min()), int(n_.max()))
+                one = write_run(self.fabrics[u.rail], peer.rails[u.rail].ep, u.rail, first, end, s_, d_, n_,
+                                u.nbytes, lmin, lmax)
+                if one is None:
+                    break
+                pendings.append(one)
+                per_rail.append((u.rail, int(n_.size), u.nbytes))
+                first = end
+            else:
+                if first == ln.size:
+                    got = Pending.joined(pendings)
+                    if wait:
+                        got.wait()
+        except (FabricError, TransferError, OSError, RuntimeError) as e:
+            log.info("the inline runs of %d piece(s) to %s failed (%s); posting them instead", ln.size,
+                     peer.session, e)
+            got = None
+        if got is None:
+            try:
+                Pending.joined(pendings).wait()  # nothing of this try may land after the posted path's writes
+            except RuntimeError:
+                log.exception("waiting for the inline runs' writes to %s failed", peer.session)
+            self.planner.rewind()  # the posted path plans the same rails
+            return None
+        t3 = now_ns()
+        for rail, writes, run_bytes in per_rail:
+            self._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", writes),
+                                             ("bytes_posted", run_bytes), ("completions", 1),
+                                             ("bytes_completed", run_bytes)))
+        self._count_inline(DIRECT, len(units), int(ln.size), nbytes, (t0, t1, t2, t3), wait)
+        return got
 
     def _relay_inline(self, peer: "_Peer", src, dst, ln, dev: int, remote, extremes: tuple, nbytes: int, choices,
                       load: dict, t0: int, t1: int, wait: bool):
@@ -692,13 +765,18 @@ class Pipeline:
             lkey, rkey = local.keys[rail].lkey, remote.keys[rail]
             for a, p in zip(atts, parts):
                 m = p[2].size
-                if batch.extremes is not None and p[2] is batch.lengths and p[0] is batch.srcs \
-                        and p[1] is batch.dsts:
+                if batch.extremes is None:
+                    nbytes = bounds = None
+                elif p[2] is batch.lengths and p[0] is batch.srcs and p[1] is batch.dsts:
                     # the unit is the whole batch, whose arrays the validation reduced: the fabric checks those
                     # extremes instead of reducing the same arrays again
                     nbytes, bounds = batch.nbytes, WriteBounds(*batch.extremes, rkey, lkey)
                 else:
-                    nbytes = bounds = None
+                    # a part of the batch (a run of its pieces on one rail, or parts of pieces): its lengths'
+                    # extremes are its own, and every write lies inside a piece of the batch, so the batch's
+                    # address spans hold its writes; the fabric's checks against these spans cover each write
+                    nbytes = a.unit.nbytes
+                    bounds = WriteBounds(int(p[2].min()), int(p[2].max()), *batch.extremes[2:], rkey, lkey)
                 a.reqs = [WriteBatch(p[0], p[2], p[1], np.full(m, rkey, dtype=np.int64),
                                      np.full(m, lkey, dtype=np.int64), nbytes=nbytes, bounds=bounds)]
             return

@@ -269,6 +269,15 @@ class Planner:
         return (bool(choices) and forward is None and not (self.coalesce_bytes and lmin < self.coalesce_bytes)
                 and (self.relay == "always" or (self.relay == "auto" and not any(c.local for c in choices))))
 
+    def direct_runs_all(self, choices: Sequence[RailChoice], count: int, lmin: int, lmax: int,
+                        forward: Optional[Dict[int, int]] = None) -> bool:
+        """Whether ``plan`` makes a batch of ``count`` pieces of one device with these rail ``choices`` (lengths
+        ``lmin`` to ``lmax`` bytes) only DIRECT runs of whole pieces, in order, each unit's ``runs`` a slice of
+        the batch's arrays: nothing to coalesce, stripe, relay or forward. Decided from those figures alone."""
+        return (bool(choices) and count > 1 and forward is None and lmax <= self.stripe_bytes
+                and not (self.coalesce_bytes and lmin < self.coalesce_bytes)
+                and (self.relay == "never" or (self.relay == "auto" and all(c.local for c in choices))))
+
     def rewind(self) -> None:
         """Take back the last call's tie rotation: a caller that asked ``whole_batch_rail`` but did not use the
         rail, and now plans the same batch, gets the same rail from ``plan``."""
@@ -293,22 +302,31 @@ class Planner:
             Planner._add_run(units, DIRECT, dev, c, run, nbytes, load)
             return
         cum = np.cumsum(lens)
+        total = int(cum[-1])
         choices = sorted(choices, key=lambda c: load.get(c.rail, 0))  # the least loaded rail takes the first run
-        choices = choices[:min(len(choices), int(cum[-1]) // MIN_RUN_BYTES)]
+        choices = choices[:min(len(choices), total // MIN_RUN_BYTES)]
         loads = [load.get(c.rail, 0) for c in choices]
-        share = (int(cum[-1]) + sum(loads)) / len(choices)
-        targets = np.cumsum([max(0.0, share - v) for v in loads])[:-1]
-        # each cut after the piece whose running total comes closest to the rail's target
-        i = np.minimum(np.searchsorted(cum, targets, side="left"), idx.size - 1)
-        before = np.where(i > 0, cum[np.maximum(i - 1, 0)], 0)
-        take = np.where(np.abs(cum[i] - targets) <= np.abs(before - targets), i + 1, i)
-        cuts = [0] + np.maximum.accumulate(take).tolist() + [idx.size]
+        share = (total + sum(loads)) / len(choices)
+        # each cut after the piece whose running total comes closest to the rail's target; a Python step per
+        # rail (a few rails) instead of whole-array numpy calls, each of which costs more than the step
+        cuts, target, last = [0], 0.0, idx.size - 1
+        for v in loads[:-1]:
+            target += max(0.0, share - v)
+            i = min(int(cum.searchsorted(target, side="left")), last)
+            before = int(cum[i - 1]) if i > 0 else 0
+            take = i + 1 if abs(int(cum[i]) - target) <= abs(before - target) else i
+            cuts.append(max(take, cuts[-1]))
+        cuts.append(idx.size)
         for c, a, b in zip(choices, cuts[:-1], cuts[1:]):
             if b <= a:
                 continue
-            sel = idx[a:b]
-            nbytes = int(lens[a:b].sum())
-            Planner._add_run(units, DIRECT, dev, c, (srcs[sel], dsts[sel], lens[a:b]), nbytes, load)
+            nbytes = int(cum[b - 1]) - (int(cum[a - 1]) if a else 0)
+            if every:  # every piece in order: the run is a slice, views of the batch's arrays
+                run = (srcs[a:b], dsts[a:b], lengths[a:b])
+            else:
+                sel = idx[a:b]
+                run = (srcs[sel], dsts[sel], lens[a:b])
+            Planner._add_run(units, DIRECT, dev, c, run, nbytes, load)
 
     def _plan_relayed_runs(self, units, dev, srcs, dsts, lengths, idx, choices, load) -> None:
         """RELAYED units of the pieces ``idx`` (each at most a slot): runs, in order, of as many whole pieces as

@@ -118,9 +118,9 @@ class WriteBounds(NamedTuple):
     and largest local end (address + length), the same for the remote side, and the rkey and lkey of every
     write. A fabric checks these against its regions instead of reducing the arrays again (each reduction is a
     numpy call of host time per batch); a batch without them is checked from its arrays. Only code that has just
-    reduced the same arrays sets them: the lengths and local extremes exactly (equal extreme lengths mean equal
-    lengths), the remote ones exactly or as a span that holds every remote piece (a relayed unit carries its
-    batch's destination span)."""
+    reduced the same arrays, or arrays these writes lie inside, sets them: the lengths exactly (equal extreme
+    lengths mean equal lengths), the local and remote ones exactly or as spans that hold every local and every
+    remote piece (a relayed unit, or a run of a batch's pieces on one rail, carries its batch's spans)."""
 
     len_min: int
     len_max: int

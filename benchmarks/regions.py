@@ -11,7 +11,7 @@ call).
 
 Shapes: ``aux11`` (sglang's aux batch), ``78x64KB`` (a block per layer of a 78-layer model) and, on a GPU,
 ``78x2.25MB`` (the per-layer latent blocks of the sglang 64k shape, 184 MB). On a machine with two rails the
-planner splits a batch of several MB between them, which is posted either way.
+planner cuts a batch of several MB into a run per rail, each written inline by the caller in either layout.
 
 Usage: python3 benchmarks/regions.py [--device N] [--shapes aux11,78x64KB] [--calls 300] [--warm 50] [--seed N]
 [--out PATH]   (default output: a temporary file)

@@ -862,6 +862,20 @@ def test_ipc_message_path_batches_over_many_regions_are_written_inline(rng, ipc_
             assert ipc_peer.call("extra_digest", addr=extras[k]) == expected(k), f"piece {k} differs"
 
 
+PEER_SETTLES = 3
+"""Tries of a round that checks the rails' writes are taken by the caller. The module's peer forgets an earlier
+test's engine in its own time, deregistering what it kept for it; that retires this engine's descriptions of the
+peer's regions once (a batch then goes as messages, byte-exact, and its GRANT describes them again)."""
+
+
+def write_sync_or_async(eng, session: str, srcs, dsts, lengths, asynchronous: bool) -> None:
+    """One ``batch_write``, or one ``batch_write_async`` waited for."""
+    if asynchronous:
+        eng.batch_write_async(session, srcs, dsts, lengths).wait()
+    else:
+        eng.batch_write(session, srcs, dsts, lengths)
+
+
 @pytest.mark.parametrize("runs_inline", [True, False], ids=["inline-runs", "posted"])
 def test_ipc_batches_over_many_regions_split_between_rails_are_copied_by_the_caller(rng, ipc_peer, monkeypatch,
                                                                                     runs_inline):
@@ -923,18 +937,18 @@ def test_ipc_batches_over_many_regions_split_between_rails_are_copied_by_the_cal
             eng.batch_write(ipc_peer.session, srcs, dsts, ln)
             warm += 1
         for asynchronous in (False, True, False):
-            for b in bufs:
-                b[:] = np.frombuffer(rng.bytes(b.size), dtype=np.uint8)
-            ipc_peer.poison()
-            del found[:]
-            if asynchronous:
-                eng.batch_write_async(ipc_peer.session, srcs, dsts, ln).wait()
-            else:
-                eng.batch_write(ipc_peer.session, srcs, dsts, ln)
+            for attempt in range(PEER_SETTLES):
+                for b in bufs:
+                    b[:] = np.frombuffer(rng.bytes(b.size), dtype=np.uint8)
+                ipc_peer.poison()
+                del found[:]
+                write_sync_or_async(eng, ipc_peer.session, srcs, dsts, ln, asynchronous)
+                for k, a in enumerate(extras):
+                    assert ipc_peer.call("extra_digest", addr=a) == expected(k), \
+                        f"piece {k} ({lengths[k]} B, async={asynchronous}) differs"
+                if found == [True, True]:
+                    break
             assert found == [True, True], f"not copied by the caller on both rails: {found}"
-            for k, a in enumerate(extras):
-                assert ipc_peer.call("extra_digest", addr=a) == expected(k), \
-                    f"piece {k} ({lengths[k]} B, async={asynchronous}) differs"
         ipc_peer.call("deregister", addr=extras[3])
         ipc_peer.poison()
         del found[:]
@@ -953,12 +967,14 @@ def test_ipc_posted_runs_of_a_one_region_batch_carry_bounds(rng, ipc_peer, monke
     writes are parts of a piece); fresh data each round, sync and async, byte-exact with nothing else written.
     A batch reaching one byte past the peer's region is refused with nothing written."""
     from transport.fabric.ipc import IpcFabric
-    seen = []
+    seen, learned = [], set()
     real = IpcFabric._direct_target
 
     def spy(self, ep, batches, devices):
         got = real(self, ep, batches, devices)
         seen.extend((b.bounds, got is not None, b.length.copy()) for b in batches)
+        if got is not None:
+            learned.add(id(self))  # this rail's fabric has the peer's region described
         return got
 
     monkeypatch.setattr(IpcFabric, "_direct_target", spy)
@@ -973,21 +989,21 @@ def test_ipc_posted_runs_of_a_one_region_batch_carry_bounds(rng, ipc_peer, monke
         srcs = [own.ctypes.data + int(o) for o in src_offs]
         dsts = [ipc_peer.base + int(o) for o in dst_offs]
         for _ in range(20):  # each rail learns the peer's region from one post as messages
-            del seen[:]
             eng.batch_write(ipc_peer.session, srcs, dsts, lengths)
-            if len(seen) >= 2 and all(got for _, got, _ in seen):
+            if len(learned) == 2:
                 break
+        assert len(learned) == 2, f"the rails did not both learn the peer's region: {len(learned)}"
         for asynchronous in (False, True, False):
-            own[:] = np.frombuffer(rng.bytes(size), dtype=np.uint8)
-            ipc_peer.poison()
-            del seen[:]
-            if asynchronous:
-                eng.batch_write_async(ipc_peer.session, srcs, dsts, lengths).wait()
-            else:
-                eng.batch_write(ipc_peer.session, srcs, dsts, lengths)
-            exp = Expected(ipc_peer.size)
-            exp.apply(own, src_offs, dst_offs, lengths)
-            ipc_peer.check(exp)
+            for attempt in range(PEER_SETTLES):
+                own[:] = np.frombuffer(rng.bytes(size), dtype=np.uint8)
+                ipc_peer.poison()
+                del seen[:]
+                write_sync_or_async(eng, ipc_peer.session, srcs, dsts, lengths, asynchronous)
+                exp = Expected(ipc_peer.size)
+                exp.apply(own, src_offs, dst_offs, lengths)
+                ipc_peer.check(exp)
+                if all(got for _, got, _ in seen):
+                    break
             assert len(seen) >= 2, f"the batch was not split between the rails: {len(seen)} post(s)"
             for bounds, taken, ln in seen:
                 assert bounds is not None and taken, (bounds, taken)

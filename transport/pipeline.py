@@ -536,7 +536,7 @@ class Pipeline:
         units = self.planner.plan(src, dst, ln, None, {dev: choices}, load, [dev], None, None,
                                   (nbytes, extremes[1], extremes[0]))
         t2 = now_ns()
-        pendings, per_rail, first = [], [], 0
+        pendings, per_rail, first = [], {}, 0
         got = None
         try:
             for u in units:
@@ -552,7 +552,10 @@ class Pipeline:
                 if one is None:
                     break
                 pendings.append(one)
-                per_rail.append((u.rail, int(n_.size), u.nbytes))
+                counts = per_rail.setdefault(u.rail, [0, 0, 0])
+                counts[0] += 1
+                counts[1] += int(n_.size)
+                counts[2] += u.nbytes
                 first = end
             else:
                 if first == ln.size:
@@ -563,20 +566,8 @@ class Pipeline:
             log.info("the inline runs of %d piece(s) to %s failed (%s); posting them instead", ln.size,
                      peer.session, e)
             got = None
-        if got is None:
-            try:
-                Pending.joined(pendings).wait()  # nothing of this try may land after the posted path's writes
-            except RuntimeError:
-                log.exception("waiting for the inline runs' writes to %s failed", peer.session)
-            self.planner.rewind()  # the posted path plans the same rails
-            return None
-        t3 = now_ns()
-        for rail, writes, run_bytes in per_rail:
-            self._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", writes),
-                                             ("bytes_posted", run_bytes), ("completions", 1),
-                                             ("bytes_completed", run_bytes)))
-        self._count_inline(DIRECT, len(units), int(ln.size), nbytes, (t0, t1, t2, t3), wait)
-        return got
+        return self._settle_inline(peer, "runs", got, pendings, per_rail, DIRECT, len(units), int(ln.size), nbytes,
+                                   (t0, t1, t2), wait)
 
     def _relay_inline(self, peer: "_Peer", src, dst, ln, dev: int, remote, extremes: tuple, nbytes: int, choices,
                       load: dict, t0: int, t1: int, wait: bool):
@@ -620,11 +611,21 @@ class Pipeline:
             log.info("the inline relay of %d piece(s) to %s failed (%s); posting it instead", ln.size, peer.session,
                      e)
             got = None
+        return self._settle_inline(peer, "relay", got, pendings, per_rail, RELAYED, len(units), int(ln.size),
+                                   nbytes, (t0, t1, t2), wait)
+
+    def _settle_inline(self, peer: "_Peer", what: str, got, pendings: list, per_rail: Dict[int, List[int]],
+                       kind: str, units: int, n: int, nbytes: int, times: tuple, wait: bool):
+        """The end of an inline batch written unit by unit (``_direct_runs_inline``, ``_relay_inline``): ``got``,
+        the units' joined ``Pending``, counted (``per_rail``: rail -> [posts, writes, bytes]; ``times``:
+        submitted, validated, planned, in ns) and returned; or, when ``got`` is None (a unit declined or failed),
+        the writes already made (``pendings``) waited for, the tie rotation taken back and None returned, for the
+        caller to post the whole batch."""
         if got is None:
             try:
                 Pending.joined(pendings).wait()  # nothing of this try may land after the posted path's writes
             except RuntimeError:
-                log.exception("waiting for the inline relay's writes to %s failed", peer.session)
+                log.exception("waiting for the inline %s writes to %s failed", what, peer.session)
             self.planner.rewind()  # the posted path plans the same rails
             return None
         t3 = now_ns()
@@ -632,7 +633,7 @@ class Pipeline:
             self._rail_stats[rail].add_many((("post_calls", posts), ("writes_posted", writes),
                                              ("bytes_posted", rail_bytes), ("completions", posts),
                                              ("bytes_completed", rail_bytes)))
-        self._count_inline(RELAYED, len(units), int(ln.size), nbytes, (t0, t1, t2, t3), wait)
+        self._count_inline(kind, units, n, nbytes, (*times, t3), wait)
         return got
 
     def _count_inline(self, kind: str, units: int, n: int, nbytes: int, times: tuple, wait: bool) -> None:

@@ -552,10 +552,7 @@ class Pipeline:
                 if one is None:
                     break
                 pendings.append(one)
-                counts = per_rail.setdefault(u.rail, [0, 0, 0])
-                counts[0] += 1
-                counts[1] += int(n_.size)
-                counts[2] += u.nbytes
+                self._tally(per_rail, u.rail, int(n_.size), u.nbytes)
                 first = end
             else:
                 if first == ln.size:
@@ -599,10 +596,8 @@ class Pipeline:
                 if got is None:
                     break
                 pendings.append(got)
-                counts = per_rail.setdefault(u.rail, [0, 0, 0])
-                counts[0] += 1
-                counts[1] += u.runs[2].size if u.runs is not None else len(u.segments())
-                counts[2] += u.nbytes
+                writes = u.runs[2].size if u.runs is not None else len(u.segments())
+                self._tally(per_rail, u.rail, writes, u.nbytes)
             else:
                 got = Pending.joined(pendings)
                 if wait:
@@ -613,6 +608,15 @@ class Pipeline:
             got = None
         return self._settle_inline(peer, "relay", got, pendings, per_rail, RELAYED, len(units), int(ln.size),
                                    nbytes, (t0, t1, t2), wait)
+
+    @staticmethod
+    def _tally(per_rail: Dict[int, List[int]], rail: int, writes: int, nbytes: int) -> None:
+        """Count one inline unit of ``writes`` writes and ``nbytes`` bytes on ``rail`` in ``per_rail`` (rail ->
+        [posts, writes, bytes]) for ``_settle_inline``."""
+        counts = per_rail.setdefault(rail, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += writes
+        counts[2] += nbytes
 
     def _settle_inline(self, peer: "_Peer", what: str, got, pendings: list, per_rail: Dict[int, List[int]],
                        kind: str, units: int, n: int, nbytes: int, times: tuple, wait: bool):

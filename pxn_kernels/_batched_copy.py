@@ -297,14 +297,18 @@ def _equal_kernel(length: int, pol: dict) -> Optional[CopyPlan]:
 
 
 _PLAN_CACHE_SIZE = 64
+_PLANS_PER_KEY = 8
+_cached_plans = 0  # plans held in _plan_cache (a key of long lists holds several)
 _plan_cache: "OrderedDict" = OrderedDict()
 _plan_lock = threading.Lock()
 _WEIGHTS = np.zeros(0, dtype=np.int64)
 
 
 def _forget_plans() -> None:
+    global _cached_plans
     with _plan_lock:
         _plan_cache.clear()
+        _cached_plans = 0
         _row_plans.clear()
         _equal_plans.clear()
 
@@ -330,8 +334,9 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
     Any other mix: on a GPU the segment kernel (its table built with numpy and moved to ``device`` in one copy),
     unless the policy turns it off; else the range plan, computed with numpy (``plan_host``) and moved the same way.
     Plans are cached by the lengths themselves (the last 64 lists per process), since callers repeat the same
-    lengths call after call: a repeat costs a hash of short lists, or a fingerprint and one comparison of long
-    ones. ``stats``: the lengths' (min, max, sum) when the caller has them (``_checks.LengthStats``).
+    lengths call after call: a repeat costs a hash of short lists, or one comparison of the bytes of long ones,
+    found by ``stats`` (or by a fingerprint without them). ``stats``: the lengths' (min, max, sum) when the caller
+    has them (``_checks.LengthStats``).
     """
     if stats is not None and stats.lmin == stats.lmax and stats.lmin > 0:
         key = (device.type, device.index, stats.lmin)
@@ -347,19 +352,45 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
             return plan
     lengths = np.asarray(lengths, dtype=np.int64)
     n = int(lengths.size)
-    # Short lists are their own key; longer ones a fingerprint, confirmed by comparing the stored lengths.
-    exact = n <= 256
-    key = (device.type, device.index, lengths.tobytes() if exact else (n, _fingerprint(lengths)))
+    # Short lists are their own key. Longer ones are keyed by what the checks already computed (count, min, max,
+    # sum), or else by a position-weighted fingerprint, and each key holds the bytes of up to _PLANS_PER_KEY length
+    # lists (the same multiset in several orders shares a stats key); a hit is one comparison of the bytes.
+    if n <= 256:
+        key, image = (device.type, device.index, lengths.tobytes()), None
+    else:
+        image = lengths.tobytes()
+        key = (device.type, device.index, n) + ((stats.lmin, stats.lmax, stats.total) if stats is not None
+                                                else (_fingerprint(lengths),))
     with _plan_lock:
         hit = _plan_cache.get(key)
-        if hit is not None and (exact or np.array_equal(hit[0], lengths)):
-            _plan_cache.move_to_end(key)
-            return hit[1]
+        if hit is not None:
+            if image is None:
+                _plan_cache.move_to_end(key)
+                return hit
+            for stored, plan in hit:
+                if stored == image:
+                    _plan_cache.move_to_end(key)
+                    return plan
     plan = _new_plan(lengths, device, stats)
+    global _cached_plans
     with _plan_lock:
-        _plan_cache[key] = (None if exact else lengths.copy(), plan)
-        while len(_plan_cache) > _PLAN_CACHE_SIZE:
-            _plan_cache.popitem(last=False)
+        if image is None:
+            if key not in _plan_cache:
+                _cached_plans += 1
+            _plan_cache[key] = plan
+        else:
+            entries = _plan_cache.get(key)
+            if entries is None:
+                entries = _plan_cache[key] = []
+            if len(entries) >= _PLANS_PER_KEY:
+                del entries[0]
+                _cached_plans -= 1
+            entries.append((image, plan))
+            _cached_plans += 1
+        _plan_cache.move_to_end(key)
+        while _cached_plans > _PLAN_CACHE_SIZE and len(_plan_cache) > 1:
+            _, gone = _plan_cache.popitem(last=False)
+            _cached_plans -= len(gone) if isinstance(gone, list) else 1
     return plan
 
 

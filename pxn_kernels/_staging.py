@@ -83,9 +83,10 @@ class CudaBackend:
         return ev
 
     def capturing(self, stream: int) -> bool:
-        status = ctypes.c_int()
-        check(self.lib.cuStreamIsCapturing(stream, ctypes.byref(status)), "cuStreamIsCapturing")
-        return status.value != 0
+        """Whether ``stream`` (the current stream of the calling thread's current GPU, as ``UploadPool.upload``
+        requires) is being captured into a CUDA graph: torch's own test of its current stream, a C++ call
+        instead of a ctypes one."""
+        return torch._C._cuda_isCurrentStreamCapturing()
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         check(self.lib.cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyHtoDAsync", "index upload")
@@ -186,7 +187,7 @@ class UploadPool:
 
     def upload(self, arrays: Sequence[np.ndarray], stream: int) -> Optional[Upload]:
         """Copy the int64 arrays (``n`` items each) into a slot and enqueue their move to the GPU on ``stream``
-        (a raw handle of the current context's GPU). Returns the ``Upload`` whose ``views`` (device int64
+        (the raw handle of the current stream of the calling thread's current GPU). Returns the ``Upload`` whose ``views`` (device int64
         tensors, in order) the caller launches from and then hands to ``release`` -- always, also when its
         launch fails. None when ``stream`` is being captured into a CUDA graph (the caller uploads another way)."""
         if self.backend.capturing(stream):

@@ -284,6 +284,28 @@ def test_policy_picks_the_kernel_and_the_plan_cache_follows_it(clean_policy):
         assert other.pad_ends.cpu().tolist()[:2] == [64, 80]
 
 
+def test_plan_cache_of_long_lists_keyed_by_the_checks_stats_keeps_each_order(rng):
+    """Long length lists with the checks' stats share a key per (count, min, max, sum): the same multiset in
+    other orders must still get a plan of its own, each found again by its bytes, and a changed list never
+    gets a stale plan."""
+    base = rng.integers(1, 9000, 700).astype(np.int64)
+    stats = _checks.LengthStats(int(base.min()), int(base.max()), int(base.sum()))
+    orders = [base] + [rng.permutation(base) for _ in range(3)]
+    plans = [pxn_kernels.plan_for_lengths(o, DEVICE, stats) for o in orders]
+    assert len({id(p) for p in plans}) == len(orders)
+    for _ in range(2):
+        for o, p in zip(orders, plans):
+            assert pxn_kernels.plan_for_lengths(o.copy(), DEVICE, stats) is p
+    fresh = pxn_kernels.plan_for_lengths(base, DEVICE)  # no stats: found by the fingerprint, another entry
+    changed = base.copy()
+    changed[5] += 1
+    changed[6] -= 1  # same count, min, max (rows 5 and 6 are not the extremes, see below) and sum
+    if int(base[5]) in (stats.lmin, stats.lmax) or int(base[6]) in (stats.lmin, stats.lmax) or changed[6] < 1:
+        return
+    got = pxn_kernels.plan_for_lengths(changed, DEVICE, stats)
+    assert all(got is not p for p in plans + [fresh])
+
+
 def test_disjoint_on_device_agrees_with_the_host_sort(rng):
     """The GPU overlap test (torch.sort, one flag) on CPU tensors here: same answer as the host sort."""
     for trial in range(40):
@@ -695,6 +717,40 @@ def test_spans_of_the_checks_and_reachable_by_span(monkeypatch):
     host = np.array([7 << 20], dtype=np.int64)
     assert peer_access.reachable(cuda0, [host], np.ones(1, dtype=np.int64), [(7 << 20, 7 << 20)])
     assert looked_up == [7 << 20]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gather_of_host_arrays_captured_in_a_cuda_graph_replays_its_own_descriptors(rng):
+    """Under graph capture the staging pool declines (its slots are reused by later calls, which a replay would
+    read) and the call stages its descriptors in buffers of its own: a replay after other host-array calls
+    still copies the captured pieces, byte for byte."""
+    lengths = rng.integers(1, 700, 37).astype(np.int64)
+    src_buf, src_addrs = _pieces(rng, lengths.tolist(), [3, 0, 61])
+    offsets, size = _packed_offsets(lengths.tolist(), 5, 0)
+    out = torch.zeros(size + 64, dtype=torch.uint8, device=DEVICE)
+    ptrs, lens, offs = np.asarray(src_addrs, dtype=np.int64), lengths, np.asarray(offsets, dtype=np.int64)
+    pxn_kernels.gather(ptrs, lens, out, offs)  # compiled and planned before the capture
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            pxn_kernels.gather(ptrs, lens, out, offs)
+    # other host-array calls reuse every pool slot meanwhile
+    other_lens = np.roll(lens, 1)
+    other_offs = np.asarray(_packed_offsets(other_lens.tolist(), 5, 0)[0], dtype=np.int64)
+    scratch = torch.empty_like(out)
+    for _ in range(40):
+        pxn_kernels.gather(np.roll(ptrs, 1), other_lens, scratch, other_offs)
+    src_buf.copy_(_random_bytes(rng, src_buf.numel()))  # fresh source bytes: the replay must read them
+    poison = _random_bytes(rng, out.numel())
+    out.copy_(poison)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = poison.clone()
+    pxn_kernels.gather_torch(torch.from_numpy(ptrs).to(DEVICE), torch.from_numpy(lens).to(DEVICE), want,
+                             torch.from_numpy(offs).to(DEVICE))
+    assert torch.equal(out, want)
 
 
 class FakeBackend:

@@ -14,6 +14,15 @@ has an ``UploadPool`` of such buffer pairs (``_Slot``):
   ``max_slots`` per GPU, after which the caller waits for the oldest (a thread far ahead of its GPU);
 * a slot too small for a batch is grown (new buffers) only when it is idle.
 
+Small uploads (up to ``SMALL_UPLOAD_BYTES``) skip the slots and their events: the arrays go through a pageable
+host buffer of the calling thread, from which ``cuMemcpyHtoDAsync`` returns only once the driver has staged the
+bytes (so it may be rewritten at once), into a device buffer of that thread and stream. The next upload into that
+device buffer is a copy on the same stream, which runs after every kernel queued there before it, so it never
+rewrites descriptors a launch has still to read; another thread or stream has buffers of its own. This saves the
+event query and record of a slot, which cost about as much as the copy itself (benchmarks/NOTES.md, "Small
+descriptor uploads ordered by their stream"). Larger uploads keep the pinned slots: staging a large pageable copy
+may make the driver wait for the stream.
+
 Device tensors (``gather(cuda int64 tensors, ...)``, checked): the checks need the values on the host, so
 ``read_to_host`` copies each tensor into a per-thread pinned buffer (one ``cuMemcpyDtoHAsync`` each on the
 current stream) and synchronises that stream once; no ``torch.stack``, no pageable buffer.
@@ -38,6 +47,8 @@ from pxn_kernels._libcuda import check, driver
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY (cuEventQuery)
 _MIN_WORDS = 1 << 10  # smallest slot: 8 KiB, room for 3 x 341 descriptors
+SMALL_UPLOAD_BYTES = 64 << 10  # uploads up to this size go through the stream-ordered buffers (3 x 2730 pieces)
+_STREAMS_PER_THREAD = 64
 
 _tls = threading.local()
 
@@ -75,6 +86,13 @@ class CudaBackend:
     def buffers(self, words: int):
         """(pinned host int64 tensor, device int64 tensor), ``words`` each."""
         return (torch.empty(words, dtype=torch.int64, pin_memory=True),
+                torch.empty(words, dtype=torch.int64, device=torch.device("cuda", self.index)))
+
+    def stream_buffers(self, words: int):
+        """(pageable host int64 numpy array, device int64 tensor), ``words`` each, for one thread and stream. The
+        device tensor is allocated on the calling thread's current stream (the one it will be used on), so that
+        when it is freed the caching allocator hands its memory out again only in that stream's order."""
+        return (np.empty(words, dtype=np.int64),
                 torch.empty(words, dtype=torch.int64, device=torch.device("cuda", self.index)))
 
     def event(self):
@@ -134,8 +152,24 @@ class _Slot:
         return got
 
 
+class _StreamBuffer:
+    """One thread's pageable host buffer and device buffer for one stream (small uploads), ``words`` int64 each."""
+
+    __slots__ = ("words", "host_np", "host_ptr", "dev", "dev_ptr", "views")
+
+    def __init__(self, backend, words: int):
+        self.words = words
+        self.host_np, self.dev = backend.stream_buffers(words)
+        self.host_ptr = self.host_np.ctypes.data
+        self.dev_ptr = self.dev.data_ptr()
+        self.views = {}
+
+    device_views = _Slot.device_views
+
+
 class Upload:
-    """One upload in flight: the slot it used, the device views of the arrays, the stream it went on."""
+    """One upload in flight: the slot it used (None for a small upload, which returns nothing), the device
+    views of the arrays, the stream it went on."""
 
     __slots__ = ("slot", "views", "stream")
 
@@ -146,9 +180,11 @@ class Upload:
 class UploadPool:
     """Reused pinned + device buffer pairs of one GPU (see the module docstring for the reuse rules)."""
 
-    def __init__(self, backend, max_slots: int = 16):
+    def __init__(self, backend, max_slots: int = 16, small_bytes: int = 0):
         self.backend = backend
         self.max_slots = max_slots
+        self.small_bytes = small_bytes  # uploads up to this size take the stream-ordered buffers (0: never)
+        self._local = threading.local()  # per thread: stream -> _StreamBuffer
         self._free = collections.deque()  # returned slots, oldest first
         self._made = 0
         self._lock = threading.Lock()
@@ -186,13 +222,16 @@ class UploadPool:
         return slot
 
     def upload(self, arrays: Sequence[np.ndarray], stream: int) -> Optional[Upload]:
-        """Copy the int64 arrays (``n`` items each) into a slot and enqueue their move to the GPU on ``stream``
-        (the raw handle of the current stream of the calling thread's current GPU). Returns the ``Upload`` whose ``views`` (device int64
+        """Copy the int64 arrays (``n`` items each) into a slot, or up to ``small_bytes`` into the calling
+        thread's buffers for ``stream``, and enqueue their move to the GPU on ``stream`` (the raw handle of the
+        current stream of the calling thread's current GPU). Returns the ``Upload`` whose ``views`` (device int64
         tensors, in order) the caller launches from and then hands to ``release`` -- always, also when its
         launch fails. None when ``stream`` is being captured into a CUDA graph (the caller uploads another way)."""
         if self.backend.capturing(stream):
             return None
         n, k = int(arrays[0].size), len(arrays)
+        if 8 * k * n <= self.small_bytes:
+            return self._upload_small(arrays, n, k, stream)
         slot = self._acquire(k * n)
         try:
             np.concatenate(arrays, out=slot.host_np[:k * n])  # one numpy call for the k arrays
@@ -205,9 +244,26 @@ class UploadPool:
             raise
         return Upload(slot, slot.device_views(n, k), stream)
 
+    def _upload_small(self, arrays, n: int, k: int, stream: int) -> Upload:
+        """``upload`` through the calling thread's buffers for ``stream`` (see the module docstring)."""
+        buffers = self._local.__dict__.get("buffers")
+        if buffers is None:
+            buffers = self._local.buffers = {}
+        buf = buffers.get(stream)
+        if buf is None or buf.words < k * n:
+            if buf is None and len(buffers) >= _STREAMS_PER_THREAD:
+                buffers.clear()  # a thread cycling through many streams; each buffer is freed in its stream's order
+            buf = buffers[stream] = _StreamBuffer(self.backend, max(_MIN_WORDS, 1 << (k * n - 1).bit_length()))
+        np.concatenate(arrays, out=buf.host_np[:k * n])
+        self.backend.copy(buf.dev_ptr, buf.host_ptr, 8 * k * n, stream)
+        return Upload(None, buf.device_views(n, k), stream)
+
     def release(self, upload: Upload) -> None:
-        """Return the slot once the reads of it are enqueued: an event on its stream marks when they are done."""
+        """Return the slot once the reads of it are enqueued: an event on its stream marks when they are done.
+        A small upload has no slot: nothing to do."""
         slot = upload.slot
+        if slot is None:
+            return
         try:
             self.backend.record(slot.event, upload.stream)
         except BaseException:
@@ -230,7 +286,7 @@ def pool(index: int) -> UploadPool:
         with _pools_lock:
             found = _pools.get(index)
             if found is None:
-                found = _pools[index] = UploadPool(CudaBackend(index))
+                found = _pools[index] = UploadPool(CudaBackend(index), small_bytes=SMALL_UPLOAD_BYTES)
     return found
 
 

@@ -2,6 +2,7 @@
 launch policy (table, PXN_KERNEL_POLICY file, plan cache), host index arrays and the staging pool that uploads
 them, and what a CPU caller without the interpreter is told."""
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -753,6 +754,51 @@ def test_gather_of_host_arrays_captured_in_a_cuda_graph_replays_its_own_descript
     assert torch.equal(out, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_host_array_calls_queued_behind_a_busy_stream_each_read_their_own_descriptors(rng):
+    """Small host-array uploads reuse one device buffer per thread and stream: with the stream held busy, many
+    gathers with different pieces queue up before any runs, each upload behind the kernel before it; two threads
+    on streams of their own do the same at once. Every output must hold its own call's pieces."""
+    def run(seed, results):
+        local = np.random.default_rng(seed)
+        calls = []
+        for _ in range(12):  # buffers made first: a pageable copy onto the busy stream would wait for it
+            lengths = local.integers(1, 300, int(local.integers(1, 60))).astype(np.int64)
+            src_buf, src_addrs = _pieces(local, lengths.tolist(), [1, 0, 7])
+            offsets, size = _packed_offsets(lengths.tolist(), 3, 1)
+            out = _random_bytes(local, size + 16)
+            ptrs, offs = np.asarray(src_addrs, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+            calls.append((src_buf, ptrs, lengths, offs, out, out.clone()))
+        for _, ptrs, lengths, offs, out, _ in calls:  # each kernel variant compiled and each plan made before
+            pxn_kernels.gather(ptrs, lengths, torch.empty_like(out), offs)
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)  # ~10 ms: every call below is queued before the first runs
+            for src_buf, ptrs, lengths, offs, out, want in calls:
+                pxn_kernels.gather(ptrs, lengths, out, offs)
+            results.append(not stream.query())  # still busy: the calls did queue behind it
+            stream.synchronize()
+            for src_buf, ptrs, lengths, offs, out, want in calls:
+                pxn_kernels.gather_torch(torch.from_numpy(ptrs).to(DEVICE), torch.from_numpy(lengths).to(DEVICE),
+                                         want, torch.from_numpy(offs).to(DEVICE))
+                torch.cuda.synchronize()
+                results.append(torch.equal(out, want))
+
+    seeds = rng.integers(0, 1 << 30, 3).tolist()
+    alone = []
+    run(seeds[0], alone)
+    assert alone == [True] * 13
+    both = [[], []]
+    workers = [threading.Thread(target=run, args=(seed, got)) for seed, got in zip(seeds[1:], both)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert both == [[True] * 13, [True] * 13]
+
+
 class FakeBackend:
     """``_staging.CudaBackend`` on the host: buffers are CPU tensors, the copy is a memmove made at once, and an
     event completes only when the test says so (``complete``)."""
@@ -762,6 +808,7 @@ class FakeBackend:
         self.waited = []
         self.copies = []
         self.made = 0
+        self.stream_made = 0
         self.capture = capturing
         self.fail_copy = False
         self._events = 0
@@ -769,6 +816,10 @@ class FakeBackend:
     def buffers(self, words):
         self.made += 1
         return torch.empty(words, dtype=torch.int64), torch.empty(words, dtype=torch.int64)
+
+    def stream_buffers(self, words):
+        self.stream_made += 1
+        return np.empty(words, dtype=np.int64), torch.empty(words, dtype=torch.int64)
 
     def event(self):
         self._events += 1
@@ -797,6 +848,40 @@ class FakeBackend:
     def complete(self, *slots):
         for slot in slots:
             self.pending.discard(slot.event)
+
+
+def test_staging_pool_small_uploads_are_ordered_by_their_stream():
+    """Uploads up to ``small_bytes`` take no slot and record no event: each thread has a buffer per stream, which
+    only a later copy on that same stream rewrites (after the launches queued there before it); another stream or
+    another thread gets a buffer of its own, a larger batch a larger buffer, a batch past ``small_bytes`` a slot,
+    and under graph capture the pool still declines."""
+    from pxn_kernels import _staging
+    fake = FakeBackend()
+    pool = _staging.UploadPool(fake, max_slots=2, small_bytes=16384)
+    first = pool.upload([_np([1, 2, 3]), _np([4, 5, 6])], stream=5)
+    assert first.slot is None and [v.tolist() for v in first.views] == [[1, 2, 3], [4, 5, 6]]
+    pool.release(first)
+    assert fake.pending == set() and fake.made == 0 and fake.stream_made == 1
+    again = pool.upload([_np([7, 8, 9]), _np([10, 11, 12])], stream=5)
+    assert [v.data_ptr() for v in again.views] == [v.data_ptr() for v in first.views]  # the same device buffer
+    assert [v.tolist() for v in again.views] == [[7, 8, 9], [10, 11, 12]] and fake.stream_made == 1
+    other_stream = pool.upload([_np([1, 2, 3])], stream=6)
+    assert other_stream.views[0].data_ptr() != first.views[0].data_ptr() and fake.stream_made == 2
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(pool.upload([_np([4, 5, 6])], stream=5)))
+    worker.start()
+    worker.join()
+    assert seen[0].slot is None and seen[0].views[0].data_ptr() != first.views[0].data_ptr()
+    assert seen[0].views[0].tolist() == [4, 5, 6] and again.views[0].tolist() == [7, 8, 9]
+    # 9600 bytes: still small, but past the first buffer's 1024 words: a new one
+    grown = pool.upload([np.arange(600, dtype=np.int64), np.arange(600, dtype=np.int64) + 1], stream=5)
+    assert grown.slot is None and grown.views[1].tolist() == list(range(1, 601)) and fake.stream_made == 4
+    large = pool.upload([np.arange(1100, dtype=np.int64)] * 2, stream=5)  # 17600 bytes: a slot, an event
+    assert large.slot is not None and large.views[0].tolist() == list(range(1100))
+    pool.release(large)
+    assert fake.pending == {large.slot.event}
+    fake.capture = True
+    assert pool.upload([_np([1])], stream=5) is None
 
 
 def test_staging_pool_never_hands_out_a_slot_still_read():

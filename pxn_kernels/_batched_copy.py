@@ -338,6 +338,7 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
     found by ``stats`` (or by a fingerprint without them). ``stats``: the lengths' (min, max, sum) when the caller
     has them (``_checks.LengthStats``).
     """
+    global _cached_plans
     if stats is not None and stats.lmin == stats.lmax and stats.lmin > 0:
         key = (device.type, device.index, stats.lmin)
         plan = _equal_plans.get(key)
@@ -372,7 +373,6 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
                     _plan_cache.move_to_end(key)
                     return plan
     plan = _new_plan(lengths, device, stats)
-    global _cached_plans
     with _plan_lock:
         if image is None:
             if key not in _plan_cache:

@@ -298,11 +298,10 @@ def test_plan_cache_of_long_lists_keyed_by_the_checks_stats_keeps_each_order(rng
         for o, p in zip(orders, plans):
             assert pxn_kernels.plan_for_lengths(o.copy(), DEVICE, stats) is p
     fresh = pxn_kernels.plan_for_lengths(base, DEVICE)  # no stats: found by the fingerprint, another entry
+    inner = np.flatnonzero((base > stats.lmin + 1) & (base < stats.lmax - 1))  # moving them keeps min and max
     changed = base.copy()
-    changed[5] += 1
-    changed[6] -= 1  # same count, min, max (rows 5 and 6 are not the extremes, see below) and sum
-    if int(base[5]) in (stats.lmin, stats.lmax) or int(base[6]) in (stats.lmin, stats.lmax) or changed[6] < 1:
-        return
+    changed[inner[0]] += 1
+    changed[inner[1]] -= 1  # same count, min, max and sum
     got = pxn_kernels.plan_for_lengths(changed, DEVICE, stats)
     assert all(got is not p for p in plans + [fresh])
 

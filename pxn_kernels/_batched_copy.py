@@ -298,7 +298,7 @@ def _equal_kernel(length: int, pol: dict) -> Optional[CopyPlan]:
 
 _PLAN_CACHE_SIZE = 64
 _PLANS_PER_KEY = 8
-_cached_plans = 0  # plans held in _plan_cache (a key of long lists holds several)
+_cached_plans = 0  # plans held in _plan_cache (key -> [(lengths' bytes or None, plan)])
 _plan_cache: "OrderedDict" = OrderedDict()
 _plan_lock = threading.Lock()
 _WEIGHTS = np.zeros(0, dtype=np.int64)
@@ -353,9 +353,10 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
             return plan
     lengths = np.asarray(lengths, dtype=np.int64)
     n = int(lengths.size)
-    # Short lists are their own key. Longer ones are keyed by what the checks already computed (count, min, max,
-    # sum), or else by a position-weighted fingerprint, and each key holds the bytes of up to _PLANS_PER_KEY length
-    # lists (the same multiset in several orders shares a stats key); a hit is one comparison of the bytes.
+    # Short lists are their own key (their image None). Longer ones are keyed by what the checks already computed
+    # (count, min, max, sum), or else by a position-weighted fingerprint, and each key holds the bytes of up to
+    # _PLANS_PER_KEY length lists (the same multiset in several orders shares a stats key); a hit is one comparison
+    # of the bytes.
     if n <= 256:
         key, image = (device.type, device.index, lengths.tobytes()), None
     else:
@@ -363,34 +364,21 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
         key = (device.type, device.index, n) + ((stats.lmin, stats.lmax, stats.total) if stats is not None
                                                 else (_fingerprint(lengths),))
     with _plan_lock:
-        hit = _plan_cache.get(key)
-        if hit is not None:
-            if image is None:
+        for stored, plan in _plan_cache.get(key, ()):
+            if stored == image:
                 _plan_cache.move_to_end(key)
-                return hit
-            for stored, plan in hit:
-                if stored == image:
-                    _plan_cache.move_to_end(key)
-                    return plan
+                return plan
     plan = _new_plan(lengths, device, stats)
     with _plan_lock:
-        if image is None:
-            if key not in _plan_cache:
-                _cached_plans += 1
-            _plan_cache[key] = plan
-        else:
-            entries = _plan_cache.get(key)
-            if entries is None:
-                entries = _plan_cache[key] = []
-            if len(entries) >= _PLANS_PER_KEY:
-                del entries[0]
-                _cached_plans -= 1
-            entries.append((image, plan))
-            _cached_plans += 1
+        entries = _plan_cache.setdefault(key, [])
+        if len(entries) >= _PLANS_PER_KEY:
+            del entries[0]
+            _cached_plans -= 1
+        entries.append((image, plan))
+        _cached_plans += 1
         _plan_cache.move_to_end(key)
         while _cached_plans > _PLAN_CACHE_SIZE and len(_plan_cache) > 1:
-            _, gone = _plan_cache.popitem(last=False)
-            _cached_plans -= len(gone) if isinstance(gone, list) else 1
+            _cached_plans -= len(_plan_cache.popitem(last=False)[1])
     return plan
 
 

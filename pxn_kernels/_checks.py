@@ -3,8 +3,9 @@
 The checks are complete (every piece: lengths, address overflow, ranges inside the buffer, written ranges
 disjoint) and on by default; they are built to cost little host time:
 
-* the index arrays are read once: zero-copy when they are host arrays or CPU tensors, one device-to-host copy
-  per tensor into a reused pinned buffer and one synchronisation when they are GPU tensors;
+* the index arrays are read once: zero-copy when they are host arrays or CPU tensors, into a reused pinned
+  buffer with one synchronisation when they are GPU tensors (one device-to-host copy for tensors that lie close
+  together, else one per tensor);
 * each check is one or two whole-array numpy reductions (an argument's min and max; its ends only when those
   do not settle it); only when one fails do the slower per-piece checks run, to name the first bad piece (the
   message holds its index and value); the address arguments' extremes are returned, and
@@ -63,7 +64,7 @@ def check_index_tensors(op: str, device: torch.device, **tensors) -> int:
 
 def to_host(*tensors):
     """Host numpy arrays of several int64 tensors (one device, one length): views of CPU tensors (no copy); for
-    CUDA tensors, a copy of each into the calling thread's pinned read buffer on the current stream and one
+    CUDA tensors, a copy into the calling thread's pinned read buffer on the current stream and one
     synchronisation (``_staging.read_to_host``: the arrays are valid until the thread's next read), or one
     stacked copy where that cannot be used."""
     if not tensors or tensors[0].numel() == 0:

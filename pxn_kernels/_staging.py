@@ -24,8 +24,9 @@ descriptor uploads ordered by their stream"). Larger uploads keep the pinned slo
 may make the driver wait for the stream.
 
 Device tensors (``gather(cuda int64 tensors, ...)``, checked): the checks need the values on the host, so
-``read_to_host`` copies each tensor into a per-thread pinned buffer (one ``cuMemcpyDtoHAsync`` each on the
-current stream) and synchronises that stream once; no ``torch.stack``, no pageable buffer.
+``read_to_host`` copies the tensors into a per-thread pinned buffer on the current stream (one
+``cuMemcpyDtoHAsync`` of the span that holds them when they lie close together, else one each) and synchronises
+that stream once; no ``torch.stack``, no pageable buffer.
 
 Every driver call goes to the calling thread's current context, so callers make the tensors' GPU current
 first (``on_device``). During CUDA graph capture the pool is not used (a captured copy would keep reading a
@@ -49,6 +50,7 @@ _NOT_READY = 600  # CUDA_ERROR_NOT_READY (cuEventQuery)
 _MIN_WORDS = 1 << 10  # smallest slot: 8 KiB, room for 3 x 341 descriptors
 SMALL_UPLOAD_BYTES = 64 << 10  # uploads up to this size go through the stream-ordered buffers (3 x 2730 pieces)
 _STREAMS_PER_THREAD = 64
+_PAGE_SHIFT = 12  # 4 KiB: no GPU maps memory in smaller pages (read_span)
 
 _tls = threading.local()
 
@@ -290,28 +292,55 @@ def pool(index: int) -> UploadPool:
     return found
 
 
+def read_span(ptrs: Sequence[int], nbytes: int) -> Optional[tuple]:
+    """``(lowest address, bytes)`` of one read that covers ``nbytes`` at each of ``ptrs`` (device addresses, in
+    any order, overlaps allowed), when every byte between them lies in a 4 KiB page that also holds a byte of one
+    of them; else None. Such a byte is mapped: GPU memory is mapped in whole pages of at least 4 KiB. Tensors
+    allocated one after another (the caching allocator rounds small ones up to 512 B) or rows of one stacked
+    tensor qualify; tensors further apart are read one by one rather than reading memory that may not exist."""
+    order = sorted(ptrs)
+    lo = order[0]
+    end = lo + nbytes
+    for p in order[1:]:
+        if (p - lo) & 7 or (p >> _PAGE_SHIFT) - ((end - 1) >> _PAGE_SHIFT) > 1:
+            return None
+        end = max(end, p + nbytes)
+    return lo, end - lo
+
+
 def read_to_host(tensors: Sequence[torch.Tensor], index: int) -> Optional[List[np.ndarray]]:
     """Host copies of contiguous int64 CUDA tensors of GPU ``index`` (one length, > 0), read on the current
     stream after the work queued there, which is waited for. The arrays are views of the calling thread's
     pinned buffer, valid until the thread's next read. None when a tensor is not contiguous (the caller reads
-    another way). The calling thread's current context must be GPU ``index``'s (``on_device``)."""
+    another way). The calling thread's current context must be GPU ``index``'s (``on_device``).
+
+    Tensors close together (``read_span``) are read in one ``cuMemcpyDtoHAsync`` of the span that holds them,
+    others with one each: every copy of a few bytes costs the GPU several microseconds before the
+    synchronisation returns (benchmarks/NOTES.md, "Device index tensors read in one copy")."""
     n = tensors[0].numel()
     for t in tensors:
         if not t.is_contiguous():
             return None
     k = len(tensors)
+    ptrs = [t.data_ptr() for t in tensors]
+    span = read_span(ptrs, 8 * n) if k > 1 else (ptrs[0], 8 * n)
+    words = k * n if span is None else span[1] // 8
     bufs = getattr(_tls, "read", None)
     if bufs is None:
         bufs = _tls.read = {}
     entry = bufs.get(index)
-    if entry is None or entry[1].size < k * n:
-        host = torch.empty(max(_MIN_WORDS, 1 << (k * n - 1).bit_length()), dtype=torch.int64, pin_memory=True)
+    if entry is None or entry[1].size < words:
+        host = torch.empty(max(_MIN_WORDS, 1 << (words - 1).bit_length()), dtype=torch.int64, pin_memory=True)
         entry = bufs[index] = (host, host.numpy(), host.data_ptr())
     _host, buf, ptr = entry
     lib = driver()
     stream = torch._C._cuda_getCurrentRawStream(index)
-    for j, t in enumerate(tensors):
-        check(lib.cuMemcpyDtoHAsync_v2(ptr + 8 * j * n, t.data_ptr(), 8 * n, stream), "cuMemcpyDtoHAsync",
-              "index read")
+    if span is not None:
+        lo, size = span
+        check(lib.cuMemcpyDtoHAsync_v2(ptr, lo, size, stream), "cuMemcpyDtoHAsync", "index read")
+        check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize", "index read")
+        return [buf[(p - lo) // 8:(p - lo) // 8 + n] for p in ptrs]
+    for j, p in enumerate(ptrs):
+        check(lib.cuMemcpyDtoHAsync_v2(ptr + 8 * j * n, p, 8 * n, stream), "cuMemcpyDtoHAsync", "index read")
     check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize", "index read")
     return [buf[j * n:(j + 1) * n] for j in range(k)]

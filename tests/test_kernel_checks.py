@@ -1058,3 +1058,58 @@ def test_device_index_tensors_read_through_the_pinned_buffer(rng):
         pxn_kernels.gather(_t(src), _t(lengths), out, _t(bad))
     torch.cuda.synchronize()
     assert torch.equal(out, before)
+
+
+def test_read_span_covers_only_tensors_whose_gaps_lie_in_their_pages():
+    """``_staging.read_span``: one read over tensors whose every gap byte shares a 4 KiB page with a tensor byte
+    (adjacent rows, 512 B allocator steps, overlaps, any order); None for a gap with a whole page in it or an
+    address not 8 bytes from the lowest. A planted rule that allows a whole page of gap fails the 'far' cases."""
+    from pxn_kernels._staging import read_span
+    page = 4096
+    base = 7 * (1 << 21)
+    assert read_span([base, base + 128, base + 256], 128) == (base, 384)  # rows of one stacked tensor
+    assert read_span([base + 1024, base, base + 512], 128) == (base, 1152)  # allocator steps, any order
+    assert read_span([base, base, base + 64], 128) == (base, 192)  # the same tensor twice, overlaps
+    assert read_span([base + page - 8, base + 2 * page - 8], 8) == (base + page - 8, page + 8)  # next page
+    assert read_span([base, base + 2 * page], 8) is None  # the page base + 4096 holds no tensor byte
+    assert read_span([base + page - 8, base + 2 * page + 8], 8) is None  # nor does base + 4096 here
+    assert read_span([base, base + 8192 + 4], 8192) is None  # not a whole number of int64 from the lowest
+    assert read_span([base, base + 8192], 8192) == (base, 16384)  # 8 KiB tensors back to back
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_device_index_tensors_read_in_one_copy_or_one_each_byte_exact(rng):
+    """``_staging.read_to_host`` returns each tensor's values, byte-exact, whatever their layout: rows of one
+    stacked tensor, separate allocations, the same tensor twice, and tensors far apart in one allocation (read one
+    by one); the pinned buffer is poisoned before each read. Then a checked gather over such rows is byte-exact."""
+    from pxn_kernels import _staging
+    torch.cuda.set_device(0)
+    for n in (1, 16, 1000, 4096):
+        values = [torch.from_numpy(rng.integers(-(1 << 62), 1 << 62, n, dtype=np.int64)) for _ in range(3)]
+        stacked = torch.stack(values).cuda()
+        separate = [v.cuda() for v in values]
+        wide = torch.empty(3 << 18, dtype=torch.int64, device="cuda")
+        far = [wide[j << 18:(j << 18) + n] for j in range(3)]  # 2 MiB apart: one copy each
+        for f, v in zip(far, values):
+            f.copy_(v)
+        assert _staging.read_span([t.data_ptr() for t in stacked], 8 * n) is not None  # the one-copy read
+        assert _staging.read_span([t.data_ptr() for t in far], 8 * n) is None  # a copy each
+        for layout in ([stacked[0], stacked[1], stacked[2]], [stacked[2], stacked[0], stacked[1]], separate,
+                       [separate[1], separate[1], separate[0]], far):
+            expect = [t.cpu().numpy() for t in layout]
+            entry = getattr(_staging._tls, "read", {}).get(0)
+            if entry is not None:
+                entry[1][:] = -1  # poison the thread's pinned buffer
+            got = _staging.read_to_host(layout, 0)
+            for g, e in zip(got, expect):
+                assert np.array_equal(g, e)
+    pool = _random_bytes(rng, 512 * 64)
+    rows = torch.from_numpy(rng.permutation(512)[:40].astype(np.int64) * 64)
+    idx = torch.stack([rows + pool.data_ptr(), torch.full((40,), 63), torch.arange(40) * 64]).cuda()
+    out = _random_bytes(rng, 40 * 64)
+    ref = out.clone()
+    pxn_kernels.gather(idx[0], idx[1], out, idx[2])
+    pxn_kernels.gather_torch(idx[0].cpu(), idx[1].cpu(), ref, idx[2].cpu())
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)

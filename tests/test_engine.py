@@ -180,6 +180,30 @@ def test_bad_input_raises_named_errors(sender, peer, src, case):
     peer.check(Expected(peer.size))
 
 
+@pytest.mark.parametrize("fabric", ["tcp", "ipc-loadstore", "ipc-message"])
+def test_unequal_pieces_ending_at_both_regions_last_byte(peer, ipc_peer, src, rng, fabric):
+    """The last-starting piece is short and a long one ends at each region's last byte, so the largest start plus
+    the longest length lies past both regions while every piece is inside: accepted and byte-exact on each path
+    (the validation's wide span must give way to the pieces' own); the same batch one byte longer is refused,
+    naming the piece, with nothing written."""
+    target = peer if fabric == "tcp" else ipc_peer
+    kwargs = {"fabric": "tcp"} if fabric == "tcp" else {"fabric": "ipc", "loadstore": fabric == "ipc-loadstore"}
+    long_ = int(rng.integers(1000, 5000))
+    lengths = [long_, 7, 50]
+    src_offs = np.array([SRC_BYTES - 50 - long_, 3 * long_, SRC_BYTES - 50], dtype=np.int64)
+    dst_offs = np.array([target.size - 50 - long_, 5 * long_, target.size - 50], dtype=np.int64)
+    with TransferEngine(**kwargs) as eng:
+        eng.register(src)
+        run_case(eng, target, src, src_offs, dst_offs, lengths)
+        target.poison()
+        b = src.ctypes.data
+        with pytest.raises(InvalidTransfer, match=r"dsts\[2\] = .* \+ lengths\[2\] = 51 is outside"):
+            eng.batch_write(target.session, (b + src_offs - 1).tolist(), (target.base + dst_offs).tolist(),
+                            [long_, 7, 51])
+    time.sleep(0.1)
+    target.check(Expected(target.size))
+
+
 def test_unknown_session(sender, src):
     import socket
     s = socket.socket()
@@ -670,11 +694,14 @@ def test_ipc_message_path_batches_of_arrays_are_written_by_the_poster(src, rng, 
 
     def check_bounds(bounds, la, ln, ra, nbytes, exact=True):
         # the engine's lengths must be those of the arrays it writes; its address extremes those of the arrays
-        # (a whole batch) or spans that hold every write (a run of the batch's pieces posted on one rail)
+        # (a whole batch: the smallest starts, and ends between the largest end and the largest start plus the
+        # longest length) or spans that hold every write (a run of the batch's pieces posted on one rail)
         assert (bounds.len_min, bounds.len_max) == (ln.min(), ln.max()), bounds
         got = (la.min(), (la + ln).max(), ra.min(), (ra + ln).max())
         if exact:
-            assert tuple(bounds[2:6]) == got, bounds
+            assert (bounds.local_min, bounds.remote_min) == (got[0], got[2]), bounds
+            assert got[1] <= bounds.local_end <= la.max() + ln.max(), (bounds, got)
+            assert got[3] <= bounds.remote_end <= ra.max() + ln.max(), (bounds, got)
         else:
             assert bounds.local_min <= got[0] and got[1] <= bounds.local_end, (bounds, got)
             assert bounds.remote_min <= got[2] and got[3] <= bounds.remote_end, (bounds, got)

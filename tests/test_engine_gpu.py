@@ -250,3 +250,32 @@ def test_gpu_loadstore_one_batch_of_gpu_and_host_pieces(seed):
         assert st["paths"]["loadstore"]["units"] == 1 and st["paths"]["coalesced"]["chunks"] == 0
     finally:
         peer.close()
+
+
+@pytest.mark.parametrize("count", [3, 300], ids=["few-pieces", "many-pieces"])
+def test_bound_copies_add_the_destination_shift_while_staging(seed, count):
+    """``BoundCopies.copy(..., dst_shift=k)`` writes piece i at ``dst[i] + k`` and nowhere else, byte-exact into a
+    poisoned buffer, through each of its ways: a few new lengths (a copy-engine call per piece), then a launch,
+    then the launch bound in a graph, or for many pieces a launch at once, then bound; the caller's ``dst``
+    array is left as it was."""
+    import torch
+    from transport.fabric.gpu_copy import BoundCopies
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 3000, size=count).astype(np.int64)
+    size = 8 * MB
+    src = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8)).cuda()
+    src_offs = disjoint_offsets(rng, lengths.tolist(), size).astype(np.int64)
+    dst_offs = disjoint_offsets(rng, lengths.tolist(), size // 2).astype(np.int64)
+    copies = BoundCopies()
+    for _ in range(3):  # later rounds find the lengths seen before
+        out = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8)).cuda()
+        expect = out.cpu().numpy().copy()
+        shift = int(rng.integers(1, size // 2 - 1))
+        base_dst = np.full(count, out.data_ptr(), dtype=np.int64) + dst_offs
+        kept = base_dst.copy()
+        host = src.cpu().numpy()
+        for s, d, n in zip(src_offs.tolist(), dst_offs.tolist(), lengths.tolist()):
+            expect[d + shift:d + shift + n] = host[s:s + n]
+        copies.finish([copies.copy(0, src.data_ptr() + src_offs, base_dst, lengths, dst_shift=shift)], wait=True)
+        assert np.array_equal(out.cpu().numpy(), expect)
+        assert np.array_equal(base_dst, kept)

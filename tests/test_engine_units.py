@@ -328,7 +328,8 @@ def _canonical(host, groups):
     """(host pieces, {device: pieces}) as sorted (src, dst, length) triples: the split's content, not its order."""
     def triples(s, d, n):
         return sorted(zip(np.asarray(s).tolist(), np.asarray(d).tolist(), np.asarray(n).tolist()))
-    return (triples(*host) if host is not None else []), {dev: triples(s, d, n) for dev, s, d, n in groups}
+    return (triples(*host) if host is not None else []), {dev: triples(s, np.asarray(d) + shift, n)
+                                                          for dev, s, d, n, shift in groups}
 
 
 @pytest.mark.parametrize("runs", [1, 2, 5, 40])

@@ -169,7 +169,7 @@ class LoadStoreWriter:
                 start = int(self._mapped_starts(rsnap, s_dev)[dst_index])
                 if start < 0:
                     return None  # the peer's GPU is not mappable here
-                host, gpu_groups = None, [(s_dev, src, dst + (start - int(rsnap.start_list[dst_index])), lengths)]
+                host, gpu_groups = None, [(s_dev, src, dst, lengths, start - int(rsnap.start_list[dst_index]))]
             else:
                 return None  # host <-> GPU: the message path stages them
         else:
@@ -188,7 +188,8 @@ class LoadStoreWriter:
         whole = length_stats
         if len(gpu_groups) != 1 or gpu_groups[0][3] is not lengths:
             length_stats = None  # they describe the whole batch, not a subset
-        launched = [self._copies.launch(d, s, m, n, length_stats) for d, s, m, n in gpu_groups]
+        launched = [self._copies.launch(d, s, m, n, length_stats, dst_shift=shift)
+                    for d, s, m, n, shift in gpu_groups]
         try:
             if host is not None:
                 h_src, h_dst, h_len = host
@@ -207,7 +208,8 @@ class LoadStoreWriter:
         """Split a batch spread over several regions into its host part and its GPU groups.
 
         Returns ``(host, gpu_groups)``: ``host`` None or ``(src, dst, lengths)`` of the host -> host pieces;
-        ``gpu_groups`` a list of ``(source device, src, mapped dst, lengths)``, or None when the batch is not for
+        ``gpu_groups`` a list of ``(source device, src, mapped dst, lengths, 0)`` (the 0: no further shift of
+        the destinations), or None when the batch is not for
         this path (a host <-> GPU piece, or a destination GPU not mappable here).
 
         Why runs: callers put each buffer's pieces together (sglang's KV blocks, then its aux pieces), so a
@@ -248,7 +250,7 @@ class LoadStoreWriter:
         for d, runs in gpu_runs.items():
             mapped = np.concatenate([dst[a:b] + delta for a, b, delta in runs]) if len(runs) > 1 \
                 else dst[runs[0][0]:runs[0][1]] + runs[0][2]
-            gpu_groups.append((d, take(runs, src), mapped, take(runs, lengths)))
+            gpu_groups.append((d, take(runs, src), mapped, take(runs, lengths), 0))
         return host, gpu_groups
 
     def _classify_pieces(self, src, dst, lengths, src_dev, dst_index, rsnap):
@@ -268,7 +270,7 @@ class LoadStoreWriter:
                 base = self._mapped_starts(rsnap, d)[idx]
                 if int(base.min()) < 0:
                     return None, None  # a destination GPU not mappable here
-                gpu_groups.append((d, g_src[m], base + (g_dst[m] - starts_i64[idx]), g_len[m]))
+                gpu_groups.append((d, g_src[m], base + (g_dst[m] - starts_i64[idx]), g_len[m], 0))
         return ((src[host], dst[host], lengths[host]) if host.any() else None), gpu_groups
 
     # --- GPU pieces ----------------------------------------------------------------------------------------------

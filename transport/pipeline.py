@@ -260,14 +260,17 @@ class Pipeline:
         # (every source in one registered buffer, every destination in one of the peer's): per-call host time
         # is the cost that matters for small batches, and each numpy call has a fixed cost of its own
         # (benchmarks/NOTES.md, "Engine").
-        # rows: src, dst, lengths, src + lengths, dst + lengths (int64: an end past 2**63 wraps negative, which
-        # span_region's checks catch); two axis reductions instead of eight whole-array ones
+        # rows: src, dst, lengths; two axis reductions instead of six whole-array ones. Each side's pieces lie in
+        # [smallest start, largest start + longest length): a span holding all of them, the exact one when the
+        # lengths are equal, which is what the one-region lookups below need; the ends themselves are summed only
+        # when that span is not inside one region (summing them costs a batch of 4096 pieces several
+        # microseconds: benchmarks/NOTES.md, "Fewer passes over a batch's arrays").
         n = ln.size
-        rows = np.empty((5, n), dtype=np.int64)
+        rows = np.empty((3, n), dtype=np.int64)
         rows[0], rows[1], rows[2] = src, dst, ln
-        np.add(rows[0:2], ln, out=rows[3:5])
-        smin, dmin, lmin, _, _ = rows.min(axis=1).tolist()
-        smax, dmax, lmax, send, dend = rows.max(axis=1).tolist()
+        smin, dmin, lmin = rows.min(axis=1).tolist()
+        smax, dmax, lmax = rows.max(axis=1).tolist()
+        send, dend = smax + lmax, dmax + lmax
         if lmin < 1:
             i = int(np.argmin(ln))
             raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
@@ -282,8 +285,8 @@ class Pipeline:
         # sources: every piece inside one local region
         lsnap = self._regions.snapshot()
         idx = span_region(lsnap, smin, smax, send, lmax)
-        if idx is None and smax + lmax < 1 << 63:  # no end wrapped: rows[3] holds every true end
-            idx = locate_inside(lsnap, src, rows[3])
+        if idx is None and send < 1 << 63:  # no end wraps in int64: src + ln holds every true end
+            idx, send = self._locate_ends(lsnap, src, ln, smin, smax, lmin, lmax, send)
         if idx is None:
             idx, ok = self._regions.locate(src, ln, lsnap)
             if not ok.all():
@@ -295,8 +298,8 @@ class Pipeline:
         # more since the handshake)
         rsnap = peer.regions.snapshot()
         ridx = span_region(rsnap, dmin, dmax, dend, lmax)
-        if ridx is None and dmax + lmax < 1 << 63:
-            ridx = locate_inside(rsnap, dst, rows[4])
+        if ridx is None and dend < 1 << 63:
+            ridx, dend = self._locate_ends(rsnap, dst, ln, dmin, dmax, lmin, lmax, dend)
         if ridx is None:
             ridx, ok = peer.regions.locate(dst, ln, rsnap)
             if not ok.all():
@@ -309,7 +312,7 @@ class Pipeline:
                                           f"outside every region session {session_id} registered; nothing was "
                                           f"written")
         t1 = now_ns()
-        nbytes = int(ln.sum())
+        nbytes = lmin * n if lmin == lmax else int(ln.sum())
         if writer is not None and peer.connected():
             try:
                 pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_,
@@ -377,6 +380,22 @@ class Pipeline:
                                 ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
                                 ("time_dispatch_s", (t3 - t2) / 1e9)))
         return batch
+
+    @staticmethod
+    def _locate_ends(snap, addrs: np.ndarray, ln: np.ndarray, lo: int, hi_start: int, lmin: int, lmax: int,
+                     span_end: int) -> tuple:
+        """``(region, largest end)`` for one side of a batch whose span ``[lo, span_end)`` (smallest start to
+        largest start + longest length, < 2**63) is not inside one region of ``snap``: with unequal lengths the
+        pieces' own span (their largest end) may still be, and that region's index is returned; else each piece's
+        region (``locate_inside``), or None when some piece is not inside one (the caller names it). The largest
+        end is the pieces' own whenever the lengths differ."""
+        ends = addrs + ln
+        if lmin != lmax:
+            span_end = int(ends.max())
+            idx = span_region(snap, lo, hi_start, span_end, lmax)
+            if idx is not None:
+                return idx, span_end
+        return locate_inside(snap, addrs, ends), span_end
 
     @staticmethod
     def _await_sources(devices) -> None:

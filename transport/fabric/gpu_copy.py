@@ -203,31 +203,33 @@ class BoundCopies:
         return False
 
     def copy(self, device_index: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
-             length_stats=None, stream=None) -> Launched:
-        """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``) on ``stream`` (a
-        ``torch.cuda.Stream`` of ``device_index``), or on the calling thread's current stream of ``device_index``:
-        one bound launch (``launch``) for many pieces or lengths seen before, else a ``cudaMemcpyAsync`` per piece
-        (a few pieces of new lengths: a copy-engine call each costs less than a first launch). Returns what
-        ``finish`` takes."""
+             length_stats=None, stream=None, dst_shift: int = 0) -> Launched:
+        """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i] + dst_shift``) on
+        ``stream`` (a ``torch.cuda.Stream`` of ``device_index``), or on the calling thread's current stream of
+        ``device_index``: one bound launch (``launch``) for many pieces or lengths seen before, else a
+        ``cudaMemcpyAsync`` per piece (a few pieces of new lengths: a copy-engine call each costs less than a first
+        launch). Returns what ``finish`` takes."""
         if lengths.size > _MEMCPY_MAX:
-            return self.launch(device_index, src, dst, lengths, length_stats, stream)
+            return self.launch(device_index, src, dst, lengths, length_stats, stream, dst_shift=dst_shift)
         key = _key(device_index, lengths, length_stats)  # once for the two lookups by lengths
         if self._repeated(key):
-            return self.launch(device_index, src, dst, lengths, length_stats, stream, key)
+            return self.launch(device_index, src, dst, lengths, length_stats, stream, key, dst_shift)
         import torch
         from transport.fabric.tcp import memcpy_async
         with torch.cuda.device(device_index):
             if stream is None:
                 stream = torch.cuda.current_stream(device_index)
             for s_, d_, n_ in zip(src.tolist(), dst.tolist(), lengths.tolist()):
-                memcpy_async(d_, s_, n_, stream)
+                memcpy_async(d_ + dst_shift, s_, n_, stream)
         return device_index, stream.cuda_stream, None
 
     def launch(self, device_index: int, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray,
-               length_stats=None, stream=None, key: Optional[tuple] = None) -> Launched:
-        """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i]``, addresses valid in
-        ``device_index``'s context; int64 arrays the caller checked) on ``stream`` (a ``torch.cuda.Stream`` of
-        ``device_index``) or, when None, on the calling thread's current stream of ``device_index``.
+               length_stats=None, stream=None, key: Optional[tuple] = None, dst_shift: int = 0) -> Launched:
+        """Enqueue the copy of piece i (``lengths[i]`` bytes from ``src[i]`` to ``dst[i] + dst_shift``, addresses
+        valid in ``device_index``'s context; int64 arrays the caller checked) on ``stream`` (a
+        ``torch.cuda.Stream`` of ``device_index``) or, when None, on the calling thread's current stream of
+        ``device_index``. ``dst_shift``: bytes added to every destination while the descriptors are staged (a
+        peer region's offset into its mapping here), so the caller makes no shifted copy of ``dst``.
         ``length_stats``: (sum, min, max) of ``lengths`` when the caller has them; ``key``: their ``_key`` when the
         caller made it. Returns what ``finish`` takes: the staging buffer must not be reused before that stream
         passed the launch. Raises ``TransferError`` when the launch fails."""
@@ -238,7 +240,12 @@ class BoundCopies:
         st = self._staging(device, 3 * n)
         d = st.device_buf
         w = st.host_np
-        w[0:n], w[n:2 * n], w[2 * n:3 * n] = src, dst, lengths  # before binding: its first run reads them
+        # before binding: its first run reads them
+        w[0:n], w[2 * n:3 * n] = src, lengths
+        if dst_shift:
+            np.add(dst, dst_shift, out=w[n:2 * n])
+        else:
+            w[n:2 * n] = dst
         # Bound once per (plan, staging buffer), keyed by the device buffer's address (what is bound keeps that
         # buffer alive, so the address is never reused); a plan's first batch launches unbound.
         launches = entry["launches"]

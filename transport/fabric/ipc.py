@@ -498,9 +498,11 @@ class IpcFabric(TcpFabric):
         dev, shift = checked
         if dev == DEVICE_HOST:
             return self._write_host(ep, local_addr, remote_addr, length, nbytes)
-        dst = remote_addr + (shift if spans.remote_index is None else shift[spans.remote_index])
-        return Pending(self._copy_mapped(dev, local_addr, dst, length, (nbytes, spans.len_min, spans.len_max), wait,
-                                         stream))
+        stats = (nbytes, spans.len_min, spans.len_max)
+        if spans.remote_index is None:  # one peer region: one shift, added while the descriptors are staged
+            return Pending(self._copy_mapped(dev, local_addr, remote_addr, length, stats, wait, stream, shift))
+        return Pending(self._copy_mapped(dev, local_addr, remote_addr + shift[spans.remote_index], length, stats,
+                                         wait, stream))
 
     def _checked_spans(self, ep: TcpEndpoint, spans: RegionSpans):
         """(the local regions' device, what to add to each peer address to reach its mapping here) when every
@@ -563,14 +565,16 @@ class IpcFabric(TcpFabric):
         (opened here on ``dev``) on ``stream`` (a ``torch.cuda.Stream`` of ``dev``; default: the calling thread's
         current stream of ``dev``), and wait for it, or not (``wait``: then the work ``BoundCopies.finish``
         returns). ``length_stats``: (sum, min, max) of ``length`` when known."""
-        return self._copy_mapped(dev, local_addr, remote_addr + (self._mapped(reg, dev) - reg["base"]), length,
-                                 length_stats, wait, stream)
+        return self._copy_mapped(dev, local_addr, remote_addr, length, length_stats, wait, stream,
+                                 self._mapped(reg, dev) - reg["base"])
 
-    def _copy_mapped(self, dev: int, local_addr, dst, length, length_stats, wait: bool, stream) -> list:
-        """``_copy_to_gpu`` with the destinations already translated into their mappings on ``dev``."""
+    def _copy_mapped(self, dev: int, local_addr, dst, length, length_stats, wait: bool, stream,
+                     dst_shift: int = 0) -> list:
+        """``_copy_to_gpu`` with the destinations translated into their mappings on ``dev`` (``dst``, or ``dst``
+        plus ``dst_shift`` bytes each)."""
         copies = self.bound_copies
-        return copies.finish([copies.copy(dev, local_addr, dst, length, length_stats, stream)], wait=wait,
-                             stream=stream)
+        return copies.finish([copies.copy(dev, local_addr, dst, length, length_stats, stream, dst_shift)],
+                             wait=wait, stream=stream)
 
     def _post_checked_batches(self, ep: TcpEndpoint, batches, devices) -> None:
         """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``_validate_batch``) batch
@@ -789,11 +793,12 @@ class IpcFabric(TcpFabric):
             la, ra, ln = (np.concatenate([getattr(b, k) for b in batches]) for k in ("local_addr", "remote_addr",
                                                                                       "length"))
         try:
-            dst = ra + (self._mapped(reg, dev) - reg["base"])
+            shift = self._mapped(reg, dev) - reg["base"]
             stream = self._ordered_stream(dev)
             for event in after:
                 stream.wait_event(event)
-            (done, _), = self.bound_copies.finish([self.bound_copies.copy(dev, la, dst, ln, stream=stream)],
+            (done, _), = self.bound_copies.finish([self.bound_copies.copy(dev, la, ra, ln, stream=stream,
+                                                                          dst_shift=shift)],
                                                   wait=False, stream=stream)
         except Exception as e:  # noqa: BLE001 — a CUDA failure fails these batches, not the link
             log.error("ipc GPU copy of %d piece(s) to %s failed: %s", int(ln.size), ep.peer_id, e)

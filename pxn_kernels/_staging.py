@@ -315,8 +315,8 @@ def read_to_host(tensors: Sequence[torch.Tensor], index: int) -> Optional[List[n
     another way). The calling thread's current context must be GPU ``index``'s (``on_device``).
 
     Tensors close together (``read_span``) are read in one ``cuMemcpyDtoHAsync`` of the span that holds them,
-    others with one each: every copy of a few bytes costs the GPU several microseconds before the
-    synchronisation returns (benchmarks/NOTES.md, "Device index tensors read in one copy")."""
+    others with one each: each small copy adds its own latency on the GPU before the synchronisation returns
+    (benchmarks/NOTES.md, "Device index tensors read in one copy")."""
     n = tensors[0].numel()
     for t in tensors:
         if not t.is_contiguous():

@@ -263,8 +263,8 @@ class Pipeline:
         # rows: src, dst, lengths; two axis reductions instead of six whole-array ones. Each side's pieces lie in
         # [smallest start, largest start + longest length): a span holding all of them, the exact one when the
         # lengths are equal, which is what the one-region lookups below need; the ends themselves are summed only
-        # when that span is not inside one region (summing them costs a batch of 4096 pieces several
-        # microseconds: benchmarks/NOTES.md, "Fewer passes over a batch's arrays").
+        # when that span is not inside one region (two passes over the batch fewer in the common case:
+        # benchmarks/NOTES.md, "Fewer passes over a batch's arrays").
         n = ln.size
         rows = np.empty((3, n), dtype=np.int64)
         rows[0], rows[1], rows[2] = src, dst, ln

@@ -168,12 +168,15 @@ class _Plan:
         self.placed.set()
 
 
-@pytest.mark.parametrize("case", ["plan", "none", "raises", "bad-plan", "empty", "past-end", "overlap"])
+@pytest.mark.parametrize("case", ["plan", "gapless", "none", "raises", "bad-plan", "empty", "past-end", "overlap",
+                                  "gapless-overlap"])
 def test_landing_handler(pair, rng, case):
     """The target's landing handler reads the write's first bytes into the landing region and names where byte
-    ranges of it go: those arrive there, the rest in the landing region. Without a plan (None, an exception, a
-    plan that overlaps what it read, an empty one, one past the write's end, ranges that overlap) the write lands
-    whole, no destination byte changes and the link stays up."""
+    ranges of it go: those arrive there, the rest in the landing region ("gapless": ranges that follow each other
+    to the write's end, as a chunk of 16-byte multiples has them, so nothing after the read lands in the landing
+    region). Without a plan (None, an exception, a plan that overlaps what it read, an empty one, one past the
+    write's end, ranges that overlap, also where every other range follows its predecessor) the write lands whole,
+    no destination byte changes and the link stays up."""
     a, b, ep = pair
     total = 150_001
     data = np.frombuffer(rng.bytes(total), dtype=np.uint8).copy()
@@ -184,6 +187,9 @@ def test_landing_handler(pair, rng, case):
     b.register(out.ctypes.data, out.nbytes)
     ranges = [(100, 1), (101, 63), (200, 70_000), (80_001, 5), (90_000, 60_001)]  # (offset in write, length)
     dests = [out.ctypes.data + d for d in (7, 99, 1003, 90_001, 71_000)]
+    if case.startswith("gapless"):
+        ranges = [(100, 1), (101, 63), (164, 70_000), (70_164, 5), (70_169, 79_832)]
+        dests = [out.ctypes.data + d for d in (7, 70_100, 30, 70_170, 70_200)]
     plans = []
 
     def handler(peer_id, addr, length, imm, read):
@@ -203,6 +209,8 @@ def test_landing_handler(pair, rng, case):
             lens[-1] = total - offs[-1] + 1
         elif case == "overlap":
             offs[3] = offs[2] + lens[2] - 1
+        elif case == "gapless-overlap":
+            lens[2] += 1  # reaches one byte into the next range, which starts where it ended before
         plans.append(_Plan(dsts, lens, offs))
         return plans[-1]
 
@@ -217,7 +225,7 @@ def test_landing_handler(pair, rng, case):
     exp_land = np.full_like(landing, POISON)
     exp_land[3:3 + total] = data
     exp_out = np.full_like(out, POISON)
-    if case == "plan":
+    if case in ("plan", "gapless"):
         assert plans[0].placed.is_set()
         for (o, k), d in zip(ranges, dests):
             exp_out[d - out.ctypes.data:d - out.ctypes.data + k] = data[o:o + k]
@@ -270,7 +278,8 @@ def _placed_since(peer, before: int) -> int:
 
 
 @pytest.mark.parametrize("sizes", [[1, 63, 7, 40_000, 65_535, 3, 50_001, 30_000, 100_000] * 40, [(64 << 10) - 1] * 200,
-                                   [2048] * 3000], ids=["odd", "64K", "pages"])
+                                   [64 << 10] * 150 + [16_384, 48_000, 100_000] * 20, [2048] * 3000],
+                         ids=["odd", "64K", "64K-aligned", "pages"])
 def test_coalesced_chunks_are_placed_as_they_arrive_byte_exact(sender, peer, src, rng, sizes):
     """Chunks above tcp's small-message size whose pieces average at least ``gather_min_bytes``: sent from the
     pieces' sources and each item received straight into its destination; chunks of smaller pieces (2 KiB pages)
@@ -329,8 +338,9 @@ def test_bad_chunk_is_rejected_and_writes_nothing(sender, peer, src, monkeypatch
 
 def test_chunks_over_two_regions_are_placed_and_into_a_deregistered_one_refused(sender, peer, src):
     """Chunks of pieces large enough to be placed as they arrive, whose destinations lie in two of the peer's
-    regions (no one region holds them all) are placed byte-exact; chunks into a region the peer deregistered since
-    the sender learnt it are refused whole, with the reason, and write nothing there or anywhere else."""
+    regions (no one region holds them all: the receiver's one-region check gives way to the lookup per item) are
+    placed byte-exact; chunks into a region the peer deregistered since the sender learnt it are refused whole,
+    with the reason, and write nothing there or anywhere else."""
     from transport.peer_process import digest
     n, k = 60, 20_000
     extra = peer.call("register_extra", size=n * k)

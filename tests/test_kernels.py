@@ -261,10 +261,89 @@ def _recrc(buf):
 def test_parse_chunk_rejects_each_malformed_field(rng, field, offset, value, message):
     buf = _good_chunk(rng)
     chunk_mod.parse_chunk(buf)  # the untouched chunk is valid
+    assert chunk_mod.parse_chunk_rows(buf, buf.size) is not None
     buf[offset:offset + len(value)] = np.frombuffer(value, dtype=np.uint8)
     _recrc(buf)
     with pytest.raises(ChunkFormatError, match=message):
         chunk_mod.parse_chunk(buf)
+    assert chunk_mod.parse_chunk_rows(buf, buf.size) is None  # the receiver's fast path refuses it too
+
+
+def _rows_agree(buf, available):
+    """``parse_chunk_rows`` accepts exactly the chunks ``parse_chunk`` accepts whose items are in payload order
+    (1 to ROWS_MAX_ITEMS of them), with the same values; else it returns None."""
+    try:
+        t = chunk_mod.parse_chunk(buf, available_bytes=available)
+    except ChunkFormatError:
+        t = None
+    rows = chunk_mod.parse_chunk_rows(buf, available)
+    in_order = t is not None and 1 <= t.item_count <= chunk_mod.ROWS_MAX_ITEMS and \
+        bool((t.offsets[1:] > t.offsets[:-1]).all())
+    if not in_order:
+        assert rows is None, (t, rows)
+        return False
+    seq, sender_id, chunk_bytes, dsts, lens, offs, lo, hi = rows
+    assert (seq, sender_id, chunk_bytes) == (t.seq, t.sender_id, t.chunk_bytes)
+    assert list(dsts) == t.dst_addrs.tolist() and list(lens) == t.lengths.tolist() and \
+        list(offs) == t.offsets.tolist()
+    assert (lo, hi) == (min(dsts), max(d + k for d, k in zip(dsts, lens)))
+    return True
+
+
+def test_parse_chunk_rows_agrees_with_parse_chunk(rng):
+    """The receiver's fast parser against the full one on good chunks and on every kind of damage: one random
+    field of the header or the table changed (checksum redone or not), the landed size short by a byte, items out
+    of payload order, dst ranges at the top of the address space. Fails when any of parse_chunk's checks is
+    missing from the fast path (it would accept what parse_chunk refuses)."""
+    import struct
+    accepted = refused = 0
+    for trial in range(600):
+        n = int(rng.integers(1, 40))
+        lens = rng.integers(1, 5000, size=n)
+        dsts = rng.integers(0, 1 << 48, size=n, dtype=np.int64).astype(np.uint64)
+        header, _, nbytes = chunk_mod.build_header_table(dsts, lens, seq=trial, sender_id=77)
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        buf[:header.size] = header
+        kind = trial % 6
+        if kind == 1:  # one table field: dst, length or offset, any value of its width
+            i = int(rng.integers(0, n))
+            field = int(rng.integers(0, 3))
+            at, width = [(0, 8), (8, 4), (12, 4)][field]
+            old = int.from_bytes(buf[64 + 16 * i + at:64 + 16 * i + at + width].tobytes(), "little")
+            choices = [0, 1, 15, 16, 17, (1 << (8 * width)) - 1, int(rng.integers(0, 1 << 31))] + \
+                [(old + d) % (1 << (8 * width)) for d in (-16, -1, 1, 16)] * 2  # near the good value
+            value = choices[int(rng.integers(0, len(choices)))]
+            if field == 0 and rng.random() < 0.5:
+                value = (1 << 64) - int(rng.integers(1, 6000))  # near the top: the sum may overflow 64 bits
+            buf[64 + 16 * i + at:64 + 16 * i + at + width] = np.frombuffer(value.to_bytes(width, "little"),
+                                                                         dtype=np.uint8)
+            _recrc(buf)
+        elif kind == 2:  # one header field
+            at, width = [(0, 4), (4, 2), (16, 4), (20, 4), (24, 4), (28, 4)][int(rng.integers(0, 6))]
+            old = int.from_bytes(buf[at:at + width].tobytes(), "little")
+            value = (old + int(rng.choice([-16, -1, 1, 16]))) % (1 << (8 * width))
+            buf[at:at + width] = np.frombuffer(value.to_bytes(width, "little"), dtype=np.uint8)
+            _recrc(buf)
+        elif kind == 3:  # a byte changed, checksum not redone
+            buf[int(rng.integers(0, 64 + 16 * n))] ^= 1 << int(rng.integers(0, 8))
+        elif kind == 4 and n > 1:  # two items swap places in the table (payload order broken, no overlap)
+            i, j = rng.choice(n, size=2, replace=False)
+            a, b = buf[64 + 16 * i:80 + 16 * i].copy(), buf[64 + 16 * j:80 + 16 * j].copy()
+            buf[64 + 16 * i:80 + 16 * i], buf[64 + 16 * j:80 + 16 * j] = b, a
+            _recrc(buf)
+        available = nbytes - (1 if kind == 5 else 0)
+        if _rows_agree(buf, available):
+            accepted += 1
+        else:
+            refused += 1
+    assert accepted > 100 and refused > 100, (accepted, refused)
+    # a table larger than the fast path reads, and an empty chunk: left to parse_chunk
+    header, _, nbytes = chunk_mod.build_header_table(np.arange(chunk_mod.ROWS_MAX_ITEMS + 1, dtype=np.uint64) * 64,
+                                                     np.full(chunk_mod.ROWS_MAX_ITEMS + 1, 64), seq=1, sender_id=2)
+    assert chunk_mod.parse_chunk_rows(header, nbytes) is None
+    header, _, nbytes = chunk_mod.build_header_table([], [], seq=1, sender_id=2)
+    assert chunk_mod.parse_chunk_rows(header, nbytes) is None
+    assert struct.unpack_from("<I", header, 16)[0] == 0
 
 
 def test_parse_chunk_items_out_of_payload_order(rng):

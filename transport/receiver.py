@@ -47,7 +47,7 @@ import numpy as np
 
 from transport.errors import ChunkFormatError
 from transport.fabric.base import DEVICE_HOST, WriteRequest
-from transport.regions import RegionTable, first_bad
+from transport.regions import RegionTable, first_bad, span_region
 from transport.relay import HostBuffer, gpu_scatter, host_memmove, scatter_words
 from transport.telemetry import Counters, Trace, now_ns
 
@@ -280,7 +280,8 @@ class Receiver:
         passed."""
         if st.retired or self._by_rail_id.get(peer_id) != (st, rail):
             return None
-        from pxn_kernels.chunk import HEADER_BYTES, parse_chunk, payload_offset_for  # torch-free; lazy as in _handle
+        from pxn_kernels.chunk import (HEADER_BYTES, parse_chunk, parse_chunk_rows,  # torch-free; lazy as in
+                                       payload_offset_for)  # _handle
         slot = imm & 0xFFFF
         buf = st.landing[rail][0]
         if imm & ACK_FLAG or slot >= st.slots or length > st.slot_bytes or length < HEADER_BYTES \
@@ -294,6 +295,16 @@ class Receiver:
             return None
         read(need - HEADER_BYTES)
         off = slot * st.slot_bytes
+        rows = parse_chunk_rows(buf.array[off:off + need], length)
+        if rows is not None:
+            # the usual chunk (items in payload order), checked in builtin steps: the same checks as below
+            _, sender_id, _, dsts, lens, offs, lo, hi = rows
+            if sender_id != st.engine_id or sum(lens) < getattr(self.fabrics[rail], "gather_min_bytes", 0) * count:
+                return None
+            snap = self.exposed.snapshot()
+            i = span_region(snap, lo, hi - 1, hi, hi - lo)
+            if i is not None and snap.regions[i].device < 0:  # one host region holds every destination
+                return _Placed(self, st, rail, imm, length, dsts, lens, offs, t0)
         try:
             table = parse_chunk(buf.array[off:off + need], available_bytes=length)
         except ChunkFormatError:

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--total-mb", type=int, default=128, help="MB written per call (default 128)")
     ap.add_argument("--repeat", type=int, default=5, help="timed calls per cell (median reported)")
     ap.add_argument("--rails", type=int, default=2)
-    ap.add_argument("--goal-rounds", type=int, default=15,
+    ap.add_argument("--goal-rounds", type=int, default=21,
                     help="rounds of the goal pair measured back to back after the table (0: none)")
     ap.add_argument("--goal-repeat", type=int, default=3, help="calls per path in each goal round (median)")
     ap.add_argument("--out", default=None, help="JSON path (default: a temporary file; the committed "

@@ -392,6 +392,86 @@ def test_claim_of_a_departing_holders_rail_id_waits_for_its_end(monkeypatch, hol
             rx._check_claims_locked(new)
 
 
+@pytest.mark.parametrize("holder", ["closed", "alive", "reconnecting"])
+def test_claim_of_a_rail_a_holder_never_connected(holder):
+    """A sender that connected its rail 0 only and then closed (its rail 0 endpoint dead) no longer holds the
+    rail id it announced for rail 1 and never connected: another engine given that port may claim it at once. A
+    holder whose connected rail is alive keeps the id for CONNECT_GRACE_S after its hello, and so does one whose
+    dead endpoint is that of its earlier connection (it handshook again and is reconnecting)."""
+    from transport import receiver as R
+
+    class Endpoint:
+        def __init__(self, alive):
+            self.alive = alive
+
+    class Fabric:
+        def __init__(self, eps):
+            self.eps = eps
+
+        def endpoint(self, rid):
+            if rid not in self.eps:
+                raise KeyError(f"no endpoint for {rid}")  # as a fabric says of a peer that never connected
+            return self.eps[rid]
+
+    def state(engine_id, rail_ids):
+        return R.SenderState(engine_id=engine_id, session=f"s{engine_id}", rail_ids=rail_ids, credit_addr=1,
+                             credit_rkeys=[1, 1], slots=1, slot_bytes=4096, devices=[-1, -1],
+                             hello_at=time.monotonic())
+
+    old = state(1, ["127.0.0.1:4000", "127.0.0.1:4001"])
+    rail0 = Endpoint(alive=holder == "alive")
+    if holder == "reconnecting":
+        old.stale_eps[0] = rail0
+    rx = R.Receiver.__new__(R.Receiver)
+    rx.fabrics = [Fabric({"127.0.0.1:4000": rail0}), Fabric({})]
+    rx._by_rail_id = {"127.0.0.1:4000": (old, 0), "127.0.0.1:4001": (old, 1)}
+    rx.counters = R.Counters()
+    new = state(2, ["127.0.0.1:5000", "127.0.0.1:4001"])
+    if holder == "closed":
+        rx._check_claims_locked(new)  # accepted
+    else:
+        with pytest.raises(ValueError, match=r"rail id '127.0.0.1:4001' belongs to sender s1"):
+            rx._check_claims_locked(new)
+    old.hello_at -= R.CONNECT_GRACE_S + 1  # past the grace, an unconnected rail id is free in every case
+    rx._check_claims_locked(new)
+
+
+@pytest.mark.parametrize("rail0", ["dead", "alive", "never"])
+def test_sweep_releases_a_sender_that_closed_with_a_rail_never_connected(rail0):
+    """The receiver's sweep frees the slots of a sender that connected rail 0 only and closed (rail 0 dead, rail 1
+    never connected); it keeps one whose rail 0 is alive, and one that has connected no rail yet."""
+    from transport import receiver as R
+
+    class Endpoint:
+        def __init__(self, alive):
+            self.alive = alive
+
+    class Fabric:
+        def __init__(self, eps):
+            self.eps = eps
+
+        def endpoint(self, rid):
+            if rid not in self.eps:
+                raise KeyError(f"no endpoint for {rid}")
+            return self.eps[rid]
+
+    st = R.SenderState(engine_id=1, session="s1", rail_ids=["127.0.0.1:4000", "127.0.0.1:4001"], credit_addr=1,
+                       credit_rkeys=[1, 1], slots=1, slot_bytes=4096, devices=[-1, -1], hello_at=time.monotonic())
+    rx = R.Receiver.__new__(R.Receiver)
+    rx.fabrics = [Fabric({} if rail0 == "never" else {"127.0.0.1:4000": Endpoint(rail0 == "alive")}), Fabric({})]
+    rx._senders = {1: st}
+    rx._by_rail_id = {"127.0.0.1:4000": (st, 0), "127.0.0.1:4001": (st, 1)}
+    rx._lock = threading.Lock()
+    rx.counters = R.Counters()
+    freed = []
+    rx._free = freed.append
+    rx._sweep()
+    if rail0 == "dead":
+        assert freed == [st] and st.retired and not rx._senders and not rx._by_rail_id
+    else:
+        assert freed == [] and rx._senders == {1: st} and not st.retired
+
+
 def test_max_senders():
     v = Victim(secret=SECRET, max_senders=2)
     try:

@@ -260,10 +260,24 @@ class Receiver:
         while any(alive for _, _, alive in self._other_holders(st)) and time.monotonic() < deadline:
             time.sleep(0.01)
 
+    def _departed(self, holder: SenderState) -> bool:
+        """Whether ``holder`` has closed or died: a rail it connected since its hello is dead. Its rails not
+        connected yet are then not its any more: a live sender keeps its listening ports, so another engine that
+        announces one of them as its rail id got the port after the holder let it go (a sender that used one of
+        its rails and closed, its other port given to the next engine)."""
+        for rail, rid in enumerate(holder.rail_ids):
+            try:
+                ep = self.fabrics[rail].endpoint(rid)
+            except Exception:  # noqa: BLE001 — not connected
+                continue
+            if ep is not holder.stale_eps.get(rail) and not ep.alive:
+                return True
+        return False
+
     def _check_claims_locked(self, st: SenderState) -> None:
         for rid, holder, alive in self._other_holders(st):
-            if alive is None:  # announced, not connected yet: still the holder's for a while
-                alive = time.monotonic() - holder.hello_at < CONNECT_GRACE_S
+            if alive is None:  # announced, not connected yet: still the holder's for a while, unless it is gone
+                alive = time.monotonic() - holder.hello_at < CONNECT_GRACE_S and not self._departed(holder)
             if alive:
                 self.counters.add("senders_refused_claim")
                 raise ValueError(f"rail id {rid!r} belongs to sender {holder.session} (engine 0x"
@@ -370,23 +384,27 @@ class Receiver:
         """Free the landing and ack buffers of senders whose every rail is dead (the sender closed or died):
         without this a long-running receiver keeps landing_slots x slot size per rail for every sender it ever
         saw. A sender that has not connected its rails yet (``UnknownPeer``) is kept. Runs in the progress
-        thread, so no chunk of that sender is being handled meanwhile."""
+        thread, so no chunk of that sender is being handled meanwhile. A sender with a rail not connected is kept
+        unless a rail it did connect has died (``_departed``): one that used some of its rails and closed would
+        otherwise keep its slots for ever."""
         gone = []
         now = time.monotonic()
         with self._lock:
             for engine_id, st in list(self._senders.items()):
-                alive = False
+                alive = unconnected = False
                 for rail, fab in enumerate(self.fabrics):
                     try:
                         ep = fab.endpoint(st.rail_ids[rail])
-                    except Exception:  # noqa: BLE001 — not connected yet (or fabric closing): keep it
-                        alive = True
-                        break
+                    except Exception:  # noqa: BLE001 — not connected yet (or fabric closing)
+                        unconnected = True
+                        continue
                     # the dead endpoint of an earlier connection of this sender: its new rail is still
                     # connecting, unless that takes longer than any connect could
                     alive = ep.alive or (ep is st.stale_eps.get(rail) and now - st.hello_at < CONNECT_GRACE_S)
                     if alive:
                         break
+                if not alive and unconnected and not self._departed(st):
+                    alive = True  # its rails are still to connect
                 if not alive:
                     gone.append(self._senders.pop(engine_id))
                     st.retired = True

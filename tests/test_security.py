@@ -392,6 +392,25 @@ def test_claim_of_a_departing_holders_rail_id_waits_for_its_end(monkeypatch, hol
             rx._check_claims_locked(new)
 
 
+class _RailEndpoint:
+    """A fabric endpoint of a sender's rail for the receiver's unit tests: alive or dead."""
+
+    def __init__(self, alive: bool):
+        self.alive = alive
+
+
+class _RailsFabric:
+    """A fabric for the receiver's unit tests with the endpoints of the rail ids that connected."""
+
+    def __init__(self, eps: dict):
+        self.eps = eps
+
+    def endpoint(self, rid):
+        if rid not in self.eps:
+            raise KeyError(f"no endpoint for {rid}")  # as a fabric says of a peer that never connected
+        return self.eps[rid]
+
+
 @pytest.mark.parametrize("holder", ["closed", "alive", "reconnecting"])
 def test_claim_of_a_rail_a_holder_never_connected(holder):
     """A sender that connected its rail 0 only and then closed (its rail 0 endpoint dead) no longer holds the
@@ -399,20 +418,7 @@ def test_claim_of_a_rail_a_holder_never_connected(holder):
     holder whose connected rail is alive keeps the id for CONNECT_GRACE_S after its hello, and so does one whose
     dead endpoint is that of its earlier connection (it handshook again and is reconnecting)."""
     from transport import receiver as R
-
-    class Endpoint:
-        def __init__(self, alive):
-            self.alive = alive
-
-    class Fabric:
-        def __init__(self, eps):
-            self.eps = eps
-
-        def endpoint(self, rid):
-            if rid not in self.eps:
-                raise KeyError(f"no endpoint for {rid}")  # as a fabric says of a peer that never connected
-            return self.eps[rid]
-
+    Endpoint, Fabric = _RailEndpoint, _RailsFabric
     def state(engine_id, rail_ids):
         return R.SenderState(engine_id=engine_id, session=f"s{engine_id}", rail_ids=rail_ids, credit_addr=1,
                              credit_rkeys=[1, 1], slots=1, slot_bytes=4096, devices=[-1, -1],
@@ -441,20 +447,7 @@ def test_sweep_releases_a_sender_that_closed_with_a_rail_never_connected(rail0):
     """The receiver's sweep frees the slots of a sender that connected rail 0 only and closed (rail 0 dead, rail 1
     never connected); it keeps one whose rail 0 is alive, and one that has connected no rail yet."""
     from transport import receiver as R
-
-    class Endpoint:
-        def __init__(self, alive):
-            self.alive = alive
-
-    class Fabric:
-        def __init__(self, eps):
-            self.eps = eps
-
-        def endpoint(self, rid):
-            if rid not in self.eps:
-                raise KeyError(f"no endpoint for {rid}")
-            return self.eps[rid]
-
+    Endpoint, Fabric = _RailEndpoint, _RailsFabric
     st = R.SenderState(engine_id=1, session="s1", rail_ids=["127.0.0.1:4000", "127.0.0.1:4001"], credit_addr=1,
                        credit_rkeys=[1, 1], slots=1, slot_bytes=4096, devices=[-1, -1], hello_at=time.monotonic())
     rx = R.Receiver.__new__(R.Receiver)

@@ -18,8 +18,10 @@ and reports the median. Cells run one after another, tens of seconds apart, so o
 ratio of two cells moves with it. The goal pair (coalesced 64 KB pieces through 8 MiB slots against direct 8 MB
 pieces) is therefore measured again after the table: both engines open at once, ``--goal-rounds`` rounds of
 ``--goal-repeat`` calls each, the two paths back to back in every round (their order alternating), and the ratio
-taken per round; the median of those ratios is the goal figure (row ``path: goal_pair``). Output: a JSON list of rows ``{piece_bytes, slot_bytes, path, gbps, fabric, date, ...}``
-in a temporary file unless ``--out`` names one (``benchmarks/results/relay-table-<fabric>.json``), and the table on stdout.
+taken per round; the median of those ratios is the goal figure (row ``path: goal_pair``).
+
+Output: a JSON list of rows ``{piece_bytes, slot_bytes, path, gbps, fabric, date, ...}`` in a temporary file unless
+``--out`` names one (``benchmarks/results/relay-table-<fabric>.json``), and the table on stdout.
 
 Run:  python3 benchmarks/relay_table.py [--fabric tcp] [--total-mb 128] [--repeat 5]
 """

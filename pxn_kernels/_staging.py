@@ -55,6 +55,12 @@ _PAGE_SHIFT = 12  # 4 KiB: no GPU maps memory in smaller pages (read_span)
 _tls = threading.local()
 
 
+def _capacity(words: int) -> int:
+    """Words of a buffer made for ``words``: the next power of two, at least ``_MIN_WORDS`` (so that buffers
+    grow seldom as batches grow)."""
+    return max(_MIN_WORDS, 1 << (words - 1).bit_length())
+
+
 def on_device(index: int) -> bool:
     """Whether the calling thread's current CUDA context is GPU ``index``'s, so that driver calls for that GPU
     may be made now. False: the caller makes it current (``torch.cuda.device``) and asks again. The first time
@@ -206,7 +212,7 @@ class UploadPool:
                 self._made += 1
         if slot is None:
             try:
-                return _Slot(backend, max(_MIN_WORDS, 1 << (words - 1).bit_length()))
+                return _Slot(backend, _capacity(words))
             except BaseException:
                 with self._lock:
                     self._made -= 1
@@ -220,7 +226,7 @@ class UploadPool:
                 raise
         slot.pending = False
         if slot.words < words:  # idle (its event completed): its old buffers may be freed
-            slot._alloc(backend, 1 << (words - 1).bit_length())
+            slot._alloc(backend, _capacity(words))
         return slot
 
     def upload(self, arrays: Sequence[np.ndarray], stream: int) -> Optional[Upload]:
@@ -255,7 +261,7 @@ class UploadPool:
         if buf is None or buf.words < k * n:
             if buf is None and len(buffers) >= _STREAMS_PER_THREAD:
                 buffers.clear()  # a thread cycling through many streams; each buffer is freed in its stream's order
-            buf = buffers[stream] = _StreamBuffer(self.backend, max(_MIN_WORDS, 1 << (k * n - 1).bit_length()))
+            buf = buffers[stream] = _StreamBuffer(self.backend, _capacity(k * n))
         np.concatenate(arrays, out=buf.host_np[:k * n])
         self.backend.copy(buf.dev_ptr, buf.host_ptr, 8 * k * n, stream)
         return Upload(None, buf.device_views(n, k), stream)
@@ -323,14 +329,14 @@ def read_to_host(tensors: Sequence[torch.Tensor], index: int) -> Optional[List[n
             return None
     k = len(tensors)
     ptrs = [t.data_ptr() for t in tensors]
-    span = read_span(ptrs, 8 * n) if k > 1 else (ptrs[0], 8 * n)
+    span = read_span(ptrs, 8 * n)
     words = k * n if span is None else span[1] // 8
     bufs = getattr(_tls, "read", None)
     if bufs is None:
         bufs = _tls.read = {}
     entry = bufs.get(index)
     if entry is None or entry[1].size < words:
-        host = torch.empty(max(_MIN_WORDS, 1 << (words - 1).bit_length()), dtype=torch.int64, pin_memory=True)
+        host = torch.empty(_capacity(words), dtype=torch.int64, pin_memory=True)
         entry = bufs[index] = (host, host.numpy(), host.data_ptr())
     _host, buf, ptr = entry
     lib = driver()
@@ -338,9 +344,10 @@ def read_to_host(tensors: Sequence[torch.Tensor], index: int) -> Optional[List[n
     if span is not None:
         lo, size = span
         check(lib.cuMemcpyDtoHAsync_v2(ptr, lo, size, stream), "cuMemcpyDtoHAsync", "index read")
-        check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize", "index read")
-        return [buf[(p - lo) // 8:(p - lo) // 8 + n] for p in ptrs]
-    for j, p in enumerate(ptrs):
-        check(lib.cuMemcpyDtoHAsync_v2(ptr + 8 * j * n, p, 8 * n, stream), "cuMemcpyDtoHAsync", "index read")
+        starts = [(p - lo) // 8 for p in ptrs]
+    else:
+        for j, p in enumerate(ptrs):
+            check(lib.cuMemcpyDtoHAsync_v2(ptr + 8 * j * n, p, 8 * n, stream), "cuMemcpyDtoHAsync", "index read")
+        starts = range(0, k * n, n)
     check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize", "index read")
-    return [buf[j * n:(j + 1) * n] for j in range(k)]
+    return [buf[j:j + n] for j in starts]

@@ -2225,16 +2225,17 @@ class TcpFabric(Fabric):
                     starts = list(map(sub, dsts, repeat(pinned[2], len(dsts))))
                     views = list(map(dview.__getitem__, map(slice, starts, map(add, starts, lens))))
                     pos = ends[-1] + addr
-                for d, k, o in zip(dsts, lens, offs) if not views else ():
-                    o += addr
-                    if o > pos:
-                        views.append(own[pos - base:o - base])
-                    if dview is not None:
-                        d -= pinned[2]
-                        views.append(dview[d:d + k])
-                    else:
-                        views.append(raw_view(d, k, writable=True))
-                    pos = o + k
+                else:
+                    for d, k, o in zip(dsts, lens, offs):
+                        o += addr
+                        if o > pos:
+                            views.append(own[pos - base:o - base])
+                        if dview is not None:
+                            d -= pinned[2]
+                            views.append(dview[d:d + k])
+                        else:
+                            views.append(raw_view(d, k, writable=True))
+                        pos = o + k
                 recv_views(sock, views)
             finally:
                 if pinned is not None:

@@ -86,7 +86,7 @@ def _classify_row(args, date: str) -> dict:
     11 host -> host pieces): ``LoadStoreWriter._classify`` alone, on region snapshots shaped like the H200 run's
     (the peer's GPU mapping stubbed, since no GPU is needed to split a batch)."""
     import torch
-    from transport.loadstore import LoadStoreWriter
+    from transport.fabric.loadstore import LoadStoreWriter
     from transport.regions import Region, RegionTable
     blk, layers = 8650752, 78
     kv_l, aux_l, kv_r, aux_r = 0x7F0000000000, 0x550000000000, 0x7E0000000000, 0x560000000000
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
         if args.out == ap.get_default("out"):
             args.out = os.path.join(tempfile.gettempdir(), "pxn-host-overhead-message-path-cpu.json")
         return message_path(args)
-    from transport import loadstore
+    from transport.fabric import loadstore
     from transport.engine import TransferEngine
     import torch
 

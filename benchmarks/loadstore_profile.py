@@ -7,7 +7,7 @@ Two modes over the same engine pair and buffers:
   and 4096 x 64 B, each 200 times timed, then 200 times under cProfile (the 22 functions with the most own
   time). Output on the H200 (run 3): results/logs/h200-loadstore-profile-run3.log.
 * ``--split``: the sglang 64k KV call, the aux call, the two as a pair and as one batch, 40 calls each, with
-  the writer's steps (``_classify``, ``_launch``, ``process_vm_write``, ``_finish_launches``) timed by wrapping
+  the writer's steps (``_classify``, the bound copies' ``launch``, ``process_vm_write``, ``finish``) timed by wrapping
   them. Output on the H200 (runs 10 and 11): results/logs/h200-onebatch-run10.log.
 
 Run: python3 benchmarks/loadstore_profile.py [--split]
@@ -51,7 +51,7 @@ def profile(eng, session, cases) -> None:
 def split(eng, session, kv, aux) -> None:
     """Median time per call and the mean time per call of each wrapped step of the writer."""
     import torch
-    import transport.loadstore as loadstore
+    import transport.fabric.loadstore as loadstore
     spent = {}
 
     def wrap(obj, name):
@@ -68,8 +68,9 @@ def split(eng, session, kv, aux) -> None:
     eng.batch_write(session, *kv)  # connects: the writer exists from here on
     writer = eng._peers[session].loadstore
     wrap(loadstore, "process_vm_write")
-    for step in ("_launch", "_finish_launches", "_classify"):
-        wrap(writer, step)
+    wrap(writer, "_classify")
+    for step in ("launch", "finish"):
+        wrap(writer._copies, step)
     one = tuple(np.concatenate([a, b]) for a, b in zip(kv, aux))
     calls = (("kv", lambda: eng.batch_write(session, *kv)), ("aux", lambda: eng.batch_write(session, *aux)),
              ("pair", lambda: (eng.batch_write(session, *kv), eng.batch_write(session, *aux))),

@@ -315,7 +315,7 @@ def test_locate_inside_agrees_with_locate():
 
 
 def _writer_for(snap, unmappable=()):
-    from transport.loadstore import LoadStoreWriter
+    from transport.fabric.loadstore import LoadStoreWriter
     w = LoadStoreWriter.__new__(LoadStoreWriter)
     mapped = np.array([-1 if (r.device < 0 or i in unmappable) else 0x10_0000_0000 * (i + 1)
                        for i, r in enumerate(snap.regions)], dtype=np.int64)

@@ -837,3 +837,35 @@ def test_ipc_refuses_forged_descriptor(case):
                 f.connect(json.dumps(forged).encode())
         finally:
             f.close()
+
+
+def test_local_writer_only_where_declared_and_for_the_verified_process(case):
+    """``Fabric.local_writer``: None on a fabric without the ``loadstore`` capability; on ipc, None for a hello
+    without a region counter or naming another pid than the one the endpoint verified, else a writer whose
+    ``stale()`` follows the peer's counter (here a word of the target's host region, read by
+    ``process_vm_readv``: the fallback for a counter whose memfd cannot be opened)."""
+    pid = os.getpid()  # never the target's
+    hello = {"region_gen_addr": case.target.addr, "region_gen": 0, "region_gen_fd": -1, "pid": pid}
+    if "loadstore" not in case.fab.capabilities:
+        assert case.fab.local_writer(case.ep, hello) is None
+        return
+    true_pid = case.fab.peer_pid(case.ep)
+    assert true_pid != pid
+    assert case.fab.local_writer(case.ep, {"pid": true_pid}) is None  # no counter advertised
+    assert case.fab.local_writer(case.ep, hello) is None  # a pid the endpoint did not verify
+    if case.device >= 0:
+        return  # the counter word below must be host memory
+    value = int(case.rng.integers(1, 1 << 62))
+    case.src.write(0, np.frombuffer(value.to_bytes(8, "little"), dtype=np.uint8))
+    case.fab.post_writes(case.ep, [case.req(0, 8, 0, wr_id=1)])
+    _ok(wait_completions(case.fab, 1))
+    writer = case.fab.local_writer(case.ep, {**hello, "pid": true_pid, "region_gen": value})
+    try:
+        assert writer is not None and writer.pid == true_pid
+        assert not writer.stale()
+        case.src.write(0, np.frombuffer((value + 1).to_bytes(8, "little"), dtype=np.uint8))
+        case.fab.post_writes(case.ep, [case.req(0, 8, 0, wr_id=2)])
+        _ok(wait_completions(case.fab, 1))
+        assert writer.stale()
+    finally:
+        writer.close()

@@ -400,18 +400,12 @@ class ControlPlane:
                 eng.session_id, "re" if again else "", peer.session, n)
 
     def _loadstore_writer(self, peer, rep: dict):
-        """A ``LoadStoreWriter`` for a same-host ipc peer that advertised its deregistration counter, else None."""
+        """The rail-0 fabric's local writer for a same-host peer (``Fabric.local_writer``: the ipc fabric's
+        load/store path), else None."""
         eng = self.engine
-        if not (eng.use_loadstore and "loadstore" in eng.fabrics[0].capabilities and "region_gen_addr" in rep):
+        if not (eng.use_loadstore and "loadstore" in eng.fabrics[0].capabilities):
             return None
-        from transport.loadstore import LoadStoreWriter
-        fab, ep = eng.fabrics[0], peer.rails[0].ep
-        if int(rep.get("pid", -1)) != fab.peer_pid(ep):
-            log.warning("session %s: control pid %s differs from the ipc endpoint's %s; no load/store path",
-                        peer.session, rep.get("pid"), fab.peer_pid(ep))
-            return None
-        return LoadStoreWriter(fab, ep, int(rep["region_gen_addr"]), int(rep.get("region_gen", 0)),
-                               int(rep.get("region_gen_fd", -1)))
+        return eng.fabrics[0].local_writer(peer.rails[0].ep, rep)
 
     def refresh_regions(self, peer) -> None:
         """Fetch the peer's region list again over the control connection. The control connection alone can

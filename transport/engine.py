@@ -151,7 +151,7 @@ class _Peer:
         self.seq = itertools.count(1)
         self.landing_device = DEVICE_HOST
         self.forward: Optional[Dict[int, int]] = None  # rail -> the peer's landing GPU, where it forwards
-        self.loadstore = None  # transport.loadstore.LoadStoreWriter for a same-host peer on the ipc fabric
+        self.loadstore = None  # rail 0's local writer for a same-host peer (the ipc fabric's load/store path)
 
     def connected(self) -> bool:
         # a plain loop: called twice per batch, and any(<genexpr>) costs more (benchmarks/NOTES.md, "Engine")
@@ -203,7 +203,7 @@ class TransferEngine(Pipeline):
             PCIe reaches (benchmarks/NOTES.md, "The message path on two GPUs").
         loadstore: on the ipc fabric, write batches between GPU memories (and between host memories) straight
             from the caller's thread with one copy launch, skipping the message path (``PXN_LOADSTORE``,
-            default on; see ``transport.loadstore``).
+            default on; see ``transport.fabric.loadstore``).
         secret: shared secret (str or bytes) every control and rail connection proves by HMAC challenge-response
             before anything is allocated or answered (``PXN_SECRET``; ``transport.auth``). Both ends need the same
             one. Unset: no authentication, and one warning at start naming the exposed host and ports.
@@ -267,7 +267,7 @@ class TransferEngine(Pipeline):
         self.use_loadstore = cfg.loadstore
         self.forward_large = cfg.forward_large
         # Bumped by every deregister; same-host peers writing by load/store read it before each batch.
-        from transport.loadstore import GenerationCounter
+        from transport.fabric.region_counter import GenerationCounter
         self._region_gen = GenerationCounter()
         trace_path = cfg.trace_path
         self.direct_pieces = cfg.direct_pieces

@@ -27,7 +27,7 @@ class Region:
     ``keys`` holds one key per rail (each rail is its own fabric instance, so each has its own lkey/rkey):
     locally ``(lkey, rkey)`` pairs, for a peer's region just the rkeys. ``access``: for a peer's region on a
     fabric with load/store access to peer memory (ipc), what it takes to map the region here (see
-    ``transport.loadstore``); None otherwise.
+    ``transport.fabric.loadstore``); None otherwise.
     """
 
     addr: int

@@ -256,17 +256,17 @@ class Fabric(abc.ABC):
     capabilities: frozenset = frozenset()
     """What the engine may rely on beyond the interface above, so that it never branches on a fabric's name:
     ``"selective_signaling"`` (``WriteRequest.signaled=False`` writes complete silently on success; an endpoint's
-    completions come in posting order), ``"loadstore"`` (``access_info`` lets a same-host peer map regions and
-    write with its own loads and stores, ``transport.loadstore``), ``"nic_ports"`` (each instance drives one
-    NIC port: the engine passes a topology rail's ``device`` and ``port_num``), ``"completion_callback"``
-    (``set_completion_handler``), ``"authenticated_rails"`` (rail connections prove the engine's secret and
-    must have been announced by an authenticated control hello: the engine passes ``handshake_timeout`` and
-    ``guard_claims``), ``"gather_writes"`` (``post_writes`` also takes ``GatherWrite`` items), ``"landing_handlers"``
-    (``set_landing_handler``: a region's writes placed where a handler says as they arrive), ``"write_batches"``
-    (``post_writes`` also takes ``WriteBatch`` items: many writes as
-    arrays, one completion), ``"event_ordered_writes"`` (``post_writes_after`` orders writes from GPU memory
-    after CUDA events on the GPU, with no host wait, and says when their sources may be reused),
-    ``"inline_writes"`` (``write_inline`` writes a checked batch from the calling thread)."""
+    completions come in posting order), ``"loadstore"`` (``access_info`` lets a same-host peer map regions and write
+    with its own loads and stores; ``local_writer`` gives the writer that does it), ``"nic_ports"`` (each instance
+    drives one NIC port: the engine passes a topology rail's ``device`` and ``port_num``), ``"completion_callback"``
+    (``set_completion_handler``), ``"authenticated_rails"`` (rail connections prove the engine's secret and must
+    have been announced by an authenticated control hello: the engine passes ``handshake_timeout`` and
+    ``guard_claims``), ``"gather_writes"`` (``post_writes`` also takes ``GatherWrite`` items),
+    ``"landing_handlers"`` (``set_landing_handler``: a region's writes placed where a handler says as they arrive),
+    ``"write_batches"`` (``post_writes`` also takes ``WriteBatch`` items: many writes as arrays, one completion),
+    ``"event_ordered_writes"`` (``post_writes_after`` orders writes from GPU memory after CUDA events on the GPU,
+    with no host wait, and says when their sources may be reused), ``"inline_writes"`` (``write_inline`` writes a
+    checked batch from the calling thread)."""
 
     @property
     @abc.abstractmethod
@@ -347,8 +347,15 @@ class Fabric(abc.ABC):
         raise NotImplementedError(f"{self.name} fabric does not deliver completions by callback")
 
     def access_info(self, mr: MemoryRegion) -> Optional[dict]:
-        """What a peer of this host needs to load/store ``mr`` directly (``transport.loadstore``), or None when
-        this fabric offers no such access (the default: tcp, verbs). JSON-serialisable."""
+        """What a peer of this host needs to load/store ``mr`` directly (``local_writer``), or None when this
+        fabric offers no such access (the default: tcp, verbs). JSON-serialisable."""
+        return None
+
+    def local_writer(self, ep: Endpoint, peer_info: dict):
+        """Fabrics with the ``loadstore`` capability: an object whose ``write`` moves a checked batch into the
+        process behind ``ep`` (a peer on this host) from the calling thread, with no message; ``peer_info`` is
+        what that peer's engine sent in its control hello. None when this peer cannot be written that way (the
+        default)."""
         return None
 
     def __enter__(self):

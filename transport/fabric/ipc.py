@@ -58,6 +58,7 @@ from transport.fabric.tcp import (
     _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, raw_view, recv_exact,
 )
 from transport.fabric.gpu_copy import BoundCopies, Pending
+from transport.fabric.region_counter import CounterReader, GenerationCounter
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +263,6 @@ class IpcFabric(TcpFabric):
         self._uuid_to_index = None
         # Bumped by every deregister. A writer that holds a peer's region descriptions (from an earlier GRANT)
         # and finds this counter unmoved copies at once and sends one NOTIFY instead of a REQ / GRANT round trip.
-        from transport.loadstore import GenerationCounter
         self._gen = GenerationCounter()
         self._granted_info: Dict[str, Dict[int, tuple]] = {}  # peer id -> rkey -> (description, counter value)
         self._granted_changes = 0  # bumped whenever ``_granted_info`` changes: ``_regions_target``'s entries hold it
@@ -320,8 +320,22 @@ class IpcFabric(TcpFabric):
 
     def access_info(self, mr: MemoryRegion) -> dict:
         """The region as ``_describe`` gives it (pid; for GPU memory the CUDA IPC handle): a same-host peer maps
-        it once and then writes with its own loads/stores (``transport.loadstore``)."""
+        it once and then writes with its own loads/stores (``transport.fabric.loadstore``)."""
         return self._describe(mr)
+
+    def local_writer(self, ep: TcpEndpoint, peer_info: dict):
+        """A ``transport.fabric.loadstore.LoadStoreWriter`` into the process behind ``ep``, when its engine
+        advertised its region counter in ``peer_info`` (its control hello: ``region_gen_addr``, ``region_gen``,
+        ``region_gen_fd``, ``pid``) and that pid is the one this endpoint verified at connect; else None."""
+        if "region_gen_addr" not in peer_info:
+            return None
+        if int(peer_info.get("pid", -1)) != self.peer_pid(ep):
+            log.warning("peer %s: control pid %s differs from the ipc endpoint's %s; no load/store path",
+                        ep.peer_id, peer_info.get("pid"), self.peer_pid(ep))
+            return None
+        from transport.fabric.loadstore import LoadStoreWriter  # it imports this module
+        return LoadStoreWriter(self, ep, int(peer_info["region_gen_addr"]), int(peer_info.get("region_gen", 0)),
+                               int(peer_info.get("region_gen_fd", -1)))
 
     def peer_pid(self, ep: TcpEndpoint) -> int:
         """The peer's pid, as verified at connect (it read back the token at the address its descriptor named)."""
@@ -860,8 +874,7 @@ class IpcFabric(TcpFabric):
             d = ep.peer_desc
             if "gen_addr" not in d:
                 return None
-            from transport.loadstore import _CounterReader
-            reader = self._gen_readers[ep.peer_id] = _CounterReader(int(d["pid"]), int(d.get("gen_fd", -1)),
+            reader = self._gen_readers[ep.peer_id] = CounterReader(int(d["pid"]), int(d.get("gen_fd", -1)),
                                                                     int(d["gen_addr"]))
         return reader
 

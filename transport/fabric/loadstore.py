@@ -9,24 +9,19 @@ no relay chunk, no receiver scatter) plus one ``process_vm_writev`` for host pie
 inside a node: the NIC path, relay slots and coalesced chunks exist for peers on other hosts.
 
 What replaces the receiver's check: the sender already checks every destination against the regions the peer
-advertised before anything is written (``TransferEngine._submit``), and the peer only advertises (and exports
-IPC handles for) memory it registered. A peer's ``deregister`` bumps a generation counter (``GenerationCounter``,
-an 8-byte memfd the sender maps read-only); every batch reads it first and re-fetches the region list when it
-moved, so a batch submitted after ``deregister`` returned never writes into the removed region. As with an RDMA
-write, a batch racing a ``deregister`` of its own destination is the caller's error (the tcp/ipc message path
-pins regions and refuses; this path cannot).
+advertised before anything is written (``TransferEngine._submit``), and the peer only advertises (and exports IPC
+handles for) memory it registered. A peer's ``deregister`` bumps a generation counter
+(``transport.fabric.region_counter``, an 8-byte memfd the sender maps read-only); every batch reads it first and
+re-fetches the region list when it moved, so a batch submitted after ``deregister`` returned never writes into the
+removed region. As with an RDMA write, a batch racing a ``deregister`` of its own destination is the caller's error
+(the tcp/ipc message path pins regions and refuses; this path cannot).
 
 Batches this path does not take (the caller uses the message path): pieces between host and GPU memory, a peer
 GPU that is not visible in this process, a peer whose rails are down.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
-import os
-import struct
-import threading
 from typing import Optional
 
 import numpy as np
@@ -34,88 +29,12 @@ import numpy as np
 from transport.arrays import distinct
 from transport.errors import PeerLost, TransferError
 from transport.fabric.gpu_copy import Pending
-from transport.fabric.ipc import process_vm_read, process_vm_write
+from transport.fabric.ipc import process_vm_write
+from transport.fabric.region_counter import CounterReader
 
 log = logging.getLogger(__name__)
 
 _MAX_RUNS = 16  # a multi-region batch cut into more runs than this is classified piece by piece
-
-
-_I64 = struct.Struct("<q")
-
-
-class GenerationCounter:
-    """The receiving engine's deregistration counter, in an 8-byte shared-memory file (``memfd``): a same-host
-    sender maps it read-only through ``/proc/<pid>/fd/<fd>`` and reads it with a plain memory load before every
-    batch (a ``process_vm_readv`` per batch costs far more host time: benchmarks/NOTES.md, "Engine"; senders that
-    cannot open the file fall back to it, at the address ``wire()`` gives). Without memfd (non-Linux) it lives in
-    ordinary memory."""
-
-    def __init__(self):
-        self._fd = -1
-        try:
-            self._fd = os.memfd_create("pxn-region-gen", 0)
-            os.ftruncate(self._fd, 8)
-            self._buf = mmap.mmap(self._fd, 8)
-        except (AttributeError, OSError):
-            if self._fd >= 0:
-                os.close(self._fd)
-            self._fd = -1
-            self._buf = bytearray(8)
-        view = (ctypes.c_char * 8).from_buffer(self._buf)
-        self._addr = ctypes.addressof(view)
-        del view  # a live export would keep the mmap from closing
-        self._lock = threading.Lock()
-
-    @property
-    def value(self) -> int:
-        return _I64.unpack_from(self._buf, 0)[0]
-
-    def bump(self) -> None:
-        with self._lock:
-            _I64.pack_into(self._buf, 0, self.value + 1)
-
-    def wire(self) -> dict:
-        return {"region_gen": self.value, "region_gen_addr": self._addr, "region_gen_fd": self._fd,
-                "pid": os.getpid()}
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            self._buf.close()
-            os.close(self._fd)
-            self._fd = -1
-
-
-class _CounterReader:
-    """Reads a peer's ``GenerationCounter``: mapped when its memfd can be opened, else by process_vm_readv."""
-
-    def __init__(self, pid: int, fd: int, addr: int):
-        self.pid, self.addr = pid, addr
-        self._map = None
-        if fd >= 0:
-            try:
-                f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
-                try:
-                    self._map = mmap.mmap(f, 8, prot=mmap.PROT_READ)
-                finally:
-                    os.close(f)
-            except OSError as e:
-                log.info("peer pid %d's region counter cannot be mapped (%s); reading it per batch instead",
-                         pid, e)
-
-    def read(self) -> int:
-        if self._map is not None:
-            return _I64.unpack_from(self._map, 0)[0]
-        try:
-            raw = process_vm_read(self.pid, self.addr, 8)
-        except OSError as e:
-            raise PeerLost(f"same-host peer pid {self.pid} cannot be read: {e}") from e
-        return int.from_bytes(raw, "little", signed=True)
-
-    def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
 
 
 class LoadStoreWriter:
@@ -132,7 +51,7 @@ class LoadStoreWriter:
         self.fabric = fabric
         self.ep = ep
         self.pid = fabric.peer_pid(ep)
-        self._counter = _CounterReader(self.pid, int(gen_fd), int(gen_addr))
+        self._counter = CounterReader(self.pid, int(gen_fd), int(gen_addr))
         self.gen_seen = int(gen_seen)
         self._maps = {}  # source device -> (region snapshot, int64 array: mapped start per region or -1)
         self._copies = fabric.bound_copies  # plans and bound launches, shared with the fabric's message path

@@ -3,9 +3,11 @@
 Every case writes fresh random data (seeded by conftest's SEED) into a poisoned peer buffer and compares the
 peer's WHOLE buffer (guards included) with the expected image, so stray writes anywhere are caught.
 """
+import collections
 import hashlib
 import json
 import os
+import re
 import threading
 import time
 
@@ -371,8 +373,19 @@ def test_async_handles(sender, peer, src, rng):
 
 
 # --- failover -----------------------------------------------------------------------------------------------
+def _thread_kinds() -> collections.Counter:
+    """pxn threads of this process by kind: ``pxn-``, the next word and its dash (``pxn-copy-``, ``pxn-receiver``)."""
+    return collections.Counter(re.match(r"pxn-[a-z]*-?", t.name).group(0) for t in threading.enumerate()
+                               if t.name.startswith("pxn-"))
+
+
 def test_rail_killed_mid_batch_fails_over(peer, src, rng):
+    """A rail aborted mid-batch: its units are re-dispatched on the other, the batch lands whole. Also the threads
+    a two-rail tcp engine runs: one copy thread per relay ring (no second thread per ring), one progress thread
+    for both rails (tcp reports completions by callback), one receiver, one control listener; the thread that
+    posts re-dispatched units only once a failover needed it."""
     peer.poison()
+    threads_before = _thread_kinds()
     with TransferEngine(fabric="tcp", rails=2) as eng:
         b = src.ctypes.data
         eng.register(src)
@@ -397,6 +410,11 @@ def test_rail_killed_mid_batch_fails_over(peer, src, rng):
                 time.sleep(0.0005)
             ep.abort()
 
+        engine_kinds = ("pxn-copy-", "pxn-progress", "pxn-poll-", "pxn-receiver", "pxn-ctrl-", "pxn-redispatch",
+                        "pxn-submit-")
+        mine = _thread_kinds() - threads_before
+        assert {k: mine[k] for k in engine_kinds if mine[k]} == {
+            "pxn-copy-": 2, "pxn-progress": 1, "pxn-receiver": 1, "pxn-ctrl-": 1}, mine
         th = threading.Thread(target=killer)
         th.start()
         eng.batch_write(peer.session, [b + int(x) for x in s], [peer.base + int(x) for x in d], lens, timeout=90)
@@ -404,6 +422,7 @@ def test_rail_killed_mid_batch_fails_over(peer, src, rng):
         st = eng.stats()
         assert st["failover"]["rail_failures"] == 1
         assert st["failover"]["redispatched_units"] >= 1, st["failover"]
+        assert (_thread_kinds() - threads_before)["pxn-redispatch"] == 1
         peer.check(exp)
         # the surviving rail keeps working
         eng.batch_write(peer.session, [b], [peer.base + 5], [3 * MB])

@@ -27,10 +27,11 @@ the handshake and the peer directory are ``transport.control``, the settings ``t
 path, from a batch's checks to its last completion and failover, ``transport.pipeline`` (``Pipeline``, which this
 class composes).
 
-Threads: per rail one poll loop (on fabrics that deliver completions by callback, the fabric's own threads run
-the completion handlers and the loop takes only failures, in order, and runs the watchdog); per (relay device,
-rail) ring a copy thread that fills and posts, and a submit thread for re-dispatched units; one receiver progress
-thread; the control listener (one thread per control connection). ``batch_write`` is thread-safe.
+Threads: on fabrics that deliver completions by callback (tcp, ipc), whose own threads run the completion
+handlers, one progress thread for every rail that takes only failures, in order, and runs the watchdogs;
+otherwise (verbs) one poll loop per rail. Per (relay device, rail) ring one copy thread that fills and posts; one
+receiver progress thread; the control listener (one thread per control connection); after the first failover,
+one thread that posts re-dispatched units. The fabrics own their socket threads. ``batch_write`` is thread-safe.
 """
 from __future__ import annotations
 
@@ -346,17 +347,21 @@ class TransferEngine(Pipeline):
         self.port = self._control.port
         self.session_id = f"{hostname}:{self.port}"
         self._threads: List[threading.Thread] = [self._control.start()]
-        self._deferred: List[queue.Queue] = []
+        self._redispatched: Optional[queue.SimpleQueue] = None  # ``_post_later``: made at the first failover
+        self._deferred: Optional[queue.Queue] = None
         if "completion_callback" in fabric_cls.capabilities:
             # completions are handled in the fabric thread that sees them (one thread hand-off fewer per write
-            # and per chunk); the rail's poll loop then takes failed ones and runs the watchdog
-            self._deferred = [queue.Queue() for _ in self.fabrics]
-            self._deferring = [0] * len(self.fabrics)  # per rail: lists queued for the poll loop, not yet handled
+            # and per chunk); one progress thread takes the failed ones of every rail and runs the watchdogs
+            self._deferred = queue.Queue()  # (rail, completions)
+            self._deferring = [0] * len(self.fabrics)  # per rail: lists queued for the progress thread, not handled
             self._defer_lock = threading.Lock()
             for rail, fab in enumerate(self.fabrics):
                 fab.set_completion_handler(functools.partial(self._on_completions, rail))
-        for rail in range(len(self.fabrics)):
-            t = threading.Thread(target=self._poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}", daemon=True)
+            pollers = [threading.Thread(target=self._progress_loop, name="pxn-progress", daemon=True)]
+        else:
+            pollers = [threading.Thread(target=self._poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}",
+                                        daemon=True) for rail in range(len(self.fabrics))]
+        for t in pollers:
             t.start()
             self._threads.append(t)
         if self._secret is None:

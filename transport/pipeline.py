@@ -7,7 +7,7 @@ the rails, the rings and the in-flight table, belongs to the engine object):
 * dispatch: attempts per unit, direct units posted by the caller, chunks and relayed pieces to the relay rings;
 * the copy thread's fill of a slot (gather into a chunk, or relayed pieces into the slot) and landing credits;
 * posts (one doorbell per rail endpoint, ``WriteBatch`` where the fabric takes it) and completions (by the
-  fabric's callback, failures in order through the rail's poll loop), acks of chunks, finishing a unit;
+  fabric's callback, failures in order through the engine's progress thread), acks of chunks, finishing a unit;
 * failure handling: a failed rail's work re-dispatched on another rail, a batch failed with every cause, a peer
   forgotten when every rail to it failed;
 * waiting for a batch.
@@ -754,8 +754,7 @@ class Pipeline:
                     self._drop(a)
                 continue
             if from_engine:
-                # redispatch from a poller: let the rail's submit thread post it, keep the poller polling
-                self._ring(DEVICE_HOST, rail).enqueue_post(atts)
+                self._post_later(atts)  # redispatch from a poller: it keeps polling
             else:
                 self._post(atts)  # the caller posts zero-copy writes itself: no thread hand-off
 
@@ -992,7 +991,8 @@ class Pipeline:
 
     # --- submit --------------------------------------------------------------------------------------------
     def _post(self, attempts: List[_Attempt], after=None) -> None:
-        """Post attempts (one doorbell per rail endpoint). Runs in a ring's copy or submit thread, or the caller.
+        """Post attempts (one doorbell per rail endpoint). Runs in a ring's copy thread, the re-dispatch thread
+        (``_post_later``) or the caller.
         ``after``: CUDA events the writes must follow (a round of relay fills), for fabrics with
         ``event_ordered_writes``; their slots go back to the ring as soon as the writes are queued, to be
         refilled after the writes' own event."""
@@ -1101,18 +1101,12 @@ class Pipeline:
 
     # --- completions ---------------------------------------------------------------------------------------
     def _poll_loop(self, rail: int) -> None:
+        """A rail's poller, on fabrics that report completions by ``poll`` (no ``completion_callback``)."""
         fab = self.fabrics[rail]
         last_check = time.monotonic()
-        deferred = self._deferred[rail] if self._deferred else None
         while not self._closed:
             try:
-                if deferred is not None:  # completions come by callback; failed ones are handled here
-                    try:
-                        comps = deferred.get(timeout=0.05)
-                    except queue.Empty:
-                        comps = None
-                else:
-                    comps = fab.poll(256, timeout=0.05)
+                comps = fab.poll(256, timeout=0.05)
             except FabricClosed:
                 return
             except Exception:  # noqa: BLE001
@@ -1124,24 +1118,72 @@ class Pipeline:
                     self._on_completion(rail, c)
                 except Exception:  # noqa: BLE001 — one bad completion must not stop the poller
                     log.exception("rail %d: handling completion %r failed", rail, c)
-            if deferred is not None and comps is not None:
-                with self._defer_lock:
-                    self._deferring[rail] -= 1
             now = time.monotonic()
             if now - last_check > 0.1:
                 last_check = now
                 self._watchdog(rail)
 
+    def _progress_loop(self) -> None:
+        """Every rail's failed completions, and what follows them on the rail, in order (fabrics with
+        ``completion_callback``: ``_on_completions`` queues them), and the rails' watchdogs every 0.1 s. One
+        thread for all rails: with completions handled in the fabrics' threads, failures are all it waits for."""
+        deferred = self._deferred
+        last_check = time.monotonic()
+        while not self._closed:
+            try:
+                rail, comps = deferred.get(timeout=0.05)
+            except queue.Empty:
+                rail = None
+            if rail is not None:
+                for c in comps:
+                    try:
+                        self._on_completion(rail, c)
+                    except Exception:  # noqa: BLE001 — one bad completion must not stop the poller
+                        log.exception("rail %d: handling completion %r failed", rail, c)
+                with self._defer_lock:
+                    self._deferring[rail] -= 1
+            now = time.monotonic()
+            if now - last_check > 0.1:
+                last_check = now
+                for r in range(len(self.fabrics)):
+                    try:
+                        self._watchdog(r)
+                    except Exception:  # noqa: BLE001 — one rail's watchdog must not stop the others'
+                        log.exception("rail %d: watchdog failed", r)
+
+    def _post_later(self, attempts: List[_Attempt]) -> None:
+        """Post re-dispatched attempts from the engine's re-dispatch thread, started at the first failover, so that
+        the poller that found the failure keeps polling while they are posted."""
+        with self._lock:
+            if self._redispatched is None:
+                self._redispatched = queue.SimpleQueue()
+                t = threading.Thread(target=self._redispatch_loop, args=(self._redispatched,),
+                                     name="pxn-redispatch", daemon=True)
+                t.start()
+                self._threads.append(t)
+        self._redispatched.put(attempts)
+
+    def _redispatch_loop(self, todo: "queue.SimpleQueue") -> None:
+        while not self._closed:
+            try:
+                attempts = todo.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            try:
+                self._post(attempts)
+            except Exception:  # noqa: BLE001 — _post handles its own failures; this is a last resort
+                log.exception("posting re-dispatched attempts failed")
+
     def _on_completions(self, rail: int, comps) -> None:
         """Completion handler called by a fabric thread (fabrics with ``completion_callback``). Failures go to the
-        rail's poll loop instead: failover deregisters and re-posts, which must not run in a fabric thread that
-        the fabric itself may be waiting on."""
+        engine's progress thread instead: failover deregisters and re-posts, which must not run in a fabric thread
+        that the fabric itself may be waiting on."""
         if self._closed:
             return
-        q = self._deferred[rail]
+        q = self._deferred
         with self._defer_lock:
             # from the first failure on, and while earlier ones wait, completions keep their order through the
-            # poll loop: a unit's last write must never be counted done before an earlier write's error
+            # progress thread: a unit's last write must never be counted done before an earlier write's error
             if len(comps) == 1:  # the common case (a batch's one completion): no generator
                 first_bad = None if comps[0].error is None else 0
             else:
@@ -1151,7 +1193,7 @@ class Pipeline:
                 later = comps[cut:]
                 comps = comps[:cut]
                 self._deferring[rail] += 1
-                q.put(later)
+                q.put((rail, later))
         for c in comps:
             try:
                 self._on_completion(rail, c)

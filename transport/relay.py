@@ -1,4 +1,4 @@
-"""Relay rings: ``lanes × slots`` staging slots per (relay device, rail), each with a copy and a submit thread.
+"""Relay rings: ``lanes × slots`` staging slots per (relay device, rail), each with one copy thread.
 
 A slot goes FREE -> FILLING (gather / copy into it) -> READY (queued for the fabric) -> POSTED (write in flight)
 -> [WAITING (chunk written, waiting for the receiver's ack)] -> FREE. The buffer behind all slots of a ring is
@@ -8,10 +8,10 @@ GPU-less machine, the NIC-local GPU otherwise.
 Threads: the copy thread takes as many queued units as there are free slots, enqueues their gathers / copies
 on the lanes' CUDA streams (host rings: memmove), waits once per lane, and posts the round's writes itself, many
 per doorbell: one synchronise per round instead of one per slot, and no hand-off to a second thread (each cost
-about a slot's copy time in Python; handing every round but the last to the submit thread, to overlap a round's
-post with the next round's copies, measured no better: benchmarks/NOTES.md). The submit thread only posts units
-the engine re-dispatches after a failover. Completions release slots, in whichever thread the fabric reports
-them (its callback, or the engine's per-rail poller).
+about a slot's copy time in Python; handing every round but the last to a second thread, to overlap a round's
+post with the next round's copies, measured no better: benchmarks/NOTES.md). Units the engine re-dispatches
+after a failover are posted by the engine's own re-dispatch thread, not the ring's. Completions release slots, in
+whichever thread the fabric reports them (its callback, or the engine's poller).
 
 Stream-ordered rounds: on a GPU ring whose fabric declares ``event_ordered_writes`` (ipc: the wire is a GPU
 copy too), nothing waits on the host. A round records an event per lane after its fills and posts with it
@@ -83,7 +83,7 @@ class HostBuffer:
 
 
 class RelayRing:
-    """Staging slots and the two threads of one (relay device, rail).
+    """Staging slots and the copy thread of one (relay device, rail).
 
     Arguments:
         name: label for stats / trace (e.g. "host/rail0").
@@ -93,8 +93,7 @@ class RelayRing:
         fill: ``fill(attempt, slot) -> bool`` runs in the copy thread; returns False when the attempt was
             cancelled meanwhile (the slot is then released).
         post: ``post(attempts, after)`` runs in the copy thread with a round's READY attempts (one doorbell per
-            peer), ``after`` the round's CUDA events on an ordered fabric (else None: the copies are done); the
-            submit thread calls ``post(attempts, None)`` for re-dispatched units.
+            peer), ``after`` the round's CUDA events on an ordered fabric (else None: the copies are done).
         trace: optional Trace.
     """
 
@@ -139,18 +138,14 @@ class RelayRing:
         self.round_slots = max(1, len(self.slots) // 2) if self.ordered else len(self.slots)
         self._cv = threading.Condition()
         self._copy_q: collections.deque = collections.deque()
-        self._post_q: collections.deque = collections.deque()
-        self._post_cv = threading.Condition()
         self._closed = False
         self._slot_waiters = 0  # threads in take / _acquire waiting for a free slot (under _cv)
         self.waits_for_slot = 0
         self.wait_slot_ns = 0
-        self._threads = [
-            threading.Thread(target=self._copy_loop, name=f"pxn-copy-{name}", daemon=True),
-            threading.Thread(target=self._submit_loop, name=f"pxn-submit-{name}", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        # One thread: it fills chunks and queued units and posts each round's writes itself (``_round``); inline
+        # units are filled and posted by their caller (``fill_and_post``).
+        self._thread = threading.Thread(target=self._copy_loop, name=f"pxn-copy-{name}", daemon=True)
+        self._thread.start()
 
     def stream(self, lane: int):
         return self._streams[lane] if self._streams else None
@@ -160,11 +155,6 @@ class RelayRing:
         with self._cv:
             self._copy_q.extend(attempts)
             self._cv.notify_all()
-
-    def enqueue_post(self, attempts) -> None:
-        with self._post_cv:
-            self._post_q.extend(attempts)
-            self._post_cv.notify()
 
     def release(self, slot: Slot, after=None) -> None:
         """Give a slot back (any thread, never blocks on the ring's queues). ``after``: a CUDA event that fires
@@ -250,7 +240,7 @@ class RelayRing:
                 if self._closed:
                     return
                 # take as many queued attempts as there are free slots (at least one, waiting for it): they
-                # are filled back to back and handed to the submit thread together, one doorbell for all
+                # are filled back to back and posted together, one doorbell for all
                 work = [(self._copy_q.popleft(), self._acquire())]
                 if work[0][1] is None:
                     return
@@ -306,33 +296,16 @@ class RelayRing:
             slot.enter(READY)
             ready.append(attempt)
         try:
-            self._post(ready, after)  # from this thread: no hand-off to the submit thread
+            self._post(ready, after)  # from this thread: no hand-off to another
         except Exception:  # noqa: BLE001 — post() handles its own failures; this is a last resort
             log.exception("%s: submit failed", self.name)
-
-    def _submit_loop(self) -> None:
-        while True:
-            with self._post_cv:
-                while not self._post_q and not self._closed:
-                    self._post_cv.wait()
-                if self._closed:
-                    return
-                batch = list(self._post_q)
-                self._post_q.clear()
-            try:
-                self._post(batch, None)
-            except Exception:  # noqa: BLE001 — post() handles its own failures; this is a last resort
-                log.exception("%s: submit failed", self.name)
 
     def close(self) -> None:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        with self._post_cv:
-            self._post_cv.notify_all()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=2.0)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
         try:
             self.fabric.deregister(self.mr)
         except Exception:  # noqa: BLE001 — fabric may already be closed

@@ -174,8 +174,11 @@ def test_relay_ring_back_pressure_and_states():
         a.slot = slot
         return True
 
+    rounds = []
+
     def post(atts, after=None):
         with lock:
+            rounds.append(len(atts))
             posted.extend(atts)
             release_later.extend(atts)
 
@@ -185,6 +188,8 @@ def test_relay_ring_back_pressure_and_states():
         ring.enqueue_copy(atts)
         time.sleep(0.2)
         assert len(posted) == 4  # 2 lanes x 2 slots, then back-pressure
+        # the idle ring's first fill went out alone (nothing was on the wire), then a round of the free slots
+        assert rounds == [1, 3], rounds
         assert ring.free_slots() == 0
         for _ in range(6):  # completions free slots; the ring continues
             with lock:

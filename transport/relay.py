@@ -5,9 +5,9 @@ A slot goes FREE -> FILLING (gather / copy into it) -> READY (queued for the fab
 allocated once and registered once with the rail's fabric (one lkey), on the relay device: host memory on a
 GPU-less machine, the NIC-local GPU otherwise.
 
-Threads: the copy thread takes as many queued units as there are free slots, enqueues their gathers / copies
-on the lanes' CUDA streams (host rings: memmove), waits once per lane, and posts the round's writes itself, many
-per doorbell: one synchronise per round instead of one per slot, and no hand-off to a second thread (each cost
+Threads: the copy thread takes as many queued units as there are free slots (one when every slot is free: the
+wire then starts after one fill), enqueues their gathers / copies on the lanes' CUDA streams (host rings:
+memmove), waits once per lane, and posts the round's writes itself, many per doorbell: one synchronise per round instead of one per slot, and no hand-off to a second thread (each cost
 about a slot's copy time in Python; handing every round but the last to a second thread, to overlap a round's
 post with the next round's copies, measured no better: benchmarks/NOTES.md). Units the engine re-dispatches
 after a failover are posted by the engine's own re-dispatch thread, not the ring's. Completions release slots, in
@@ -240,11 +240,16 @@ class RelayRing:
                 if self._closed:
                     return
                 # take as many queued attempts as there are free slots (at least one, waiting for it): they
-                # are filled back to back and posted together, one doorbell for all
+                # are filled back to back and posted together, one doorbell for all. A ring with every slot free
+                # has nothing on the wire: its first fill goes out alone, so that the wire starts after one fill
+                # instead of a round of them, and the next round fills while it is written (benchmarks/NOTES.md,
+                # "The first chunk of a call posted alone").
+                idle = sum(map(len, self._free)) == len(self.slots)
                 work = [(self._copy_q.popleft(), self._acquire())]
                 if work[0][1] is None:
                     return
-                while self._copy_q and any(self._free) and len(work) < self.round_slots:
+                limit = 1 if idle else self.round_slots
+                while self._copy_q and any(self._free) and len(work) < limit:
                     work.append((self._copy_q.popleft(), self._acquire()))
             self._round(work)
 

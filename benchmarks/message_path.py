@@ -25,8 +25,8 @@ next to it) and the files are named ``-x1`` instead of ``-x2``, plus ``relay_x1`
 sender's engine made with ``relay="always"``, so that every piece goes through a relay slot on the data's own GPU
 (a copy into the slot, then the write from it): the relay's machinery and its host cost, without NVLink.
 
-Writes ``pxn-x2.json`` (direct / pxn_* rows, both fabrics) and ``message-path-x2.json`` (ipc rows, loadstore and
-nvlink_copy) into ``--out`` (default: a fresh temporary folder) and prints a table last.
+Writes ``pxn-x2.json`` (direct, pxn_* and relay_x1 rows, both fabrics) and ``message-path-x2.json`` (ipc rows,
+loadstore and nvlink_copy) into ``--out`` (default: a fresh temporary folder) and prints a table last.
 
     python3 benchmarks/message_path.py --out $OUT
     python3 benchmarks/message_path.py --fabrics ipc --shapes aux11,kv78x2.25MB --repeat 5   # quick look
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     meta = {"machine": info, "seed": seed, "repeat": args.repeat, "label": args.label,
             "command": "python3 benchmarks/message_path.py " + " ".join(_public_args(argv or sys.argv[1:]))}
-    pxn_rows = [r for r in rows if r["topology"] in TOPOLOGIES]
+    pxn_rows = [r for r in rows if r["topology"] in TOPOLOGIES or r["topology"] in ONE_GPU_TOPOLOGIES]
     mp_rows = [r for r in rows if r["fabric"] in ("ipc", "-")]
     names = (f"pxn-x{gpus}.json", f"message-path-x{gpus}.json")
     for name, subset in zip(names, (pxn_rows, mp_rows)):

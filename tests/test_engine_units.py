@@ -540,3 +540,40 @@ def test_endpoint_failure_completes_a_pending_batch_message_without_a_table():
     finally:
         a.close()
         b.close()
+
+
+def test_progress_loop_runs_tasks_in_order_and_duties_between_them(caplog):
+    """``ProgressLoop``: submitted tasks run in the order given, in its one thread, also after a task that raised
+    (logged); a duty runs every period; a period that is not positive is refused, naming it; after ``close`` the
+    thread is gone and nothing more runs."""
+    from transport.progress import ProgressLoop
+    loop = ProgressLoop("pxn-test-progress")
+    ran, threads, ticks = [], set(), []
+    done = threading.Event()
+
+    def task(i):
+        threads.add(threading.current_thread().name)
+        ran.append(i)
+        if i == 3:
+            raise RuntimeError("task 3 fails")
+        if i == 199:
+            done.set()
+
+    try:
+        with pytest.raises(ValueError, match="period_s must be > 0, got 0"):
+            loop.every(0, lambda: None)
+        loop.every(0.02, lambda: ticks.append(time.monotonic()))
+        for i in range(200):
+            loop.submit(task, i)
+        assert done.wait(5.0)
+        assert ran == list(range(200)) and threads == {"pxn-test-progress"}
+        assert any("task 3 fails" in r.getMessage() or "task 3 fails" in str(r.exc_info) for r in caplog.records)
+        time.sleep(0.2)
+        assert len(ticks) >= 3 and all(b - a >= 0.015 for a, b in zip(ticks, ticks[1:])), ticks
+    finally:
+        loop.close()
+    assert not loop.thread.is_alive()
+    n = len(ticks)
+    loop.submit(task, 500)
+    time.sleep(0.1)
+    assert 500 not in ran and len(ticks) == n

@@ -27,11 +27,12 @@ the handshake and the peer directory are ``transport.control``, the settings ``t
 path, from a batch's checks to its last completion and failover, ``transport.pipeline`` (``Pipeline``, which this
 class composes).
 
-Threads: on fabrics that deliver completions by callback (tcp, ipc), whose own threads run the completion
-handlers, one progress thread for every rail that takes only failures, in order, and runs the watchdogs;
-otherwise (verbs) one poll loop per rail. Per (relay device, rail) ring one copy thread that fills and posts; one
-receiver progress thread; the control listener (one thread per control connection); after the first failover,
-one thread that posts re-dispatched units. The fabrics own their socket threads. ``batch_write`` is thread-safe.
+Threads: one progress thread (``transport.progress``) for the receiver's landed chunks, the posts of units
+re-dispatched after a failover and, on fabrics that deliver completions by callback (tcp, ipc), whose own threads
+run the completion handlers, the failed completions (in order per rail) and the rails' watchdogs; on other
+fabrics (verbs) one poll loop per rail. Per (relay device, rail) ring one copy thread that fills and posts; the
+control listener (one thread per control connection). The fabrics own their socket threads. ``batch_write`` is
+thread-safe.
 """
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ import functools
 import itertools
 import logging
 import os
-import queue
 import secrets
 import socket
 import sys
@@ -51,8 +51,9 @@ from transport.control import ControlPlane, PeerGone, UnknownSession, recv_msg, 
 from transport.errors import FabricError, FabricUnavailable, InvalidTransfer, PeerLost, TransferError
 from transport.fabric.base import DEVICE_HOST
 from transport.fabric.gpu_copy import BoundCopies
-from transport.pipeline import BatchHandle, Pipeline, _Attempt, _Batch
+from transport.pipeline import WATCHDOG_S, BatchHandle, Pipeline, _Attempt, _Batch
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice
+from transport.progress import ProgressLoop
 from transport.receiver import Receiver
 from transport.regions import Region, RegionTable
 from transport.relay import HostBuffer, RelayRing
@@ -334,8 +335,10 @@ class TransferEngine(Pipeline):
                     opts.update(spec)  # the rail's NIC device and port
                 self.fabrics.append(make_fabric(self.fabric_name, hostname=hostname, **opts))
             self._rail_stats = [Counters() for _ in self.fabrics]
+            # the engine's one progress thread: landed chunks, failed completions, re-dispatched posts, watchdogs
+            self._progress = ProgressLoop("pxn-progress")
             self.receiver = Receiver(self.fabrics, self._regions, self.landing_slots, self.slot_bytes,
-                                     self.counters, self.trace, max_senders=self.max_senders)
+                                     self.counters, self.trace, max_senders=self.max_senders, progress=self._progress)
             for rail in range(len(self.fabrics)):
                 self._ring(DEVICE_HOST, rail)
             self._control = ControlPlane(self, hostname, port, _Peer, _PeerRail, secret=self._secret,
@@ -347,23 +350,20 @@ class TransferEngine(Pipeline):
         self.port = self._control.port
         self.session_id = f"{hostname}:{self.port}"
         self._threads: List[threading.Thread] = [self._control.start()]
-        self._redispatched: Optional[queue.SimpleQueue] = None  # ``_post_later``: made at the first failover
-        self._deferred: Optional[queue.Queue] = None
-        if "completion_callback" in fabric_cls.capabilities:
-            # completions are handled in the fabric thread that sees them (one thread hand-off fewer per write
-            # and per chunk); one progress thread takes the failed ones of every rail and runs the watchdogs
-            self._deferred = queue.Queue()  # (rail, completions)
-            self._deferring = [0] * len(self.fabrics)  # per rail: lists queued for the progress thread, not handled
+        # completions handled in the fabric thread that sees them (one thread hand-off fewer per write and per
+        # chunk), failed ones in the progress loop, which also runs the watchdogs; else a poll loop per rail
+        self._by_callback = "completion_callback" in fabric_cls.capabilities
+        if self._by_callback:
+            self._deferring = [0] * len(self.fabrics)  # per rail: lists queued in the progress loop, not handled
             self._defer_lock = threading.Lock()
             for rail, fab in enumerate(self.fabrics):
                 fab.set_completion_handler(functools.partial(self._on_completions, rail))
-            pollers = [threading.Thread(target=self._progress_loop, name="pxn-progress", daemon=True)]
+            self._progress.every(WATCHDOG_S, self._watchdogs)
         else:
-            pollers = [threading.Thread(target=self._poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}",
-                                        daemon=True) for rail in range(len(self.fabrics))]
-        for t in pollers:
-            t.start()
-            self._threads.append(t)
+            for rail in range(len(self.fabrics)):
+                t = threading.Thread(target=self._poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}", daemon=True)
+                t.start()
+                self._threads.append(t)
         if self._secret is None:
             ports = [str(getattr(f, "port", "?")) for f in self.fabrics]
             log.warning("pxn engine %s: no shared secret (secret= / PXN_SECRET): any process that can reach %s may "
@@ -694,6 +694,9 @@ class TransferEngine(Pipeline):
             self.trace.write()
 
     def _teardown(self) -> None:
+        progress = getattr(self, "_progress", None)
+        if progress is not None:
+            progress.close()  # first: the receiver's chunks are handled there
         receiver = getattr(self, "receiver", None)
         if receiver is not None:
             receiver.close()

@@ -7,7 +7,7 @@ the rails, the rings and the in-flight table, belongs to the engine object):
 * dispatch: attempts per unit, direct units posted by the caller, chunks and relayed pieces to the relay rings;
 * the copy thread's fill of a slot (gather into a chunk, or relayed pieces into the slot) and landing credits;
 * posts (one doorbell per rail endpoint, ``WriteBatch`` where the fabric takes it) and completions (by the
-  fabric's callback, failures in order through the engine's progress thread), acks of chunks, finishing a unit;
+  fabric's callback, failures in order through the engine's progress loop), acks of chunks, finishing a unit;
 * failure handling: a failed rail's work re-dispatched on another rail, a batch failed with every cause, a peer
   forgotten when every rail to it failed;
 * waiting for a batch.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import socket
 import threading
 import time
@@ -47,6 +46,7 @@ log = logging.getLogger("transport.engine")  # one logger for the engine and its
 
 _SPANS_MEMO = 64  # batch layouts over several regions remembered per engine (Pipeline._region_spans)
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
+WATCHDOG_S = 0.1  # seconds between two runs of a rail's watchdog
 _PATH_COUNTERS = {kind: (f"path_{kind}_units", f"path_{kind}_bytes") for kind in (DIRECT, RELAYED, COALESCED)}
 
 
@@ -991,7 +991,7 @@ class Pipeline:
 
     # --- submit --------------------------------------------------------------------------------------------
     def _post(self, attempts: List[_Attempt], after=None) -> None:
-        """Post attempts (one doorbell per rail endpoint). Runs in a ring's copy thread, the re-dispatch thread
+        """Post attempts (one doorbell per rail endpoint). Runs in a ring's copy thread, the progress loop
         (``_post_later``) or the caller.
         ``after``: CUDA events the writes must follow (a round of relay fills), for fabrics with
         ``event_ordered_writes``; their slots go back to the ring as soon as the writes are queued, to be
@@ -1119,71 +1119,51 @@ class Pipeline:
                 except Exception:  # noqa: BLE001 — one bad completion must not stop the poller
                     log.exception("rail %d: handling completion %r failed", rail, c)
             now = time.monotonic()
-            if now - last_check > 0.1:
+            if now - last_check > WATCHDOG_S:
                 last_check = now
                 self._watchdog(rail)
 
-    def _progress_loop(self) -> None:
-        """Every rail's failed completions, and what follows them on the rail, in order (fabrics with
-        ``completion_callback``: ``_on_completions`` queues them), and the rails' watchdogs every 0.1 s. One
-        thread for all rails: with completions handled in the fabrics' threads, failures are all it waits for."""
-        deferred = self._deferred
-        last_check = time.monotonic()
-        while not self._closed:
+    def _deferred_completions(self, rail: int, comps) -> None:
+        """A rail's failed completions and those that came after them, in the progress loop (fabrics with
+        ``completion_callback``: ``_on_completions`` queues them there in order)."""
+        for c in comps:
             try:
-                rail, comps = deferred.get(timeout=0.05)
-            except queue.Empty:
-                rail = None
-            if rail is not None:
-                for c in comps:
-                    try:
-                        self._on_completion(rail, c)
-                    except Exception:  # noqa: BLE001 — one bad completion must not stop the poller
-                        log.exception("rail %d: handling completion %r failed", rail, c)
-                with self._defer_lock:
-                    self._deferring[rail] -= 1
-            now = time.monotonic()
-            if now - last_check > 0.1:
-                last_check = now
-                for r in range(len(self.fabrics)):
-                    try:
-                        self._watchdog(r)
-                    except Exception:  # noqa: BLE001 — one rail's watchdog must not stop the others'
-                        log.exception("rail %d: watchdog failed", r)
+                self._on_completion(rail, c)
+            except Exception:  # noqa: BLE001 — one bad completion must not stop the others
+                log.exception("rail %d: handling completion %r failed", rail, c)
+        with self._defer_lock:
+            self._deferring[rail] -= 1
+
+    def _watchdogs(self) -> None:
+        """Every rail's watchdog (the progress loop runs this every ``WATCHDOG_S``)."""
+        for rail in range(len(self.fabrics)):
+            try:
+                self._watchdog(rail)
+            except Exception:  # noqa: BLE001 — one rail's watchdog must not stop the others'
+                log.exception("rail %d: watchdog failed", rail)
 
     def _post_later(self, attempts: List[_Attempt]) -> None:
-        """Post re-dispatched attempts from the engine's re-dispatch thread, started at the first failover, so that
-        the poller that found the failure keeps polling while they are posted."""
-        with self._lock:
-            if self._redispatched is None:
-                self._redispatched = queue.SimpleQueue()
-                t = threading.Thread(target=self._redispatch_loop, args=(self._redispatched,),
-                                     name="pxn-redispatch", daemon=True)
-                t.start()
-                self._threads.append(t)
-        self._redispatched.put(attempts)
+        """Post re-dispatched attempts from the progress loop, after the task that re-dispatched them, so that a
+        poller that found the failure keeps polling."""
+        self._progress.submit(self._post_logged, attempts)
 
-    def _redispatch_loop(self, todo: "queue.SimpleQueue") -> None:
-        while not self._closed:
-            try:
-                attempts = todo.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            try:
-                self._post(attempts)
-            except Exception:  # noqa: BLE001 — _post handles its own failures; this is a last resort
-                log.exception("posting re-dispatched attempts failed")
+    def _post_logged(self, attempts: List[_Attempt]) -> None:
+        if self._closed:
+            return
+        try:
+            self._post(attempts)
+        except Exception:  # noqa: BLE001 — _post handles its own failures; this is a last resort
+            log.exception("posting re-dispatched attempts failed")
 
     def _on_completions(self, rail: int, comps) -> None:
         """Completion handler called by a fabric thread (fabrics with ``completion_callback``). Failures go to the
-        engine's progress thread instead: failover deregisters and re-posts, which must not run in a fabric thread
+        engine's progress loop instead: failover deregisters and re-posts, which must not run in a fabric thread
         that the fabric itself may be waiting on."""
         if self._closed:
             return
-        q = self._deferred
         with self._defer_lock:
             # from the first failure on, and while earlier ones wait, completions keep their order through the
-            # progress thread: a unit's last write must never be counted done before an earlier write's error
+            # progress loop: a unit's last write must never be counted done before an earlier write's error
             if len(comps) == 1:  # the common case (a batch's one completion): no generator
                 first_bad = None if comps[0].error is None else 0
             else:
@@ -1193,7 +1173,7 @@ class Pipeline:
                 later = comps[cut:]
                 comps = comps[:cut]
                 self._deferring[rail] += 1
-                q.put((rail, later))
+                self._progress.submit(self._deferred_completions, rail, later)
         for c in comps:
             try:
                 self._on_completion(rail, c)

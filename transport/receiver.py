@@ -34,7 +34,6 @@ connection can be mistaken for the new one's.
 """
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import struct
@@ -47,6 +46,7 @@ import numpy as np
 
 from transport.errors import ChunkFormatError
 from transport.fabric.base import DEVICE_HOST, WriteRequest
+from transport.progress import ProgressLoop
 from transport.regions import RegionTable, first_bad, span_region
 from transport.relay import HostBuffer, gpu_scatter, host_memmove, scatter_words
 from transport.telemetry import Counters, Trace, now_ns
@@ -134,7 +134,7 @@ class Receiver:
     """
 
     def __init__(self, fabrics, exposed: RegionTable, landing_slots: int, slot_bytes: int, counters: Counters,
-                 trace: Optional[Trace] = None, max_senders: int = 256):
+                 trace: Optional[Trace] = None, max_senders: int = 256, progress: Optional[ProgressLoop] = None):
         self.fabrics = fabrics
         self.max_senders = max_senders
         self.exposed = exposed
@@ -145,11 +145,11 @@ class Receiver:
         self._lock = threading.Lock()
         self._senders: Dict[int, SenderState] = {}
         self._by_rail_id: Dict[str, Tuple[SenderState, int]] = {}
-        self._q: collections.deque = collections.deque()
-        self._cv = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="pxn-receiver", daemon=True)
-        self._thread.start()
+        # the engine's progress loop, or one of the receiver's own; its owner closes it before this receiver
+        self._own_progress = progress is None
+        self._progress = ProgressLoop("pxn-receiver") if progress is None else progress
+        self._progress.every(SWEEP_S, self._sweep_logged)
         self._scratch = None
         self._streams: Dict[int, object] = {}
 
@@ -340,7 +340,7 @@ class Receiver:
 
     # --- progress -------------------------------------------------------------------------------------------
     def on_chunk(self, rail: int, peer_id: str, imm: int, byte_len: int) -> None:
-        """Called by the engine's poller for a chunk's RECV_IMM; the work happens in the progress thread, except
+        """Called by the engine's poller for a chunk's RECV_IMM; the work happens in the progress loop, except
         for a chunk the fabric already placed (``_plan_landed``), which is acked here."""
         # the sender state is looked up now, when the chunk has landed: if the sender handshakes again before
         # the progress thread gets to it, the chunk still belongs to (and is dropped with) the old state
@@ -353,32 +353,25 @@ class Receiver:
                     return
                 log.warning("receiver: placed chunk on rail %d imm 0x%x does not match its RECV_IMM (%d B vs %d B)",
                             rail, imm, byte_len, placed.length)
-        with self._cv:
-            self._q.append((rail, peer_id, entry, imm, byte_len, now_ns()))
-            self._cv.notify()
+        self._progress.submit(self._handle_logged, rail, peer_id, entry, imm, byte_len, now_ns())
 
-    def _loop(self) -> None:
-        last_sweep = time.monotonic()
-        while True:
-            with self._cv:
-                while not self._q and not self._closed:
-                    if not self._cv.wait(SWEEP_S):
-                        break
-                if self._closed:
-                    return
-                items = list(self._q)
-                self._q.clear()
-            if time.monotonic() - last_sweep >= SWEEP_S:
-                last_sweep = time.monotonic()
-                try:
-                    self._sweep()
-                except Exception:  # noqa: BLE001
-                    log.exception("receiver: sweeping departed senders failed")
-            for item in items:
-                try:
-                    self._handle(*item)
-                except Exception:  # noqa: BLE001 — one bad chunk must not stop the receiver
-                    log.exception("receiver: handling a chunk failed")
+    def _handle_logged(self, *item) -> None:
+        """``_handle`` in the progress thread: nothing once closed, and a failure logged (one bad chunk must not
+        stop the thread)."""
+        if self._closed:
+            return
+        try:
+            self._handle(*item)
+        except Exception:  # noqa: BLE001
+            log.exception("receiver: handling a chunk failed")
+
+    def _sweep_logged(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._sweep()
+        except Exception:  # noqa: BLE001
+            log.exception("receiver: sweeping departed senders failed")
 
     def _sweep(self) -> None:
         """Free the landing and ack buffers of senders whose every rail is dead (the sender closed or died):
@@ -616,10 +609,11 @@ class Receiver:
             log.info("receiver: ack for slot %d on rail %d to %s failed: %s", slot, rail, st.session, e)
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join(timeout=2.0)
+        """Free every sender's buffers. A receiver made with the engine's progress loop is closed after that loop
+        (no chunk is being handled then); one with its own loop closes it first."""
+        self._closed = True
+        if self._own_progress:
+            self._progress.close()
         with self._lock:
             senders = list(self._senders.values())
             self._senders.clear()

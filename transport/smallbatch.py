@@ -142,7 +142,7 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
         a.reqs = [req]
         a.pending = 1
         a.posted = True
-    if eng._deferred is not None:  # completions by callback: the ack completes the batch straight away (``_rows_acked``)
+    if eng._by_callback:  # completions by callback: the ack completes the batch straight away (``_rows_acked``)
         req.on_acked = a.rows_acked
         req.read_ack = read_ack
     try:

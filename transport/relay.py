@@ -5,13 +5,14 @@ A slot goes FREE -> FILLING (gather / copy into it) -> READY (queued for the fab
 allocated once and registered once with the rail's fabric (one lkey), on the relay device: host memory on a
 GPU-less machine, the NIC-local GPU otherwise.
 
-Threads: the copy thread takes as many queued units as there are free slots (one when every slot is free: the
-wire then starts after one fill), enqueues their gathers / copies on the lanes' CUDA streams (host rings:
-memmove), waits once per lane, and posts the round's writes itself, many per doorbell: one synchronise per round instead of one per slot, and no hand-off to a second thread (each cost
-about a slot's copy time in Python; handing every round but the last to a second thread, to overlap a round's
-post with the next round's copies, measured no better: benchmarks/NOTES.md). Units the engine re-dispatches
-after a failover are posted by the engine's own re-dispatch thread, not the ring's. Completions release slots, in
-whichever thread the fabric reports them (its callback, or the engine's poller).
+Threads: the copy thread takes as many queued units as there are free slots (one when every slot is free: the wire
+then starts after one fill), enqueues their gathers / copies on the lanes' CUDA streams (host rings: memmove), waits
+once per lane, and posts the round's writes itself, many per doorbell: one synchronise per round instead of one per
+slot, and no hand-off to a second thread (each cost about a slot's copy time in Python; handing every round but the
+last to a second thread, to overlap a round's post with the next round's copies, measured no better:
+benchmarks/NOTES.md). Direct units the engine re-dispatches after a failover are posted by the engine's progress
+thread. Completions release slots, in whichever thread the fabric reports them (its callback, or the
+engine's poll loop).
 
 Stream-ordered rounds: on a GPU ring whose fabric declares ``event_ordered_writes`` (ipc: the wire is a GPU
 copy too), nothing waits on the host. A round records an event per lane after its fills and posts with it

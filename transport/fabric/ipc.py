@@ -875,7 +875,7 @@ class IpcFabric(TcpFabric):
             if "gen_addr" not in d:
                 return None
             reader = self._gen_readers[ep.peer_id] = CounterReader(int(d["pid"]), int(d.get("gen_fd", -1)),
-                                                                    int(d["gen_addr"]))
+                                                                   int(d["gen_addr"]))
         return reader
 
     def _current_info(self, ep: TcpEndpoint, table, keys=None):

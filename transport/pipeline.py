@@ -1145,15 +1145,12 @@ class Pipeline:
     def _post_later(self, attempts: List[_Attempt]) -> None:
         """Post re-dispatched attempts from the progress loop, after the task that re-dispatched them, so that a
         poller that found the failure keeps polling."""
-        self._progress.submit(self._post_logged, attempts)
+        self._progress.submit(self._post_if_open, attempts)
 
-    def _post_logged(self, attempts: List[_Attempt]) -> None:
-        if self._closed:
-            return
-        try:
+    def _post_if_open(self, attempts: List[_Attempt]) -> None:
+        # _post handles its own failures; the progress loop logs anything else
+        if not self._closed:
             self._post(attempts)
-        except Exception:  # noqa: BLE001 — _post handles its own failures; this is a last resort
-            log.exception("posting re-dispatched attempts failed")
 
     def _on_completions(self, rail: int, comps) -> None:
         """Completion handler called by a fabric thread (fabrics with ``completion_callback``). Failures go to the

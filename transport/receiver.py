@@ -149,7 +149,7 @@ class Receiver:
         # the engine's progress loop, or one of the receiver's own; its owner closes it before this receiver
         self._own_progress = progress is None
         self._progress = ProgressLoop("pxn-receiver") if progress is None else progress
-        self._progress.every(SWEEP_S, self._sweep_logged)
+        self._progress.every(SWEEP_S, self._sweep_if_open)
         self._scratch = None
         self._streams: Dict[int, object] = {}
 
@@ -353,25 +353,16 @@ class Receiver:
                     return
                 log.warning("receiver: placed chunk on rail %d imm 0x%x does not match its RECV_IMM (%d B vs %d B)",
                             rail, imm, byte_len, placed.length)
-        self._progress.submit(self._handle_logged, rail, peer_id, entry, imm, byte_len, now_ns())
+        self._progress.submit(self._handle_if_open, rail, peer_id, entry, imm, byte_len, now_ns())
 
-    def _handle_logged(self, *item) -> None:
-        """``_handle`` in the progress thread: nothing once closed, and a failure logged (one bad chunk must not
-        stop the thread)."""
-        if self._closed:
-            return
-        try:
+    # in the progress loop, which logs what raises and goes on: nothing once this receiver is closed
+    def _handle_if_open(self, *item) -> None:
+        if not self._closed:
             self._handle(*item)
-        except Exception:  # noqa: BLE001
-            log.exception("receiver: handling a chunk failed")
 
-    def _sweep_logged(self) -> None:
-        if self._closed:
-            return
-        try:
+    def _sweep_if_open(self) -> None:
+        if not self._closed:
             self._sweep()
-        except Exception:  # noqa: BLE001
-            log.exception("receiver: sweeping departed senders failed")
 
     def _sweep(self) -> None:
         """Free the landing and ack buffers of senders whose every rail is dead (the sender closed or died):

@@ -245,7 +245,7 @@ class RelayRing:
                 # has nothing on the wire: its first fill goes out alone, so that the wire starts after one fill
                 # instead of a round of them, and the next round fills while it is written (benchmarks/NOTES.md,
                 # "The first chunk of a call posted alone").
-                idle = sum(map(len, self._free)) == len(self.slots)
+                idle = self.free_slots() == len(self.slots)
                 work = [(self._copy_q.popleft(), self._acquire())]
                 if work[0][1] is None:
                     return

@@ -272,7 +272,9 @@ def plan_host(lengths: np.ndarray, ranges: int, range_bytes: int = 0):
 
 
 _row_plans = {}
-# (device type, index, length) -> row plan, for the checked entries' batches of one length (no policy lookup)
+# (device, length) -> row plan, for the checked entries' batches of one length (no policy lookup). The keys hold the
+# torch.device itself: it hashes and compares by type and index, and reading those two attributes costs more
+# than the rest of a cached lookup
 _equal_plans = {}
 
 
@@ -340,7 +342,7 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
     """
     global _cached_plans
     if stats is not None and stats.lmin == stats.lmax and stats.lmin > 0:
-        key = (device.type, device.index, stats.lmin)
+        key = (device, stats.lmin)
         plan = _equal_plans.get(key)
         if plan is not None:
             return plan
@@ -358,10 +360,10 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
     # _PLANS_PER_KEY length lists (the same multiset in several orders shares a stats key); a hit is one comparison
     # of the bytes.
     if n <= 256:
-        key, image = (device.type, device.index, lengths.tobytes()), None
+        key, image = (device, lengths.tobytes()), None
     else:
         image = lengths.tobytes()
-        key = (device.type, device.index, n) + ((stats.lmin, stats.lmax, stats.total) if stats is not None
+        key = (device, n) + ((stats.lmin, stats.lmax, stats.total) if stats is not None
                                                 else (_fingerprint(lengths),))
     with _plan_lock:
         for stored, plan in _plan_cache.get(key, ()):

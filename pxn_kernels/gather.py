@@ -5,8 +5,10 @@ from typing import Optional
 
 import torch
 
-from pxn_kernels import _checks, peer_access
-from pxn_kernels._batched_copy import CopyPlan, _batched_copy_kernel, _lean, relaunch, run_batch  # noqa: F401
+from pxn_kernels import _checks, _device_checks, peer_access
+from pxn_kernels._batched_copy import (  # noqa: F401
+    CopyPlan, _batched_copy_kernel, _lean, plan_for_lengths, relaunch, run_batch,
+)
 from pxn_kernels._memory import host_copy, raw_view
 
 
@@ -46,7 +48,13 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
     use_host = _use_host(backend, device)
     args = _checks.index_args("gather", device, src_ptrs=src_ptrs, lengths=lengths, out_offsets=out_offsets)
     stats = None
-    if check and args.count:
+    summary = _device_checks.check_call(args, device, "src_ptrs", None, "out_offsets", out.numel()) \
+        if check and args.count else None
+    if summary is not None:
+        stats = summary.stats
+        if plan is None:
+            plan = plan_for_lengths(summary.lengths, device, stats)
+    elif check and args.count:
         src_np, len_np, off_np = args.host()
         stats = _checks.validate(
             "gather", len_np, [_checks.address("src_ptrs", src_np),

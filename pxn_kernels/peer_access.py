@@ -260,6 +260,19 @@ def forget_pointer_cache() -> None:
     _ranges.clear()
 
 
+def spans_on(dev: int, spans) -> bool:
+    """Whether each (lowest, highest) start address of ``spans`` lies inside one cached allocation of GPU
+    ``dev`` (two comparisons each; False for a None span or one the cache does not know yet)."""
+    bases, ends, devs = _ranges.snapshot
+    for span in spans:
+        if span is None:
+            return False
+        i = bisect.bisect_right(bases, span[0]) - 1
+        if i < 0 or span[1] >= ends[i] or devs[i] != dev:
+            return False
+    return True
+
+
 def reachable(device, addr_lists, lengths, spans=None) -> bool:
     """For a checked kernel call on ``device`` (a torch.device or index): enable peer access to every other GPU
     that the non-empty items' raw addresses (each array of ``addr_lists``) live on. Returns False when one of
@@ -273,16 +286,8 @@ def reachable(device, addr_lists, lengths, spans=None) -> bool:
     dev = getattr(device, "index", device)
     if getattr(device, "type", "cuda") != "cuda" or dev is None:
         return True
-    if spans is not None:  # the usual case: each span inside one cached allocation of this GPU
-        bases, ends, devs = _ranges.snapshot
-        for span in spans:
-            if span is None:
-                break
-            i = bisect.bisect_right(bases, span[0]) - 1
-            if i < 0 or span[1] >= ends[i] or devs[i] != dev:
-                break
-        else:
-            return True
+    if spans is not None and spans_on(dev, spans):  # the usual case
+        return True
     others: Set[int] = set()
     live = None
     for j, addrs in enumerate(addr_lists):

@@ -27,8 +27,9 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
         out_offsets: int64 [n] byte offsets into ``out``; written ranges must not overlap.
         The three index arguments are either tensors on ``out``'s device, or, for a GPU ``out``, host arrays
         (numpy int64 or CPU tensors): those are checked where they are and moved to the GPU in one copy.
-        check: validate every argument first (device tensors: one host synchronisation to read them). The
-            engine passes False.
+        check: validate every argument first. Device tensors of up to 4096 pieces are checked on their GPU
+            (one launch and one host synchronisation, ``_device_checks``); larger ones are read to the host
+            and checked there. The engine passes False.
         plan: a ``plan_for_lengths`` / ``plan_batched_copy`` result to reuse (same lengths). If None: built from
             the host lengths when there are any (``check``, or host arrays), so the row and grid kernels can be
             picked; else on the device with no host synchronisation (range kernel).
@@ -48,7 +49,7 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
     use_host = _use_host(backend, device)
     args = _checks.index_args("gather", device, src_ptrs=src_ptrs, lengths=lengths, out_offsets=out_offsets)
     stats = None
-    summary = _device_checks.check_call(args, device, "src_ptrs", None, "out_offsets", out.numel()) \
+    summary = _device_checks.check_call(args, "src_ptrs", None, "out_offsets", out.numel()) \
         if check and args.count else None
     if summary is not None:
         stats = summary.stats

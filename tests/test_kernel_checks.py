@@ -1034,8 +1034,8 @@ def test_host_array_uploads_queued_behind_a_busy_gpu_stay_apart(rng):
 
 @pytest.mark.gpu
 def test_device_index_tensors_read_through_the_pinned_buffer(rng):
-    """A checked call on device tensors reads them through the thread's pinned buffer (one sync); a strided
-    tensor takes the stacked read; both byte-exact, and a bad value is still named."""
+    """A checked call on device tensors, contiguous or strided (copied to contiguous first), byte-exact; a bad
+    value, found by the summary kernel, is then read through the thread's pinned buffer and named."""
     lengths = [5, 64, 1, 300, 63]
     src_buf, src = _distinct_pieces(rng, lengths, [1, 0, 3])
     offsets, size = _packed_offsets(lengths, misalign=1, gap=2)

@@ -39,7 +39,7 @@ def copy(src_ptrs, dst_ptrs, lengths, check: bool = True, plan: Optional[CopyPla
     args = _checks.index_args("copy", device, src_ptrs=src_ptrs, dst_ptrs=dst_ptrs, lengths=lengths)
     stats = None
     summary = _device_checks.check_call(args, "src_ptrs", None, "dst_ptrs", None) \
-        if check and args.count else None
+        if check and args.count and not args.on_host else None
     if summary is not None:
         stats = summary.stats
         if plan is None:

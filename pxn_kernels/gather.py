@@ -50,7 +50,7 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
     args = _checks.index_args("gather", device, src_ptrs=src_ptrs, lengths=lengths, out_offsets=out_offsets)
     stats = None
     summary = _device_checks.check_call(args, "src_ptrs", None, "out_offsets", out.numel()) \
-        if check and args.count else None
+        if check and args.count and not args.on_host else None
     if summary is not None:
         stats = summary.stats
         if plan is None:

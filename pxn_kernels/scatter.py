@@ -33,7 +33,7 @@ def scatter(src: torch.Tensor, src_offsets, dst_ptrs, lengths, check: bool = Tru
     args = _checks.index_args("scatter", device, src_offsets=src_offsets, dst_ptrs=dst_ptrs, lengths=lengths)
     stats = None
     summary = _device_checks.check_call(args, "src_offsets", src.numel(), "dst_ptrs", None) \
-        if check and args.count else None
+        if check and args.count and not args.on_host else None
     if summary is not None:
         stats = summary.stats
         if plan is None:

@@ -9,6 +9,7 @@ Public entries (each with a plain-torch reference beside it):
   length, ``_row_copy``), the 2-D grid kernel (large pieces of one size, ``_grid_copy``) and the segment kernel
   (unequal pieces, one program per segment of one piece, ``_segment_copy``); ``plan_for_lengths`` picks one from
   host lengths, as the launch policy (``policy``) says
+* the summary kernel (``_device_checks``): a checked call's checks of device index tensors, run on their GPU
 * ``pack_chunk(...)`` / ``pack_chunk_torch``: header + item table + payload of a relay chunk in one launch
 * ``chunk``: the chunk wire format (``build_header_table``, ``parse_chunk``)
 * ``host_copy``: many memmoves on the host (the CPU path)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from pxn_kernels import _staging, peer_access
+from pxn_kernels._batched_copy import plan_for_lengths
 from pxn_kernels._checks import LengthStats
 from pxn_kernels._direct_launch import DirectLauncher
 from pxn_kernels._libcuda import check, driver
@@ -254,13 +255,15 @@ def summarize(lengths: torch.Tensor, a: torch.Tensor, b: torch.Tensor, limit_a: 
     return Summary(LengthStats(lmin, lmax, total, spans), buf[HEADER:HEADER + n])
 
 
-def check_call(args, a_name: str, limit_a: Optional[int], b_name: str, limit_b: Optional[int]) -> Optional[Summary]:
-    """``summarize`` for a checked public call: its index arguments ``args`` (``_checks.IndexArgs``, with a
-    ``lengths`` entry), ``a_name`` and ``b_name`` (``b``: the written ranges) with their limits as there.
-    None, and the caller checks on the host, unless the arguments are tensors on a GPU, at most ``MAX_PIECES``,
-    every piece passes, and every address argument lies in memory of that GPU itself as far as
-    ``peer_access``'s cache of allocations already knows (a peer GPU's addresses go the host way, which enables
-    peer access or copies piece by piece)."""
+def check_call(args, device: torch.device, plan, a_name: str, limit_a: Optional[int], b_name: str,
+               limit_b: Optional[int]):
+    """``summarize`` for a checked public call on GPU ``device``: its index arguments ``args``
+    (``_checks.IndexArgs``, with a ``lengths`` entry), ``a_name`` and ``b_name`` (``b``: the written ranges) with
+    their limits as there. Returns (``LengthStats``, the plan): ``plan`` when given, else the one for the
+    summary's lengths. None, and the caller checks on the host, unless the arguments are tensors on a GPU, at
+    most ``MAX_PIECES``, every piece passes, and every address argument lies in memory of that GPU itself as far
+    as ``peer_access``'s cache of allocations already knows (a peer GPU's addresses go the host way, which
+    enables peer access or copies piece by piece)."""
     if args.on_host or args.count > MAX_PIECES:
         return None
     values = args.values
@@ -271,4 +274,4 @@ def check_call(args, a_name: str, limit_a: Optional[int], b_name: str, limit_b: 
     found = summarize(lengths, values[a_name], values[b_name], limit_a, limit_b, (a_name, b_name))
     if found is None or not peer_access.spans_on(index, found.stats.spans.values()):
         return None
-    return found
+    return found.stats, plan if plan is not None else plan_for_lengths(found.lengths, device, found.stats)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks, _device_checks, peer_access
-from pxn_kernels._batched_copy import CopyPlan, plan_for_lengths, relaunch, run_batch
+from pxn_kernels._batched_copy import CopyPlan, relaunch, run_batch
 from pxn_kernels._memory import host_copy, raw_view
 from pxn_kernels.gather import _use_host
 
@@ -38,12 +38,10 @@ def copy(src_ptrs, dst_ptrs, lengths, check: bool = True, plan: Optional[CopyPla
     use_host = _use_host(backend, device)
     args = _checks.index_args("copy", device, src_ptrs=src_ptrs, dst_ptrs=dst_ptrs, lengths=lengths)
     stats = None
-    summary = _device_checks.check_call(args, "src_ptrs", None, "dst_ptrs", None) \
+    on_gpu = _device_checks.check_call(args, device, plan, "src_ptrs", None, "dst_ptrs", None) \
         if check and args.count and not args.on_host else None
-    if summary is not None:
-        stats = summary.stats
-        if plan is None:
-            plan = plan_for_lengths(summary.lengths, device, stats)
+    if on_gpu is not None:
+        stats, plan = on_gpu
     elif check and args.count:
         src_np, dst_np, len_np = args.host()
         stats = _checks.validate(

@@ -6,9 +6,7 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks, _device_checks, peer_access
-from pxn_kernels._batched_copy import (  # noqa: F401
-    CopyPlan, _batched_copy_kernel, _lean, plan_for_lengths, relaunch, run_batch,
-)
+from pxn_kernels._batched_copy import CopyPlan, _batched_copy_kernel, _lean, relaunch, run_batch  # noqa: F401
 from pxn_kernels._memory import host_copy, raw_view
 
 
@@ -49,12 +47,10 @@ def gather(src_ptrs, lengths, out: torch.Tensor, out_offsets, check: bool = True
     use_host = _use_host(backend, device)
     args = _checks.index_args("gather", device, src_ptrs=src_ptrs, lengths=lengths, out_offsets=out_offsets)
     stats = None
-    summary = _device_checks.check_call(args, "src_ptrs", None, "out_offsets", out.numel()) \
+    on_gpu = _device_checks.check_call(args, device, plan, "src_ptrs", None, "out_offsets", out.numel()) \
         if check and args.count and not args.on_host else None
-    if summary is not None:
-        stats = summary.stats
-        if plan is None:
-            plan = plan_for_lengths(summary.lengths, device, stats)
+    if on_gpu is not None:
+        stats, plan = on_gpu
     elif check and args.count:
         src_np, len_np, off_np = args.host()
         stats = _checks.validate(

@@ -364,7 +364,7 @@ def plan_for_lengths(lengths: np.ndarray, device: torch.device, stats=None) -> C
     else:
         image = lengths.tobytes()
         key = (device, n) + ((stats.lmin, stats.lmax, stats.total) if stats is not None
-                                                else (_fingerprint(lengths),))
+                             else (_fingerprint(lengths),))
     with _plan_lock:
         for stored, plan in _plan_cache.get(key, ()):
             if stored == image:

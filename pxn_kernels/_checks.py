@@ -4,8 +4,8 @@ The checks are complete (every piece: lengths, address overflow, ranges inside t
 disjoint) and on by default; they are built to cost little host time:
 
 * GPU tensors of up to ``_device_checks.MAX_PIECES`` pieces are not read here: the summary kernel checks them
-  on their GPU (one launch, one synchronisation), and only a batch it finds a fault in comes here, to have the
-  fault named;
+  on their GPU (one launch, one synchronisation); only a batch it finds a fault in comes here, to have the fault
+  named, or one it leaves open (no piece of positive length, addresses on another GPU);
 * the index arrays are read once: zero-copy when they are host arrays or CPU tensors, into a reused pinned
   buffer with one synchronisation when they are GPU tensors (one device-to-host copy for tensors that lie close
   together, else one per tensor);

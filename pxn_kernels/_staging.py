@@ -24,7 +24,7 @@ descriptor uploads ordered by their stream"). Larger uploads keep the pinned slo
 may make the driver wait for the stream.
 
 Device tensors (``gather(cuda int64 tensors, ...)``, checked) of more than ``_device_checks.MAX_PIECES``
-pieces, or a batch the summary kernel found a fault in: the checks need the values on the host, so
+pieces, or a batch the summary kernel found a fault in or left open: the checks need the values on the host, so
 ``read_to_host`` copies the tensors into a per-thread pinned buffer on the current stream (one
 ``cuMemcpyDtoHAsync`` of the span that holds them when they lie close together, else one each) and synchronises
 that stream once; no ``torch.stack``, no pageable buffer.

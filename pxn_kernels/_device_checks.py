@@ -19,8 +19,9 @@ written ranges) and their lengths:
   ranges all end before the later tile's ranges start is settled by those two extremes (in a batch in
   ascending order, every tile but the diagonal).
 
-Layout of the result (int64 words): 0 the overlap flag (zeroed by the host before the launch), then
-``_FIELDS``, then from word ``HEADER`` the lengths. The summary only settles the case where nothing is wrong:
+Layout of the result (int64 words): 0 the overlap flag (zeroed by the host before the launch); 1-3 the
+lengths' min, max and sum; 4-6 ``a``'s lowest and highest start and its broken-rule flag; 7-9 the same for ``b``;
+from word ``HEADER`` the lengths. The summary only settles the case where nothing is wrong:
 when it finds anything, the caller reads the tensors and runs the host checks, which name the first bad piece
 and its value.
 """
@@ -45,7 +46,6 @@ TILE = 64  # pieces per side of one program's block of pairs
 BLOCK = 1024  # pieces per step of the reduction program
 NUM_WARPS = 4
 HEADER = 16  # words before the lengths' copy
-_FIELDS = ("lmin", "lmax", "total", "a_lo", "a_hi", "a_bad", "b_lo", "b_hi", "b_bad")
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -60,7 +60,7 @@ def _breaks_rule(values, lengths, limit, IS_RANGE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["lengths", "a", "b", "out", "n", "limit_a", "limit_b"])
 def _summary_kernel(lengths, a, b, out, n, limit_a, limit_b, A_RANGE: tl.constexpr, B_RANGE: tl.constexpr,
-                    TILE: tl.constexpr, BLOCK: tl.constexpr):
+                    TILE: tl.constexpr, BLOCK: tl.constexpr, LENGTHS_AT: tl.constexpr):
     # do_not_specialize: one binary for every n, limit and pointer alignment (index tensors may be views at any
     # multiple of 8 bytes), which the direct launcher can then fill positionally
     i = tl.program_id(0)
@@ -95,7 +95,7 @@ def _summary_kernel(lengths, a, b, out, n, limit_a, limit_b, A_RANGE: tl.constex
                 b_hi = tl.maximum(b_hi, tl.where(live, bv, -big))
                 a_bad = a_bad | (live & _breaks_rule(av, length, limit_a, A_RANGE)).to(tl.int32)
                 b_bad = b_bad | (live & _breaks_rule(bv, length, limit_b, B_RANGE)).to(tl.int32)
-                tl.store(out + 16 + idx, length, mask=inside)
+                tl.store(out + LENGTHS_AT + idx, length, mask=inside)
             tl.store(out + 1, tl.min(lmin, axis=0))
             tl.store(out + 2, tl.max(lmax, axis=0))
             tl.store(out + 3, tl.sum(total, axis=0))
@@ -139,7 +139,7 @@ class Summary(NamedTuple):
 
 def summary_torch(lengths: torch.Tensor, a: torch.Tensor, b: torch.Tensor, limit_a: int, limit_b: int,
                   a_range: bool, b_range: bool) -> list:
-    """Reference: the kernel's result words 0..9 (``_FIELDS`` after the overlap flag) in plain torch on any
+    """Reference: the kernel's result words 0..9 (see the module docstring) in plain torch on any
     device, the pair test by sorting (``_checks._disjoint_sorted``'s rule: every i-th smallest end at most the
     (i+1)-th smallest start)."""
     live = lengths > 0
@@ -207,7 +207,7 @@ def _launcher(index: int, a_range: bool, b_range: bool, wide_a: bool, wide_b: bo
             with torch.cuda.device(index):
                 compiled = _summary_kernel.warmup(scratch, scratch, scratch, host, 3, la, lb, grid=(1, 2),
                                                   A_RANGE=a_range, B_RANGE=b_range, TILE=TILE, BLOCK=BLOCK,
-                                                  num_warps=NUM_WARPS)
+                                                  LENGTHS_AT=HEADER, num_warps=NUM_WARPS)
                 found = DirectLauncher.create(compiled, n_user=7, device=index) or False
             _launchers[key] = found
     return found
@@ -234,15 +234,15 @@ def summarize(lengths: torch.Tensor, a: torch.Tensor, b: torch.Tensor, limit_a: 
     la, lb = limit_a or 0, limit_b or 0
     host, buf, ptr = _buffer(index, HEADER + n)
     buf[0] = 0
-    tiles = max(1, -(-n // TILE))
+    tiles, columns = grid(n)
     stream = torch._C._cuda_getCurrentRawStream(index)
     launcher = _launcher(index, a_range, b_range, la >= 1 << 31, lb >= 1 << 31)
     if launcher:
         launcher.launch(tiles, stream, (lengths.data_ptr(), a.data_ptr(), b.data_ptr(), ptr, n, la, lb),
-                        grid_y=tiles + 1)
+                        grid_y=columns)
     else:
-        _summary_kernel[(tiles, tiles + 1)](lengths, a, b, host, n, la, lb, A_RANGE=a_range, B_RANGE=b_range,
-                                            TILE=TILE, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _summary_kernel[(tiles, columns)](lengths, a, b, host, n, la, lb, A_RANGE=a_range, B_RANGE=b_range,
+                                          TILE=TILE, BLOCK=BLOCK, LENGTHS_AT=HEADER, num_warps=NUM_WARPS)
     check(driver().cuStreamSynchronize(stream), "cuStreamSynchronize", "index summary")
     overlap, lmin, lmax, total, a_lo, a_hi, a_bad, b_lo, b_hi, b_bad = buf[:10].tolist()
     if overlap or a_bad or b_bad or lmin < 0 or lmax <= 0:

@@ -50,7 +50,8 @@ def _run_kernel(lengths, a, b, limit_a, limit_b):
     tiles, columns = _device_checks.grid(n)
     _device_checks._summary_kernel[(tiles, columns)](
         lengths, a, b, out, n, limit_a or 0, limit_b or 0, A_RANGE=limit_a is not None, B_RANGE=limit_b is not None,
-        TILE=_device_checks.TILE, BLOCK=_device_checks.BLOCK, num_warps=_device_checks.NUM_WARPS)
+        TILE=_device_checks.TILE, BLOCK=_device_checks.BLOCK, LENGTHS_AT=_device_checks.HEADER,
+        num_warps=_device_checks.NUM_WARPS)
     return out.cpu()
 
 

@@ -1,10 +1,19 @@
-"""Test set-up: without a GPU, Triton kernels run through Triton's CPU interpreter.
+"""Test set-up: without a GPU, Triton kernels run through Triton's CPU interpreter; without pyverbs, the verbs
+fabric runs on softverbs where it is found.
 
 TRITON_INTERPRET must be set before any ``@triton.jit`` function is created, so it is set here, before the
 test modules import pxn_kernels. GPU-only tests carry the ``gpu`` marker and skip without CUDA.
+
+softverbs (a software model of pyverbs v59 and of RC verbs semantics) is looked for at ``PXN_SOFTVERBS`` or at
+``../shared/softverbs`` beside the checkout. Where it is found and no real pyverbs is importable, it is put on
+the path of this process and of every process it starts, with the device list ``SOFTVERBS_DEVICES`` (unless
+set): a GID-less RoCE port first, as on machines where only some ports carry an address, then one with a GID.
 """
+import importlib.util
 import os
 import secrets
+import sys
+import tempfile
 
 import pytest
 
@@ -17,6 +26,26 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+SOFTVERBS_DEVICES = "mlx5_0:1:eth:nogid,mlx5_1:1:eth:gid"
+
+
+def _use_softverbs() -> str:
+    """Put softverbs on the path where it is found and pyverbs is not importable; returns how verbs runs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("PXN_SOFTVERBS") or os.path.join(os.path.dirname(root), "shared", "softverbs")
+    if importlib.util.find_spec("pyverbs") is not None:
+        return "pyverbs (installed)"
+    if not os.path.isdir(os.path.join(path, "pyverbs")):
+        return f"none (no pyverbs, no softverbs at {path})"
+    sys.path.insert(0, path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
+    os.environ.setdefault("SOFTVERBS_DEVICES", SOFTVERBS_DEVICES)
+    os.environ.setdefault("SOFTVERBS_DIR", tempfile.mkdtemp(prefix="pxn-softverbs-"))
+    return f"softverbs, devices {os.environ['SOFTVERBS_DEVICES']}"
+
+
+VERBS = _use_softverbs()
+
 # Fresh random data every run; the seed is printed so a failure can be replayed with PXN_TEST_SEED.
 SEED = int(os.environ.get("PXN_TEST_SEED", secrets.randbits(31)))
 
@@ -26,7 +55,8 @@ def _seed_line() -> str:
 
 
 def pytest_report_header(config):
-    return [_seed_line(), f"cuda: {HAS_CUDA}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}"]
+    return [_seed_line(), f"cuda: {HAS_CUDA}; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}",
+            f"verbs: {VERBS}"]
 
 
 # Skip reasons that carry a long install hint (the verbs fabric without pyverbs): the summary groups the skips

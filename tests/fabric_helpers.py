@@ -55,6 +55,18 @@ class Buffer:
         return self.arr[off:off + n].cpu().numpy()
 
 
+def verbs_unavailable() -> str:
+    """Why the verbs fabric cannot run here ('' when it can): no pyverbs (nor softverbs, see conftest), or no
+    usable RDMA port."""
+    from transport.errors import FabricUnavailable
+    from transport.fabric.verbs import usable_port
+    try:
+        usable_port()
+    except FabricUnavailable as e:
+        return str(e)
+    return ""
+
+
 def digest(a: np.ndarray) -> str:
     return hashlib.sha256(memoryview(np.ascontiguousarray(a))).hexdigest()
 

@@ -1,4 +1,5 @@
-"""Reads (``TransferEngine.batch_read`` / ``batch_read_async``): two processes over tcp, host memory.
+"""Reads (``TransferEngine.batch_read`` / ``batch_read_async``): two processes over tcp and over verbs (on
+softverbs where no RDMA NIC exists), host memory.
 
 The peer's registered buffer is filled with fresh random bytes (written there, then dumped back so the test
 holds the truth byte for byte); each case reads pieces of it into a poisoned local buffer and compares the WHOLE
@@ -20,16 +21,26 @@ LOCAL_BYTES = 8 * MB
 LOCAL_POISON = 0x5A
 
 
+@pytest.fixture(scope="module", params=["tcp", "verbs"])
+def fabric(request):
+    if request.param == "verbs":
+        from fabric_helpers import verbs_unavailable
+        why = verbs_unavailable()
+        if why:
+            pytest.skip(f"verbs: {why}")
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def peer():
-    p = EnginePeer(PEER_BYTES, fabric="tcp")
+def peer(fabric):
+    p = EnginePeer(PEER_BYTES, fabric=fabric)
     yield p
     p.close()
 
 
 @pytest.fixture(scope="module")
-def reader():
-    eng = TransferEngine(fabric="tcp")
+def reader(fabric):
+    eng = TransferEngine(fabric=fabric)
     yield eng
     eng.close()
 

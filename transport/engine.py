@@ -382,14 +382,13 @@ class TransferEngine(Pipeline):
             raise ValueError(f"fabric must be 'auto', 'tcp', 'ipc' or 'verbs', got {name!r}")
         if name != "auto":
             return name
+        from transport.fabric.verbs import usable_port
         try:
-            from transport.fabric.verbs import VerbsFabric  # noqa: F401
-            import pyverbs.device as d  # noqa: F401
-            if d.get_device_list():
-                return "verbs"
-        except Exception:  # noqa: BLE001 — no pyverbs / no device: tcp is the fallback
-            pass
-        return "tcp"
+            usable_port()
+        except FabricUnavailable as e:  # no pyverbs, no device, no port with a GID: tcp is the fallback
+            log.info("fabric 'auto' is tcp: %s", e)
+            return "tcp"
+        return "verbs"
 
     @property
     def rails(self) -> int:
@@ -632,6 +631,9 @@ class TransferEngine(Pipeline):
             d.update({"rail": i, "key": self._rail_keys[i], "id": fab.local_id,
                       "peers_alive": sum(1 for p in list(self._peers.values())
                                          if p.ready and p.rails[i].usable())})
+            wire = fab.wire_counts()
+            if wire is not None:
+                d["wire"] = wire
             rails.append(d)
         paths = {k: {"units": c.get(f"path_{k}_units", 0), "bytes": c.get(f"path_{k}_bytes", 0)}
                  for k in (DIRECT, RELAYED, COALESCED, "loadstore")}

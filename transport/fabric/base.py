@@ -264,6 +264,8 @@ class Fabric(abc.ABC):
     ``guard_claims``), ``"gather_writes"`` (``post_writes`` also takes ``GatherWrite`` items),
     ``"landing_handlers"`` (``set_landing_handler``: a region's writes placed where a handler says as they arrive),
     ``"write_batches"`` (``post_writes`` also takes ``WriteBatch`` items: many writes as arrays, one completion),
+    ``"refusal_fails_endpoint"`` (RC semantics: a write the target refuses fails its endpoint, whose later work
+    completes with ``PeerLost`` as not executed; ``connect`` makes a new one),
     ``"event_ordered_writes"`` (``post_writes_after`` orders writes from GPU memory after CUDA events on the GPU,
     with no host wait, and says when their sources may be reused), ``"inline_writes"`` (``write_inline`` writes a
     checked batch from the calling thread)."""
@@ -356,6 +358,11 @@ class Fabric(abc.ABC):
         process behind ``ep`` (a peer on this host) from the calling thread, with no message; ``peer_info`` is
         what that peer's engine sent in its control hello. None when this peer cannot be written that way (the
         default)."""
+        return None
+
+    def wire_counts(self) -> Optional[dict]:
+        """What this fabric put on the wire since it was made, for fabrics that count it (verbs: ``post_send``
+        calls, work requests, signalled and inline ones, WRITE_WITH_IMM ones), else None (the default)."""
         return None
 
     def __enter__(self):

@@ -1,39 +1,53 @@
-"""RDMA verbs fabric over pyverbs: RC queue pairs, one-sided WRITE / WRITE_WITH_IMM, CQ polled in batches.
+"""RDMA verbs fabric over pyverbs (rdma-core v59 API): RC queue pairs, one-sided WRITE / WRITE_WITH_IMM.
 
-Untested on hardware from this repository's CI (no RDMA device there); written against rdma-core's pyverbs
-(Debian ``python3-pyverbs`` v44 and the PyPI sdist 59). Constructing it without pyverbs or without a device raises
-``FabricUnavailable`` saying which is missing and how to install it.
+Constructing it without pyverbs or without a usable port raises ``FabricUnavailable`` saying which is missing
+and how to install it. In CI it runs on ``softverbs`` (a software model of pyverbs v59 and of RC semantics);
+GPU memory (dma-buf) has not run on hardware from this repository.
 
-* Memory: host memory by ``MR(pd, length, access, address=addr)``; GPU memory by dma-buf: the fd comes from
-  ``cuMemGetHandleForAddressRange`` and is registered with ``Mlx5DmaBufMR`` (pyverbs' generic ``DmaBufMR`` only
-  accepts dma-bufs it allocated through DRM, so it cannot take CUDA's fd), with the MR's iova set to the virtual
-  address so peers address GPU and host regions alike; when that fails (older pyverbs, non-mlx5 NIC), a plain
-  ``MR`` on the device address, which works when the ``nvidia_peermem`` module is loaded.
-* Connection: one RC QP per peer; qpn, psn, gid, lid and mtu are exchanged over a TCP socket that stays open as a
-  liveness channel (its EOF fails the endpoint at once instead of after the QP's retry timeouts).
-* Remote bounds/rkey checks are done by the target NIC: a bad write completes with ``IBV_WC_REM_ACCESS_ERR``
-  (reported as ``RegionError``) and, as RC semantics dictate, moves the QP to the error state, so the following
-  work requests of that endpoint flush (``PeerLost``) and the endpoint must be reconnected.
-* Receives are pre-posted for WRITE_WITH_IMM (each consumes one; reposted by the progress thread).
+* **Port and GID.** The port is the one asked for (``device``, ``port_num``: a topology rail) or the first
+  ACTIVE port with a usable GID. On RoCE the GID is, in order of preference, a RoCE v2 IPv4-mapped one
+  (``::ffff:a.b.c.d``), any RoCE v2 one, any non-empty one; an all-zero entry (a port with no IP address) is
+  never used. ``gid_index`` / ``PXN_GID_INDEX`` overrides the choice, as ``NCCL_IB_GID_INDEX`` does.
+* **Memory.** Host memory by ``MR(pd, length, access, address=addr)``. GPU memory by dma-buf: the fd comes from
+  ``cuMemGetHandleForAddressRange`` and is registered with ``Mlx5DmaBufMR``
+  (``pyverbs.providers.mlx5.mlx5dv_dmabuf``), its iova set to the virtual address so that peers address GPU
+  and host regions alike; where that fails, a plain ``MR`` on the device address (needs ``nvidia_peermem``).
+* **Connection.** One RC QP (and its own CQ) per peer. QP number, PSN, GID, LID and MTU travel over a TCP
+  socket that first proves the shared secret (``transport.auth``) and then stays open as a liveness channel:
+  its EOF fails the endpoint at once instead of after the QP's retries.
+* **Posting.** One ``post_send`` chain per ``post_writes`` call (split only where the send queue is full), with
+  selective signalling: only the last work request of a chain is signalled, and the completions of the others
+  are derived from it, since an RC send queue completes in order. Writes up to the QP's ``max_inline_data``
+  go with ``IBV_SEND_INLINE``. A ``WriteBatch`` is many work requests and one completion.
+* **Errors follow RC.** The target's NIC checks rkeys and bounds: a refused write completes with
+  ``IBV_WC_REM_ACCESS_ERR`` (``RegionError``) and moves both QPs to the error state. The work requests after it
+  were not executed and complete with ``PeerLost`` naming the refused one; the endpoint is dead, both sides
+  learn it, and ``connect`` makes a new QP pair (the engine re-sends the lost work on its other rails or on the
+  new connection). No ACK within ``timeout`` x (``retry_cnt`` + 1) fails the endpoint the same way.
+* Receives are pre-posted for WRITE_WITH_IMM (each consumes one; the progress thread posts it again).
 """
 from __future__ import annotations
 
 import collections
-import itertools
+import ipaddress
 import json
 import logging
+import os
 import random
 import socket
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
+
+import numpy as np
 
 from transport import auth
 from transport.errors import FabricClosed, FabricError, FabricUnavailable, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
-    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteRequest,
-    check_range,
+    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteBatch,
+    WriteRequest, check_range,
 )
 
 log = logging.getLogger(__name__)
@@ -43,10 +57,43 @@ INSTALL_HINT = ("install pyverbs: Debian/Ubuntu `apt-get install -y rdma-core li
                 "setuptools_scm && pip install --no-build-isolation pyverbs` (then put its rdma-core libraries on "
                 "LD_LIBRARY_PATH)")
 
+DMABUF_MODULE = "pyverbs.providers.mlx5.mlx5dv_dmabuf"
+"""Where pyverbs keeps ``Mlx5DmaBufMR`` (rdma-core v55 and later)."""
+
+MAX_MESSAGE = 0x7FFFFFFF
+"""Largest write one work request carries here (bytes); longer pieces are refused with a ``ValueError``."""
+
+ACK_TIMEOUT_EXP = 14
+"""Default local ACK timeout exponent: 4.096 us x 2^14 = 67 ms per try; with ``retry_cnt`` 7 a peer that stopped
+acknowledging fails the endpoint within about 0.5 s (the liveness socket usually tells sooner)."""
+
+_RECV_WR_ID = 0  # receives; sends count from 1 per endpoint
+
+
+class VerbsPortError(FabricUnavailable):
+    """No usable port / GID on the RDMA device(s): the message names each port and why it was skipped."""
+
+
+def gid_index_from_env(environ=os.environ) -> Optional[int]:
+    """``PXN_GID_INDEX`` as an int, None when unset. ``ValueError`` naming the variable and value otherwise."""
+    text = environ.get("PXN_GID_INDEX", "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"PXN_GID_INDEX={text!r} is not a GID table index (an int >= 0)") from None
+    if value < 0:
+        raise ValueError(f"PXN_GID_INDEX={text!r} is not a GID table index (an int >= 0)")
+    return value
+
 
 def _import_pyverbs():
     try:
-        import pyverbs.enums as e
+        try:
+            import pyverbs.libibverbs_enums as e  # v59: the enums module's name
+        except ImportError:
+            import pyverbs.enums as e  # up to v58
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.cq import CQ
         from pyverbs.device import Context, get_device_list
@@ -61,6 +108,126 @@ def _import_pyverbs():
                 QPInitAttr=QPInitAttr, SGE=SGE, RecvWR=RecvWR, SendWR=SendWR)
 
 
+# ---- port and GID choice ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PortChoice:
+    """The port a fabric drives: device name, port number, GID index and GID (text), link layer (``"eth"`` or
+    ``"ib"``), LID and active MTU (the verbs enum value)."""
+
+    device: str
+    port_num: int
+    gid_index: int
+    gid: str
+    link_layer: str
+    lid: int
+    mtu: int
+
+
+def _gid_bytes(gid) -> bytes:
+    return ipaddress.IPv6Address(str(gid)).packed
+
+
+def _gid_rank(raw: bytes, roce_v2: bool) -> int:
+    """3: RoCE v2 IPv4-mapped; 2: RoCE v2; 1: any other non-empty GID; 0: empty."""
+    if raw == bytes(16):
+        return 0
+    if roce_v2 and raw[:12] == bytes(10) + b"\xff\xff":
+        return 3
+    return 2 if roce_v2 else 1
+
+
+def choose_gid(ctx, e, device: str, port_num: int, gid_index: Optional[int]):
+    """(GID index, GID text) of ``device`` port ``port_num``, or raise ``VerbsPortError`` saying why there is
+    none. ``gid_index`` given: that entry, which must not be empty. Else the best entry by ``_gid_rank``, the
+    lowest index among equals (an InfiniBand port: index 0, its port GID)."""
+    attr = ctx.query_port(port_num)
+    eth = attr.link_layer == e.IBV_LINK_LAYER_ETHERNET
+    if gid_index is not None:
+        try:
+            gid = ctx.query_gid(port_num, gid_index)
+        except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError: the index is past the table
+            raise VerbsPortError(f"verbs: {device} port {port_num} has no GID index {gid_index} "
+                                 f"(table of {attr.gid_tbl_len}): {ex}") from ex
+        if _gid_bytes(gid) == bytes(16):
+            raise VerbsPortError(f"verbs: {device} port {port_num} GID index {gid_index} (PXN_GID_INDEX / "
+                                 f"gid_index) is empty: the port has no address there")
+        return gid_index, str(gid)
+    if not eth:
+        gid = ctx.query_gid(port_num, 0)
+        if _gid_bytes(gid) == bytes(16):
+            raise VerbsPortError(f"verbs: {device} port {port_num} (InfiniBand) has an empty GID 0")
+        return 0, str(gid)
+    best = (0, -1, "")
+    for index in range(attr.gid_tbl_len):
+        try:
+            gid = ctx.query_gid(port_num, index)
+        except Exception:  # noqa: BLE001 — past the populated part of the table
+            break
+        raw = _gid_bytes(gid)
+        if raw == bytes(16):
+            continue
+        try:
+            v2 = ctx.query_gid_type(port_num, index) == e.IBV_GID_TYPE_SYSFS_ROCE_V2
+        except Exception:  # noqa: BLE001 — no type known: rank it as v1
+            v2 = False
+        rank = _gid_rank(raw, v2)
+        if rank > best[0]:
+            best = (rank, index, str(gid))
+            if rank == 3:
+                break
+    if best[0] == 0:
+        raise VerbsPortError(f"verbs: {device} port {port_num} is a RoCE port with no GID (every entry of its "
+                             f"table of {attr.gid_tbl_len} is empty: no IP address on its netdev)")
+    return best[1], best[2]
+
+
+def choose_port(v, device: Optional[str], port_num: Optional[int], gid_index: Optional[int]) -> PortChoice:
+    """The port to drive: ``device`` / ``port_num`` when given (else the first that works), skipping ports that
+    are not ACTIVE or have no usable GID. Raises ``VerbsPortError`` listing every port tried and why."""
+    e = v["e"]
+    try:
+        devices = v["get_device_list"]()
+    except Exception as ex:  # noqa: BLE001 — pyverbs raises PyverbsRDMAError('Failed to get devices list')
+        raise FabricUnavailable(f"verbs fabric: no RDMA device ({ex}); this machine needs an RDMA NIC (or "
+                                f"rxe/siw soft-RoCE) with its kernel driver and rdma-core providers") from ex
+    names = [d.name.decode() if isinstance(d.name, bytes) else d.name for d in devices]
+    if not names:
+        raise FabricUnavailable("verbs fabric: no RDMA device found (ibv_get_device_list is empty)")
+    if device is not None and device not in names:
+        raise FabricUnavailable(f"verbs fabric: RDMA device {device!r} not found; present: {names}")
+    skipped = []
+    for name in ([device] if device is not None else names):
+        ctx = v["Context"](name=name)
+        try:
+            ports = [port_num] if port_num is not None else range(1, ctx.query_device().phys_port_cnt + 1)
+            for p in ports:
+                try:
+                    attr = ctx.query_port(p)
+                except Exception as ex:  # noqa: BLE001
+                    skipped.append(f"{name} port {p}: {ex}")
+                    continue
+                if attr.state != e.IBV_PORT_ACTIVE:
+                    skipped.append(f"{name} port {p}: state {attr.state}, not ACTIVE")
+                    continue
+                try:
+                    index, gid = choose_gid(ctx, e, name, p, gid_index)
+                except VerbsPortError as ex:
+                    skipped.append(str(ex).replace("verbs: ", ""))
+                    continue
+                ll = "eth" if attr.link_layer == e.IBV_LINK_LAYER_ETHERNET else "ib"
+                return PortChoice(name, p, index, gid, ll, int(attr.lid), int(attr.active_mtu))
+        finally:
+            ctx.close()
+    raise VerbsPortError("verbs fabric: no usable RDMA port (" + "; ".join(skipped) + ")")
+
+
+def usable_port(device: Optional[str] = None, port_num: Optional[int] = None) -> PortChoice:
+    """The port a ``VerbsFabric`` made with these arguments (and ``PXN_GID_INDEX``) would drive. Raises
+    ``FabricUnavailable`` saying why there is none: no pyverbs, no device, no ACTIVE port with a usable GID."""
+    return choose_port(_import_pyverbs(), device, port_num, gid_index_from_env())
+
+
+# ---- the liveness channel's messages ----------------------------------------------------------------------------
 def _send_json(sock: socket.socket, obj) -> None:
     data = json.dumps(obj).encode()
     sock.sendall(struct.pack("<I", len(data)) + data)
@@ -76,18 +243,50 @@ def _recv_json(sock: socket.socket):
             buf += chunk
         return buf
     (n,) = struct.unpack("<I", exact(4))
-    if n > 1 << 20:
+    if n > 1 << 16:
         raise ValueError(f"handshake message of {n} B is implausible")
     return json.loads(exact(n))
 
 
+# ---- endpoints ---------------------------------------------------------------------------------------------------
+class _Posted:
+    """What one ``post_writes`` item became: work requests ``first``..``last`` (sequence numbers of the
+    endpoint), and what to complete when they are done. ``remote`` / ``lengths``: the remote addresses and
+    lengths of a batch's writes (to name the refused one)."""
+
+    __slots__ = ("first", "last", "wr_id", "opcode", "nbytes", "imm", "signaled", "remote", "lengths")
+
+    def __init__(self, first, last, wr_id, opcode, nbytes, imm, signaled, remote, lengths):
+        self.first, self.last, self.wr_id, self.opcode = first, last, wr_id, opcode
+        self.nbytes, self.imm, self.signaled, self.remote, self.lengths = nbytes, imm, signaled, remote, lengths
+
+    def completion(self, peer_id: str, error=None) -> Completion:
+        return Completion(self.wr_id, self.opcode, peer_id, self.nbytes, self.imm, error)
+
+    def write_at(self, seq: int) -> str:
+        i = seq - self.first
+        if self.lengths is None:
+            return f"wr_id={self.wr_id} ({self.nbytes} B to 0x{self.remote:x})"
+        return (f"write {i} of batch wr_id={self.wr_id} ({int(self.lengths[i])} B to "
+                f"0x{int(self.remote[i]):x})")
+
+
 class VerbsEndpoint(Endpoint):
-    def __init__(self, fabric: "VerbsFabric", peer_id: str, qp, sock: socket.socket):
-        self.fabric, self.peer_id, self.qp, self.sock = fabric, peer_id, qp, sock
+    """One RC QP (with its own CQ) to a peer, and the TCP channel that watches that the peer lives."""
+
+    def __init__(self, fabric: "VerbsFabric", peer_id: str, qp, cq, sock: socket.socket):
+        self.fabric, self.peer_id, self.qp, self.cq, self.sock = fabric, peer_id, qp, cq, sock
+        self.qp_num = qp.qp_num
         self._alive = True
         self.cause: Optional[str] = None
-        self.outstanding: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()  # wr seq -> info
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the fields below
+        self.post_lock = threading.Lock()  # one poster at a time: sequence order is posting order
+        self.room = threading.Condition(self.lock)
+        self.next_seq = 1
+        self.retired = 0  # every work request up to this sequence number has completed
+        self.pending: "collections.deque[_Posted]" = collections.deque()
+        self.settled = False  # the QP's outcome is known: pending work was completed or failed
+        self.keep = None
 
     @property
     def alive(self) -> bool:
@@ -97,71 +296,77 @@ class VerbsEndpoint(Endpoint):
         """Move the QP to the error state (its posted work flushes as ``PeerLost``) and drop the TCP channel."""
         self.fabric._fail(self, "aborted locally")
 
+    def __repr__(self):
+        return f"VerbsEndpoint({self.peer_id}, qp {self.qp_num}, {'alive' if self._alive else self.cause})"
+
 
 class VerbsFabric(Fabric):
-    """pyverbs RC fabric. Options: ``device`` (RDMA device name, default the first), ``port_num`` (1),
-    ``gid_index`` (default 3 when it exists, i.e. RoCEv2 IPv4 on most NICs, else 0), ``port`` (TCP port of the
-    handshake listener, 0 = ephemeral), ``max_send_wr`` / ``max_recv_wr`` (queue depths), ``cq_batch`` (WCs per
-    poll), ``secret`` (``transport.auth``: the connection exchange proves it before any QP is made; None:
-    ``PXN_SECRET``)."""
+    """pyverbs RC fabric. Options: ``device`` (RDMA device name) and ``port_num`` (default: the first ACTIVE port
+    with a usable GID), ``gid_index`` (default ``PXN_GID_INDEX``, else chosen: see the module docstring),
+    ``port`` (TCP port of the connection-exchange listener, 0 = ephemeral), ``max_send_wr`` / ``max_recv_wr``
+    (queue depths per QP), ``max_inline`` (bytes asked for as the QP's ``max_inline_data``; the QP's answer is
+    used), ``cq_batch`` (WCs per poll), ``connect_timeout`` (seconds for the connection exchange),
+    ``ack_timeout`` (seconds without an ACK before a write fails: sets the QP's ``timeout`` and ``retry_cnt``),
+    ``secret`` (``transport.auth``: the exchange proves it before any QP is made; None: ``PXN_SECRET``),
+    ``handshake_timeout`` and ``guard_claims`` (the engine's: see ``expect_peer``)."""
 
     name = "verbs"
-    capabilities = frozenset({"nic_ports"})
+    capabilities = frozenset({"nic_ports", "selective_signaling", "write_batches", "completion_callback",
+                              "authenticated_rails", "refusal_fails_endpoint"})
 
-    def __init__(self, hostname: str = "127.0.0.1", port: int = 0, device: Optional[str] = None, port_num: int = 1,
-                 gid_index: Optional[int] = None, max_send_wr: int = 4096, max_recv_wr: int = 1024,
-                 cq_batch: int = 64, connect_timeout: float = 10.0, secret=None):
+    def __init__(self, hostname: str = "127.0.0.1", port: int = 0, device: Optional[str] = None,
+                 port_num: Optional[int] = None, gid_index: Optional[int] = None, max_send_wr: int = 4096,
+                 max_recv_wr: int = 1024, max_inline: int = 256, cq_batch: int = 64, connect_timeout: float = 10.0,
+                 ack_timeout: Optional[float] = None, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
+                 guard_claims: bool = False):
+        for what, value in (("max_send_wr", max_send_wr), ("max_recv_wr", max_recv_wr), ("cq_batch", cq_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"verbs: {what} must be an int >= 1, got {value!r}")
+        if isinstance(max_inline, bool) or not isinstance(max_inline, int) or max_inline < 0:
+            raise ValueError(f"verbs: max_inline must be an int >= 0, got {max_inline!r}")
+        if not connect_timeout > 0:
+            raise ValueError(f"verbs: connect_timeout must be > 0 seconds, got {connect_timeout!r}")
+        if ack_timeout is not None and not ack_timeout > 0:
+            raise ValueError(f"verbs: ack_timeout must be > 0 seconds, got {ack_timeout!r}")
         self._secret = auth.resolve_secret(secret)
         self.v = v = _import_pyverbs()
-        try:
-            devices = v["get_device_list"]()
-        except Exception as ex:  # noqa: BLE001 — pyverbs raises PyverbsRDMAError('Failed to get devices list')
-            raise FabricUnavailable(f"verbs fabric: no RDMA device ({ex}); this machine needs an RDMA NIC (or "
-                                    f"rxe/siw soft-RoCE) with its kernel driver and rdma-core providers") from ex
-        names = [d.name.decode() if isinstance(d.name, bytes) else d.name for d in devices]
-        if not names:
-            raise FabricUnavailable("verbs fabric: no RDMA device found (ibv_get_device_list is empty)")
-        if device is not None and device not in names:
-            raise FabricUnavailable(f"verbs fabric: RDMA device {device!r} not found; present: {names}")
-        self.device = device or names[0]
-        e = v["e"]
-        self.e = e
-        self.port_num = port_num
-        self.max_send_wr, self.max_recv_wr, self.cq_batch = max_send_wr, max_recv_wr, cq_batch
-        self.connect_timeout = connect_timeout
+        self.e = e = v["e"]
+        if gid_index is None:
+            gid_index = gid_index_from_env()
+        self.port_choice = choice = choose_port(v, device, port_num, gid_index)
+        self.device, self.port_num, self.gid_index, self.gid = choice.device, choice.port_num, choice.gid_index, \
+            choice.gid
+        self.max_send_wr, self.max_recv_wr, self.max_inline, self.cq_batch = max_send_wr, max_recv_wr, max_inline, \
+            cq_batch
+        self.connect_timeout = float(connect_timeout)
+        self.timeout_exp, self.retry_cnt = _qp_timeout(ack_timeout)
+        self.guard_claims = bool(guard_claims)
         self.ctx = v["Context"](name=self.device)
         self.pd = v["PD"](self.ctx)
-        self.cq = v["CQ"](self.ctx, max(256, 4 * (max_send_wr + max_recv_wr)), None, None, 0)
-        self.port_attr = self.ctx.query_port(port_num)
-        if gid_index is None:
-            try:
-                gid3 = str(self.ctx.query_gid(port_num, 3))
-                gid_index = 3 if any(c not in "0:" for c in gid3) else 0  # an all-zero GID is an empty slot
-            except Exception:  # noqa: BLE001 — index 3 absent (InfiniBand): GID 0 always exists
-                gid_index = 0
-        self.gid_index = gid_index
-        self.gid = str(self.ctx.query_gid(port_num, gid_index))
         self.access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
         self._recv_scratch = v["MR"](self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
         self._lock = threading.RLock()
         self._closed = False
         self._regions: Dict[int, tuple] = {}  # lkey -> (MemoryRegion, pyverbs MR, dmabuf fd or None)
         self._eps: Dict[str, VerbsEndpoint] = {}
-        self._by_qpn: Dict[int, VerbsEndpoint] = {}
-        self._wr_seq = itertools.count(1)  # next() is atomic under the GIL: unique across endpoints
+        self._live: List[VerbsEndpoint] = []  # endpoints whose CQ the progress thread polls
+        self._claims: Dict[str, float] = {}
         self._cq_out = CompletionQueue()
-        self._space_cv = threading.Condition()
+        self.counts = collections.Counter()  # what wire_counts() reports
         try:
             self._listener = socket.create_server((hostname, port))
         except OSError as ex:
+            self._release_verbs()
             raise FabricError(f"verbs: cannot listen on {hostname}:{port}: {ex}") from ex
         self.hostname, self.port = hostname, self._listener.getsockname()[1]
         self._id = f"{hostname}:{self.port}"
-        self.gate = auth.Gate(f"verbs {self._id}", self._incoming, handshake_timeout=connect_timeout)
+        self.gate = auth.Gate(f"verbs {self._id}", self._incoming, handshake_timeout=handshake_timeout)
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="pxn-verbs-accept"),
                          threading.Thread(target=self._progress_loop, daemon=True, name="pxn-verbs-progress")]
         for t in self._threads:
             t.start()
+        log.info("verbs %s: %s port %d, GID index %d (%s), %s", self._id, self.device, self.port_num,
+                 self.gid_index, self.gid, choice.link_layer)
 
     # --- registration ---------------------------------------------------------------------------------------
     @property
@@ -175,7 +380,7 @@ class VerbsFabric(Fabric):
     def register(self, addr: int, length: int, device: int = DEVICE_HOST) -> MemoryRegion:
         self._check_open()
         check_range(addr, length, "register")
-        if not isinstance(device, int) or device < DEVICE_HOST:
+        if isinstance(device, bool) or not isinstance(device, int) or device < DEVICE_HOST:
             raise ValueError(f"device must be -1 (host) or a CUDA index, got {device!r}")
         fd = None
         try:
@@ -186,7 +391,8 @@ class VerbsFabric(Fabric):
         except FabricError:
             raise
         except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError carries errno text
-            raise FabricError(f"verbs: cannot register 0x{addr:x}+{length} on device {device}: {ex}") from ex
+            raise FabricError(f"verbs: cannot register 0x{addr:x}+{length} on device {device} "
+                              f"({self.device}): {ex}") from ex
         region = MemoryRegion(addr=addr, length=length, lkey=mr.lkey, rkey=mr.rkey, device=device)
         with self._lock:
             self._regions[mr.lkey] = (region, mr, fd)
@@ -194,10 +400,11 @@ class VerbsFabric(Fabric):
 
     def _register_gpu(self, addr: int, length: int, device: int):
         """dma-buf first (no kernel module needed), peer-memory MR as the fallback."""
-        first_error = None
+        import importlib
+        fd = None
         try:
+            dmabuf_mr = importlib.import_module(DMABUF_MODULE).Mlx5DmaBufMR
             from cuda.bindings import driver
-            from pyverbs.providers.mlx5.mlx5_dmabuf import Mlx5DmaBufMR
             page = 1 << 16  # CUDA dma-buf export wants an aligned range; 64 KiB covers its granularity
             base = addr & ~(page - 1)
             end = (addr + length + page - 1) & ~(page - 1)
@@ -205,17 +412,19 @@ class VerbsFabric(Fabric):
                 base, end - base, driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
             if int(err) != 0:
                 raise FabricError(f"cuMemGetHandleForAddressRange: {err!r}")
-            mr = Mlx5DmaBufMR(self.pd, offset=addr - base, length=length, iova=addr, fd=int(fd),
-                              access=self.access)
-            return mr, int(fd)
+            fd = int(fd)
+            mr = dmabuf_mr(self.pd, offset=addr - base, length=length, iova=addr, fd=fd, access=self.access)
+            return mr, fd
         except Exception as ex:  # noqa: BLE001
             first_error = ex
+            if fd is not None:
+                os.close(fd)
         try:
             return self.v["MR"](self.pd, length, self.access, address=addr), None
         except Exception as ex:  # noqa: BLE001
-            raise FabricError(f"verbs: GPU memory 0x{addr:x}+{length} on cuda:{device} could not be registered: "
-                              f"dma-buf failed ({first_error}); peer-memory MR failed ({ex}) — load nvidia_peermem "
-                              f"or use a NIC/pyverbs with dma-buf support") from ex
+            raise FabricError(f"verbs: GPU memory 0x{addr:x}+{length} on cuda:{device} could not be registered "
+                              f"with {self.device}: dma-buf failed ({first_error}); peer-memory MR failed ({ex}) — "
+                              f"load nvidia_peermem or use a NIC/pyverbs with dma-buf support") from ex
 
     def deregister(self, mr: MemoryRegion) -> None:
         self._check_open()
@@ -226,7 +435,6 @@ class VerbsFabric(Fabric):
             del self._regions[mr.lkey]
         entry[1].close()
         if entry[2] is not None:
-            import os
             os.close(entry[2])
 
     # --- connection -----------------------------------------------------------------------------------------
@@ -236,45 +444,78 @@ class VerbsFabric(Fabric):
                            "gid": self.gid}).encode()
 
     def _new_qp(self):
+        """A QP in INIT with its own CQ (large enough for every work request and receive it can hold, so that a
+        flush cannot overrun it), and the ``max_inline_data`` the device granted."""
         v, e = self.v, self.e
-        cap = v["QPCap"](max_send_wr=self.max_send_wr, max_recv_wr=self.max_recv_wr, max_send_sge=1,
-                         max_recv_sge=1)
-        return v["QP"](self.pd, v["QPInitAttr"](qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap,
-                                                 sq_sig_all=1))
-
-    def _local_info(self, qp, psn):
-        return {"id": self._id, "qpn": qp.qp_num, "psn": psn, "gid": self.gid, "lid": self.port_attr.lid,
-                "mtu": int(self.port_attr.active_mtu)}
-
-    def _bring_up(self, qp, peer: dict, psn: int) -> None:
-        v = self.v
+        cq = v["CQ"](self.ctx, self.max_send_wr + self.max_recv_wr + 16, None, None, 0)
+        qp = None
+        for inline in dict.fromkeys((self.max_inline, 0)):
+            cap = v["QPCap"](max_send_wr=self.max_send_wr, max_recv_wr=self.max_recv_wr, max_send_sge=1,
+                             max_recv_sge=1, max_inline_data=inline)
+            init = v["QPInitAttr"](qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
+            try:
+                qp = v["QP"](self.pd, init)
+                granted = int(init.cap.max_inline_data)
+                break
+            except Exception as ex:  # noqa: BLE001 — a device with a smaller inline limit: ask for none
+                error = ex
+        if qp is None:
+            cq.close()
+            raise FabricError(f"verbs: cannot create an RC QP on {self.device} port {self.port_num}: {error}")
         attr = v["QPAttr"](port_num=self.port_num)
         attr.qp_access_flags = self.access
-        attr.path_mtu = min(int(self.port_attr.active_mtu), int(peer["mtu"]))
-        attr.dest_qp_num = int(peer["qpn"])
-        attr.rq_psn = int(peer["psn"])
-        attr.sq_psn = psn
+        attr.pkey_index = 0
+        self._transition(qp, "INIT", qp.to_init, attr)
+        return qp, cq, granted
+
+    def _local_info(self, qp, psn):
+        pc = self.port_choice
+        return {"id": self._id, "qpn": qp.qp_num, "psn": psn, "gid": self.gid, "lid": pc.lid, "mtu": pc.mtu}
+
+    def _transition(self, qp, state: str, step, attr) -> None:
+        try:
+            step(attr)
+        except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError(errno)
+            raise FabricError(f"verbs: QP {qp.qp_num} on {self.device} port {self.port_num} GID index "
+                              f"{self.gid_index} ({self.gid}) could not go to {state}: {ex}") from ex
+
+    def _bring_up(self, qp, peer: dict, psn: int) -> None:
+        """INIT -> RTR -> RTS towards ``peer`` (its qpn, psn, gid, lid, mtu), then post the receives."""
+        v = self.v
+        try:
+            dgid = v["GID"](str(peer["gid"]))
+            attr = v["QPAttr"](port_num=self.port_num)
+            attr.path_mtu = min(self.port_choice.mtu, int(peer["mtu"]))
+            attr.dest_qp_num = int(peer["qpn"])
+            attr.rq_psn = int(peer["psn"])
+            dlid = int(peer["lid"])
+        except (KeyError, TypeError, ValueError) as ex:
+            raise ValueError(f"malformed verbs peer description {peer!r}: {ex}") from ex
         attr.max_dest_rd_atomic = 1
-        attr.max_rd_atomic = 1
         attr.min_rnr_timer = 12
-        attr.timeout = 14  # 4.096 us * 2^14 = 67 ms per retry: a dead peer surfaces in < 1 s
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        gr = v["GlobalRoute"](dgid=v["GID"](peer["gid"]), sgid_index=self.gid_index)
-        attr.ah_attr = v["AHAttr"](gr=gr, is_global=1, dlid=int(peer["lid"]), port_num=self.port_num)
-        qp.to_rts(attr)  # RESET -> INIT -> RTR -> RTS with the masks pyverbs knows for RC
-        for _ in range(self.max_recv_wr):
-            self._post_recv(qp)
-
-    def _post_recv(self, qp) -> None:
+        gr = v["GlobalRoute"](dgid=dgid, sgid_index=self.gid_index)
+        attr.ah_attr = v["AHAttr"](gr=gr, is_global=1, dlid=dlid, port_num=self.port_num)
+        self._transition(qp, "RTR", qp.to_rtr, attr)
+        attr.sq_psn = psn
+        attr.timeout = self.timeout_exp
+        attr.retry_cnt = self.retry_cnt
+        attr.rnr_retry = 7  # a receiver out of posted receives is slow, not dead
+        attr.max_rd_atomic = 1
+        self._transition(qp, "RTS", qp.to_rts, attr)
         sge = self.v["SGE"](self._recv_scratch.buf, 0, self._recv_scratch.lkey)
-        qp.post_recv(self.v["RecvWR"](wr_id=0, num_sge=1, sg=[sge]))
+        wr = self.v["RecvWR"](wr_id=_RECV_WR_ID, num_sge=1, sg=[sge])
+        for _ in range(self.max_recv_wr):
+            qp.post_recv(wr)
 
-    def _register_ep(self, peer_id: str, qp, sock) -> VerbsEndpoint:
-        ep = VerbsEndpoint(self, peer_id, qp, sock)
+    def _register_ep(self, peer_id: str, qp, cq, inline: int, sock) -> VerbsEndpoint:
+        ep = VerbsEndpoint(self, peer_id, qp, cq, sock)
+        ep.max_inline = inline
         with self._lock:
+            old = self._eps.get(peer_id)
             self._eps[peer_id] = ep
-            self._by_qpn[qp.qp_num] = ep
+            self._live.append(ep)
+        if old is not None and old.alive:
+            self._fail(old, "replaced by a new connection from the same peer")
         threading.Thread(target=self._watch, args=(ep,), daemon=True, name=f"pxn-verbs-watch-{peer_id}").start()
         return ep
 
@@ -289,25 +530,56 @@ class VerbsFabric(Fabric):
             ep = self._eps.get(peer_id)
             if ep is not None and ep.alive:
                 return ep
-        qp, psn = self._new_qp(), random.getrandbits(24)
+        qp, cq, inline = self._new_qp()
+        psn = random.getrandbits(24)
+        sock = None
         try:
             sock = socket.create_connection((host, port), timeout=self.connect_timeout)
             auth.client_handshake(sock, self._secret, self.name, self.connect_timeout)
             _send_json(sock, self._local_info(qp, psn))
             peer = _recv_json(sock)
+            if "error" in peer:
+                raise ConnectionError(f"refused: {peer['error']}")
             self._bring_up(qp, peer, psn)
             _send_json(sock, {"ready": True})
             _recv_json(sock)
             sock.settimeout(None)
-        except (OSError, ConnectionError, ValueError) as ex:
-            raise PeerLost(f"verbs connect to {peer_id} ({host}:{port}) failed: {ex}") from ex
-        return self._register_ep(peer_id, qp, sock)
+        except (OSError, ConnectionError, ValueError, FabricError) as ex:
+            for obj in (qp, cq, sock):
+                if obj is not None:
+                    obj.close()
+            raise PeerLost(f"verbs connect to {peer_id} ({host}:{port}) from {self.device} port {self.port_num} "
+                           f"failed: {ex}") from ex
+        return self._register_ep(peer_id, qp, cq, inline, sock)
 
     def _accept_loop(self) -> None:
         self.gate.serve(self._listener, lambda: self._closed)
 
     def admission_stats(self) -> dict:
+        """Incoming connections by outcome (``transport.auth.Gate.stats``)."""
         return self.gate.stats()
+
+    def expect_peer(self, peer_id: str, ttl: float = 60.0) -> None:
+        """Allow one incoming connection to take ``peer_id`` within ``ttl`` seconds, replacing a live endpoint
+        of that id if there is one (with ``guard_claims``; the engine calls this for the rail ids a sender
+        announced over its authenticated control connection)."""
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, t in self._claims.items() if t < now]:
+                del self._claims[k]
+            self._claims[peer_id] = now + ttl
+
+    def _claim_refusal(self, peer_id: str) -> Optional[str]:
+        if not self.guard_claims:
+            return None
+        with self._lock:
+            until = self._claims.pop(peer_id, None)
+            if until is not None and until >= time.monotonic():
+                return None
+            old = self._eps.get(peer_id)
+        if old is not None and old.alive:
+            return f"peer id {peer_id!r} is held by a live connection"
+        return f"peer id {peer_id!r} was not announced by an authenticated control hello"
 
     def _incoming(self, a: "auth.Admitted") -> None:
         """One incoming connection exchange (its own thread): authenticate first, then QP numbers."""
@@ -315,49 +587,72 @@ class VerbsFabric(Fabric):
         auth.server_handshake(sock, self._secret, self.name, a.deadline, a.established)
         sock.settimeout(max(0.1, a.deadline - time.monotonic()))
         peer = _recv_json(sock)
-        qp, psn = self._new_qp(), random.getrandbits(24)
-        _send_json(sock, self._local_info(qp, psn))
-        self._bring_up(qp, peer, psn)
-        _recv_json(sock)
-        self._register_ep(peer["id"], qp, sock)  # registered before "ready": symmetric connect
+        why = self._claim_refusal(str(peer.get("id")))
+        if why is not None:
+            log.warning("verbs %s: refused a connection from %s: %s", self._id, a.addr, why)
+            _send_json(sock, {"error": why})
+            return
+        qp, cq, inline = self._new_qp()
+        try:
+            psn = random.getrandbits(24)
+            _send_json(sock, self._local_info(qp, psn))
+            self._bring_up(qp, peer, psn)
+            _recv_json(sock)
+        except BaseException:
+            qp.close()
+            cq.close()
+            raise
+        self._register_ep(peer["id"], qp, cq, inline, sock)  # registered before "ready": symmetric connect
         _send_json(sock, {"ready": True})
         sock.settimeout(None)
         a.sock = None  # the endpoint's watch thread owns it now
 
     def _watch(self, ep: VerbsEndpoint) -> None:
-        """The TCP channel carries nothing after the handshake; its EOF means the peer process is gone."""
+        """The TCP channel carries nothing after the exchange; its EOF means the peer process is gone or failed
+        its end of the QP pair. The QP is flushed only after an ACK timeout, so that a write the peer refused
+        (which is why it closed the channel) completes with its own status rather than as a flush."""
         try:
             while ep.sock.recv(64):
                 pass
         except OSError:
             pass
-        self._fail(ep, "peer closed its channel")
+        self._fail(ep, "peer closed its channel", flush_after=self.ack_timeout_s)
 
-    def _fail(self, ep: VerbsEndpoint, cause: str) -> None:
+    def _fail(self, ep: VerbsEndpoint, cause: str, flush_after: float = 0.0) -> None:
+        """Mark ``ep`` dead and close its channel, so the peer fails its end too; move its QP to ERR now or after
+        ``flush_after`` seconds (what it had posted flushes and the progress thread completes it from there)."""
         with ep.lock:
             if not ep._alive:
                 return
             ep._alive, ep.cause = False, cause
-        log.warning("verbs %s: endpoint %s failed: %s", self._id, ep.peer_id, cause)
-        try:
-            attr = self.v["QPAttr"]()
-            attr.qp_state = self.e.IBV_QPS_ERR
-            ep.qp.modify(attr, self.e.IBV_QP_STATE)  # flushes posted work as IBV_WC_WR_FLUSH_ERR
-        except Exception:  # noqa: BLE001
-            log.debug("moving QP of %s to ERR failed", ep.peer_id, exc_info=True)
+            ep.room.notify_all()
+        # a peer that closed with nothing in flight is routine; lost work is worth a warning
+        log.log(logging.WARNING if ep.pending and not self._closed else logging.INFO,
+                "verbs %s: endpoint %s (QP %d) failed: %s", self._id, ep.peer_id, ep.qp_num, cause)
         try:
             ep.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        # If the NIC never flushes (device gone), complete what is outstanding ourselves after a grace period.
-        threading.Timer(3.0, self._flush_outstanding, args=(ep,)).start()
+        if flush_after > 0:
+            timer = threading.Timer(flush_after, self._flush, args=(ep,))
+            timer.daemon = True
+            timer.start()
+        else:
+            self._flush(ep)
 
-    def _flush_outstanding(self, ep: VerbsEndpoint) -> None:
-        with ep.lock:
-            left = list(ep.outstanding.values())
-            ep.outstanding.clear()
-        self._push([Completion(wr_id, op, ep.peer_id, n, imm, PeerLost(f"peer {ep.peer_id} lost: {ep.cause}"))
-                    for wr_id, op, n, imm in left])
+    def _flush(self, ep: VerbsEndpoint) -> None:
+        if ep.settled:
+            return
+        try:
+            attr = self.v["QPAttr"]()
+            attr.qp_state = self.e.IBV_QPS_ERR
+            ep.qp.modify(attr, self.e.IBV_QP_STATE)
+        except Exception:  # noqa: BLE001 — the QP is gone already
+            log.debug("moving QP of %s to ERR failed", ep.peer_id, exc_info=True)
+        # a device that never flushes (gone): complete what is left after a grace period
+        timer = threading.Timer(3.0, self._settle, args=(ep, None, None))
+        timer.daemon = True
+        timer.start()
 
     def endpoint(self, peer_id: str) -> Endpoint:
         self._check_open()
@@ -368,117 +663,271 @@ class VerbsFabric(Fabric):
         return ep
 
     # --- data path ------------------------------------------------------------------------------------------
+    def _local_region(self, lkey: int):
+        entry = self._regions.get(lkey)
+        return None if entry is None else entry[0]
+
+    def _check_request(self, r: WriteRequest) -> None:
+        check_range(r.local_addr, r.length, f"wr_id={r.wr_id} local")
+        check_range(r.remote_addr, r.length, f"wr_id={r.wr_id} remote")
+        if r.length > MAX_MESSAGE:
+            raise ValueError(f"wr_id={r.wr_id}: {r.length} B exceeds a verbs message ({MAX_MESSAGE} B); split it")
+        if isinstance(r.rkey, bool) or not isinstance(r.rkey, int) or not 0 <= r.rkey <= 0xFFFFFFFF:
+            raise ValueError(f"wr_id={r.wr_id}: rkey must be a 32-bit unsigned int, got {r.rkey!r}")
+        if r.imm is not None and (isinstance(r.imm, bool) or not isinstance(r.imm, int) or not 0 <= r.imm <= IMM_MAX):
+            raise ValueError(f"wr_id={r.wr_id}: imm must be a 32-bit unsigned int, got {r.imm!r}")
+        region = self._local_region(r.lkey)
+        if region is None or not region.contains(r.local_addr, r.length):
+            raise RegionError(f"wr_id={r.wr_id}: local range 0x{r.local_addr:x}+{r.length} is not inside the "
+                              f"region of lkey 0x{r.lkey:x}")
+
+    def _check_batch(self, b: WriteBatch) -> None:
+        """Every write of ``b`` checked with array operations; raises naming the first bad write."""
+        la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
+        bad = np.flatnonzero((ln <= 0) | (ln > MAX_MESSAGE) | (la < 0) | (ra < 0) | (rk < 0) | (rk > 0xFFFFFFFF)
+                             | (la > (1 << 63) - 1 - ln) | (ra > (1 << 63) - 1 - ln))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"WriteBatch wr_id={b.wr_id}: write {i} is malformed (local 0x{int(la[i]):x}, "
+                             f"{int(ln[i])} B, remote 0x{int(ra[i]):x}, rkey {int(rk[i])})")
+        for key in np.unique(lk).tolist():
+            region = self._local_region(int(key))
+            sel = np.flatnonzero(lk == key)
+            if region is None:
+                raise RegionError(f"WriteBatch wr_id={b.wr_id}: write {int(sel[0])}: lkey 0x{int(key):x} is not "
+                                  f"registered with {self._id}")
+            out = sel[(la[sel] < region.addr) | (la[sel] + ln[sel] > region.addr + region.length)]
+            if out.size:
+                i = int(out[0])
+                raise RegionError(f"WriteBatch wr_id={b.wr_id}: write {i}: local range 0x{int(la[i]):x}+"
+                                  f"{int(ln[i])} is not inside the region of lkey 0x{int(key):x}")
+
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
+        """Post ``requests`` (``WriteRequest`` and ``WriteBatch`` items) as one chain of work requests, only its
+        last one signalled; a chain longer than the send queue has room for is posted in parts as room frees.
+        Every item is checked before anything is posted (see ``Fabric.post_writes``)."""
         self._check_open()
         if not isinstance(ep, VerbsEndpoint) or ep.fabric is not self:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of verbs fabric {self._id}")
         if not ep.alive:
             raise PeerLost(f"endpoint {ep.peer_id} is dead ({ep.cause}); reconnect first")
-        requests = list(requests)
-        for r in requests:
-            check_range(r.local_addr, r.length, f"wr_id={r.wr_id} local")
-            check_range(r.remote_addr, r.length, f"wr_id={r.wr_id} remote")
-            if r.length > 0x7FFFFFFF:
-                raise ValueError(f"wr_id={r.wr_id}: {r.length} B exceeds a verbs message (2 GiB); split it")
-            if not isinstance(r.rkey, int) or not 0 <= r.rkey <= 0xFFFFFFFF:
-                raise ValueError(f"wr_id={r.wr_id}: rkey must be a 32-bit unsigned int, got {r.rkey!r}")
-            if r.imm is not None and (not isinstance(r.imm, int) or not 0 <= r.imm <= IMM_MAX):
-                raise ValueError(f"wr_id={r.wr_id}: imm must be a 32-bit unsigned int, got {r.imm!r}")
-            entry = self._regions.get(r.lkey)
-            if entry is None or not entry[0].contains(r.local_addr, r.length):
-                raise RegionError(f"wr_id={r.wr_id}: local range 0x{r.local_addr:x}+{r.length} is not inside the "
-                                  f"region of lkey 0x{r.lkey:x}")
+        items = list(requests)
+        writes = 0
+        for r in items:
+            if isinstance(r, WriteBatch):
+                self._check_batch(r)
+                writes += r.count
+            else:
+                self._check_request(r)
+                writes += 1
+        with ep.post_lock:
+            self._post_items(ep, items, writes)
+
+    def _post_items(self, ep: VerbsEndpoint, items: list, writes: int) -> None:
         v, e = self.v, self.e
-        # post in chunks that fit the send queue; each chunk is one linked list, one doorbell
-        i = 0
-        while i < len(requests):
-            with self._space_cv:
-                while len(ep.outstanding) >= self.max_send_wr and ep.alive:
-                    self._space_cv.wait(0.1)
-            if not ep.alive:
-                raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause})")
-            room = self.max_send_wr - len(ep.outstanding)
-            chunk = requests[i:i + room]
-            wrs = []
+        SGE, SendWR = v["SGE"], v["SendWR"]
+        inline = ep.max_inline
+        # one flat list of (local, length, remote, rkey, lkey, imm) in posting order, and the items' records
+        flat = []
+        records = []
+        seq = ep.next_seq
+        for r in items:
+            if isinstance(r, WriteBatch):
+                n = r.count
+                rec = _Posted(seq, seq + n - 1, r.wr_id, Opcode.WRITE, r.nbytes, None, True, r.remote_addr,
+                              r.length)
+                flat.extend(zip(r.local_addr.tolist(), r.length.tolist(), r.remote_addr.tolist(), r.rkey.tolist(),
+                                r.lkey.tolist(), [None] * n))
+                seq += n
+            else:
+                op = Opcode.WRITE if r.imm is None else Opcode.WRITE_WITH_IMM
+                rec = _Posted(seq, seq, r.wr_id, op, r.length, r.imm, r.signaled, r.remote_addr, None)
+                flat.append((r.local_addr, r.length, r.remote_addr, r.rkey, r.lkey, r.imm))
+                seq += 1
+            records.append(rec)
+        start = ep.next_seq
+        done = 0
+        queued = 0  # records[:queued] are in ep.pending
+        while done < writes:
             with ep.lock:
-                for r in chunk:
-                    seq = next(self._wr_seq)
-                    sge = v["SGE"](r.local_addr, r.length, r.lkey)
-                    op = e.IBV_WR_RDMA_WRITE if r.imm is None else e.IBV_WR_RDMA_WRITE_WITH_IMM
-                    wr = v["SendWR"](wr_id=seq, opcode=op, num_sge=1, sg=[sge])
-                    wr.set_wr_rdma(r.rkey, r.remote_addr)
-                    if r.imm is not None:
-                        try:
-                            wr.imm_data = socket.htonl(r.imm)  # immediate travels big-endian
-                        except AttributeError as ex:
-                            raise FabricUnavailable("this pyverbs has no SendWR.imm_data; upgrade pyverbs "
-                                                    f"(rdma-core >= v36); {INSTALL_HINT}") from ex
-                    if wrs:
-                        wrs[-1].next_wr = wr
-                    wrs.append(wr)
-                    ep.outstanding[seq] = (r.wr_id, Opcode.WRITE if r.imm is None else Opcode.WRITE_WITH_IMM,
-                                           r.length, r.imm)
+                while ep._alive and ep.next_seq - 1 - ep.retired >= self.max_send_wr:
+                    ep.room.wait(0.5)
+                if not ep._alive:
+                    raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause})")
+                room = self.max_send_wr - (ep.next_seq - 1 - ep.retired)
+            part = flat[done:done + room]
+            first = start + done
+            last = first + len(part) - 1
+            wrs = []
+            n_inline = n_imm = 0
+            for k, (la, n, ra, rkey, lkey, imm) in enumerate(part):
+                flags = 0
+                if n <= inline:
+                    flags |= e.IBV_SEND_INLINE
+                    n_inline += 1
+                if k == len(part) - 1:
+                    flags |= e.IBV_SEND_SIGNALED
+                wr = SendWR(wr_id=first + k, opcode=e.IBV_WR_RDMA_WRITE if imm is None else
+                            e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[SGE(la, n, lkey)], send_flags=flags)
+                wr.set_wr_rdma(rkey, ra)
+                if imm is not None:
+                    wr.imm_data = socket.htonl(imm)  # __be32: the bytes travel as they are
+                    n_imm += 1
+                if wrs:
+                    wrs[-1].next_wr = wr
+                wrs.append(wr)
+            failure = None
+            with ep.lock:
+                if not ep._alive:
+                    raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause})")
+                # the records go in before the post: the progress thread may see the completion at once
+                while queued < len(records) and records[queued].first <= last:
+                    ep.pending.append(records[queued])
+                    queued += 1
+                ep.next_seq = last + 1
                 ep.keep = wrs  # the chain's C structs must outlive ibv_post_send
                 try:
                     ep.qp.post_send(wrs[0])
-                except Exception as ex:  # noqa: BLE001
-                    for _ in chunk:
-                        ep.outstanding.popitem()
-                    raise FabricError(f"ibv_post_send to {ep.peer_id} failed: {ex}") from ex
-            i += len(chunk)
+                except Exception as ex:  # noqa: BLE001 — ENOMEM / EINVAL
+                    failure = ex
+            if failure is not None:
+                # a failed chain may be posted in part (up to the bad work request): the endpoint is failed and
+                # what it holds completes from the flush, so that nothing is reported twice or never
+                cause = f"ibv_post_send to {ep.peer_id} failed: {failure}"
+                self._fail(ep, cause)
+                raise FabricError(cause) from failure
+            self.counts["post_send"] += 1
+            self.counts["work_requests"] += len(part)
+            self.counts["signaled"] += 1
+            self.counts["inline"] += n_inline
+            self.counts["with_imm"] += n_imm
+            done += len(part)
 
     def _progress_loop(self) -> None:
-        e = self.e
         idle = 0
         while not self._closed:
-            try:
-                n, wcs = self.cq.poll(num_entries=self.cq_batch)
-            except Exception:  # noqa: BLE001 — CQ destroyed at close
-                if self._closed:
-                    return
-                raise
-            if not n:
+            with self._lock:
+                eps = list(self._live)
+            busy = False
+            for ep in eps:
+                try:
+                    n, wcs = ep.cq.poll(num_entries=self.cq_batch)
+                except Exception:  # noqa: BLE001 — the CQ was destroyed (endpoint settled, fabric closing)
+                    continue
+                if n:
+                    busy = True
+                    self._on_wcs(ep, wcs)
+            if busy:
+                idle = 0
+            else:
                 idle += 1
                 time.sleep(0 if idle < 100 else 0.0005)  # spin briefly, then back off to spare the CPU
-                continue
-            idle = 0
-            out = []
-            for wc in wcs:
-                ep = self._by_qpn.get(wc.qp_num)
-                if ep is None:
+
+    def _on_wcs(self, ep: VerbsEndpoint, wcs) -> None:
+        e = self.e
+        out: List[Completion] = []
+        for wc in wcs:
+            if wc.wr_id == _RECV_WR_ID:
+                if wc.status != e.IBV_WC_SUCCESS:
+                    if ep.alive:  # a flushed receive: the QP went to error (the peer wrote outside our regions)
+                        self._fail(ep, f"its QP went to error (receive WC status {wc.status})")
                     continue
                 if wc.opcode == e.IBV_WC_RECV_RDMA_WITH_IMM:
-                    if wc.status == e.IBV_WC_SUCCESS:
-                        out.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wc.byte_len, socket.ntohl(wc.imm_data)))
-                        if ep.alive:
-                            self._post_recv(ep.qp)
-                    continue
+                    out.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wc.byte_len, socket.ntohl(wc.imm_data)))
+                    if ep.alive:
+                        try:
+                            sge = self.v["SGE"](self._recv_scratch.buf, 0, self._recv_scratch.lkey)
+                            ep.qp.post_recv(self.v["RecvWR"](wr_id=_RECV_WR_ID, num_sge=1, sg=[sge]))
+                        except Exception:  # noqa: BLE001 — the QP went to error meanwhile
+                            log.debug("re-posting a receive to %s failed", ep.peer_id, exc_info=True)
+                continue
+            if wc.status == e.IBV_WC_SUCCESS:
                 with ep.lock:
-                    info = ep.outstanding.pop(wc.wr_id, None)
-                if info is None:
-                    continue  # a receive flushed at teardown, or already failed by the grace timer
-                wr_id, op, length, imm = info
-                err = None
-                if wc.status == e.IBV_WC_REM_ACCESS_ERR:
-                    err = RegionError(f"peer {ep.peer_id} refused wr_id={wr_id} ({length} B): rkey or range "
-                                      f"outside its registered region (IBV_WC_REM_ACCESS_ERR)")
-                elif wc.status != e.IBV_WC_SUCCESS:
-                    err = PeerLost(f"wr_id={wr_id} to {ep.peer_id} failed with WC status {wc.status}")
-                out.append(Completion(wr_id, op, ep.peer_id, length, imm, err))
-                if err is not None and ep.alive:
-                    threading.Thread(target=self._fail, args=(ep, f"QP error (WC status {wc.status})"),
-                                     daemon=True).start()
-            self._push(out)
-            with self._space_cv:
-                self._space_cv.notify_all()
+                    if ep.settled:
+                        continue
+                    ep.retired = max(ep.retired, wc.wr_id)
+                    while ep.pending and ep.pending[0].last <= wc.wr_id:
+                        rec = ep.pending.popleft()
+                        if rec.signaled:
+                            out.append(rec.completion(ep.peer_id))
+                    ep.room.notify_all()
+                continue
+            out.extend(self._settle(ep, wc.wr_id, wc.status, emit=False))
+        if out:
+            self._cq_out.push(out)
 
-    def _push(self, comps: List[Completion]) -> None:
-        if comps:
-            self._cq_out.push(comps)
+    def _status_error(self, ep: VerbsEndpoint, rec: _Posted, seq: int, status: int) -> FabricError:
+        e = self.e
+        what = rec.write_at(seq)
+        if status == e.IBV_WC_REM_ACCESS_ERR:
+            return RegionError(f"peer {ep.peer_id} refused {what}: rkey or range outside its registered regions "
+                               f"(IBV_WC_REM_ACCESS_ERR)")
+        if status == e.IBV_WC_LOC_PROT_ERR:
+            return RegionError(f"{what} to {ep.peer_id}: the local range left its region (IBV_WC_LOC_PROT_ERR)")
+        if status == e.IBV_WC_RETRY_EXC_ERR:
+            return PeerLost(f"{what} to {ep.peer_id}: no ACK within {self.ack_timeout_s:.3g} s "
+                            f"(IBV_WC_RETRY_EXC_ERR: timeout {self.timeout_exp}, retry_cnt {self.retry_cnt})")
+        if status == e.IBV_WC_WR_FLUSH_ERR:
+            return PeerLost(f"{what} to {ep.peer_id} was flushed: the endpoint failed ({ep.cause or 'QP error'})")
+        return PeerLost(f"{what} to {ep.peer_id} failed with WC status {status}")
+
+    def _settle(self, ep: VerbsEndpoint, seq: Optional[int], status: Optional[int], emit: bool = True):
+        """The QP of ``ep`` failed at work request ``seq`` with WC ``status`` (None, None: the device never said,
+        and the grace period is over). RC completes in order: everything before ``seq`` was placed; the item
+        holding ``seq`` fails with ``status``'s error (``PeerLost`` naming the endpoint's cause for a flush:
+        something else moved the QP to ERR); everything after was not executed (``PeerLost`` naming why). The
+        endpoint is failed and its QP, CQ and channel are released. Returns (or pushes, with ``emit``) the
+        completions."""
+        out: List[Completion] = []
+        with ep.lock:
+            if ep.settled:
+                return out
+            ep.settled = True
+            first_error = None
+            for rec in ep.pending:
+                if seq is not None and rec.last < seq:
+                    if rec.signaled:
+                        out.append(rec.completion(ep.peer_id))
+                elif seq is not None and rec.first <= seq and first_error is None:
+                    first_error = self._status_error(ep, rec, seq, status)
+                    out.append(rec.completion(ep.peer_id, first_error))
+                else:
+                    why = first_error if first_error is not None else (ep.cause or "its QP went to error")
+                    out.append(rec.completion(ep.peer_id, PeerLost(
+                        f"wr_id={rec.wr_id} to {ep.peer_id} was not executed: the endpoint failed before it ({why})")))
+            ep.pending.clear()
+        if ep.alive:
+            self._fail(ep, str(first_error) if first_error is not None else f"WC status {status}")
+        with self._lock:
+            if ep in self._live:
+                self._live.remove(ep)
+        # the CQ goes with the QP: its leftover flushes are of no use now
+        for obj in (ep.qp, ep.cq, ep.sock):
+            try:
+                obj.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if emit and out:
+            self._cq_out.push(out)
+        return out
+
+    @property
+    def ack_timeout_s(self) -> float:
+        """Seconds from a write without an ACK to its failure: 4.096 us x 2^timeout x (retry_cnt + 1)."""
+        return 4.096e-6 * (1 << self.timeout_exp) * (self.retry_cnt + 1)
+
+    def set_completion_handler(self, handler) -> None:
+        """Completions go to ``handler(list)`` in the progress thread as they arrive (``completion_callback``)."""
+        self._cq_out.set_handler(handler)
 
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
         self._check_open()
         return self._cq_out.take(max_n, timeout)
+
+    def wire_counts(self) -> dict:
+        """Totals since construction: ``post_send`` calls, work requests, signalled, inline and WRITE_WITH_IMM
+        ones."""
+        return {k: int(self.counts[k]) for k in ("post_send", "work_requests", "signaled", "inline", "with_imm")}
 
     def close(self) -> None:
         with self._lock:
@@ -493,17 +942,35 @@ class VerbsFabric(Fabric):
             pass
         for ep in eps:
             self._fail(ep, "fabric closed")
-        self._cq_out.close()
         for t in self._threads:
             t.join(timeout=2.0)
+        for ep in eps:
+            self._settle(ep, None, None)
+        self._cq_out.close()
+        self._release_verbs()
+
+    def _release_verbs(self) -> None:
         for region, mr, fd in list(self._regions.values()):
             try:
                 mr.close()
             except Exception:  # noqa: BLE001
                 pass
+            if fd is not None:
+                os.close(fd)
         self._regions.clear()
-        for obj in [ep.qp for ep in eps] + [self._recv_scratch, self.cq, self.pd, self.ctx]:
+        for obj in (self._recv_scratch, self.pd, self.ctx):
             try:
                 obj.close()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _qp_timeout(ack_timeout: Optional[float]):
+    """(timeout exponent, retry_cnt) for a write to fail after about ``ack_timeout`` seconds without an ACK:
+    4.096 us x 2^timeout x (retry_cnt + 1) >= ack_timeout, with retry_cnt 7 where the exponent allows (the
+    default, None: ``ACK_TIMEOUT_EXP`` and 7)."""
+    if ack_timeout is None:
+        return ACK_TIMEOUT_EXP, 7
+    per_try = ack_timeout / 8
+    exp = max(1, min(31, int(np.ceil(np.log2(max(per_try, 4.096e-6) / 4.096e-6)))))
+    return exp, 7

@@ -848,10 +848,11 @@ def test_hung_peer_fails_after_ack_timeout(case):
 
 
 def test_idle_connection_outlives_the_handshake_timeout(case):
-    """A connection with no traffic for longer than ``connect_timeout`` stays up on both sides (the accepting side
-    once left its handshake timeout on the sockets its receive threads block on, killing idle rails)."""
+    """A connection with no traffic for longer than ``connect_timeout`` and ``handshake_timeout`` stays up on both
+    sides (an accepting side that left its handshake timeout on the sockets its threads block on killed idle
+    rails: tcp's receive threads once, verbs' liveness channel once)."""
     fab = make_fabric(case.name, connect_timeout=0.5)
-    target = Target(case.name, 1 << 20, case.device, options={"connect_timeout": 0.5})
+    target = Target(case.name, 1 << 20, case.device, options={"connect_timeout": 0.5, "handshake_timeout": 0.5})
     try:
         buf = Buffer(4096, case.device)
         data = np.random.default_rng(_seed()).integers(0, 256, 4096, dtype=np.uint8)

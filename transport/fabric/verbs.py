@@ -602,21 +602,23 @@ class VerbsFabric(Fabric):
             qp.close()
             cq.close()
             raise
-        self._register_ep(peer["id"], qp, cq, inline, sock)  # registered before "ready": symmetric connect
-        _send_json(sock, {"ready": True})
+        # the channel blocks from here on: the endpoint's watch thread reads it for as long as the QP lives
         sock.settimeout(None)
+        self._register_ep(peer["id"], qp, cq, inline, sock)  # registered before "ready": symmetric connect
         a.sock = None  # the endpoint's watch thread owns it now
+        _send_json(sock, {"ready": True})
 
     def _watch(self, ep: VerbsEndpoint) -> None:
         """The TCP channel carries nothing after the exchange; its EOF means the peer process is gone or failed
         its end of the QP pair. The QP is flushed only after an ACK timeout, so that a write the peer refused
         (which is why it closed the channel) completes with its own status rather than as a flush."""
+        cause = "peer closed its channel"
         try:
             while ep.sock.recv(64):
                 pass
-        except OSError:
-            pass
-        self._fail(ep, "peer closed its channel", flush_after=self.ack_timeout_s)
+        except OSError as ex:
+            cause = f"its channel to the peer failed ({ex})"
+        self._fail(ep, cause, flush_after=self.ack_timeout_s)
 
     def _fail(self, ep: VerbsEndpoint, cause: str, flush_after: float = 0.0) -> None:
         """Mark ``ep`` dead and close its channel, so the peer fails its end too; move its QP to ERR now or after

@@ -316,3 +316,29 @@ def test_dmabuf_module_path_is_pyverbs_v59s():
     finally:
         pd.close()
         ctx.close()
+
+
+def test_threads_do_not_grow_with_endpoints():
+    """A verbs fabric runs three threads of its own (accept, progress, one watcher of every liveness channel),
+    however many peers it is connected to; each connection is usable both ways."""
+    import threading
+    from transport.fabric.verbs import VerbsFabric
+
+    def mine(fab):
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("pxn-verbs") and t.is_alive()
+                      and getattr(t, "_target", None) is not None and getattr(t._target, "__self__", None) is fab)
+
+    with VerbsFabric(secret=SECRET) as hub:
+        peers = [VerbsFabric(secret=SECRET) for _ in range(6)]
+        try:
+            for p in peers:
+                hub.connect(p.descriptor())
+            assert mine(hub) == ["pxn-verbs-accept", "pxn-verbs-progress", "pxn-verbs-watch"], mine(hub)
+            assert all(p.endpoint(hub.local_id).alive for p in peers)
+        finally:
+            for p in peers:
+                p.close()
+        deadline = time.time() + 10
+        while time.time() < deadline and any(hub.endpoint(p.local_id).alive for p in peers):
+            time.sleep(0.05)
+        assert not any(hub.endpoint(p.local_id).alive for p in peers), "closed peers still look alive"

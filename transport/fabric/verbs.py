@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import random
+import selectors
 import socket
 import struct
 import threading
@@ -351,6 +352,8 @@ class VerbsFabric(Fabric):
         self._eps: Dict[str, VerbsEndpoint] = {}
         self._live: List[VerbsEndpoint] = []  # endpoints whose CQ the progress thread polls
         self._claims: Dict[str, float] = {}
+        self._connecting: Dict[str, threading.Lock] = {}  # peer id -> held while connecting to it
+        self._channels = selectors.DefaultSelector()  # every endpoint's liveness socket, read by one thread
         self._cq_out = CompletionQueue()
         self.counts = collections.Counter()  # what wire_counts() reports
         try:
@@ -362,7 +365,8 @@ class VerbsFabric(Fabric):
         self._id = f"{hostname}:{self.port}"
         self.gate = auth.Gate(f"verbs {self._id}", self._incoming, handshake_timeout=handshake_timeout)
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="pxn-verbs-accept"),
-                         threading.Thread(target=self._progress_loop, daemon=True, name="pxn-verbs-progress")]
+                         threading.Thread(target=self._progress_loop, daemon=True, name="pxn-verbs-progress"),
+                         threading.Thread(target=self._watch_loop, daemon=True, name="pxn-verbs-watch")]
         for t in self._threads:
             t.start()
         log.info("verbs %s: %s port %d, GID index %d (%s), %s", self._id, self.device, self.port_num,
@@ -465,7 +469,12 @@ class VerbsFabric(Fabric):
         attr = v["QPAttr"](port_num=self.port_num)
         attr.qp_access_flags = self.access
         attr.pkey_index = 0
-        self._transition(qp, "INIT", qp.to_init, attr)
+        try:
+            self._transition(qp, "INIT", qp.to_init, attr)
+        except FabricError:
+            qp.close()
+            cq.close()
+            raise
         return qp, cq, granted
 
     def _local_info(self, qp, psn):
@@ -516,7 +525,7 @@ class VerbsFabric(Fabric):
             self._live.append(ep)
         if old is not None and old.alive:
             self._fail(old, "replaced by a new connection from the same peer")
-        threading.Thread(target=self._watch, args=(ep,), daemon=True, name=f"pxn-verbs-watch-{peer_id}").start()
+        self._channels.register(sock, selectors.EVENT_READ, ep)
         return ep
 
     def connect(self, peer_descriptor: bytes) -> Endpoint:
@@ -527,9 +536,15 @@ class VerbsFabric(Fabric):
         except (ValueError, KeyError, TypeError) as ex:
             raise ValueError(f"connect: malformed verbs descriptor {bytes(peer_descriptor)[:100]!r}: {ex}") from ex
         with self._lock:
-            ep = self._eps.get(peer_id)
-            if ep is not None and ep.alive:
-                return ep
+            gate = self._connecting.setdefault(peer_id, threading.Lock())
+        with gate:  # one connection exchange per peer at a time: a second caller gets the first one's endpoint
+            with self._lock:
+                ep = self._eps.get(peer_id)
+                if ep is not None and ep.alive:
+                    return ep
+            return self._connect(peer_id, host, port)
+
+    def _connect(self, peer_id: str, host: str, port: int) -> VerbsEndpoint:
         qp, cq, inline = self._new_qp()
         psn = random.getrandbits(24)
         sock = None
@@ -602,23 +617,45 @@ class VerbsFabric(Fabric):
             qp.close()
             cq.close()
             raise
-        # the channel blocks from here on: the endpoint's watch thread reads it for as long as the QP lives
+        # no timeout from here on (the handshake's would fail an idle QP pair): the watch thread reads the
+        # channel for as long as the QP lives
         sock.settimeout(None)
         self._register_ep(peer["id"], qp, cq, inline, sock)  # registered before "ready": symmetric connect
-        a.sock = None  # the endpoint's watch thread owns it now
+        a.sock = None  # the endpoint owns it now (the watch thread reads it)
         _send_json(sock, {"ready": True})
 
-    def _watch(self, ep: VerbsEndpoint) -> None:
-        """The TCP channel carries nothing after the exchange; its EOF means the peer process is gone or failed
-        its end of the QP pair. The QP is flushed only after an ACK timeout, so that a write the peer refused
-        (which is why it closed the channel) completes with its own status rather than as a flush."""
-        cause = "peer closed its channel"
+    def _watch_loop(self) -> None:
+        """The endpoints' TCP channels carry nothing after the exchange; EOF on one means the peer process is gone
+        or failed its end of the QP pair. The QP is then flushed only after an ACK timeout, so that a write the
+        peer refused (which is why it closed the channel) completes with its own status rather than as a flush.
+        One thread watches every channel."""
+        while not self._closed:
+            try:
+                events = self._channels.select(timeout=0.2)
+            except (OSError, ValueError):  # the selector was closed
+                return
+            for key, _ in events:
+                ep = key.data
+                cause = None
+                try:
+                    while True:
+                        data = ep.sock.recv(4096, socket.MSG_DONTWAIT)
+                        if not data:
+                            cause = "peer closed its channel"
+                            break
+                except BlockingIOError:
+                    pass
+                except OSError as ex:
+                    cause = f"its channel to the peer failed ({ex})"
+                if cause is not None:
+                    self._unwatch(ep)
+                    self._fail(ep, cause, flush_after=self.ack_timeout_s)
+
+    def _unwatch(self, ep: VerbsEndpoint) -> None:
         try:
-            while ep.sock.recv(64):
-                pass
-        except OSError as ex:
-            cause = f"its channel to the peer failed ({ex})"
-        self._fail(ep, cause, flush_after=self.ack_timeout_s)
+            self._channels.unregister(ep.sock)
+        except (KeyError, ValueError, OSError):
+            pass
 
     def _fail(self, ep: VerbsEndpoint, cause: str, flush_after: float = 0.0) -> None:
         """Mark ``ep`` dead and close its channel, so the peer fails its end too; move its QP to ERR now or after
@@ -903,6 +940,7 @@ class VerbsFabric(Fabric):
         with self._lock:
             if ep in self._live:
                 self._live.remove(ep)
+        self._unwatch(ep)
         # the CQ goes with the QP: its leftover flushes are of no use now
         for obj in (ep.qp, ep.cq, ep.sock):
             try:
@@ -948,6 +986,7 @@ class VerbsFabric(Fabric):
             t.join(timeout=2.0)
         for ep in eps:
             self._settle(ep, None, None)
+        self._channels.close()
         self._cq_out.close()
         self._release_verbs()
 

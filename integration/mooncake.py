@@ -36,7 +36,8 @@ ERR_ADDRESS_NOT_REG.     -3   a local address outside this engine's registered m
                               every region the peer registered, unregistering an address never registered;
                               nothing was written
 ERR_DEVICE_NOT_FOUND     -6   the fabric cannot run here (protocol "verbs" without a usable RDMA device,
-                              ``device_name`` matches no NIC) (``FabricUnavailable``)
+                              ``device_name`` matches no usable NIC port: GID-less, down or absent)
+                              (``FabricUnavailable``)
 ERR_ADDRESS_OVERLAPPED   -7   ``register_memory`` of a range overlapping a registered one, or registered already
 ERR_DNS                -101   ``send_probe``: the peer's host name does not resolve
 ERR_SOCKET             -102   ``send_probe``: nothing answers at the peer's control port
@@ -64,7 +65,9 @@ Differences from Mooncake, on purpose:
   usable (as Mooncake); "verbs" (pxn) -> verbs or ERR_DEVICE_NOT_FOUND; "auto" (pxn) -> verbs when a device is
   usable, else tcp; "ipc" (pxn) -> same-host ipc. A truthy ``MC_FORCE_TCP`` ("1", "true", "yes", "on"; not "0",
   "false", "no", "off", "") forces tcp as in Mooncake, and ``PXN_FABRIC`` (tcp|ipc|verbs|auto), when set,
-  overrides the protocol argument.
+  overrides the protocol argument. The verbs rails are the usable ports of the discovered topology, or of the
+  verbs device list where sysfs shows no RDMA port (as Mooncake lists devices with ``ibv_get_device_list``);
+  ``device_name`` keeps only the ports it names.
 * reads: the peer validates every source against the regions it registered and writes the pieces back with its
   own batch write (``transport.reads``), so a source outside the peer's memory fails the whole batch with
   nothing written (Mooncake's tcp transport also refuses it, -1).
@@ -343,10 +346,30 @@ def _filter_topology(topo, names: Sequence[str]):
         ports.append(p if keep else replace(p, usable=False, reason="disabled",
                                             detail="not in device_name filter"))
     if not any(p.usable for p in ports):
-        raise FabricUnavailable(f"device_name {','.join(sorted(wanted))!r} matches no usable NIC port (have "
+        why = [f"{p.key}: {p.reason}" + (f" ({p.detail})" if p.detail else "")
+               for p in topo.ports if p.name in wanted or p.key in wanted]
+        raise FabricUnavailable(f"device_name {','.join(sorted(wanted))!r} matches no usable NIC port ("
+                                f"{'; '.join(why) or 'no such port'}; have "
                                 f"{', '.join(p.key for p in topo.ports) or 'none'})")
     return Topology(topo.gpus, ports, topo.distances, topo.nvlink, topo.nvlink_source, topo.root, topo.name,
                     topo.notes)
+
+
+def _verbs_topology(base):
+    """``base`` (a sysfs topology with no NIC port) with the ports that verbs lists instead: one ``NicPort`` per
+    device port, unusable with reason ``down`` (not ACTIVE) or ``no GID`` (no usable GID entry), as the verbs
+    fabric judges them (``transport.fabric.verbs.port_table``, ``PXN_GID_INDEX`` included). No PCI place is
+    known, so GPU-to-port distances are NODE. Raises FabricUnavailable when pyverbs or the device list is
+    missing."""
+    from transport.fabric.verbs import port_table
+    from transport.topology import NicPort, Topology
+    ports = [NicPort(name=st.device, port=st.port_num, pci="", state={"down": "1: DOWN", "unreadable": ""}.get(st.reason or "", "4: ACTIVE"),
+                     link_layer={"eth": "Ethernet", "ib": "InfiniBand"}.get(st.link_layer, ""),
+                     gid=st.reason != "no GID", usable=st.usable, reason=st.reason, detail=st.detail)
+             for st in port_table()]
+    distances = {(g.index, p.key): "NODE" for g in base.gpus for p in ports}
+    return Topology(base.gpus, ports, distances, base.nvlink, base.nvlink_source, base.root, base.name,
+                    list(base.notes) + ["NIC ports from the verbs device list (sysfs shows none)"])
 
 
 # --- http metadata (Mooncake's protocol: GET / PUT / DELETE <url>?key=<key>) ------------------------------------
@@ -621,6 +644,12 @@ class TransferEngine:
             # without a filter the verbs fabric can still pick its device itself: worse routing, but working
             log.warning("topology discovery failed (%s); verbs rails without PXN routing", e)
             return None
+        if not topo.ports:
+            # sysfs shows no RDMA port (a container without /sys/class/infiniband, a verbs model) while verbs
+            # may list some: Mooncake takes its devices from ibv_get_device_list, so the rails do too
+            topo = _verbs_topology(topo)
+            log.info("no RDMA port in sysfs; ports from the verbs device list: %s",
+                     ", ".join(f"{p.key}{'' if p.usable else f' ({p.reason})'}" for p in topo.ports) or "none")
         return _filter_topology(topo, names) if names else topo
 
     def _eng(self):

@@ -565,11 +565,20 @@ def test_initialize_reads_the_engine_configuration(monkeypatch, caplog):
         eng.close()
 
 
-def test_rdma_without_device_fails_cleanly(monkeypatch):
+def test_rdma_without_device_fails_cleanly(monkeypatch, caplog):
     from transport.engine import TransferEngine as PxnEngine
+    if os.environ.get("SOFTVERBS_DEVICES"):
+        # softverbs (read at each call): RoCE ports with no GID and one that is down, as on a machine whose
+        # NICs have no IP address; none is usable
+        monkeypatch.setenv("SOFTVERBS_DEVICES", "mlx5_0:1:eth:nogid,mlx5_1:1:eth:nogid,mlx5_2:1:eth:gid:down")
     if PxnEngine._pick_fabric("auto") == "verbs":
         pytest.skip("an RDMA device is usable here")
     # "rdma" starts on tcp with one warning line, as Mooncake does; pxn's "verbs" refuses instead
+    with caplog.at_level(logging.WARNING, logger="integration.mooncake"), MooncakeEngine() as eng:
+        assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+        assert eng.pxn_engine.fabric_name == "tcp"
+    warned = [r.getMessage() for r in caplog.records if "no RDMA device is usable" in r.getMessage()]
+    assert len(warned) == 1 and "running on tcp" in warned[0], caplog.text
     with MooncakeEngine() as eng:
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "verbs", "") == mc.ERR_DEVICE_NOT_FOUND
     with MooncakeEngine() as eng:  # "auto" falls back to tcp
@@ -590,6 +599,47 @@ def test_rdma_without_device_fails_cleanly(monkeypatch):
         assert eng.get_engine().fabric_name == "tcp"
     finally:
         eng.close()
+
+
+def test_rdma_picks_verbs_and_device_name_picks_the_port(monkeypatch, caplog, rng):
+    """protocol "rdma" runs on the verbs fabric where a device is usable; ``device_name`` picks the device, as
+    Mooncake's filter does; a named device that is GID-less, down or absent fails with ERR_DEVICE_NOT_FOUND and
+    a log line naming the port and why. Two engines then move bytes over the chosen port."""
+    if not os.environ.get("SOFTVERBS_DEVICES"):
+        pytest.skip("needs softverbs (a device list set per case); real NICs are not chosen by name in CI")
+    monkeypatch.setenv("SOFTVERBS_DEVICES", "mlx5_0:1:eth:nogid,mlx5_1:1:eth:gid,mlx5_2:1:eth:gid,"
+                                            "mlx5_3:1:eth:gid:down")
+    for names, want in (("", {"mlx5_1", "mlx5_2"}), ("mlx5_2", {"mlx5_2"}), ("mlx5_1:1", {"mlx5_1"}),
+                        ("mlx5_0,mlx5_2", {"mlx5_2"})):
+        with MooncakeEngine() as eng:
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", names) == 0, names
+            pxe = eng.pxn_engine
+            assert pxe.fabric_name == "verbs", names
+            assert {f.device for f in pxe.fabrics} == want and all(f.port_num == 1 for f in pxe.fabrics), names
+    for names, why in (("mlx5_0", "mlx5_0:1: no GID"), ("mlx5_3", "mlx5_3:1: down"), ("mlx5_9", "no such port")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="integration.mooncake"), MooncakeEngine() as eng:
+            assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", names) == mc.ERR_DEVICE_NOT_FOUND, names
+            assert eng.pxn_engine is None
+        assert why in caplog.text and "ERR_DEVICE_NOT_FOUND" in caplog.text, caplog.text
+    src = np.frombuffer(rng.bytes(1 << 20), dtype=np.uint8).copy()
+    dst = np.full(1 << 20, POISON, dtype=np.uint8)
+    with MooncakeEngine() as a, MooncakeEngine() as b:
+        assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_2") == 0
+        assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_2") == 0
+        assert a.register_memory(src.ctypes.data, src.size) == 0
+        assert b.register_memory(dst.ctypes.data, dst.size) == 0
+        lengths = [64] * 11 + [4096, 300_001]
+        offs = disjoint_offsets(rng, lengths, dst.size)
+        soffs = disjoint_offsets(rng, lengths, src.size)
+        assert a.batch_transfer_sync_write(b.get_session_id(), [src.ctypes.data + int(o) for o in soffs],
+                                           [dst.ctypes.data + int(o) for o in offs], lengths) == 0
+        assert a.pxn_engine.fabric_name == "verbs"
+        assert a.pxn_engine.stats()["rails"][0]["key"] == "mlx5_2:1"
+    want = np.full(dst.size, POISON, dtype=np.uint8)
+    for s, d, n in zip(soffs, offs, lengths):
+        want[d:d + n] = src[s:s + n]
+    assert np.array_equal(dst, want)
 
 
 def test_batch_register_is_all_or_nothing():
@@ -1067,14 +1117,15 @@ def test_sglang_plugin_replaces_only_the_kv_managers_engine(mooncake):
     if why:
         pytest.skip(why)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-               MOONCAKE_PROTOCOL="rdma")  # sglang's default: pxn runs it on tcp here (no RDMA device)
+               MOONCAKE_PROTOCOL="rdma")  # sglang's default: verbs where a device is usable, else tcp
     r = subprocess.run([sys.executable, "-c", _SGLANG_SCRIPT, mooncake], stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, timeout=300, env=env)
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, r.stdout[-4000:]
     out = json.loads(line[-1][len("RESULT "):])
     assert out["kv"] == "PxnMooncakeTransferEngine" and out["kv_shared_between_managers"], out
-    assert out["kv_fabric"] == "tcp"
+    from transport.engine import TransferEngine as PxnEngine
+    assert out["kv_fabric"] == PxnEngine._pick_fabric("auto")  # "rdma": verbs where a device is usable (softverbs)
     if mooncake == "with":
         assert out["shared"] == "MooncakeTransferEngine" and out["shared_inner"] == "TransferEngine", out
         assert out["expert_backup"] == "ok:TransferEngine", out   # Mooncake's engine, not pxn's

@@ -10,7 +10,10 @@ to an unknown peer, probes), run unchanged, as Mooncake's CI runs them (``MC_FOR
 * ``mode="p2p"``: ``MC_METADATA_SERVER=P2PHANDSHAKE``; the target is told its port through Mooncake's
   ``MC_MIN_RPC_PORT`` / ``MC_MAX_RPC_PORT`` (both the same free port), so ``TARGET_SERVER_NAME`` names it;
 * ``mode="http"``: an http metadata server (``integration.metadata_server``, or Mooncake's own with
-  ``server="mooncake"``) and segment names ``127.0.0.1:12345`` / ``127.0.0.1:12347``.
+  ``server="mooncake"``) and segment names ``127.0.0.1:12345`` / ``127.0.0.1:12347``;
+* ``protocol="tcp"`` (Mooncake's CI: ``MC_FORCE_TCP=true``) or ``protocol="rdma"`` (``PROTOCOL=rdma``, no
+  ``MC_FORCE_TCP``): both scripts then pass "rdma" to ``initialize``, and pxn picks its verbs fabric where an
+  RDMA device is usable (on softverbs: the ``SOFTVERBS_*`` variables of this process reach both scripts).
 
 Command line: ``python tests/mooncake_conformance/suite.py --impl pxn --mode http`` prints the initiator's output
 and exits with its status.
@@ -53,12 +56,18 @@ def free_port(span: int = 1) -> int:
     raise RuntimeError("no free ports in 20000..32000")
 
 
-def _env(impl: str, extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MC_", "PXN_"))}
+PROTOCOLS = ("tcp", "rdma")
+
+
+def _env(impl: str, extra: dict, protocol: str = "tcp") -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MC_", "PXN_")) and k != "PROTOCOL"}
     path = [ROOT] + ([os.path.join(HERE, "pxn_shim")] if impl == "pxn" else [])
     env["PYTHONPATH"] = os.pathsep.join(path[::-1] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
-    env["MC_FORCE_TCP"] = "true"
+    if protocol == "tcp":
+        env["MC_FORCE_TCP"] = "true"
+    else:
+        env["PROTOCOL"] = protocol
     env.update(extra)
     return env
 
@@ -89,9 +98,13 @@ def _stop(proc: Optional[subprocess.Popen], read: bool = True) -> str:
 
 
 def run(impl: str = "pxn", mode: str = "p2p", circle: int = 1000, server: str = "pxn",
-        timeout: float = 600.0) -> Tuple[int, str]:
-    """Run the suite; returns (initiator exit status, initiator output + the target's log on failure)."""
+        timeout: float = 600.0, protocol: str = "tcp", logs: Optional[list] = None) -> Tuple[int, str]:
+    """Run the suite; returns (initiator exit status, initiator output + the target's log on failure). When
+    ``logs`` is a list, the target's whole log is appended to it as one string."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     meta_srv = meta_proc = target = None
+    seen = []
     try:
         if mode == "p2p":
             # Mooncake's tcp transport takes its data port from the rpc range too: give it two ports and read
@@ -116,10 +129,9 @@ def run(impl: str = "pxn", mode: str = "p2p", circle: int = 1000, server: str = 
         else:
             raise ValueError(f"mode must be 'p2p' or 'http', got {mode!r}")
         target = subprocess.Popen([sys.executable, "transfer_engine_target.py"], cwd=HERE,
-                                  env=_env(impl, target_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True)
+                                  env=_env(impl, target_env, protocol), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60
-        seen = []
         while time.monotonic() < deadline:
             line = target.stdout.readline()
             if not line:
@@ -143,19 +155,22 @@ def run(impl: str = "pxn", mode: str = "p2p", circle: int = 1000, server: str = 
             common["TARGET_SERVER_NAME"] = f"127.0.0.1:{rpc}"
         try:
             init = subprocess.run([sys.executable, "transfer_engine_initiator_test.py"], cwd=HERE,
-                                  env=_env(impl, common), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=_env(impl, common, protocol), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, timeout=timeout)
             rc, out = init.returncode, init.stdout
         except subprocess.TimeoutExpired as e:
             partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
             rc, out = 124, partial + f"\n(initiator timed out after {timeout} s)"
-        if rc != 0:
+        if rc != 0 or logs is not None:
             _stop(target, read=False)
             drain.join(5)
+        if rc != 0:
             out += "\n--- target log ---\n" + "".join(seen)
         return rc, out
     finally:
         _stop(target, read=False)
+        if logs is not None:
+            logs.append("".join(seen))
         _stop(meta_proc)
         if meta_srv is not None:
             meta_srv.close()
@@ -176,12 +191,15 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=["p2p", "http"], default="p2p")
     ap.add_argument("--server", choices=["pxn", "mooncake"], default="pxn", help="http metadata server to use")
     ap.add_argument("--circle", type=int, default=1000, help="CIRCLE: iterations of the round-trip test")
+    ap.add_argument("--protocol", choices=PROTOCOLS, default="tcp",
+                    help="what both scripts pass to initialize (rdma: pxn's verbs fabric where a device is usable)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    rc, out = run(args.impl, args.mode, args.circle, args.server)
+    rc, out = run(args.impl, args.mode, args.circle, args.server, protocol=args.protocol)
     print(out)
     n, failed = summary(out)
-    print(f"{args.impl} {args.mode}: {n - failed}/{n} passed, exit {rc}, {time.monotonic() - t0:.1f} s")
+    print(f"{args.impl} {args.mode} {args.protocol}: {n - failed}/{n} passed, exit {rc}, "
+          f"{time.monotonic() - t0:.1f} s")
     return rc
 
 

@@ -3,10 +3,15 @@ where it imports: the same 6 cases must pass on both, in P2P and in http-metadat
 
 The real wheel (``mooncake-transfer-engine-non-cuda``) needs ``libibverbs.so.1`` even over tcp, a system
 package; CI does not install it (no apt on CI's clean clone), so those cases skip there with the reason.
+
+The same suite also runs with protocol "rdma" against pxn, which must then move the data over its verbs fabric:
+on pyverbs with an RDMA NIC, or on softverbs (tests/conftest.py puts it on the path with a GID-less port listed
+first). Without either, those cases skip with the reason.
 """
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -50,3 +55,41 @@ def test_real_mooncake_passes_the_same_suite(mode):
         pytest.skip(f"the real Mooncake wheel does not import here ({why}); install "
                     f"mooncake-transfer-engine-non-cuda and libibverbs1 to run the suite against it")
     _check(*suite.run("mooncake", mode, CIRCLE))
+
+
+def _verbs_device() -> str:
+    """'' when pxn's verbs fabric finds a usable RDMA port here (pyverbs or softverbs), else why not."""
+    from transport.errors import FabricUnavailable
+    from transport.fabric.verbs import usable_port
+    try:
+        usable_port()
+    except FabricUnavailable as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("mode,circle", [("p2p", CIRCLE), ("http", 200)])
+def test_pxn_passes_mooncakes_transfer_engine_tests_over_rdma(mode, circle, monkeypatch):
+    """PROTOCOL=rdma, no MC_FORCE_TCP: both scripts call ``initialize(..., "rdma", "")``; pxn must pick its verbs
+    fabric (the log line of both engines says so, no fall-back warning) and pass the 6 cases. On softverbs the
+    queue pairs are seen in the model's rendezvous directory, on the one port with a GID."""
+    why = _verbs_device()
+    if why:
+        pytest.skip(f"no usable RDMA device for protocol 'rdma' ({why})")
+    softverbs = bool(os.environ.get("SOFTVERBS_DEVICES"))
+    if softverbs:
+        # a rendezvous directory of this run only, so the queue pairs found there are this suite's
+        monkeypatch.setenv("SOFTVERBS_DIR", tempfile.mkdtemp(prefix="pxn-mc-rdma-"))
+    logs = []
+    rc, out = suite.run("pxn", mode, circle, protocol="rdma", logs=logs)
+    _check(rc, out)
+    target_log = logs[0]
+    for who, text in (("initiator", out), ("target", target_log)):
+        assert "over verbs (protocol 'rdma'" in text, f"{who} did not run on verbs:\n{text[-4000:]}"
+        assert "running on tcp" not in text, f"{who} fell back to tcp:\n{text[-4000:]}"
+    if softverbs:
+        from transport.fabric.verbs import usable_port
+        port = usable_port()
+        qpn_dir = os.path.join(os.environ["SOFTVERBS_DIR"], "qpn")
+        used = {d for d in os.listdir(qpn_dir) if os.listdir(os.path.join(qpn_dir, d))}
+        assert used == {port.device}, (used, port)

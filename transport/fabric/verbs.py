@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -182,21 +182,43 @@ def choose_gid(ctx, e, device: str, port_num: int, gid_index: Optional[int]):
     return best[1], best[2]
 
 
-def choose_port(v, device: Optional[str], port_num: Optional[int], gid_index: Optional[int]) -> PortChoice:
-    """The port to drive: ``device`` / ``port_num`` when given (else the first that works), skipping ports that
-    are not ACTIVE or have no usable GID. Raises ``VerbsPortError`` listing every port tried and why."""
-    e = v["e"]
+@dataclass(frozen=True)
+class PortStatus:
+    """One port of one RDMA device as the fabric judges it: ``choice`` when it can drive it, else ``reason``
+    (``"down"``: not ACTIVE; ``"no GID"``: no usable GID entry; ``"unreadable"``: the query failed) and
+    ``detail``. ``link_layer``: ``"eth"`` or ``"ib"`` (``""`` when unreadable)."""
+
+    device: str
+    port_num: int
+    link_layer: str
+    choice: Optional[PortChoice]
+    reason: Optional[str] = None
+    detail: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.choice is not None
+
+
+def _device_names(v) -> List[str]:
     try:
         devices = v["get_device_list"]()
     except Exception as ex:  # noqa: BLE001 — pyverbs raises PyverbsRDMAError('Failed to get devices list')
         raise FabricUnavailable(f"verbs fabric: no RDMA device ({ex}); this machine needs an RDMA NIC (or "
                                 f"rxe/siw soft-RoCE) with its kernel driver and rdma-core providers") from ex
-    names = [d.name.decode() if isinstance(d.name, bytes) else d.name for d in devices]
+    return [d.name.decode() if isinstance(d.name, bytes) else d.name for d in devices]
+
+
+def scan_ports(v, device: Optional[str] = None, port_num: Optional[int] = None,
+               gid_index: Optional[int] = None) -> Iterator[PortStatus]:
+    """Every port of every RDMA device (or of ``device``; or only ``port_num``), in device-list order, each
+    judged as ``choose_port`` would. Raises ``FabricUnavailable`` when there is no device, or no ``device``."""
+    e = v["e"]
+    names = _device_names(v)
     if not names:
         raise FabricUnavailable("verbs fabric: no RDMA device found (ibv_get_device_list is empty)")
     if device is not None and device not in names:
         raise FabricUnavailable(f"verbs fabric: RDMA device {device!r} not found; present: {names}")
-    skipped = []
     for name in ([device] if device is not None else names):
         ctx = v["Context"](name=name)
         try:
@@ -205,21 +227,38 @@ def choose_port(v, device: Optional[str], port_num: Optional[int], gid_index: Op
                 try:
                     attr = ctx.query_port(p)
                 except Exception as ex:  # noqa: BLE001
-                    skipped.append(f"{name} port {p}: {ex}")
+                    yield PortStatus(name, p, "", None, "unreadable", f"{name} port {p}: {ex}")
                     continue
+                ll = "eth" if attr.link_layer == e.IBV_LINK_LAYER_ETHERNET else "ib"
                 if attr.state != e.IBV_PORT_ACTIVE:
-                    skipped.append(f"{name} port {p}: state {attr.state}, not ACTIVE")
+                    yield PortStatus(name, p, ll, None, "down", f"{name} port {p}: state {attr.state}, not ACTIVE")
                     continue
                 try:
                     index, gid = choose_gid(ctx, e, name, p, gid_index)
                 except VerbsPortError as ex:
-                    skipped.append(str(ex).replace("verbs: ", ""))
+                    yield PortStatus(name, p, ll, None, "no GID", str(ex).replace("verbs: ", ""))
                     continue
-                ll = "eth" if attr.link_layer == e.IBV_LINK_LAYER_ETHERNET else "ib"
-                return PortChoice(name, p, index, gid, ll, int(attr.lid), int(attr.active_mtu))
+                yield PortStatus(name, p, ll, PortChoice(name, p, index, gid, ll, int(attr.lid),
+                                                         int(attr.active_mtu)))
         finally:
             ctx.close()
+
+
+def choose_port(v, device: Optional[str], port_num: Optional[int], gid_index: Optional[int]) -> PortChoice:
+    """The port to drive: ``device`` / ``port_num`` when given (else the first that works), skipping ports that
+    are not ACTIVE or have no usable GID. Raises ``VerbsPortError`` listing every port tried and why."""
+    skipped = []
+    for st in scan_ports(v, device, port_num, gid_index):
+        if st.usable:
+            return st.choice
+        skipped.append(st.detail)
     raise VerbsPortError("verbs fabric: no usable RDMA port (" + "; ".join(skipped) + ")")
+
+
+def port_table() -> List[PortStatus]:
+    """``scan_ports`` of every device with ``PXN_GID_INDEX``: what ``pxn topo`` and the Mooncake layer show where
+    sysfs lists no RDMA port. Raises ``FabricUnavailable`` without pyverbs or devices."""
+    return list(scan_ports(_import_pyverbs(), gid_index=gid_index_from_env()))
 
 
 def usable_port(device: Optional[str] = None, port_num: Optional[int] = None) -> PortChoice:

@@ -600,8 +600,8 @@ class _EtcdMetadata:
 
     def close(self) -> None:
         """Stop the keep-alive thread and revoke the lease (the entry goes with it). Idempotent."""
+        self._stop.set()   # before the lock: a keep-alive in flight then ends without another round
         with self._lock:
-            self._stop.set()
             thread, self._thread = self._thread, None
             lease_id, self._lease_id = self._lease_id, None
             self._published = None

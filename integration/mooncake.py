@@ -14,8 +14,10 @@ The whole surface of Mooncake's binding is here: writes and reads (sync, batch, 
 notify), ``get_notifies``, managed buffers and ``write_bytes_to_buffer`` / ``read_bytes_from_buffer``,
 ``get_first_buffer_address``, the ``*_on_cuda`` calls (stream-ordered, through ``cudaLaunchHostFunc``),
 ``get_engine_ptr`` (0: pxn has no C++ engine), ``warmup_efa_segment`` (0), probes, topology. Metadata:
-"P2PHANDSHAKE" (peers named "host:rpc_port") or an http metadata server "http://host:port/metadata" (Mooncake's
-``mooncake_http_metadata_server`` or ``integration.metadata_server``; peers named by their segment name).
+"P2PHANDSHAKE" (peers named "host:rpc_port"), an http metadata server "http://host:port/metadata" (Mooncake's
+``mooncake_http_metadata_server`` or ``integration.metadata_server``; single node), or etcd
+"etcd://host:port[,host:port...]" (or "host:port" without a scheme, as Mooncake reads it) with Mooncake's key
+layout and a lease per entry (``_EtcdMetadata``); with a metadata server peers are named by their segment name.
 
 This module is the ONE place in pxn that returns Mooncake-style ints instead of raising: every pxn exception is
 mapped to a negative code (table below) and its cause is logged in one line through ``logging`` (logger
@@ -43,12 +45,15 @@ ERR_DNS                -101   ``send_probe``: the peer's host name does not reso
 ERR_SOCKET             -102   ``send_probe``: nothing answers at the peer's control port
 ERR_METADATA           -200   unknown session: malformed "host:port", nobody listens there, handshake refused,
                               a segment name the metadata server does not know, the metadata server unreachable
-                              (``UnknownSession``); also a dead peer once the engine forgot it; nothing written
+                              (``UnknownSession``), an entry that is not a pxn engine's (``ForeignSegment``: a
+                              Mooncake engine's segment); also a dead peer once the engine forgot it; nothing
+                              written
 ERR_ENDPOINT           -201   every rail to the peer failed (peer died, connections reset) (``PeerLost`` /
                               ``TransferError`` with per-rail ``causes``); part may have been written. The engine
                               then forgets the peer: a later call to the session handshakes again
 ERR_CONTEXT            -202   not initialized yet, or closed (``FabricClosed``)
-ERR_NOT_IMPLEMENTED    -303   a metadata server other than P2PHANDSHAKE / http, a protocol pxn has no fabric for
+ERR_NOT_IMPLEMENTED    -303   a metadata server other than P2PHANDSHAKE / http / etcd (or etcd without etcd3gw
+                              installed), a protocol pxn has no fabric for
 ERR_REMOTE_REJECTED    -501   the receiver refused a chunk / write (e.g. the peer deregistered the region
                               after the sender learnt its list) (``RemoteRejected``); that part not written
 ERR_TIMEOUT            -502   the batch did not finish in time (``TransferTimeout``); part may be written
@@ -103,8 +108,8 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from transport.config import EngineConfig
-from transport.errors import (FabricClosed, FabricError, FabricUnavailable, InvalidTransfer, PeerLost, PxnError,
-                              RemoteRejected, TransferError, TransferTimeout, UnknownPeer)
+from transport.errors import (FabricClosed, FabricError, FabricUnavailable, ForeignSegment, InvalidTransfer,
+                              PeerLost, PxnError, RemoteRejected, TransferError, TransferTimeout, UnknownPeer)
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +422,7 @@ class _HttpMetadata:
         except ValueError:
             value = None
         if not isinstance(value, dict) or not isinstance(value.get("session"), str):
-            raise UnknownPeer(f"metadata entry {key!r} at {self.url} is not a pxn segment: {body[:200]!r}")
+            raise ForeignSegment(f"metadata entry {key!r} at {self.url} is not a pxn segment: {body[:200]!r}")
         return value
 
     def delete(self, key: str) -> None:
@@ -425,6 +430,211 @@ class _HttpMetadata:
             self._call("DELETE", key)
         except UnknownPeer as e:
             log.info("removing %r from the metadata server: %s", key, e)
+
+    def close(self) -> None:
+        """Nothing held between calls (each request is its own connection)."""
+
+
+# --- etcd metadata (Mooncake's key layout, entries held by a lease) ---------------------------------------------
+ETCD_DEFAULT_PORT = 2379
+METADATA_TTL_DEFAULT = 5.0   # s; a killed engine's entry is gone this long after its last keep-alive
+PXN_PROTOCOL = "pxn"         # the "protocol" of pxn's segment descriptor; Mooncake has no transport of this name
+
+
+def _etcd_endpoints(spec: str) -> List[Tuple[str, int]]:
+    """"etcd://h1:p1,h2:p2" | "h:p" | "[v6]:p" | "h" (port 2379) -> [(host, port), ...]. Raises InvalidTransfer
+    naming the bad endpoint."""
+    body = spec[len("etcd://"):] if spec.startswith("etcd://") else spec
+    out = []
+    for item in body.split(","):
+        item = item.strip().rstrip("/")
+        if not item:
+            continue
+        host, port = _split_hostname(item)
+        if port is None:
+            port = str(ETCD_DEFAULT_PORT)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+            raise InvalidTransfer(f"etcd endpoint {item!r} of {spec!r} is not 'host:port'")
+        out.append((host, int(port)))
+    if not out:
+        raise InvalidTransfer(f"etcd metadata server {spec!r} names no endpoint")
+    return out
+
+
+def _metadata_ttl(value) -> float:
+    """The lease TTL in seconds: ``value`` when given, else ``PXN_METADATA_TTL``, else the default. etcd grants
+    whole seconds and raises very short TTLs to its own minimum (about 2 s with its default election timeout)."""
+    if value is None:
+        text = os.environ.get("PXN_METADATA_TTL", "")
+        if not text:
+            return METADATA_TTL_DEFAULT
+        try:
+            value = float(text)
+        except ValueError:
+            raise InvalidTransfer(f"environment variable PXN_METADATA_TTL={text!r} is not a number of seconds") \
+                from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 3600:
+        raise InvalidTransfer(f"metadata_ttl must be seconds in 1..3600, got {value!r}")
+    return float(value)
+
+
+class _EtcdMetadata:
+    """Client of an etcd cluster (through its gRPC gateway, with ``etcd3gw``) holding segment entries in
+    Mooncake's layout, so pxn and Mooncake engines sharing one etcd see each other's segments.
+
+    Keys: Mooncake's ``TransferMetadata``: ``mooncake/<MC_METADATA_CLUSTER_ID>/ram/<segment name>`` (no cluster
+    part when that variable is unset; a name holding '/' goes under ``mooncake/<cluster>/`` as is). The value
+    is a Mooncake-shaped segment descriptor whose ``protocol`` is "pxn"::
+
+        {"name": "10.0.0.5:12345", "protocol": "pxn", "timestamp": "...",
+         "pxn": {"session": "10.0.0.5:40123", "engine_id": "...", "fabric": "tcp"}}
+
+    A Mooncake engine opening that segment reads the descriptor, finds no transport for protocol "pxn" and
+    fails its open (its log: "Unsupported segment descriptor"); it never reads pxn's fields as its own. pxn
+    publishes no ``mooncake/rpc_meta/`` entry, so no Mooncake handshake is ever sent to a pxn control port.
+    pxn reading an entry that is not pxn's (a Mooncake descriptor, or junk) raises ``ForeignSegment``.
+
+    Each entry is put under a lease of ``ttl`` seconds that one daemon thread keeps alive (a keep-alive every
+    ttl / 3); a killed engine's entry disappears within ``ttl`` of its last keep-alive. ``delete`` / ``close``
+    revoke the lease: the entry goes at once, unless another engine has since published under the same name
+    (the key then belongs to that engine's lease and stays).
+
+    The key arguments are pxn's segment keys (``_segment_key``), as for ``_HttpMetadata``, so the callers are
+    the same for both; this class maps them to Mooncake's layout. ``endpoints`` are tried in order; a
+    connection failure moves to the next.
+    """
+
+    _PREFIX = _segment_key("")
+
+    def __init__(self, spec: str, ttl: float = METADATA_TTL_DEFAULT, timeout: float = 5.0):
+        import etcd3gw
+        from etcd3gw import exceptions as etcd_errors
+        self._etcd3gw, self._errors = etcd3gw, etcd_errors
+        self.endpoints = _etcd_endpoints(spec)
+        self.url = "etcd://" + ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
+        self.ttl = float(ttl)
+        cluster = os.environ.get("MC_METADATA_CLUSTER_ID", "")
+        self._root = "mooncake/" + (cluster if not cluster or cluster.endswith("/") else cluster + "/")
+        self._clients = [etcd3gw.Etcd3Client(h, p, timeout=timeout) for h, p in self.endpoints]
+        self._current = 0
+        self._lock = threading.Lock()        # lease, published entry, keep-alive thread
+        self._lease_id: Optional[int] = None
+        self._published: Optional[Tuple[str, str]] = None   # (etcd key, json) this engine holds
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def key(self, pxn_key: str) -> str:
+        """The etcd key of a pxn segment key (Mooncake's ``getFullMetadataKey``)."""
+        name = pxn_key[len(self._PREFIX):] if pxn_key.startswith(self._PREFIX) else pxn_key
+        return self._root + (name if "/" in name else "ram/" + name)
+
+    def _call(self, what: str, fn):
+        """``fn(client)`` on the first endpoint that answers; raises UnknownPeer when none does or etcd refuses."""
+        errors = self._errors
+        n = len(self._clients)
+        last = None
+        for i in range(n):
+            idx = (self._current + i) % n
+            try:
+                out = fn(self._clients[idx])
+                self._current = idx
+                return out
+            except (errors.ConnectionFailedError, errors.ConnectionTimeoutError) as e:
+                last = e
+            except errors.Etcd3Exception as e:
+                raise UnknownPeer(f"etcd {self.url} refused {what}: {type(e).__name__}: "
+                                  f"{str(e)[:200] or getattr(e, 'detail_text', '')}") from None
+        raise UnknownPeer(f"etcd {self.url} unreachable ({what}): {str(last)[:200]}")
+
+    def _lease(self, client):
+        return self._etcd3gw.Lease(self._lease_id, client)
+
+    def put(self, key: str, value: dict) -> None:
+        name = key[len(self._PREFIX):] if key.startswith(self._PREFIX) else key
+        body = json.dumps({"name": name, "protocol": PXN_PROTOCOL, PXN_PROTOCOL: value,
+                           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        with self._lock:
+            self._publish(self.key(key), body)
+            if self._thread is None:
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._keepalive, name="pxn-etcd-lease", daemon=True)
+                self._thread.start()
+
+    def _publish(self, etcd_key: str, body: str) -> None:
+        """Grant a lease when none is held and put the entry under it (caller holds ``_lock``)."""
+        if self._lease_id is None:
+            ttl = max(1, int(-(-self.ttl // 1)))
+            self._lease_id = self._call("a lease grant", lambda c: c.lease(ttl)).id
+        self._call(f"PUT {etcd_key!r}", lambda c: c.put(etcd_key, body, lease=self._lease(c)))
+        self._published = (etcd_key, body)
+
+    def _keepalive(self) -> None:
+        interval = self.ttl / 3
+        failing = False
+        while not self._stop.wait(interval):
+            try:
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    if self._lease_id is not None:
+                        left = self._call("a lease keep-alive", lambda c: self._lease(c).refresh())
+                        if left <= 0:
+                            # the lease ran out (this process stalled, or etcd was unreachable, longer than
+                            # ttl): the entry is gone with it, so it is published again under a fresh lease
+                            log.warning("etcd lease of %r expired; publishing the entry again",
+                                        self._published and self._published[0])
+                            self._lease_id = None
+                    if self._lease_id is None and self._published is not None:
+                        self._publish(*self._published)
+                if failing:
+                    log.info("etcd %s answers keep-alives again", self.url)
+                failing = False
+            except UnknownPeer as e:
+                if not failing:
+                    log.warning("keeping the segment entry alive failed (retrying every %.1f s): %s", interval, e)
+                failing = True
+            except Exception as e:  # noqa: BLE001 — the thread must not die silently
+                log.error("etcd keep-alive: unexpected %s: %s", type(e).__name__, e, exc_info=e)
+
+    def get(self, key: str) -> Optional[dict]:
+        etcd_key = self.key(key)
+        values = self._call(f"GET {etcd_key!r}", lambda c: c.get(etcd_key))
+        if not values:
+            return None
+        raw = values[0]
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ForeignSegment(f"etcd entry {etcd_key!r} at {self.url} is not a segment descriptor: {raw[:200]!r}")
+        proto = value.get("protocol")
+        inner = value.get(PXN_PROTOCOL)
+        if proto != PXN_PROTOCOL:
+            raise ForeignSegment(f"etcd entry {etcd_key!r} at {self.url} is not a pxn segment: protocol {proto!r} "
+                                 f"(a Mooncake engine's segment; pxn cannot transfer to it): {raw[:200]!r}")
+        if not isinstance(inner, dict) or not isinstance(inner.get("session"), str):
+            raise ForeignSegment(f"etcd entry {etcd_key!r} at {self.url} is a malformed pxn segment: {raw[:200]!r}")
+        return inner
+
+    def delete(self, key: str) -> None:
+        """Withdraw this engine's entry: revoke its lease (see the class docstring)."""
+        self.close()
+
+    def close(self) -> None:
+        """Stop the keep-alive thread and revoke the lease (the entry goes with it). Idempotent."""
+        self._stop.set()   # before the lock: a keep-alive in flight then ends without another round
+        with self._lock:
+            thread, self._thread = self._thread, None
+            lease_id, self._lease_id = self._lease_id, None
+            self._published = None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        if lease_id is not None:
+            try:
+                self._call("a lease revoke", lambda c: self._etcd3gw.Lease(lease_id, c).revoke())
+            except UnknownPeer as e:
+                log.info("revoking the etcd lease (the entry expires within %.0f s): %s", self.ttl, e)
 
 
 def _rpc_port() -> int:
@@ -483,14 +693,17 @@ class TransferEngine:
 
     Arguments (all optional; Mooncake's constructor takes none):
         timeout: seconds per batch; default Mooncake's rule (``MC_TRANSFER_TIMEOUT`` + 1 ns per byte).
+        metadata_ttl: seconds an etcd entry outlives its engine's last keep-alive (etcd metadata mode only);
+            default ``PXN_METADATA_TTL``, else 5.
         **engine_options: passed to ``transport.TransferEngine`` at ``initialize`` (``rails``,
             ``coalesce_bytes``, ``topology``, ...; see docs/README-engine.md).
 
     Every method is thread-safe; transfers from many threads run concurrently (the pxn engine is thread-safe).
     """
 
-    def __init__(self, timeout: Optional[float] = None, **engine_options):
+    def __init__(self, timeout: Optional[float] = None, metadata_ttl: Optional[float] = None, **engine_options):
         self._timeout = timeout
+        self._metadata_ttl = metadata_ttl   # s; None: PXN_METADATA_TTL, else METADATA_TTL_DEFAULT (etcd mode)
         self._options = dict(engine_options)
         self._env: dict = {}  # the PXN_* settings (EngineConfig.environment), read at initialize
         self._base_timeout: Optional[float] = 30.0  # MC_TRANSFER_TIMEOUT's seconds (None: PXN_TIMEOUT's default)
@@ -520,9 +733,11 @@ class TransferEngine:
                 P2PHANDSHAKE the control port is picked at bind time (``get_rpc_port()``), inside
                 ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` when those are set, as Mooncake does; with a metadata
                 server the whole string is this engine's segment name, published there.
-            metadata_server: "P2PHANDSHAKE" (peers are named "host:rpc_port"), or an http metadata server
+            metadata_server: "P2PHANDSHAKE" (peers are named "host:rpc_port"), an http metadata server
                 "http://host:port/metadata" (Mooncake's ``mooncake_http_metadata_server`` or
-                ``integration.metadata_server``; peers are named by their segment name).
+                ``integration.metadata_server``), or etcd "etcd://host:port[,host:port...]" (a string without
+                a scheme is etcd too, as in Mooncake); with a metadata server peers are named by their segment
+                name.
             protocol: "rdma" (verbs; tcp with one warning line when no RDMA device is usable, as Mooncake) |
                 "tcp" | "auto" | "ipc" | "verbs" (verbs, no fall back); a truthy ``MC_FORCE_TCP`` or
                 ``PXN_FABRIC`` override it.
@@ -538,23 +753,39 @@ class TransferEngine:
 
     def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str, device_name: str,
                        metadata_type: str) -> int:
-        """Mooncake's extended initialize: ``metadata_type`` "p2p" / "" (with "P2PHANDSHAKE") or "http" (with
-        "host:port/metadata" or a full URL). Returns as ``initialize``."""
+        """Mooncake's extended initialize: ``metadata_type`` "p2p" / "" (with "P2PHANDSHAKE"), "http" (with
+        "host:port/metadata" or a full URL) or "etcd" (with "host:port[,host:port...]"). Returns as
+        ``initialize``."""
         return self._initialize(local_hostname, metadata_server, protocol, device_name, metadata_type)
 
     def _initialize(self, local_hostname, metadata_server, protocol, device_name, metadata_type) -> int:
         server = (metadata_server or "").strip()
         mtype = (metadata_type or "").strip().lower()
+        ttl = None
         if server == P2PHANDSHAKE or (mtype in ("p2p", "p2phandshake") and not server):
             url = None
         elif server.startswith(("http://", "https://")):
             url = server
         elif mtype in ("http", "https"):
             url = f"{mtype}://{server}"
+        elif server and (server.startswith("etcd://") or mtype == "etcd" or (not mtype and "://" not in server)):
+            # Mooncake reads a connection string without a scheme as etcd endpoints ("10.0.0.1:2379")
+            url = server if server.startswith("etcd://") else f"etcd://{server}"
+            import importlib.util
+            if importlib.util.find_spec("etcd3gw") is None:
+                log.error("initialize: metadata server %r needs the etcd client etcd3gw: pip install etcd3gw",
+                          metadata_server)
+                return ERR_NOT_IMPLEMENTED
+            try:
+                _etcd_endpoints(url)
+                ttl = _metadata_ttl(self._metadata_ttl)
+            except InvalidTransfer as e:
+                log.error("initialize: %s", e)
+                return ERR_INVALID_ARGUMENT
         else:
-            log.error("initialize: metadata server %r (type %r) is not supported: pass %r or an http metadata "
-                      "server 'http://host:port/metadata' (python -m integration.metadata_server)",
-                      metadata_server, metadata_type, P2PHANDSHAKE)
+            log.error("initialize: metadata server %r (type %r) is not supported: pass %r, an http metadata "
+                      "server 'http://host:port/metadata' (python -m integration.metadata_server) or etcd "
+                      "'etcd://host:port[,host:port]'", metadata_server, metadata_type, P2PHANDSHAKE)
             return ERR_NOT_IMPLEMENTED
         proto = (protocol or "").strip().lower()
         if force_tcp():
@@ -586,7 +817,10 @@ class TransferEngine:
                 fabric = "tcp"
         with self._lock:
             try:
-                metadata = _HttpMetadata(url) if url else None
+                if ttl is not None:
+                    metadata = _EtcdMetadata(url, ttl)
+                else:
+                    metadata = _HttpMetadata(url) if url else None
                 options = dict(self._options)
                 if fabric in ("verbs", "auto") and "topology" not in options:
                     options["topology"] = self._topology(fabric, names)
@@ -604,6 +838,7 @@ class TransferEngine:
                     metadata.put(_segment_key(segment), {"session": eng.session_id, "engine_id": eng.engine_id,
                                                          "fabric": eng.fabric_name})
                 except BaseException as e:  # noqa: BLE001
+                    metadata.close()
                     eng.close()
                     return _fail(f"initialize: publishing segment {segment!r} at {url}", e)
             old, old_meta, old_segment = self._engine, self._metadata, self._segment
@@ -620,6 +855,8 @@ class TransferEngine:
         if old is not None:
             if old_meta is not None and old_segment is not None and old_segment != segment:
                 old_meta.delete(_segment_key(old_segment))
+            if old_meta is not None:
+                old_meta.close()
             old.close()
             for mm, view, _ in managed.values():
                 _free_host(mm, view)

@@ -521,7 +521,7 @@ def test_initialize_codes(caplog):
         assert eng.batch_transfer_sync_write("127.0.0.1:1", [1], [1], [1]) == mc.ERR_CONTEXT
         assert eng.register_memory(4096, 4096) == mc.ERR_CONTEXT
         with caplog.at_level(logging.ERROR, logger="integration.mooncake"):
-            assert eng.initialize("127.0.0.1", "etcd://10.0.0.1:2379", "tcp", "") == mc.ERR_NOT_IMPLEMENTED
+            assert eng.initialize("127.0.0.1", "redis://10.0.0.1:6379", "tcp", "") == mc.ERR_NOT_IMPLEMENTED
         assert "P2PHANDSHAKE" in caplog.text  # the cause is logged, not swallowed
         assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "efa", "") == mc.ERR_NOT_IMPLEMENTED
         assert eng.initialize("127.0.0.1:4242", "P2PHANDSHAKE", "tcp", "") == 0
@@ -897,7 +897,7 @@ def test_http_metadata_mode_with_pxns_server():
         assert e.value.code == 404
     with MooncakeEngine() as c:   # the server is gone: initialize says so
         assert c.initialize("127.0.0.1:1", srv.url, "tcp", "") == mc.ERR_METADATA
-        assert c.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == mc.ERR_NOT_IMPLEMENTED
+        assert c.initialize("127.0.0.1", "redis://127.0.0.1:6379", "tcp", "") == mc.ERR_NOT_IMPLEMENTED
 
 
 def test_rpc_port_range(monkeypatch):

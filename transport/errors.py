@@ -30,6 +30,12 @@ class UnknownPeer(FabricError):
     """An endpoint / session id that this fabric or engine never connected to."""
 
 
+class ForeignSegment(UnknownPeer):
+    """A metadata server holds an entry under the segment name, but not a pxn engine's: a Mooncake engine's
+    segment descriptor (its ``protocol`` is Mooncake's, e.g. "rdma" or "tcp") or a malformed value. pxn cannot
+    move data to it; the message names the key, the server and what the entry holds."""
+
+
 class PeerLost(FabricError):
     """The peer's connection broke (process died, socket reset); its pending work fails with this cause."""
 

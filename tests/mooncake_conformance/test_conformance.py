@@ -1,5 +1,6 @@
 """Mooncake's own transfer-engine tests (vendored, unchanged) against pxn, and against the real Mooncake wheel
-where it imports: the same 6 cases must pass on both, in P2P and in http-metadata mode (see suite.py).
+where it imports: the same 6 cases must pass on both, in P2P and in http-metadata mode, and on pxn with etcd
+metadata too (see suite.py).
 
 The real wheel (``mooncake-transfer-engine-non-cuda``) needs ``libibverbs.so.1`` even over tcp, a system
 package; CI does not install it (no apt on CI's clean clone), so those cases skip there with the reason.
@@ -34,8 +35,16 @@ def _check(rc: int, out: str) -> None:
     assert (rc, ran, failed) == (0, 6, 0), f"exit {rc}, {ran} run, {failed} failed:\n{out[-6000:]}"
 
 
-@pytest.mark.parametrize("mode", ["p2p", "http"])
+@pytest.mark.parametrize("mode", ["p2p", "http", "etcd"])
 def test_pxn_passes_mooncakes_transfer_engine_tests(mode):
+    if mode == "etcd":
+        pytest.importorskip("etcd3gw", reason="the etcd client etcd3gw is not installed (pip install etcd3gw)")
+        from etcd_helpers import EtcdUnavailable
+        try:
+            _check(*suite.run("pxn", mode, CIRCLE))
+        except EtcdUnavailable as e:
+            pytest.skip(f"no etcd server here: {e}")
+        return
     _check(*suite.run("pxn", mode, CIRCLE))
 
 

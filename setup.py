@@ -1,6 +1,7 @@
 """Packaging for pxn (distribution name ``pxn-relay``).
 
-Three top-level packages, as the design card fixes them:
+pxn moves LLM KV cache between GPUs of different hosts: a PXN relay over NVLink to a GPU next to a good NIC,
+and Triton kernels that coalesce thousands of small pieces into one transfer. Three top-level packages:
 
 * ``pxn_kernels``  Triton gather / scatter / batched-copy kernels and chunk layout helpers
 * ``transport``    topology, routing, fabrics (tcp, ipc, verbs), relay engine, receiver
@@ -12,11 +13,15 @@ wheel comes from ``--index-url https://download.pytorch.org/whl/cpu`` (README, "
 
 Package data: ``transport/data/sglang_shapes.json``, the sglang transfer shapes ``pxn bench`` replays.
 """
+import re
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("transport/__init__.py", encoding="utf-8").read(), re.M)[1]
 
 setup(
     name="pxn-relay",
-    version="0.1.0",
+    version=VERSION,
     description="PXN relay and coalesced small-piece transfer of LLM KV cache between GPUs of different hosts",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -38,8 +38,12 @@ venv:
 
 install: venv
 	@$(INSTALLED_HERE) || { \
-		$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q $(TORCH_PIP_OPTIONS) torch==$(TORCH_VERSION); \
-		$(PYTHON) -m pip install -q -e ".[test]"; }
+		$(PYTHON) -c "import torch" 2>/dev/null || { \
+			echo "make: installing torch==$(TORCH_VERSION) (no torch importable; a GPU build is several GB)..."; \
+			$(PYTHON) -m pip install -q $(TORCH_PIP_OPTIONS) torch==$(TORCH_VERSION) || exit 1; }; \
+		echo "make: installing pxn from this checkout with its test extra (pip install -e .[test])..."; \
+		$(PYTHON) -m pip install -q -e ".[test]" || exit 1; \
+		echo "make: pxn installed"; }
 
 bench: install
 	$(PYTHON) -m transport.cli bench

@@ -31,7 +31,7 @@ setup(
     install_requires=["torch>=2.4", "triton>=3.0", "numpy>=1.24"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],  # hypothesis: the wire fuzz of tests/test_security.py
-        # pyverbs is not on PyPI as a wheel; see README "verbs fabric" for Debian's python3-pyverbs.
+        # pyverbs is not on PyPI as a wheel; docs/README-fabrics.md, "Installing pyverbs", names Debian's python3-pyverbs.
         "verbs": ["pyverbs"],
         "cuda": ["nvidia-cuda-runtime-cu12", "cuda-bindings"],
         # plots beside the benchmark JSON (pxn bench --json, benchmarks/*.py); without it no plots are drawn

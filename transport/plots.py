@@ -74,7 +74,8 @@ def plot_bench(doc: dict, path: str) -> List[str]:
     a.set_xlabel("GB/s (median call; log scale)")
     a.set_title("two processes: GB/s per sglang shape")
     for y, r in enumerate(rows[::-1]):
-        a.text(r["gbps"], y, f" {r['gbps']:.3g}", va="center", fontsize=8)
+        a.text(r["gbps"], y, f" {r['gbps']:,.0f}" if r["gbps"] >= 100 else f" {r['gbps']:.3g}", va="center",
+               fontsize=8)
     parts = batch_breakdown(doc.get("stats", {}), doc.get("peer_stats"))
     parts = dict(sorted(parts.items(), key=lambda kv: kv[1]))
     b.barh(list(parts), list(parts.values()),

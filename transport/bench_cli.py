@@ -318,15 +318,28 @@ def _fabric_choice(args) -> str:
     return text.strip()
 
 
+def _available_host_memory() -> Optional[int]:
+    """Bytes of host memory a new allocation can get: ``MemAvailable`` (free memory and reclaimable cache) where
+    /proc/meminfo has it, else the free pages; None when neither can be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _memory_check(shapes: List[dict], need: Dict[str, int], device: int) -> Optional[str]:
     """Why the buffers of a run do not fit this machine (None when they do): the sender and the peer each hold
     every buffer, so host memory must hold twice the sum (GPU memory, for GPU buffers, as well)."""
     host = 2 * sum(v for k, v in need.items() if all(s["device"] < 0 for s in shapes if s["buffer"] == k))
     gpu = 2 * sum(v for k, v in need.items() if any(s["device"] >= 0 for s in shapes if s["buffer"] == k))
-    try:
-        avail_host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        avail_host = None
+    avail_host = _available_host_memory()
     avail_gpu = None
     if gpu:
         import torch

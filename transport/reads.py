@@ -166,7 +166,7 @@ class ReadHandle:
         reply margin). Raises the read's ``TransferError`` (``TransferTimeout`` when it did not finish in time)."""
         if self._future is None:
             return
-        limit = batch_timeout(timeout, self._timeout + _REPLY_MARGIN_S)
+        limit = batch_timeout(timeout, self._timeout + _REPLY_MARGIN_S, poll=True)
         try:
             self._future.result(limit)
         except FutureTimeout:

@@ -25,7 +25,7 @@ TORCH_PIP_OPTIONS ?=
 INSTALLED_HERE = $(PYTHON) -c "import json, os, sys, importlib.metadata as m, importlib.util as u; \
 	urls = [json.loads(d.read_text('direct_url.json') or '{}').get('url') for d in m.distributions(name='pxn-relay')]; \
 	sys.exit('file://' + os.path.realpath('.') not in urls or \
-	not all(u.find_spec(n) for n in ('torch', 'triton', 'numpy', 'pytest', 'etcd3gw')))" 2>/dev/null
+	not all(u.find_spec(n) for n in ('torch', 'triton', 'numpy', 'pytest', 'etcd3gw', 'matplotlib')))" 2>/dev/null
 
 .PHONY: install bench test venv
 venv:
@@ -38,8 +38,12 @@ venv:
 
 install: venv
 	@$(INSTALLED_HERE) || { \
-		$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q $(TORCH_PIP_OPTIONS) torch==$(TORCH_VERSION); \
-		$(PYTHON) -m pip install -q -e ".[test]"; }
+		$(PYTHON) -c "import torch" 2>/dev/null || { \
+			echo "make: installing torch==$(TORCH_VERSION) (no torch importable; a GPU build is several GB)..."; \
+			$(PYTHON) -m pip install -q $(TORCH_PIP_OPTIONS) torch==$(TORCH_VERSION) || exit 1; }; \
+		echo "make: installing pxn from this checkout with its test extra (pip install -e .[test])..."; \
+		$(PYTHON) -m pip install -q -e ".[test]" || exit 1; \
+		echo "make: pxn installed"; }
 
 bench: install
 	$(PYTHON) -m transport.cli bench

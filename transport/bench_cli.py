@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from transport.errors import PxnError
+from transport.errors import ConfigError, PxnError
 from transport.peer_process import POISON, Buffer, PeerProcess, digest, serve
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,12 @@ PACKAGED_SHAPES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data
 """sglang's transfer shapes as recorded from the field (aux lengths, per-layer MLA block lengths), shipped with
 the package."""
 MLA_NAMES = ("mla_latent_1k", "mla_latent_8k", "mla_latent_64k")
+MAX_PIECE_BYTES = 1 << 32
+"""Largest length a shapes file may give one piece (4 GiB); larger is refused before any memory is taken."""
+MAX_COUNT = 1 << 16
+"""Most pieces (layers) a shapes file's ``count`` may give one MLA call."""
+DEFAULT_LAYERS = 78
+"""Layers per MLA call where neither ``--layers`` nor the shapes file's ``count`` says (GLM-5's 78)."""
 
 
 class ShapesError(PxnError, ValueError):
@@ -44,8 +50,10 @@ def shapes_path(path: Optional[str] = None) -> str:
 def load_shapes(path: Optional[str] = None) -> dict:
     """Read a shapes file (format of ``transport/data/sglang_shapes.json``).
 
-    Returns ``{"aux": [bytes, ...], "mla": {name: bytes per layer}, "path": file}``.
-    Raises ``ShapesError`` naming the file and the bad field; nothing falls back silently.
+    Returns ``{"aux": [bytes, ...], "mla": {name: bytes per layer}, "count": {name: layers}, "path": file}``;
+    ``count`` holds the MLA calls whose entry gives one (pieces of that length per call).
+    Raises ``ShapesError`` naming the file and the bad field (a length over ``MAX_PIECE_BYTES`` too);
+    nothing falls back silently.
     """
     path = shapes_path(path)
     try:
@@ -53,6 +61,7 @@ def load_shapes(path: Optional[str] = None) -> dict:
             calls = json.load(f)["calls"]
         aux = [int(x) for x in calls["aux_metadata"]["lengths"]]
         mla = {k: int(calls[k]["length"]) for k in MLA_NAMES if k in calls}
+        count = {k: calls[k]["count"] for k in MLA_NAMES if k in calls and "count" in calls[k]}
     except OSError as e:
         raise ShapesError(f"cannot read shapes file {path}: {e.strerror or e}") from None
     except ValueError as e:
@@ -61,7 +70,19 @@ def load_shapes(path: Optional[str] = None) -> dict:
         raise ShapesError(f"shapes file {path} lacks calls.aux_metadata.lengths or a length ({e})") from None
     if not aux or min(aux) < 1 or any(v < 1 for v in mla.values()):
         raise ShapesError(f"shapes file {path}: every length must be >= 1 byte (aux {aux}, mla {mla})")
-    return {"aux": aux, "mla": mla, "path": path}
+    for i, n in enumerate(aux):
+        if n > MAX_PIECE_BYTES:
+            raise ShapesError(f"shapes file {path}: calls.aux_metadata.lengths[{i}] = {n} B is larger than "
+                              f"{MAX_PIECE_BYTES >> 30} GiB")
+    for k, n in mla.items():
+        if n > MAX_PIECE_BYTES:
+            raise ShapesError(f"shapes file {path}: calls.{k}.length = {n} B is larger than "
+                              f"{MAX_PIECE_BYTES >> 30} GiB")
+    for k, c in count.items():
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_COUNT:
+            raise ShapesError(f"shapes file {path}: calls.{k}.count must be an int from 1 to {MAX_COUNT}, "
+                              f"got {c!r}")
+    return {"aux": aux, "mla": mla, "count": count, "path": path}
 
 
 AUX = load_shapes(PACKAGED_SHAPES)["aux"]
@@ -73,7 +94,10 @@ def _peer_main(conn, sizes: Dict[str, tuple], engine_kwargs: dict, log_level: in
     state = {}
 
     def start():
+        import transport.engine
         from transport.engine import TransferEngine
+        # the sending process already warned if this run has no shared secret: one line per run, not two
+        transport.engine._NO_SECRET_WARNED[0] = True
         engine = state["engine"] = TransferEngine(**engine_kwargs)
         mems = state["mems"] = {}
         for name, (nbytes, device) in sizes.items():
@@ -117,11 +141,13 @@ class LocalPeer(PeerProcess):
         self.addrs = self.ready["addrs"]
 
 
-def sglang_shapes(layers: int = 78, device: int = -1, quick: bool = False, path: Optional[str] = None) -> List[dict]:
+def sglang_shapes(layers: Optional[int] = None, device: int = -1, quick: bool = False,
+                  path: Optional[str] = None) -> List[dict]:
     """The sglang call shapes: name, memory device, and (src_off, dst_off, length) lists into 'kv'/'aux' buffers.
 
-    Offsets are relative to the sender's / peer's buffer of that memory kind. MLA calls are ``layers`` runs of
-    one length (contiguous per layer); the MHA call is page-scattered 2 KiB pieces; aux is host memory.
+    Offsets are relative to the sender's / peer's buffer of that memory kind. MLA calls are runs of one length
+    (contiguous per layer): ``layers`` of them, else the shapes file's ``count`` for that call, else
+    ``DEFAULT_LAYERS``; the MHA call is page-scattered 2 KiB pieces; aux is host memory.
     ``path``: shapes file (``load_shapes``); raises ``ShapesError`` when it cannot be used.
     """
     recorded = load_shapes(path)
@@ -132,9 +158,10 @@ def sglang_shapes(layers: int = 78, device: int = -1, quick: bool = False, path:
     for name, L in lengths.items():
         if quick and name == "mla_latent_64k":
             continue
-        out.append({"name": f"{name} ({layers}x{L})", "buffer": "kv", "device": device,
-                    "src": np.arange(layers) * L, "dst": rng.permutation(layers) * L,
-                    "len": np.full(layers, L)})
+        n = layers or recorded["count"].get(name, DEFAULT_LAYERS)
+        out.append({"name": f"{name} ({n}x{L})", "buffer": "kv", "device": device,
+                    "src": np.arange(n) * L, "dst": rng.permutation(n) * L,
+                    "len": np.full(n, L)})
     n = 4096
     out.append({"name": "4096x64B", "buffer": "kv", "device": device, "src": rng.permutation(n) * 256,
                 "dst": rng.permutation(n) * 64, "len": np.full(n, 64)})
@@ -188,10 +215,16 @@ def measure(engine, session: str, src_addr: int, dst_addr: int, shape: dict, rep
 
 
 # --- CLI ----------------------------------------------------------------------------------------------------
+FABRICS = ("auto", "tcp", "ipc", "verbs")
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--fabric", default="auto", choices=["auto", "tcp", "ipc", "verbs"],
-                        help="auto: ipc + GPU memory when CUDA is available, else tcp + host memory")
-    parser.add_argument("--layers", type=int, default=78, help="layers per MLA call (default 78)")
+    parser.add_argument("--fabric", default=None, choices=FABRICS,
+                        help="auto: ipc + GPU memory when CUDA is available, else tcp + host memory "
+                             "(default: $PXN_FABRIC, else auto)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"layers per MLA call (default: each call's count in the shapes file, "
+                             f"else {DEFAULT_LAYERS})")
     parser.add_argument("--repeat", type=int, default=3, help="timed calls per shape (default 3)")
     parser.add_argument("--quick", action="store_true", help="skip the 64k shape, fewer MHA pages")
     parser.add_argument("--rails", type=int, default=None, help="rails (loopback fabric instances)")
@@ -255,19 +288,93 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def _unwritable(path: str) -> Optional[str]:
+    """Why a file cannot be written at ``path`` (None when it can, as far as can be told without writing):
+    checked before a run, so that its results are not lost at the end. Missing folders are created later."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return "it is a directory"
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
+    target = path if os.path.exists(path) else parent
+    if not os.access(target, os.W_OK):
+        return f"{target} is not writable"
+    return None
+
+
+def _fabric_choice(args) -> str:
+    """``--fabric``, else ``$PXN_FABRIC``, else auto, as the engine reads it. Raises ``ConfigError`` naming the
+    variable and its value when it names no fabric."""
+    if args.fabric is not None:
+        return args.fabric
+    text = os.environ.get("PXN_FABRIC", "")
+    if text.strip() == "":
+        return "auto"
+    if text.strip() not in FABRICS:
+        raise ConfigError(f"environment variable PXN_FABRIC={text!r} is not a fabric: {', '.join(FABRICS)}")
+    return text.strip()
+
+
+def _available_host_memory() -> Optional[int]:
+    """Bytes of host memory a new allocation can get: ``MemAvailable`` (free memory and reclaimable cache) where
+    /proc/meminfo has it, else the free pages; None when neither can be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _memory_check(shapes: List[dict], need: Dict[str, int], device: int) -> Optional[str]:
+    """Why the buffers of a run do not fit this machine (None when they do): the sender and the peer each hold
+    every buffer, so host memory must hold twice the sum (GPU memory, for GPU buffers, as well)."""
+    host = 2 * sum(v for k, v in need.items() if all(s["device"] < 0 for s in shapes if s["buffer"] == k))
+    gpu = 2 * sum(v for k, v in need.items() if any(s["device"] >= 0 for s in shapes if s["buffer"] == k))
+    avail_host = _available_host_memory()
+    avail_gpu = None
+    if gpu:
+        import torch
+        avail_gpu = torch.cuda.mem_get_info(device)[0]
+    biggest = max(shapes, key=lambda s: int(s["len"].sum()))
+    for kind, want, have in (("host", host, avail_host), ("GPU", gpu, avail_gpu)):
+        if want and have is not None and want > have:
+            return (f"the shapes need {want / 2**30:.1f} GiB of {kind} memory (sender and peer), "
+                    f"{have / 2**30:.1f} GiB is free; the largest call is {biggest['name']}, "
+                    f"{int(biggest['len'].sum()) / 2**30:.1f} GiB")
+    return None
+
+
 def run(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for name in ("repeat", "layers"):
-        if getattr(args, name) < 1:
-            return _fail(f"--{name} must be >= 1 (got {getattr(args, name)})")
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return _fail(f"--{name} must be >= 1 (got {value})")
     if args.rails is not None and args.rails < 1:
         return _fail(f"--rails must be >= 1 (got {args.rails})")
+    plot_path = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        why = _unwritable(path) if path else None
+        if why:
+            return _fail(f"{option} {path}: cannot write there: {why}")
+    try:
+        fabric = _fabric_choice(args)
+    except ConfigError as e:
+        return _fail(str(e))
     try:
         import torch
         cuda = torch.cuda.is_available()
     except ImportError:
         cuda = False
-    fabric = args.fabric
     if fabric == "auto":
         fabric = "ipc" if cuda else "tcp"
     device = 0 if (cuda and fabric in ("ipc", "verbs")) else -1
@@ -281,7 +388,11 @@ def run(args) -> int:
         return _fail(str(e))
     need = buffer_sizes(shapes)
     devs = {s["buffer"]: s["device"] for s in shapes}
-    _print(f"pxn bench: fabric {fabric}, {'GPU cuda:0' if device >= 0 else 'host'} memory, "
+    why = _memory_check(shapes, need, device)
+    if why:
+        return _fail(why)
+    source = " (PXN_FABRIC)" if args.fabric is None and os.environ.get("PXN_FABRIC", "").strip() else ""
+    _print(f"pxn bench: fabric {fabric}{source}, {'GPU cuda:0' if device >= 0 else 'host'} memory, "
            f"{len(shapes)} shapes x {args.repeat} calls; starting the peer process...")
     from transport.engine import TransferEngine
     rows = []
@@ -312,6 +423,8 @@ def run(args) -> int:
                        f"{r['median_s'] * 1e3:9.2f} ms/call  {verified}")
             stats = eng.stats()
             peer_stats = peer.call("stats")
+    except BrokenPipeError:
+        raise  # the reader of stdout is gone: the CLI stops quietly
     except (PxnError, RuntimeError, OSError) as e:
         return _fail(_one_line(e))
     _print()
@@ -346,7 +459,6 @@ def run(args) -> int:
         except OSError as e:
             return _fail(f"cannot write {args.json}: {e.strerror or e}")
         _print(f"wrote {args.json}")
-    plot_path = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if plot_path:
         from transport import plots
         for written in plots.plot_bench(doc, plot_path):

@@ -1,15 +1,22 @@
 """The ``pxn`` command line: ``pxn topo`` (topology and routes) and ``pxn bench`` (the main benchmark).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
-only dispatches. Exit codes: 0 success, 1 a benchmark's byte-exact check failed, 2 bad input / environment (one
-line on stderr, never a traceback; ``pxn --traceback ...`` shows it for an unexpected error), 130 interrupted.
+only dispatches. Exit codes: 0 success, 1 a benchmark's byte-exact check failed, 2 bad input / environment
+(a malformed ``PXN_*`` variable too), or stdout closed early (one line on stderr, never a traceback;
+``pxn --traceback ...`` shows it for an unexpected error), 130 interrupted.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import select
+import signal
+import stat
 import sys
+import threading
+
+from transport.errors import PxnError
 
 SUBCOMMANDS = {
     "topo": ("transport.topo_cli", "show GPUs, NIC ports, distance classes and each GPU's rails"),
@@ -26,9 +33,44 @@ def _quiet_stdout() -> None:
         pass
 
 
+def version() -> str:
+    """The version of the pxn code that runs (``transport.__version__``, which setup.py installs under)."""
+    from transport import __version__
+    return __version__
+
+
+class _StdoutWatch:
+    """Notices a reader of stdout that went away (``pxn bench | head -1``) while the command is still working
+    and has nothing to print, and interrupts the main thread at once instead of at the next line.
+
+    Only for a pipe; the interruption is told apart from a Ctrl-C by ``gone``."""
+
+    def __init__(self):
+        self.gone = threading.Event()
+        self.done = threading.Event()
+        try:
+            fd = sys.stdout.fileno()
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode) or not hasattr(select, "poll"):
+                return
+        except (OSError, ValueError, AttributeError):
+            return  # not a real file (captured), or closed
+        poller = select.poll()
+        poller.register(fd, 0)  # POLLERR (the read end is closed) and POLLHUP are reported without asking
+        threading.Thread(target=self._watch, args=(poller,), name="pxn-stdout-watch", daemon=True).start()
+
+    def _watch(self, poller) -> None:
+        while not self.done.is_set():
+            if poller.poll(200):
+                if not self.done.is_set():
+                    self.gone.set()
+                    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                return
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="pxn", description="pxn: PXN relay for KV-cache transfer")
+    parser.add_argument("--version", action="version", version="pxn " + version())
     parser.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True)
     # Only the chosen subcommand's module is imported: one broken or heavy subcommand never takes the
@@ -45,6 +87,7 @@ def main(argv=None) -> int:
         # The subcommand's own usage, not the top level's (argparse would blame ``pxn`` itself).
         (chosen_parser or parser).error("unrecognized arguments: %s" % " ".join(unknown))
     prog = "pxn %s" % args.command
+    watch = _StdoutWatch()
     try:
         return int(module.run(args) or 0)
     except BrokenPipeError:
@@ -52,8 +95,16 @@ def main(argv=None) -> int:
         print("%s: output closed early (broken pipe)" % prog, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if watch.gone.is_set():
+            _quiet_stdout()
+            print("%s: output closed early (broken pipe)" % prog, file=sys.stderr)
+            return 2
         print("%s: interrupted" % prog, file=sys.stderr)
         return 130
+    except PxnError as e:  # a malformed setting (ConfigError), a fabric this machine cannot run: the user's to fix
+        first = (str(e).strip().splitlines() or [""])[0]
+        print("%s: error: %s: %s" % (prog, type(e).__name__, first), file=sys.stderr)
+        return 2
     except Exception as e:  # noqa: BLE001 - the promise is one line, never a traceback
         if args.traceback:
             raise
@@ -61,6 +112,8 @@ def main(argv=None) -> int:
         print("%s: unexpected %s: %s (pxn --traceback %s ... shows where)" % (prog, type(e).__name__, first,
                                                                           args.command), file=sys.stderr)
         return 2
+    finally:
+        watch.done.set()
 
 
 if __name__ == "__main__":

@@ -2,14 +2,16 @@
 ``PXN_*`` environment variables, then defaults (``EngineConfig.from_env``), and checked as a whole.
 
 Every variable here is operational (what a deployment sets); the README's configuration table lists them. Sizes
-take ``65536``, ``64K``, ``1M``, ``8MiB``. A malformed variable raises ``ValueError`` naming the variable and its
-value; an out-of-range setting names the setting.
+take ``65536``, ``64K``, ``1M``, ``8MiB``. A malformed or out-of-range variable raises ``ConfigError`` (a
+``ValueError``) naming the variable and its value; an out-of-range argument names the setting.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 from typing import Mapping, Optional
+
+from transport.errors import ConfigError
 
 __all__ = ["EngineConfig", "parse_size"]
 
@@ -95,8 +97,16 @@ class EngineConfig:
         values = dict(defaults or {})
         values.update(cls.environment(environ, skip=given))  # a variable under a given argument is not read
         values.update(given)
-        cfg = cls(**values)
-        cfg.check()
+        try:
+            cfg = cls(**values)
+            cfg.check()
+        except ConfigError as e:
+            var = _ENV.get(getattr(e, "setting", None), (None,))[0]
+            env = os.environ if environ is None else environ
+            if var is not None and e.setting not in given and env.get(var):
+                # the bad value came from the environment: say which variable, as a user sets it
+                raise ConfigError(f"environment variable {var}={env[var]!r}: {e}") from None
+            raise
         return cfg
 
     @staticmethod
@@ -115,7 +125,7 @@ class EngineConfig:
             try:
                 values[name] = parse(text)
             except ValueError as e:
-                raise ValueError(f"environment variable {var}={text!r} is not a valid {parse.__name__}") from e
+                raise ConfigError(f"environment variable {var}={text!r} is not a valid {parse.__name__}") from e
         return values
 
     def __post_init__(self):
@@ -126,20 +136,27 @@ class EngineConfig:
             object.__setattr__(self, name, bool(getattr(self, name)))
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first setting out of its range."""
+        """Raise ``ConfigError`` (a ``ValueError``) naming the first setting out of its range."""
         if self.fabric not in ("auto", "tcp", "ipc", "verbs"):
-            raise ValueError(f"fabric must be 'auto', 'tcp', 'ipc' or 'verbs', got {self.fabric!r}")
+            raise _bad("fabric", f"fabric must be 'auto', 'tcp', 'ipc' or 'verbs', got {self.fabric!r}")
         if self.relay not in ("auto", "always", "never"):
-            raise ValueError(f"relay must be 'auto', 'always' or 'never', got {self.relay!r}")
+            raise _bad("relay", f"relay must be 'auto', 'always' or 'never', got {self.relay!r}")
         for name, lo in (("rails", 1), ("relay_slots", 1), ("lanes", 1), ("landing_slots", 1),
                          ("relay_slot_bytes", 4096), ("stripe_bytes", 4096), ("coalesce_bytes", 0),
                          ("direct_pieces", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+                raise _bad(name, f"{name} must be an int >= {lo}, got {value!r}")
         if self.landing_slots > 0xFFFF:
-            raise ValueError(f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
+            raise _bad("landing_slots", f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
         for name in ("max_senders", "max_conns_per_addr", "handshake_timeout", "timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
+                raise _bad(name, f"{name} must be > 0, got {value!r}")
+
+
+def _bad(setting: str, message: str) -> ConfigError:
+    """A ``ConfigError`` that knows which setting it is about (``from_env`` names the variable behind it)."""
+    e = ConfigError(message)
+    e.setting = setting
+    return e

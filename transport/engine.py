@@ -51,7 +51,7 @@ from transport.control import ControlPlane, PeerGone, UnknownSession, recv_msg, 
 from transport.errors import FabricError, FabricUnavailable, InvalidTransfer, PeerLost, TransferError
 from transport.fabric.base import DEVICE_HOST
 from transport.fabric.gpu_copy import BoundCopies
-from transport.pipeline import WATCHDOG_S, BatchHandle, Pipeline, _Attempt, _Batch
+from transport.pipeline import WATCHDOG_S, BatchHandle, Pipeline, _Attempt, _Batch, batch_timeout
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice
 from transport.progress import ProgressLoop
 from transport.receiver import Receiver
@@ -161,6 +161,25 @@ class _Peer:
             if pr.alive and pr.ep.alive:
                 return True
         return False
+
+
+_NO_SECRET_WARNED = [False]  # whether this process logged the "no shared secret" warning (once per process)
+_NO_SECRET_LOCK = threading.Lock()
+
+
+def _plain(value):
+    """``value`` with every numpy scalar inside it as the Python number it holds, so that ``stats()`` compares,
+    formats and serialises like plain data."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        items = [_plain(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if type(value) not in (int, float, str, bool, type(None)) and hasattr(value, "item"):
+        return value.item()  # numpy scalar -> int / float / bool
+    return value
 
 
 class TransferEngine(Pipeline):
@@ -366,9 +385,14 @@ class TransferEngine(Pipeline):
                 self._threads.append(t)
         if self._secret is None:
             ports = [str(getattr(f, "port", "?")) for f in self.fabrics]
-            log.warning("pxn engine %s: no shared secret (secret= / PXN_SECRET): any process that can reach %s may "
-                        "write into this engine's registered memory through control port %d and %s rail port(s) %s",
-                        self.session_id, hostname, self.port, self.fabric_name, ", ".join(ports))
+            # once per process: a program with several engines (a test, a benchmark) gets one line, not one each
+            with _NO_SECRET_LOCK:
+                first = not _NO_SECRET_WARNED[0]
+                _NO_SECRET_WARNED[0] = True
+            (log.warning if first else log.debug)(
+                "pxn engine %s: no shared secret (secret= / PXN_SECRET): any process that can reach %s may write "
+                "into this engine's registered memory through control port %d and %s rail port(s) %s",
+                self.session_id, hostname, self.port, self.fabric_name, ", ".join(ports))
         log.info("pxn engine %s: fabric %s, %d rail(s), coalesce < %d B, slots %d x %d x %d B",
                  self.session_id, self.fabric_name, len(self.fabrics), self.coalesce_bytes, self.lanes,
                  self.relay_slots, self.slot_bytes)
@@ -556,17 +580,18 @@ class TransferEngine(Pipeline):
                 ``t.copy_(x)`` needs no synchronise before the call).
             dsts: destination addresses, each piece inside a region the peer registered.
             lengths: bytes per piece (>= 1).
-            timeout: seconds (default: the engine's ``timeout``).
+            timeout: seconds > 0 (default: the engine's ``timeout``).
         Returns:
             None, once every byte is placed at the peer.
         Raises:
-            InvalidTransfer (nothing written): mismatched lists, bad length, unregistered source, destination
+            InvalidTransfer (nothing written): a timeout that is not a number > 0, mismatched lists, bad length, unregistered source, destination
             outside the peer's regions; UnknownSession (nothing written); RemoteRejected: the peer refused a chunk
             or write; TransferTimeout; TransferError with ``causes`` when every rail failed.
         """
+        timeout = batch_timeout(timeout, self.default_timeout)
         batch = self._submit(session_id, srcs, dsts, lengths)
         if batch is not None:
-            self._wait(batch, self.default_timeout if timeout is None else timeout)
+            self._wait(batch, timeout)
 
     def batch_write_async(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
                           lengths: Sequence[int], timeout: Optional[float] = None) -> BatchHandle:
@@ -574,11 +599,12 @@ class TransferEngine(Pipeline):
         Validation errors are raised here, before anything is posted. GPU sources: the load/store and inline
         paths queue their copies behind this thread's work on the sources' current stream and return; the posted
         path (chunks, posted relays, fabrics that read from other threads) first waits for that work."""
+        timeout = batch_timeout(timeout, self.default_timeout)
         batch = self._submit(session_id, srcs, dsts, lengths, async_=True)
         if batch is None:
             batch = _Batch(0, None, None, None, [], 0)
             batch.event.set()
-        return BatchHandle(self, batch, self.default_timeout if timeout is None else timeout)
+        return BatchHandle(self, batch, timeout)
 
     def batch_read(self, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
                    lengths: Sequence[int], timeout: Optional[float] = None) -> None:
@@ -642,7 +668,7 @@ class TransferEngine(Pipeline):
         time_s = {k[len("time_"):-2]: v for k, v in c.items() if k.startswith("time_")}
         receiver = {k[3:]: v for k, v in c.items() if k.startswith("rx_")}
         receiver.update(self.receiver.stats())
-        return {
+        return _plain({
             "engine": {"session_id": self.session_id, "fabric": self.fabric_name, "rails": len(self.fabrics),
                        "coalesce_bytes": self.coalesce_bytes, "relay_slot_bytes": self.slot_bytes,
                        "relay_slots": self.relay_slots, "lanes": self.lanes, "landing_slots": self.landing_slots,
@@ -661,7 +687,7 @@ class TransferEngine(Pipeline):
             "credits": {"waits": c.get("credit_waits", 0), "wait_s": c.get("time_wait_credit_s", 0)},
             "handshake_s": c.get("handshake_s", 0),
             "security": self._security_stats(c),
-        }
+        })
 
     def _security_stats(self, c: dict) -> dict:
         """Incoming connections refused (by cause) on the control port and each rail, and senders refused."""

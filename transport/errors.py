@@ -9,6 +9,11 @@ class PxnError(Exception):
     """Root of every pxn exception."""
 
 
+class ConfigError(PxnError, ValueError):
+    """A setting is malformed or out of its range: a constructor argument, or a ``PXN_*`` environment variable
+    (then the message names the variable and its value)."""
+
+
 # --- fabric level -------------------------------------------------------------------------------------------
 class FabricError(PxnError):
     """A fabric operation failed (connection, post, poll)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import signal
+import threading
 import time
 import traceback
 from typing import Callable, Optional, Tuple
@@ -93,6 +95,24 @@ def serve(conn, start: Callable[[], dict], handle: Callable[[str, dict], object]
             conn.send(_error(exc))
 
 
+def _start_without_sigint(proc) -> None:
+    """Start ``proc`` with SIGINT ignored in it.
+
+    A Ctrl-C at a terminal goes to every process of the foreground group: the child would die with a
+    ``KeyboardInterrupt`` traceback of its own while the parent is still reporting the interruption. Ignored
+    at exec, SIGINT stays ignored in the new interpreter; the parent then closes (or kills) the child itself.
+    """
+    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if handler is None:  # not the main thread (signals cannot be changed there), or a handler set outside Python
+        proc.start()
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
 class PeerProcess:
     """Start ``target`` in a spawned process and wait until it says it is ready.
 
@@ -115,7 +135,7 @@ class PeerProcess:
         self.call_timeout = call_timeout
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(child, *args), daemon=True, name=name)
-        self.proc.start()
+        _start_without_sigint(self.proc)
         deadline = time.monotonic() + start_timeout
         while not self._conn.poll(0.2):  # a child that dies at start must not cost the whole timeout
             if not self.proc.is_alive() or time.monotonic() > deadline:

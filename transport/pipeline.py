@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import numbers
 import socket
 import threading
 import time
@@ -83,6 +85,21 @@ def _merge_direct(units: List[Unit]) -> Unit:
                 wire_bytes=sum(u.wire_bytes or u.nbytes for u in units), runs=runs)
 
 
+def batch_timeout(timeout, default: float, poll: bool = False) -> float:
+    """The seconds a batch may take: ``timeout``, or ``default`` when it is None.
+
+    Raises ``InvalidTransfer`` (a ``ValueError``) for anything but a finite number of seconds > 0, as the
+    engine's constructor refuses such a ``timeout``; the caller checks it before anything is sent. ``poll``:
+    0 is allowed too (a handle's ``wait(0)`` looks without waiting)."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) \
+            or not (timeout >= 0 if poll else timeout > 0):
+        raise InvalidTransfer(f"timeout must be a finite number of seconds {'>=' if poll else '>'} 0, "
+                              f"got {timeout!r}")
+    return float(timeout)
+
+
 class BatchHandle:
     """What ``batch_write_async`` returns: ``wait(timeout)`` raises the batch's error, ``done()`` polls."""
 
@@ -99,9 +116,10 @@ class BatchHandle:
         return self._batch.event.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        """Wait for the batch. Arguments: timeout in seconds (default: the one given at submission).
+        """Wait for the batch. Arguments: timeout in seconds >= 0 (default: the one given at submission; 0: look
+        without waiting).
         Raises the batch's ``TransferError`` (``TransferTimeout`` when it did not finish in time)."""
-        self._engine._wait(self._batch, self._timeout if timeout is None else timeout)
+        self._engine._wait(self._batch, batch_timeout(timeout, self._timeout, poll=True))
 
     @property
     def nbytes(self) -> int:

@@ -1,4 +1,5 @@
-"""PNG plots of benchmark JSON: ``pxn bench``, the kernel benchmark, the fabrics comparison, the relay table.
+"""PNG plots of benchmark JSON: ``pxn bench``, the kernel benchmark, the fabrics and peers comparisons, the relay
+table (and the relay table as the README's Markdown, from the same cells).
 
 matplotlib is optional (``pip install -e ".[bench]"``): without it every ``plot_*`` logs one line and writes
 nothing. Each function takes the JSON document as the benchmark wrote it and a PNG path, and returns the list
@@ -73,7 +74,8 @@ def plot_bench(doc: dict, path: str) -> List[str]:
     a.set_xlabel("GB/s (median call; log scale)")
     a.set_title("two processes: GB/s per sglang shape")
     for y, r in enumerate(rows[::-1]):
-        a.text(r["gbps"], y, f" {r['gbps']:.3g}", va="center", fontsize=8)
+        a.text(r["gbps"], y, f" {r['gbps']:,.0f}" if r["gbps"] >= 100 else f" {r['gbps']:.3g}", va="center",
+               fontsize=8)
     parts = batch_breakdown(doc.get("stats", {}), doc.get("peer_stats"))
     parts = dict(sorted(parts.items(), key=lambda kv: kv[1]))
     b.barh(list(parts), list(parts.values()),
@@ -86,33 +88,48 @@ def plot_bench(doc: dict, path: str) -> List[str]:
 
 
 _METHOD_LABEL = {"pxn": "pxn gather", "contiguous": "one contiguous copy_", "batch_api": "cudaMemcpyBatchAsync",
-                 "per_item": "per-item copy_"}
+                 "per_item": "per-item copy_", "index_select": "torch.index_select"}
 
 
-def plot_kernels(rows: List[dict], path: str, op: str = "gather") -> List[str]:
-    """Kernel benchmark rows: GB/s by mix (piece size) for pxn against a contiguous copy and the peers."""
-    plt = _pyplot()
-    if plt is None:
-        return []
-    rows = [r for r in rows if r.get("op") == op]
-    mixes = sorted({r["mix"] for r in rows},
-                   key=lambda m: next(r["total_bytes"] / r["n_items"] for r in rows if r["mix"] == m))
-    fig, ax = plt.subplots(figsize=(9, 4.2))
-    methods = [m for m in _METHOD_LABEL if any(r["method"] == m for r in rows)]
+def _bars(ax, rows: List[dict], mixes: List[str], methods: List[str]) -> None:
+    """Grouped bars, one group per mix, one bar per method, with x labels that do not overlap."""
     width = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):
         vals = [next((r["gbps"] for r in rows if r["mix"] == mix and r["method"] == m), 0) for mix in mixes]
         ax.bar([x + (i - (len(methods) - 1) / 2) * width for x in range(len(mixes))], vals, width,
                label=_METHOD_LABEL[m])
     ax.set_xticks(range(len(mixes)))
-    ax.set_xticklabels(mixes, rotation=20)
+    ax.set_xticklabels(mixes, rotation=30, ha="right", rotation_mode="anchor", fontsize=8)
+    ax.set_xlim(-0.6, len(mixes) - 0.4)
     ax.set_yscale("log")
     ax.set_ylabel("GB/s of payload (log scale)")
-    ax.set_xlabel("mix (by mean piece size)")
-    first = rows[0] if rows else {}
-    ax.set_title(f"{op}: pxn against a contiguous copy and per-piece copies ({first.get('gpu', '')}, "
-                 f"{first.get('date', '')})", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def plot_kernels(rows: List[dict], path: str, op: str = "gather") -> List[str]:
+    """Kernel benchmark rows: GB/s by mix (piece size) for pxn against a contiguous copy and the peers; the
+    rows of a paged pool (mixes ``rowsNB``, against ``torch.index_select``) in a panel of their own."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    rows = [r for r in rows if r.get("op") == op]
+
+    def by_piece(m):
+        return next(r["total_bytes"] / r["n_items"] for r in rows if r["mix"] == m)
+    mixes = sorted({r["mix"] for r in rows if not r["mix"].startswith("rows")}, key=by_piece)
+    paged = sorted({r["mix"] for r in rows if r["mix"].startswith("rows")}, key=by_piece)
+    panels = [p for p in ((mixes, ("pxn", "contiguous", "batch_api", "per_item"),
+                           "batches of pieces (by mean piece size)"),
+                          (paged, ("pxn", "contiguous", "index_select"),
+                           "rows of a paged pool picked at random (row size)")) if p[0]]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.6 * len(panels) + 0.4), squeeze=False)
+    for ax, (names, wanted, title) in zip(axes[:, 0], panels):
+        methods = [m for m in wanted if any(r["method"] == m and r["mix"] in names for r in rows)]
+        _bars(ax, rows, names, methods)
+        ax.set_title(title, fontsize=9)
+    first = rows[0] if rows else {}
+    fig.suptitle(f"{op}: pxn against a contiguous copy and per-piece copies ({first.get('gpu', '')}, "
+                 f"{first.get('date', '')})", fontsize=10)
     return _save(fig, path)
 
 
@@ -125,13 +142,20 @@ def plot_fabrics(rows: List[dict], path: str) -> List[str]:
     systems = list(dict.fromkeys(r["system"] for r in rows))
     fig, ax = plt.subplots(figsize=(9, 4.2))
     width = 0.8 / max(1, len(systems))
+    failed = []
     for i, sysname in enumerate(systems):
-        vals = [next((r["gbps"] or 0 for r in rows if r["shape"] == s and r["system"] == sysname), 0)
+        xs = [x + (i - (len(systems) - 1) / 2) * width for x in range(len(shapes))]
+        vals = [next((r.get("gbps") for r in rows if r["shape"] == s and r["system"] == sysname), None)
                 for s in shapes]
-        ax.bar([x + (i - (len(systems) - 1) / 2) * width for x in range(len(shapes))], vals, width,
-               label=sysname)
+        bars = ax.bar(xs, [v or 0 for v in vals], width, label=sysname)
+        failed += [(x, bars.patches[0].get_facecolor()) for x, v in zip(xs, vals) if not v]
+    # A system with no figure for a shape failed it (the benchmark leaves such a row out or gives its error):
+    # say so where its bar would be, rather than leave a gap that reads as "not measured".
+    for x, color in failed:
+        ax.text(x, 0.02, "✕ failed", transform=ax.get_xaxis_transform(), rotation=90, ha="center", va="bottom",
+                fontsize=8, color=color, fontweight="bold")
     ax.set_xticks(range(len(shapes)))
-    ax.set_xticklabels(shapes)
+    ax.set_xticklabels(shapes, fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("GB/s (log scale)")
     machine = rows[0].get("machine", {}) if rows else {}
@@ -145,11 +169,11 @@ def _size(n: int) -> str:
     return f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
 
 
-def plot_relay_table(rows: List[dict], path: str) -> List[str]:
-    """Relay table rows as a heat map: piece size (rows) x path and slot size (columns), GB/s in each cell."""
-    plt = _pyplot()
-    if plt is None:
-        return []
+def relay_table_grid(rows: List[dict]):
+    """The relay table's cells: ``(piece sizes, columns, grid)``, columns ``(path, slot bytes or None)`` (each
+    relayed slot size, direct, coalesced with the largest slot), ``grid[piece][column]`` GB/s or NaN. The heat
+    map and the README's table are both drawn from this, so they show the same run."""
+    rows = [r for r in rows if r["path"] in ("relayed", "direct", "coalesced")]
     pieces = sorted({r["piece_bytes"] for r in rows})
     relay_slots = sorted({r["slot_bytes"] for r in rows if r["path"] == "relayed"})
     cols = [("relayed", s) for s in relay_slots] + [("direct", None)]
@@ -159,6 +183,25 @@ def plot_relay_table(rows: List[dict], path: str) -> List[str]:
     grid = [[next((r["gbps"] for r in rows if r["piece_bytes"] == p and r["path"] == path_
                    and (slot is None or r["slot_bytes"] == slot)), float("nan")) for path_, slot in cols]
             for p in pieces]
+    return pieces, cols, grid
+
+
+def relay_table_markdown(rows: List[dict]) -> str:
+    """The relay table as the Markdown table the README shows (GB/s, two decimals; "–" for no cell)."""
+    pieces, cols, grid = relay_table_grid(rows)
+    head = ["piece"] + [f"{p} ({_size(s)} slot)" if s else p for p, s in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p, row in zip(pieces, grid):
+        lines.append("| " + " | ".join([_size(p)] + [f"{v:.2f}" if v == v else "–" for v in row]) + " |")
+    return "\n".join(lines)
+
+
+def plot_relay_table(rows: List[dict], path: str) -> List[str]:
+    """Relay table rows as a heat map: piece size (rows) x path and slot size (columns), GB/s in each cell."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    pieces, cols, grid = relay_table_grid(rows)
     fig, ax = plt.subplots(figsize=(8, 4.2))
     im = ax.imshow(grid, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(cols)))

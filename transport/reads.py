@@ -40,6 +40,7 @@ import numpy as np
 
 from transport.errors import (FabricClosed, InvalidTransfer, PeerLost, RemoteRejected, TransferError,
                               TransferTimeout)
+from transport.pipeline import batch_timeout
 from transport.regions import first_bad
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class ReadHandle:
         reply margin). Raises the read's ``TransferError`` (``TransferTimeout`` when it did not finish in time)."""
         if self._future is None:
             return
-        limit = self._timeout + _REPLY_MARGIN_S if timeout is None else timeout
+        limit = batch_timeout(timeout, self._timeout + _REPLY_MARGIN_S, poll=True)
         try:
             self._future.result(limit)
         except FutureTimeout:
@@ -258,8 +259,8 @@ def _run(engine, session_id: str, dst, src, ln, timeout: float) -> None:
 def batch_read(engine, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
                lengths: Sequence[int], timeout: Optional[float] = None) -> None:
     """See ``TransferEngine.batch_read``."""
+    limit = batch_timeout(timeout, engine.default_timeout)
     dst, src, ln = _validate(engine, session_id, local_dsts, remote_srcs, lengths)
-    limit = engine.default_timeout if timeout is None else float(timeout)
     if ln.size == 0:
         _request(engine, session_id, {"op": "regions"}, limit)  # an unknown session is an error even here
         return
@@ -269,8 +270,8 @@ def batch_read(engine, session_id: str, local_dsts: Sequence[int], remote_srcs: 
 def batch_read_async(engine, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
                      lengths: Sequence[int], timeout: Optional[float] = None) -> ReadHandle:
     """See ``TransferEngine.batch_read_async``."""
+    limit = batch_timeout(timeout, engine.default_timeout)
     dst, src, ln = _validate(engine, session_id, local_dsts, remote_srcs, lengths)
-    limit = engine.default_timeout if timeout is None else float(timeout)
     if ln.size == 0:
         _request(engine, session_id, {"op": "regions"}, limit)
         return ReadHandle(None, limit, 0)

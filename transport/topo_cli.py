@@ -1,7 +1,8 @@
 """``pxn topo``: GPUs, NIC ports, distance classes and each GPU's rails, on one screen or as JSON.
 
 Exit codes: 0 (shown; also a machine with no GPU and no NIC, which is said plainly), 2 (bad sysfs root or
-override, or GPUs but no usable NIC port: one line on stderr, no traceback).
+override, a ``--hot`` GPU the machine does not have, or GPUs but no usable NIC port: one line on stderr, no
+traceback).
 """
 from __future__ import annotations
 
@@ -118,10 +119,21 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.ERROR,
                             stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     root = getattr(args, "sysfs", "/") or "/"
+    hot = getattr(args, "hot", None) or []
+    bad = [h for h in hot if h < 0]
+    if bad:
+        print("pxn topo: error: --hot %d: GPU indices start at 0" % bad[0], file=sys.stderr)
+        return 2
     try:
         topo = discover(root, override=getattr(args, "override", None))
     except TopologyError as e:
         print("pxn topo: error: %s" % e, file=sys.stderr)
+        return 2
+    missing = [h for h in hot if h >= len(topo.gpus)]
+    if missing:
+        print("pxn topo: error: --hot %d: no such GPU (%s)" % (
+            missing[0], "GPUs 0..%d" % (len(topo.gpus) - 1) if topo.gpus else "no GPU found under %s"
+            % (topo.root or root)), file=sys.stderr)
         return 2
     as_json = getattr(args, "json", False)
     if not topo.gpus and not topo.ports:

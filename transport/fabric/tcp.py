@@ -58,7 +58,7 @@ import numpy as np
 
 from transport import auth
 from transport.arrays import distinct
-from transport.errors import FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
+from transport.errors import ConfigError, FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
     DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, GatherWrite, MemoryRegion, Opcode,
     WriteBatch, WriteRequest, check_range,
@@ -903,8 +903,16 @@ class TcpFabric(Fabric):
         self._own_acks = self._small_writes and bool(own_acks) and hasattr(select, "epoll")
         spins = []
         for name, v, env in (("ack_spin", ack_spin, "PXN_ACK_SPIN_US"), ("recv_spin", recv_spin, "PXN_RECV_SPIN_US")):
-            if v is None:
-                v = float(os.environ[env]) / 1e6 if os.environ.get(env) else SPIN
+            if v is None and os.environ.get(env):
+                text = os.environ[env]
+                try:
+                    v = float(text) / 1e6
+                except ValueError:
+                    v = None
+                if v is None or not 0.0 <= v <= 1.0:
+                    raise ConfigError(f"environment variable {env}={text!r} is not microseconds in [0, 1000000]")
+            elif v is None:
+                v = SPIN
             if not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"{name} must be seconds in [0, 1], got {v!r}")
             spins.append(float(v))

@@ -438,7 +438,7 @@ class _HttpMetadata:
 # --- etcd metadata (Mooncake's key layout, entries held by a lease) ---------------------------------------------
 ETCD_DEFAULT_PORT = 2379
 METADATA_TTL_DEFAULT = 5.0   # s; a killed engine's entry is gone this long after its last keep-alive
-PXN_PROTOCOL = "pxn"         # the "protocol" of pxn's segment descriptor; Mooncake has no transport of this name
+SEGMENT_PROTOCOL = "pxn"  # the "protocol" of pxn's segment descriptor; Mooncake has no transport of this name
 
 
 def _etcd_endpoints(spec: str) -> List[Tuple[str, int]]:
@@ -551,7 +551,7 @@ class _EtcdMetadata:
 
     def put(self, key: str, value: dict) -> None:
         name = key[len(self._PREFIX):] if key.startswith(self._PREFIX) else key
-        body = json.dumps({"name": name, "protocol": PXN_PROTOCOL, PXN_PROTOCOL: value,
+        body = json.dumps({"name": name, "protocol": SEGMENT_PROTOCOL, SEGMENT_PROTOCOL: value,
                            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         with self._lock:
             self._publish(self.key(key), body)
@@ -609,8 +609,8 @@ class _EtcdMetadata:
         if not isinstance(value, dict):
             raise ForeignSegment(f"etcd entry {etcd_key!r} at {self.url} is not a segment descriptor: {raw[:200]!r}")
         proto = value.get("protocol")
-        inner = value.get(PXN_PROTOCOL)
-        if proto != PXN_PROTOCOL:
+        inner = value.get(SEGMENT_PROTOCOL)
+        if proto != SEGMENT_PROTOCOL:
             raise ForeignSegment(f"etcd entry {etcd_key!r} at {self.url} is not a pxn segment: protocol {proto!r} "
                                  f"(a Mooncake engine's segment; pxn cannot transfer to it): {raw[:200]!r}")
         if not isinstance(inner, dict) or not isinstance(inner.get("session"), str):

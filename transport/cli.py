@@ -48,6 +48,9 @@ class _StdoutWatch:
     def __init__(self):
         self.gone = threading.Event()
         self.done = threading.Event()
+
+    def start(self) -> None:
+        """Start watching (inside the caller's try: the interruption may come before this returns)."""
         try:
             fd = sys.stdout.fileno()
             if not stat.S_ISFIFO(os.fstat(fd).st_mode) or not hasattr(select, "poll"):
@@ -89,6 +92,7 @@ def main(argv=None) -> int:
     prog = "pxn %s" % args.command
     watch = _StdoutWatch()
     try:
+        watch.start()
         return int(module.run(args) or 0)
     except BrokenPipeError:
         _quiet_stdout()

@@ -17,6 +17,12 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines on loopback without a secret use the per-user secret file (transport.auth): the tests' own, in a fresh
+# private directory, so a run neither reads nor creates one in the home directory (spawned peers inherit it).
+if not os.environ.get("PXN_SECRET_FILE"):
+    import tempfile
+    os.environ["PXN_SECRET_FILE"] = os.path.join(tempfile.mkdtemp(prefix="pxn-test-secret-"), "secret")
+
 # Fresh random data every run; the seed is printed so a failure can be replayed with PXN_TEST_SEED.
 SEED = int(os.environ.get("PXN_TEST_SEED", secrets.randbits(31)))
 

@@ -38,7 +38,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from transport.errors import (FabricClosed, InvalidTransfer, PeerLost, RemoteRejected, TransferError,
+from transport.auth import AuthError
+from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RemoteRejected, TransferError,
                               TransferTimeout)
 from transport.regions import first_bad
 
@@ -221,7 +222,7 @@ def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
         except socket.timeout:
             _close(sock)
             raise TransferTimeout(f"{msg.get('op')} request to {session_id}: no reply within {timeout:.1f} s")
-        except (OSError, ConnectionError, ValueError) as e:
+        except (OSError, ConnectionError, ValueError, AuthError) as e:
             _close(sock)
             if pooled and attempt == 0:
                 continue  # the pooled connection died while idle (peer restarted): once more on a fresh one
@@ -330,5 +331,32 @@ def _serve_read(engine, req: dict) -> dict:
                                                   f"registered; nothing was written")
     timeout = req.get("timeout")
     timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
+    _check_asker(engine, session, timeout)
     engine.batch_write(session, src, dst, ln, timeout=timeout)
     return {"ok": True}
+
+
+def _check_asker(engine, session: str, timeout: Optional[float]) -> None:
+    """The bytes of a read go to the engine that asked, on the connection the request came in on, and nowhere
+    else: before the first read on a control connection is served, the engine at the ``session`` the request
+    names is asked (over a control connection of this engine's own, authenticated) whether it opened that
+    connection (its ``Session.binding``, which only the two ends of the connection know). Once it said yes, the
+    connection's later reads naming the same session need no question. Raises ``RemoteRejected`` (nothing
+    written, nothing connected beyond that question) when it says no or cannot be asked."""
+    conn = engine._control.current()
+    if conn is None:
+        raise RemoteRejected("read request outside a control connection")
+    if conn["owner"] == session:
+        return
+    try:
+        rep = _request(engine, session, {"op": "owns", "binding": conn["binding"].hex()},
+                       min(timeout or 10.0, 10.0))
+    except (TransferError, FabricError) as e:
+        raise RemoteRejected(f"read request names session {session!r}, which could not be asked whether it sent "
+                             f"the request: {e}; nothing was written") from None
+    if not rep.get("ok") or rep.get("owns") is not True:
+        log.warning("engine %s: a read request from %s names session %s, which did not send it; refused",
+                    engine.session_id, conn["addr"], session)
+        raise RemoteRejected(f"read request names session {session!r}, which did not send it (the bytes of a "
+                             f"read go only to the engine that asks); nothing was written")
+    conn["owner"] = session

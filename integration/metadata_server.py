@@ -31,11 +31,11 @@ to the session it names), so:
 
 Bounds: a request body of at most ``max_body`` bytes (413 before it is read), a key of at most 1024 bytes, at most
 ``max_keys`` keys and ``max_bytes`` stored bytes in all (507 beyond). Threads are bounded: one selector thread
-accepts and waits for connections to send their first bytes, and a pool of ``workers`` threads serves requests
-that arrived, one per connection (every reply says ``Connection: close``); a connection that sends nothing for
-``idle_timeout`` seconds, or does not finish its request within that time, is closed. Idle sockets beyond
-``max_waiting`` push out the oldest. So idle or slow sockets cost a descriptor each, never a thread, and cannot
-make a legitimate request wait.
+accepts connections and receives each request until it is whole (line, headers, body), and only then hands it to
+a pool of ``workers`` threads, one request per connection (every reply says ``Connection: close``). A connection
+whose request is not whole within ``idle_timeout`` seconds is closed; beyond ``max_waiting`` connections or
+``max_buffered`` bytes of requests still arriving, the oldest are dropped. So idle or slow sockets cost a
+descriptor and their bytes, never a thread, and cannot make a legitimate request wait.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ import io
 import ipaddress
 import logging
 import os
+import re
 import secrets as _secrets
 import selectors
 import socket
@@ -65,6 +66,8 @@ AUTH_HEADER = "X-Pxn-Auth"
 MAX_SKEW = 60.0
 """Seconds a signed request stays valid (clock difference between client and server included)."""
 MAX_KEY = 1024  # bytes of a key
+_MAX_HEAD = 64 << 10  # bytes of a request line and headers
+_CONTENT_LENGTH = re.compile(rb"(?im)^content-length:[ \t]*([0-9]{1,12})[ \t]*\r?$")
 
 
 def sign(secret: bytes, method: str, key: str, body: bytes, now: Optional[float] = None) -> str:
@@ -96,9 +99,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self):
         super().setup()
-        # the whole request (line, headers, body) must arrive within idle_timeout of its first byte: a client
-        # that trickles it holds a worker that long at most
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self.server_started + self.server.idle_timeout))
+        # the selector thread received the request (headers and a body within the cap) before handing it over:
+        # it is read from there; only a body above the cap would need the socket, and it is refused unread
+        self.rfile = io.BufferedReader(_Prefixed(self.prefix, self.connection, time.monotonic() + 1.0))
 
     def _reply(self, status: int, body: bytes) -> None:
         self.send_response(status)
@@ -228,10 +231,12 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(e.status, e.text.encode())
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket's receive side with one deadline (time.monotonic()) for everything read through it."""
+class _Prefixed(io.RawIOBase):
+    """What the selector thread received of a request (``prefix``), then the socket, with one deadline
+    (time.monotonic()) for anything read from it."""
 
-    def __init__(self, sock: socket.socket, deadline: float):
+    def __init__(self, prefix: bytes, sock: socket.socket, deadline: float):
+        self.prefix = memoryview(prefix)
         self.sock = sock
         self.deadline = deadline
 
@@ -239,6 +244,11 @@ class _DeadlineReader(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:
+        if len(self.prefix):
+            n = min(len(b), len(self.prefix))
+            b[:n] = self.prefix[:n]
+            self.prefix = self.prefix[n:]
+            return n
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise socket.timeout("request not received within the idle timeout")
@@ -250,7 +260,7 @@ class _Server:
     """The listener, its selector thread and the worker pool (see the module docstring)."""
 
     def __init__(self, host: str, port: int, secret: Optional[bytes], workers: int, idle_timeout: float,
-                 max_body: int, max_bytes: int, max_keys: int, max_waiting: int):
+                 max_body: int, max_bytes: int, max_keys: int, max_waiting: int, max_buffered: int):
         self.secret = secret
         self.idle_timeout = float(idle_timeout)
         self.max_body, self.max_bytes, self.max_keys, self.max_waiting = max_body, max_bytes, max_keys, max_waiting
@@ -268,6 +278,8 @@ class _Server:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, None)
         self._waiting: "collections.OrderedDict[socket.socket, tuple]" = collections.OrderedDict()
+        self._buffered = 0  # bytes of requests still arriving, in all
+        self.max_buffered = max_buffered
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._closed = False
@@ -315,19 +327,54 @@ class _Server:
                 elif key.fileobj is self.listener:
                     self._accept(now)
                 else:
-                    sock = key.fileobj
-                    addr, _ = self._waiting.pop(sock)
-                    self._sel.unregister(sock)
-                    try:
-                        self.pool.submit(self._handle, sock, addr)
-                    except RuntimeError:  # shutting down
-                        _close(sock)
+                    self._receive(key.fileobj)
             # sockets that sent nothing for idle_timeout are dropped (they never held a thread)
             while self._waiting:
-                sock, (addr, t0) = next(iter(self._waiting.items()))
+                sock, (addr, t0, _) = next(iter(self._waiting.items()))
                 if now - t0 < self.idle_timeout:
                     break
                 self._drop(sock)
+
+    def _receive(self, sock) -> None:
+        """Take what arrived on a waiting connection; hand the request to a worker once it is whole (headers,
+        and a body of at most ``max_body``; a larger one is refused by the worker without being read)."""
+        addr, t0, buf = self._waiting[sock]
+        try:
+            data = sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sock)
+            return
+        buf += data
+        self._buffered += len(data)
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buf) > _MAX_HEAD:
+                self._drop(sock)
+            else:
+                self._shed()
+            return
+        m = _CONTENT_LENGTH.search(bytes(buf[:end]))
+        n = int(m.group(1)) if m else 0
+        if n <= self.max_body and len(buf) < end + 4 + n:
+            self._shed()
+            return
+        self._waiting.pop(sock)
+        self._buffered -= len(buf)
+        self._sel.unregister(sock)
+        sock.setblocking(True)
+        try:
+            self.pool.submit(self._handle, sock, addr, bytes(buf))
+        except RuntimeError:  # shutting down
+            _close(sock)
+
+    def _shed(self) -> None:
+        # requests still arriving hold at most max_buffered bytes in all: the oldest go first
+        while self._buffered > self.max_buffered and self._waiting:
+            self._drop(next(iter(self._waiting)))
 
     def _accept(self, now: float) -> None:
         for _ in range(64):
@@ -342,26 +389,32 @@ class _Server:
                 return
             if len(self._waiting) >= self.max_waiting:
                 self._drop(next(iter(self._waiting)))
-            sock.setblocking(True)
-            self._waiting[sock] = (addr, now)
+            sock.setblocking(False)
+            self._waiting[sock] = (addr, now, bytearray())
             self._sel.register(sock, selectors.EVENT_READ, None)
 
     def _drop(self, sock) -> None:
-        self._waiting.pop(sock, None)
+        got = self._waiting.pop(sock, None)
+        if got is not None:
+            self._buffered -= len(got[2])
         try:
             self._sel.unregister(sock)
         except (KeyError, ValueError):
             pass
         _close(sock)
 
-    def _handle(self, sock: socket.socket, addr) -> None:
+    def _handle(self, sock: socket.socket, addr, prefix: bytes) -> None:
         try:
             h = _Handler.__new__(_Handler)
-            h.server_started = time.monotonic()
+            h.prefix = prefix
             _Handler.__init__(h, sock, addr, self)
         except Exception as e:  # noqa: BLE001 — a broken client must not take the server down
             log.debug("metadata server: request from %s failed: %s", addr, e)
         finally:
+            try:
+                sock.shutdown(socket.SHUT_WR)  # the reply goes out before the close (no reset over unread bytes)
+            except OSError:
+                pass
             _close(sock)
 
     def shutdown(self) -> None:
@@ -434,7 +487,8 @@ class MetadataServer:
         workers: threads serving requests (default 8).
         idle_timeout: a connection must send its request within this (default 10).
         max_body: largest request body (default 4 MiB); max_bytes: stored bytes in all (default 256 MiB);
-        max_keys: keys in all (default 10,000); max_waiting: idle connections kept (default 1024).
+        max_keys: keys in all (default 10,000); max_waiting: idle connections kept (default 1024);
+        max_buffered: bytes of requests still arriving, in all (default 64 MiB; the oldest are dropped beyond).
 
     ``url`` is what engines pass as ``metadata_server`` to ``initialize``. ``close()`` stops it (idempotent).
     Raises ``transport.auth.InsecureConfig`` (a ValueError) for a missing or short secret where one is needed.
@@ -442,9 +496,10 @@ class MetadataServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8080, secret=None, insecure: Optional[bool] = None,
                  workers: int = 8, idle_timeout: float = 10.0, max_body: int = 4 << 20, max_bytes: int = 256 << 20,
-                 max_keys: int = 10000, max_waiting: int = 1024):
+                 max_keys: int = 10000, max_waiting: int = 1024, max_buffered: int = 64 << 20):
         key = _resolve(secret, host, insecure)
-        self._srv = _Server(host, port, key, workers, idle_timeout, max_body, max_bytes, max_keys, max_waiting)
+        self._srv = _Server(host, port, key, workers, idle_timeout, max_body, max_bytes, max_keys, max_waiting,
+                            max_buffered)
         self.host = host
         self.port = self._srv.server_address[1]
         self.authenticated = key is not None

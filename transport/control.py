@@ -3,7 +3,9 @@
 A ``TransferEngine`` runs one small TCP listener (its port is in ``session_id``). Each connection to it is served
 by its own thread (``transport.auth.Gate``: a deadline to authenticate, caps per source address, an accept loop
 that survives running out of file descriptors). The connection first proves the shared secret
-(``transport.auth``); nothing is read, allocated or answered before. Then the thread answers requests (4-byte length + JSON object, ``{"op": ...}``) until the peer closes.
+(``transport.auth``, bound to the connection's two ends); nothing is read, allocated or answered before. Then the
+thread answers requests (4-byte length + JSON object ``{"op": ...}`` + a 16-byte tag under the connection's
+session key and sequence number, checked before the body is parsed) until the peer closes.
 Ops are looked up in ``ControlPlane.ops`` (op name -> handler taking the request dict and returning the reply
 dict), so other parts of pxn can add their own.
 
@@ -12,6 +14,8 @@ Built-in ops:
 * ``hello``: a sender's first message. It names its rails and its credit region; the reply carries this engine's
   rail descriptors, the landing slots allocated for that sender and the region list.
 * ``regions``: the region list again (a sender re-fetches it when a destination is not covered).
+* ``owns``: whether this engine opened the control connection with a given binding (``transport.reads`` asks it
+  before it sends a read's bytes here).
 
 A request body is at most ``MAX_REQUEST`` bytes and is received as it arrives (a length field alone allocates
 nothing).

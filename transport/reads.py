@@ -8,8 +8,12 @@ built on the write path rather than beside it:
    piece and nothing is asked for);
 2. it sends one control request ``{"op": "read", "session": <its own session id>, "srcs", "dsts", "lengths",
    "timeout"}`` (the three arrays as base64 of little-endian int64) to the peer's control port;
-3. the peer checks every source against the regions IT registered (bounds-checked, all-or-nothing), then runs an
-   ordinary ``batch_write`` back into the initiator's session. So every fabric carries reads, and small remote
+3. the peer checks every source against the regions IT registered (bounds-checked, all-or-nothing) and that the
+   session named is the engine that asked: before the first read on a control connection it asks the engine at
+   that session, over its own authenticated connection (op ``owns``), whether it opened the connection the
+   request came in on (``transport.auth.Session.binding``), and refuses with ``RemoteRejected`` otherwise (a
+   read naming a third engine, or any other host:port, writes nothing). Then it runs an ordinary
+   ``batch_write`` back into the initiator's session. So every fabric carries reads, and small remote
    pieces are gathered by the peer into coalesced chunks, one fabric write per chunk (the pull side of
    coalescing); large ones go direct or PXN-relayed exactly as writes do;
 4. the peer replies ``{"ok": true}`` once every byte is placed at the initiator, else ``{"ok": false, "type":
@@ -52,6 +56,7 @@ CONTROL_OPS = ("read", "notify")   # the control ops this module serves (Transfe
 _POOL_IDLE = 8                     # idle read connections kept per session
 _REPLY_MARGIN_S = 10.0             # extra wait for the peer's reply beyond the batch timeout (seconds)
 _MAX_NOTIFIES = 1 << 16            # queued notifies kept per engine; the oldest are dropped beyond this
+_MAX_NOTIFY_BYTES = 64 << 20       # characters of queued notifies (names and messages) per engine, likewise
 
 
 # --- wire encoding of the address arrays ----------------------------------------------------------------------
@@ -81,6 +86,7 @@ class _State:
         self.idle: Dict[str, List[socket.socket]] = {}
         self.executor: Optional[ThreadPoolExecutor] = None
         self.notifies: List[Tuple[str, str]] = []
+        self.notify_chars = 0  # len(name) + len(msg) summed over ``notifies``
         self.closed = False
 
     def take(self, session: str) -> Tuple[socket.socket, bool]:
@@ -295,6 +301,7 @@ def take_notifies(engine) -> List[Tuple[str, str]]:
     st = _state(engine)
     with st.lock:
         out, st.notifies = st.notifies, []
+        st.notify_chars = 0
     return out
 
 
@@ -307,8 +314,16 @@ def serve_op(engine, req: dict) -> dict:
         if op == "notify":
             st = _state(engine)
             with st.lock:
-                st.notifies.append((str(req.get("name", "")), str(req.get("msg", ""))))
-                del st.notifies[:-_MAX_NOTIFIES]
+                item = (str(req.get("name", "")), str(req.get("msg", "")))
+                st.notifies.append(item)
+                st.notify_chars += len(item[0]) + len(item[1])
+                drop = 0
+                while len(st.notifies) - drop > _MAX_NOTIFIES or (st.notify_chars > _MAX_NOTIFY_BYTES
+                                                                  and len(st.notifies) - drop > 1):
+                    st.notify_chars -= len(st.notifies[drop][0]) + len(st.notifies[drop][1])
+                    drop += 1
+                if drop:
+                    del st.notifies[:drop]
             return {"ok": True}
         return _serve_read(engine, req)
     except Exception as e:  # noqa: BLE001 — the requester raises it as a typed exception

@@ -77,36 +77,51 @@ T_HELLO, T_HELLO_ACK, T_WRITE, T_ACK, T_REQ, T_GRANT, T_DONE, T_NOTIFY = 1, 2, 3
 # ``_seal`` fills it at send time, when the frame's place in the socket's sequence is known)
 HDR = struct.Struct("<4sBBHIQQ4x16x")
 assert HDR.size == 48
-_FIELDS = 32  # header bytes the tag covers (all but the tag)
 _TABLE_TYPES = frozenset((3, 5, 8))  # WRITE, REQ, NOTIFY: the tag covers the piece table, not what follows it
+_TCB = struct.Struct("<4xB3xI8xQ")  # type, count, body bytes of a frame header
+_SEQ = struct.Struct("<Q")
+_NO_TAG = bytes(16)
 
 
 def _seal(sess, buf):
     """``buf`` (one or more frames back to back, each header and what its tag covers inside it; the last one's
-    payload may follow in other buffers) with every frame's tag filled in, in order, under ``sess`` (None or
-    without a key: ``buf`` as is). Call it where the frames go out, under the socket's send lock: each tag takes
-    the next sequence number."""
+    payload may follow in other buffers) with every frame's tag filled in, in order, under ``sess`` (None: ``buf``
+    as is). Call it where the frames go out, under the socket's send lock: each tag takes the next sequence
+    number. A tag is keyed BLAKE2b over the sequence number, then the header with its tag field zero (as packed)
+    and the covered bytes, which follow it: one contiguous range."""
     if sess is None:
         return buf
+    typ, count, blen = _TCB.unpack_from(buf, 0)
+    end = 48 + (count * 48 if typ in _TABLE_TYPES else blen)
+    n = len(buf)
+    if n <= 48 + blen:  # one frame (the usual case): hashed in place, copied once with its tag
+        if end > n:
+            raise AssertionError(f"frame of type {typ}: its covered bytes end at {end}, past the buffer {n}")
+        h = sess._tx.copy()
+        h.update(_SEQ.pack(sess.tx_n))
+        sess.tx_n += 1
+        h.update(buf if end == n else memoryview(buf)[:end])
+        return b"".join((buf[:32], h.digest(), buf[48:]))
     b = bytearray(buf)
-    v = memoryview(b)
-    off, n = 0, len(b)
-    unpack = HDR.unpack_from
+    off = 0
     while off + 48 <= n:
-        _, typ, _, _, count, _, blen = unpack(b, off)
+        typ, count, blen = _TCB.unpack_from(b, off)
         end = off + 48 + (count * 48 if typ in _TABLE_TYPES else blen)
         if end > n:
             raise AssertionError(f"frame of type {typ} at {off}: its covered bytes end at {end}, past the buffer {n}")
-        v[off + 32:off + 48] = sess.tag(v[off:off + 32], v[off + 48:end])
+        h = sess._tx.copy()
+        h.update(_SEQ.pack(sess.tx_n))
+        sess.tx_n += 1
+        h.update(memoryview(b)[off:end])
+        b[off + 32:off + 48] = h.digest()
         off += 48 + blen
-    v.release()
     return b
 
 
 def _frame_check(sess, hdr, body) -> None:
     """Check a whole received frame (``hdr`` 48 bytes, ``body`` what its tag covers); raises AuthError."""
     if sess is not None:
-        sess.check(hdr[32:48], hdr[:32], body)
+        sess.check(hdr[32:48], hdr[:32], _NO_TAG, body)
 
 
 def _keyed(sock):
@@ -2118,13 +2133,13 @@ class TcpFabric(Fabric):
             magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
             if sess is not None:  # the header is checked with what its tag covers, before anything acts on it
                 p = rx.pos - 48
-                mac = sess.rx_begin(rx.view[p:p + 32])
+                mac = sess.rx_begin(rx.view[p:p + 32], _NO_TAG)
                 tag = bytes(rx.view[p + 32:p + 48])
         else:
             recv_exact(rx, st["hview"])
             magic, typ, hflags, _, count, seq, blen = HDR.unpack(st["hdr"])
             if sess is not None:
-                mac = sess.rx_begin(st["hview"][:32])
+                mac = sess.rx_begin(st["hview"][:32], _NO_TAG)
                 tag = bytes(st["hview"][32:48])
         if magic != MAGIC:
             raise ValueError(f"bad magic {magic!r}")

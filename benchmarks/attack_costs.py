@@ -112,7 +112,7 @@ def _addr(s: str):
 
 
 def _hdr(typ, count, blen):
-    return struct.pack("<4sBBHIQQ4x", b"PXNT", typ, 0, 0, count, 0, blen)
+    return struct.pack("<4sBBHIQQ4x16x", b"PXNT", typ, 0, 0, count, 0, blen)  # the tag field left zero
 
 
 def _rail_hello(peer_id: str) -> bytes:

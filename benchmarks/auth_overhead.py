@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -37,14 +38,19 @@ sys.path.insert(0, HERE)
 
 
 def run_bench(tree: str, fabric: str, extra) -> dict:
+    """One ``pxn bench`` of ``tree``; adds ``cpu_s``: CPU seconds (user + system) of the bench and its peer
+    process, which load from elsewhere on the host disturbs far less than wall time."""
     fd, path = tempfile.mkstemp(suffix=".json", prefix="pxn-bench-")
     os.close(fd)
     env = dict(os.environ, PYTHONPATH=tree)
     cmd = [sys.executable, "-m", "transport.cli", "bench", "--fabric", fabric, "--json", path, *extra]
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(path) as f:
         out = json.load(f)
     os.unlink(path)
+    out["cpu_s"] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     return out
 
 
@@ -159,6 +165,7 @@ def main(argv=None) -> int:
         probe_table.append({"batch": name, "before_us": b, "after_us": a, "change_pct": (a / b - 1) * 100})
         print(f"small batch {name}: median of medians {b:.1f} -> {a:.1f} us ({(a / b - 1) * 100:+.1f}%)")
     runs = {"before": [], "after": []}
+    cpu = {"before": [], "after": []}
     for i in range(0 if args.skip_bench else args.pairs):
         order = ("before", "after") if i % 2 == 0 else ("after", "before")  # neither always runs first
         for which in order:
@@ -166,7 +173,8 @@ def main(argv=None) -> int:
             t0 = time.time()
             res = run_bench(tree, args.fabric, [])
             runs[which].append(rows_of(res))
-            print(f"pair {i + 1}/{args.pairs} {which:6s} {time.time() - t0:5.1f} s  " +
+            cpu[which].append(res["cpu_s"])
+            print(f"pair {i + 1}/{args.pairs} {which:6s} {time.time() - t0:5.1f} s, cpu {res['cpu_s']:5.1f} s  " +
                   "  ".join(f"{k.split()[0]}={v:.2f}" for k, v in runs[which][-1].items()), flush=True)
     shapes = list(runs["after"][0]) if runs["after"] else []
     table = []
@@ -180,6 +188,9 @@ def main(argv=None) -> int:
     for row in table:
         print(f"{row['shape']:36s} {row['before_ms']:10.2f} {row['after_ms']:10.2f} {row['change_pct']:+7.1f}%")
     print(f"{'sum of medians':36s} {tot_b:10.2f} {tot_a:10.2f} {(tot_a / tot_b - 1) * 100:+7.1f}%")
+    if cpu["after"]:
+        cb, ca = statistics.median(cpu["before"]), statistics.median(cpu["after"])
+        print(f"CPU seconds per bench run (sender + peer), median: {cb:.2f} -> {ca:.2f} ({(ca / cb - 1) * 100:+.1f}%)")
     tags = tag_costs()
     rate = payload_hash_rate()
     print("\ntag costs (us):", json.dumps(tags, indent=1))
@@ -190,7 +201,7 @@ def main(argv=None) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "fabric": args.fabric, "pairs": args.pairs, "rows": table,
               "sum_of_medians_ms": {"before": tot_b, "after": tot_a, "change_pct": (tot_a / tot_b - 1) * 100},
-              "runs": runs, "small_batches": probe_table, "small_batch_runs": probes,
+              "runs": runs, "cpu_s": cpu, "small_batches": probe_table, "small_batch_runs": probes,
               "tag_costs_us": tags, "payload_hash": rate}
     out = args.out
     if out is None:

@@ -196,7 +196,11 @@ def main(argv=None) -> int:
     print("\ntag costs (us):", json.dumps(tags, indent=1))
     print("payload hashing:", rate)
     import numpy
-    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+    def rev(tree):
+        r = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return r.stdout.strip() or "unknown"
+    result = {"trees": {"before": rev(os.path.abspath(args.before)), "after": rev(HERE)},
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                           "numpy": numpy.__version__},
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "fabric": args.fabric, "pairs": args.pairs, "rows": table,

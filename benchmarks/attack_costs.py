@@ -6,7 +6,7 @@ The stranger is plain Python speaking the tcp fabric's and the control port's fr
 legitimate sender is a ``TransferEngine`` (both it and the victim read ``PXN_SECRET`` from the environment).
 
     python3 benchmarks/attack_costs.py                        # -> a temporary JSON file, path printed
-    PXN_SECRET=s python3 benchmarks/attack_costs.py --out benchmarks/results/attack-costs-cpu.json
+    PXN_SECRET=$(python3 -c "import secrets; print(secrets.token_hex(16))") python3 benchmarks/attack_costs.py --out benchmarks/results/attack-costs-cpu.json
     python3 benchmarks/attack_costs.py --root /path/to/older/checkout --label before
 
 Attacks (sizes scaled so that the old behaviour fits a small box; the cost grows linearly with them):
@@ -112,7 +112,7 @@ def _addr(s: str):
 
 
 def _hdr(typ, count, blen):
-    return struct.pack("<4sBBHIQQ4x", b"PXNT", typ, 0, 0, count, 0, blen)
+    return struct.pack("<4sBBHIQQ4x16x", b"PXNT", typ, 0, 0, count, 0, blen)  # the tag field left zero
 
 
 def _rail_hello(peer_id: str) -> bytes:

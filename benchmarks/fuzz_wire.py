@@ -43,6 +43,7 @@ from hypothesis import strategies as st  # noqa: E402
 from pxn_kernels.chunk import (ENTRY_BYTES, HEADER_BYTES, PAYLOAD_ALIGN, build_header_table,  # noqa: E402
                                parse_chunk)
 from transport.errors import ChunkFormatError  # noqa: E402
+from transport import auth  # noqa: E402
 from transport.fabric import tcp as T  # noqa: E402
 
 POISON = 0x5A
@@ -120,7 +121,7 @@ class WireHarness:
 
     def __init__(self):
         logging.getLogger("transport").setLevel(logging.ERROR)
-        self.fab = T.TcpFabric(secret="")
+        self.fab = T.TcpFabric(secret=auth.Resolved(None))  # frames fed straight to the receive loop: no handshake
         self.mem = np.full(GUARD + REGION + GUARD, POISON, dtype=np.uint8)
         self.base = self.mem.ctypes.data + GUARD
         self.mr = self.fab.register(self.base, REGION)

@@ -386,17 +386,23 @@ def _segment_key(name: str) -> str:
 class _HttpMetadata:
     """Client of an http metadata server (``integration.metadata_server`` or Mooncake's)."""
 
-    def __init__(self, url: str, timeout: float = 5.0):
+    def __init__(self, url: str, timeout: float = 5.0, secret: Optional[bytes] = None):
         self.url = url
         self.timeout = timeout
+        # changes are signed with it (``integration.metadata_server.sign``); a server without a secret ignores it
+        self.secret = secret
 
     def _call(self, method: str, key: str, body: Optional[bytes] = None) -> Tuple[int, bytes]:
         import urllib.error
         import urllib.parse
         import urllib.request
         sep = "&" if "?" in self.url else "?"
+        headers = {}
+        if self.secret and method != "GET":
+            from integration.metadata_server import AUTH_HEADER, sign
+            headers[AUTH_HEADER] = sign(self.secret, method, key, body or b"")
         req = urllib.request.Request(f"{self.url}{sep}key={urllib.parse.quote(key, safe='')}", data=body,
-                                     method=method)
+                                     method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 return r.status, r.read()
@@ -833,6 +839,7 @@ class TransferEngine:
                              f"device_name={device_name!r})", e)
             segment = None
             if metadata is not None:
+                metadata.secret = eng._secret
                 segment = (local_hostname or "").strip()
                 try:
                     metadata.put(_segment_key(segment), {"session": eng.session_id, "engine_id": eng.engine_id,
@@ -1389,13 +1396,14 @@ class TransferEngine:
         engine's secret; ``PXN_SECRET`` before ``initialize``). Raises UnknownSession (bad name, not at the
         metadata server), OSError (nothing answers; ``socket.gaierror`` for DNS), ``AuthError`` (refused),
         ConnectionError / ValueError (a bad reply)."""
+        from transport.auth import Resolved
         from transport.control import UnknownSession, query
         target = normalize_session(self._session(peer_server_name))
         host, _, port_s = target.rpartition(":") if isinstance(target, str) else ("", "", "")
         if not host or not port_s.isdigit():
             raise UnknownSession(f"{peer_server_name!r} is not 'host:port'")
         eng = self._engine
-        rep = query(target, msg, None if eng is None else (eng._secret or ""), timeout)
+        rep = query(target, msg, None if eng is None else Resolved(eng._secret), timeout)
         if not isinstance(rep, dict) or not rep.get("ok"):
             raise ValueError(f"peer answered {rep!r}")
         return rep

@@ -46,6 +46,11 @@ def _use_softverbs() -> str:
 
 VERBS = _use_softverbs()
 
+# Engines on loopback without a secret use the per-user secret file (transport.auth): the tests' own, in a fresh
+# private directory, so a run neither reads nor creates one in the home directory (spawned peers inherit it).
+if not os.environ.get("PXN_SECRET_FILE"):
+    os.environ["PXN_SECRET_FILE"] = os.path.join(tempfile.mkdtemp(prefix="pxn-test-secret-"), "secret")
+
 # Fresh random data every run; the seed is printed so a failure can be replayed with PXN_TEST_SEED.
 SEED = int(os.environ.get("PXN_TEST_SEED", secrets.randbits(31)))
 

@@ -15,6 +15,7 @@ import struct
 import sys
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -226,8 +227,8 @@ def test_idle_length_prefix_allocates_nothing(victim):
 
 def test_wrong_secret_and_no_secret_are_refused(victim, src):
     before = victim.security()["control"]["refused_auth"]
-    for secret, match in (("not-the-secret", "proof"), ("", "requires")):
-        with TransferEngine(fabric="tcp", secret=secret) as eng:
+    for secret, match in (("not-the-secret-at-all", "proof"), (None, "requires")):
+        with TransferEngine(fabric="tcp", secret=secret, insecure=secret is None) as eng:
             eng.register(src)
             with pytest.raises(UnknownSession, match=match):
                 eng.batch_write(victim.session, [src.ctypes.data], [victim.base], [64])
@@ -238,7 +239,7 @@ def test_wrong_secret_and_no_secret_are_refused(victim, src):
             nc = os.urandom(auth.NONCE_BYTES)
             s.sendall(auth._PREAMBLE.pack(auth.MAGIC, auth.VERSION, auth.F_SECRET, nc))
             _, _, _, ns, _ = auth._CHALLENGE.unpack(auth.recv_exact(s, auth._CHALLENGE.size, time.monotonic() + 5))
-            s.sendall(auth._mac(b"guess", b"client", purpose, nc, ns) + _hello_frame("x:1"))
+            s.sendall(auth._mac(b"guess", b"client", purpose, nc, ns, auth._ends(s, True)) + _hello_frame("x:1"))
             assert _closed_without_answer(s) == bytes([auth.VERDICT_REFUSED])
     victim.untouched()
 
@@ -251,7 +252,7 @@ def test_replayed_handshake_is_refused(victim):
     with socket.create_connection(_addr(victim.session), timeout=5) as s:
         s.sendall(pre)
         _, _, _, ns, _ = auth._CHALLENGE.unpack(auth.recv_exact(s, auth._CHALLENGE.size, time.monotonic() + 5))
-        proof = auth._mac(key, b"client", "ctrl", nc, ns)
+        proof = auth._mac(key, b"client", "ctrl", nc, ns, auth._ends(s, True))
         s.sendall(proof)
         assert auth.recv_exact(s, 1, time.monotonic() + 5) == bytes([auth.VERDICT_OK])  # the recording
     before = victim.security()["control"]["refused_auth"]
@@ -277,7 +278,7 @@ def _insider_control(victim, hello_overrides=None):
 def _insider_rail(victim, rail_id: str, rail: int = 0) -> socket.socket:
     s = socket.create_connection(_addr(victim.rails[rail]), timeout=10)
     auth.client_handshake(s, SECRET.encode(), "tcp", 10)
-    s.sendall(_hello_frame(rail_id))
+    s.sendall(T._seal(T._keyed(s), _hello_frame(rail_id)))  # an insider tags its frames as an engine does
     hdr = auth.recv_exact(s, T.HDR.size, time.monotonic() + 10)
     _, typ, _, _, status, _, blen = T.HDR.unpack(hdr)
     body = auth.recv_exact(s, blen, time.monotonic() + 10)
@@ -585,13 +586,13 @@ def test_garbage_flood_keeps_the_engine_serving(victim, src, rng):
         _legit_write(eng, victim, src, rng)
 
 
-# --- no secret: today's behaviour, one warning --------------------------------------------------------------
+# --- no secret (insecure=True): the old behaviour, one warning per engine ------------------------------------
 def test_no_secret_warns_once_naming_host_and_ports(caplog, monkeypatch, src):
     import transport.engine
     monkeypatch.delenv("PXN_SECRET", raising=False)
     monkeypatch.setattr(transport.engine, "_NO_SECRET_WARNED", [False])  # as in a fresh process
     with caplog.at_level(logging.WARNING, logger="transport.engine"):
-        with TransferEngine(fabric="tcp") as a, TransferEngine(fabric="tcp") as b:
+        with TransferEngine(fabric="tcp", insecure=True) as a, TransferEngine(fabric="tcp", insecure=True) as b:
             warns = [r.getMessage() for r in caplog.records if "no shared secret" in r.getMessage()]
             assert len(warns) == 1, warns  # once per process, not once per engine
             assert str(a.port) in warns[0] and a.hostname in warns[0]
@@ -605,15 +606,15 @@ def test_no_secret_warns_once_naming_host_and_ports(caplog, monkeypatch, src):
             assert a.stats()["security"]["authenticated"] is False
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="transport.engine"):
-        with TransferEngine(fabric="tcp", secret="s") as c:
+        with TransferEngine(fabric="tcp", secret=SECRET) as c:
             assert c.stats()["security"]["authenticated"] is True
     assert not [r for r in caplog.records if "no shared secret" in r.getMessage()]
 
 
 def test_secret_from_environment(monkeypatch, src):
-    monkeypatch.setenv("PXN_SECRET", "from-env")
+    monkeypatch.setenv("PXN_SECRET", "from-env-" + os.urandom(8).hex())
     with TransferEngine(fabric="tcp") as a, TransferEngine(fabric="tcp") as b, \
-            TransferEngine(fabric="tcp", secret="other") as c:
+            TransferEngine(fabric="tcp", secret="other-secret-" + os.urandom(8).hex()) as c:
         a.register(src)
         c.register(src)
         buf = np.full(256, POISON, dtype=np.uint8)
@@ -633,7 +634,7 @@ BAD_SESSIONS = ["a" * 64 + ".example.com:1234", "x" * 300 + ":1", "host:", ":123
 
 @pytest.mark.parametrize("session", BAD_SESSIONS)
 def test_malformed_session_id_is_unknown_session_naming_it(session):
-    with TransferEngine(fabric="tcp", secret="s") as eng:
+    with TransferEngine(fabric="tcp", secret=SECRET) as eng:
         buf = np.zeros(64, dtype=np.uint8)
         eng.register(buf)
         with pytest.raises(UnknownSession) as ei:
@@ -682,3 +683,338 @@ def test_fuzz_tcp_frames(seed):
     counts = fuzz_wire.fuzz_frames(1000, seed)
     assert counts["cases"] == 1000 and counts["acked"] > 0 and counts["unacked"] > 0, counts
     assert counts["pieces_refused"] > 0, counts
+
+
+# ============================================================================================================
+# part two: authentication bound to the connection, reads that answer only the asker, the metadata server,
+# secure by default. Each of these attacks succeeded before (the test fails on the code without them).
+# ============================================================================================================
+class _Relay:
+    """A process in the middle: listens on loopback and, for each connection, opens its own to ``target``.
+    ``hijack``: after the four handshake messages (preamble, challenge, proof, verdict) it stops relaying the
+    client and sends its own control request on the authenticated connection, keeping what comes back."""
+
+    def __init__(self, target, hijack: Optional[bytes] = None):
+        self.target = target
+        self.hijack = hijack
+        self.upstream = bytearray()  # everything the target sent to the relay
+        self.answers = bytearray()  # what came back after the hijacked request
+        self.lsock = socket.create_server(("127.0.0.1", 0))
+        self.session = f"127.0.0.1:{self.lsock.getsockname()[1]}"
+        self._threads = []
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+
+    def _accept(self):
+        try:
+            while True:
+                c, _ = self.lsock.accept()
+                t = threading.Thread(target=self._serve, args=(c,), daemon=True)
+                t.start()
+                self._threads.append(t)
+        except OSError:
+            return
+
+    def _serve(self, c):
+        try:
+            with c, socket.create_connection(self.target, timeout=10) as u:
+                c.settimeout(10)
+                u.settimeout(10)
+                exact = lambda s, n: auth.recv_exact(s, n, time.monotonic() + 10)  # noqa: E731
+                pre = exact(c, auth._PREAMBLE.size)
+                u.sendall(pre)
+                chal = exact(u, auth._CHALLENGE.size)
+                self.upstream += chal
+                c.sendall(chal)
+                proof = exact(c, auth.MAC_BYTES)
+                u.sendall(proof)
+                verdict = exact(u, 1)
+                self.upstream += verdict
+                c.sendall(verdict)
+                if self.hijack is not None:
+                    u.sendall(self.hijack)
+                    try:
+                        while True:
+                            b = u.recv(1 << 16)
+                            if not b:
+                                break
+                            self.answers += b
+                    except (OSError, socket.timeout):
+                        pass
+                    return
+                # plain relay from here on, both ways
+                def pump(a, b, keep):
+                    try:
+                        while True:
+                            d = a.recv(1 << 16)
+                            if not d:
+                                break
+                            if keep is not None:
+                                keep += d
+                            b.sendall(d)
+                    except OSError:
+                        pass
+                    for s in (a, b):
+                        try:
+                            s.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+                t = threading.Thread(target=pump, args=(c, u, None), daemon=True)
+                t.start()
+                pump(u, c, self.upstream)
+                t.join(5)
+        except (OSError, ConnectionError, socket.timeout):
+            return
+
+    def close(self):
+        self.lsock.close()
+        for t in self._threads:
+            t.join(5)
+
+
+def test_relayed_handshake_gains_nothing(victim, src, rng):
+    """A relay between a legitimate sender and the victim passes the handshake through, then sends its own
+    region query on the connection it holds: it gets no region list, no rkey, no answer at all; the sender is
+    refused (the connection is relayed) and the victim's memory is untouched. A plain relay gets nothing
+    through either. (Before, the hijacked connection answered the region list with its rkeys.)"""
+    victim.poison()
+    query = json.dumps({"op": "regions"}).encode()
+    relay = _Relay(_addr(victim.session), hijack=struct.pack("<I", len(query)) + query)
+    plain = _Relay(_addr(victim.session))
+    try:
+        with TransferEngine(fabric="tcp", secret=SECRET) as eng:
+            eng.register(src)
+            for r in (relay, plain):
+                with pytest.raises(UnknownSession, match="relayed|proof"):
+                    eng.batch_write(r.session, [src.ctypes.data], [victim.base], [64])
+            assert b"regions" not in bytes(relay.answers) and relay.answers == b"", bytes(relay.answers[:200])
+            assert b"regions" not in bytes(plain.upstream) and b"rkey" not in bytes(plain.upstream)
+            # the victim said why, and still serves the sender directly
+            _legit_write(eng, victim, src, rng)
+    finally:
+        relay.close()
+        plain.close()
+
+
+def test_untagged_messages_on_an_authenticated_connection_are_refused(victim, src):
+    """Whoever injects bytes into an authenticated connection (an on-path attacker without the session key) gets
+    nothing: a control request without its tag, or a rail frame with a wrong one, closes the connection
+    unanswered, and nothing is written. (Before, nothing after the handshake was authenticated.)"""
+    victim.poison()
+    with socket.create_connection(_addr(victim.session), timeout=10) as s:
+        auth.client_handshake(s, SECRET.encode(), "ctrl", 10)
+        body = json.dumps({"op": "regions"}).encode()
+        s.sendall(struct.pack("<I", len(body)) + body + bytes(auth.TAG_BYTES))  # a tag it cannot compute
+        assert _closed_without_answer(s) == b""
+    ctrl, hello, rep = _insider_control(victim)  # an authenticated sender: its rail ids are announced
+    try:
+        rkey = rep["regions"][0]["keys"][0]
+        with _insider_rail(victim, hello["rail_ids"][0]) as s:
+            s.sendall(_write_frame(victim.base, b"X" * 64, rkey))  # a real rkey, but the tag field is zeros
+            assert _closed_without_answer(s) == b""
+    finally:
+        ctrl.close()
+    victim.untouched()
+
+
+def test_read_naming_a_third_session_is_refused():
+    """An authenticated peer asks the victim for a read whose bytes go to a third engine (its session named in
+    the request): the victim asks that engine whether it sent the request, it did not, nothing is written there.
+    (Before, the victim pushed its memory into the third engine.)"""
+    from transport.reads import _pack
+    with TransferEngine(fabric="tcp", secret=SECRET) as victim, TransferEngine(fabric="tcp", secret=SECRET) as third:
+        secret_data = np.frombuffer(os.urandom(4096), dtype=np.uint8).copy()
+        victim.register(secret_data)
+        landing = np.full(4096, POISON, dtype=np.uint8)
+        third.register(landing)
+        for session in (third.session_id, "127.0.0.1:1"):
+            with socket.create_connection(_addr(victim.session_id), timeout=10) as s:
+                auth.client_handshake(s, SECRET.encode(), "ctrl", 10)
+                send_msg(s, {"op": "read", "session": session, "engine_id": third.engine_id,
+                             "srcs": _pack(np.array([secret_data.ctypes.data])),
+                             "dsts": _pack(np.array([landing.ctypes.data])), "lengths": _pack(np.array([4096])),
+                             "timeout": 10})
+                rep = recv_msg(s)
+            assert not rep["ok"] and rep["type"] == "RemoteRejected", rep
+        assert (landing == POISON).all()
+        # the engine that asks still gets its bytes
+        with TransferEngine(fabric="tcp", secret=SECRET) as asker:
+            got = np.full(4096, POISON, dtype=np.uint8)
+            asker.register(got)
+            asker.batch_read(victim.session_id, [got.ctypes.data], [secret_data.ctypes.data], [4096])
+            assert bytes(got) == bytes(secret_data)
+
+
+@pytest.mark.parametrize("bad", ["short", "x" * 15, b"\x00" * 15, "empty-over-env"])
+def test_short_or_empty_secret_is_refused(monkeypatch, bad):
+    """A secret under 16 bytes is refused, and ``secret=''`` never silently turns off ``PXN_SECRET``."""
+    if bad == "empty-over-env":
+        monkeypatch.setenv("PXN_SECRET", SECRET)
+        bad = ""
+    with pytest.raises(ValueError, match="secret"):
+        TransferEngine(fabric="tcp", secret=bad)
+    with pytest.raises(ValueError, match="secret"):
+        T.TcpFabric(secret=bad)
+    if isinstance(bad, str) and bad:
+        monkeypatch.setenv("PXN_SECRET", bad)
+        with pytest.raises(ValueError, match="PXN_SECRET"):
+            TransferEngine(fabric="tcp")
+
+
+def test_non_loopback_listener_needs_a_secret_or_insecure(monkeypatch, caplog):
+    monkeypatch.delenv("PXN_SECRET", raising=False)
+    monkeypatch.delenv("PXN_INSECURE", raising=False)
+    with pytest.raises(auth.InsecureConfig, match="0.0.0.0.*secret"):
+        TransferEngine(fabric="tcp", hostname="0.0.0.0")
+    monkeypatch.setattr(auth, "_WARNED_INSECURE", False)
+    with caplog.at_level(logging.WARNING, logger="transport.auth"):  # (the fuzz harness quiets "transport")
+        monkeypatch.setenv("PXN_INSECURE", "1")
+        with TransferEngine(fabric="tcp", hostname="0.0.0.0") as e1, TransferEngine(fabric="tcp", hostname="0.0.0.0"):
+            assert e1.stats()["security"]["authenticated"] is False
+    once = [r for r in caplog.records if "insecure=True / PXN_INSECURE=1" in r.getMessage()]
+    assert len(once) == 1, [r.getMessage() for r in once]
+
+
+def test_loopback_default_is_a_per_user_secret_file(monkeypatch, tmp_path, src):
+    """Without any secret set, engines on loopback share a random per-user secret from a 0600 file; a process
+    with another file (another user) is refused."""
+    monkeypatch.delenv("PXN_SECRET", raising=False)
+    monkeypatch.delenv("PXN_INSECURE", raising=False)
+    path = tmp_path / "mine" / "secret"
+    monkeypatch.setenv("PXN_SECRET_FILE", str(path))
+    with TransferEngine(fabric="tcp") as a, TransferEngine(fabric="tcp") as b:
+        assert path.exists() and (path.stat().st_mode & 0o777) == 0o600
+        assert (path.parent.stat().st_mode & 0o777) == 0o700
+        assert a.stats()["security"]["authenticated"] is True
+        a.register(src)
+        buf = np.full(256, POISON, dtype=np.uint8)
+        b.register(buf)
+        a.batch_write(b.session_id, [src.ctypes.data], [buf.ctypes.data], [100])
+        assert bytes(buf[:100]) == bytes(src[:100]) and buf[100] == POISON
+        monkeypatch.setenv("PXN_SECRET_FILE", str(tmp_path / "other-user" / "secret"))
+        with TransferEngine(fabric="tcp") as stranger:
+            stranger.register(src)
+            with pytest.raises(UnknownSession, match="proof"):
+                stranger.batch_write(b.session_id, [src.ctypes.data + 200], [buf.ctypes.data + 200], [10])
+        assert buf[200] == POISON
+    bad = tmp_path / "open" / "secret"
+    bad.parent.mkdir()
+    bad.write_text("a" * 40)
+    bad.chmod(0o644)
+    monkeypatch.setenv("PXN_SECRET_FILE", str(bad))
+    with pytest.raises(auth.InsecureConfig, match="chmod 600"):
+        TransferEngine(fabric="tcp")
+
+
+def test_refusing_side_warns_naming_peer_rate_limited(caplog, src):
+    with TransferEngine(fabric="tcp", secret=SECRET) as good, \
+            TransferEngine(fabric="tcp", secret="another-secret-" + os.urandom(8).hex()) as bad:
+        bad.register(src)
+        with caplog.at_level(logging.WARNING, logger="transport.auth"):
+            for _ in range(5):
+                with pytest.raises(UnknownSession):
+                    bad.batch_write(good.session_id, [src.ctypes.data], [4096], [1])
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not caplog.records:
+                time.sleep(0.05)
+            time.sleep(0.2)
+        lines = [r for r in caplog.records if "wrong or missing secret" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+        assert lines[0].levelno == logging.WARNING and "127.0.0.1:" in lines[0].getMessage()
+
+
+# --- the metadata server -------------------------------------------------------------------------------------
+def _http(url: str, method: str, key: str, body: Optional[bytes] = None, headers=None):
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(f"{url}?key={key}", data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_metadata_changes_need_the_secret():
+    """PUT, replacing PUT and DELETE without proof of the secret are refused and change nothing; a signed request
+    works once (a replay of it is refused); GET stays open. (Before, anyone could PUT or DELETE any key.)"""
+    from integration.metadata_server import AUTH_HEADER, MetadataServer, sign
+    key = SECRET.encode()
+    with MetadataServer("127.0.0.1", 0, secret=SECRET) as srv:
+        seg = json.dumps({"session": "10.0.0.1:1234"}).encode()
+        assert _http(srv.url, "PUT", "pxn/segment/a", seg)[0] == 403
+        assert srv.keys() == []
+        signed = {AUTH_HEADER: sign(key, "PUT", "pxn/segment/a", seg)}
+        assert _http(srv.url, "PUT", "pxn/segment/a", seg, signed)[0] == 200
+        assert _http(srv.url, "PUT", "pxn/segment/a", b'{"session": "evil:1"}', signed)[0] == 403  # replay
+        evil = b'{"session": "evil:1"}'
+        assert _http(srv.url, "PUT", "pxn/segment/a", evil,
+                     {AUTH_HEADER: sign(b"wrong-secret-0123456789", "PUT", "pxn/segment/a", evil)})[0] == 403
+        assert _http(srv.url, "PUT", "pxn/segment/a", evil)[0] == 403
+        assert _http(srv.url, "DELETE", "pxn/segment/a")[0] == 403
+        assert _http(srv.url, "GET", "pxn/segment/a") == (200, seg)
+        assert _http(srv.url, "DELETE", "pxn/segment/a", None,
+                     {AUTH_HEADER: sign(key, "DELETE", "pxn/segment/a", b"")})[0] == 200
+        assert srv.keys() == []
+
+
+def test_metadata_oversized_request_and_flood_are_bounded():
+    """A body above the cap is refused before it is read; keys and stored bytes are capped. (Before, 12 PUTs of
+    64 MiB were taken, and 20,000 keys.)"""
+    from integration.metadata_server import MetadataServer
+    with MetadataServer("127.0.0.1", 0) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(f"PUT /metadata?key=big HTTP/1.1\r\nHost: x\r\nContent-Length: {64 << 20}\r\n\r\n".encode())
+            s.sendall(b"x" * 4096)
+            assert b" 413 " in s.recv(4096).split(b"\r\n")[0] + b" "
+        assert srv.keys() == [] and srv.stored_bytes() == 0
+    with MetadataServer("127.0.0.1", 0, max_keys=40, max_bytes=64 << 10) as srv:
+        codes = [_http(srv.url, "PUT", f"k{i}", b"v" * 100)[0] for i in range(60)]
+        assert codes[:40] == [200] * 40 and set(codes[40:]) == {507}, codes
+        assert len(srv.keys()) == 40
+        assert _http(srv.url, "PUT", "k0", b"v" * (64 << 10))[0] == 507  # replacing counts the new size
+        assert srv.stored_bytes() <= 64 << 10
+
+
+def test_metadata_idle_sockets_hold_no_thread_and_lock_nobody_out():
+    """300 idle sockets cost the server no thread, and a legitimate request is served at once meanwhile.
+    (Before, one thread per connection; about 1,000 idle sockets made legitimate PUTs time out.)"""
+    from integration.metadata_server import MetadataServer
+    with MetadataServer("127.0.0.1", 0, idle_timeout=30) as srv:
+        threads0 = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(300)]
+        try:
+            for s in idle[:100]:
+                s.sendall(b"PUT /meta")  # started and stalled
+            time.sleep(0.5)
+            assert threading.active_count() - threads0 <= 10, threading.active_count() - threads0
+            t0 = time.monotonic()
+            assert _http(srv.url, "PUT", "legit", b"{}")[0] == 200
+            assert _http(srv.url, "GET", "legit") == (200, b"{}")
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_metadata_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
+    import subprocess
+    from integration.metadata_server import MetadataServer
+    monkeypatch.delenv("PXN_SECRET", raising=False)
+    monkeypatch.delenv("PXN_INSECURE", raising=False)
+    with pytest.raises(ValueError, match="secret"):
+        MetadataServer("0.0.0.0", 0)
+    with pytest.raises(ValueError, match="secret"):
+        MetadataServer("127.0.0.1", 0, secret="short")
+    with MetadataServer("0.0.0.0", 0, insecure=True) as srv:
+        assert srv.port > 0
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env.pop("PXN_SECRET", None)
+    p = subprocess.Popen([sys.executable, "-m", "integration.metadata_server", "--port", "0"], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        line = p.stdout.readline()
+        assert "http://127.0.0.1:" in line, line
+    finally:
+        p.terminate()
+        p.wait(10)

@@ -1,4 +1,5 @@
-"""Who may talk to an engine: shared-secret authentication and the admission of incoming connections.
+"""Who may talk to an engine: shared-secret authentication bound to the connection, per-message MACs, and the
+admission of incoming connections.
 
 Authentication. Every control connection and every rail connection (tcp, ipc, the verbs connection exchange)
 starts with a challenge-response, before the accepting side reads anything else, allocates anything or answers
@@ -7,16 +8,34 @@ anything:
 1. the connecting side sends ``PREAMBLE``: magic ``PXNA``, version, flags (bit 0: it has a secret) and a fresh
    32-byte nonce ``nc``;
 2. the accepting side answers with its own flags, a fresh nonce ``ns`` and
-   ``HMAC-SHA256(secret, "pxn-auth-1 server" | purpose | nc | ns)``, which proves it knows the secret too;
-3. the connecting side checks that proof and sends ``HMAC-SHA256(secret, "pxn-auth-1 client" | purpose | nc | ns)``;
+   ``HMAC-SHA256(secret, "pxn-auth-2 server" | purpose | nc | ns | client address | server address)``, which
+   proves it knows the secret too;
+3. the connecting side checks that proof and sends the same MAC under the label ``"client"``;
 4. the accepting side checks it (constant-time compare) and sends one verdict byte (0: accepted).
 
 Both nonces are fresh per connection, so a recorded handshake is worth nothing on a new connection, and the two
 proofs carry different labels, so one side's proof cannot be reflected as the other's. ``purpose`` names the
-listener kind ("ctrl", "tcp", "ipc", "verbs"): a proof for one kind of port is not one for another. With no
-secret on either side the exchange still runs (flags 0, empty proofs) and accepts; a secret on one side only
-is refused by both, with a message saying so. The secret comes from ``secret=`` or ``PXN_SECRET``; both sides
-of a connection must read the same value.
+listener kind ("ctrl", "tcp", "ipc", "verbs"): a proof for one kind of port is not one for another. Each side
+puts the connection's two ends (ip and port) into the proofs *as it sees them*: a process in the middle that
+relays a handshake between two connections of its own sees two different pairs of ends, so the proofs do not
+check out and the handshake fails at once (this also means pxn does not work through NAT or a TCP proxy).
+
+Session keys. Both sides then derive a key from the secret, both nonces and both ends' addresses, and from it
+one keyed BLAKE2b (16-byte tags) per direction (``Session``). Every later message on the connection carries a
+tag over an implicit sequence number (one per direction, counted by both sides) and what the message says: a
+control message (``transport.control``) its whole body, a tcp / ipc frame its header and piece table (the payload
+is not covered: it only ever lands inside regions the header and table name, which are checked). A message
+injected, replayed, dropped or reordered on the connection breaks the sequence of tags and closes it.
+
+With no secret (``insecure=True`` / ``PXN_INSECURE=1``) the exchange still runs (flags 0, empty proofs) and
+accepts; a secret on one side only is refused by both, with a message saying so. Nothing is MAC'd then.
+
+Which secret (``resolve_secret``): ``secret=``, else ``PXN_SECRET``; at least 16 bytes. An empty ``secret=``
+never overrides a set ``PXN_SECRET`` (ValueError). With neither: a listener on a loopback address uses the
+per-user secret file (``PXN_SECRET_FILE``, default ``~/.config/pxn/secret``, created on first use with mode
+0600 in a directory of mode 0700): every process of this user on this host reads the same random secret, and no
+other user can. A listener on any other address refuses to start unless ``insecure=True`` / ``PXN_INSECURE=1``
+(then warns once per process).
 
 Admission (``Gate``). An accepting listener hands each connection to its own thread with a deadline to
 authenticate (``handshake_timeout``), so an idle or slow connection holds nothing but itself. Connections still
@@ -24,12 +43,15 @@ authenticating are capped per source address and in all: a new one pushes the ol
 sockets (slowloris) cannot lock out a real peer, which authenticates within a round trip. Authenticated
 connections being served are capped per address. The accept loop survives running out of file descriptors
 (``EMFILE`` / ``ENFILE``): it drops the oldest unauthenticated connection, backs off, logs, and keeps listening.
+A connection refused for its proof is logged at WARNING, naming the peer address and "wrong or missing secret"
+(at most one such line per listener every 5 s, with the count of those left out).
 """
 from __future__ import annotations
 
 import errno
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets as _secrets
@@ -44,16 +66,22 @@ from transport.errors import FabricError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AuthError", "resolve_secret", "client_handshake", "server_handshake", "Gate", "Admitted"]
+__all__ = ["AuthError", "SecretMismatch", "InsecureConfig", "Resolved", "Session", "resolve_secret", "session_of",
+           "client_handshake", "server_handshake", "Gate", "Admitted", "secret_file", "MIN_SECRET_BYTES"]
 
 MAGIC = b"PXNA"
-VERSION = 1
+VERSION = 2
 NONCE_BYTES = 32
 MAC_BYTES = 32
+TAG_BYTES = 16
+"""Bytes of the tag every message after the handshake carries (keyed BLAKE2b)."""
+MIN_SECRET_BYTES = 16
+"""Shortest shared secret accepted (bytes)."""
 F_SECRET = 1
 _PREAMBLE = struct.Struct("<4sBB2x32s")  # magic, version, flags, nonce
 _CHALLENGE = struct.Struct("<4sBB2x32s32s")  # magic, version, flags, nonce, server proof
 _ZERO_MAC = bytes(MAC_BYTES)
+_SEQ = struct.Struct("<Q")
 VERDICT_OK = 0
 VERDICT_REFUSED = 1
 
@@ -65,21 +93,256 @@ class AuthError(FabricError):
     """A connection failed authentication: wrong or missing secret, not a pxn peer, or no answer in time."""
 
 
-def resolve_secret(secret=None) -> Optional[bytes]:
-    """The shared secret as bytes: ``secret`` (str or bytes) when given, else ``PXN_SECRET``; None when neither
-    is set or it is empty (no authentication). ``secret=""`` turns authentication off whatever the env says."""
-    if secret is None:
-        secret = os.environ.get("PXN_SECRET", "")
-    if isinstance(secret, str):
-        secret = secret.encode()
-    if not isinstance(secret, (bytes, bytearray)):
-        raise ValueError(f"secret must be a str or bytes, got {type(secret).__name__}")
-    return bytes(secret) or None
+class SecretMismatch(AuthError):
+    """The peer's proof did not check out: it has another secret, none, or the connection is relayed."""
 
 
-def _mac(secret: bytes, role: bytes, purpose: str, nc: bytes, ns: bytes) -> bytes:
-    return hmac.new(secret, b"pxn-auth-1 " + role + b"|" + purpose.encode() + b"|" + nc + ns,
+class InsecureConfig(ValueError):
+    """A listener would run without a shared secret where that is not allowed, or the secret given is unusable
+    (too short, an empty one over a set ``PXN_SECRET``). The message names the setting."""
+
+
+class Resolved:
+    """A secret already resolved by ``resolve_secret`` (``key``: bytes, or None for no authentication): handed
+    from an engine to its fabrics, so that they neither read the environment again nor apply its rules twice."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Optional[bytes]):
+        self.key = key
+
+    def __repr__(self):
+        return f"Resolved({'<secret>' if self.key else None})"
+
+
+_WARNED_INSECURE = False
+_FILE_SECRETS: Dict[str, bytes] = {}
+_FILE_LOCK = threading.Lock()
+
+
+def _is_loopback(host) -> bool:
+    if host is None:
+        return True
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(str(host).strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _flag(text: Optional[str]) -> bool:
+    return str(text or "").strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def secret_file(environ=None) -> str:
+    """Path of the per-user secret file: ``PXN_SECRET_FILE``, else ``$XDG_CONFIG_HOME/pxn/secret`` (default
+    ``~/.config/pxn/secret``)."""
+    env = os.environ if environ is None else environ
+    path = env.get("PXN_SECRET_FILE")
+    if path:
+        return os.path.abspath(os.path.expanduser(path))
+    base = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(base, "pxn", "secret")
+
+
+def _load_secret_file(path: str) -> bytes:
+    """The secret in ``path``, created (32 random bytes, hex, mode 0600, directory 0700) when missing. Raises
+    InsecureConfig when the file is not this user's, is readable by others, or is too short."""
+    with _FILE_LOCK:
+        got = _FILE_SECRETS.get(path)
+        if got is not None:
+            return got
+        d = os.path.dirname(path)
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            # several processes may start at once: the one that created the file writes it; the others wait
+            # below for its content
+            with os.fdopen(fd, "w") as f:
+                f.write(_secrets.token_hex(32) + "\n")
+        deadline = time.monotonic() + 2.0
+        while True:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                st = os.fstat(fd)
+                data = os.read(fd, 4096).strip()
+            finally:
+                os.close(fd)
+            if len(data) >= MIN_SECRET_BYTES or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if st.st_uid != os.getuid():
+            raise InsecureConfig(f"secret file {path} belongs to uid {st.st_uid}, not to this user "
+                                 f"({os.getuid()}); set PXN_SECRET_FILE to a file of your own")
+        if st.st_mode & 0o077:
+            raise InsecureConfig(f"secret file {path} has mode {st.st_mode & 0o777:o}: other users may read it; "
+                                 f"chmod 600 it")
+        if len(data) < MIN_SECRET_BYTES:
+            raise InsecureConfig(f"secret file {path} holds {len(data)} bytes, fewer than {MIN_SECRET_BYTES}")
+        _FILE_SECRETS[path] = data
+        return data
+
+
+def resolve_secret(secret=None, host=None, insecure: Optional[bool] = None, environ=None) -> Optional[bytes]:
+    """The shared secret as bytes, or None for no authentication (see the module docstring).
+
+    Arguments:
+        secret: str / bytes given by the caller (None: not given; ``Resolved``: already resolved, returned as is).
+        host: the address this side listens on (None: not a listener, or unknown): without a secret, a loopback
+            one uses the per-user secret file, any other refuses unless insecure.
+        insecure: allow running without a secret (None: ``PXN_INSECURE``).
+        environ: the environment (default ``os.environ``).
+    Raises InsecureConfig (a ValueError) naming the setting: a secret shorter than 16 bytes, ``secret=''`` while
+    ``PXN_SECRET`` is set, a non-loopback listener without a secret, an unusable secret file."""
+    global _WARNED_INSECURE
+    if isinstance(secret, Resolved):
+        return secret.key
+    env = os.environ if environ is None else environ
+    if secret is not None:
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if not isinstance(secret, (bytes, bytearray)):
+            raise ValueError(f"secret must be a str or bytes, got {type(secret).__name__}")
+        secret = bytes(secret)
+        if not secret:
+            if env.get("PXN_SECRET"):
+                raise InsecureConfig("secret='' would override PXN_SECRET; pass the same secret, or leave secret= "
+                                     "unset (to run without one: insecure=True / PXN_INSECURE=1, and no PXN_SECRET)")
+            secret = None
+    where = "secret="
+    if secret is None and env.get("PXN_SECRET"):
+        secret, where = env["PXN_SECRET"].encode(), "PXN_SECRET"
+    if secret is not None:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise InsecureConfig(f"{where}: a shared secret of {len(secret)} bytes is too short (at least "
+                                 f"{MIN_SECRET_BYTES}; e.g. python -c 'import secrets; print(secrets.token_hex(16))')")
+        return secret
+    if insecure is None:
+        insecure = _flag(env.get("PXN_INSECURE"))
+    if insecure:
+        if not _WARNED_INSECURE:
+            _WARNED_INSECURE = True
+            log.warning("pxn: running without a shared secret (insecure=True / PXN_INSECURE=1): any process that "
+                        "can reach this process's ports may write into and read its registered memory")
+        return None
+    if _is_loopback(host):
+        return _load_secret_file(secret_file(env))
+    raise InsecureConfig(f"a pxn listener on {host!r} (not a loopback address) needs a shared secret: set secret= "
+                         f"or PXN_SECRET (at least {MIN_SECRET_BYTES} bytes, the same on every host), or pass "
+                         f"insecure=True / PXN_INSECURE=1 to run without one")
+
+
+def _mac(secret: bytes, role: bytes, purpose: str, nc: bytes, ns: bytes, ends: bytes) -> bytes:
+    return hmac.new(secret, b"pxn-auth-2 " + role + b"|" + purpose.encode() + b"|" + nc + ns + b"|" + ends,
                     hashlib.sha256).digest()
+
+
+def _addr_text(addr) -> str:
+    host, port = (addr[0], addr[1]) if isinstance(addr, tuple) else (str(addr), 0)
+    if isinstance(host, str) and host.startswith("::ffff:"):  # a v4 peer on a dual-stack socket
+        host = host[7:]
+    return f"{host}|{port}"
+
+
+def _ends(sock: socket.socket, client_side: bool) -> bytes:
+    """The connection's two ends as this side sees them, client end first."""
+    try:
+        local, remote = sock.getsockname(), sock.getpeername()
+    except OSError:
+        local = remote = ""
+    if isinstance(local, (bytes, str)) and not isinstance(local, tuple):  # unix socket: no addresses
+        return b"unix"
+    c, s = (local, remote) if client_side else (remote, local)
+    return (_addr_text(c) + "/" + _addr_text(s)).encode()
+
+
+class Session:
+    """What an authenticated connection keeps: a tag per message in each direction, each over an implicit
+    sequence number (``tag`` for what this side sends, ``check`` / ``rx_begin`` + ``rx_end`` for what it
+    receives), and ``binding``, a value both ends of this connection (and nobody else's) share, by which an
+    engine can ask a peer whether it opened a given connection (``transport.reads``)."""
+
+    __slots__ = ("_tx", "_rx", "tx_n", "rx_n", "binding", "purpose", "__weakref__")
+
+    def __init__(self, key: Optional[bytes], client: bool, binding: bytes, purpose: str):
+        self.binding = binding
+        self.purpose = purpose
+        self.tx_n = 0
+        self.rx_n = 0
+        if key is None:
+            self._tx = self._rx = None
+            return
+        c2s = hashlib.blake2b(b"c2s", key=key, digest_size=32).digest()
+        s2c = hashlib.blake2b(b"s2c", key=key, digest_size=32).digest()
+        self._tx = hashlib.blake2b(key=c2s if client else s2c, digest_size=TAG_BYTES)
+        self._rx = hashlib.blake2b(key=s2c if client else c2s, digest_size=TAG_BYTES)
+
+    @property
+    def keyed(self) -> bool:
+        """False without a secret: nothing is tagged (``tag`` returns zeros, checks pass)."""
+        return self._tx is not None
+
+    def tag(self, *parts) -> bytes:
+        """The tag of the next message this side sends (its sequence number is taken now: send in this order)."""
+        h = self._tx
+        if h is None:
+            return bytes(TAG_BYTES)
+        h = h.copy()
+        h.update(_SEQ.pack(self.tx_n))
+        self.tx_n += 1
+        for p in parts:
+            h.update(p)
+        return h.digest()
+
+    def rx_begin(self, *parts):
+        """Start checking the next received message: returns a hash to ``update`` with the rest and hand to
+        ``rx_end`` (None without a secret)."""
+        h = self._rx
+        if h is None:
+            return None
+        h = h.copy()
+        h.update(_SEQ.pack(self.rx_n))
+        self.rx_n += 1
+        for p in parts:
+            h.update(p)
+        return h
+
+    def rx_end(self, h, tag) -> None:
+        """Raise SecretMismatch unless ``tag`` is the one ``h`` expects."""
+        if h is not None and not hmac.compare_digest(h.digest(), bytes(tag)):
+            raise SecretMismatch(f"{self.purpose}: message {self.rx_n - 1} on this connection carries a wrong tag "
+                                 f"(injected, replayed or reordered); closing the connection")
+
+    def check(self, tag, *parts) -> None:
+        """``rx_end(rx_begin(*parts), tag)``."""
+        self.rx_end(self.rx_begin(*parts), tag)
+
+
+_SESSIONS: "weakref.WeakKeyDictionary[socket.socket, Session]" = weakref.WeakKeyDictionary()
+
+
+def session_of(sock) -> Optional[Session]:
+    """The ``Session`` of an authenticated socket (None: not authenticated through this module)."""
+    try:
+        return _SESSIONS.get(sock)
+    except TypeError:
+        return None
+
+
+def _start_session(sock, secret, client: bool, purpose: str, nc: bytes, ns: bytes, ends: bytes) -> Session:
+    key = None
+    if secret:
+        key = hmac.new(secret, b"pxn-session-2|" + purpose.encode() + b"|" + nc + ns + b"|" + ends,
+                       hashlib.sha256).digest()
+    binding = hashlib.blake2b(b"pxn-binding-2|" + purpose.encode() + b"|" + nc + ns + b"|" + ends,
+                              digest_size=16).digest()
+    sess = Session(key, client, binding, purpose)
+    _SESSIONS[sock] = sess
+    return sess
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: Optional[float]) -> bytes:
@@ -100,9 +363,10 @@ def recv_exact(sock: socket.socket, n: int, deadline: Optional[float]) -> bytes:
     return bytes(buf)
 
 
-def client_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str, timeout: float) -> None:
-    """Authenticate a connection this side opened (see the module docstring). Raises AuthError naming why
-    (OSError / ConnectionError for a broken connection)."""
+def client_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str, timeout: float) -> Session:
+    """Authenticate a connection this side opened (see the module docstring) and return its ``Session`` (also
+    found later by ``session_of(sock)``). Raises AuthError naming why (OSError / ConnectionError for a broken
+    connection)."""
     deadline = time.monotonic() + timeout
     nc = _secrets.token_bytes(NONCE_BYTES)
     sock.sendall(_PREAMBLE.pack(MAGIC, VERSION, F_SECRET if secret else 0, nc))
@@ -110,42 +374,62 @@ def client_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str,
     if magic != MAGIC or version != VERSION:
         raise AuthError(f"{purpose}: the peer is not a pxn listener of this version (answered {magic!r} "
                         f"v{version})")
+    ends = _ends(sock, True)
     theirs = bool(flags & F_SECRET)
     if theirs != bool(secret):
-        raise AuthError(f"{purpose}: the peer {'requires' if theirs else 'has no'} shared secret and this side "
-                        f"{'has none' if theirs else 'has one'}; set the same PXN_SECRET (or secret=) on both sides")
+        _send_quietly(sock, _ZERO_MAC)  # the listener then logs why it refused
+        raise SecretMismatch(f"{purpose}: the peer {'requires' if theirs else 'has no'} shared secret and this "
+                             f"side {'has none' if theirs else 'has one'}; set the same PXN_SECRET (or secret=) on "
+                             f"both sides")
     mine = _ZERO_MAC
     if secret:
-        if not hmac.compare_digest(proof, _mac(secret, b"server", purpose, nc, ns)):
-            raise AuthError(f"{purpose}: the peer's proof does not match this side's secret (different "
-                            f"PXN_SECRET values)")
-        mine = _mac(secret, b"client", purpose, nc, ns)
+        if not hmac.compare_digest(proof, _mac(secret, b"server", purpose, nc, ns, ends)):
+            _send_quietly(sock, _ZERO_MAC)
+            raise SecretMismatch(f"{purpose}: the peer's proof does not match this side's secret (different "
+                                 f"PXN_SECRET values, or a relayed / translated connection)")
+        mine = _mac(secret, b"client", purpose, nc, ns, ends)
     sock.sendall(mine)
     verdict = recv_exact(sock, 1, deadline)[0]
     if verdict != VERDICT_OK:
-        raise AuthError(f"{purpose}: the peer refused this side's proof (different PXN_SECRET values)")
+        raise SecretMismatch(f"{purpose}: the peer refused this side's proof (different PXN_SECRET values)")
+    return _start_session(sock, secret, True, purpose, nc, ns, ends)
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass
 
 
 def server_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str, deadline: float,
-                     admit: Optional[Callable[[], None]] = None) -> None:
-    """Authenticate a connection this side accepted, before ``deadline`` (time.monotonic()). ``admit`` runs
-    once the proof checked out and before the verdict goes out (``Admitted.established``: the peer acts on the
-    verdict at once, so it must already count as authenticated); an AuthError from it refuses. Raises AuthError
-    (the caller refuses the connection: closes it, answers nothing else)."""
+                     admit: Optional[Callable[[], None]] = None) -> Session:
+    """Authenticate a connection this side accepted, before ``deadline`` (time.monotonic()), and return its
+    ``Session``. ``admit`` runs once the proof checked out and before the verdict goes out
+    (``Admitted.established``: the peer acts on the verdict at once, so it must already count as authenticated);
+    an AuthError from it refuses. Raises AuthError (SecretMismatch for a proof that does not check out; the
+    caller refuses the connection: closes it, answers nothing else)."""
     magic, version, flags, nc = _PREAMBLE.unpack(recv_exact(sock, _PREAMBLE.size, deadline))
     if magic != MAGIC or version != VERSION:
         raise AuthError(f"{purpose}: not a pxn handshake (first bytes {magic!r} v{version})")
+    ends = _ends(sock, False)
     ns = _secrets.token_bytes(NONCE_BYTES)
-    proof = _mac(secret, b"server", purpose, nc, ns) if secret else _ZERO_MAC
+    proof = _mac(secret, b"server", purpose, nc, ns, ends) if secret else _ZERO_MAC
     sock.sendall(_CHALLENGE.pack(MAGIC, VERSION, F_SECRET if secret else 0, ns, proof))
-    theirs = recv_exact(sock, MAC_BYTES, deadline)
+    try:
+        theirs = recv_exact(sock, MAC_BYTES, deadline)
+    except ConnectionError:
+        raise SecretMismatch(f"{purpose}: the peer closed the connection after the challenge (it does not know "
+                             f"the shared secret, has another one, or does not speak pxn-auth-{VERSION})") from None
     if bool(flags & F_SECRET) != bool(secret):
-        sock.sendall(bytes([VERDICT_REFUSED]))
-        raise AuthError(f"{purpose}: the peer {'has a' if flags & F_SECRET else 'has no'} shared secret, this "
-                        f"side {'none' if not secret else 'one'}")
-    if secret and not hmac.compare_digest(theirs, _mac(secret, b"client", purpose, nc, ns)):
-        sock.sendall(bytes([VERDICT_REFUSED]))
-        raise AuthError(f"{purpose}: wrong proof (the peer does not know the shared secret)")
+        _send_quietly(sock, bytes([VERDICT_REFUSED]))
+        raise SecretMismatch(f"{purpose}: the peer {'has a' if flags & F_SECRET else 'has no'} shared secret, this "
+                             f"side {'none' if not secret else 'one'}")
+    if secret and not hmac.compare_digest(theirs, _mac(secret, b"client", purpose, nc, ns, ends)):
+        _send_quietly(sock, bytes([VERDICT_REFUSED]))
+        raise SecretMismatch(f"{purpose}: wrong proof (the peer does not know the shared secret, or the connection "
+                             f"is relayed)")
+    sess = _start_session(sock, secret, False, purpose, nc, ns, ends)
     if admit is not None:
         try:
             admit()
@@ -153,6 +437,7 @@ def server_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str,
             sock.sendall(bytes([VERDICT_REFUSED]))
             raise
     sock.sendall(bytes([VERDICT_OK]))
+    return sess
 
 
 class _Counted(AuthError):
@@ -216,6 +501,8 @@ class Gate:
         self._counts = {"accepted": 0, "authenticated": 0, "refused_auth": 0, "handshake_timeouts": 0,
                         "evicted": 0, "refused_per_addr": 0, "accept_errors": 0}
         self._last_warn = 0.0
+        self._last_refusal = 0.0
+        self._refusals_quiet = 0  # refusals for the proof not logged at WARNING since the last one that was
         _GATES.add(self)
 
     # --- telemetry ------------------------------------------------------------------------------------------
@@ -262,6 +549,23 @@ class Gate:
         if level == logging.WARNING:
             self._last_warn = now
         log.log(level, fmt, *args)
+
+    def _refused_proof(self, a: Admitted, e: BaseException) -> None:
+        """Say why a peer was refused, at WARNING with its address, at most once per 5 s per listener (a flood of
+        strangers must not flood the log); the lines left out are counted into the next one."""
+        now = time.monotonic()
+        with self._lock:
+            loud = now - self._last_refusal > 5.0
+            if loud:
+                self._last_refusal = now
+                quiet, self._refusals_quiet = self._refusals_quiet, 0
+            else:
+                self._refusals_quiet += 1
+        if loud:
+            log.warning("%s: refused %s: wrong or missing secret (%s)%s", self.name, _peer_text(a.addr), e,
+                        f"; {quiet} more refusal(s) for the secret since the last such line" if quiet else "")
+        else:
+            log.debug("%s: refused %s: wrong or missing secret (%s)", self.name, _peer_text(a.addr), e)
 
     def _admit(self, sock: socket.socket, addr) -> None:
         a = Admitted(self, sock, addr, self.handshake_timeout)
@@ -350,6 +654,9 @@ class Gate:
             self.handler(a)
         except _Counted as e:
             log.info("%s: refused %s: %s", self.name, a.addr, e)
+        except SecretMismatch as e:
+            self.count("refused_auth")
+            self._refused_proof(a, e)
         except AuthError as e:
             self.count("refused_auth")
             log.info("%s: refused %s: %s", self.name, a.addr, e)
@@ -367,6 +674,12 @@ class Gate:
             self._release(a)
             if a.sock is not None:
                 _close(sock)
+
+
+def _peer_text(addr) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"{addr[0]}:{addr[1]}"
+    return str(addr)
 
 
 def _shutdown(sock: socket.socket) -> None:

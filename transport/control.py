@@ -3,7 +3,9 @@
 A ``TransferEngine`` runs one small TCP listener (its port is in ``session_id``). Each connection to it is served
 by its own thread (``transport.auth.Gate``: a deadline to authenticate, caps per source address, an accept loop
 that survives running out of file descriptors). The connection first proves the shared secret
-(``transport.auth``); nothing is read, allocated or answered before. Then the thread answers requests (4-byte length + JSON object, ``{"op": ...}``) until the peer closes.
+(``transport.auth``, bound to the connection's two ends); nothing is read, allocated or answered before. Then the
+thread answers requests (4-byte length + JSON object ``{"op": ...}`` + a 16-byte tag under the connection's
+session key and sequence number, checked before the body is parsed) until the peer closes.
 Ops are looked up in ``ControlPlane.ops`` (op name -> handler taking the request dict and returning the reply
 dict), so other parts of pxn can add their own.
 
@@ -12,6 +14,8 @@ Built-in ops:
 * ``hello``: a sender's first message. It names its rails and its credit region; the reply carries this engine's
   rail descriptors, the landing slots allocated for that sender and the region list.
 * ``regions``: the region list again (a sender re-fetches it when a destination is not covered).
+* ``owns``: whether this engine opened the control connection with a given binding (``transport.reads`` asks it
+  before it sends a read's bytes here).
 
 A request body is at most ``MAX_REQUEST`` bytes and is received as it arrives (a length field alone allocates
 nothing).
@@ -39,6 +43,7 @@ import logging
 import socket
 import struct
 import threading
+import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 from transport import auth
@@ -76,9 +81,16 @@ MAX_REQUEST = 1 << 20
 
 
 def send_msg(sock: socket.socket, obj: dict) -> None:
-    """One control message: 4-byte little-endian length, then the JSON body."""
+    """One control message: 4-byte little-endian length, the JSON body, then (on a connection authenticated with a
+    secret, ``transport.auth.Session``) a 16-byte tag over the length and body under the connection's key and
+    sequence number."""
     body = json.dumps(obj).encode()
-    sock.sendall(_MSG.pack(len(body)) + body)
+    head = _MSG.pack(len(body))
+    sess = auth.session_of(sock)
+    if sess is not None and sess.keyed:
+        sock.sendall(head + body + sess.tag(head, body))
+    else:
+        sock.sendall(head + body)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -104,11 +116,17 @@ def _recv_growing(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_msg(sock: socket.socket, limit: int = MAX_MSG) -> dict:
-    """One control message (a JSON object); a body above ``limit`` bytes raises ``ValueError``."""
-    (n,) = _MSG.unpack(_recv_exact(sock, 4))
+    """One control message (a JSON object); a body above ``limit`` bytes raises ``ValueError``, a wrong tag
+    ``transport.auth.SecretMismatch`` (the connection is then unusable: close it)."""
+    head = _recv_exact(sock, 4)
+    (n,) = _MSG.unpack(head)
     if n > limit:
         raise ValueError(f"control message of {n} bytes is too large (at most {limit})")
-    msg = json.loads(_recv_exact(sock, n) if n <= 1 << 16 else _recv_growing(sock, n))
+    body = _recv_exact(sock, n) if n <= 1 << 16 else _recv_growing(sock, n)
+    sess = auth.session_of(sock)
+    if sess is not None and sess.keyed:
+        sess.check(_recv_exact(sock, auth.TAG_BYTES), head, body)  # before the body is parsed or acted on
+    msg = json.loads(body)
     if not isinstance(msg, dict):
         raise ValueError(f"control message is a JSON {type(msg).__name__}, not an object")
     return msg
@@ -149,11 +167,12 @@ def _close_listener(sock: socket.socket) -> None:
 
 def query(session: str, msg: dict, secret=None, timeout: float = 2.0) -> dict:
     """One request / reply on a fresh, authenticated control connection to ``session`` (e.g. a liveness probe
-    with ``{"op": "regions"}``). ``secret``: as ``TransferEngine(secret=)`` (None: ``PXN_SECRET``).
+    with ``{"op": "regions"}``). ``secret``: as ``TransferEngine(secret=)`` (None: ``PXN_SECRET``, else the
+    per-user secret file for a loopback session; ``transport.auth.resolve_secret``).
     Raises UnknownSession (malformed id), OSError (nobody answers), ``transport.auth.AuthError`` (refused), or
     ConnectionError / ValueError (a bad reply)."""
     host, port = parse_session(session)
-    key = auth.resolve_secret(secret)
+    key = auth.resolve_secret(secret, host)
     with socket.create_connection((host, port), timeout=timeout) as s:
         s.settimeout(timeout)
         auth.client_handshake(s, key, "ctrl", timeout)
@@ -183,7 +202,13 @@ class ControlPlane:
         self._make_peer = make_peer
         self._make_rail = make_rail
         self.ops: Dict[str, Callable[[dict], dict]] = {"hello": self._op_hello, "regions": self._op_regions,
-                                                       "read": self._op_reads, "notify": self._op_reads}
+                                                       "read": self._op_reads, "notify": self._op_reads,
+                                                       "owns": self._op_owns}
+        # the bindings (``transport.auth.Session.binding``) of the control connections this engine opened, while
+        # they live: a peer asked to send a read's bytes to this engine asks first whether the request's
+        # connection is one of them (``transport.reads``)
+        self.own: "weakref.WeakValueDictionary[bytes, auth.Session]" = weakref.WeakValueDictionary()
+        self._conn = threading.local()  # the connection the serving thread answers (``current``)
         try:
             self.listener = socket.create_server((hostname, port), backlog=64)
         except OSError as e:
@@ -227,13 +252,17 @@ class ControlPlane:
         """One control connection (its own thread): authenticate, then answer requests until the peer closes."""
         conn = a.sock
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        auth.server_handshake(conn, self.secret, "ctrl", a.deadline, a.established)
+        sess = auth.server_handshake(conn, self.secret, "ctrl", a.deadline, a.established)
+        self._conn.current = {"binding": sess.binding, "addr": a.addr, "owner": None}
         conn.settimeout(None)  # an authenticated sender keeps its control connection for region refreshes
         while not self.engine._closed:
             try:
                 req = recv_msg(conn, MAX_REQUEST)
-            except (OSError, ConnectionError, ValueError) as e:
-                if not isinstance(e, (ConnectionError, OSError)):
+            except (OSError, ConnectionError, ValueError, auth.AuthError) as e:
+                if isinstance(e, auth.AuthError):
+                    self.gate.count("refused_tag")
+                    log.warning("control connection from %s: %s", a.addr, e)
+                elif not isinstance(e, (ConnectionError, OSError)):
                     log.warning("control connection from %s: %s; closing it", a.addr, e)
                 return
             try:
@@ -255,6 +284,22 @@ class ControlPlane:
         # the engine id lets a sender whose control connection was re-opened tell a restarted peer (new id) from
         # the same one
         return {"ok": True, "engine_id": self.engine.engine_id, **self.regions_wire()}
+
+    def current(self) -> Optional[dict]:
+        """The control connection the calling thread serves: ``binding`` (its ``Session.binding``), ``addr`` (the
+        peer's address) and ``owner`` (the session id that proved it opened the connection, once one did); None
+        outside a serving thread."""
+        return getattr(self._conn, "current", None)
+
+    def _op_owns(self, req: dict) -> dict:
+        # a peer asks whether this engine opened the control connection with this binding (a read request came
+        # on it naming this engine as where the bytes go)
+        b = req.get("binding")
+        try:
+            owns = isinstance(b, str) and bytes.fromhex(b) in self.own
+        except ValueError:
+            owns = False
+        return {"ok": True, "owns": owns, "engine_id": self.engine.engine_id}
 
     def _op_reads(self, req: dict) -> dict:
         # pulls and notifies (transport.reads): only ever reached on an authenticated connection
@@ -329,7 +374,8 @@ class ControlPlane:
                                  + (f" (its previous connection was lost: {lost})" if lost else "")) from e
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            auth.client_handshake(sock, self.secret, "ctrl", timeout)
+            sess = auth.client_handshake(sock, self.secret, "ctrl", timeout)
+            self.own[sess.binding] = sess
         except auth.AuthError as e:
             sock.close()
             raise UnknownSession(f"session {session!r} refused authentication: {e}") from e
@@ -418,7 +464,7 @@ class ControlPlane:
         with peer.lock:
             try:
                 rep = self.request(peer, {"op": "regions"})
-            except (OSError, ConnectionError, ValueError) as first:
+            except (OSError, ConnectionError, ValueError, auth.AuthError) as first:
                 self.close_ctrl_locked(peer)
                 if peer.retired:
                     raise TransferError(f"cannot refresh the region list of {peer.session}: {first} (every rail "
@@ -429,7 +475,7 @@ class ControlPlane:
                     rep = self.request(peer, {"op": "regions"})
                 except UnknownSession as e:
                     gone = e
-                except (OSError, ConnectionError, ValueError) as e:
+                except (OSError, ConnectionError, ValueError, auth.AuthError) as e:
                     self.close_ctrl_locked(peer)
                     raise TransferError(f"cannot refresh the region list of {peer.session}: {first}; again on a "
                                         f"new control connection: {e}", [first, e]) from e

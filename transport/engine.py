@@ -225,9 +225,15 @@ class TransferEngine(Pipeline):
         loadstore: on the ipc fabric, write batches between GPU memories (and between host memories) straight
             from the caller's thread with one copy launch, skipping the message path (``PXN_LOADSTORE``,
             default on; see ``transport.fabric.loadstore``).
-        secret: shared secret (str or bytes) every control and rail connection proves by HMAC challenge-response
-            before anything is allocated or answered (``PXN_SECRET``; ``transport.auth``). Both ends need the same
-            one. Unset: no authentication, and one warning at start naming the exposed host and ports.
+        secret: shared secret (str or bytes, at least 16 bytes) every control and rail connection proves by HMAC
+            challenge-response, bound to the connection's two ends, before anything is allocated or answered; every
+            later message carries a tag under a key derived from it (``PXN_SECRET``; ``transport.auth``). Both ends
+            need the same one. Unset: on a loopback ``hostname`` the per-user secret file (``PXN_SECRET_FILE``,
+            default ``~/.config/pxn/secret``, mode 0600), which every process of this user on this host shares;
+            on any other address the engine refuses to start (``transport.auth.InsecureConfig``) unless
+            ``insecure``. ``secret=''`` while ``PXN_SECRET`` is set is refused, never a silent override.
+        insecure: allow running without a shared secret when none is set (``PXN_INSECURE=1``; default off): no
+            authentication at all, one warning per process, and one at start naming the exposed host and ports.
         max_senders: senders this engine keeps landing slots for at once (``PXN_MAX_SENDERS``, default 256); a
             hello beyond it is refused (a sender saying hello again keeps its place).
         handshake_timeout: seconds an incoming control or rail connection has to authenticate
@@ -245,7 +251,7 @@ class TransferEngine(Pipeline):
                  switch_interval: Optional[float] = None, loadstore: Optional[bool] = None, secret=None,
                  max_senders: Optional[int] = None, handshake_timeout: Optional[float] = None,
                  max_conns_per_addr: Optional[int] = None, forward_large: Optional[bool] = None,
-                 direct_pieces: Optional[int] = None):
+                 direct_pieces: Optional[int] = None, insecure: Optional[bool] = None):
         self.hostname = hostname
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
@@ -267,8 +273,8 @@ class TransferEngine(Pipeline):
             # still win
             cfg = EngineConfig.from_env(environ, defaults=fabric_cls.config_defaults, **given)
         self.config = cfg
-        from transport.auth import resolve_secret
-        self._secret = resolve_secret(secret)
+        from transport.auth import Resolved, resolve_secret
+        self._secret = resolve_secret(secret, hostname, insecure, environ)
         self.max_senders = cfg.max_senders
         self.handshake_timeout = cfg.handshake_timeout
         max_conns_per_addr = cfg.max_conns_per_addr
@@ -341,7 +347,7 @@ class TransferEngine(Pipeline):
         self._spans_lock = threading.Lock()
         # small batches as one WriteRows post, checked in Python (transport.smallbatch)
         self._rows = "write_rows" in fabric_cls.capabilities and self.direct_pieces > 0
-        options["secret"] = self._secret or ""  # resolved once here: the fabrics do not read PXN_SECRET again
+        options["secret"] = Resolved(self._secret)  # resolved once here: the fabrics do not read PXN_SECRET again
         if "authenticated_rails" in fabric_cls.capabilities:
             # an incoming rail must have been announced by an authenticated control hello (receiver.accept_sender)
             options.setdefault("handshake_timeout", self.handshake_timeout)

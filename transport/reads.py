@@ -8,8 +8,12 @@ built on the write path rather than beside it:
    piece and nothing is asked for);
 2. it sends one control request ``{"op": "read", "session": <its own session id>, "srcs", "dsts", "lengths",
    "timeout"}`` (the three arrays as base64 of little-endian int64) to the peer's control port;
-3. the peer checks every source against the regions IT registered (bounds-checked, all-or-nothing), then runs an
-   ordinary ``batch_write`` back into the initiator's session. So every fabric carries reads, and small remote
+3. the peer checks every source against the regions IT registered (bounds-checked, all-or-nothing) and that the
+   session named is the engine that asked: before the first read on a control connection it asks the engine at
+   that session, over its own authenticated connection (op ``owns``), whether it opened the connection the
+   request came in on (``transport.auth.Session.binding``), and refuses with ``RemoteRejected`` otherwise (a
+   read naming a third engine, or any other host:port, writes nothing). Then it runs an ordinary
+   ``batch_write`` back into the initiator's session. So every fabric carries reads, and small remote
    pieces are gathered by the peer into coalesced chunks, one fabric write per chunk (the pull side of
    coalescing); large ones go direct or PXN-relayed exactly as writes do;
 4. the peer replies ``{"ok": true}`` once every byte is placed at the initiator, else ``{"ok": false, "type":
@@ -38,7 +42,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from transport.errors import (FabricClosed, InvalidTransfer, PeerLost, RemoteRejected, TransferError,
+from transport.auth import AuthError
+from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RemoteRejected, TransferError,
                               TransferTimeout)
 from transport.pipeline import batch_timeout
 from transport.regions import first_bad
@@ -52,6 +57,7 @@ CONTROL_OPS = ("read", "notify")   # the control ops this module serves (Transfe
 _POOL_IDLE = 8                     # idle read connections kept per session
 _REPLY_MARGIN_S = 10.0             # extra wait for the peer's reply beyond the batch timeout (seconds)
 _MAX_NOTIFIES = 1 << 16            # queued notifies kept per engine; the oldest are dropped beyond this
+_MAX_NOTIFY_BYTES = 64 << 20       # characters of queued notifies (names and messages) per engine, likewise
 
 
 # --- wire encoding of the address arrays ----------------------------------------------------------------------
@@ -81,6 +87,7 @@ class _State:
         self.idle: Dict[str, List[socket.socket]] = {}
         self.executor: Optional[ThreadPoolExecutor] = None
         self.notifies: List[Tuple[str, str]] = []
+        self.notify_chars = 0  # len(name) + len(msg) summed over ``notifies``
         self.closed = False
 
     def take(self, session: str) -> Tuple[socket.socket, bool]:
@@ -222,7 +229,7 @@ def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
         except socket.timeout:
             _close(sock)
             raise TransferTimeout(f"{msg.get('op')} request to {session_id}: no reply within {timeout:.1f} s")
-        except (OSError, ConnectionError, ValueError) as e:
+        except (OSError, ConnectionError, ValueError, AuthError) as e:
             _close(sock)
             if pooled and attempt == 0:
                 continue  # the pooled connection died while idle (peer restarted): once more on a fresh one
@@ -295,6 +302,7 @@ def take_notifies(engine) -> List[Tuple[str, str]]:
     st = _state(engine)
     with st.lock:
         out, st.notifies = st.notifies, []
+        st.notify_chars = 0
     return out
 
 
@@ -307,8 +315,16 @@ def serve_op(engine, req: dict) -> dict:
         if op == "notify":
             st = _state(engine)
             with st.lock:
-                st.notifies.append((str(req.get("name", "")), str(req.get("msg", ""))))
-                del st.notifies[:-_MAX_NOTIFIES]
+                item = (str(req.get("name", "")), str(req.get("msg", "")))
+                st.notifies.append(item)
+                st.notify_chars += len(item[0]) + len(item[1])
+                drop = 0
+                while len(st.notifies) - drop > _MAX_NOTIFIES or (st.notify_chars > _MAX_NOTIFY_BYTES
+                                                                  and len(st.notifies) - drop > 1):
+                    st.notify_chars -= len(st.notifies[drop][0]) + len(st.notifies[drop][1])
+                    drop += 1
+                if drop:
+                    del st.notifies[:drop]
             return {"ok": True}
         return _serve_read(engine, req)
     except Exception as e:  # noqa: BLE001 — the requester raises it as a typed exception
@@ -331,5 +347,32 @@ def _serve_read(engine, req: dict) -> dict:
                                                   f"registered; nothing was written")
     timeout = req.get("timeout")
     timeout = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else None
+    _check_asker(engine, session, timeout)
     engine.batch_write(session, src, dst, ln, timeout=timeout)
     return {"ok": True}
+
+
+def _check_asker(engine, session: str, timeout: Optional[float]) -> None:
+    """The bytes of a read go to the engine that asked, on the connection the request came in on, and nowhere
+    else: before the first read on a control connection is served, the engine at the ``session`` the request
+    names is asked (over a control connection of this engine's own, authenticated) whether it opened that
+    connection (its ``Session.binding``, which only the two ends of the connection know). Once it said yes, the
+    connection's later reads naming the same session need no question. Raises ``RemoteRejected`` (nothing
+    written, nothing connected beyond that question) when it says no or cannot be asked."""
+    conn = engine._control.current()
+    if conn is None:
+        raise RemoteRejected("read request outside a control connection")
+    if conn["owner"] == session:
+        return
+    try:
+        rep = _request(engine, session, {"op": "owns", "binding": conn["binding"].hex()},
+                       min(timeout or 10.0, 10.0))
+    except (TransferError, FabricError) as e:
+        raise RemoteRejected(f"read request names session {session!r}, which could not be asked whether it sent "
+                             f"the request: {e}; nothing was written") from None
+    if not rep.get("ok") or rep.get("owns") is not True:
+        log.warning("engine %s: a read request from %s names session %s, which did not send it; refused",
+                    engine.session_id, conn["addr"], session)
+        raise RemoteRejected(f"read request names session {session!r}, which did not send it (the bytes of a "
+                             f"read go only to the engine that asks); nothing was written")
+    conn["owner"] = session

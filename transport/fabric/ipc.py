@@ -55,7 +55,7 @@ from transport.errors import FabricError, FabricUnavailable
 from transport.fabric.base import DEVICE_HOST, MemoryRegion, RegionSpans, WriteBatch, WriteBounds
 from transport.fabric.tcp import (
     HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
-    _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, cuda_stream, cuda_tensor, raw_view, recv_exact,
+    _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, _seal, cuda_stream, cuda_tensor, raw_view, recv_exact,
 )
 from transport.fabric.gpu_copy import BoundCopies, Pending
 from transport.fabric.region_counter import CounterReader, GenerationCounter
@@ -361,7 +361,7 @@ class IpcFabric(TcpFabric):
         # Sent from the receiver thread itself: ipc messages are small, and a sender thread may be parked
         # waiting for a grant, so queueing behind it could deadlock two peers writing to each other.
         with s.send_lock:
-            s.sock.sendall(payload)
+            s.sock.sendall(_seal(s.sess, payload))
 
     def _on_message(self, ep, s, typ, seq, table, payload, st, ack: bool = True) -> None:
         if typ == T_NOTIFY:
@@ -910,8 +910,8 @@ class IpcFabric(TcpFabric):
         if msg.seq >= 0:
             tb = table.tobytes()
             with s.send_lock:
-                s.sock.sendall(HDR.pack(MAGIC, T_NOTIFY, 0, 0, len(table), msg.seq, len(tb) + len(statuses))
-                               + tb + bytes(statuses))
+                s.sock.sendall(_seal(s.sess, HDR.pack(MAGIC, T_NOTIFY, 0, 0, len(table), msg.seq,
+                                                      len(tb) + len(statuses)) + tb + bytes(statuses)))
         ep.on_ack(msg.seq, bytes(statuses))
 
     def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
@@ -922,7 +922,7 @@ class IpcFabric(TcpFabric):
             return
         tb = table.tobytes()
         with s.send_lock:
-            s.sock.sendall(HDR.pack(MAGIC, T_REQ, 0, 0, len(table), msg.seq, len(tb)) + tb)
+            s.sock.sendall(_seal(s.sess, HDR.pack(MAGIC, T_REQ, 0, 0, len(table), msg.seq, len(tb)) + tb))
         deadline = time.monotonic() + self.grant_timeout
         with s.grant_cv:
             while msg.seq not in s.grants:
@@ -942,7 +942,8 @@ class IpcFabric(TcpFabric):
             self._granted_changes += 1
         self._copy_checked(ep, s, msg, statuses, info)
         with s.send_lock:
-            s.sock.sendall(HDR.pack(MAGIC, T_DONE, 0, 0, len(statuses), msg.seq, len(statuses)) + bytes(statuses))
+            s.sock.sendall(_seal(s.sess, HDR.pack(MAGIC, T_DONE, 0, 0, len(statuses), msg.seq, len(statuses))
+                                 + bytes(statuses)))
 
     def _copy_checked(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
         try:

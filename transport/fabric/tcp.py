@@ -6,7 +6,11 @@ Wire protocol (little-endian), per socket, in both directions:
   then HELLO / HELLO_ACK (JSON body), so that the accepting side builds the symmetric endpoint. Each incoming
   connection authenticates in its own thread within ``handshake_timeout`` (``transport.auth.Gate``), so idle
   sockets cannot hold the listener, and the listener survives running out of file descriptors.
-* WRITE: a 32-byte header, a table of ``count`` 48-byte piece descriptors, then the pieces' payloads back to
+* Every frame after the handshake (HELLO included) carries in its header a 16-byte tag under the connection's
+  session key (``transport.auth.Session``) over an implicit per-socket, per-direction sequence number, the header
+  and the piece table (the whole body for ACK and control messages); the payload is not covered, it only lands
+  inside the regions the checked table names. A wrong tag fails the endpoint before anything is acted on.
+* WRITE: a 48-byte header (32 bytes of fields, the tag), a table of ``count`` 48-byte piece descriptors, then the pieces' payloads back to
   back. One message carries many writes (4 KB writes cost one table row, not one syscall each), and a large
   write is cut into pieces spread over the peer's sockets (striping). Every piece carries the bounds of its
   *whole* write, so all pieces of a write are accepted or refused together. A message with header flag
@@ -50,6 +54,7 @@ import struct
 import threading
 import time
 import uuid
+from hmac import compare_digest
 from itertools import islice, repeat
 from operator import add, eq, le, sub
 from typing import Dict, List, Optional, Sequence
@@ -69,9 +74,60 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"PXNT"
 T_HELLO, T_HELLO_ACK, T_WRITE, T_ACK, T_REQ, T_GRANT, T_DONE, T_NOTIFY = 1, 2, 3, 4, 5, 6, 7, 8
-# magic, type, flags, reserved, count, seq, body bytes (table/JSON + payload)
-HDR = struct.Struct("<4sBBHIQQ4x")
-assert HDR.size == 32
+# magic, type, flags, reserved, count, seq, body bytes (table/JSON + payload), then the 16-byte tag (packed as zeros;
+# ``_seal`` fills it at send time, when the frame's place in the socket's sequence is known)
+HDR = struct.Struct("<4sBBHIQQ4x16x")
+assert HDR.size == 48
+_TABLE_TYPES = frozenset((3, 5, 8))  # WRITE, REQ, NOTIFY: the tag covers the piece table, not what follows it
+_TCB = struct.Struct("<4xB3xI8xQ")  # type, count, body bytes of a frame header
+_SEQ = struct.Struct("<Q")
+_NO_TAG = bytes(16)
+
+
+def _seal(sess, buf):
+    """``buf`` (one or more frames back to back, each header and what its tag covers inside it; the last one's
+    payload may follow in other buffers) with every frame's tag filled in, in order, under ``sess`` (None: ``buf``
+    as is). Call it where the frames go out, under the socket's send lock: each tag takes the next sequence
+    number. A tag is keyed BLAKE2b over the sequence number, then the header with its tag field zero (as packed)
+    and the covered bytes, which follow it: one contiguous range."""
+    if sess is None:
+        return buf
+    typ, count, blen = _TCB.unpack_from(buf, 0)
+    end = 48 + (count * 48 if typ in _TABLE_TYPES else blen)
+    n = len(buf)
+    if n <= 48 + blen:  # one frame (the usual case): hashed in place, copied once with its tag
+        if end > n:
+            raise AssertionError(f"frame of type {typ}: its covered bytes end at {end}, past the buffer {n}")
+        h = sess._tx.copy()
+        h.update(_SEQ.pack(sess.tx_n))
+        sess.tx_n += 1
+        h.update(buf if end == n else memoryview(buf)[:end])
+        return b"".join((buf[:32], h.digest(), buf[48:]))
+    b = bytearray(buf)
+    off = 0
+    while off + 48 <= n:
+        typ, count, blen = _TCB.unpack_from(b, off)
+        end = off + 48 + (count * 48 if typ in _TABLE_TYPES else blen)
+        if end > n:
+            raise AssertionError(f"frame of type {typ} at {off}: its covered bytes end at {end}, past the buffer {n}")
+        h = sess._tx.copy()
+        h.update(_SEQ.pack(sess.tx_n))
+        sess.tx_n += 1
+        h.update(memoryview(b)[off:end])
+        b[off + 32:off + 48] = h.digest()
+        off += 48 + blen
+    return b
+
+
+def _frame_check(sess, hdr, body) -> None:
+    """Check a whole received frame (``hdr`` 48 bytes, ``body`` what its tag covers); raises AuthError."""
+    if sess is not None:
+        sess.check(hdr[32:48], hdr[:32], _NO_TAG, body)
+
+
+def _keyed(sock):
+    sess = auth.session_of(sock)
+    return sess if sess is not None and sess.keyed else None
 PIECE_DT = np.dtype([("addr", "<u8"), ("len", "<u8"), ("waddr", "<u8"), ("wlen", "<u8"),
                      ("rkey", "<u4"), ("flags", "<u4"), ("imm", "<u4"), ("wr", "<u4")])
 assert PIECE_DT.itemsize == 48
@@ -596,6 +652,7 @@ class _Sock:
         self.rx_state: Optional[dict] = None
         self.poller = None
         self.fd = sock.fileno()
+        self.sess = _keyed(sock)  # the connection's tags (None without a secret)
         self.want_shared = False  # a caller asked for shared reading (the receive thread switches after a message)
         self.own_reads = 0  # acks of small batches their waiting callers read themselves (counted under ``reader``)
         self.spin: Optional[AdaptiveSpin] = None  # the receive thread's spin while it reads blocking (``recv_spin``)
@@ -821,8 +878,10 @@ class TcpFabric(Fabric):
     over every socket), ``connect_timeout`` (seconds), ``keepalive`` (seconds of silence before a vanished
     host is declared dead via TCP keepalive / TCP_USER_TIMEOUT, default 3), ``ack_timeout`` (seconds the oldest
     pending message may wait for its ack before the endpoint is failed, default 30: catches a peer process that
-    hangs while its kernel keeps the TCP connection up), ``secret`` (shared secret of ``transport.auth``; None:
-    ``PXN_SECRET``; "" or unset: no authentication), ``handshake_timeout`` (seconds an incoming connection has
+    hangs while its kernel keeps the TCP connection up), ``secret`` (shared secret of ``transport.auth``, at least
+    16 bytes; None: ``PXN_SECRET``, else the per-user secret file on a loopback ``hostname``; elsewhere
+    ``insecure`` must be set), ``insecure`` (run without a secret when none is set; None: ``PXN_INSECURE``),
+    ``handshake_timeout`` (seconds an incoming connection has
     to authenticate and say hello, default 5), ``guard_claims`` (the engine's mode: an incoming connection is
     taken only for a peer id announced by ``expect_peer``, and never replaces a live endpoint of that id unless
     announced again), ``max_peers_per_addr`` (live incoming endpoints per source address, default 256),
@@ -855,7 +914,8 @@ class TcpFabric(Fabric):
                  message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
                  ack_timeout: float = 30.0, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
                  guard_claims: bool = False, max_peers_per_addr: int = 256, own_acks: bool = True,
-                 ack_spin: Optional[float] = None, recv_spin: Optional[float] = None):
+                 ack_spin: Optional[float] = None, recv_spin: Optional[float] = None,
+                 insecure: Optional[bool] = None):
         if connections_per_peer is None:
             # loopback on a 2-core box peaks at 2 sockets (more threads only contend); bigger hosts use 4
             connections_per_peer = max(2, min(4, (os.cpu_count() or 2) // 2))
@@ -868,7 +928,7 @@ class TcpFabric(Fabric):
         self.connect_timeout = float(connect_timeout)
         self.keepalive = float(keepalive)
         self.ack_timeout = float(ack_timeout)
-        self._secret = auth.resolve_secret(secret)
+        self._secret = auth.resolve_secret(secret, hostname, insecure)
         self.guard_claims = bool(guard_claims)
         self.max_peers_per_addr = int(max_peers_per_addr)
         self._claims: Dict[str, float] = {}  # peer id -> until when an incoming connection may take it
@@ -1041,7 +1101,7 @@ class TcpFabric(Fabric):
                 auth.client_handshake(s, self._secret, self.name, self.connect_timeout)
                 hello = json.dumps({"id": self._id, "conn": conn_id, "index": i, "n": n,
                                     "desc": json.loads(self.descriptor())}).encode()
-                s.sendall(HDR.pack(MAGIC, T_HELLO, 0, 0, 0, 0, len(hello)) + hello)
+                s.sendall(_seal(_keyed(s), HDR.pack(MAGIC, T_HELLO, 0, 0, 0, 0, len(hello)) + hello))
             for s in socks:
                 hdr = bytearray(HDR.size)
                 recv_exact(s, memoryview(hdr))
@@ -1050,6 +1110,7 @@ class TcpFabric(Fabric):
                     raise FabricError(f"connect to {peer_id}: HELLO_ACK of {blen} B is implausible")
                 body = bytearray(blen)
                 recv_exact(s, memoryview(body))
+                _frame_check(_keyed(s), hdr, body)
                 if magic != MAGIC or typ != T_HELLO_ACK or status != 0:
                     raise FabricError(f"connect to {peer_id}: handshake refused: {bytes(body)[:200]!r}")
                 s.settimeout(None)
@@ -1796,7 +1857,7 @@ class TcpFabric(Fabric):
     def _refuse(self, s: socket.socket, why: str) -> None:
         try:
             msg = why.encode()[:1024]
-            s.sendall(HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 1, 0, len(msg)) + msg)
+            s.sendall(_seal(_keyed(s), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 1, 0, len(msg)) + msg))
         except OSError:
             pass
 
@@ -1811,7 +1872,9 @@ class TcpFabric(Fabric):
         try:
             if magic != MAGIC or typ != T_HELLO or blen > MAX_HELLO:
                 raise ValueError(f"bad hello header {hdr!r}")
-            hello = json.loads(auth.recv_exact(s, blen, a.deadline))
+            body = auth.recv_exact(s, blen, a.deadline)
+            _frame_check(_keyed(s), hdr, body)  # before the hello is parsed or acted on
+            hello = json.loads(body)
             conn, idx, n = str(hello["conn"]), int(hello["index"]), int(hello["n"])
             peer_id, desc = hello["id"], hello["desc"]
             if not isinstance(peer_id, str) or not isinstance(desc, dict) or len(conn) > 64:
@@ -1880,7 +1943,7 @@ class TcpFabric(Fabric):
                 ep.remote_host = host
                 for sk in socks:
                     try:
-                        sk.sendall(HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0))
+                        sk.sendall(_seal(_keyed(sk), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0)))
                     except OSError as e:
                         ep.fail(f"handshake: {e}")
                         break
@@ -1907,6 +1970,9 @@ class TcpFabric(Fabric):
                         s.ctrl.clear()
                         msg = s.data.popleft() if (not ctrl and s.data) else None
                     if ctrl:
+                        sess = s.sess
+                        if sess is not None:  # new frames get their tags now; a memoryview continues a frame
+                            ctrl = [c if type(c) is memoryview else _seal(sess, c) for c in ctrl]
                         send_buffers(s.sock, ctrl)
                     if msg is not None:
                         self._transmit(ep, s, msg)
@@ -1965,7 +2031,10 @@ class TcpFabric(Fabric):
         return [hdr + table] + self._source_buffers(s, msg)
 
     def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
-        send_buffers(s.sock, self._wire_buffers(s, msg))
+        bufs = self._wire_buffers(s, msg)
+        if s.sess is not None:
+            bufs[0] = _seal(s.sess, bufs[0])
+        send_buffers(s.sock, bufs)
 
     @staticmethod
     def _send_now(s: _Sock, bufs: List) -> bool:
@@ -1982,15 +2051,23 @@ class TcpFabric(Fabric):
             # anything queued for control may be the rest of a message sent in part: it goes first
             if s.closed or s.ctrl:
                 return False
+            sess = s.sess
+            if sess is not None:
+                # the tag takes the socket's next sequence number: only once the bytes are sure to go out now
+                tx_n = sess.tx_n
+                bufs = [_seal(sess, bufs[0]), *bufs[1:]]
             try:
                 sent = s.sock.sendmsg(bufs, (), socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
+                if sess is not None:
+                    sess.tx_n = tx_n  # nothing went out: the message is queued and sealed again when sent
                 return False
             rest = []
             for i, b in enumerate(bufs):
                 n = len(b)
                 if sent < n:
-                    rest = [memoryview(b)[sent:]] + list(bufs[i + 1:])
+                    # memoryviews: the sender thread sends them as the rest of a sealed message, not new ones
+                    rest = [memoryview(b)[sent:]] + [memoryview(x) for x in bufs[i + 1:]]
                     break
                 sent -= n
             if rest:
@@ -2060,22 +2137,43 @@ class TcpFabric(Fabric):
     def _read_one(self, ep: TcpEndpoint, s: _Sock, rx, st: dict) -> None:
         """Read and handle one message from socket ``s`` (through ``rx``, its look-ahead reader or the bare socket);
         blocks until the whole message is read. Raises on EOF, a reset or a malformed stream."""
+        sess = s.sess
         if rx is not s.sock:
             magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
+            if sess is not None:  # the header is checked with what its tag covers, before anything acts on it
+                p = rx.pos - 48
+                mac = sess._rx.copy()  # Session.rx_begin, inline: this runs once per frame
+                mac.update(_SEQ.pack(sess.rx_n))
+                sess.rx_n += 1
+                mac.update(rx.view[p:p + 32])
+                mac.update(_NO_TAG)
+                tag = bytes(rx.view[p + 32:p + 48])
         else:
             recv_exact(rx, st["hview"])
             magic, typ, hflags, _, count, seq, blen = HDR.unpack(st["hdr"])
+            if sess is not None:
+                mac = sess._rx.copy()
+                mac.update(_SEQ.pack(sess.rx_n))
+                sess.rx_n += 1
+                mac.update(st["hview"][:32])
+                mac.update(_NO_TAG)
+                tag = bytes(st["hview"][32:48])
         if magic != MAGIC:
             raise ValueError(f"bad magic {magic!r}")
         if typ == T_ACK:
             if count > MAX_TABLE or blen != count:
                 raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
             if rx is not s.sock:  # the statuses are usually in the look-ahead buffer already
-                ep.on_ack(seq, bytes(rx.take(count, memoryview(st["stage"]))))
+                body = bytes(rx.take(count, memoryview(st["stage"])))
             else:
                 body = bytearray(count)
                 recv_exact(rx, memoryview(body))
-                ep.on_ack(seq, bytes(body))
+                body = bytes(body)
+            if sess is not None:
+                mac.update(body)
+                if not compare_digest(mac.digest(), tag):
+                    sess.rx_end(mac, tag)  # raises, naming the connection
+            ep.on_ack(seq, body)
         elif typ in (T_WRITE, T_REQ, T_NOTIFY):
             if count > MAX_TABLE:
                 raise ValueError(f"piece count {count} above {MAX_TABLE}")
@@ -2086,12 +2184,16 @@ class TcpFabric(Fabric):
             if blen - tb > (MAX_WHOLE if whole else ep.max_payload):
                 raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
             if typ == T_WRITE and blen <= SMALL_MESSAGE and self._small_writes:
-                self._on_small_write(ep, s, seq, count, tb, blen, st, hflags)
+                self._on_small_write(ep, s, seq, count, tb, blen, st, hflags, (mac, tag) if sess else None)
                 return
             if len(st["table"]) < tb:
                 st["table"] = bytearray(tb)
             tview = memoryview(st["table"])[:tb]
             recv_exact(rx, tview)
+            if sess is not None:
+                mac.update(tview)
+                if not compare_digest(mac.digest(), tag):
+                    sess.rx_end(mac, tag)
             table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
             if whole and blen - tb > ep.max_payload and not (
                     table["addr"][0] == table["waddr"][0] and table["len"][0] == table["wlen"][0]):
@@ -2105,6 +2207,10 @@ class TcpFabric(Fabric):
                 raise ValueError(f"control message of {count} statuses in {blen} B is implausible")
             body = bytearray(blen)
             recv_exact(rx, memoryview(body))
+            if sess is not None:
+                mac.update(body)
+                if not compare_digest(mac.digest(), tag):
+                    sess.rx_end(mac, tag)  # raises, naming the connection
             self._on_other(ep, s, typ, count, seq, bytes(body))
 
     _OTHER_TYPES: tuple = ()  # message types besides WRITE / REQ / ACK this fabric receives (ipc: GRANT, DONE)
@@ -2266,12 +2372,16 @@ class TcpFabric(Fabric):
         return None
 
     def _on_small_write(self, ep: TcpEndpoint, s: _Sock, seq: int, count: int, tb: int, blen: int,
-                        st: dict, hflags: int = 0) -> None:
+                        st: dict, hflags: int = 0, mac=None) -> None:
         """``_on_message`` for a WRITE message of at most ``SMALL_MESSAGE`` bytes: table and payload taken in one
         receive, the table read by one ``struct`` call, every accepted piece copied to its place from there. The
         checks are ``_validate_pieces``'s, before anything is placed; a table of whole writes into one host region
         (what a ``WriteRows`` post sends) is checked by its extremes."""
         view = st["rx"].take(blen, memoryview(st["stage"]))
+        if mac is not None:  # the header and table checked before the table is read
+            mac[0].update(view[:tb])
+            if not compare_digest(mac[0].digest(), mac[1]):
+                s.sess.rx_end(*mac)
         cols = _table_struct(count).unpack_from(view)
         addrs, lens, waddrs, wlens, rkeys, flags = cols[0::8], cols[1::8], cols[2::8], cols[3::8], cols[4::8], cols[5::8]
         payload = blen - tb

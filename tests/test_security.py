@@ -1018,3 +1018,39 @@ def test_metadata_server_listens_on_loopback_unless_told_otherwise(monkeypatch):
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_verbs_exchange_refuses_a_relay_and_untagged_qp_numbers():
+    """The verbs fabric's connection exchange (QP number, PSN, GID) runs on the handshake's session: a relay that
+    passes the handshake through and then sends its own QP numbers gets no answer and no QP; a plain relay is
+    refused at the handshake; QP numbers whose tag is wrong (bytes injected after an authenticated handshake)
+    are refused before anything is made; the direct connection works."""
+    from fabric_helpers import verbs_unavailable
+    why = verbs_unavailable()
+    if why:
+        pytest.skip(f"verbs: {why}")
+    from transport.errors import PeerLost, UnknownPeer
+    from transport.fabric.verbs import VerbsFabric
+    with VerbsFabric(secret=SECRET) as target, VerbsFabric(secret=SECRET) as sender:
+        info = json.dumps({"id": "127.0.0.1:1", "qpn": 7, "psn": 1, "gid": target.gid, "lid": 0, "mtu": 3}).encode()
+        relays = [_Relay((target.hostname, target.port), hijack=struct.pack("<I", len(info)) + info),
+                  _Relay((target.hostname, target.port))]
+        try:
+            for r in relays:
+                d = json.loads(target.descriptor())
+                d["port"] = int(r.session.rsplit(":", 1)[1])
+                with pytest.raises(PeerLost):
+                    sender.connect(json.dumps(d).encode())
+            assert relays[0].answers == b"", bytes(relays[0].answers[:200])
+            with pytest.raises(UnknownPeer):
+                target.endpoint("127.0.0.1:1")  # no QP was made for the injected numbers
+        finally:
+            for r in relays:
+                r.close()
+        with socket.create_connection((target.hostname, target.port), timeout=10) as s:
+            auth.client_handshake(s, auth.resolve_secret(SECRET), "verbs", 10)
+            s.sendall(struct.pack("<I", len(info)) + info + bytes(auth.TAG_BYTES))
+            assert s.recv(4096) == b"", "the listener answered QP numbers with a wrong tag"
+        with pytest.raises(UnknownPeer):
+            target.endpoint("127.0.0.1:1")
+        assert sender.connect(target.descriptor()).alive

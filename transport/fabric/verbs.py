@@ -268,12 +268,16 @@ def usable_port(device: Optional[str] = None, port_num: Optional[int] = None) ->
 
 
 # ---- the liveness channel's messages ----------------------------------------------------------------------------
-def _send_json(sock: socket.socket, obj) -> None:
+def _send_json(sock: socket.socket, obj, session: Optional["auth.Session"]) -> None:
+    """One message of the connection exchange: length, JSON, and (with a secret) the tag of the connection's
+    session over both, so that QP numbers and GIDs come only from the authenticated peer."""
     data = json.dumps(obj).encode()
-    sock.sendall(struct.pack("<I", len(data)) + data)
+    head = struct.pack("<I", len(data))
+    tag = session.tag(head, data) if session is not None and session.keyed else b""
+    sock.sendall(head + data + tag)
 
 
-def _recv_json(sock: socket.socket):
+def _recv_json(sock: socket.socket, session: Optional["auth.Session"]):
     def exact(n):
         buf = b""
         while len(buf) < n:
@@ -282,10 +286,14 @@ def _recv_json(sock: socket.socket):
                 raise ConnectionError("connection closed during the verbs handshake")
             buf += chunk
         return buf
-    (n,) = struct.unpack("<I", exact(4))
+    head = exact(4)
+    (n,) = struct.unpack("<I", head)
     if n > 1 << 16:
         raise ValueError(f"handshake message of {n} B is implausible")
-    return json.loads(exact(n))
+    data = exact(n)
+    if session is not None and session.keyed:
+        session.check(exact(auth.TAG_BYTES), head, data)  # AuthError before anything in it is used
+    return json.loads(data)
 
 
 # ---- endpoints ---------------------------------------------------------------------------------------------------
@@ -347,8 +355,10 @@ class VerbsFabric(Fabric):
     (queue depths per QP), ``max_inline`` (bytes asked for as the QP's ``max_inline_data``; the QP's answer is
     used), ``cq_batch`` (WCs per poll), ``connect_timeout`` (seconds for the connection exchange),
     ``ack_timeout`` (seconds without an ACK before a write fails: sets the QP's ``timeout`` and ``retry_cnt``),
-    ``secret`` (``transport.auth``: the exchange proves it before any QP is made; None: ``PXN_SECRET``),
-    ``handshake_timeout`` and ``guard_claims`` (the engine's: see ``expect_peer``)."""
+    ``secret`` (``transport.auth``: the exchange proves it before any QP is made, and its messages carry the
+    connection's tags; None: ``PXN_SECRET``, else the per-user secret file on loopback), ``insecure`` (run
+    without a secret on another address: ``transport.auth.resolve_secret``), ``handshake_timeout`` and
+    ``guard_claims`` (the engine's: see ``expect_peer``)."""
 
     name = "verbs"
     capabilities = frozenset({"nic_ports", "selective_signaling", "write_batches", "completion_callback",
@@ -358,7 +368,7 @@ class VerbsFabric(Fabric):
                  port_num: Optional[int] = None, gid_index: Optional[int] = None, max_send_wr: int = 4096,
                  max_recv_wr: int = 1024, max_inline: int = 256, cq_batch: int = 64, connect_timeout: float = 10.0,
                  ack_timeout: Optional[float] = None, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
-                 guard_claims: bool = False):
+                 guard_claims: bool = False, insecure: Optional[bool] = None):
         for what, value in (("max_send_wr", max_send_wr), ("max_recv_wr", max_recv_wr), ("cq_batch", cq_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"verbs: {what} must be an int >= 1, got {value!r}")
@@ -368,7 +378,7 @@ class VerbsFabric(Fabric):
             raise ValueError(f"verbs: connect_timeout must be > 0 seconds, got {connect_timeout!r}")
         if ack_timeout is not None and not ack_timeout > 0:
             raise ValueError(f"verbs: ack_timeout must be > 0 seconds, got {ack_timeout!r}")
-        self._secret = auth.resolve_secret(secret)
+        self._secret = auth.resolve_secret(secret, hostname, insecure)
         self.v = v = _import_pyverbs()
         self.e = e = v["e"]
         if gid_index is None:
@@ -589,16 +599,16 @@ class VerbsFabric(Fabric):
         sock = None
         try:
             sock = socket.create_connection((host, port), timeout=self.connect_timeout)
-            auth.client_handshake(sock, self._secret, self.name, self.connect_timeout)
-            _send_json(sock, self._local_info(qp, psn))
-            peer = _recv_json(sock)
+            session = auth.client_handshake(sock, self._secret, self.name, self.connect_timeout)
+            _send_json(sock, self._local_info(qp, psn), session)
+            peer = _recv_json(sock, session)
             if "error" in peer:
                 raise ConnectionError(f"refused: {peer['error']}")
             self._bring_up(qp, peer, psn)
-            _send_json(sock, {"ready": True})
-            _recv_json(sock)
+            _send_json(sock, {"ready": True}, session)
+            _recv_json(sock, session)
             sock.settimeout(None)
-        except (OSError, ConnectionError, ValueError, FabricError) as ex:
+        except (OSError, ConnectionError, ValueError, FabricError, auth.AuthError) as ex:
             for obj in (qp, cq, sock):
                 if obj is not None:
                     obj.close()
@@ -638,20 +648,20 @@ class VerbsFabric(Fabric):
     def _incoming(self, a: "auth.Admitted") -> None:
         """One incoming connection exchange (its own thread): authenticate first, then QP numbers."""
         sock = a.sock
-        auth.server_handshake(sock, self._secret, self.name, a.deadline, a.established)
+        session = auth.server_handshake(sock, self._secret, self.name, a.deadline, a.established)
         sock.settimeout(max(0.1, a.deadline - time.monotonic()))
-        peer = _recv_json(sock)
+        peer = _recv_json(sock, session)
         why = self._claim_refusal(str(peer.get("id")))
         if why is not None:
             log.warning("verbs %s: refused a connection from %s: %s", self._id, a.addr, why)
-            _send_json(sock, {"error": why})
+            _send_json(sock, {"error": why}, session)
             return
         qp, cq, inline = self._new_qp()
         try:
             psn = random.getrandbits(24)
-            _send_json(sock, self._local_info(qp, psn))
+            _send_json(sock, self._local_info(qp, psn), session)
             self._bring_up(qp, peer, psn)
-            _recv_json(sock)
+            _recv_json(sock, session)
         except BaseException:
             qp.close()
             cq.close()
@@ -661,7 +671,7 @@ class VerbsFabric(Fabric):
         sock.settimeout(None)
         self._register_ep(peer["id"], qp, cq, inline, sock)  # registered before "ready": symmetric connect
         a.sock = None  # the endpoint owns it now (the watch thread reads it)
-        _send_json(sock, {"ready": True})
+        _send_json(sock, {"ready": True}, session)
 
     def _watch_loop(self) -> None:
         """The endpoints' TCP channels carry nothing after the exchange; EOF on one means the peer process is gone

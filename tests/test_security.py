@@ -586,17 +586,20 @@ def test_garbage_flood_keeps_the_engine_serving(victim, src, rng):
         _legit_write(eng, victim, src, rng)
 
 
-# --- no secret (insecure=True): the old behaviour, one warning per engine ------------------------------------
+# --- no secret (insecure=True): one warning per process, each engine's ports at INFO ----------------------------
 def test_no_secret_warns_once_naming_host_and_ports(caplog, monkeypatch, src):
-    import transport.engine
+    import transport.auth
     monkeypatch.delenv("PXN_SECRET", raising=False)
-    monkeypatch.setattr(transport.engine, "_NO_SECRET_WARNED", [False])  # as in a fresh process
-    with caplog.at_level(logging.WARNING, logger="transport.engine"):
+    monkeypatch.setattr(transport.auth, "_WARNED_INSECURE", False)  # as in a fresh process
+    with caplog.at_level(logging.INFO, logger="transport"):
         with TransferEngine(fabric="tcp", insecure=True) as a, TransferEngine(fabric="tcp", insecure=True) as b:
-            warns = [r.getMessage() for r in caplog.records if "no shared secret" in r.getMessage()]
-            assert len(warns) == 1, warns  # once per process, not once per engine
-            assert str(a.port) in warns[0] and a.hostname in warns[0]
-            assert all(str(f.port) in warns[0] for f in a.fabrics)
+            warns = [r.getMessage() for r in caplog.records
+                     if r.levelno >= logging.WARNING and "shared secret" in r.getMessage()]
+            assert len(warns) == 1 and "insecure" in warns[0], warns  # once per process, not once per engine
+            ports = [r.getMessage() for r in caplog.records if "no shared secret" in r.getMessage()]
+            mine = [m for m in ports if f"control port {a.port} " in m]
+            assert len(mine) == 1 and a.hostname in mine[0], ports
+            assert all(str(f.port) in mine[0] for f in a.fabrics)
             a.register(src)
             b.register(np.zeros(1, dtype=np.uint8))  # noqa — b serves as the receiver below
             buf = np.full(4096, POISON, dtype=np.uint8)

@@ -94,10 +94,7 @@ def _peer_main(conn, sizes: Dict[str, tuple], engine_kwargs: dict, log_level: in
     state = {}
 
     def start():
-        import transport.engine
         from transport.engine import TransferEngine
-        # the sending process already warned if this run has no shared secret: one line per run, not two
-        transport.engine._NO_SECRET_WARNED[0] = True
         engine = state["engine"] = TransferEngine(**engine_kwargs)
         mems = state["mems"] = {}
         for name, (nbytes, device) in sizes.items():

@@ -163,10 +163,6 @@ class _Peer:
         return False
 
 
-_NO_SECRET_WARNED = [False]  # whether this process logged the "no shared secret" warning (once per process)
-_NO_SECRET_LOCK = threading.Lock()
-
-
 def _plain(value):
     """``value`` with every numpy scalar inside it as the Python number it holds, so that ``stats()`` compares,
     formats and serialises like plain data."""
@@ -390,15 +386,11 @@ class TransferEngine(Pipeline):
                 t.start()
                 self._threads.append(t)
         if self._secret is None:
+            # insecure=True / PXN_INSECURE=1: transport.auth warned once for the process; the ports go to INFO
             ports = [str(getattr(f, "port", "?")) for f in self.fabrics]
-            # once per process: a program with several engines (a test, a benchmark) gets one line, not one each
-            with _NO_SECRET_LOCK:
-                first = not _NO_SECRET_WARNED[0]
-                _NO_SECRET_WARNED[0] = True
-            (log.warning if first else log.debug)(
-                "pxn engine %s: no shared secret (secret= / PXN_SECRET): any process that can reach %s may write "
-                "into this engine's registered memory through control port %d and %s rail port(s) %s",
-                self.session_id, hostname, self.port, self.fabric_name, ", ".join(ports))
+            log.info("pxn engine %s: no shared secret (insecure): any process that can reach %s may write into "
+                     "this engine's registered memory through control port %d and %s rail port(s) %s",
+                     self.session_id, hostname, self.port, self.fabric_name, ", ".join(ports))
         log.info("pxn engine %s: fabric %s, %d rail(s), coalesce < %d B, slots %d x %d x %d B",
                  self.session_id, self.fabric_name, len(self.fabrics), self.coalesce_bytes, self.lanes,
                  self.relay_slots, self.slot_bytes)
@@ -590,8 +582,8 @@ class TransferEngine(Pipeline):
         Returns:
             None, once every byte is placed at the peer.
         Raises:
-            InvalidTransfer (nothing written): a timeout that is not a number > 0, mismatched lists, bad length, unregistered source, destination
-            outside the peer's regions; UnknownSession (nothing written); RemoteRejected: the peer refused a chunk
+            InvalidTransfer (nothing written): a timeout that is not a number > 0, mismatched lists, bad length,
+            unregistered source, destination outside the peer's regions; UnknownSession (nothing written); RemoteRejected: the peer refused a chunk
             or write; TransferTimeout; TransferError with ``causes`` when every rail failed.
         """
         timeout = batch_timeout(timeout, self.default_timeout)

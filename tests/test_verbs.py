@@ -342,3 +342,18 @@ def test_threads_do_not_grow_with_endpoints():
         while time.time() < deadline and any(hub.endpoint(p.local_id).alive for p in peers):
             time.sleep(0.05)
         assert not any(hub.endpoint(p.local_id).alive for p in peers), "closed peers still look alive"
+
+
+def test_guarded_listener_takes_only_announced_rail_ids():
+    """With ``guard_claims`` (as an engine makes its rails) a connection is taken only for a rail id an
+    authenticated control hello announced (``expect_peer``), once; others are refused and make no QP."""
+    from transport.errors import PeerLost, UnknownPeer
+    from transport.fabric.verbs import VerbsFabric
+    with VerbsFabric(secret=SECRET, guard_claims=True) as target, VerbsFabric(secret=SECRET) as sender:
+        with pytest.raises(PeerLost, match="not announced"):
+            sender.connect(target.descriptor())
+        with pytest.raises(UnknownPeer):
+            target.endpoint(sender.local_id)
+        target.expect_peer(sender.local_id, ttl=10)
+        ep = sender.connect(target.descriptor())
+        assert ep.alive and target.endpoint(sender.local_id).alive

@@ -682,6 +682,37 @@ def _peer_text(addr) -> str:
     return str(addr)
 
 
+class RailClaims:
+    """Rail ids that authenticated control hellos announced (a fabric's ``expect_peer``), each good for one
+    incoming rail connection within its ttl. Off (``enabled`` False: a fabric not made by an engine), every id is
+    taken. Thread-safe."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = bool(enabled)
+        self._until: Dict[str, float] = {}  # peer id -> until when an incoming connection may take it
+        self._lock = threading.Lock()
+
+    def expect(self, peer_id: str, ttl: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, t in self._until.items() if t < now]:
+                del self._until[k]
+            self._until[peer_id] = now + ttl
+
+    def refusal(self, peer_id: str, held_alive: bool) -> Optional[str]:
+        """Why an incoming connection may not take ``peer_id`` (None: it may); consumes its announcement.
+        ``held_alive``: a live endpoint of that id exists here."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            until = self._until.pop(peer_id, None)
+        if until is not None and until >= time.monotonic():
+            return None
+        if held_alive:
+            return f"peer id {peer_id!r} is held by a live connection"
+        return f"peer id {peer_id!r} was not announced by an authenticated control hello"
+
+
 def _shutdown(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)

@@ -931,7 +931,7 @@ class TcpFabric(Fabric):
         self._secret = auth.resolve_secret(secret, hostname, insecure)
         self.guard_claims = bool(guard_claims)
         self.max_peers_per_addr = int(max_peers_per_addr)
-        self._claims: Dict[str, float] = {}  # peer id -> until when an incoming connection may take it
+        self._claims = auth.RailClaims(self.guard_claims)
         self._groups: Dict[str, dict] = {}  # connection id -> sockets of one incoming endpoint, still gathering
         self._group_cv = threading.Condition()
         self._closed = False
@@ -1828,23 +1828,12 @@ class TcpFabric(Fabric):
         """Allow one incoming connection to take ``peer_id`` within ``ttl`` seconds, replacing a live endpoint
         of that id if there is one (with ``guard_claims``; the engine calls this for the rail ids a sender
         announced over its authenticated control connection)."""
-        now = time.monotonic()
-        with self._lock:
-            for k in [k for k, t in self._claims.items() if t < now]:
-                del self._claims[k]
-            self._claims[peer_id] = now + ttl
+        self._claims.expect(peer_id, ttl)
 
     def _claim_locked(self, peer_id: str) -> Optional[str]:
         """Why an incoming connection may not take ``peer_id`` (None: it may); consumes an announcement."""
-        if not self.guard_claims:
-            return None
-        until = self._claims.pop(peer_id, None)
-        if until is not None and until >= time.monotonic():
-            return None
         old = self._endpoints.get(peer_id)
-        if old is not None and old.alive:
-            return f"peer id {peer_id!r} is held by a live connection"
-        return f"peer id {peer_id!r} was not announced by an authenticated control hello"
+        return self._claims.refusal(peer_id, old is not None and old.alive)
 
     def admission_stats(self) -> dict:
         """Incoming connections: accepted, authenticated, refused by cause (``transport.auth.Gate.stats``), plus

@@ -390,7 +390,6 @@ class VerbsFabric(Fabric):
             cq_batch
         self.connect_timeout = float(connect_timeout)
         self.timeout_exp, self.retry_cnt = _qp_timeout(ack_timeout)
-        self.guard_claims = bool(guard_claims)
         self.ctx = v["Context"](name=self.device)
         self.pd = v["PD"](self.ctx)
         self.access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
@@ -400,7 +399,7 @@ class VerbsFabric(Fabric):
         self._regions: Dict[int, tuple] = {}  # lkey -> (MemoryRegion, pyverbs MR, dmabuf fd or None)
         self._eps: Dict[str, VerbsEndpoint] = {}
         self._live: List[VerbsEndpoint] = []  # endpoints whose CQ the progress thread polls
-        self._claims: Dict[str, float] = {}
+        self._claims = auth.RailClaims(guard_claims)
         self._connecting: Dict[str, threading.Lock] = {}  # peer id -> held while connecting to it
         self._channels = selectors.DefaultSelector()  # every endpoint's liveness socket, read by one thread
         self._cq_out = CompletionQueue()
@@ -627,23 +626,12 @@ class VerbsFabric(Fabric):
         """Allow one incoming connection to take ``peer_id`` within ``ttl`` seconds, replacing a live endpoint
         of that id if there is one (with ``guard_claims``; the engine calls this for the rail ids a sender
         announced over its authenticated control connection)."""
-        now = time.monotonic()
-        with self._lock:
-            for k in [k for k, t in self._claims.items() if t < now]:
-                del self._claims[k]
-            self._claims[peer_id] = now + ttl
+        self._claims.expect(peer_id, ttl)
 
     def _claim_refusal(self, peer_id: str) -> Optional[str]:
-        if not self.guard_claims:
-            return None
         with self._lock:
-            until = self._claims.pop(peer_id, None)
-            if until is not None and until >= time.monotonic():
-                return None
             old = self._eps.get(peer_id)
-        if old is not None and old.alive:
-            return f"peer id {peer_id!r} is held by a live connection"
-        return f"peer id {peer_id!r} was not announced by an authenticated control hello"
+        return self._claims.refusal(peer_id, old is not None and old.alive)
 
     def _incoming(self, a: "auth.Admitted") -> None:
         """One incoming connection exchange (its own thread): authenticate first, then QP numbers."""

@@ -334,7 +334,6 @@ class VerbsEndpoint(Endpoint):
         self.retired = 0  # every work request up to this sequence number has completed
         self.pending: "collections.deque[_Posted]" = collections.deque()
         self.settled = False  # the QP's outcome is known: pending work was completed or failed
-        self.keep = None
 
     @property
     def alive(self) -> bool:
@@ -861,7 +860,6 @@ class VerbsFabric(Fabric):
                     ep.pending.append(records[queued])
                     queued += 1
                 ep.next_seq = last + 1
-                ep.keep = wrs  # the chain's C structs must outlive ibv_post_send
                 try:
                     ep.qp.post_send(wrs[0])
                 except Exception as ex:  # noqa: BLE001 — ENOMEM / EINVAL

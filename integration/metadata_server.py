@@ -57,6 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 from typing import Dict, Optional
 from urllib.parse import parse_qs, urlsplit
+from transport.errors import MetadataRequestRefused
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +82,6 @@ def sign(secret: bytes, method: str, key: str, body: bytes, now: Optional[float]
 def _mac(secret: bytes, method: str, key: str, ts: str, nonce: str, body: bytes) -> str:
     msg = "|".join(("pxn-meta-1", method.upper(), key, ts, nonce)).encode() + b"|" + hashlib.sha256(body).digest()
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, text: str):
-        super().__init__(text)
-        self.status = status
-        self.text = text
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -133,9 +127,9 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 chunk = self.rfile.read1(min(n - len(buf), 1 << 16))
             except socket.timeout:
-                raise _Refused(408, "request body not received in time") from None
+                raise MetadataRequestRefused(408, "request body not received in time") from None
             if not chunk:
-                raise _Refused(400, "request body shorter than its Content-Length")
+                raise MetadataRequestRefused(400, "request body shorter than its Content-Length")
             buf += chunk
         return bytes(buf)
 
@@ -161,9 +155,9 @@ class _Handler(BaseHTTPRequestHandler):
             except ValueError:
                 n = -1
             if n < 0:
-                raise _Refused(400, "bad Content-Length")
+                raise MetadataRequestRefused(400, "bad Content-Length")
             if n > srv.max_body:
-                raise _Refused(413, f"body of {n} B above the server's {srv.max_body} B")
+                raise MetadataRequestRefused(413, f"body of {n} B above the server's {srv.max_body} B")
             with srv.lock:
                 old = srv.store.get(key)
                 self._room(key, n, old)
@@ -172,11 +166,11 @@ class _Handler(BaseHTTPRequestHandler):
             with srv.lock:
                 old = srv.store.get(key)
                 if "rpc_meta" in key and old is not None:
-                    raise _Refused(400, "Duplicate rpc_meta key not allowed")
+                    raise MetadataRequestRefused(400, "Duplicate rpc_meta key not allowed")
                 self._room(key, n, old)
                 srv.store[key] = body
                 srv.total += n - (len(old) if old is not None else 0)
-        except _Refused as e:
+        except MetadataRequestRefused as e:
             self._refuse(e)
             return
         self._reply(200, b"metadata updated")
@@ -189,7 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             self._check_auth("DELETE", key, b"")
-        except _Refused as e:
+        except MetadataRequestRefused as e:
             self._refuse(e)
             return
         with self.server.lock:
@@ -201,9 +195,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _room(self, key: str, n: int, old: Optional[bytes]) -> None:
         srv = self.server
         if old is None and len(srv.store) >= srv.max_keys:
-            raise _Refused(507, f"the server holds {srv.max_keys} keys already")
+            raise MetadataRequestRefused(507, f"the server holds {srv.max_keys} keys already")
         if srv.total - (len(old) if old is not None else 0) + n > srv.max_bytes:
-            raise _Refused(507, f"the server holds {srv.total} B; {n} B more would pass its {srv.max_bytes} B")
+            raise MetadataRequestRefused(507, f"the server holds {srv.total} B; {n} B more would pass its {srv.max_bytes} B")
 
     def _check_auth(self, method: str, key: str, body: bytes) -> None:
         srv = self.server
@@ -212,20 +206,20 @@ class _Handler(BaseHTTPRequestHandler):
         value = self.headers.get(AUTH_HEADER) or ""
         parts = value.split(":")
         if len(parts) != 3:
-            raise _Refused(403, "wrong or missing secret")
+            raise MetadataRequestRefused(403, "wrong or missing secret")
         ts, nonce, mac = parts
         try:
             age = abs(time.time() - int(ts))
         except ValueError:
-            raise _Refused(403, "wrong or missing secret") from None
+            raise MetadataRequestRefused(403, "wrong or missing secret") from None
         if age > MAX_SKEW or not 16 <= len(nonce) <= 64:
-            raise _Refused(403, "wrong or missing secret (request too old, or clocks apart)")
+            raise MetadataRequestRefused(403, "wrong or missing secret (request too old, or clocks apart)")
         if not hmac.compare_digest(mac.encode(), _mac(srv.secret, method, key, ts, nonce, body).encode()):
-            raise _Refused(403, "wrong or missing secret")
+            raise MetadataRequestRefused(403, "wrong or missing secret")
         if not srv.fresh(nonce):
-            raise _Refused(403, "wrong or missing secret (request replayed)")
+            raise MetadataRequestRefused(403, "wrong or missing secret (request replayed)")
 
-    def _refuse(self, e: _Refused) -> None:
+    def _refuse(self, e: MetadataRequestRefused) -> None:
         if e.status == 403:
             self.server.warn_refused(self.client_address, f"{self.command} {self.path[:200]}: {e.text}")
         self._reply(e.status, e.text.encode())

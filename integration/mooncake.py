@@ -101,15 +101,15 @@ import itertools
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from transport.config import EngineConfig
-from transport.errors import (FabricClosed, FabricError, FabricUnavailable, ForeignSegment, InvalidTransfer,
-                              PeerLost, PxnError, RemoteRejected, TransferError, TransferTimeout, UnknownPeer)
+from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, FabricUnavailable, ForeignSegment,
+                              InvalidTransfer, PeerLost, PxnError, RegionOverlap, RemoteRejected, TransferError,
+                              TransferTimeout, UnknownPeer)
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +136,6 @@ ERR_INTERNAL = -599
 
 _NAMES = {v: k for k, v in globals().items() if k.startswith("ERR_") and isinstance(v, int)}
 
-# InvalidTransfer covers both "malformed call" and "address not registered"; the engine's messages name which
-# (transport/engine.py _submit / _keys and RegionTable). Matching text couples us to those messages, so the
-# integration tests assert the exact code for both cases: a reworded message fails a test, not a deployment.
-_NOT_REGISTERED = re.compile(r"not inside a region|outside every region|was deregistered|no longer advertised|"
-                             r"no registered region")
-_OVERLAP = re.compile(r"overlaps")
 
 P2PHANDSHAKE = "P2PHANDSHAKE"
 _PROTOCOLS = {"tcp": "tcp", "rdma": "verbs", "verbs": "verbs", "auto": "auto", "ipc": "ipc"}
@@ -194,15 +188,13 @@ def error_name(code: int) -> str:
 def error_code(exc: BaseException) -> int:
     """Map a pxn exception to its negative code (module docstring). Order matters: the narrowest class first
     (``UnknownSession`` is also an ``InvalidTransfer`` and an ``UnknownPeer``)."""
-    from transport.engine import UnknownSession  # the engine module is heavy; loaded when first needed
-    if isinstance(exc, UnknownSession) or isinstance(exc, UnknownPeer):
+    if isinstance(exc, UnknownPeer):  # before InvalidTransfer: UnknownSession is both
         return ERR_METADATA
+    if isinstance(exc, AddressNotRegistered):
+        return ERR_ADDRESS_NOT_REGISTERED
+    if isinstance(exc, RegionOverlap):
+        return ERR_ADDRESS_OVERLAPPED
     if isinstance(exc, InvalidTransfer):
-        text = str(exc)
-        if _NOT_REGISTERED.search(text):
-            return ERR_ADDRESS_NOT_REGISTERED
-        if _OVERLAP.search(text):
-            return ERR_ADDRESS_OVERLAPPED
         return ERR_INVALID_ARGUMENT
     if isinstance(exc, TransferTimeout):
         return ERR_TIMEOUT
@@ -943,7 +935,7 @@ class TransferEngine:
             raise InvalidTransfer(f"register: address {addr!r} and length {length!r} must be ints")
         if length > 0 and eng._regions.find(addr, length) is not None:
             # Mooncake refuses a second registration of a range as an overlap (-7), the same range included
-            raise InvalidTransfer(f"register 0x{addr:x}+{length}: overlaps a registered region (registered "
+            raise RegionOverlap(f"register 0x{addr:x}+{length}: overlaps a registered region (registered "
                                   f"already)")
         if dev is None:
             dev = pointer_device(addr)
@@ -1063,7 +1055,7 @@ class TransferEngine:
             return
         region = self._eng()._regions.find(addr, length)
         if region is None or not (region.addr <= addr and addr + length <= region.addr + region.length):
-            raise InvalidTransfer(f"{what}: 0x{addr:x} + {length} is not inside a region registered with this "
+            raise AddressNotRegistered(f"{what}: 0x{addr:x} + {length} is not inside a region registered with this "
                                   f"engine")
         if region.device >= 0:
             raise InvalidTransfer(f"{what}: 0x{addr:x} is GPU memory (cuda:{region.device}); only host memory is "

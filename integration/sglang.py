@@ -61,6 +61,7 @@ from typing import Dict, List, Optional, Union
 
 from integration.mooncake import TransferEngine as MooncakeCompatEngine
 from integration.mooncake import error_name, force_tcp
+from transport.errors import PxnFeatureUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -239,11 +240,6 @@ def _kv_manager_init_engine(self) -> None:
     """REPLACE of ``MooncakeKVManager.init_engine``: the manager moves KV pages and aux rows with pxn."""
     args = getattr(self, "kv_args", None)
     self.engine = shared_kv_engine(getattr(args, "gpu_id", None), getattr(args, "ib_device", None))
-
-
-class PxnFeatureUnavailable(RuntimeError):
-    """An sglang feature other than KV disaggregation asked for sglang's shared Mooncake engine while Mooncake is
-    not installed: pxn serves only the KV transfer of prefill / decode disaggregation."""
 
 
 # which sglang feature uses the shared engine, by the module asking (for the error message)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 from typing import Optional, Type
 
+from pxn_kernels.errors import CudaDriverError
+
 _LIBRARY = "libcuda.so.1"
 
 _vp, _int, _uint, _size, _u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_uint64
@@ -52,15 +54,6 @@ def driver():
             fn.restype = ctypes.c_int
         _lib = lib  # published complete: two threads racing here each load a full handle, one is kept
     return _lib
-
-
-class CudaDriverError(RuntimeError):
-    """A libcuda call returned an error: ``call`` (the driver function), ``code`` (its CUresult) and ``name``
-    (the driver's name for the code, None when it has none)."""
-
-    def __init__(self, message: str, call: str = "", code: int = 0, name: Optional[str] = None):
-        super().__init__(message)
-        self.call, self.code, self.name = call, code, name
 
 
 def error_name(code: int) -> Optional[str]:

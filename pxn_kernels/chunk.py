@@ -37,7 +37,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from transport.errors import ChunkFormatError
+from pxn_kernels.errors import ChunkFormatError
 
 MAGIC = b"PXN1"
 VERSION = 1

@@ -24,21 +24,12 @@ import threading
 from typing import Dict, Iterable, List, Set, Tuple
 
 import numpy as np
+from pxn_kernels.errors import PeerAccessError
 
 DEVICE_HOST = -1
 
 __all__ = ["PeerAccessError", "can_access_peer", "ensure_peer_access", "enabled_pairs", "peer_access_disabled",
            "pointer_devices", "forget_pointer_cache"]
-
-
-class PeerAccessError(RuntimeError):
-    """Two GPUs cannot reach each other's memory directly (no peer access); the message names both."""
-
-    def __init__(self, device: int, peer: int, why: str = "cudaDeviceCanAccessPeer is 0"):
-        super().__init__(f"GPU {device} cannot access GPU {peer}'s memory directly ({why}); use a staged copy or a "
-                         f"route that does not need this pair")
-        self.device = device
-        self.peer = peer
 
 
 _lock = threading.Lock()

@@ -62,7 +62,7 @@ class Case:
         self.rng = np.random.default_rng(_seed())
         # RC semantics: a refused write fails its endpoint (both QPs go to the error state), and the fabric
         # connects anew; tcp and ipc keep an endpoint through a refusal
-        self.rc = "refusal_fails_endpoint" in self.fab.capabilities
+        self.rc = self.fab.capabilities.refusal_fails_endpoint
 
     @property
     def ep(self):
@@ -159,7 +159,7 @@ def test_unsignaled_writes_complete_silently_but_errors_still_complete(case):
     """Selective signaling: only the signaled write of a run completes on success, after every silent one before
     it has landed; a silent write that is refused still completes with its error. A fabric without the
     capability completes every write, which the engine also handles."""
-    selective = "selective_signaling" in case.fab.capabilities
+    selective = case.fab.capabilities.selective_signaling
     n = 300
     data = case.fresh(n * 97)
     reqs = [case.req(97 * i, 97, 97 * i + 3, wr_id=100 + i) for i in range(n)]
@@ -185,7 +185,7 @@ def test_unsignaled_writes_complete_silently_but_errors_still_complete(case):
 
 
 def _batches(case):
-    if "write_batches" not in case.fab.capabilities:
+    if not case.fab.capabilities.write_batches:
         pytest.skip(f"{case.name} does not declare write_batches")
 
 
@@ -350,7 +350,7 @@ def test_inline_write_places_every_byte_or_declines_writing_nothing(case):
     dst_off = np.cumsum(lens + gaps) - lens + 3
     batch = _bounded_batch(case, src_off, lens, dst_off, 0)
     args = (batch.local_addr, batch.remote_addr, batch.length, batch.bounds, total)
-    if "inline_writes" not in case.fab.capabilities:
+    if not case.fab.capabilities.inline_writes:
         assert case.fab.write_inline(case.ep, *args) is None
         _assert_untouched(t, [(REGION - 1, 1)], "a declined write")
         return
@@ -399,7 +399,7 @@ def test_inline_write_over_regions_places_every_byte_or_declines_writing_nothing
                         int((ra + lens).max()), ((lkey, case.src.addr, case.src.addr + half),
                                                  (lkey, case.src.addr, case.src.addr + REGION)),
                         ((t.rkey, t.addr, t.addr + half), (t.rkey, t.addr + half, t.addr + REGION)), where)
-    if "inline_writes" not in case.fab.capabilities:
+    if not case.fab.capabilities.inline_writes:
         assert case.fab.write_inline_regions(case.ep, la, ra, lens, spans, total) is None
         _assert_untouched(t, [(REGION - 1, 1)], "a declined write")
         return
@@ -430,7 +430,7 @@ def test_inline_write_over_regions_is_checked_again_after_a_local_deregistration
     local regions the spans name: the same spans are declined, with nothing written. Pieces alternate between
     the fabric's source region and a second local region, and between two spans of the target's region. A fabric
     without ``inline_writes`` declines every round, writing nothing."""
-    inline = "inline_writes" in case.fab.capabilities
+    inline = case.fab.capabilities.inline_writes
     t = case.target
     lens, total, data, src_off = _described_odd_pieces(case, 82, 40, 7)
     other = Buffer(total + 4096, case.device)
@@ -539,7 +539,7 @@ def test_writes_after_events_follow_producer_and_free_sources_after_reuse_event(
     total = int(lens.sum())
     keys = np.full(lens.size, t.rkey), np.full(lens.size, case.mr.lkey)
     for as_batch, wr_id in ((True, 61), (False, 62)):
-        if as_batch and "write_batches" not in case.fab.capabilities:
+        if as_batch and not case.fab.capabilities.write_batches:
             continue
         t.call("poison")
         data = case.rng.integers(0, 256, total, dtype=np.uint8)
@@ -571,7 +571,7 @@ def test_writes_after_events_follow_producer_and_free_sources_after_reuse_event(
         reusable = case.fab.post_writes_after(case.ep, reqs, after)
         if reusable is not None:
             import torch
-            assert "event_ordered_writes" in case.fab.capabilities
+            assert case.fab.capabilities.event_ordered_writes
             overwrite = torch.cuda.Stream(case.device)
             overwrite.wait_event(reusable)
             with torch.cuda.stream(overwrite):
@@ -891,7 +891,7 @@ def test_local_writer_only_where_declared_and_for_the_verified_process(case):
     ``process_vm_readv``: the fallback for a counter whose memfd cannot be opened)."""
     pid = os.getpid()  # never the target's
     hello = {"region_gen_addr": case.target.addr, "region_gen": 0, "region_gen_fd": -1, "pid": pid}
-    if "loadstore" not in case.fab.capabilities:
+    if not case.fab.capabilities.loadstore:
         assert case.fab.local_writer(case.ep, hello) is None
         return
     true_pid = case.fab.peer_pid(case.ep)

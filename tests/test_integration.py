@@ -665,12 +665,15 @@ def test_batch_register_is_all_or_nothing():
 
 def test_error_code_mapping():
     from transport.engine import UnknownSession
-    from transport.errors import (FabricClosed, FabricUnavailable, InvalidTransfer, PeerLost, RemoteRejected,
-                                  TransferError, TransferTimeout)
+    from transport.errors import (AddressNotRegistered, FabricClosed, FabricUnavailable, InvalidTransfer, PeerLost,
+                                  RegionOverlap, RemoteRejected, TransferError, TransferTimeout)
     cases = [
         (InvalidTransfer("lengths[0] = 0: every length must be >= 1"), mc.ERR_INVALID_ARGUMENT),
-        (InvalidTransfer("dsts[2] = 0x10 + lengths[2] = 1 is outside every region session x registered"),
+        (AddressNotRegistered("dsts[2] = 0x10 + lengths[2] = 1 is outside every region session x registered"),
          mc.ERR_ADDRESS_NOT_REGISTERED),
+        (RegionOverlap("register 0x10+4: overlaps a registered region"), mc.ERR_ADDRESS_OVERLAPPED),
+        # the class decides, not the words: a plain InvalidTransfer is a bad argument whatever it says
+        (InvalidTransfer("dsts[0] is outside every region; it overlaps"), mc.ERR_INVALID_ARGUMENT),
         (UnknownSession("no pxn engine answers"), mc.ERR_METADATA),
         (TransferTimeout("late"), mc.ERR_TIMEOUT),
         (RemoteRejected("refused"), mc.ERR_REMOTE_REJECTED),

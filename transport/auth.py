@@ -62,8 +62,7 @@ import time
 import weakref
 from typing import Callable, Dict, List, Optional
 
-from transport.errors import FabricError
-
+from transport.errors import AuthError, InsecureConfig, RefusalCounted, SecretMismatch
 log = logging.getLogger(__name__)
 
 __all__ = ["AuthError", "SecretMismatch", "InsecureConfig", "Resolved", "Session", "resolve_secret", "session_of",
@@ -87,19 +86,6 @@ VERDICT_REFUSED = 1
 
 HANDSHAKE_TIMEOUT = 5.0
 """Default seconds an incoming connection has to authenticate (and, on a rail, to say hello)."""
-
-
-class AuthError(FabricError):
-    """A connection failed authentication: wrong or missing secret, not a pxn peer, or no answer in time."""
-
-
-class SecretMismatch(AuthError):
-    """The peer's proof did not check out: it has another secret, none, or the connection is relayed."""
-
-
-class InsecureConfig(ValueError):
-    """A listener would run without a shared secret where that is not allowed, or the secret given is unusable
-    (too short, an empty one over a set ``PXN_SECRET``). The message names the setting."""
 
 
 class Resolved:
@@ -440,10 +426,6 @@ def server_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str,
     return sess
 
 
-class _Counted(AuthError):
-    """A refusal the gate counted already (evicted, or over the per-address cap)."""
-
-
 # ============================================================================================================
 # admission
 # ============================================================================================================
@@ -626,12 +608,12 @@ class Gate:
     def _establish(self, a: Admitted) -> None:
         with self._lock:
             if not a.pending:
-                raise _Counted(f"{self.name}: connection from {a.addr} was dropped while authenticating")
+                raise RefusalCounted(f"{self.name}: connection from {a.addr} was dropped while authenticating")
             self._unpend_locked(a)
             if self._served_by_host.get(a.host, 0) >= self.max_per_addr:
                 self._counts["refused_per_addr"] += 1
                 a.host = None  # not counted as served
-                raise _Counted(f"{self.name}: {a.addr[0] if isinstance(a.addr, tuple) else a.addr} already has "
+                raise RefusalCounted(f"{self.name}: {a.addr[0] if isinstance(a.addr, tuple) else a.addr} already has "
                                 f"{self.max_per_addr} connections")
             self._served_by_host[a.host] = self._served_by_host.get(a.host, 0) + 1
             self._counts["authenticated"] += 1
@@ -652,7 +634,7 @@ class Gate:
         sock = a.sock
         try:
             self.handler(a)
-        except _Counted as e:
+        except RefusalCounted as e:
             log.info("%s: refused %s: %s", self.name, a.addr, e)
         except SecretMismatch as e:
             self.count("refused_auth")

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from transport.errors import ConfigError, PxnError
+from transport.errors import ConfigError, PxnError, ShapesError
 from transport.peer_process import POISON, Buffer, PeerProcess, digest, serve
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,6 @@ MAX_COUNT = 1 << 16
 """Most pieces (layers) a shapes file's ``count`` may give one MLA call."""
 DEFAULT_LAYERS = 78
 """Layers per MLA call where neither ``--layers`` nor the shapes file's ``count`` says (GLM-5's 78)."""
-
-
-class ShapesError(PxnError, ValueError):
-    """A shapes file is missing, not JSON, or lacks a field ``pxn bench`` needs; the message names file and field."""
 
 
 def shapes_path(path: Optional[str] = None) -> str:
@@ -378,7 +374,6 @@ def run(args) -> int:
     kw = {"fabric": fabric}
     if args.rails:
         kw["rails"] = args.rails
-    from transport.errors import PxnError
     try:
         shapes = sglang_shapes(args.layers, device, args.quick, path=args.shapes)
     except PxnError as e:

@@ -47,7 +47,7 @@ import weakref
 from typing import Callable, Dict, Optional, Tuple
 
 from transport import auth
-from transport.errors import FabricError, InvalidTransfer, PeerLost, UnknownPeer
+from transport.errors import FabricError, PeerGone, PeerLost, UnknownSession
 from transport.fabric.base import DEVICE_HOST
 from transport.receiver import ACK_BYTES
 from transport.regions import Region
@@ -57,20 +57,6 @@ from transport.telemetry import now_ns
 log = logging.getLogger(__name__)
 
 __all__ = ["ControlPlane", "UnknownSession", "PeerGone", "send_msg", "recv_msg", "parse_session", "query"]
-
-
-class UnknownSession(InvalidTransfer, UnknownPeer):
-    """The session id is malformed or nobody answers at it (no engine listens there). Nothing was written."""
-
-
-class PeerGone(PeerLost):
-    """A connected peer is dead (every rail endpoint died) or replaced (a different engine answers at its
-    session). ``peer`` is the engine's record of it; the engine forgets it."""
-
-    def __init__(self, message: str, peer, cause: Optional[BaseException] = None):
-        super().__init__(message)
-        self.peer = peer
-        self.cause = cause
 
 
 _MSG = struct.Struct("<I")
@@ -449,7 +435,7 @@ class ControlPlane:
         """The rail-0 fabric's local writer for a same-host peer (``Fabric.local_writer``: the ipc fabric's
         load/store path), else None."""
         eng = self.engine
-        if not (eng.use_loadstore and "loadstore" in eng.fabrics[0].capabilities):
+        if not (eng.use_loadstore and eng.fabrics[0].capabilities.loadstore):
             return None
         return eng.fabrics[0].local_writer(peer.rails[0].ep, rep)
 

@@ -48,7 +48,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from transport.config import EngineConfig, parse_size
 from transport.control import ControlPlane, PeerGone, UnknownSession, recv_msg, send_msg
-from transport.errors import FabricError, FabricUnavailable, InvalidTransfer, PeerLost, TransferError
+from transport.errors import (AddressNotRegistered, FabricError, FabricUnavailable, InvalidTransfer, PeerLost,
+                              RegionOverlap, TransferError)
 from transport.fabric.base import DEVICE_HOST
 from transport.fabric.gpu_copy import BoundCopies
 from transport.pipeline import WATCHDOG_S, BatchHandle, Pipeline, _Attempt, _Batch, batch_timeout
@@ -334,17 +335,17 @@ class TransferEngine(Pipeline):
             self._rail_gpu = [None] * n
             rail_specs = [{} for _ in range(n)]
         options = {**fabric_cls.engine_options, **options}
-        self._selective = "selective_signaling" in fabric_cls.capabilities
-        self._batches = "write_batches" in fabric_cls.capabilities
+        self._selective = fabric_cls.capabilities.selective_signaling
+        self._batches = fabric_cls.capabilities.write_batches
         # a batch that goes whole as one direct unit, or relayed whole, is written by the caller's thread
         # (Fabric.write_inline; Pipeline._write_inline)
-        self._inline = "inline_writes" in fabric_cls.capabilities
+        self._inline = fabric_cls.capabilities.inline_writes
         self._spans_memo = {}  # Pipeline._region_spans: the regions of batches over several regions, by layout
         self._spans_lock = threading.Lock()
         # small batches as one WriteRows post, checked in Python (transport.smallbatch)
-        self._rows = "write_rows" in fabric_cls.capabilities and self.direct_pieces > 0
+        self._rows = fabric_cls.capabilities.write_rows and self.direct_pieces > 0
         options["secret"] = Resolved(self._secret)  # resolved once here: the fabrics do not read PXN_SECRET again
-        if "authenticated_rails" in fabric_cls.capabilities:
+        if fabric_cls.capabilities.authenticated_rails:
             # an incoming rail must have been announced by an authenticated control hello (receiver.accept_sender)
             options.setdefault("handshake_timeout", self.handshake_timeout)
             options.setdefault("guard_claims", True)
@@ -352,7 +353,7 @@ class TransferEngine(Pipeline):
         try:
             for spec in rail_specs:
                 opts = dict(options)
-                if "nic_ports" in fabric_cls.capabilities:
+                if fabric_cls.capabilities.nic_ports:
                     opts.update(spec)  # the rail's NIC device and port
                 self.fabrics.append(make_fabric(self.fabric_name, hostname=hostname, **opts))
             self._rail_stats = [Counters() for _ in self.fabrics]
@@ -373,7 +374,7 @@ class TransferEngine(Pipeline):
         self._threads: List[threading.Thread] = [self._control.start()]
         # completions handled in the fabric thread that sees them (one thread hand-off fewer per write and per
         # chunk), failed ones in the progress loop, which also runs the watchdogs; else a poll loop per rail
-        self._by_callback = "completion_callback" in fabric_cls.capabilities
+        self._by_callback = fabric_cls.capabilities.completion_callback
         if self._by_callback:
             self._deferring = [0] * len(self.fabrics)  # per rail: lists queued in the progress loop, not handled
             self._defer_lock = threading.Lock()
@@ -492,10 +493,10 @@ class TransferEngine(Pipeline):
                 mrs.append(fab.register(addr, nbytes, dev))
             region = Region(addr, nbytes, dev, tuple(mrs))
             return self._regions.add(region)
-        except ValueError as e:
+        except ValueError as e:  # the region table refuses an overlapping range
             for fab, mr in zip(self.fabrics, mrs):
                 fab.deregister(mr)
-            raise InvalidTransfer(f"register 0x{addr:x}+{nbytes}: {e}") from e
+            raise RegionOverlap(f"register 0x{addr:x}+{nbytes}: {e}") from e
         except BaseException:
             for fab, mr in zip(self.fabrics, mrs):
                 fab.deregister(mr)
@@ -510,7 +511,7 @@ class TransferEngine(Pipeline):
         try:
             region = self._regions.remove(addr)
         except KeyError as e:
-            raise InvalidTransfer(f"deregister: {e.args[0]}") from None
+            raise AddressNotRegistered(f"deregister: {e.args[0]}") from None
         self._region_gen.bump()
         for fab, mr in zip(self.fabrics, region.keys):
             try:

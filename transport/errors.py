@@ -3,15 +3,27 @@
 Every error names its cause and the offending value; callers catch the narrowest class they can act on.
 ``TransferError`` is what ``TransferEngine.batch_write`` raises; ``FabricError`` is what fabrics raise.
 """
+from typing import Optional
 
-
-class PxnError(Exception):
-    """Root of every pxn exception."""
+from pxn_kernels.errors import ChunkFormatError, CudaDriverError, PeerAccessError, PxnError  # noqa: F401
 
 
 class ConfigError(PxnError, ValueError):
     """A setting is malformed or out of its range: a constructor argument, or a ``PXN_*`` environment variable
     (then the message names the variable and its value)."""
+
+
+class TopologyError(PxnError, ValueError):
+    """The machine description cannot be read or is invalid (missing sysfs root, malformed override, no usable
+    NIC port where one is needed). The message is one line naming the offending path or value."""
+
+
+class RoutingError(TopologyError):
+    """No route can be planned (no usable NIC port) or a routing query names an unknown GPU."""
+
+
+class ShapesError(PxnError, ValueError):
+    """A shapes file is missing, not JSON, or lacks a field ``pxn bench`` needs; the message names file and field."""
 
 
 # --- fabric level -------------------------------------------------------------------------------------------
@@ -45,6 +57,28 @@ class PeerLost(FabricError):
     """The peer's connection broke (process died, socket reset); its pending work fails with this cause."""
 
 
+class VerbsPortError(FabricUnavailable):
+    """No usable port / GID on the RDMA device(s): the message names each port and why it was skipped."""
+
+
+# --- authentication -----------------------------------------------------------------------------------------
+class AuthError(FabricError):
+    """A connection failed authentication: wrong or missing secret, not a pxn peer, or no answer in time."""
+
+
+class SecretMismatch(AuthError):
+    """The peer's proof did not check out: it has another secret, none, or the connection is relayed."""
+
+
+class RefusalCounted(AuthError):
+    """A refusal the gate counted already (evicted, or over the per-address cap)."""
+
+
+class InsecureConfig(ConfigError):
+    """A listener would run without a shared secret where that is not allowed, or the secret given is unusable
+    (too short, an empty one over a set ``PXN_SECRET``). The message names the setting."""
+
+
 # --- engine level -------------------------------------------------------------------------------------------
 class TransferError(PxnError):
     """A batch transfer failed. ``causes`` lists per-rail causes when several rails failed."""
@@ -59,6 +93,19 @@ class InvalidTransfer(TransferError, ValueError):
     regions the peer advertised). Nothing of the batch was written."""
 
 
+class AddressNotRegistered(InvalidTransfer):
+    """A piece's source or destination is not inside a region registered (or advertised by the peer), or its
+    region was deregistered while the batch ran. Mooncake's ``ERR_ADDRESS_NOT_REGISTERED``."""
+
+
+class RegionOverlap(InvalidTransfer):
+    """A range to register overlaps a region already registered. Mooncake's ``ERR_ADDRESS_OVERLAPPED``."""
+
+
+class UnknownSession(InvalidTransfer, UnknownPeer):
+    """The session id is malformed or nobody answers at it (no engine listens there). Nothing was written."""
+
+
 class TransferTimeout(TransferError, TimeoutError):
     """The batch did not complete within its timeout."""
 
@@ -67,5 +114,27 @@ class RemoteRejected(TransferError):
     """The receiver refused a chunk (failed validation); nothing of that chunk was written."""
 
 
-class ChunkFormatError(PxnError, ValueError):
-    """A relay chunk's header or item table is malformed (bad magic, version, count, offset, checksum...)."""
+class PeerGone(PeerLost):
+    """A connected peer is dead (every rail endpoint died) or replaced (a different engine answers at its
+    session). ``peer`` is the engine's record of it; the engine forgets it."""
+
+    def __init__(self, message: str, peer, cause: Optional[BaseException] = None):
+        super().__init__(message)
+        self.peer = peer
+        self.cause = cause
+
+
+# --- integration ---------------------------------------------------------------------------------------------
+class MetadataRequestRefused(PxnError):
+    """The metadata server refuses an HTTP request: ``status`` is the HTTP status to answer, ``text`` the reason
+    sent in the body."""
+
+    def __init__(self, status: int, text: str):
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+class PxnFeatureUnavailable(PxnError, RuntimeError):
+    """An sglang feature other than KV disaggregation asked for sglang's shared Mooncake engine while Mooncake is
+    not installed: pxn serves only the KV transfer of prefill / decode disaggregation."""

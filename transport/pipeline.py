@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import numpy as np
 
 from transport.arrays import distinct
-from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected,
-                              TransferError, TransferTimeout)
+from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, InvalidTransfer, PeerLost, RegionError,
+                              RemoteRejected, TransferError, TransferTimeout)
 from transport.fabric.base import (DEVICE_HOST, GatherWrite, Opcode, RegionSpans, WriteBatch, WriteBounds,
                                    WriteRequest)
 from transport.fabric.gpu_copy import Pending
@@ -309,7 +309,7 @@ class Pipeline:
             idx, ok = self._regions.locate(src, ln, lsnap)
             if not ok.all():
                 i = first_bad(ok)
-                raise InvalidTransfer(f"srcs[{i}] = 0x{int(src[i]):x} + lengths[{i}] = {int(ln[i])} is not inside "
+                raise AddressNotRegistered(f"srcs[{i}] = 0x{int(src[i]):x} + lengths[{i}] = {int(ln[i])} is not inside "
                                       f"a region registered with this engine")
         devices = lsnap.devices[idx]  # a scalar when one region holds every source
         # destinations: every piece inside a region the peer advertised (refresh once: it may have registered
@@ -326,7 +326,7 @@ class Pipeline:
                 ridx, ok = peer.regions.locate(dst, ln, rsnap)
                 if not ok.all():
                     i = first_bad(ok)
-                    raise InvalidTransfer(f"dsts[{i}] = 0x{int(dst[i]):x} + lengths[{i}] = {int(ln[i])} is "
+                    raise AddressNotRegistered(f"dsts[{i}] = 0x{int(dst[i]):x} + lengths[{i}] = {int(ln[i])} is "
                                           f"outside every region session {session_id} registered; nothing was "
                                           f"written")
         t1 = now_ns()
@@ -786,10 +786,10 @@ class Pipeline:
         rail = a.prail.rail
         r = self._regions.find(src, n)
         if r is None:
-            raise InvalidTransfer(f"source 0x{src:x}+{n} was deregistered during the transfer")
+            raise AddressNotRegistered(f"source 0x{src:x}+{n} was deregistered during the transfer")
         remote = a.batch.peer.regions.find(dst, n)
         if remote is None:
-            raise InvalidTransfer(f"destination 0x{dst:x}+{n} is no longer advertised by {a.batch.peer.session}")
+            raise AddressNotRegistered(f"destination 0x{dst:x}+{n} is no longer advertised by {a.batch.peer.session}")
         return r.keys[rail].lkey, remote.keys[rail]
 
     def _direct_requests(self, atts: List[_Attempt], peer: _Peer, rail: int) -> None:
@@ -887,7 +887,7 @@ class Pipeline:
                 view = slot.ring._buf.array[slot.addr - slot.ring._buf.addr:][:slot.nbytes]
                 _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view)
                 fab = self.fabrics[a.prail.rail]
-                if "gather_writes" in fab.capabilities and int(lens.sum()) >= fab.gather_min_bytes * lens.size:
+                if fab.capabilities.gather_writes and int(lens.sum()) >= fab.gather_min_bytes * lens.size:
                     gather = (srcs, slot.addr + offsets, lens)  # the fabric sends each piece from its source
                 else:
                     host_memmove(srcs, slot.addr + offsets, lens)
@@ -955,7 +955,7 @@ class Pipeline:
                 if ri is None:  # a region went away since validation: name it
                     for s_addr, d_addr, n in zip(s_arr.tolist(), d_arr.tolist(), n_arr.tolist()):
                         self._keys(a, s_addr, d_addr, n)
-                    raise InvalidTransfer(f"a destination of batch {a.batch.id} is no longer advertised by "
+                    raise AddressNotRegistered(f"a destination of batch {a.batch.id} is no longer advertised by "
                                           f"{a.batch.peer.session}")
                 rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)[ri]
             lkeys = np.full(n_arr.size, slot.ring.lkey, dtype=np.int64)

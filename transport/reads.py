@@ -43,8 +43,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from transport.auth import AuthError
-from transport.errors import (FabricClosed, FabricError, InvalidTransfer, PeerLost, RemoteRejected, TransferError,
-                              TransferTimeout)
+from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, InvalidTransfer, PeerLost,
+                              RemoteRejected, TransferError, TransferTimeout)
 from transport.pipeline import batch_timeout
 from transport.regions import first_bad
 
@@ -212,7 +212,7 @@ def _check_inside(engine, name: str, addrs: np.ndarray, ln: np.ndarray, outside:
     _, ok = engine._regions.locate(addrs, ln)
     if not ok.all():
         i = first_bad(ok)
-        raise InvalidTransfer(f"{name}[{i}] = 0x{int(addrs[i]):x} + lengths[{i}] = {int(ln[i])} {outside}")
+        raise AddressNotRegistered(f"{name}[{i}] = 0x{int(addrs[i]):x} + lengths[{i}] = {int(ln[i])} {outside}")
 
 
 def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
@@ -239,8 +239,8 @@ def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
     raise AssertionError("unreachable")
 
 
-_REMOTE_TYPES = {"InvalidTransfer": InvalidTransfer, "RemoteRejected": RemoteRejected,
-                 "TransferTimeout": TransferTimeout, "PeerLost": PeerLost}
+_REMOTE_TYPES = {cls.__name__: cls for cls in (InvalidTransfer, AddressNotRegistered, RemoteRejected, TransferTimeout,
+                                               PeerLost)}
 
 
 def _raise_remote(session_id: str, rep: dict) -> None:

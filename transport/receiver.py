@@ -217,7 +217,7 @@ class Receiver:
                         buf = _TensorBuffer(tensor)
                     mr = fab.register(buf.addr, nbytes, device)
                     st.landing.append((buf, mr, tensor))
-                    if device < 0 and "landing_handlers" in getattr(fab, "capabilities", ()):
+                    if device < 0 and fab.capabilities.landing_handlers:
                         fab.set_landing_handler(mr, functools.partial(self._plan_landed, st, rail))
                     ack = HostBuffer(st.slots * ACK_BYTES)
                     st.acks.append((ack, fab.register(ack.addr, ack.nbytes, DEVICE_HOST)))
@@ -589,7 +589,7 @@ class Receiver:
         fab = self.fabrics[rail]
         # unacked where the fabric can: nothing here waits for the ack write's completion (its loss shows at the
         # sender, whose chunk then never completes), and its own acknowledgement would cost a message each way
-        unacked = "unacked_writes" in getattr(fab, "capabilities", ())
+        unacked = fab.capabilities.unacked_writes
         try:
             ep = fab.endpoint(st.rail_ids[rail])
             fab.post_writes(ep, [WriteRequest(ack_buf.addr + off, length, remote, st.credit_rkeys[rail],

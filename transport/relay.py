@@ -135,7 +135,7 @@ class RelayRing:
         # without a host wait between fill and post, and hands each slot back as soon as its write is queued
         # (the next fill waits for that write on the GPU). A round then takes at most half the slots, so that
         # the next round's fill runs while this round's write does.
-        self.ordered = device >= 0 and "event_ordered_writes" in getattr(fabric, "capabilities", ())
+        self.ordered = device >= 0 and fabric.capabilities.event_ordered_writes
         self.round_slots = max(1, len(self.slots) // 2) if self.ordered else len(self.slots)
         self._cv = threading.Condition()
         self._copy_q: collections.deque = collections.deque()

@@ -25,8 +25,9 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence, Tuple
 
-from transport.topology import (CLASS_RANK, LOCAL_CLASSES, NicPort, Topology, TopologyError, discover,  # noqa
-                                load_override, synthetic, port_sort_key)
+from transport.errors import RoutingError, TopologyError
+from transport.topology import (CLASS_RANK, LOCAL_CLASSES, NicPort, Topology, discover, load_override,  # noqa
+                                port_sort_key, synthetic)
 
 # Re-exported so the engine needs one import: discover / load_override / synthetic build the Topology.
 __all__ = ["Rail", "Routes", "RoutingError", "plan_routes", "DIRECT", "RELAY", "FALLBACK", "Topology", "NicPort",
@@ -35,10 +36,6 @@ __all__ = ["Rail", "Routes", "RoutingError", "plan_routes", "DIRECT", "RELAY", "
 log = logging.getLogger(__name__)
 
 DIRECT, RELAY, FALLBACK = "direct", "relay", "fallback"
-
-
-class RoutingError(TopologyError):
-    """No route can be planned (no usable NIC port) or a routing query names an unknown GPU."""
 
 
 @dataclass(frozen=True)

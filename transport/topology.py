@@ -41,8 +41,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from transport.errors import PxnError
-
+from transport.errors import TopologyError
 log = logging.getLogger(__name__)
 
 CLASSES: Tuple[str, ...] = ("PIX", "PXB", "PHB", "NODE", "SYS")
@@ -59,11 +58,6 @@ _BDF_RE = re.compile(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([
 _HOST_BRIDGE_RE = re.compile(r"^pci[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}$")
 
 NVLINK_ALL = "all-to-all"
-
-
-class TopologyError(PxnError, ValueError):
-    """The machine description cannot be read or is invalid (missing sysfs root, malformed override, no usable
-    NIC port where one is needed). The message is one line naming the offending path or value."""
 
 
 # --- data model ---------------------------------------------------------------------------------------------

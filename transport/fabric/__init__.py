@@ -4,10 +4,10 @@
 so that importing this package never needs pyverbs or CUDA.
 """
 from transport.fabric.base import (  # noqa: F401
-    DEVICE_HOST, Completion, Endpoint, Fabric, MemoryRegion, Opcode, RemoteRegion, WriteRequest,
+    DEVICE_HOST, Capabilities, Completion, Endpoint, Fabric, MemoryRegion, Opcode, RemoteRegion, WriteRequest,
 )
 
-__all__ = ["DEVICE_HOST", "Completion", "Endpoint", "Fabric", "MemoryRegion", "Opcode", "RemoteRegion",
+__all__ = ["DEVICE_HOST", "Capabilities", "Completion", "Endpoint", "Fabric", "MemoryRegion", "Opcode", "RemoteRegion",
            "WriteRequest", "FABRICS", "fabric_class", "make_fabric"]
 
 FABRICS = ("tcp", "ipc", "verbs")

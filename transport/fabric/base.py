@@ -241,6 +241,45 @@ class Endpoint(abc.ABC):
         """False once the connection is known to be broken or closed."""
 
 
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a fabric class declares the engine may rely on beyond the ``Fabric`` interface, so that the engine never
+    branches on a fabric's name. Every field is False unless the fabric says otherwise."""
+
+    selective_signaling: bool = False
+    """``WriteRequest.signaled=False`` writes complete silently on success; an endpoint's completions come in posting
+    order."""
+    loadstore: bool = False
+    """``access_info`` lets a same-host peer map regions and write with its own loads and stores; ``local_writer``
+    gives the writer that does it."""
+    nic_ports: bool = False
+    """Each instance drives one NIC port: the engine passes a topology rail's ``device`` and ``port_num``."""
+    completion_callback: bool = False
+    """``set_completion_handler`` delivers completions from the fabric's own thread."""
+    authenticated_rails: bool = False
+    """Rail connections prove the engine's secret and must have been announced by an authenticated control hello:
+    the engine passes ``handshake_timeout`` and ``guard_claims``."""
+    gather_writes: bool = False
+    """``post_writes`` also takes ``GatherWrite`` items."""
+    landing_handlers: bool = False
+    """``set_landing_handler``: a region's writes are placed where a handler says as they arrive."""
+    write_batches: bool = False
+    """``post_writes`` also takes ``WriteBatch`` items: many writes as arrays, one completion."""
+    write_rows: bool = False
+    """``post_writes`` also takes ``WriteRows`` items (fixed-width rows by index arrays)."""
+    unacked_writes: bool = False
+    """Unsignaled small writes need no per-write acknowledgement from the peer (``WriteRequest.acked=False``)."""
+    refusal_fails_endpoint: bool = False
+    """RC semantics: a write the target refuses fails its endpoint, whose later work completes with ``PeerLost``
+    as not executed; ``connect`` makes a new one."""
+    event_ordered_writes: bool = False
+    """``post_writes_after`` orders writes from GPU memory after CUDA events on the GPU, with no host wait, and says
+    when their sources may be reused."""
+    inline_writes: bool = False
+    """``write_inline`` writes a checked batch from the calling thread."""
+
+
 class Fabric(abc.ABC):
     """Base of every fabric. Thread-safe: posts and polls may come from different threads."""
 
@@ -253,22 +292,9 @@ class Fabric(abc.ABC):
     gather_min_bytes: int = 0
     """Fabrics with ``"gather_writes"``: the engine sends a chunk as a ``GatherWrite`` only when its pieces average
     at least this many bytes (below, copying them into the slot costs less than a gather entry per piece)."""
-    capabilities: frozenset = frozenset()
-    """What the engine may rely on beyond the interface above, so that it never branches on a fabric's name:
-    ``"selective_signaling"`` (``WriteRequest.signaled=False`` writes complete silently on success; an endpoint's
-    completions come in posting order), ``"loadstore"`` (``access_info`` lets a same-host peer map regions and write
-    with its own loads and stores; ``local_writer`` gives the writer that does it), ``"nic_ports"`` (each instance
-    drives one NIC port: the engine passes a topology rail's ``device`` and ``port_num``), ``"completion_callback"``
-    (``set_completion_handler``), ``"authenticated_rails"`` (rail connections prove the engine's secret and must
-    have been announced by an authenticated control hello: the engine passes ``handshake_timeout`` and
-    ``guard_claims``), ``"gather_writes"`` (``post_writes`` also takes ``GatherWrite`` items),
-    ``"landing_handlers"`` (``set_landing_handler``: a region's writes placed where a handler says as they arrive),
-    ``"write_batches"`` (``post_writes`` also takes ``WriteBatch`` items: many writes as arrays, one completion),
-    ``"refusal_fails_endpoint"`` (RC semantics: a write the target refuses fails its endpoint, whose later work
-    completes with ``PeerLost`` as not executed; ``connect`` makes a new one),
-    ``"event_ordered_writes"`` (``post_writes_after`` orders writes from GPU memory after CUDA events on the GPU,
-    with no host wait, and says when their sources may be reused), ``"inline_writes"`` (``write_inline`` writes a
-    checked batch from the calling thread)."""
+    capabilities: Capabilities = Capabilities()
+    """What the engine may rely on beyond the interface above (a ``Capabilities``), so that it never branches on
+    a fabric's name."""
 
     @property
     @abc.abstractmethod

@@ -52,7 +52,8 @@ import numpy as np
 
 from transport.arrays import distinct
 from transport.errors import FabricError, FabricUnavailable
-from transport.fabric.base import DEVICE_HOST, MemoryRegion, RegionSpans, WriteBatch, WriteBounds
+from transport.fabric.base import (DEVICE_HOST, Capabilities, MemoryRegion, RegionSpans, WriteBatch,
+                                   WriteBounds)
 from transport.fabric.tcp import (
     HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
     _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, _seal, cuda_stream, cuda_tensor, raw_view, recv_exact,
@@ -227,8 +228,9 @@ class IpcFabric(TcpFabric):
     """
 
     name = "ipc"
-    capabilities = frozenset({"selective_signaling", "loadstore", "completion_callback", "authenticated_rails",
-                              "write_batches", "event_ordered_writes", "inline_writes"})
+    capabilities = Capabilities(selective_signaling=True, loadstore=True, completion_callback=True,
+                               authenticated_rails=True, write_batches=True, event_ordered_writes=True,
+                               inline_writes=True)
     # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages made large
     # calls far faster (benchmarks/NOTES.md, "Engine")
     engine_options = {"message_bytes": 256 << 20}

@@ -65,7 +65,7 @@ from transport import auth
 from transport.arrays import distinct
 from transport.errors import ConfigError, FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
-    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, GatherWrite, MemoryRegion, Opcode,
+    Capabilities, DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, GatherWrite, MemoryRegion, Opcode,
     WriteBatch, WriteRequest, check_range,
 )
 from transport.fabric.spin import AdaptiveSpin
@@ -896,8 +896,9 @@ class TcpFabric(Fabric):
     """
 
     name = "tcp"
-    capabilities = frozenset({"selective_signaling", "completion_callback", "authenticated_rails", "write_batches",
-                              "write_rows", "gather_writes", "landing_handlers", "unacked_writes"})
+    capabilities = Capabilities(selective_signaling=True, completion_callback=True, authenticated_rails=True,
+                               write_batches=True, write_rows=True, gather_writes=True, landing_handlers=True,
+                               unacked_writes=True)
     # 2 sockets per rail: enough to overlap send and receive, few threads on small CI boxes
     engine_options = {"connections_per_peer": 2}
     # a chunk whose pieces average at least this many bytes is sent as a GatherWrite and placed as it arrives; below
@@ -957,7 +958,7 @@ class TcpFabric(Fabric):
         # a subclass that handles messages itself (ipc) keeps every message on its own ``_on_message``
         self._small_writes = type(self)._on_message is TcpFabric._on_message
         # unacked writes need the receiving side of ``_on_small_write`` (a subclass without it acks every write)
-        self._unacked = self._small_writes and "unacked_writes" in self.capabilities
+        self._unacked = self._small_writes and self.capabilities.unacked_writes
         # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: receive threads
         # read every message, and block in ``recv`` rather than in epoll
         self._own_acks = self._small_writes and bool(own_acks) and hasattr(select, "epoll")

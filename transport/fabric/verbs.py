@@ -45,9 +45,10 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import numpy as np
 
 from transport import auth
-from transport.errors import FabricClosed, FabricError, FabricUnavailable, PeerLost, RegionError, UnknownPeer
+from transport.errors import (FabricClosed, FabricError, FabricUnavailable, PeerLost, RegionError, UnknownPeer,
+                              VerbsPortError)
 from transport.fabric.base import (
-    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteBatch,
+    Capabilities, DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteBatch,
     WriteRequest, check_range,
 )
 
@@ -69,10 +70,6 @@ ACK_TIMEOUT_EXP = 14
 acknowledging fails the endpoint within about 0.5 s (the liveness socket usually tells sooner)."""
 
 _RECV_WR_ID = 0  # receives; sends count from 1 per endpoint
-
-
-class VerbsPortError(FabricUnavailable):
-    """No usable port / GID on the RDMA device(s): the message names each port and why it was skipped."""
 
 
 def gid_index_from_env(environ=os.environ) -> Optional[int]:
@@ -360,8 +357,8 @@ class VerbsFabric(Fabric):
     ``guard_claims`` (the engine's: see ``expect_peer``)."""
 
     name = "verbs"
-    capabilities = frozenset({"nic_ports", "selective_signaling", "write_batches", "completion_callback",
-                              "authenticated_rails", "refusal_fails_endpoint"})
+    capabilities = Capabilities(nic_ports=True, selective_signaling=True, write_batches=True, completion_callback=True,
+                               authenticated_rails=True, refusal_fails_endpoint=True)
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, device: Optional[str] = None,
                  port_num: Optional[int] = None, gid_index: Optional[int] = None, max_send_wr: int = 4096,

@@ -31,7 +31,7 @@ from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, I
 from transport.fabric.base import (DEVICE_HOST, GatherWrite, Opcode, RegionSpans, WriteBatch, WriteBounds,
                                    WriteRequest)
 from transport.fabric.gpu_copy import Pending
-from transport.fabric.tcp import _MEMCPY_MAX, memcpy_async
+from transport.fabric.memory import MEMCPY_MAX, memcpy_async
 from transport.planner import COALESCED, DIRECT, RELAYED, Unit
 from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, chunk_imm, decode_ack, decode_ack_payload
 from transport.regions import first_bad, locate_inside, span_region
@@ -904,7 +904,7 @@ class Pipeline:
                 # the receiver acks a chunk only once every byte of it has arrived, so the ack also completes the
                 # write: where the fabric keeps successes silent, the chunk costs one completion, not two
                 a.reqs[0].signaled = not self._selective
-        elif (u.runs is None or u.runs[2].size <= _MEMCPY_MAX) and not (slot.ring.ordered and u.device >= 0):
+        elif (u.runs is None or u.runs[2].size <= MEMCPY_MAX) and not (slot.ring.ordered and u.device >= 0):
             # RELAYED, a few pieces: copy them into the slot, then one write per piece to its final address
             # (scalar steps: a few numpy calls per piece would cost more than the copies' host time)
             segs = u.segments()

@@ -560,7 +560,7 @@ class Receiver:
         if staged:
             stage |= np.isin(dev_sel, staged)
         if stage.any():
-            from transport.fabric.tcp import memcpy_async
+            from transport.fabric.memory import memcpy_async
             base = tensor.data_ptr() + off
             for o, d, n in zip(table.offsets[sel][stage].tolist(), table.dst_addrs[sel][stage].tolist(),
                                lens[stage].tolist()):

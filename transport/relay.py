@@ -339,7 +339,7 @@ class RelayRing:
 def _rows(addr: int, rows: int, width: int) -> np.ndarray:
     """A (rows, width) uint8 view of host memory at ``addr`` (no copy; only the rows a caller indexes are read or
     written, so the span between them need not be mapped)."""
-    from transport.fabric.tcp import raw_view
+    from transport.fabric.memory import raw_view
     return np.frombuffer(raw_view(addr, rows * width, writable=True), dtype=np.uint8).reshape(rows, width)
 
 
@@ -455,7 +455,7 @@ def gpu_pack_large(slot: Slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndar
     there. Returns the chunk's bytes."""
     import torch
     from pxn_kernels.chunk import build_header_table, payload_offset_for
-    from transport.fabric.tcp import memcpy_async
+    from transport.fabric.memory import memcpy_async
     table_bytes = payload_offset_for(int(lens.size))
     pinned, _ = _staging(slot, table_bytes)
     host = pinned.numpy()

@@ -21,8 +21,7 @@ import _thread
 from typing import Optional, Sequence
 
 from transport.errors import FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected
-from transport.fabric.base import DEVICE_HOST
-from transport.fabric.tcp import WriteRows
+from transport.fabric.base import DEVICE_HOST, WriteRows
 from transport.planner import DIRECT, Unit
 from transport.regions import span_region
 from transport.telemetry import now_ns

@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from transport.errors import TransferError
-from transport.fabric.tcp import _MEMCPY_MAX
+from transport.fabric.memory import MEMCPY_MAX
 
 log = logging.getLogger(__name__)
 
@@ -209,13 +209,13 @@ class BoundCopies:
         ``device_index``: one bound launch (``launch``) for many pieces or lengths seen before, else a
         ``cudaMemcpyAsync`` per piece (a few pieces of new lengths: a copy-engine call each costs less than a first
         launch). Returns what ``finish`` takes."""
-        if lengths.size > _MEMCPY_MAX:
+        if lengths.size > MEMCPY_MAX:
             return self.launch(device_index, src, dst, lengths, length_stats, stream, dst_shift=dst_shift)
         key = _key(device_index, lengths, length_stats)  # once for the two lookups by lengths
         if self._repeated(key):
             return self.launch(device_index, src, dst, lengths, length_stats, stream, key, dst_shift)
         import torch
-        from transport.fabric.tcp import memcpy_async
+        from transport.fabric.memory import memcpy_async
         with torch.cuda.device(device_index):
             if stream is None:
                 stream = torch.cuda.current_stream(device_index)

@@ -54,11 +54,12 @@ from transport.arrays import distinct
 from transport.errors import FabricError, FabricUnavailable
 from transport.fabric.base import (DEVICE_HOST, Capabilities, MemoryRegion, RegionSpans, WriteBatch,
                                    WriteBounds)
+from transport.fabric.gpu_copy import BoundCopies, Pending
+from transport.fabric.memory import cuda_stream, cuda_tensor, raw_view
 from transport.fabric.tcp import (
     HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
-    _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, _seal, cuda_stream, cuda_tensor, raw_view, recv_exact,
+    _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, _seal, recv_exact,
 )
-from transport.fabric.gpu_copy import BoundCopies, Pending
 from transport.fabric.region_counter import CounterReader, GenerationCounter
 
 log = logging.getLogger(__name__)

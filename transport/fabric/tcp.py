@@ -65,9 +65,11 @@ from transport import auth
 from transport.arrays import distinct
 from transport.errors import ConfigError, FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
-    Capabilities, DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, GatherWrite, MemoryRegion, Opcode,
-    WriteBatch, WriteRequest, check_range,
+    DEVICE_HOST, IMM_MAX, Capabilities, Completion, CompletionQueue, Endpoint, Fabric, GatherWrite, MemoryRegion,
+    Opcode, WriteBatch, WriteRequest, WriteRows, check_range,
 )
+from transport.fabric.memory import (BIG_GPU_PIECE, check_device, cuda_stream, device_scratch, gpu_batch_copy,
+                                     memcpy_async, pinned_buffer, raw_view)
 from transport.fabric.spin import AdaptiveSpin
 
 log = logging.getLogger(__name__)
@@ -172,143 +174,6 @@ SPIN = 150e-6
 MAX_HELLO = 1 << 16  # bytes of a HELLO body
 MAX_MESSAGE_BYTES = 1 << 30  # largest message_bytes a peer may announce
 MAX_CTRL_BODY = 1 << 20  # bytes of a control message body beyond its per-piece statuses (an ipc GRANT's JSON)
-
-_PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
-_PyMemoryView_FromMemory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_PyMemoryView_FromMemory.restype = ctypes.py_object
-_PyBUF_READ, _PyBUF_WRITE = 0x100, 0x200
-
-
-def raw_view(addr: int, length: int, writable: bool = False) -> memoryview:
-    """A memoryview of ``length`` bytes of host memory at ``addr`` (no copy; the caller vouches for the range)."""
-    return _PyMemoryView_FromMemory(addr, length, _PyBUF_WRITE if writable else _PyBUF_READ)
-
-
-class _CudaView:
-    """Exposes a raw CUDA address range as ``__cuda_array_interface__`` so torch can wrap it without a copy."""
-
-    def __init__(self, addr: int, length: int):
-        self.__cuda_array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (addr, False),
-                                         "version": 3, "strides": None}
-
-
-def cuda_tensor(addr: int, length: int, device: int):
-    """A torch uint8 tensor viewing ``length`` bytes of device memory at ``addr`` (no copy).
-
-    No ``device=`` goes to torch: it finds the owning GPU from the pointer, and a mismatching ``device`` would make
-    it *copy* (a write into that copy would be lost). ``device`` only selects the current device meanwhile."""
-    import torch
-    with torch.cuda.device(device):
-        return torch.as_tensor(_CudaView(addr, length))
-
-
-BIG_GPU_PIECE = 256 << 10
-"""Pieces of at least this many bytes get their own cudaMemcpy (copy engine, full bandwidth); smaller ones share
-one batched-copy launch, whose cost does not grow with the piece count."""
-
-_batched_copy_fn = None
-_MEMCPY_MAX = 16  # gpu_batch_copy: up to this many pieces go as one cudaMemcpyAsync each
-
-
-def gpu_batch_copy(src_ptrs, dst_ptrs, lengths, device: int) -> None:
-    """Copy piece i (``lengths[i]`` bytes, device/UVA addresses) on the current stream of ``device``: one
-    ``pxn_kernels.copy`` launch (descriptors uploaded in one copy) when that package works here, else one copy per
-    piece. Arguments: int64 arrays or sequences; the caller checked the ranges."""
-    global _batched_copy_fn
-    import torch
-    if _batched_copy_fn is None:
-        try:
-            from pxn_kernels import copy as fn
-        except Exception as e:  # noqa: BLE001 — missing package or a Triton that cannot load
-            log.info("pxn_kernels.copy unavailable (%s); device pieces are copied one by one", e)
-            fn = False
-        _batched_copy_fn = fn
-    src_ptrs, dst_ptrs, lengths = (np.asarray(v, dtype=np.int64) for v in (src_ptrs, dst_ptrs, lengths))
-    # a few pieces: one cudaMemcpyAsync each, less host time in all than the launch with its descriptor upload
-    # (benchmarks/NOTES.md, "The message path: writes as arrays, completions at the writer")
-    if _batched_copy_fn and lengths.size > _MEMCPY_MAX:
-        _batched_copy_fn(src_ptrs, dst_ptrs, lengths, check=False, device=torch.device("cuda", device))
-        return
-    stream = torch.cuda.current_stream(device)
-    for s_, d_, n_ in zip(src_ptrs.tolist(), dst_ptrs.tolist(), lengths.tolist()):
-        memcpy_async(d_, s_, n_, stream)
-
-
-_memcpy_rt = None
-
-
-def memcpy_async(dst: int, src: int, n: int, stream) -> None:
-    """``n`` bytes from ``src`` to ``dst`` (device, UVA or pinned host addresses) on the torch ``stream``, via
-    ``cudaMemcpyAsync`` from cuda-bindings (a few µs of Python per call, where wrapping both sides as torch
-    tensors costs tens); falls back to a torch copy when cuda-bindings is missing."""
-    global _memcpy_rt
-    if _memcpy_rt is None:
-        try:
-            from cuda.bindings import runtime as rt
-            _memcpy_rt = rt
-        except ImportError:
-            _memcpy_rt = False
-    if _memcpy_rt:
-        rt = _memcpy_rt
-        err, = rt.cudaMemcpyAsync(dst, src, n, rt.cudaMemcpyKind.cudaMemcpyDefault, stream.cuda_stream)
-        if int(err) != 0:
-            raise FabricError(f"cudaMemcpyAsync(0x{dst:x} <- 0x{src:x}, {n} B) failed: {err!r}")
-        return
-    import torch
-    with torch.cuda.stream(stream):
-        _any_tensor(dst, n).copy_(_any_tensor(src, n), non_blocking=True)
-
-
-def _any_tensor(addr: int, n: int):
-    import torch
-    try:
-        return cuda_tensor(addr, n, torch.cuda.current_device())
-    except Exception:  # noqa: BLE001 — a host (pinned) address: view it on the CPU
-        return torch.frombuffer(raw_view(addr, n, writable=True), dtype=torch.uint8)
-
-
-def pinned_buffer(cache: dict, n: int):
-    """A pinned host uint8 tensor of at least ``n`` bytes, reused from ``cache`` (grows by doubling)."""
-    import torch
-    t = cache.get("pinned")
-    if t is None or t.numel() < n:
-        size = max(n, 2 * (t.numel() if t is not None else 0), 1 << 20)
-        t = cache["pinned"] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    return t
-
-
-def device_scratch(cache: dict, device: int, n: int):
-    """A device uint8 tensor of at least ``n`` bytes on ``device``, reused from ``cache``."""
-    import torch
-    d = cache.setdefault("dev", {})
-    t = d.get(device)
-    if t is None or t.numel() < n:
-        size = max(n, 2 * (t.numel() if t is not None else 0), 1 << 20)
-        t = d[device] = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
-    return t
-
-
-def cuda_stream(cache: dict, device: int):
-    import torch
-    d = cache.setdefault("streams", {})
-    st = d.get(device)
-    if st is None:
-        st = d[device] = torch.cuda.Stream(device=device)
-    return st
-
-
-def _check_device(device: int) -> None:
-    if not isinstance(device, int) or device < DEVICE_HOST:
-        raise ValueError(f"device must be -1 (host) or a CUDA index, got {device!r}")
-    if device >= 0:
-        try:
-            import torch
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:
-            n = 0
-        if device >= n:
-            raise FabricError(f"cannot register memory on CUDA device {device}: {n} CUDA device(s) visible")
-
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock``; EOF raises ``ConnectionError``."""
@@ -439,68 +304,7 @@ class _Rx:
         return stage[:n]
 
 
-class WriteRows(WriteBatch):
-    """A ``WriteBatch`` of a few writes from one local region (``lkey``) into one remote region (``rkey``), held as
-    lists of ints: the tcp fabric checks and frames it in a few Python steps, where a few numpy calls on arrays
-    of a dozen items cost more than the message's own send. Posted only to fabrics with the ``write_rows``
-    capability (tcp); it completes as one work request, like any ``WriteBatch``.
-
-    Arguments: local_addr, length, remote_addr: sequences of ints, one entry per write (copied); rkey, lkey: one
-    int each. The values are checked here, once (ints, lengths >= 1, addresses >= 0, ends within 63 bits: else
-    ``ValueError`` naming the first bad write), and their extremes kept: ``local_span`` and ``remote_span``
-    (lowest address, highest end) and ``max_length``, which the poster and the fabric check against regions.
-
-    ``on_acked``: None, or a callable the fabric calls, instead of reporting a ``Completion``, when the peer placed
-    every write and no message posted earlier on the endpoint is still waiting for its ack (the callable may
-    return False: the completion is reported after all).
-
-    ``read_ack``: the posting thread will wait for this request right after posting it and may read its ack itself
-    (fabrics with ``own_acks``). When the fabric lets it, ``reader`` is set by the post: that thread then must call
-    the fabric's ``await_rows`` once (it reads until the ack is in, the endpoint failed or the deadline passed, and
-    gives the socket back to its receive thread)."""
-
-    __slots__ = ("local_span", "remote_span", "max_length", "on_acked", "read_ack", "reader")
-
-    def __init__(self, local_addr: Sequence[int], length: Sequence[int], remote_addr: Sequence[int], rkey: int,
-                 lkey: int, wr_id: int = 0):
-        la, ln, ra = list(local_addr), list(length), list(remote_addr)
-        n = len(ln)
-        if not n or len(la) != n or len(ra) != n:
-            raise ValueError(f"WriteRows: local_addr, length and remote_addr need one length >= 1, got "
-                             f"{len(la)}, {n}, {len(ra)}")
-        # builtins over the lists (C loops); the loop below only names what they found wrong
-        ok = {*map(type, la), *map(type, ln), *map(type, ra)} == _INT
-        if ok:
-            lo, rlo = min(la), min(ra)
-            self.local_span = (lo, max(map(add, la, ln)))
-            self.remote_span = (rlo, max(map(add, ra, ln)))
-            ok = min(ln) > 0 and lo >= 0 and rlo >= 0 and self.local_span[1] <= _I64 and self.remote_span[1] <= _I64
-        if not ok:
-            for i, (a, k, r) in enumerate(zip(la, ln, ra)):
-                if not (a.__class__ is int and k.__class__ is int and r.__class__ is int and k > 0 and a >= 0
-                        and r >= 0 and a <= _I64 - k and r <= _I64 - k):
-                    raise ValueError(f"WriteRows write {i} (local {a!r}, {k!r} B, remote {r!r}): lengths must be "
-                                     f"positive ints and addresses non-negative ints whose ranges fit 63 bits")
-        self.local_addr, self.length, self.remote_addr = la, ln, ra
-        self.max_length = max(ln)
-        self.rkey, self.lkey = rkey, lkey
-        self.wr_id = wr_id
-        self.signaled = True
-        self.nbytes = sum(ln)
-        self.on_acked = None
-        self.read_ack = False
-        self.reader = None
-
-    @property
-    def count(self) -> int:
-        return len(self.length)
-
-    def __repr__(self):
-        return f"WriteRows(wr_id={self.wr_id}, writes={self.count}, bytes={self.nbytes})"
-
-
 _ROW = struct.Struct("<QQQQIIII")  # one row of PIECE_DT
-_INT = {int}
 _TABLES: Dict[int, struct.Struct] = {}
 
 
@@ -1010,7 +814,7 @@ class TcpFabric(Fabric):
     def register(self, addr: int, length: int, device: int = DEVICE_HOST) -> MemoryRegion:
         self._check_open()
         check_range(addr, length, "register")
-        _check_device(device)
+        check_device(device)
         if addr == 0:
             raise ValueError("register: address 0 (NULL) cannot be registered")
         with self._lock:

@@ -831,7 +831,7 @@ class TransferEngine:
                              f"device_name={device_name!r})", e)
             segment = None
             if metadata is not None:
-                metadata.secret = eng._secret
+                metadata.secret = eng.credentials.key
                 segment = (local_hostname or "").strip()
                 try:
                     metadata.put(_segment_key(segment), {"session": eng.session_id, "engine_id": eng.engine_id,
@@ -933,7 +933,7 @@ class TransferEngine:
         if isinstance(addr, bool) or not isinstance(addr, int) or isinstance(length, bool) \
                 or not isinstance(length, int):
             raise InvalidTransfer(f"register: address {addr!r} and length {length!r} must be ints")
-        if length > 0 and eng._regions.find(addr, length) is not None:
+        if length > 0 and eng.find_region(addr, length) is not None:
             # Mooncake refuses a second registration of a range as an overlap (-7), the same range included
             raise RegionOverlap(f"register 0x{addr:x}+{length}: overlaps a registered region (registered "
                                   f"already)")
@@ -1053,7 +1053,7 @@ class TransferEngine:
             raise InvalidTransfer(f"{what}: address {addr!r} and length {length!r} must be ints >= 0")
         if length == 0:
             return
-        region = self._eng()._regions.find(addr, length)
+        region = self._eng().find_region(addr, length)
         if region is None or not (region.addr <= addr and addr + length <= region.addr + region.length):
             raise AddressNotRegistered(f"{what}: 0x{addr:x} + {length} is not inside a region registered with this "
                                   f"engine")
@@ -1388,14 +1388,13 @@ class TransferEngine:
         engine's secret; ``PXN_SECRET`` before ``initialize``). Raises UnknownSession (bad name, not at the
         metadata server), OSError (nothing answers; ``socket.gaierror`` for DNS), ``AuthError`` (refused),
         ConnectionError / ValueError (a bad reply)."""
-        from transport.auth import Resolved
         from transport.control import UnknownSession, query
         target = normalize_session(self._session(peer_server_name))
         host, _, port_s = target.rpartition(":") if isinstance(target, str) else ("", "", "")
         if not host or not port_s.isdigit():
             raise UnknownSession(f"{peer_server_name!r} is not 'host:port'")
         eng = self._engine
-        rep = query(target, msg, None if eng is None else Resolved(eng._secret), timeout)
+        rep = query(target, msg, None if eng is None else eng.credentials, timeout)
         if not isinstance(rep, dict) or not rep.get("ok"):
             raise ValueError(f"peer answered {rep!r}")
         return rep
@@ -1480,7 +1479,7 @@ class TransferEngine:
     def _on_cuda(self, opcode, target, buffers, peers, lengths, stream_ptr) -> None:
         try:
             eng = self._eng()
-            eng._peer(self._session(target))  # as Mooncake's openSegment at the call: an unknown peer fails here
+            eng.open_session(self._session(target))  # as Mooncake's openSegment at the call: an unknown peer fails here
             b, p, n = list(buffers), list(peers), list(lengths)
             if not (len(b) == len(p) == len(n)):
                 raise InvalidTransfer(f"buffers, peer_buffer_addresses and lengths have different sizes "

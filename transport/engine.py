@@ -520,7 +520,25 @@ class TransferEngine(Pipeline):
                 log.warning("deregister 0x%x on %s: %s", addr, fab.local_id, e)
 
     def regions(self) -> List[Region]:
+        """The regions registered here, by address."""
         return self._regions.regions()
+
+    def find_region(self, addr: int, length: int) -> Optional[Region]:
+        """The registered region that the ``length`` bytes at ``addr`` overlap, or None."""
+        return self._regions.find(addr, length)
+
+    def open_session(self, session_id: str) -> None:
+        """Connect to ``session_id`` now (handshake and region exchange) unless connected already, as Mooncake's
+        ``openSegment``. Raises ``UnknownSession`` naming why nobody answers there."""
+        self._check_open()
+        self._peer(session_id)
+
+    @property
+    def credentials(self):
+        """The engine's resolved secret (``transport.auth.Resolved``; its repr hides the key), for clients that
+        talk to peers on the engine's behalf (the Mooncake layer's metadata and RPC queries)."""
+        from transport.auth import Resolved
+        return Resolved(self._secret)
 
     # ========================================================================================================
     # handshake

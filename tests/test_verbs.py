@@ -306,8 +306,8 @@ def test_dmabuf_module_path_is_pyverbs_v59s():
     from transport.fabric.verbs import DMABUF_MODULE
     mod = importlib.import_module(DMABUF_MODULE)
     assert DMABUF_MODULE == "pyverbs.providers.mlx5.mlx5dv_dmabuf" and hasattr(mod, "Mlx5DmaBufMR")
-    from transport.fabric.verbs import _import_pyverbs
-    v = _import_pyverbs()
+    from transport.fabric.verbs_ports import import_pyverbs
+    v = import_pyverbs()
     ctx = v["Context"](name="mlx5_1")
     pd = v["PD"](ctx)
     try:

@@ -4,9 +4,9 @@ Constructing it without pyverbs or without a usable port raises ``FabricUnavaila
 and how to install it. In CI it runs on ``softverbs`` (a software model of pyverbs v59 and of RC semantics);
 GPU memory (dma-buf) has not run on hardware from this repository.
 
-* **Port and GID.** The port is the one asked for (``device``, ``port_num``: a topology rail) or the first
-  ACTIVE port with a usable GID. On RoCE the GID is, in order of preference, a RoCE v2 IPv4-mapped one
-  (``::ffff:a.b.c.d``), any RoCE v2 one, any non-empty one; an all-zero entry (a port with no IP address) is
+* **Port and GID** (``verbs_ports``). The port is the one asked for (``device``, ``port_num``: a topology rail)
+  or the first ACTIVE port with a usable GID. On RoCE the GID is, in order of preference, a RoCE v2 IPv4-mapped
+  one (``::ffff:a.b.c.d``), any RoCE v2 one, any non-empty one; an all-zero entry (a port with no IP address) is
   never used. ``gid_index`` / ``PXN_GID_INDEX`` overrides the choice, as ``NCCL_IB_GID_INDEX`` does.
 * **Memory.** Host memory by ``MR(pd, length, access, address=addr)``. GPU memory by dma-buf: the fd comes from
   ``cuMemGetHandleForAddressRange`` and is registered with ``Mlx5DmaBufMR``
@@ -29,35 +29,34 @@ GPU memory (dma-buf) has not run on hardware from this repository.
 from __future__ import annotations
 
 import collections
-import ipaddress
 import json
 import logging
 import os
 import random
 import selectors
 import socket
-import struct
 import threading
 import time
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from transport import auth
-from transport.errors import (FabricClosed, FabricError, FabricUnavailable, PeerLost, RegionError, UnknownPeer,
-                              VerbsPortError)
+from transport.errors import FabricClosed, FabricError, PeerLost, RegionError, UnknownPeer
 from transport.fabric.base import (
     Capabilities, DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteBatch,
     WriteRequest, check_range,
 )
+from transport.fabric.verbs_endpoint import Posted, VerbsEndpoint, recv_json, send_json
+from transport.fabric.verbs_ports import (
+    INSTALL_HINT, PortChoice, PortStatus, choose_port, gid_index_from_env, import_pyverbs, port_table, usable_port,
+)
+
+# the port names are re-exported: the engine, the Mooncake layer and the tests ask this module for them
+__all__ = ["ACK_TIMEOUT_EXP", "DMABUF_MODULE", "INSTALL_HINT", "MAX_MESSAGE", "PortChoice", "PortStatus",
+           "VerbsEndpoint", "VerbsFabric", "gid_index_from_env", "port_table", "usable_port"]
 
 log = logging.getLogger(__name__)
-
-INSTALL_HINT = ("install pyverbs: Debian/Ubuntu `apt-get install -y rdma-core libibverbs-dev python3-pyverbs` "
-                "(system Python), or the PyPI sdist: `pip install \"cython==3.0.12\" \"scikit-build-core>=0.10\" "
-                "setuptools_scm && pip install --no-build-isolation pyverbs` (then put its rdma-core libraries on "
-                "LD_LIBRARY_PATH)")
 
 DMABUF_MODULE = "pyverbs.providers.mlx5.mlx5dv_dmabuf"
 """Where pyverbs keeps ``Mlx5DmaBufMR`` (rdma-core v55 and later)."""
@@ -70,278 +69,6 @@ ACK_TIMEOUT_EXP = 14
 acknowledging fails the endpoint within about 0.5 s (the liveness socket usually tells sooner)."""
 
 _RECV_WR_ID = 0  # receives; sends count from 1 per endpoint
-
-
-def gid_index_from_env(environ=os.environ) -> Optional[int]:
-    """``PXN_GID_INDEX`` as an int, None when unset. ``ValueError`` naming the variable and value otherwise."""
-    text = environ.get("PXN_GID_INDEX", "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"PXN_GID_INDEX={text!r} is not a GID table index (an int >= 0)") from None
-    if value < 0:
-        raise ValueError(f"PXN_GID_INDEX={text!r} is not a GID table index (an int >= 0)")
-    return value
-
-
-def _import_pyverbs():
-    try:
-        try:
-            import pyverbs.libibverbs_enums as e  # v59: the enums module's name
-        except ImportError:
-            import pyverbs.enums as e  # up to v58
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.cq import CQ
-        from pyverbs.device import Context, get_device_list
-        from pyverbs.mr import MR
-        from pyverbs.pd import PD
-        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
-        from pyverbs.wr import SGE, RecvWR, SendWR
-    except ImportError as ex:
-        raise FabricUnavailable(f"verbs fabric: pyverbs is not importable ({ex}); {INSTALL_HINT}") from ex
-    return dict(e=e, GID=GID, AHAttr=AHAttr, GlobalRoute=GlobalRoute, CQ=CQ, Context=Context,
-                get_device_list=get_device_list, MR=MR, PD=PD, QP=QP, QPAttr=QPAttr, QPCap=QPCap,
-                QPInitAttr=QPInitAttr, SGE=SGE, RecvWR=RecvWR, SendWR=SendWR)
-
-
-# ---- port and GID choice ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PortChoice:
-    """The port a fabric drives: device name, port number, GID index and GID (text), link layer (``"eth"`` or
-    ``"ib"``), LID and active MTU (the verbs enum value)."""
-
-    device: str
-    port_num: int
-    gid_index: int
-    gid: str
-    link_layer: str
-    lid: int
-    mtu: int
-
-
-def _gid_bytes(gid) -> bytes:
-    return ipaddress.IPv6Address(str(gid)).packed
-
-
-def _gid_rank(raw: bytes, roce_v2: bool) -> int:
-    """3: RoCE v2 IPv4-mapped; 2: RoCE v2; 1: any other non-empty GID; 0: empty."""
-    if raw == bytes(16):
-        return 0
-    if roce_v2 and raw[:12] == bytes(10) + b"\xff\xff":
-        return 3
-    return 2 if roce_v2 else 1
-
-
-def choose_gid(ctx, e, device: str, port_num: int, gid_index: Optional[int]):
-    """(GID index, GID text) of ``device`` port ``port_num``, or raise ``VerbsPortError`` saying why there is
-    none. ``gid_index`` given: that entry, which must not be empty. Else the best entry by ``_gid_rank``, the
-    lowest index among equals (an InfiniBand port: index 0, its port GID)."""
-    attr = ctx.query_port(port_num)
-    eth = attr.link_layer == e.IBV_LINK_LAYER_ETHERNET
-    if gid_index is not None:
-        try:
-            gid = ctx.query_gid(port_num, gid_index)
-        except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError: the index is past the table
-            raise VerbsPortError(f"verbs: {device} port {port_num} has no GID index {gid_index} "
-                                 f"(table of {attr.gid_tbl_len}): {ex}") from ex
-        if _gid_bytes(gid) == bytes(16):
-            raise VerbsPortError(f"verbs: {device} port {port_num} GID index {gid_index} (PXN_GID_INDEX / "
-                                 f"gid_index) is empty: the port has no address there")
-        return gid_index, str(gid)
-    if not eth:
-        gid = ctx.query_gid(port_num, 0)
-        if _gid_bytes(gid) == bytes(16):
-            raise VerbsPortError(f"verbs: {device} port {port_num} (InfiniBand) has an empty GID 0")
-        return 0, str(gid)
-    best = (0, -1, "")
-    for index in range(attr.gid_tbl_len):
-        try:
-            gid = ctx.query_gid(port_num, index)
-        except Exception:  # noqa: BLE001 — past the populated part of the table
-            break
-        raw = _gid_bytes(gid)
-        if raw == bytes(16):
-            continue
-        try:
-            v2 = ctx.query_gid_type(port_num, index) == e.IBV_GID_TYPE_SYSFS_ROCE_V2
-        except Exception:  # noqa: BLE001 — no type known: rank it as v1
-            v2 = False
-        rank = _gid_rank(raw, v2)
-        if rank > best[0]:
-            best = (rank, index, str(gid))
-            if rank == 3:
-                break
-    if best[0] == 0:
-        raise VerbsPortError(f"verbs: {device} port {port_num} is a RoCE port with no GID (every entry of its "
-                             f"table of {attr.gid_tbl_len} is empty: no IP address on its netdev)")
-    return best[1], best[2]
-
-
-@dataclass(frozen=True)
-class PortStatus:
-    """One port of one RDMA device as the fabric judges it: ``choice`` when it can drive it, else ``reason``
-    (``"down"``: not ACTIVE; ``"no GID"``: no usable GID entry; ``"unreadable"``: the query failed) and
-    ``detail``. ``link_layer``: ``"eth"`` or ``"ib"`` (``""`` when unreadable)."""
-
-    device: str
-    port_num: int
-    link_layer: str
-    choice: Optional[PortChoice]
-    reason: Optional[str] = None
-    detail: str = ""
-
-    @property
-    def usable(self) -> bool:
-        return self.choice is not None
-
-
-def _device_names(v) -> List[str]:
-    try:
-        devices = v["get_device_list"]()
-    except Exception as ex:  # noqa: BLE001 — pyverbs raises PyverbsRDMAError('Failed to get devices list')
-        raise FabricUnavailable(f"verbs fabric: no RDMA device ({ex}); this machine needs an RDMA NIC (or "
-                                f"rxe/siw soft-RoCE) with its kernel driver and rdma-core providers") from ex
-    return [d.name.decode() if isinstance(d.name, bytes) else d.name for d in devices]
-
-
-def scan_ports(v, device: Optional[str] = None, port_num: Optional[int] = None,
-               gid_index: Optional[int] = None) -> Iterator[PortStatus]:
-    """Every port of every RDMA device (or of ``device``; or only ``port_num``), in device-list order, each
-    judged as ``choose_port`` would. Raises ``FabricUnavailable`` when there is no device, or no ``device``."""
-    e = v["e"]
-    names = _device_names(v)
-    if not names:
-        raise FabricUnavailable("verbs fabric: no RDMA device found (ibv_get_device_list is empty)")
-    if device is not None and device not in names:
-        raise FabricUnavailable(f"verbs fabric: RDMA device {device!r} not found; present: {names}")
-    for name in ([device] if device is not None else names):
-        ctx = v["Context"](name=name)
-        try:
-            ports = [port_num] if port_num is not None else range(1, ctx.query_device().phys_port_cnt + 1)
-            for p in ports:
-                try:
-                    attr = ctx.query_port(p)
-                except Exception as ex:  # noqa: BLE001
-                    yield PortStatus(name, p, "", None, "unreadable", f"{name} port {p}: {ex}")
-                    continue
-                ll = "eth" if attr.link_layer == e.IBV_LINK_LAYER_ETHERNET else "ib"
-                if attr.state != e.IBV_PORT_ACTIVE:
-                    yield PortStatus(name, p, ll, None, "down", f"{name} port {p}: state {attr.state}, not ACTIVE")
-                    continue
-                try:
-                    index, gid = choose_gid(ctx, e, name, p, gid_index)
-                except VerbsPortError as ex:
-                    yield PortStatus(name, p, ll, None, "no GID", str(ex).replace("verbs: ", ""))
-                    continue
-                yield PortStatus(name, p, ll, PortChoice(name, p, index, gid, ll, int(attr.lid),
-                                                         int(attr.active_mtu)))
-        finally:
-            ctx.close()
-
-
-def choose_port(v, device: Optional[str], port_num: Optional[int], gid_index: Optional[int]) -> PortChoice:
-    """The port to drive: ``device`` / ``port_num`` when given (else the first that works), skipping ports that
-    are not ACTIVE or have no usable GID. Raises ``VerbsPortError`` listing every port tried and why."""
-    skipped = []
-    for st in scan_ports(v, device, port_num, gid_index):
-        if st.usable:
-            return st.choice
-        skipped.append(st.detail)
-    raise VerbsPortError("verbs fabric: no usable RDMA port (" + "; ".join(skipped) + ")")
-
-
-def port_table() -> List[PortStatus]:
-    """``scan_ports`` of every device with ``PXN_GID_INDEX``: what ``pxn topo`` and the Mooncake layer show where
-    sysfs lists no RDMA port. Raises ``FabricUnavailable`` without pyverbs or devices."""
-    return list(scan_ports(_import_pyverbs(), gid_index=gid_index_from_env()))
-
-
-def usable_port(device: Optional[str] = None, port_num: Optional[int] = None) -> PortChoice:
-    """The port a ``VerbsFabric`` made with these arguments (and ``PXN_GID_INDEX``) would drive. Raises
-    ``FabricUnavailable`` saying why there is none: no pyverbs, no device, no ACTIVE port with a usable GID."""
-    return choose_port(_import_pyverbs(), device, port_num, gid_index_from_env())
-
-
-# ---- the liveness channel's messages ----------------------------------------------------------------------------
-def _send_json(sock: socket.socket, obj, session: Optional["auth.Session"]) -> None:
-    """One message of the connection exchange: length, JSON, and (with a secret) the tag of the connection's
-    session over both, so that QP numbers and GIDs come only from the authenticated peer."""
-    data = json.dumps(obj).encode()
-    head = struct.pack("<I", len(data))
-    tag = session.tag(head, data) if session is not None and session.keyed else b""
-    sock.sendall(head + data + tag)
-
-
-def _recv_json(sock: socket.socket, session: Optional["auth.Session"]):
-    def exact(n):
-        buf = b""
-        while len(buf) < n:
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("connection closed during the verbs handshake")
-            buf += chunk
-        return buf
-    head = exact(4)
-    (n,) = struct.unpack("<I", head)
-    if n > 1 << 16:
-        raise ValueError(f"handshake message of {n} B is implausible")
-    data = exact(n)
-    if session is not None and session.keyed:
-        session.check(exact(auth.TAG_BYTES), head, data)  # AuthError before anything in it is used
-    return json.loads(data)
-
-
-# ---- endpoints ---------------------------------------------------------------------------------------------------
-class _Posted:
-    """What one ``post_writes`` item became: work requests ``first``..``last`` (sequence numbers of the
-    endpoint), and what to complete when they are done. ``remote`` / ``lengths``: the remote addresses and
-    lengths of a batch's writes (to name the refused one)."""
-
-    __slots__ = ("first", "last", "wr_id", "opcode", "nbytes", "imm", "signaled", "remote", "lengths")
-
-    def __init__(self, first, last, wr_id, opcode, nbytes, imm, signaled, remote, lengths):
-        self.first, self.last, self.wr_id, self.opcode = first, last, wr_id, opcode
-        self.nbytes, self.imm, self.signaled, self.remote, self.lengths = nbytes, imm, signaled, remote, lengths
-
-    def completion(self, peer_id: str, error=None) -> Completion:
-        return Completion(self.wr_id, self.opcode, peer_id, self.nbytes, self.imm, error)
-
-    def write_at(self, seq: int) -> str:
-        i = seq - self.first
-        if self.lengths is None:
-            return f"wr_id={self.wr_id} ({self.nbytes} B to 0x{self.remote:x})"
-        return (f"write {i} of batch wr_id={self.wr_id} ({int(self.lengths[i])} B to "
-                f"0x{int(self.remote[i]):x})")
-
-
-class VerbsEndpoint(Endpoint):
-    """One RC QP (with its own CQ) to a peer, and the TCP channel that watches that the peer lives."""
-
-    def __init__(self, fabric: "VerbsFabric", peer_id: str, qp, cq, sock: socket.socket):
-        self.fabric, self.peer_id, self.qp, self.cq, self.sock = fabric, peer_id, qp, cq, sock
-        self.qp_num = qp.qp_num
-        self._alive = True
-        self.cause: Optional[str] = None
-        self.lock = threading.Lock()  # the fields below
-        self.post_lock = threading.Lock()  # one poster at a time: sequence order is posting order
-        self.room = threading.Condition(self.lock)
-        self.next_seq = 1
-        self.retired = 0  # every work request up to this sequence number has completed
-        self.pending: "collections.deque[_Posted]" = collections.deque()
-        self.settled = False  # the QP's outcome is known: pending work was completed or failed
-
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
-    def abort(self) -> None:
-        """Move the QP to the error state (its posted work flushes as ``PeerLost``) and drop the TCP channel."""
-        self.fabric._fail(self, "aborted locally")
-
-    def __repr__(self):
-        return f"VerbsEndpoint({self.peer_id}, qp {self.qp_num}, {'alive' if self._alive else self.cause})"
 
 
 class VerbsFabric(Fabric):
@@ -375,7 +102,7 @@ class VerbsFabric(Fabric):
         if ack_timeout is not None and not ack_timeout > 0:
             raise ValueError(f"verbs: ack_timeout must be > 0 seconds, got {ack_timeout!r}")
         self._secret = auth.resolve_secret(secret, hostname, insecure)
-        self.v = v = _import_pyverbs()
+        self.v = v = import_pyverbs()
         self.e = e = v["e"]
         if gid_index is None:
             gid_index = gid_index_from_env()
@@ -595,13 +322,13 @@ class VerbsFabric(Fabric):
         try:
             sock = socket.create_connection((host, port), timeout=self.connect_timeout)
             session = auth.client_handshake(sock, self._secret, self.name, self.connect_timeout)
-            _send_json(sock, self._local_info(qp, psn), session)
-            peer = _recv_json(sock, session)
+            send_json(sock, self._local_info(qp, psn), session)
+            peer = recv_json(sock, session)
             if "error" in peer:
                 raise ConnectionError(f"refused: {peer['error']}")
             self._bring_up(qp, peer, psn)
-            _send_json(sock, {"ready": True}, session)
-            _recv_json(sock, session)
+            send_json(sock, {"ready": True}, session)
+            recv_json(sock, session)
             sock.settimeout(None)
         except (OSError, ConnectionError, ValueError, FabricError, auth.AuthError) as ex:
             for obj in (qp, cq, sock):
@@ -634,18 +361,18 @@ class VerbsFabric(Fabric):
         sock = a.sock
         session = auth.server_handshake(sock, self._secret, self.name, a.deadline, a.established)
         sock.settimeout(max(0.1, a.deadline - time.monotonic()))
-        peer = _recv_json(sock, session)
+        peer = recv_json(sock, session)
         why = self._claim_refusal(str(peer.get("id")))
         if why is not None:
             log.warning("verbs %s: refused a connection from %s: %s", self._id, a.addr, why)
-            _send_json(sock, {"error": why}, session)
+            send_json(sock, {"error": why}, session)
             return
         qp, cq, inline = self._new_qp()
         try:
             psn = random.getrandbits(24)
-            _send_json(sock, self._local_info(qp, psn), session)
+            send_json(sock, self._local_info(qp, psn), session)
             self._bring_up(qp, peer, psn)
-            _recv_json(sock, session)
+            recv_json(sock, session)
         except BaseException:
             qp.close()
             cq.close()
@@ -655,7 +382,7 @@ class VerbsFabric(Fabric):
         sock.settimeout(None)
         self._register_ep(peer["id"], qp, cq, inline, sock)  # registered before "ready": symmetric connect
         a.sock = None  # the endpoint owns it now (the watch thread reads it)
-        _send_json(sock, {"ready": True}, session)
+        send_json(sock, {"ready": True}, session)
 
     def _watch_loop(self) -> None:
         """The endpoints' TCP channels carry nothing after the exchange; EOF on one means the peer process is gone
@@ -806,14 +533,14 @@ class VerbsFabric(Fabric):
         for r in items:
             if isinstance(r, WriteBatch):
                 n = r.count
-                rec = _Posted(seq, seq + n - 1, r.wr_id, Opcode.WRITE, r.nbytes, None, True, r.remote_addr,
+                rec = Posted(seq, seq + n - 1, r.wr_id, Opcode.WRITE, r.nbytes, None, True, r.remote_addr,
                               r.length)
                 flat.extend(zip(r.local_addr.tolist(), r.length.tolist(), r.remote_addr.tolist(), r.rkey.tolist(),
                                 r.lkey.tolist(), [None] * n))
                 seq += n
             else:
                 op = Opcode.WRITE if r.imm is None else Opcode.WRITE_WITH_IMM
-                rec = _Posted(seq, seq, r.wr_id, op, r.length, r.imm, r.signaled, r.remote_addr, None)
+                rec = Posted(seq, seq, r.wr_id, op, r.length, r.imm, r.signaled, r.remote_addr, None)
                 flat.append((r.local_addr, r.length, r.remote_addr, r.rkey, r.lkey, r.imm))
                 seq += 1
             records.append(rec)
@@ -927,7 +654,7 @@ class VerbsFabric(Fabric):
         if out:
             self._cq_out.push(out)
 
-    def _status_error(self, ep: VerbsEndpoint, rec: _Posted, seq: int, status: int) -> FabricError:
+    def _status_error(self, ep: VerbsEndpoint, rec: Posted, seq: int, status: int) -> FabricError:
         e = self.e
         what = rec.write_at(seq)
         if status == e.IBV_WC_REM_ACCESS_ERR:

@@ -1,0 +1,93 @@
+"""The verbs fabric's endpoint (one RC QP and the TCP channel that watches its peer) and the messages of the
+connection exchange over that channel."""
+from __future__ import annotations
+
+import collections
+import json
+import socket
+import struct
+import threading
+from typing import Optional
+
+from transport import auth
+from transport.fabric.base import Completion, Endpoint, Fabric
+
+
+# ---- the liveness channel's messages ----------------------------------------------------------------------------
+def send_json(sock: socket.socket, obj, session: Optional["auth.Session"]) -> None:
+    """One message of the connection exchange: length, JSON, and (with a secret) the tag of the connection's
+    session over both, so that QP numbers and GIDs come only from the authenticated peer."""
+    data = json.dumps(obj).encode()
+    head = struct.pack("<I", len(data))
+    tag = session.tag(head, data) if session is not None and session.keyed else b""
+    sock.sendall(head + data + tag)
+
+
+def recv_json(sock: socket.socket, session: Optional["auth.Session"]):
+    def exact(n):
+        buf = b""
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("connection closed during the verbs handshake")
+            buf += chunk
+        return buf
+    head = exact(4)
+    (n,) = struct.unpack("<I", head)
+    if n > 1 << 16:
+        raise ValueError(f"handshake message of {n} B is implausible")
+    data = exact(n)
+    if session is not None and session.keyed:
+        session.check(exact(auth.TAG_BYTES), head, data)  # AuthError before anything in it is used
+    return json.loads(data)
+
+
+# ---- endpoints ---------------------------------------------------------------------------------------------------
+class Posted:
+    """What one ``post_writes`` item became: work requests ``first``..``last`` (sequence numbers of the
+    endpoint), and what to complete when they are done. ``remote`` / ``lengths``: the remote addresses and
+    lengths of a batch's writes (to name the refused one)."""
+
+    __slots__ = ("first", "last", "wr_id", "opcode", "nbytes", "imm", "signaled", "remote", "lengths")
+
+    def __init__(self, first, last, wr_id, opcode, nbytes, imm, signaled, remote, lengths):
+        self.first, self.last, self.wr_id, self.opcode = first, last, wr_id, opcode
+        self.nbytes, self.imm, self.signaled, self.remote, self.lengths = nbytes, imm, signaled, remote, lengths
+
+    def completion(self, peer_id: str, error=None) -> Completion:
+        return Completion(self.wr_id, self.opcode, peer_id, self.nbytes, self.imm, error)
+
+    def write_at(self, seq: int) -> str:
+        i = seq - self.first
+        if self.lengths is None:
+            return f"wr_id={self.wr_id} ({self.nbytes} B to 0x{self.remote:x})"
+        return (f"write {i} of batch wr_id={self.wr_id} ({int(self.lengths[i])} B to "
+                f"0x{int(self.remote[i]):x})")
+
+
+class VerbsEndpoint(Endpoint):
+    """One RC QP (with its own CQ) to a peer, and the TCP channel that watches that the peer lives."""
+
+    def __init__(self, fabric: Fabric, peer_id: str, qp, cq, sock: socket.socket):
+        self.fabric, self.peer_id, self.qp, self.cq, self.sock = fabric, peer_id, qp, cq, sock
+        self.qp_num = qp.qp_num
+        self._alive = True
+        self.cause: Optional[str] = None
+        self.lock = threading.Lock()  # the fields below
+        self.post_lock = threading.Lock()  # one poster at a time: sequence order is posting order
+        self.room = threading.Condition(self.lock)
+        self.next_seq = 1
+        self.retired = 0  # every work request up to this sequence number has completed
+        self.pending: "collections.deque[Posted]" = collections.deque()
+        self.settled = False  # the QP's outcome is known: pending work was completed or failed
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def abort(self) -> None:
+        """Move the QP to the error state (its posted work flushes as ``PeerLost``) and drop the TCP channel."""
+        self.fabric._fail(self, "aborted locally")
+
+    def __repr__(self):
+        return f"VerbsEndpoint({self.peer_id}, qp {self.qp_num}, {'alive' if self._alive else self.cause})"

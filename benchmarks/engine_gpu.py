@@ -60,7 +60,7 @@ def _median_time(fn, repeat: int, warmup: int = 2) -> list:
 def profile_pack(torch, dev) -> dict:
     """Host + device time of the relay's GPU chunk pack and receiver scatter alone (one thread)."""
     import types
-    from transport.relay import gpu_pack, gpu_scatter, scatter_words
+    from transport.packing import gpu_pack, gpu_scatter, scatter_words
     out = {}
     src = torch.randint(0, 256, (96 * MB,), dtype=torch.uint8, device=dev)
     slot_t = torch.empty(1 * MB, dtype=torch.uint8, device=dev)

@@ -386,7 +386,7 @@ def test_host_memmove_every_layout_byte_exact(layout):
     """The host copy of coalesced chunks (sender gather, receiver scatter): the paged fast paths (one numpy call
     into a run of rows, out of one, or between scattered rows) and the per-piece loop give the reference's bytes,
     and nothing outside the pieces is written."""
-    from transport.relay import host_memmove
+    from transport.packing import host_memmove
     rng = np.random.default_rng()
     width = {"odd_width": 63}.get(layout, 2048 if layout != "few" else 64)
     n = 5 if layout == "few" else 300

@@ -49,9 +49,9 @@ from typing import Callable, Dict, Optional, Tuple
 from transport import auth
 from transport.errors import FabricError, PeerGone, PeerLost, UnknownSession
 from transport.fabric.base import DEVICE_HOST
+from transport.packing import HostBuffer
 from transport.receiver import ACK_BYTES
 from transport.regions import Region
-from transport.relay import HostBuffer
 from transport.telemetry import now_ns
 
 log = logging.getLogger(__name__)

@@ -52,12 +52,13 @@ from transport.errors import (AddressNotRegistered, FabricError, FabricUnavailab
                               RegionOverlap, TransferError)
 from transport.fabric.base import DEVICE_HOST
 from transport.fabric.gpu_copy import BoundCopies
+from transport.packing import HostBuffer
 from transport.pipeline import WATCHDOG_S, BatchHandle, Pipeline, _Attempt, _Batch, batch_timeout
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice
 from transport.progress import ProgressLoop
 from transport.receiver import Receiver
 from transport.regions import Region, RegionTable
-from transport.relay import HostBuffer, RelayRing
+from transport.relay import RelayRing
 from transport.telemetry import Counters, LatencyWindow, Trace
 
 log = logging.getLogger(__name__)

@@ -32,10 +32,10 @@ from transport.fabric.base import (DEVICE_HOST, GatherWrite, Opcode, RegionSpans
                                    WriteRequest)
 from transport.fabric.gpu_copy import Pending
 from transport.fabric.memory import MEMCPY_MAX, memcpy_async
+from transport.packing import gpu_pack, gpu_pack_large, host_memmove
 from transport.planner import COALESCED, DIRECT, RELAYED, Unit
 from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, chunk_imm, decode_ack, decode_ack_payload
 from transport.regions import first_bad, locate_inside, span_region
-from transport.relay import gpu_pack, gpu_pack_large, host_memmove
 from transport.smallbatch import submit_rows
 from transport.telemetry import POSTED, WAITING, now_ns
 

@@ -46,9 +46,9 @@ import numpy as np
 
 from transport.errors import ChunkFormatError
 from transport.fabric.base import DEVICE_HOST, WriteRequest
+from transport.packing import HostBuffer, gpu_scatter, host_memmove, scatter_words
 from transport.progress import ProgressLoop
 from transport.regions import RegionTable, first_bad, span_region
-from transport.relay import HostBuffer, gpu_scatter, host_memmove, scatter_words
 from transport.telemetry import Counters, Trace, now_ns
 
 log = logging.getLogger(__name__)

@@ -539,7 +539,7 @@ def launch_batched_copy(src_index: torch.Tensor, dst_index: torch.Tensor, length
 
     On CUDA the compiled kernel is launched through ``DirectLauncher`` (one driver call); Triton's own launch
     path re-derives every argument's specialisation per call and costs more host time than a whole small
-    ``copy_`` (benchmarks/NOTES.md, "Kernels").
+    ``copy_``.
     """
     n = lengths.numel()
     if n == 0:
@@ -663,7 +663,7 @@ class PreparedCopy:
     The relay reuses the same descriptor buffers for every chunk of a slot (it rewrites their contents), so
     everything but the launch itself is done once here. ``graph=True`` captures the launch in a CUDA graph:
     a graph replay costs less host time than a plain kernel launch, and for a batch of small pieces host time is
-    the whole cost (benchmarks/NOTES.md, "Kernels").
+    the whole cost.
 
     Arguments: as ``launch_batched_copy``; the tensors must stay alive and at the same addresses.
     """

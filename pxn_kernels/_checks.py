@@ -177,8 +177,7 @@ def _disjoint_sorted(starts: np.ndarray, ends: Optional[np.ndarray], equal: int,
 def _distinct_slots(starts: np.ndarray, lowest: int, highest: int, length: int) -> Optional[bool]:
     """Whether ranges of one power-of-two ``length`` (bytes) are pairwise disjoint, for starts that all lie on
     that grid counted from the lowest (the rows of a paged pool): exactly when no two share a slot, which a
-    bitmap of the span tells in a few passes instead of a sort (benchmarks/NOTES.md, "Kernels on the H200, rows
-    of a paged pool, launch policy").
+    bitmap of the span tells in a few passes, cheaper than a sort.
     None: not such a batch (another length, a start off the grid, a span of more than 16 slots per range);
     the caller sorts."""
     n = starts.size
@@ -204,11 +203,10 @@ def _disjoint_on_device(starts: torch.Tensor, lengths: torch.Tensor, equal: int)
 
 
 def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written_device) -> Optional[dict]:
-    """Every check on pieces of positive length (``lengths`` >= 1 here), as whole-array reductions (a numpy call
-    has a fixed cost comparable to its pass over tens of thousands of items, so their number is what counts:
-    benchmarks/NOTES.md, "Host time of the public kernel calls, again"). Returns the address arguments' (lowest,
-    highest) starts by name (``LengthStats.spans``), or None when some check failed (the caller runs the
-    per-piece checks to name it).
+    """Every check on pieces of positive length (``lengths`` >= 1 here), as whole-array reductions (a numpy call has a
+    fixed cost comparable to its pass over tens of thousands of items, so their number is what counts). Returns the
+    address arguments' (lowest, highest) starts by name (``LengthStats.spans``), or None when some check failed (the
+    caller runs the per-piece checks to name it).
 
     The written ranges are looked at first: when each ends before the next starts and no end wrapped past
     2**63 (the smallest end is positive), their starts strictly increase, so the first and last entries are the
@@ -276,8 +274,7 @@ def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written
     return spans if _disjoint_sorted(starts, end, 0, (extremes.get(name) or (None,))[0]) else None
 
 
-# Up to this many pieces the checks run on Python lists: a numpy call's fixed cost exceeds the work below it
-# (benchmarks/NOTES.md, "Host time of the public kernel calls, again").
+# Up to this many pieces the checks run on Python lists: a numpy call's fixed cost exceeds the work below it.
 SMALL = 64
 
 

@@ -3,7 +3,7 @@
 Why: a checked ``gather`` / ``scatter`` / ``copy`` whose index arguments are CUDA tensors must know, before it
 launches, that no piece is bad. Reading the tensors to the host for the numpy checks costs one device-to-host
 copy per tensor (or one for tensors close together), each with its own latency on the GPU, then the checks'
-passes on the host (benchmarks/NOTES.md, "Device index tensors read in one copy"). Here one launch computes
+passes on the host. Here one launch computes
 what decides the usual case and writes it, with a copy of the lengths (a mix of lengths needs them for its
 plan), straight into a pinned buffer of the calling thread; the host reads it after one synchronisation.
 

@@ -1,10 +1,9 @@
 """Launch an already compiled Triton kernel with one ctypes call to ``cuLaunchKernel``.
 
-Why: Triton's Python launch path re-derives every argument's specialisation, reads its knobs and prepares
-scratch allocations on every call, which costs more host time per launch than the whole of a small ``copy_``
-(benchmarks/NOTES.md, "Kernels"). The relay gathers small batches thousands of times per second, so the launch
-is the product's hot path. This launcher reads the kernel's parameter list from its PTX once and afterwards only
-writes the argument values and calls the driver.
+Why: Triton's Python launch path re-derives every argument's specialisation, reads its knobs and prepares scratch
+allocations on every call, which costs more host time per launch than the whole of a small ``copy_``. The relay
+gathers small batches thousands of times per second, so the launch is the product's hot path. This launcher reads
+the kernel's parameter list from its PTX once and afterwards only writes the argument values and calls the driver.
 
 It declines (returns None, and the caller keeps Triton's own path) whenever the compiled kernel needs more
 than plain parameters: scratch memory, clusters, cooperative or PDL launches.

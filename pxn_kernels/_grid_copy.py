@@ -1,13 +1,12 @@
 """A second batched-copy kernel, for batches of large pieces: one program per (segment, piece) of a 2-D grid.
 
 Why a second kernel: the range plan of ``_batched_copy`` lets one launch serve any mix, but every program first
-walks a chain of dependent descriptor loads (range bounds -> item -> addresses) before its first data load, and
-that kept 78-block batches short of one contiguous ``copy_`` whatever the tile and occupancy
-(benchmarks/NOTES.md, "Kernels"). Here program (s, i) copies bytes ``[s*SEG, (s+1)*SEG)``
-of piece i: its three descriptor loads depend only on the program id, so they are issued together, one memory
-round trip, and there is no plan at all. The price is a grid as wide as the longest piece: programs past the end
-of a shorter piece exit at once, so this kernel is only picked when the pieces are (nearly) equal in size, which
-is what sglang's per-layer KV blocks are (``grid_fits``).
+walks a chain of dependent descriptor loads (range bounds -> item -> addresses) before its first data load, and that
+kept 78-block batches short of one contiguous ``copy_`` whatever the tile and occupancy. Here program (s, i) copies
+bytes ``[s*SEG, (s+1)*SEG)`` of piece i: its three descriptor loads depend only on the program id, so they are
+issued together, one memory round trip, and there is no plan at all. The price is a grid as wide as the longest
+piece: programs past the end of a shorter piece exit at once, so this kernel is only picked when the pieces are
+(nearly) equal in size, which is what sglang's per-layer KV blocks are (``grid_fits``).
 """
 from __future__ import annotations
 

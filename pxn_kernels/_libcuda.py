@@ -1,9 +1,8 @@
 """libcuda through ctypes: the one handle, the prototypes of the driver calls pxn makes, and their error check.
 
-Why ctypes: a ctypes driver call costs less host time than a cuda-bindings or torch call (benchmarks/NOTES.md,
-"Relay rounds in the caller's thread"), and the hot paths (a kernel launch, a descriptor upload, a graph launch)
-make one per batch. Why one handle: argument types are set per handle, so every user shares one set of
-prototypes here instead of each loading the library with its own.
+Why ctypes: a ctypes driver call costs less host time than a cuda-bindings or torch call, and the hot paths (a
+kernel launch, a descriptor upload, a graph launch) make one per batch. Why one handle: argument types are set per
+handle, so every user shares one set of prototypes here instead of each loading the library with its own.
 
 The library is loaded on the first ``driver()`` call, never at import: pxn imports (and its CPU paths run) on
 machines without a GPU driver.

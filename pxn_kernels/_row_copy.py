@@ -10,7 +10,7 @@ round trip, no plan, no search), and every row of the tile is in flight at once.
 Persistent programs: with ``programs_per_sm`` set, a grid of that many programs per multiprocessor walks the row
 tiles in a grid-stride loop, and each program loads the next tile's row addresses before it copies the current
 tile, so that round trip overlaps the copy instead of preceding it. Rows picked at random from a large pool
-(every row a miss) gain most (benchmarks/NOTES.md, "Segment kernel and persistent row programs").
+(every row a miss) gain most.
 
 Vector width: the widest of 16 / 8 / 4 / 2 / 1 bytes that divides the length and every row address of the
 tile (both ends), decided per program at run time, so rows whose size is not a multiple of 16 (100 B, 520 B,
@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -189,16 +188,6 @@ def row_settings(length: int, tile_bytes: int, max_cols: int, num_warps: int, sp
     if rows * width > tile_bytes and rows > 1:
         rows //= 2
     return RowSettings(int(length), rows, cols, num_warps, tail, programs_per_sm)
-
-
-def equal_length(lengths: np.ndarray):
-    """The common length (bytes, >= 1) when every piece has it, else None."""
-    if lengths.size == 0:
-        return None
-    first = int(lengths[0])
-    if first < 1 or int(lengths.min()) != first or int(lengths.max()) != first:
-        return None
-    return first
 
 
 _KERNEL = CompiledKernel(_row_copy_kernel, n_tensors=3)

@@ -3,8 +3,7 @@
 Why a fourth kernel: the range kernel cuts the batch into equal byte ranges, so a range inside a run of small
 pieces walks them one after the other, each behind its own chain of dependent descriptor loads, while the ranges
 inside large pieces stream; the small-piece ranges finish last, on mixes of 64 B - 8 KB pieces with 2 MB blocks
-(sglang's aux and indexer pieces beside its KV blocks) well short of one contiguous ``copy_`` of the same bytes
-(benchmarks/NOTES.md, "Segment kernel and persistent row programs").
+(sglang's aux and indexer pieces beside its KV blocks) well short of one contiguous ``copy_`` of the same bytes.
 Here every piece is cut into segments of ``seg_bytes`` (a 64 B piece is one segment, a 2 MB block 128 of 16 KB),
 and program p copies segment p: one load of its table entry, then the piece's three descriptors, then the
 data. No program walks more than one piece, and the load is balanced to within one segment.

@@ -1,10 +1,9 @@
 """Moving index arrays between host and GPU for the checked entries, with buffers that are kept and reused.
 
-Host arrays (``gather(numpy, ...)`` on a GPU ``out``): the arrays are written into a pinned host buffer and
-moved in one ``cuMemcpyHtoDAsync`` into a device buffer that the kernel then reads. Allocating both per call
+Host arrays (``gather(numpy, ...)`` on a GPU ``out``): the arrays are written into a pinned host buffer and moved in
+one ``cuMemcpyHtoDAsync`` into a device buffer that the kernel then reads. Allocating both per call
 (``torch.empty(pin_memory=True)`` and ``.to(device)``) cost more host time than the checks, where a ctypes driver
-call costs little (benchmarks/NOTES.md, "Kernels on the H200, rows of a paged pool, launch policy"). So each GPU
-has an ``UploadPool`` of such buffer pairs (``_Slot``):
+call costs little. So each GPU has an ``UploadPool`` of such buffer pairs (``_Slot``):
 
 * a slot is taken by one thread at a time (under the pool's lock), filled, copied and launched from, then
   returned with a driver event recorded on the stream after the launch;
@@ -14,14 +13,13 @@ has an ``UploadPool`` of such buffer pairs (``_Slot``):
   ``max_slots`` per GPU, after which the caller waits for the oldest (a thread far ahead of its GPU);
 * a slot too small for a batch is grown (new buffers) only when it is idle.
 
-Small uploads (up to ``SMALL_UPLOAD_BYTES``) skip the slots and their events: the arrays go through a pageable
-host buffer of the calling thread, from which ``cuMemcpyHtoDAsync`` returns only once the driver has staged the
-bytes (so it may be rewritten at once), into a device buffer of that thread and stream. The next upload into that
-device buffer is a copy on the same stream, which runs after every kernel queued there before it, so it never
-rewrites descriptors a launch has still to read; another thread or stream has buffers of its own. This saves the
-event query and record of a slot, which cost about as much as the copy itself (benchmarks/NOTES.md, "Small
-descriptor uploads ordered by their stream"). Larger uploads keep the pinned slots: staging a large pageable copy
-may make the driver wait for the stream.
+Small uploads (up to ``SMALL_UPLOAD_BYTES``) skip the slots and their events: the arrays go through a pageable host
+buffer of the calling thread, from which ``cuMemcpyHtoDAsync`` returns only once the driver has staged the bytes (so
+it may be rewritten at once), into a device buffer of that thread and stream. The next upload into that device
+buffer is a copy on the same stream, which runs after every kernel queued there before it, so it never rewrites
+descriptors a launch has still to read; another thread or stream has buffers of its own. This saves the event query
+and record of a slot, which cost about as much as the copy itself. Larger uploads keep the pinned slots: staging a
+large pageable copy may make the driver wait for the stream.
 
 Device tensors (``gather(cuda int64 tensors, ...)``, checked) of more than ``_device_checks.MAX_PIECES``
 pieces, or a batch the summary kernel found a fault in or left open: the checks need the values on the host, so
@@ -322,8 +320,7 @@ def read_to_host(tensors: Sequence[torch.Tensor], index: int) -> Optional[List[n
     another way). The calling thread's current context must be GPU ``index``'s (``on_device``).
 
     Tensors close together (``read_span``) are read in one ``cuMemcpyDtoHAsync`` of the span that holds them,
-    others with one each: each small copy adds its own latency on the GPU before the synchronisation returns
-    (benchmarks/NOTES.md, "Device index tensors read in one copy")."""
+    others with one each: each small copy adds its own latency on the GPU before the synchronisation returns."""
     n = tensors[0].numel()
     for t in tensors:
         if not t.is_contiguous():

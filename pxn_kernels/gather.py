@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from pxn_kernels import _checks, _device_checks, peer_access
-from pxn_kernels._batched_copy import CopyPlan, _batched_copy_kernel, _lean, relaunch, run_batch  # noqa: F401
+from pxn_kernels._batched_copy import CopyPlan, _batched_copy_kernel, relaunch, run_batch
 from pxn_kernels._memory import host_copy, raw_view
 
 

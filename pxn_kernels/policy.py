@@ -25,7 +25,7 @@ import os
 import threading
 from typing import Optional
 
-# The H200 figures behind these defaults are in benchmarks/NOTES.md (kernel sweeps): small pieces want little
+# Defaults from kernel sweeps on an H200 (benchmarks/kernels.py): small pieces want little
 # device time per launch (4 KB tiles, 4 warps, 8 programs/SM), large pieces big tiles and many resident programs
 # (32 KB, 8 warps, 32 programs/SM); equal pieces from 4 KB up a 4 KB program with 2 warps (grid kernel).
 _BASE = {
@@ -55,12 +55,10 @@ _BASE = {
 }
 
 # Hopper (H100 / H200): the row classes that won the paged-row sweeps on an H200 (every candidate byte-checked
-# first; benchmarks/NOTES.md, "Row kernel: one-warp programs and split rows" and "Segment kernel and persistent
-# row programs"): one warp per program, persistent grids of 16 programs per SM up to 256 B rows and 32 above;
+# first): one warp per program, persistent grids of 16 programs per SM up to 256 B rows and 32 above;
 # 2 KB tiles up to 64 B rows, 1 KB up to 640 B (a 520 B or 576 B row alone in a 1 KB tile), 2 KB up to 1 KiB,
 # 4 KB above. Shifted words for pieces whose two ends differ in alignment: they beat the byte path on every
-# unaligned mix measured, and leave aligned pieces alone (benchmarks/NOTES.md, "The message path: writes as
-# arrays, completions at the writer", results/kernels-h200-shift-quick.json).
+# unaligned mix measured, and leave aligned pieces alone (benchmarks/results/kernels-h200-shift-quick.json).
 _ONE_WARP = {"max_cols": 4096, "num_warps": 1, "split": False}
 _SM90 = dict(_BASE, row={"enabled": True, "max_bytes": 4095,
                          "classes": [dict(_ONE_WARP, up_to=64, tile_bytes=2048, programs_per_sm=16),

@@ -462,7 +462,7 @@ def test_lean_path_accepts_only_what_the_full_path_accepts():
     a copy (on the CPU: only the "triton" backend under the interpreter, never "auto", the memmove path);
     anything else goes the full way (which raises with the name)."""
     import sys
-    lean = sys.modules["pxn_kernels.gather"]._lean
+    lean = sys.modules["pxn_kernels._batched_copy"]._lean
     t = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     buf = torch.zeros(64, dtype=torch.uint8)
     assert not lean(buf, t(1), t(1), t(1), "auto")  # CPU: the memmove path

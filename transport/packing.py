@@ -43,7 +43,7 @@ def host_memmove(srcs, dsts, lengths) -> None:
     must not overlap. Arguments: int64 arrays or sequences.
 
     Why two ways: a ctypes memmove per piece is a Python step per piece, a large share of a call for the 32768
-    pages of 2 KiB of an MHA call, on each side of a coalesced transfer (benchmarks/NOTES.md, "Engine"). Paged KV
+    pages of 2 KiB of an MHA call, on each side of a coalesced transfer. Paged KV
     caches have a shape one numpy call can copy: every piece of one length L, and every source (destination) at
     a multiple of L from the lowest one. Those go as
     rows of an (n, L) view: ``take`` into a run of contiguous rows (a chunk's payload when L is a multiple of its

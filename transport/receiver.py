@@ -425,7 +425,6 @@ class Receiver:
                       f"{st.slot_bytes} B) on rail {rail}")
             return
         buf, _, tensor = st.landing[rail]
-        base = buf.addr + slot * st.slot_bytes
         try:
             header_bytes = self._read_header(buf, tensor, slot, st.slot_bytes, byte_len)
             from pxn_kernels.chunk import parse_chunk
@@ -461,7 +460,6 @@ class Receiver:
         if self.trace is not None:
             self.trace.complete("validate", "receiver", f"rx/rail{rail}", t0, t1, {"items": table.item_count})
             self.trace.complete("scatter", "receiver", f"rx/rail{rail}", t1, t2, {"bytes": int(table.lengths.sum())})
-        del base
 
     def _acked_placed(self, p: "_Placed") -> None:
         st = p.st

@@ -7,12 +7,11 @@ GPU-less machine, the NIC-local GPU otherwise.
 
 Threads: the copy thread takes as many queued units as there are free slots (one when every slot is free: the wire
 then starts after one fill), enqueues their gathers / copies on the lanes' CUDA streams (host rings: memmove), waits
-once per lane, and posts the round's writes itself, many per doorbell: one synchronise per round instead of one per
-slot, and no hand-off to a second thread (each cost about a slot's copy time in Python; handing every round but the
-last to a second thread, to overlap a round's post with the next round's copies, measured no better:
-benchmarks/NOTES.md). Direct units the engine re-dispatches after a failover are posted by the engine's progress
-thread. Completions release slots, in whichever thread the fabric reports them (its callback, or the
-engine's poll loop).
+once per lane, and posts the round's writes itself, many per doorbell. One synchronise per round rather than one per
+slot, and no hand-off to a posting thread, because each of those costs about a slot's copy time in Python: as much
+as overlapping a round's post with the next round's copies would gain. Direct units the engine re-dispatches after a
+failover are posted by the engine's progress thread. Completions release slots, in whichever thread the fabric
+reports them (its callback, or the engine's poll loop).
 
 Stream-ordered rounds: on a GPU ring whose fabric declares ``event_ordered_writes`` (ipc: the wire is a GPU
 copy too), nothing waits on the host. A round records an event per lane after its fills and posts with it
@@ -207,7 +206,7 @@ class RelayRing:
         when none is free), its fill enqueued on the slot's lane stream and its write posted after that fill on
         the GPU, the slot back in the ring as soon as the write is queued. The host only enqueues, so the caller
         needs no copy thread: a hand-off to it, and the GIL traffic between the two, cost more host time than
-        the enqueues themselves (benchmarks/NOTES.md, "Relay rounds in the caller's thread"). An attempt per
+        the enqueues themselves. An attempt per
         round: each write starts as soon as its own fill is done, while the next fill runs."""
         for attempt in attempts:
             with self._cv:
@@ -228,8 +227,7 @@ class RelayRing:
                 # take as many queued attempts as there are free slots (at least one, waiting for it): they
                 # are filled back to back and posted together, one doorbell for all. A ring with every slot free
                 # has nothing on the wire: its first fill goes out alone, so that the wire starts after one fill
-                # instead of a round of them, and the next round fills while it is written (benchmarks/NOTES.md,
-                # "The first chunk of a call posted alone").
+                # instead of a round of them, and the next round fills while it is written.
                 idle = self.free_slots() == len(self.slots)
                 work = [(self._copy_q.popleft(), self._acquire())]
                 if work[0][1] is None:

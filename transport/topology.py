@@ -51,7 +51,6 @@ LOCAL_CLASSES = frozenset({"PIX", "PXB"})
 """Classes at which a NIC counts as local to a GPU (no host bridge on the path)."""
 
 VENDOR_NVIDIA = 0x10DE
-VENDOR_MELLANOX = 0x15B3
 _GPU_CLASSES = (0x0300, 0x0302)  # VGA-compatible and 3D controller; NVSwitch (0x0680) is not a GPU
 
 _BDF_RE = re.compile(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")

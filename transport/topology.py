@@ -189,7 +189,6 @@ class Topology:
         keys = [p.key for p in self.ports]
         if len(set(keys)) != len(keys):
             raise TopologyError("duplicate NIC port: %s" % sorted({k for k in keys if keys.count(k) > 1}))
-        self._ports_by_key = {p.key: p for p in self.ports}
         self.distances: Dict[Tuple[int, str], str] = {}
         for g in self.gpus:
             for p in self.ports:

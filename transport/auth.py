@@ -62,6 +62,7 @@ import time
 import weakref
 from typing import Callable, Dict, List, Optional
 
+from transport.config import EngineConfig
 from transport.errors import AuthError, InsecureConfig, RefusalCounted, SecretMismatch
 log = logging.getLogger(__name__)
 
@@ -117,15 +118,11 @@ def _is_loopback(host) -> bool:
         return False
 
 
-def _flag(text: Optional[str]) -> bool:
-    return str(text or "").strip().lower() not in ("0", "false", "no", "off", "")
-
-
 def secret_file(environ=None) -> str:
     """Path of the per-user secret file: ``PXN_SECRET_FILE``, else ``$XDG_CONFIG_HOME/pxn/secret`` (default
     ``~/.config/pxn/secret``)."""
     env = os.environ if environ is None else environ
-    path = env.get("PXN_SECRET_FILE")
+    path = EngineConfig.read(("secret_file",), env).get("secret_file")
     if path:
         return os.path.abspath(os.path.expanduser(path))
     base = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
@@ -188,6 +185,7 @@ def resolve_secret(secret=None, host=None, insecure: Optional[bool] = None, envi
     if isinstance(secret, Resolved):
         return secret.key
     env = os.environ if environ is None else environ
+    given = EngineConfig.read(("secret", "insecure"), env)
     if secret is not None:
         if isinstance(secret, str):
             secret = secret.encode()
@@ -195,20 +193,20 @@ def resolve_secret(secret=None, host=None, insecure: Optional[bool] = None, envi
             raise ValueError(f"secret must be a str or bytes, got {type(secret).__name__}")
         secret = bytes(secret)
         if not secret:
-            if env.get("PXN_SECRET"):
+            if given.get("secret"):
                 raise InsecureConfig("secret='' would override PXN_SECRET; pass the same secret, or leave secret= "
                                      "unset (to run without one: insecure=True / PXN_INSECURE=1, and no PXN_SECRET)")
             secret = None
     where = "secret="
-    if secret is None and env.get("PXN_SECRET"):
-        secret, where = env["PXN_SECRET"].encode(), "PXN_SECRET"
+    if secret is None and given.get("secret"):
+        secret, where = given["secret"].encode(), "PXN_SECRET"
     if secret is not None:
         if len(secret) < MIN_SECRET_BYTES:
             raise InsecureConfig(f"{where}: a shared secret of {len(secret)} bytes is too short (at least "
                                  f"{MIN_SECRET_BYTES}; e.g. python -c 'import secrets; print(secrets.token_hex(16))')")
         return secret
     if insecure is None:
-        insecure = _flag(env.get("PXN_INSECURE"))
+        insecure = given.get("insecure", False)
     if insecure:
         if not _WARNED_INSECURE:
             _WARNED_INSECURE = True

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from transport.config import EngineConfig
 from transport.errors import ConfigError, PxnError, ShapesError
 from transport.peer_process import POISON, Buffer, PeerProcess, digest, serve
 
@@ -303,7 +304,7 @@ def _fabric_choice(args) -> str:
     variable and its value when it names no fabric."""
     if args.fabric is not None:
         return args.fabric
-    text = os.environ.get("PXN_FABRIC", "")
+    text = EngineConfig.read(("fabric",)).get("fabric", "")
     if text.strip() == "":
         return "auto"
     if text.strip() not in FABRICS:
@@ -383,7 +384,8 @@ def run(args) -> int:
     why = _memory_check(shapes, need, device)
     if why:
         return _fail(why)
-    source = " (PXN_FABRIC)" if args.fabric is None and os.environ.get("PXN_FABRIC", "").strip() else ""
+    source = " (PXN_FABRIC)" if args.fabric is None and EngineConfig.read(("fabric",)).get("fabric", "").strip() \
+        else ""
     _print(f"pxn bench: fabric {fabric}{source}, {'GPU cuda:0' if device >= 0 else 'host'} memory, "
            f"{len(shapes)} shapes x {args.repeat} calls; starting the peer process...")
     from transport.engine import TransferEngine

@@ -1,19 +1,21 @@
 """The engine's configuration: one frozen ``EngineConfig``, built once from constructor arguments, then the
 ``PXN_*`` environment variables, then defaults (``EngineConfig.from_env``), and checked as a whole.
 
-Every variable here is operational (what a deployment sets); the README's configuration table lists them. Sizes
-take ``65536``, ``64K``, ``1M``, ``8MiB``. A malformed or out-of-range variable raises ``ConfigError`` (a
+Every ``PXN_*`` variable the library reads is a field here, marked operational (what a deployment sets: fabric,
+rails, secrets, timeouts) or tuning (one cost against another, with measured defaults); the README's configuration
+table lists them. Parts that run without an engine read theirs through ``EngineConfig.read``. Sizes take
+``65536``, ``64K``, ``1M``, ``8MiB``. A malformed or out-of-range variable raises ``ConfigError`` (a
 ``ValueError``) naming the variable and its value; an out-of-range argument names the setting.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 from transport.errors import ConfigError
 
-__all__ = ["EngineConfig", "parse_size"]
+__all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "parse_size"]
 
 
 def parse_size(value) -> int:
@@ -36,53 +38,85 @@ def _flag(value) -> bool:
 
 _flag.__name__ = "flag"
 
-# field -> (environment variable, parser of its text)
-_ENV = {
-    "fabric": ("PXN_FABRIC", str),
-    "rails": ("PXN_RAILS", int),
-    "coalesce_bytes": ("PXN_COALESCE_BYTES", parse_size),
-    "direct_pieces": ("PXN_DIRECT_PIECES", int),
-    "relay_slot_bytes": ("PXN_RELAY_SLOT_BYTES", parse_size),
-    "relay_slots": ("PXN_RELAY_SLOTS", int),
-    "lanes": ("PXN_LANES", int),
-    "landing_slots": ("PXN_LANDING_SLOTS", int),
-    "stripe_bytes": ("PXN_STRIPE_BYTES", parse_size),
-    "relay": ("PXN_RELAY", str),
-    "timeout": ("PXN_TIMEOUT", float),
-    "trace_path": ("PXN_TRACE", str),
-    "switch_interval": ("PXN_SWITCH_INTERVAL", float),
-    "loadstore": ("PXN_LOADSTORE", _flag),
-    "forward_large": ("PXN_FORWARD_LARGE", _flag),
-    "max_senders": ("PXN_MAX_SENDERS", int),
-    "handshake_timeout": ("PXN_HANDSHAKE_TIMEOUT", float),
-    "max_conns_per_addr": ("PXN_MAX_CONNS_PER_ADDR", int),
-}
+def _seconds_from_us(value) -> float:
+    v = float(value) / 1e6
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"{value!r} is not microseconds in [0, 1000000]")
+    return v
+
+
+_seconds_from_us.__name__ = "number of microseconds in [0, 1000000]"
+
+
+def _gid_index(value) -> int:
+    v = int(value)
+    if v < 0:
+        raise ValueError(f"{value!r} is negative")
+    return v
+
+
+_gid_index.__name__ = "GID table index (an int >= 0)"
+
+OPERATIONAL, TUNING = "operational", "tuning"
+
+
+def _setting(default, variable: str, kind: str, parse=str, **field_options):
+    """A field of ``EngineConfig`` read from ``variable`` (parsed by ``parse``); ``kind`` says whether a deployment
+    sets it (operational) or it trades one cost against another (tuning)."""
+    return dataclasses.field(default=default, metadata={"env": variable, "kind": kind, "parse": parse},
+                             **field_options)
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """What a ``TransferEngine`` runs with (``transport.engine.TransferEngine`` documents each setting).
+    """What a ``TransferEngine`` and its fabrics run with: every ``PXN_*`` variable of the library, one field each
+    (``transport.engine.TransferEngine`` documents the engine's settings; ``EngineConfig.variables()`` lists them
+    with their kind). Sizes in bytes, times in seconds."""
 
-    Sizes in bytes, times in seconds."""
+    # --- operational: what a deployment sets ---
+    fabric: str = _setting("auto", "PXN_FABRIC", OPERATIONAL)
+    rails: int = _setting(2, "PXN_RAILS", OPERATIONAL, int)
+    relay: str = _setting("auto", "PXN_RELAY", OPERATIONAL)
+    timeout: float = _setting(120.0, "PXN_TIMEOUT", OPERATIONAL, float)
+    trace_path: Optional[str] = _setting(None, "PXN_TRACE", OPERATIONAL)
+    max_senders: int = _setting(256, "PXN_MAX_SENDERS", OPERATIONAL, int)
+    handshake_timeout: float = _setting(5.0, "PXN_HANDSHAKE_TIMEOUT", OPERATIONAL, float)
+    max_conns_per_addr: int = _setting(64, "PXN_MAX_CONNS_PER_ADDR", OPERATIONAL, int)
+    secret: Optional[str] = _setting(None, "PXN_SECRET", OPERATIONAL, repr=False, compare=False)
+    """The shared secret (``transport.auth.resolve_secret`` applies its rules); never in a repr."""
+    secret_file: Optional[str] = _setting(None, "PXN_SECRET_FILE", OPERATIONAL)
+    insecure: bool = _setting(False, "PXN_INSECURE", OPERATIONAL, _flag)
+    gid_index: Optional[int] = _setting(None, "PXN_GID_INDEX", OPERATIONAL, _gid_index)
+    metadata_ttl: float = _setting(5.0, "PXN_METADATA_TTL", OPERATIONAL, float)
+    """Mooncake API on etcd: seconds of the lease on an engine's entry."""
+    # --- tuning: one cost against another; the defaults are measured ---
+    coalesce_bytes: int = _setting(64 << 10, "PXN_COALESCE_BYTES", TUNING, parse_size)
+    direct_pieces: int = _setting(0, "PXN_DIRECT_PIECES", TUNING, int)
+    relay_slot_bytes: int = _setting(4 << 20, "PXN_RELAY_SLOT_BYTES", TUNING, parse_size)
+    relay_slots: int = _setting(8, "PXN_RELAY_SLOTS", TUNING, int)
+    lanes: int = _setting(2, "PXN_LANES", TUNING, int)
+    landing_slots: int = _setting(16, "PXN_LANDING_SLOTS", TUNING, int)
+    stripe_bytes: int = _setting(16 << 20, "PXN_STRIPE_BYTES", TUNING, parse_size)
+    switch_interval: Optional[float] = _setting(None, "PXN_SWITCH_INTERVAL", TUNING, float)
+    loadstore: bool = _setting(True, "PXN_LOADSTORE", TUNING, _flag)
+    forward_large: bool = _setting(False, "PXN_FORWARD_LARGE", TUNING, _flag)
+    ack_spin: Optional[float] = _setting(None, "PXN_ACK_SPIN_US", TUNING, _seconds_from_us)
+    """tcp: seconds a caller waiting for a small batch's ack reads its socket before it sleeps (the variable is
+    in microseconds); None: the fabric's default."""
+    recv_spin: Optional[float] = _setting(None, "PXN_RECV_SPIN_US", TUNING, _seconds_from_us)
+    """tcp: the same for a receive thread waiting for the next small batch."""
 
-    fabric: str = "auto"
-    rails: int = 2
-    coalesce_bytes: int = 64 << 10
-    direct_pieces: int = 0
-    relay_slot_bytes: int = 4 << 20
-    relay_slots: int = 8
-    lanes: int = 2
-    landing_slots: int = 16
-    stripe_bytes: int = 16 << 20
-    relay: str = "auto"
-    timeout: float = 120.0
-    trace_path: Optional[str] = None
-    switch_interval: Optional[float] = None
-    loadstore: bool = True
-    forward_large: bool = False
-    max_senders: int = 256
-    handshake_timeout: float = 5.0
-    max_conns_per_addr: int = 64
+    @staticmethod
+    def variables() -> Dict[str, Tuple[str, str]]:
+        """Field name -> (``PXN_*`` variable, kind: ``"operational"`` or ``"tuning"``), in declaration order."""
+        return {f.name: (f.metadata["env"], f.metadata["kind"]) for f in dataclasses.fields(EngineConfig)}
+
+    @classmethod
+    def read(cls, names, environ: Optional[Mapping[str, str]] = None) -> dict:
+        """The settings ``names`` from their variables in ``environ`` (default ``os.environ``), parsed, for the
+        parts that run without an engine (a fabric built alone, the metadata server, the Mooncake layer): only
+        those set and not empty. A malformed value raises ``ConfigError`` naming the variable and its value."""
+        return cls.environment(environ, skip=set(_ENV) - set(names))
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, defaults: Optional[Mapping] = None,
@@ -132,7 +166,7 @@ class EngineConfig:
         # normalise the forms constructor arguments may take (sizes as "64K", flags as ints)
         for name in ("coalesce_bytes", "relay_slot_bytes", "stripe_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
-        for name in ("loadstore", "forward_large"):
+        for name in ("loadstore", "forward_large", "insecure"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
     def check(self) -> None:
@@ -149,7 +183,14 @@ class EngineConfig:
                 raise _bad(name, f"{name} must be an int >= {lo}, got {value!r}")
         if self.landing_slots > 0xFFFF:
             raise _bad("landing_slots", f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
-        for name in ("max_senders", "max_conns_per_addr", "handshake_timeout", "timeout"):
+        for name in ("ack_spin", "recv_spin"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not 0.0 <= value <= 1.0):
+                raise _bad(name, f"{name} must be None or seconds in [0, 1], got {value!r}")
+        if self.gid_index is not None and (isinstance(self.gid_index, bool) or not isinstance(self.gid_index, int)
+                                           or self.gid_index < 0):
+            raise _bad("gid_index", f"gid_index must be None or an int >= 0, got {self.gid_index!r}")
+        for name in ("max_senders", "max_conns_per_addr", "handshake_timeout", "timeout", "metadata_ttl"):
             value = getattr(self, name)
             if isinstance(value, bool) or not value > 0:
                 raise _bad(name, f"{name} must be > 0, got {value!r}")
@@ -160,3 +201,7 @@ def _bad(setting: str, message: str) -> ConfigError:
     e = ConfigError(message)
     e.setting = setting
     return e
+
+
+# field -> (environment variable, parser of its text)
+_ENV = {f.name: (f.metadata["env"], f.metadata["parse"]) for f in dataclasses.fields(EngineConfig)}

@@ -7,10 +7,10 @@ not usable. ``PXN_GID_INDEX`` (``gid_index_from_env``) overrides the GID choice,
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
+from transport.config import EngineConfig
 from transport.errors import FabricUnavailable, VerbsPortError
 
 INSTALL_HINT = ("install pyverbs: Debian/Ubuntu `apt-get install -y rdma-core libibverbs-dev python3-pyverbs` "
@@ -19,18 +19,10 @@ INSTALL_HINT = ("install pyverbs: Debian/Ubuntu `apt-get install -y rdma-core li
                 "LD_LIBRARY_PATH)")
 
 
-def gid_index_from_env(environ=os.environ) -> Optional[int]:
-    """``PXN_GID_INDEX`` as an int, None when unset. ``ValueError`` naming the variable and value otherwise."""
-    text = environ.get("PXN_GID_INDEX", "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"PXN_GID_INDEX={text!r} is not a GID table index (an int >= 0)") from None
-    if value < 0:
-        raise ValueError(f"PXN_GID_INDEX={text!r} is not a GID table index (an int >= 0)")
-    return value
+def gid_index_from_env(environ=None) -> Optional[int]:
+    """``PXN_GID_INDEX`` (``EngineConfig.gid_index``) as an int, None when unset. ``ConfigError`` (a
+    ``ValueError``) naming the variable and value otherwise."""
+    return EngineConfig.read(("gid_index",), environ).get("gid_index")
 
 
 def import_pyverbs():

@@ -66,8 +66,8 @@ def error_name(code: int) -> str:
 
 
 def error_code(exc: BaseException) -> int:
-    """Map a pxn exception to its negative code (the table in ``integration.mooncake``). Order matters: the narrowest class first
-    (``UnknownSession`` is also an ``InvalidTransfer`` and an ``UnknownPeer``)."""
+    """Map a pxn exception to its negative code (the table in ``integration.mooncake``). Order matters: the
+    narrowest class first (``UnknownSession`` is also an ``InvalidTransfer`` and an ``UnknownPeer``)."""
     if isinstance(exc, UnknownPeer):  # before InvalidTransfer: UnknownSession is both
         return ERR_METADATA
     if isinstance(exc, AddressNotRegistered):

@@ -113,7 +113,8 @@ def verbs_topology(base):
     missing."""
     from transport.fabric.verbs import port_table
     from transport.topology import NicPort, Topology
-    ports = [NicPort(name=st.device, port=st.port_num, pci="", state={"down": "1: DOWN", "unreadable": ""}.get(st.reason or "", "4: ACTIVE"),
+    states = {"down": "1: DOWN", "unreadable": ""}
+    ports = [NicPort(name=st.device, port=st.port_num, pci="", state=states.get(st.reason or "", "4: ACTIVE"),
                      link_layer={"eth": "Ethernet", "ib": "InfiniBand"}.get(st.link_layer, ""),
                      gid=st.reason != "no GID", usable=st.usable, reason=st.reason, detail=st.detail)
              for st in port_table()]

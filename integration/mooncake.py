@@ -17,11 +17,13 @@ notify), ``get_notifies``, managed buffers and ``write_bytes_to_buffer`` / ``rea
 "P2PHANDSHAKE" (peers named "host:rpc_port"), an http metadata server "http://host:port/metadata" (Mooncake's
 ``mooncake_http_metadata_server`` or ``integration.metadata_server``; single node), or etcd
 "etcd://host:port[,host:port...]" (or "host:port" without a scheme, as Mooncake reads it) with Mooncake's key
-layout and a lease per entry (``integration.metadata``); with a metadata server peers are named by their segment name.
+layout and a lease per entry (``integration.metadata``); with a metadata server peers are named by their segment
+name.
 
-This module is the ONE place in pxn that returns Mooncake-style ints instead of raising: every pxn exception is
-mapped to a negative code (table below) and its cause is logged in one line through ``logging`` (logger
-``integration.mooncake``), never swallowed silently and never raised into the caller. Codes reuse Mooncake's
+This layer (this module and the parts it is built from: ``integration.codes``, ``hosts``, ``cuda``, ``metadata``,
+``buffers``, ``transfers``) is the ONE place in pxn that returns Mooncake-style ints instead of raising: every pxn
+exception is mapped to a negative code (table below) and its cause is logged in one line through ``logging``
+(logger ``integration.mooncake``), never swallowed silently and never raised into the caller. Codes reuse Mooncake's
 values (``mooncake-transfer-engine/include/error.h``) where Mooncake has the cause; pxn-only causes use -5xx.
 Where Mooncake's binding answers a case with a specific value, this one answers the same (measured against
 ``mooncake-transfer-engine-non-cuda`` 0.3.13.post1 over tcp): the same range registered twice -7, a zero-length
@@ -112,12 +114,6 @@ from integration.metadata import NotSupported, SegmentDirectory, choose_server
 from integration.transfers import AsyncBatches, TransferCalls, read_base_timeout
 from transport.config import EngineConfig
 from transport.errors import InvalidTransfer
-
-# the helpers' names as the tests reach them through this module
-from integration.hosts import filter_topology as _filter_topology  # noqa: F401
-from integration.hosts import split_hostname as _split_hostname  # noqa: F401
-from integration.metadata import EtcdMetadata as _EtcdMetadata  # noqa: F401
-from integration.metadata import segment_key as _segment_key  # noqa: F401
 
 __all__ = ["TransferEngine", "TransferOpcode", "error_code", "error_name", "normalize_session",
            "ERR_INVALID_ARGUMENT", "ERR_ADDRESS_NOT_REGISTERED", "ERR_DEVICE_NOT_FOUND", "ERR_ADDRESS_OVERLAPPED",

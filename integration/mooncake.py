@@ -113,7 +113,7 @@ from integration.hosts import (PROTOCOLS, filter_topology, force_tcp, normalize_
 from integration.metadata import NotSupported, SegmentDirectory, choose_server
 from integration.transfers import AsyncBatches, TransferCalls, read_base_timeout
 from transport.config import EngineConfig
-from transport.errors import InvalidTransfer
+from transport.errors import AuthError, InvalidTransfer, UnknownSession
 
 __all__ = ["TransferEngine", "TransferOpcode", "error_code", "error_name", "normalize_session",
            "ERR_INVALID_ARGUMENT", "ERR_ADDRESS_NOT_REGISTERED", "ERR_DEVICE_NOT_FOUND", "ERR_ADDRESS_OVERLAPPED",
@@ -409,7 +409,7 @@ class TransferEngine(TransferCalls):
         engine's secret; ``PXN_SECRET`` before ``initialize``). Raises UnknownSession (bad name, not at the
         metadata server), OSError (nothing answers; ``socket.gaierror`` for DNS), ``AuthError`` (refused),
         ConnectionError / ValueError (a bad reply)."""
-        from transport.control import UnknownSession, query
+        from transport.control import query
         target = normalize_session(self._session(peer_server_name))
         host, _, port_s = target.rpartition(":") if isinstance(target, str) else ("", "", "")
         if not host or not port_s.isdigit():
@@ -429,8 +429,6 @@ class TransferEngine(TransferCalls):
         the host name does not resolve, ERR_SOCKET when nothing answers, ERR_ENDPOINT when something answered
         but not as a pxn engine (or refused this engine's secret).
         """
-        from transport.auth import AuthError
-        from transport.control import UnknownSession
         try:
             self._query(peer_server_name, {"op": "regions"}, timeout)
             return 0

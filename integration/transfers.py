@@ -217,7 +217,7 @@ class TransferCalls:
         Arguments: target_hostname: the peer's session "host:port" (its segment name with a metadata server);
         buffers: local addresses inside registered memory; peer_buffer_addresses: addresses inside memory the
         peer registered; lengths: bytes (zero-length pieces are skipped, as Mooncake).
-        Returns 0 when every byte is placed, else a negative code (module docstring); on ERR_INVALID_ARGUMENT,
+        Returns 0 when every byte is placed, else a negative code (``integration.mooncake``); on ERR_INVALID_ARGUMENT,
         ERR_ADDRESS_NOT_REGISTERED and ERR_METADATA nothing was written.
         """
         eng = self._engine

@@ -197,7 +197,8 @@ class _Handler(BaseHTTPRequestHandler):
         if old is None and len(srv.store) >= srv.max_keys:
             raise MetadataRequestRefused(507, f"the server holds {srv.max_keys} keys already")
         if srv.total - (len(old) if old is not None else 0) + n > srv.max_bytes:
-            raise MetadataRequestRefused(507, f"the server holds {srv.total} B; {n} B more would pass its {srv.max_bytes} B")
+            raise MetadataRequestRefused(507, f"the server holds {srv.total} B; {n} B more would pass its "
+                                              f"{srv.max_bytes} B")
 
     def _check_auth(self, method: str, key: str, body: bytes) -> None:
         srv = self.server

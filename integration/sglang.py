@@ -59,8 +59,9 @@ import sys
 import threading
 from typing import Dict, List, Optional, Union
 
+from integration.codes import error_name
+from integration.hosts import force_tcp
 from integration.mooncake import TransferEngine as MooncakeCompatEngine
-from integration.mooncake import error_name, force_tcp
 from transport.errors import PxnFeatureUnavailable
 
 log = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ pytest.importorskip("etcd3gw", reason="the etcd client etcd3gw is not installed 
 import etcd3gw  # noqa: E402
 
 from etcd_helpers import EtcdServer, EtcdUnavailable  # noqa: E402
+from integration import metadata  # noqa: E402
 from integration import mooncake as mc  # noqa: E402
 from integration.mooncake import TransferEngine as MooncakeEngine  # noqa: E402
 from transport.errors import ForeignSegment  # noqa: E402
@@ -234,11 +235,11 @@ MOONCAKE_DESCRIPTOR = {"name": "mc-prefill", "protocol": "tcp", "tcp_data_port":
 ], ids=["mooncake-descriptor", "junk", "pxn-without-session"])
 def test_an_entry_that_is_not_pxns_is_a_named_error(etcd, client, caplog, value, why):
     client.put("mooncake/ram/mc-prefill", value)
-    meta = mc._EtcdMetadata(etcd.url)
+    meta = metadata.EtcdMetadata(etcd.url)
     try:
         with pytest.raises(ForeignSegment, match=why):
-            meta.get(mc._segment_key("mc-prefill"))
-        assert meta.get(mc._segment_key("nobody")) is None
+            meta.get(metadata.segment_key("mc-prefill"))
+        assert meta.get(metadata.segment_key("nobody")) is None
     finally:
         meta.close()
     with MooncakeEngine() as eng:

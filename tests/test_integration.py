@@ -25,6 +25,7 @@ import pytest
 
 from engine_helpers import GUARD, POISON, Expected, GuardedPeer, _digest, disjoint_offsets, serve
 
+from integration import hosts
 from integration import mooncake as mc
 from integration.mooncake import TransferEngine as MooncakeEngine
 from integration.sglang import PxnMooncakeTransferEngine
@@ -694,10 +695,10 @@ def test_error_code_mapping():
 def test_normalize_session_and_hostnames():
     assert mc.normalize_session("[::1]:5000") == "::1:5000"
     assert mc.normalize_session("10.0.0.1:5000") == "10.0.0.1:5000"
-    assert mc._split_hostname("10.0.0.1:17000") == ("10.0.0.1", "17000")
-    assert mc._split_hostname("[fe80::1]:17000") == ("fe80::1", "17000")
-    assert mc._split_hostname("fe80::1") == ("fe80::1", None)
-    assert mc._split_hostname("node-3") == ("node-3", None)
+    assert hosts.split_hostname("10.0.0.1:17000") == ("10.0.0.1", "17000")
+    assert hosts.split_hostname("[fe80::1]:17000") == ("fe80::1", "17000")
+    assert hosts.split_hostname("fe80::1") == ("fe80::1", None)
+    assert hosts.split_hostname("node-3") == ("node-3", None)
 
 
 def test_ib_device_forms(tmp_path):
@@ -717,12 +718,12 @@ def test_device_name_filters_topology():
     from transport.topology import Gpu, NicPort, Topology
     topo = Topology([Gpu(0, "0000:01:00.0")],
                     [NicPort("mlx5_0", 1, "0000:02:00.0"), NicPort("mlx5_1", 1, "0000:03:00.0")], {}, [])
-    only = mc._filter_topology(topo, ["mlx5_1"])
+    only = hosts.filter_topology(topo, ["mlx5_1"])
     assert [p.key for p in only.usable_ports()] == ["mlx5_1:1"]
-    assert [p.key for p in mc._filter_topology(topo, ["mlx5_0:1", "mlx5_1"]).usable_ports()] == \
+    assert [p.key for p in hosts.filter_topology(topo, ["mlx5_0:1", "mlx5_1"]).usable_ports()] == \
         ["mlx5_0:1", "mlx5_1:1"]
     with pytest.raises(FabricUnavailable, match="mlx5_9"):
-        mc._filter_topology(topo, ["mlx5_9"])
+        hosts.filter_topology(topo, ["mlx5_9"])
 
 
 def test_pointer_device_of_host_memory():

@@ -1,0 +1,357 @@
+"""Segment metadata: where a Mooncake segment name finds its pxn session.
+
+Two clients with one interface (``put`` / ``get`` / ``delete`` / ``close`` on pxn segment keys): an http metadata
+server (Mooncake's protocol, ``integration.metadata_server`` or Mooncake's own) and etcd in Mooncake's key layout.
+``SegmentDirectory`` is what the Mooncake engine holds: its own published entry and the sessions it looked up.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+from integration.codes import log
+from integration.hosts import P2PHANDSHAKE, split_hostname
+from transport.errors import ForeignSegment, InvalidTransfer, UnknownPeer, UnknownSession
+
+# --- http metadata (Mooncake's protocol: GET / PUT / DELETE <url>?key=<key>) ------------------------------------
+def segment_key(name: str) -> str:
+    # pxn's own prefix: Mooncake engines sharing the server never read a pxn entry as theirs
+    return f"pxn/segment/{name}"
+
+
+class HttpMetadata:
+    """Client of an http metadata server (``integration.metadata_server`` or Mooncake's)."""
+
+    def __init__(self, url: str, timeout: float = 5.0, secret: Optional[bytes] = None):
+        self.url = url
+        self.timeout = timeout
+        # changes are signed with it (``integration.metadata_server.sign``); a server without a secret ignores it
+        self.secret = secret
+
+    def _call(self, method: str, key: str, body: Optional[bytes] = None) -> Tuple[int, bytes]:
+        import urllib.error
+        import urllib.parse
+        import urllib.request
+        sep = "&" if "?" in self.url else "?"
+        headers = {}
+        if self.secret and method != "GET":
+            from integration.metadata_server import AUTH_HEADER, sign
+            headers[AUTH_HEADER] = sign(self.secret, method, key, body or b"")
+        req = urllib.request.Request(f"{self.url}{sep}key={urllib.parse.quote(key, safe='')}", data=body,
+                                     method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise UnknownPeer(f"metadata server {self.url} unreachable: {reason}") from None
+
+    def put(self, key: str, value: dict) -> None:
+        status, body = self._call("PUT", key, json.dumps(value).encode())
+        if status != 200:
+            raise UnknownPeer(f"metadata server {self.url} refused PUT {key!r}: {status} {body[:200]!r}")
+
+    def get(self, key: str) -> Optional[dict]:
+        status, body = self._call("GET", key)
+        if status == 404:
+            return None
+        if status != 200:
+            raise UnknownPeer(f"metadata server {self.url} answered GET {key!r} with {status} {body[:200]!r}")
+        try:
+            value = json.loads(body)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict) or not isinstance(value.get("session"), str):
+            raise ForeignSegment(f"metadata entry {key!r} at {self.url} is not a pxn segment: {body[:200]!r}")
+        return value
+
+    def delete(self, key: str) -> None:
+        try:
+            self._call("DELETE", key)
+        except UnknownPeer as e:
+            log.info("removing %r from the metadata server: %s", key, e)
+
+    def close(self) -> None:
+        """Nothing held between calls (each request is its own connection)."""
+
+
+# --- etcd metadata (Mooncake's key layout, entries held by a lease) ---------------------------------------------
+ETCD_DEFAULT_PORT = 2379
+METADATA_TTL_DEFAULT = 5.0   # s; a killed engine's entry is gone this long after its last keep-alive
+SEGMENT_PROTOCOL = "pxn"  # the "protocol" of pxn's segment descriptor; Mooncake has no transport of this name
+
+
+def etcd_endpoints(spec: str) -> List[Tuple[str, int]]:
+    """"etcd://h1:p1,h2:p2" | "h:p" | "[v6]:p" | "h" (port 2379) -> [(host, port), ...]. Raises InvalidTransfer
+    naming the bad endpoint."""
+    body = spec[len("etcd://"):] if spec.startswith("etcd://") else spec
+    out = []
+    for item in body.split(","):
+        item = item.strip().rstrip("/")
+        if not item:
+            continue
+        host, port = split_hostname(item)
+        if port is None:
+            port = str(ETCD_DEFAULT_PORT)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+            raise InvalidTransfer(f"etcd endpoint {item!r} of {spec!r} is not 'host:port'")
+        out.append((host, int(port)))
+    if not out:
+        raise InvalidTransfer(f"etcd metadata server {spec!r} names no endpoint")
+    return out
+
+
+def metadata_ttl(value) -> float:
+    """The lease TTL in seconds: ``value`` when given, else ``PXN_METADATA_TTL``, else the default. etcd grants
+    whole seconds and raises very short TTLs to its own minimum (about 2 s with its default election timeout)."""
+    if value is None:
+        text = os.environ.get("PXN_METADATA_TTL", "")
+        if not text:
+            return METADATA_TTL_DEFAULT
+        try:
+            value = float(text)
+        except ValueError:
+            raise InvalidTransfer(f"environment variable PXN_METADATA_TTL={text!r} is not a number of seconds") \
+                from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 3600:
+        raise InvalidTransfer(f"metadata_ttl must be seconds in 1..3600, got {value!r}")
+    return float(value)
+
+
+class EtcdMetadata:
+    """Client of an etcd cluster (through its gRPC gateway, with ``etcd3gw``) holding segment entries in
+    Mooncake's layout, so pxn and Mooncake engines sharing one etcd see each other's segments.
+
+    Keys: Mooncake's ``TransferMetadata``: ``mooncake/<MC_METADATA_CLUSTER_ID>/ram/<segment name>`` (no cluster
+    part when that variable is unset; a name holding '/' goes under ``mooncake/<cluster>/`` as is). The value
+    is a Mooncake-shaped segment descriptor whose ``protocol`` is "pxn"::
+
+        {"name": "10.0.0.5:12345", "protocol": "pxn", "timestamp": "...",
+         "pxn": {"session": "10.0.0.5:40123", "engine_id": "...", "fabric": "tcp"}}
+
+    A Mooncake engine opening that segment reads the descriptor, finds no transport for protocol "pxn" and
+    fails its open (its log: "Unsupported segment descriptor"); it never reads pxn's fields as its own. pxn
+    publishes no ``mooncake/rpc_meta/`` entry, so no Mooncake handshake is ever sent to a pxn control port.
+    pxn reading an entry that is not pxn's (a Mooncake descriptor, or junk) raises ``ForeignSegment``.
+
+    Each entry is put under a lease of ``ttl`` seconds that one daemon thread keeps alive (a keep-alive every
+    ttl / 3); a killed engine's entry disappears within ``ttl`` of its last keep-alive. ``delete`` / ``close``
+    revoke the lease: the entry goes at once, unless another engine has since published under the same name
+    (the key then belongs to that engine's lease and stays).
+
+    The key arguments are pxn's segment keys (``segment_key``), as for ``HttpMetadata``, so the callers are
+    the same for both; this class maps them to Mooncake's layout. ``endpoints`` are tried in order; a
+    connection failure moves to the next.
+    """
+
+    _PREFIX = segment_key("")
+
+    def __init__(self, spec: str, ttl: float = METADATA_TTL_DEFAULT, timeout: float = 5.0):
+        import etcd3gw
+        from etcd3gw import exceptions as etcd_errors
+        self._etcd3gw, self._errors = etcd3gw, etcd_errors
+        self.endpoints = etcd_endpoints(spec)
+        self.url = "etcd://" + ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
+        self.ttl = float(ttl)
+        cluster = os.environ.get("MC_METADATA_CLUSTER_ID", "")
+        self._root = "mooncake/" + (cluster if not cluster or cluster.endswith("/") else cluster + "/")
+        self._clients = [etcd3gw.Etcd3Client(h, p, timeout=timeout) for h, p in self.endpoints]
+        self._current = 0
+        self._lock = threading.Lock()        # lease, published entry, keep-alive thread
+        self._lease_id: Optional[int] = None
+        self._published: Optional[Tuple[str, str]] = None   # (etcd key, json) this engine holds
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def key(self, pxn_key: str) -> str:
+        """The etcd key of a pxn segment key (Mooncake's ``getFullMetadataKey``)."""
+        name = pxn_key[len(self._PREFIX):] if pxn_key.startswith(self._PREFIX) else pxn_key
+        return self._root + (name if "/" in name else "ram/" + name)
+
+    def _call(self, what: str, fn):
+        """``fn(client)`` on the first endpoint that answers; raises UnknownPeer when none does or etcd refuses."""
+        errors = self._errors
+        n = len(self._clients)
+        last = None
+        for i in range(n):
+            idx = (self._current + i) % n
+            try:
+                out = fn(self._clients[idx])
+                self._current = idx
+                return out
+            except (errors.ConnectionFailedError, errors.ConnectionTimeoutError) as e:
+                last = e
+            except errors.Etcd3Exception as e:
+                raise UnknownPeer(f"etcd {self.url} refused {what}: {type(e).__name__}: "
+                                  f"{str(e)[:200] or getattr(e, 'detail_text', '')}") from None
+        raise UnknownPeer(f"etcd {self.url} unreachable ({what}): {str(last)[:200]}")
+
+    def _lease(self, client):
+        return self._etcd3gw.Lease(self._lease_id, client)
+
+    def put(self, key: str, value: dict) -> None:
+        name = key[len(self._PREFIX):] if key.startswith(self._PREFIX) else key
+        body = json.dumps({"name": name, "protocol": SEGMENT_PROTOCOL, SEGMENT_PROTOCOL: value,
+                           "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        with self._lock:
+            self._publish(self.key(key), body)
+            if self._thread is None:
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._keepalive, name="pxn-etcd-lease", daemon=True)
+                self._thread.start()
+
+    def _publish(self, etcd_key: str, body: str) -> None:
+        """Grant a lease when none is held and put the entry under it (caller holds ``_lock``)."""
+        if self._lease_id is None:
+            ttl = max(1, int(-(-self.ttl // 1)))
+            self._lease_id = self._call("a lease grant", lambda c: c.lease(ttl)).id
+        self._call(f"PUT {etcd_key!r}", lambda c: c.put(etcd_key, body, lease=self._lease(c)))
+        self._published = (etcd_key, body)
+
+    def _keepalive(self) -> None:
+        interval = self.ttl / 3
+        failing = False
+        while not self._stop.wait(interval):
+            try:
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    if self._lease_id is not None:
+                        left = self._call("a lease keep-alive", lambda c: self._lease(c).refresh())
+                        if left <= 0:
+                            # the lease ran out (this process stalled, or etcd was unreachable, longer than
+                            # ttl): the entry is gone with it, so it is published again under a fresh lease
+                            log.warning("etcd lease of %r expired; publishing the entry again",
+                                        self._published and self._published[0])
+                            self._lease_id = None
+                    if self._lease_id is None and self._published is not None:
+                        self._publish(*self._published)
+                if failing:
+                    log.info("etcd %s answers keep-alives again", self.url)
+                failing = False
+            except UnknownPeer as e:
+                if not failing:
+                    log.warning("keeping the segment entry alive failed (retrying every %.1f s): %s", interval, e)
+                failing = True
+            except Exception as e:  # noqa: BLE001 — the thread must not die silently
+                log.error("etcd keep-alive: unexpected %s: %s", type(e).__name__, e, exc_info=e)
+
+    def get(self, key: str) -> Optional[dict]:
+        etcd_key = self.key(key)
+        values = self._call(f"GET {etcd_key!r}", lambda c: c.get(etcd_key))
+        if not values:
+            return None
+        raw = values[0]
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise ForeignSegment(f"etcd entry {etcd_key!r} at {self.url} is not a segment descriptor: {raw[:200]!r}")
+        proto = value.get("protocol")
+        inner = value.get(SEGMENT_PROTOCOL)
+        if proto != SEGMENT_PROTOCOL:
+            raise ForeignSegment(f"etcd entry {etcd_key!r} at {self.url} is not a pxn segment: protocol {proto!r} "
+                                 f"(a Mooncake engine's segment; pxn cannot transfer to it): {raw[:200]!r}")
+        if not isinstance(inner, dict) or not isinstance(inner.get("session"), str):
+            raise ForeignSegment(f"etcd entry {etcd_key!r} at {self.url} is a malformed pxn segment: {raw[:200]!r}")
+        return inner
+
+    def delete(self, key: str) -> None:
+        """Withdraw this engine's entry: revoke its lease (see the class docstring)."""
+        self.close()
+
+    def close(self) -> None:
+        """Stop the keep-alive thread and revoke the lease (the entry goes with it). Idempotent."""
+        self._stop.set()   # before the lock: a keep-alive in flight then ends without another round
+        with self._lock:
+            thread, self._thread = self._thread, None
+            lease_id, self._lease_id = self._lease_id, None
+            self._published = None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        if lease_id is not None:
+            try:
+                self._call("a lease revoke", lambda c: self._etcd3gw.Lease(lease_id, c).revoke())
+            except UnknownPeer as e:
+                log.info("revoking the etcd lease (the entry expires within %.0f s): %s", self.ttl, e)
+
+
+
+class NotSupported(Exception):
+    """A metadata server this layer has no client for (the Mooncake engine answers ERR_NOT_IMPLEMENTED)."""
+
+
+def choose_server(metadata_server: str, metadata_type: Optional[str],
+                  ttl: Optional[float]) -> Tuple[Optional[str], Optional[float]]:
+    """``initialize``'s metadata arguments -> (url, lease ttl): (None, None) for P2PHANDSHAKE, (http url, None),
+    or ("etcd://...", ttl in s). Raises NotSupported (an unknown kind, or etcd without etcd3gw) or
+    InvalidTransfer (a malformed etcd endpoint or ttl), each naming the argument."""
+    server = (metadata_server or "").strip()
+    mtype = (metadata_type or "").strip().lower()
+    if server == P2PHANDSHAKE or (mtype in ("p2p", "p2phandshake") and not server):
+        return None, None
+    if server.startswith(("http://", "https://")):
+        return server, None
+    if mtype in ("http", "https"):
+        return f"{mtype}://{server}", None
+    if server and (server.startswith("etcd://") or mtype == "etcd" or (not mtype and "://" not in server)):
+        # Mooncake reads a connection string without a scheme as etcd endpoints ("10.0.0.1:2379")
+        url = server if server.startswith("etcd://") else f"etcd://{server}"
+        if importlib.util.find_spec("etcd3gw") is None:
+            raise NotSupported(f"metadata server {metadata_server!r} needs the etcd client etcd3gw: "
+                               f"pip install etcd3gw")
+        etcd_endpoints(url)
+        return url, metadata_ttl(ttl)
+    raise NotSupported(f"metadata server {metadata_server!r} (type {metadata_type!r}) is not supported: pass "
+                       f"{P2PHANDSHAKE!r}, an http metadata server 'http://host:port/metadata' (python -m "
+                       f"integration.metadata_server) or etcd 'etcd://host:port[,host:port]'")
+
+
+class SegmentDirectory:
+    """One engine's view of a metadata server: the entry it published under its segment name and the sessions
+    of the peers it looked up (cached until a transfer to them fails)."""
+
+    def __init__(self, url: str, ttl: Optional[float], segment: str):
+        self.client = EtcdMetadata(url, ttl) if ttl is not None else HttpMetadata(url)
+        self.url = url
+        self.segment = segment
+        self._sessions: Dict[str, str] = {}   # segment name -> pxn session
+
+    def publish(self, eng) -> None:
+        """Put this engine's entry under its segment name; changes are signed with the engine's secret."""
+        self.client.secret = eng.credentials.key
+        self.client.put(segment_key(self.segment), {"session": eng.session_id, "engine_id": eng.engine_id,
+                                                    "fabric": eng.fabric_name})
+
+    def resolve(self, target) -> str:
+        """The pxn session of segment ``target``. Raises UnknownSession."""
+        if not isinstance(target, str) or not target:
+            raise UnknownSession(f"segment name must be a non-empty string, got {target!r}")
+        session = self._sessions.get(target)
+        if session is None:
+            try:
+                entry = self.client.get(segment_key(target))
+            except UnknownPeer as e:
+                raise UnknownSession(str(e)) from None
+            if entry is None:
+                raise UnknownSession(f"segment {target!r} is not registered at metadata server {self.client.url}")
+            session = self._sessions[target] = entry["session"]
+        return session
+
+    def forget(self, target) -> None:
+        """Drop the cached session of ``target`` (the peer may have restarted elsewhere)."""
+        self._sessions.pop(target, None)
+
+    def close(self, withdraw: bool = True) -> None:
+        """Remove this engine's entry (unless ``withdraw`` is False: a newer engine published under the same
+        name) and release the client."""
+        if withdraw:
+            self.client.delete(segment_key(self.segment))
+        self.client.close()

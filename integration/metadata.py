@@ -15,7 +15,8 @@ from typing import Dict, List, Optional, Tuple
 
 from integration.codes import log
 from integration.hosts import P2PHANDSHAKE, split_hostname
-from transport.errors import ForeignSegment, InvalidTransfer, UnknownPeer, UnknownSession
+from transport.config import EngineConfig
+from transport.errors import ConfigError, ForeignSegment, InvalidTransfer, UnknownPeer, UnknownSession
 
 # --- http metadata (Mooncake's protocol: GET / PUT / DELETE <url>?key=<key>) ------------------------------------
 def segment_key(name: str) -> str:
@@ -111,14 +112,10 @@ def metadata_ttl(value) -> float:
     """The lease TTL in seconds: ``value`` when given, else ``PXN_METADATA_TTL``, else the default. etcd grants
     whole seconds and raises very short TTLs to its own minimum (about 2 s with its default election timeout)."""
     if value is None:
-        text = os.environ.get("PXN_METADATA_TTL", "")
-        if not text:
-            return METADATA_TTL_DEFAULT
         try:
-            value = float(text)
-        except ValueError:
-            raise InvalidTransfer(f"environment variable PXN_METADATA_TTL={text!r} is not a number of seconds") \
-                from None
+            value = EngineConfig.read(("metadata_ttl",)).get("metadata_ttl", METADATA_TTL_DEFAULT)
+        except ConfigError as e:
+            raise InvalidTransfer(str(e)) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= 3600:
         raise InvalidTransfer(f"metadata_ttl must be seconds in 1..3600, got {value!r}")
     return float(value)

@@ -46,7 +46,6 @@ import hmac
 import io
 import ipaddress
 import logging
-import os
 import re
 import secrets as _secrets
 import selectors
@@ -57,6 +56,8 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 from typing import Dict, Optional
 from urllib.parse import parse_qs, urlsplit
+
+from transport.config import EngineConfig
 from transport.errors import MetadataRequestRefused
 
 log = logging.getLogger(__name__)
@@ -448,7 +449,8 @@ def _resolve(secret, host: str, insecure: Optional[bool]) -> Optional[bytes]:
     from transport.auth import MIN_SECRET_BYTES, InsecureConfig
     if isinstance(secret, str):
         secret = secret.encode()
-    env = os.environ.get("PXN_SECRET", "")
+    settings = EngineConfig.read(("secret", "insecure"))
+    env = settings.get("secret", "")
     if secret is not None and not secret:
         if env:
             raise InsecureConfig("secret='' would override PXN_SECRET; pass the same secret or leave secret= unset")
@@ -461,7 +463,7 @@ def _resolve(secret, host: str, insecure: Optional[bool]) -> Optional[bytes]:
                                  f"{MIN_SECRET_BYTES})")
         return bytes(secret)
     if insecure is None:
-        insecure = os.environ.get("PXN_INSECURE", "").strip().lower() not in ("", "0", "false", "no", "off")
+        insecure = settings.get("insecure", False)
     if not _is_loopback(host) and not insecure:
         raise InsecureConfig(f"metadata server on {host!r} (not a loopback address) without a shared secret would "
                              f"let anyone on the network redirect KV writes: set PXN_SECRET (or secret=, at least "

@@ -29,7 +29,7 @@ import numpy as np
 from transport.arrays import distinct
 from transport.errors import PeerLost, TransferError
 from transport.fabric.gpu_copy import Pending
-from transport.fabric.ipc import process_vm_write
+from transport.fabric.procmem import process_vm_write
 from transport.fabric.region_counter import CounterReader
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ import struct
 import threading
 
 from transport.errors import PeerLost
+from transport.fabric.procmem import process_vm_read
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,6 @@ class CounterReader:
     def read(self) -> int:
         if self._map is not None:
             return _I64.unpack_from(self._map, 0)[0]
-        from transport.fabric.ipc import process_vm_read  # the fallback only: ipc imports this module
         try:
             raw = process_vm_read(self.pid, self.addr, 8)
         except OSError as e:

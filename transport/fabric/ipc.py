@@ -14,12 +14,12 @@ copies device to device (over NVLink between GPUs) on the posting thread's curre
 ``pxn_kernels.copy`` launch per message, bound once per piece lengths and replayed (``transport.fabric.gpu_copy``),
 or one ``cudaMemcpyAsync`` per piece for a few pieces; then it synchronises that stream before reporting.
 
-The doorbell is the socket fabrics' message protocol (``transport.fabric.socket_fabric``) without payload (several sockets per peer, so large writes run
-as parallel copies): REQ (piece table) -> the target validates every piece against its own regions, pins them
-(``deregister`` waits) and answers GRANT (per-piece status + what it describes of the regions involved, which the
-writer checks bounds against again) -> the writer copies the granted pieces -> DONE (per-piece status) -> the
-target unpins, delivers RECV_IMM in order and ACKs -> sender completions. The target only describes regions it
-registered, and only pieces it accepted are ever copied.
+The doorbell is the socket fabrics' message protocol (``transport.fabric.socket_fabric``) without payload (several
+sockets per peer, so large writes run as parallel copies): REQ (piece table) -> the target validates every piece
+against its own regions, pins them (``deregister`` waits) and answers GRANT (per-piece status + what it describes
+of the regions involved, which the writer checks bounds against again) -> the writer copies the granted pieces ->
+DONE (per-piece status) -> the target unpins, delivers RECV_IMM in order and ACKs -> sender completions. The target
+only describes regions it registered, and only pieces it accepted are ever copied.
 
 Once a GRANT has described the regions a message needs, the writer keeps those descriptions, tagged with the
 target's deregistration counter (an 8-byte memfd in the target, mapped read-only by the writer, bumped by every
@@ -63,8 +63,8 @@ from transport.fabric.procmem import allow_peer_writes, process_vm_read, process
 from transport.fabric.region_counter import GenerationCounter
 from transport.fabric.socket_fabric import SocketFabric
 from transport.fabric.sockets import _Sock, recv_exact
-from transport.fabric.wire import (_I64, _VECTOR_MIN, HDR, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY,
-                                   T_REQ, _seal)
+from transport.fabric.wire import (_I64, _VECTOR_MIN, HDR, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT,
+                                   T_NOTIFY, T_REQ, _seal)
 
 log = logging.getLogger(__name__)
 
@@ -514,7 +514,8 @@ class IpcFabric(SocketFabric):
         mixed cases and the GRANT round trip).
 
         Why: a batch's piece table, and its checks one message field at a time, cost more host time than the
-        copy of most batches; here the checks are the extremes of the batch's arrays against the region, as ``_copy`` makes them piece by piece."""
+        copy of most batches; here the checks are the extremes of the batch's arrays against the region, as
+        ``_copy`` makes them piece by piece."""
         if b.bounds is not None:
             target = self._direct_target(ep, [b], [devices])
             if target is None:

@@ -223,8 +223,8 @@ class RegionBook:
         return layout
 
     def validate_batch(self, b: WriteBatch) -> np.ndarray:
-        """The checks of ``SocketFabric._validate`` for a ``WriteBatch``, in whole-array numpy. Returns each write's source
-        device. Raises ``ValueError`` / ``RegionError`` naming the first bad write."""
+        """The checks of ``SocketFabric._validate`` for a ``WriteBatch``, in whole-array numpy. Returns each write's
+        source device. Raises ``ValueError`` / ``RegionError`` naming the first bad write."""
         la, ln, ra, rk = b.local_addr, b.length, b.remote_addr, b.rkey
         regions, k, problem = self.check_write_arrays(la, ln, ra, rk, b.lkey)
         if problem is not None:

@@ -25,8 +25,8 @@ _I64 = struct.Struct("<q")
 class GenerationCounter:
     """The receiving engine's deregistration counter, in an 8-byte shared-memory file (``memfd``): a same-host
     sender maps it read-only through ``/proc/<pid>/fd/<fd>`` and reads it with a plain memory load before every
-    batch (a ``process_vm_readv`` per batch costs far more host time: benchmarks/NOTES.md, "Engine"; senders that
-    cannot open the file fall back to it, at the address ``wire()`` gives). Without memfd (non-Linux) it lives in
+    batch (a ``process_vm_readv`` per batch costs far more host time, a system call each; senders that cannot
+    open the file fall back to it, at the address ``wire()`` gives). Without memfd (non-Linux) it lives in
     ordinary memory."""
 
     def __init__(self):

@@ -127,10 +127,11 @@ class TcpFabric(TcpPosting, TcpLanding, SocketFabric):
             # less than one from epoll). After a small write it acknowledged, this thread reads without sleeping
             # for a while before it blocks (``recv_spin``), while the next message comes within that while and the
             # host has a core to spare: a sender of back-to-back small batches then finds it awake. Then shared
-            # reading: this thread waits for readability (epoll) and reads under the socket's reader token, so that a caller waiting for its
-            # own small batch can take the token and read its ack itself (``await_rows``), one thread wake-up fewer
-            # on its critical path. While a caller holds the token the socket is left out of this thread's epoll
-            # set (its events mask 0), so the ack does not wake this thread too; hang-ups and errors still do.
+            # reading: this thread waits for readability (epoll) and reads under the socket's reader token, so that
+            # a caller waiting for its own small batch can take the token and read its ack itself (``await_rows``),
+            # one thread wake-up fewer on its critical path. While a caller holds the token the socket is left out of
+            # this thread's epoll set (its events mask 0), so the ack does not wake this thread too; hang-ups and
+            # errors still do.
             spin = s.spin = AdaptiveSpin(self._recv_spin)
             mono = time.monotonic
             while not s.want_shared:

@@ -12,11 +12,11 @@ Wire protocol (little-endian), per socket, in both directions:
   and the piece table (the whole body for ACK and control messages); the payload is not covered, it only lands
   inside the regions the checked table names. A wrong tag fails the endpoint before anything is acted on.
 * WRITE: a 48-byte header (32 bytes of fields, the tag), a table of ``count`` 48-byte piece descriptors, then
-  the pieces' payloads back to back. One message carries many writes (4 KB writes cost one table row, not one syscall each), and a large
-  write is cut into pieces spread over the peer's sockets (striping). Every piece carries the bounds of its
-  *whole* write, so all pieces of a write are accepted or refused together. A message with header flag
-  ``H_WHOLE`` carries exactly one whole write (a ``GatherWrite``: a relay chunk sent from its header in the slot
-  and its pieces' sources) and may exceed the sender's message size, up to ``MAX_WHOLE``.
+  the pieces' payloads back to back. One message carries many writes (4 KB writes cost one table row, not one
+  syscall each), and a large write is cut into pieces spread over the peer's sockets (striping). Every piece
+  carries the bounds of its *whole* write, so all pieces of a write are accepted or refused together. A message
+  with header flag ``H_WHOLE`` carries exactly one whole write (a ``GatherWrite``: a relay chunk sent from its
+  header in the slot and its pieces' sources) and may exceed the sender's message size, up to ``MAX_WHOLE``.
 * ACK: header + one status byte per piece; the sender reports completions only from acks, i.e. after the bytes
   are placed at the target. A WRITE with header flag ``H_NOACK`` (an unacked write, ``WriteRequest.acked`` False:
   one small write, a receiver's ack of a chunk) is not acknowledged; its sender keeps no record of it.

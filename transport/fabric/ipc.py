@@ -143,6 +143,7 @@ class IpcFabric(SocketFabric):
         self._bounded_target = peers.bounded_target
         self._checked_spans = peers.checked_spans
         self._ordered = OrderedPosts(self._id, self.bound_copies, self._mapped)
+        self._start()
 
     def _descriptor_extra(self) -> dict:
         gen = self._gen.wire()

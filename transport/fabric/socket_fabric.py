@@ -97,6 +97,9 @@ class SocketFabric(Fabric):
         self._validate_pieces = book.validate_pieces
         self._validate_lists = book.validate_lists
         self._unpin = book.unpin
+
+    def _start(self) -> None:
+        """Start listening and watching: the last step of a fabric's construction, once all its parts exist."""
         self._conns.start()
         log.debug("%s fabric listening on %s", self.name, self._id)
 

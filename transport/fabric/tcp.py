@@ -21,7 +21,7 @@ from transport.fabric.sockets import _EPOLLIN, _Rx, _Sock, send_now
 from transport.fabric.socket_fabric import SocketFabric, log
 from transport.fabric.spin import AdaptiveSpin
 from transport.fabric.tcp_landing import TcpLanding
-from transport.fabric.tcp_posting import TcpPosting
+from transport.fabric.tcp_posting import TcpPoster
 from transport.fabric.wire import HDR, SMALL_MESSAGE
 
 # seconds a thread reads its socket without sleeping before it blocks, at most (``AdaptiveSpin`` keeps it on only
@@ -43,7 +43,7 @@ from transport.fabric.wire import (  # noqa: E402,F401
 )
 
 
-class TcpFabric(TcpPosting, TcpLanding, SocketFabric):
+class TcpFabric(TcpLanding, SocketFabric):
     """One-sided writes over TCP sockets.
 
     Options as ``SocketFabric`` (``message_bytes`` default 4 MiB: big enough to amortise the per-message Python
@@ -57,8 +57,10 @@ class TcpFabric(TcpPosting, TcpLanding, SocketFabric):
     is: each is an ``AdaptiveSpin``, on only while what it waits for comes within it and the waiting thread gets a
     core whenever it wants one.
 
-    The class is the shared layer with tcp's two sides mixed in (``TcpPosting``, ``TcpLanding``): both run once
-    per message on the posting and receiving threads, where a hop to another object would cost a step each time.
+    Its parts: the shared socket-message layer it builds on (``SocketFabric``: regions, connections, sender
+    threads, the receive loop), its sender side (``TcpPoster``, owned), and its target side (``TcpLanding``, mixed
+    in: it runs once per message on the receive threads and acknowledges through ``_send_ctrl``, which a hop to
+    another object would lengthen by a step per message).
     """
 
 
@@ -87,11 +89,6 @@ class TcpFabric(TcpPosting, TcpLanding, SocketFabric):
                  guard_claims: bool = False, max_peers_per_addr: int = 256, own_acks: bool = True,
                  ack_spin: Optional[float] = None, recv_spin: Optional[float] = None,
                  insecure: Optional[bool] = None):
-        # unacked writes need the receiving side of ``_on_small_write``
-        self._unacked = self.capabilities.unacked_writes
-        # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: receive threads
-        # read every message, and block in ``recv`` rather than in epoll
-        self._own_acks = bool(own_acks) and hasattr(select, "epoll")
         spins = []
         for name, v, env in (("ack_spin", ack_spin, "PXN_ACK_SPIN_US"), ("recv_spin", recv_spin, "PXN_RECV_SPIN_US")):
             if v is None and os.environ.get(env):
@@ -108,13 +105,21 @@ class TcpFabric(TcpPosting, TcpLanding, SocketFabric):
                 raise ValueError(f"{name} must be seconds in [0, 1], got {v!r}")
             spins.append(float(v))
         self._spin, self._recv_spin = spins
-        # one for every caller of this fabric: the acks come from peers whose pace is the host's and the network's,
-        # the same for each caller
-        self._ack_spin = AdaptiveSpin(self._spin)
         super().__init__(hostname, port, connections_per_peer=connections_per_peer, message_bytes=message_bytes,
                          connect_timeout=connect_timeout, keepalive=keepalive, ack_timeout=ack_timeout, secret=secret,
                          handshake_timeout=handshake_timeout, guard_claims=guard_claims,
                          max_peers_per_addr=max_peers_per_addr, insecure=insecure)
+        # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: receive threads
+        # read every message, and block in ``recv`` rather than in epoll
+        poster = self._poster = TcpPoster(self, bool(own_acks) and hasattr(select, "epoll"), self._spin)
+        # the poster's entry points bound onto the fabric: a post, and the sender threads' sends, reach it without
+        # an extra call
+        self.post_writes = poster.post_writes
+        self.await_rows = poster.await_rows
+        self._send = poster.send
+        self._transmit = poster.transmit
+        self._ack_spin = poster._ack_spin
+        self._start()
 
     def _recv_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
         """The receive thread of socket ``s``, reading through a look-ahead buffer (``_Rx``): alone at first, then

@@ -22,6 +22,7 @@ from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch,
                                      pinned_buffer, raw_view)
 from transport.fabric.messages import _BatchRecord, _OutMsg, _WrRecord, batch_messages, write_messages
 from transport.fabric.sockets import _EPOLLIN, _Sock, send_buffers, send_now
+from transport.fabric.spin import AdaptiveSpin
 from transport.fabric.wire import (_I64, _ROW, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_TABLE, PIECE_DT, T_WRITE,
                                    UNACKED_MAX, _seal)
 
@@ -33,11 +34,34 @@ INLINE_PIECES = 256
 INLINE_BYTES = 64 << 10
 
 
-class TcpPosting:
-    """The sender-side methods of ``TcpFabric``, on the posting threads (a part of that class, not a fabric of its
-    own: its steps are a small batch's latency, and reaching another object's state would add a step per post).
-    It checks posts against the fabric's regions (``SocketFabric._validate``, ``_book``) and queues messages on
-    the endpoint (``SocketEndpoint.enqueue``)."""
+class TcpPoster:
+    """The sender side of one ``TcpFabric``: it checks posts against the fabric's regions (``SocketFabric._validate``,
+    its ``RegionBook``), makes their messages, sends a small one itself or queues them on the endpoint
+    (``SocketEndpoint.enqueue``) for the sender threads, whose sends it also frames (``transmit``), and reads the
+    ack of a small batch for the thread that waits for it (``await_rows``). It owns the spin of those waits.
+
+    ``own_acks``: a waiting caller may read its ack itself; ``ack_spin``: seconds such a caller reads without
+    sleeping, at most (see ``TcpFabric``). The fabric's tables and checks are bound here once: a post reaches them
+    without a hop through the fabric."""
+
+    def __init__(self, fabric, own_acks: bool, ack_spin: float):
+        self._fab = fabric
+        self._id = fabric._id
+        self.message_bytes = fabric.message_bytes
+        self._book = fabric._book
+        self._regions = fabric._regions
+        self._host_views = fabric._host_views
+        self._held = fabric._held
+        self._validate = fabric._validate
+        self._validate_batch = fabric._validate_batch
+        self._message_target = fabric._message_target
+        self._read_one = fabric._read_one
+        # unacked writes need the receiving side of ``TcpLanding._on_small_write``, which every tcp peer has
+        self._unacked = fabric.capabilities.unacked_writes
+        self._own_acks = own_acks
+        # one for every caller of this fabric: the acks come from peers whose pace is the host's and the network's,
+        # the same for each caller
+        self._ack_spin = AdaptiveSpin(ack_spin)
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
         if len(requests) == 1:
@@ -74,7 +98,7 @@ class TcpPosting:
         for b, dev in zip(batches, devices):
             msgs.extend(batch_messages(b, dev, self._message_target, len(ep.socks)))
         if msgs:
-            self._send(ep, msgs)
+            self.send(ep, msgs)
 
     def _post_unacked(self, ep: Endpoint, r: WriteRequest) -> bool:
         """Post one unacked write (``WriteRequest.acked`` False) as a message with ``H_NOACK``: its bytes copied
@@ -91,7 +115,7 @@ class TcpPosting:
                          0 if r.imm is None else F_IMM, r.imm or 0, 0) + raw_view(r.local_addr, r.length).tobytes()
         held = self._held.__dict__.pop("ack", None)
         if held is not None and held[0] is not ep:  # another endpoint's ACK: it goes out on its own, first
-            self._send_ctrl(*held)
+            self._fab._send_ctrl(*held)
             held = None
         s, seq = ep.reserve(held[1] if held is not None else None)
         wire = HDR.pack(MAGIC, T_WRITE, H_NOACK, 0, 1, seq, len(body)) + body
@@ -185,12 +209,13 @@ class TcpPosting:
     def _post_rows(self, ep: Endpoint, b: WriteRows) -> None:
         """Post a ``WriteRows``: the checks of ``_validate_batch`` in Python, then one message (up to
         ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path). A message of host sources
-        small enough for an inline send is registered, framed and sent here in one step (what ``_send``,
+        small enough for an inline send is registered, framed and sent here in one step (what ``send``,
         ``enqueue``, ``_wire_buffers`` and ``send_now`` do for it), since its Python steps are its latency."""
-        if self._closed:
-            self._check_open()
-        if not isinstance(ep, SocketEndpoint) or ep.fabric is not self:
-            raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {self.name} fabric {self._id}")
+        fab = self._fab
+        if fab._closed:
+            fab._check_open()
+        if not isinstance(ep, SocketEndpoint) or ep.fabric is not fab:
+            raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {fab.name} fabric {self._id}")
         la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
         n = len(ln)
         nbytes = b.nbytes
@@ -225,7 +250,7 @@ class TcpPosting:
             m.table = np.frombuffer(m.rows, dtype=PIECE_DT)
             m.rows = None
             m.src = [(a, k, mr.device) for a, k in zip(la, ln)]
-            self._send(ep, [m])
+            self.send(ep, [m])
             return
         # the sources as slices of one view of the region (the one kept since registration, else one of the
         # span: a view per piece costs a ctypes call each), pieces that follow each other in memory as one buffer
@@ -312,7 +337,7 @@ class TcpPosting:
             while ep._alive and rx.pos < rx.end:
                 self._read_one(ep, s, rx, st)
         except Exception as e:  # noqa: BLE001 — as in ``_recv_loop``: the link is unusable
-            if ep.alive and not self._closed:
+            if ep.alive and not self._fab._closed:
                 log.debug("receive on %s/%d by a waiting caller ended", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"receive failed: {e}")
         finally:
@@ -324,7 +349,7 @@ class TcpPosting:
                     pass
             s.reader.release()
 
-    def _send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
+    def send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
         """Hand checked messages over: to the sockets' sender threads, except a post of one small message, which
         this thread sends itself when its socket is idle (``send_now``)."""
         m = msgs[0] if len(msgs) == 1 else None
@@ -400,7 +425,8 @@ class TcpPosting:
         return [raw_view(hbase + where[i], n) if d != DEVICE_HOST else raw_view(a, n)
                 for i, (a, n, d) in enumerate(srcs)]
 
-    def _transmit(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg) -> None:
+    def transmit(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg) -> None:
+        """Send queued message ``msg`` on socket ``s`` (its sender thread), its first frame tagged now."""
         bufs = self._wire_buffers(s, msg)
         if s.sess is not None:
             bufs[0] = _seal(s.sess, bufs[0])

@@ -246,7 +246,7 @@ class SocketFabric(Fabric):
                     if s.closed:
                         return
                 # taken before the queues are read: the rest of a message that a thread began to send itself
-                # (``_send_now``) is at the head of ``ctrl`` by the time the lock is free
+                # (``send_now``) is at the head of ``ctrl`` by the time the lock is free
                 with s.wire_lock:
                     with s.cv:
                         ctrl = list(s.ctrl)

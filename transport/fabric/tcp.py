@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import select
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from transport import auth
 from transport.errors import ConfigError
-from transport.fabric.base import Capabilities
+from transport.fabric.base import Capabilities, Endpoint, WriteRequest, WriteRows
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.sockets import _EPOLLIN, _Rx, _Sock, send_now
 from transport.fabric.socket_fabric import SocketFabric, log
@@ -24,6 +24,15 @@ from transport.fabric.tcp_landing import TcpLanding
 from transport.fabric.tcp_posting import TcpPoster
 from transport.fabric.wire import HDR, SMALL_MESSAGE
 
+# The wire format and the socket helpers under the names the wire tests and the fuzzer (tests/test_small_batches.py,
+# tests/test_security.py, benchmarks/fuzz_wire.py, benchmarks/auth_overhead.py) reach them by, as ``tcp.<name>``.
+from transport.fabric.messages import _BatchRecord, _OutMsg  # noqa: F401
+from transport.fabric.sockets import recv_exact, send_buffers  # noqa: F401
+from transport.fabric.wire import (  # noqa: F401
+    _NO_TAG, _ROW, F_IMM, H_NOACK, MAGIC, MAX_TABLE, PIECE_DT, ST_BOUNDS, ST_OK, T_ACK, T_HELLO, T_WRITE, UNACKED_MAX,
+    _keyed, _seal,
+)
+
 # seconds a thread reads its socket without sleeping before it blocks, at most (``AdaptiveSpin`` keeps it on only
 # while it pays): a waiting caller for its small batch's ack (``ack_spin``), a receive thread for the next message
 # (``recv_spin``)
@@ -31,16 +40,6 @@ SPIN = 150e-6
 
 # the endpoint class under the name tcp's users know it by
 TcpEndpoint = SocketEndpoint
-
-# The wire format and the socket helpers under the names the wire tests and the fuzzer (tests/test_small_batches.py,
-# tests/test_security.py, benchmarks/fuzz_wire.py, benchmarks/auth_overhead.py) reach them by, as ``tcp.<name>``.
-from transport.fabric.base import WriteRows  # noqa: E402,F401
-from transport.fabric.messages import _BatchRecord, _OutMsg  # noqa: E402,F401
-from transport.fabric.sockets import recv_exact, send_buffers  # noqa: E402,F401
-from transport.fabric.wire import (  # noqa: E402,F401
-    _NO_TAG, _ROW, F_IMM, H_NOACK, MAGIC, MAX_TABLE, PIECE_DT, ST_BOUNDS, ST_OK, T_ACK, T_HELLO, T_WRITE, UNACKED_MAX,
-    _keyed, _seal,
-)
 
 
 class TcpFabric(TcpLanding, SocketFabric):
@@ -63,7 +62,6 @@ class TcpFabric(TcpLanding, SocketFabric):
     another object would lengthen by a step per message).
     """
 
-
     name = "tcp"
     capabilities = Capabilities(selective_signaling=True, completion_callback=True, authenticated_rails=True,
                                write_batches=True, write_rows=True, gather_writes=True, landing_handlers=True,
@@ -79,7 +77,7 @@ class TcpFabric(TcpLanding, SocketFabric):
     # the receiver checks and scatters in whole-array steps
     config_defaults = {"direct_pieces": 64}
 
-    _small_writes = True
+    _small_writes = True  # small WRITE messages are read whole (``TcpLanding._on_small_write``)
     # the inline send of a small message (``transport.fabric.sockets.send_now``)
     _send_now = staticmethod(send_now)
 
@@ -118,8 +116,16 @@ class TcpFabric(TcpLanding, SocketFabric):
         self.await_rows = poster.await_rows
         self._send = poster.send
         self._transmit = poster.transmit
-        self._ack_spin = poster._ack_spin
+        self._ack_spin = poster.ack_spin
         self._start()
+
+    # Bound per instance to the poster's (above); these serve a call through the class.
+    def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
+        self._poster.post_writes(ep, requests)
+
+    def await_rows(self, b: WriteRows, deadline: float) -> None:
+        """For the thread that posted ``b`` with ``read_ack``: read its ack itself (``TcpPoster.await_rows``)."""
+        self._poster.await_rows(b, deadline)
 
     def _recv_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
         """The receive thread of socket ``s``, reading through a look-ahead buffer (``_Rx``): alone at first, then

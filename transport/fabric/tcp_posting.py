@@ -61,7 +61,7 @@ class TcpPoster:
         self._own_acks = own_acks
         # one for every caller of this fabric: the acks come from peers whose pace is the host's and the network's,
         # the same for each caller
-        self._ack_spin = AdaptiveSpin(ack_spin)
+        self.ack_spin = AdaptiveSpin(ack_spin)
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
         if len(requests) == 1:
@@ -309,7 +309,7 @@ class TcpPoster:
             st = s.rx_state
             rx = st["rx"]
             wait = st["wait"]
-            spin = self._ack_spin
+            spin = self.ack_spin
             spin_until = spin.until(time.monotonic())
             spun = spin_until > 0.0  # reported to ``spin`` once: a hit when the ack is in before the spin ends
             while not m.done and ep._alive:

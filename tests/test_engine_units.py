@@ -525,7 +525,7 @@ def test_endpoint_failure_completes_a_pending_batch_message_without_a_table():
     from transport.errors import PeerLost
     from transport.fabric import make_fabric
     from transport.fabric.base import WriteBatch
-    from transport.fabric.tcp import _BatchRecord, _OutMsg
+    from transport.fabric.messages import _BatchRecord, _OutMsg
     a, b = make_fabric("tcp"), make_fabric("tcp")
     try:
         ep = a.connect(b.descriptor())

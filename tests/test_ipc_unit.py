@@ -2,7 +2,7 @@
 import ctypes, mmap, os
 import numpy as np
 import pytest
-from transport.fabric.ipc import process_vm_write
+from transport.fabric.procmem import process_vm_write
 
 
 def test_process_vm_write_resumes_after_a_partial_transfer_then_reports_the_fault():

@@ -11,7 +11,7 @@ import pytest
 
 from transport.errors import RegionError
 from transport.fabric import make_fabric
-from transport.fabric import tcp as tcp_mod
+from transport.fabric import wire
 from transport.fabric.base import GatherWrite, Opcode, WriteRequest
 from test_gather_landing import _completions  # noqa: E402  (the same poll loop)
 
@@ -67,7 +67,7 @@ def test_refused_unacked_write_writes_nothing_and_keeps_the_link(pair, caplog):
     dst = np.full(1024, POISON, dtype=np.uint8)
     mr_src, mr_dst = a.register(src.ctypes.data, src.nbytes), b.register(dst.ctypes.data, dst.nbytes)
     d = dst.ctypes.data
-    with caplog.at_level(logging.WARNING, logger="transport.fabric.tcp"):
+    with caplog.at_level(logging.WARNING, logger="transport.fabric.tcp_landing"):
         for remote, rkey in [(d + 1000, mr_dst.rkey),  # runs past the region
                              (d - 8, mr_dst.rkey),  # starts before it
                              (d, mr_dst.rkey ^ 0x5A5A)]:  # a key the target never gave out
@@ -102,7 +102,7 @@ def test_unacked_write_with_a_bad_local_range_raises_and_sends_nothing(pair):
 
 def test_unacked_write_above_the_limit_goes_acknowledged(pair):
     a, b, ep = pair
-    n = tcp_mod.UNACKED_MAX + 1
+    n = wire.UNACKED_MAX + 1
     src = (np.arange(n) % 251).astype(np.uint8)
     dst = np.full(n + 8, POISON, dtype=np.uint8)
     mr_src, mr_dst = a.register(src.ctypes.data, src.nbytes), b.register(dst.ctypes.data, dst.nbytes)
@@ -144,7 +144,7 @@ def test_landed_write_ack_leaves_with_the_reply_its_handler_posts(pair, monkeypa
     real = type(b)._send_ctrl
 
     def send_ctrl(self, ep_, s, payload):
-        if self is b and payload[4] == tcp_mod.T_ACK:
+        if self is b and payload[4] == wire.T_ACK:
             alone.append(payload)
         return real(self, ep_, s, payload)
 

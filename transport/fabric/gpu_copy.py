@@ -3,7 +3,7 @@
 A batch of pieces (source, destination, length; device or UVA addresses, the destination possibly another
 process's allocation mapped here through CUDA IPC) is one ``pxn_kernels.copy`` launch over int64 descriptors.
 Why this module: each driver call costs host time and a kernel's first launch with new descriptor tensors far
-more (benchmarks/NOTES.md, "Engine"), while callers repeat the same piece lengths call after call (sglang's
+more, while callers repeat the same piece lengths call after call (sglang's
 per-layer blocks, its aux pieces). So:
 
 * the work plan is cached by the lengths (``plan_for_lengths``, per device);
@@ -123,8 +123,8 @@ class _BoundCopy:
         """Enqueue the descriptor copy and the kernel on ``stream`` (a ``torch.cuda.Stream`` whose handle is
         ``raw_stream``), or on the current stream (``stream`` None, ``raw_stream`` its handle). A graph goes to the
         driver with the handle; otherwise the kernel's launch takes the current stream, which ``stream`` then
-        becomes for the call (a stream context costs many times a driver call's host time: the hot path avoids it;
-        benchmarks/NOTES.md, "Relay rounds in the caller's thread")."""
+        becomes for the call (a stream context costs many times a driver call's host time: the hot path avoids
+        it)."""
         if self._exec is not None:
             _check(_driver().cuGraphLaunch(self._exec, raw_stream), "cuGraphLaunch", "batched copy graph launch")
         elif stream is not None:

@@ -14,12 +14,12 @@ copies device to device (over NVLink between GPUs) on the posting thread's curre
 ``pxn_kernels.copy`` launch per message, bound once per piece lengths and replayed (``transport.fabric.gpu_copy``),
 or one ``cudaMemcpyAsync`` per piece for a few pieces; then it synchronises that stream before reporting.
 
-The doorbell is the tcp fabric's socket protocol without payload (several sockets per peer, so large writes run
-as parallel copies): REQ (piece table) -> the target validates every piece against its own regions, pins them
-(``deregister`` waits) and answers GRANT (per-piece status + what it describes of the regions involved, which the
-writer checks bounds against again) -> the writer copies the granted pieces -> DONE (per-piece status) -> the
-target unpins, delivers RECV_IMM in order and ACKs -> sender completions. The target only describes regions it
-registered, and only pieces it accepted are ever copied.
+The doorbell is the socket fabrics' message protocol (``transport.fabric.socket_fabric``) without payload (several
+sockets per peer, so large writes run as parallel copies): REQ (piece table) -> the target validates every piece
+against its own regions, pins them (``deregister`` waits) and answers GRANT (per-piece status + what it describes
+of the regions involved, which the writer checks bounds against again) -> the writer copies the granted pieces ->
+DONE (per-piece status) -> the target unpins, delivers RECV_IMM in order and ACKs -> sender completions. The target
+only describes regions it registered, and only pieces it accepted are ever copied.
 
 Once a GRANT has described the regions a message needs, the writer keeps those descriptions, tagged with the
 target's deregistration counter (an 8-byte memfd in the target, mapped read-only by the writer, bumped by every
@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Dict, List, Optional
 
@@ -56,103 +55,18 @@ from transport.fabric.base import (DEVICE_HOST, Capabilities, MemoryRegion, Regi
                                    WriteBounds)
 from transport.fabric.gpu_copy import BoundCopies, Pending
 from transport.fabric.memory import cuda_stream, cuda_tensor, raw_view
-from transport.fabric.tcp import (
-    HDR, MAGIC, PIECE_DT, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ, TcpEndpoint, TcpFabric,
-    _I64, _VECTOR_MIN, _BatchRecord, _OutMsg, _Sock, _seal, recv_exact,
-)
-from transport.fabric.region_counter import CounterReader, GenerationCounter
+from transport.fabric.endpoint import SocketEndpoint
+from transport.fabric.ipc_ordered import OrderedPosts, batch_message, failed_statuses
+from transport.fabric.ipc_peers import PeerRegions
+from transport.fabric.messages import _OutMsg, batch_messages
+from transport.fabric.procmem import allow_peer_writes, process_vm_read, process_vm_write
+from transport.fabric.region_counter import GenerationCounter
+from transport.fabric.socket_fabric import SocketFabric
+from transport.fabric.sockets import _Sock, recv_exact
+from transport.fabric.wire import (_I64, _VECTOR_MIN, HDR, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT,
+                                   T_NOTIFY, T_REQ, _seal)
 
 log = logging.getLogger(__name__)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)
-IOV_BATCH = 1024  # IOV_MAX
-_SPANS_CHECKED = 64  # batch layouts over several regions whose checks a fabric remembers (_checked_spans)
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_pvw = _libc.process_vm_writev
-# iovec arrays are passed as plain addresses (of numpy buffers): a pointer cast per call would add host time
-_pvw.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong)
-_pvw.restype = ctypes.c_ssize_t
-_pvr = _libc.process_vm_readv
-_pvr.argtypes = (ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                 ctypes.c_ulong)
-_pvr.restype = ctypes.c_ssize_t
-
-
-def process_vm_read(pid: int, remote: int, n: int) -> bytes:
-    """Read ``n`` bytes at ``remote`` in process ``pid`` (used only to authenticate a peer: reading never
-    modifies it). Raises ``OSError``."""
-    buf = ctypes.create_string_buffer(n)
-    liov, riov = _Iovec(ctypes.addressof(buf), n), _Iovec(remote, n)
-    got = _pvr(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
-    if got != n:
-        err = ctypes.get_errno()
-        raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err) if got < 0 else f'{got} of {n} B'}")
-    return buf.raw
-
-
-def _int64(values) -> np.ndarray:
-    # user-space addresses and lengths fit int64 (47-57 bit address spaces); int64 arrays pass unconverted
-    if type(values) is np.ndarray and values.dtype == np.int64:
-        return values
-    return np.asarray(values, dtype=np.uint64).astype(np.int64)
-
-
-_iov_local = threading.local()
-
-
-def _iov_buffer():
-    """This thread's iovec buffer (local | remote, IOV_BATCH pairs each) and its address: allocating one and
-    asking numpy for its address per call was a noticeable share of a same-host aux batch (benchmarks/NOTES.md,
-    "Engine")."""
-    got = getattr(_iov_local, "iov", None)
-    if got is None:
-        buf = np.empty((2, IOV_BATCH, 2), dtype=np.int64)
-        got = _iov_local.iov = (buf, buf.ctypes.data)
-    return got
-
-
-def process_vm_write(pid: int, local, remote, lengths, total: Optional[int] = None) -> None:
-    """Copy ``lengths[i]`` bytes from our ``local[i]`` to process ``pid``'s ``remote[i]`` (batched syscalls).
-
-    Arguments are sequences or int64 arrays; ``total``: ``sum(lengths)`` when the caller knows it (saves a
-    reduction per call on the same-host hot path). Raises ``OSError`` (errno set: EPERM, ESRCH for a gone
-    process, EFAULT for a bad remote range)."""
-    local, remote, lengths = _int64(local), _int64(remote), _int64(lengths)
-    n = int(lengths.size)
-    iov, base = _iov_buffer()
-    i = 0
-    while i < n:
-        k = min(IOV_BATCH, n - i)
-        # Both iovec arrays (base, len pairs) in one numpy buffer, filled by slices: a Python loop per piece costs
-        # far more.
-        iov[0, :k, 0], iov[0, :k, 1] = local[i:i + k], lengths[i:i + k]
-        iov[1, :k, 0], iov[1, :k, 1] = remote[i:i + k], lengths[i:i + k]
-        want = total if (total is not None and k == n) else int(lengths[i:i + k].sum())
-        got = _pvw(pid, base, k, base + 16 * IOV_BATCH, k, 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_writev to pid {pid}: {os.strerror(err)}")
-        if got == want:
-            i += k
-            continue
-        # Partial transfer: it stops at an iovec boundary or inside one; continue from there.
-        if got == 0:
-            raise OSError(0, f"process_vm_writev to pid {pid} made no progress at 0x{int(remote[i]):x}")
-        done = np.cumsum(lengths[i:i + k])
-        j = int(np.searchsorted(done, got, side="right"))  # first piece not completely written
-        part = got - (int(done[j - 1]) if j else 0)
-        local, remote, lengths = local.copy(), remote.copy(), lengths.copy()
-        local[i + j] += part
-        remote[i + j] += part
-        lengths[i + j] -= part
-        total = None  # describes the batch as it was
-        i += j
 
 
 def _boot_id() -> str:
@@ -170,79 +84,32 @@ def _pid_ns() -> int:
         return 0
 
 
-class _Cuda:
-    """The few CUDA runtime/driver calls ipc needs, through cuda-bindings (imported on first GPU use)."""
-
-    def __init__(self):
-        try:
-            from cuda.bindings import driver, runtime
-        except ImportError:
-            try:
-                from cuda import cuda as driver, cudart as runtime  # cuda-python < 12.6 layout
-            except ImportError as e:
-                raise FabricUnavailable("ipc on GPU memory needs cuda-bindings: pip install cuda-bindings") from e
-        self.rt, self.drv = runtime, driver
-
-    def _ok(self, res, what):
-        err, *rest = res if isinstance(res, tuple) else (res,)
-        if int(err) != 0:
-            raise FabricError(f"{what} failed: {err!r}")
-        return rest[0] if len(rest) == 1 else rest
-
-    def export(self, addr: int, length: int, device: int) -> dict:
-        import torch
-        with torch.cuda.device(device):
-            # torch skips cudaSetDevice when it believes ``device`` is already current, and a thread that got its
-            # tensors from the caching allocator never made a runtime call: the driver call below would then find
-            # no current context (CUDA_ERROR_INVALID_CONTEXT, seen on an engine's second handshake on the H200)
-            self._ok(self.rt.cudaSetDevice(device), f"cudaSetDevice({device})")
-            base, size = self._ok(self.drv.cuMemGetAddressRange(addr), f"cuMemGetAddressRange(0x{addr:x})")
-            base, size = int(base), int(size)
-            if addr + length > base + size:
-                raise FabricError(f"ipc: region 0x{addr:x}+{length} spans several CUDA allocations (the one at "
-                                  f"0x{base:x} has {size} B); register each allocation separately")
-            handle = self._ok(self.rt.cudaIpcGetMemHandle(base), f"cudaIpcGetMemHandle(0x{base:x})")
-            uuid = str(torch.cuda.get_device_properties(device).uuid)
-        return {"handle": bytes(handle.reserved).hex(), "base": base, "uuid": uuid}
-
-    def open(self, handle_hex: str, device: int) -> int:
-        import torch
-        h = self.rt.cudaIpcMemHandle_t()
-        h.reserved = bytes.fromhex(handle_hex)
-        with torch.cuda.device(device):
-            ptr = self._ok(self.rt.cudaIpcOpenMemHandle(h, getattr(self.rt, "cudaIpcMemLazyEnablePeerAccess", 1)),
-                           "cudaIpcOpenMemHandle")
-        return int(ptr)
-
-    def close(self, ptr: int) -> None:
-        try:
-            self.rt.cudaIpcCloseMemHandle(ptr)
-        except Exception:  # noqa: BLE001 — best effort at shutdown
-            pass
-
-
-class IpcFabric(TcpFabric):
+class IpcFabric(SocketFabric):
     """Same-host one-sided writes by direct copies (cross-memory attach for host memory, CUDA IPC for GPU).
 
-    Options as ``TcpFabric`` (``connections_per_peer`` = parallel copy workers per peer, default
-    min(4, cores); ``message_bytes`` default 16 MiB).
+    Options as ``SocketFabric`` (``connections_per_peer`` = parallel copy workers per peer, default
+    min(4, cores); ``message_bytes`` default 16 MiB), and ``grant_timeout`` (seconds a writer waits for a GRANT).
+
+    Its parts: the shared socket-message layer it builds on (``SocketFabric``), what its writer knows of the
+    peers' regions (``PeerRegions``), its event-ordered posts (``OrderedPosts``).
     """
 
     name = "ipc"
     capabilities = Capabilities(selective_signaling=True, loadstore=True, completion_callback=True,
                                authenticated_rails=True, write_batches=True, event_ordered_writes=True,
                                inline_writes=True)
-    # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages made large
-    # calls far faster (benchmarks/NOTES.md, "Engine")
+    # an ipc message is a doorbell round trip (REQ/GRANT/DONE/ACK), not payload: fewer, larger messages make large
+    # calls far faster
     engine_options = {"message_bytes": 256 << 20}
     # No coalescing: a post of many pieces is already one batched-copy launch from the sources straight into the
     # target's memory, completed at the writer. A chunk would add a gather, a landing slot, the target's scatter
-    # and its ack to the same bytes (benchmarks/NOTES.md, section "Small batches without chunks").
+    # and its ack to the same bytes.
     # Relay slots of 64 MiB, one per lane: a relayed unit costs a fixed amount of host time (fill launch, post,
     # completion) whatever its size, and this wire moves 4 MiB far faster than that; the fewer the units, the
-    # closer a relayed batch gets to its copies' speed (benchmarks/NOTES.md, section "Stream-ordered relay").
+    # closer a relayed batch gets to its copies' speed.
     # Ring and landing memory: 2 x 64 MiB each (the defaults: 64 MiB each).
     config_defaults = {"coalesce_bytes": 0, "relay_slot_bytes": 64 << 20, "relay_slots": 1, "landing_slots": 2}
+
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: int = None,
                  message_bytes: int = 16 << 20, grant_timeout: float = 30.0, **kw):
@@ -253,33 +120,30 @@ class IpcFabric(TcpFabric):
         self.grant_timeout = float(grant_timeout)
         self.bound_copies = BoundCopies()  # GPU copies of the message path and of load/store writers
         self._pid = os.getpid()
-        # Let same-user peers write into us under Yama ptrace_scope=1 (no-op/EINVAL without Yama).
-        _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0)
+        allow_peer_writes()
         # A random token at a known address: a connecting peer reads it back through process_vm_readv, which
         # proves both the ptrace permission and that the pid in our descriptor really is this process.
         self._probe_token = os.urandom(32)
         self._probe = ctypes.create_string_buffer(self._probe_token, 32)
         self._exports: Dict[int, dict] = {}
-        self._opened: Dict[tuple, int] = {}
-        self._open_lock = threading.Lock()
-        self._cuda = None
-        self._uuid_to_index = None
         # Bumped by every deregister. A writer that holds a peer's region descriptions (from an earlier GRANT)
         # and finds this counter unmoved copies at once and sends one NOTIFY instead of a REQ / GRANT round trip.
         self._gen = GenerationCounter()
-        self._granted_info: Dict[str, Dict[int, tuple]] = {}  # peer id -> rkey -> (description, counter value)
-        self._granted_changes = 0  # bumped whenever ``_granted_info`` changes: ``_regions_target``'s entries hold it
-        self._target_layouts: Dict[tuple, tuple] = {}  # ``_regions_target``: (peer id, rkeys' bytes) -> layout
-        self._spans_checked: Dict[int, tuple] = {}  # _checked_spans: what it found, by id of the remote spans
-        self._by_descriptions: Dict[tuple, tuple] = {}  # _remembered: arrays of the target's descriptions
-        self._gen_readers: Dict[str, object] = {}
-        self._ordered_streams: Dict[int, object] = {}  # GPU -> stream of event-ordered writes
-        self._completer: Optional[_Completer] = None
-
-    def _cuda_api(self) -> _Cuda:
-        if self._cuda is None:
-            self._cuda = _Cuda()
-        return self._cuda
+        peers = self._peers = PeerRegions(self._regions, self._gen)
+        # its calls under the names the post paths use: bound once, no attribute hop per post
+        self._cuda_api = peers.cuda_api
+        self._gen_reader = peers.gen_reader
+        self._current_info = peers.current_info
+        self._mapped = peers.mapped
+        self._local_index = peers.local_index
+        self._remembered = peers.remembered
+        self._bounds_of = peers.bounds_of
+        self._shifts_on = peers.shifts_on
+        self._remember_target = peers.remember_target
+        self._bounded_target = peers.bounded_target
+        self._checked_spans = peers.checked_spans
+        self._ordered = OrderedPosts(self._id, self.bound_copies, self._mapped)
+        self._start()
 
     def _descriptor_extra(self) -> dict:
         gen = self._gen.wire()
@@ -311,9 +175,7 @@ class IpcFabric(TcpFabric):
             try:
                 self._exports[mr.rkey] = self._cuda_api().export(mr.addr, mr.length, mr.device)
             except Exception:
-                with self._lock:
-                    self._regions.pop(mr.rkey, None)
-                    self._regions_gen += 1
+                self._book.drop(mr)
                 raise
 
     def deregister(self, mr: MemoryRegion) -> None:
@@ -326,7 +188,7 @@ class IpcFabric(TcpFabric):
         it once and then writes with its own loads/stores (``transport.fabric.loadstore``)."""
         return self._describe(mr)
 
-    def local_writer(self, ep: TcpEndpoint, peer_info: dict):
+    def local_writer(self, ep: SocketEndpoint, peer_info: dict):
         """A ``transport.fabric.loadstore.LoadStoreWriter`` into the process behind ``ep``, when its engine
         advertised its region counter in ``peer_info`` (its control hello: ``region_gen_addr``, ``region_gen``,
         ``region_gen_fd``, ``pid``) and that pid is the one this endpoint verified at connect; else None."""
@@ -340,7 +202,7 @@ class IpcFabric(TcpFabric):
         return LoadStoreWriter(self, ep, int(peer_info["region_gen_addr"]), int(peer_info.get("region_gen", 0)),
                                int(peer_info.get("region_gen_fd", -1)))
 
-    def peer_pid(self, ep: TcpEndpoint) -> int:
+    def peer_pid(self, ep: SocketEndpoint) -> int:
         """The peer's pid, as verified at connect (it read back the token at the address its descriptor named)."""
         return int(ep.peer_desc["pid"])
 
@@ -360,7 +222,7 @@ class IpcFabric(TcpFabric):
         return d
 
     # --- target side ----------------------------------------------------------------------------------------
-    def _send_ctrl(self, ep: TcpEndpoint, s: _Sock, payload: bytes) -> None:
+    def _send_ctrl(self, ep: SocketEndpoint, s: _Sock, payload: bytes) -> None:
         # Sent from the receiver thread itself: ipc messages are small, and a sender thread may be parked
         # waiting for a grant, so queueing behind it could deadlock two peers writing to each other.
         with s.send_lock:
@@ -440,7 +302,7 @@ class IpcFabric(TcpFabric):
                 self._release(s, seq)
 
     # --- writer side ----------------------------------------------------------------------------------------
-    def post_writes(self, ep: TcpEndpoint, requests) -> None:
+    def post_writes(self, ep: SocketEndpoint, requests) -> None:
         """As tcp's, but a post of ``WriteBatch`` items alone goes batch by batch through ``_post_batch_direct``
         (checked, copied and completed by this thread from the batch's own arrays) while the batches qualify; the
         rest become messages as on tcp. All checks come first: nothing is copied when one batch is bad."""
@@ -474,7 +336,7 @@ class IpcFabric(TcpFabric):
             return mr
         return None
 
-    def write_inline(self, ep: TcpEndpoint, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray,
+    def write_inline(self, ep: SocketEndpoint, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray,
                      bounds: WriteBounds, nbytes: int, wait: bool = True, stream=None) -> Optional[Pending]:
         """Capability ``inline_writes`` (see ``Fabric.write_inline``): the pieces are copied by the calling thread,
         as ``_post_batch_direct`` copies a posted batch, when every one goes from one local GPU into one peer GPU
@@ -484,7 +346,7 @@ class IpcFabric(TcpFabric):
         naming of a bad piece, stay with ``post_writes``. Host memory is written before this returns; a GPU copy
         is waited for when ``wait``. Raises ``FabricError`` (the endpoint failed: the target process is gone) or
         ``TransferError`` (the device copy failed)."""
-        if self._closed or not isinstance(ep, TcpEndpoint) or ep.fabric is not self or not ep.alive:
+        if self._closed or not isinstance(ep, SocketEndpoint) or ep.fabric is not self or not ep.alive:
             return None
         mr = self._bounded_local(bounds)
         if mr is None:
@@ -497,14 +359,14 @@ class IpcFabric(TcpFabric):
         return Pending(self._copy_to_gpu(mr.device, reg, local_addr, remote_addr, length,
                                          (nbytes, bounds.len_min, bounds.len_max), wait, stream))
 
-    def write_inline_regions(self, ep: TcpEndpoint, local_addr: np.ndarray, remote_addr: np.ndarray,
+    def write_inline_regions(self, ep: SocketEndpoint, local_addr: np.ndarray, remote_addr: np.ndarray,
                              length: np.ndarray, spans: RegionSpans, nbytes: int, wait: bool = True,
                              stream=None) -> Optional[Pending]:
         """Capability ``inline_writes`` for a batch over several regions (see ``Fabric.write_inline_regions``):
         as ``write_inline`` when every local region of ``spans`` is registered here and covers its span, on one
         device, and every peer region's kept description is current, on the same side (host or GPU), and covers
         its span. A GPU copy maps each piece into its peer region's mapping here: one launch for the batch."""
-        if self._closed or not isinstance(ep, TcpEndpoint) or ep.fabric is not self or not ep.alive:
+        if self._closed or not isinstance(ep, SocketEndpoint) or ep.fabric is not self or not ep.alive:
             return None
         if not (spans.len_min > 0 and spans.local_min >= 0 and spans.remote_min >= 0 and spans.local_end <= _I64
                 and spans.remote_end <= _I64):
@@ -521,53 +383,7 @@ class IpcFabric(TcpFabric):
         return Pending(self._copy_mapped(dev, local_addr, remote_addr + shift[spans.remote_index], length, stats,
                                          wait, stream))
 
-    def _checked_spans(self, ep: TcpEndpoint, spans: RegionSpans):
-        """(the local regions' device, what to add to each peer address to reach its mapping here) when every
-        local region of ``spans`` is registered here and covers its span, all on one device, and every peer
-        region's kept description is current, on the same side (host or GPU), and covers its span; else None.
-        The shift is an int for one peer region, else an int64 array by position in ``spans.remote`` (None for
-        host memory). Remembered for the same ``local`` and ``remote`` tuple objects on the same endpoint
-        (the engine passes the same ones for a layout it saw before: ``Pipeline._region_spans``) while neither
-        side has deregistered anything since: those counters are what any change of the checked facts bumps."""
-        own = self._gen.value
-        reader = self._gen_reader(ep)
-        if reader is None:
-            return None
-        one = spans.remote_index is None
-        memo = self._spans_checked.get(id(spans.remote))
-        if memo is not None and memo[0] is spans.local and memo[1] is spans.remote and memo[2] is ep \
-                and memo[3] == own and memo[4] == reader.read() and memo[5] == one:
-            return memo[6]
-        dev = None
-        for lkey, lo, hi in spans.local:
-            mr = self._regions.get(lkey)
-            if mr is None or not (mr.addr <= lo and hi <= mr.addr + mr.length) or dev not in (None, mr.device):
-                return None
-            dev = mr.device
-        keys = [k for k, _, _ in spans.remote]
-        if dev is None or not keys or not all(0 <= k <= 0xFFFFFFFF for k in keys):
-            return None
-        info, gen = self._current_info(ep, None, keys)
-        if info is None:
-            return None
-        regs = [info[k] for k in keys]
-        for reg, (_, lo, hi) in zip(regs, spans.remote):
-            if (dev == DEVICE_HOST) != (reg["device"] == DEVICE_HOST) or \
-                    not (reg["addr"] <= lo and hi <= reg["addr"] + reg["length"]):
-                return None
-        if dev == DEVICE_HOST:
-            shift = None
-        elif one:
-            shift = self._mapped(regs[0], dev) - regs[0]["base"]
-        else:
-            shift = np.array([self._mapped(reg, dev) - reg["base"] for reg in regs], dtype=np.int64)
-        with self._lock:
-            if len(self._spans_checked) >= _SPANS_CHECKED:
-                self._spans_checked.pop(next(iter(self._spans_checked)))
-            self._spans_checked[id(spans.remote)] = (spans.local, spans.remote, ep, own, gen, one, (dev, shift))
-        return dev, shift
-
-    def _write_host(self, ep: TcpEndpoint, local_addr, remote_addr, length, nbytes: int) -> Pending:
+    def _write_host(self, ep: SocketEndpoint, local_addr, remote_addr, length, nbytes: int) -> Pending:
         """The inline write of checked host pieces: one ``process_vm_writev`` into the peer process."""
         try:
             process_vm_write(int(ep.peer_desc["pid"]), local_addr, remote_addr, length, total=nbytes)
@@ -593,16 +409,16 @@ class IpcFabric(TcpFabric):
         return copies.finish([copies.copy(dev, local_addr, dst, length, length_stats, stream, dst_shift)],
                              wait=wait, stream=stream)
 
-    def _post_checked_batches(self, ep: TcpEndpoint, batches, devices) -> None:
+    def _post_checked_batches(self, ep: SocketEndpoint, batches, devices) -> None:
         """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``_validate_batch``) batch
         by batch through ``_post_batch_direct`` while they qualify, the rest as messages."""
         for i, (b, dev) in enumerate(zip(batches, devices)):
             if not self._post_batch_direct(ep, b, dev):
                 self._send(ep, [m for b_, d_ in zip(batches[i:], devices[i:])
-                                for m in self._build_batch(b_, d_, len(ep.socks))])
+                                for m in batch_messages(b_, d_, self._message_target, len(ep.socks))])
                 return
 
-    def post_writes_after(self, ep: TcpEndpoint, requests, after):
+    def post_writes_after(self, ep: SocketEndpoint, requests, after):
         """``post_writes``, ordered on the GPU after the CUDA events ``after`` (the sources' producers) instead of
         after a host wait (capability ``event_ordered_writes``). A post of ``WriteBatch`` items from one local GPU
         into one described peer GPU region is launched on a stream of that GPU that waits for ``after``, and
@@ -615,15 +431,15 @@ class IpcFabric(TcpFabric):
             return super().post_writes_after(ep, requests, after)
         self._validate(ep, [])
         devices = [self._validate_batch(b) for b in requests]
-        taken, done = self._post_batches_ordered(ep, requests, devices, after)
-        if taken:
-            return done
+        target = self._direct_target(ep, requests, devices)
+        if target is not None and target[0] != DEVICE_HOST:  # host memory: no GPU stream to order on
+            return self._ordered.post(ep, requests, target[0], target[1], after)
         for event in after:
             event.synchronize()
         self._post_checked_batches(ep, requests, devices)  # checked above
         return None
 
-    def _direct_target(self, ep: TcpEndpoint, batches, devices):
+    def _direct_target(self, ep: SocketEndpoint, batches, devices):
         """(source device, the peer's region description) when every write of ``batches`` goes from one local
         GPU into one peer GPU region, or from host memory into one peer host region, whose description is current
         and contains it; else None."""
@@ -650,7 +466,7 @@ class IpcFabric(TcpFabric):
                 return None
         return src_devs[0], reg
 
-    def _regions_target(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray):
+    def _regions_target(self, ep: SocketEndpoint, b: WriteBatch, devices: np.ndarray):
         """(source device, the peer's descriptions of the batch's regions by position, each piece's position in
         them, the layout's cache of each piece's shift into its region's mapping by source GPU) when every write
         of the checked batch ``b`` goes from one local device into peer regions on the same side (host or GPU)
@@ -665,14 +481,14 @@ class IpcFabric(TcpFabric):
         layout = None
         if rk.size > 1 and rk.dtype == np.int64:
             lkey = (ep.peer_id, rk.tobytes())
-            layout = self._target_layouts.get(lkey)
+            layout = self._peers.target_layouts.get(lkey)
             if layout is not None:
                 reader = self._gen_reader(ep)
-                if reader is None or layout[0] != (reader.read(), self._granted_changes):
+                if reader is None or layout[0] != (reader.read(), self._peers.changes):
                     layout = None
         if layout is None:
             keys = distinct(rk)
-            changes = self._granted_changes  # before the descriptions are read: a GRANT after them retires the entry
+            changes = self._peers.changes  # before the descriptions are read: a GRANT after them retires the entry
             info, gen = self._current_info(ep, None, keys)
             if info is None:
                 return None
@@ -692,65 +508,15 @@ class IpcFabric(TcpFabric):
             return None
         return dev, regs, k, (None if dev == DEVICE_HOST else shifts)
 
-    def _remember_target(self, ep: TcpEndpoint, rk: np.ndarray, keys: list, regs: list, valid: tuple) -> tuple:
-        """Remember, by the peer and the bytes of the rkey array ``rk`` (``keys``: its distinct values, ``regs``
-        their current descriptions, read at ``valid``: the peer's counter value and the fabric's count of GRANT
-        changes), what ``_regions_target`` derives from them: (valid, regs, each write's position in them, start
-        and end of each write's region, True / False when every region is on the host / on a GPU (None: both),
-        and a dict for each write's shift into its mapping by source GPU). Valid while the peer deregisters
-        nothing and no GRANT describes a region again. Why: sglang's batches name the same regions (a buffer per
-        layer) call after call, and working them out per post cost a ``np.unique`` and Python steps per region
-        (benchmarks/NOTES.md, "A region per layer on the GPU"). The arrays are shared between calls: read only."""
-        k = np.searchsorted(np.asarray(keys, dtype=np.int64), rk)
-        _, lo, hi, on_host = self._bounds_of(regs)
-        lo, hi = lo[k], hi[k]
-        for a in (k, lo, hi):
-            a.flags.writeable = False
-        side = True if on_host.all() else (False if not on_host.any() else None)
-        layout = (valid, regs, k, lo, hi, side, {})
-        with self._open_lock:
-            memo = self._target_layouts
-            if len(memo) >= _SPANS_CHECKED:
-                memo.pop(next(iter(memo)))
-            if rk.dtype == np.int64:
-                memo[(ep.peer_id, rk.tobytes())] = layout
-        return layout
-
-    def _bounded_target(self, ep: TcpEndpoint, bd: WriteBounds, src_dev: int) -> Optional[dict]:
-        """The peer's current description of region ``bd.rkey`` when it contains the remote extremes of ``bd`` and
-        lies on the same side (host or GPU) as the sources' device ``src_dev``; else None."""
-        info, _ = self._current_info(ep, None, (bd.rkey,))
-        if info is None:
-            return None
-        reg = info[bd.rkey]
-        if (src_dev == DEVICE_HOST) != (reg["device"] == DEVICE_HOST):
-            return None
-        lo = reg["addr"]
-        return reg if lo <= bd.remote_min and bd.remote_end <= lo + reg["length"] else None
-
-    @staticmethod
-    def _batch_message(b: WriteBatch) -> _OutMsg:
-        m = _OutMsg(0)
-        m.batch, m.final, m.pieces = _BatchRecord(b), True, b.count
-        return m
-
-    @staticmethod
-    def _failed_statuses(m: _OutMsg, b: WriteBatch) -> bytes:
-        """Give a table-less batch message the piece table its failed completion names a piece from."""
-        m.table = np.zeros(b.count, dtype=PIECE_DT)
-        ra, ln = b.remote_addr, b.length
-        m.table["addr"], m.table["len"], m.table["waddr"], m.table["wlen"], m.table["rkey"] = ra, ln, ra, ln, b.rkey
-        return bytes([ST_FAILED]) * b.count
-
-    def _post_batch_direct(self, ep: TcpEndpoint, b: WriteBatch, devices: np.ndarray) -> bool:
+    def _post_batch_direct(self, ep: SocketEndpoint, b: WriteBatch, devices: np.ndarray) -> bool:
         """Copy and complete a checked batch here when every piece goes from one local GPU into peer GPU regions,
         or from host memory into peer host regions, whose descriptions are current and contain their pieces;
         False (nothing done) otherwise, for the message path (which names the piece at fault, and handles the
         mixed cases and the GRANT round trip).
 
         Why: a batch's piece table, and its checks one message field at a time, cost more host time than the
-        copy of most batches (benchmarks/NOTES.md, section "Small batches without chunks"); here the checks are
-        the extremes of the batch's arrays against the region, as ``_copy`` makes them piece by piece."""
+        copy of most batches; here the checks are the extremes of the batch's arrays against the region, as
+        ``_copy`` makes them piece by piece."""
         if b.bounds is not None:
             target = self._direct_target(ep, [b], [devices])
             if target is None:
@@ -762,7 +528,7 @@ class IpcFabric(TcpFabric):
             if target is None:
                 return False
             dev, regs, k, shifts = target
-        m = self._batch_message(b)
+        m = batch_message(b)
         ep.enqueue([m], queue=False, local=[True])  # completes in posting order with the endpoint's other work
         statuses = bytes(b.count)
         if dev == DEVICE_HOST:
@@ -789,64 +555,11 @@ class IpcFabric(TcpFabric):
                 self._copy_mapped(dev, b.local_addr, b.remote_addr + shift, b.length, None, True, None)
         except Exception as e:  # noqa: BLE001 — a CUDA failure fails this batch, not the link
             log.error("ipc GPU copy of %d piece(s) to %s failed: %s", b.count, ep.peer_id, e)
-            statuses = self._failed_statuses(m, b)
+            statuses = failed_statuses(m, b)
         ep.on_ack(m.seq, statuses)
         return True
 
-    def _post_batches_ordered(self, ep: TcpEndpoint, batches, devices, after):
-        """The GPU part of ``post_writes_after``: one launch for every batch, on the source GPU's ordered stream
-        after ``after``; the batches complete from the completer thread. Returns (taken, the copy's event):
-        (False, None) with nothing done when the batches do not qualify (see ``_direct_target``), (True, None)
-        when the launch failed (the batches completed with the failure, ``after`` waited for)."""
-        target = self._direct_target(ep, batches, devices)
-        if target is None or target[0] == DEVICE_HOST:  # host memory: no GPU stream to order on
-            return False, None
-        dev, reg = target
-        msgs = [self._batch_message(b) for b in batches]
-        ep.enqueue(msgs, queue=False, local=[True] * len(msgs))
-        if len(batches) == 1:
-            la, ra, ln = batches[0].local_addr, batches[0].remote_addr, batches[0].length
-        else:
-            la, ra, ln = (np.concatenate([getattr(b, k) for b in batches]) for k in ("local_addr", "remote_addr",
-                                                                                      "length"))
-        try:
-            shift = self._mapped(reg, dev) - reg["base"]
-            stream = self._ordered_stream(dev)
-            for event in after:
-                stream.wait_event(event)
-            (done, _), = self.bound_copies.finish([self.bound_copies.copy(dev, la, ra, ln, stream=stream,
-                                                                          dst_shift=shift)],
-                                                  wait=False, stream=stream)
-        except Exception as e:  # noqa: BLE001 — a CUDA failure fails these batches, not the link
-            log.error("ipc GPU copy of %d piece(s) to %s failed: %s", int(ln.size), ep.peer_id, e)
-            for m, b in zip(msgs, batches):
-                ep.on_ack(m.seq, self._failed_statuses(m, b))
-            for event in after:  # the sources' producers may still run: the caller reuses them after this
-                event.synchronize()
-            return True, None
-        self._completer_thread().put(ep, done, msgs, batches)
-        return True, done
-
-    def _ordered_stream(self, dev: int):
-        stream = self._ordered_streams.get(dev)
-        if stream is None:
-            import torch
-            with self._open_lock:
-                stream = self._ordered_streams.get(dev)
-                if stream is None:
-                    stream = self._ordered_streams[dev] = torch.cuda.Stream(device=dev)
-        return stream
-
-    def _completer_thread(self) -> "_Completer":
-        c = self._completer
-        if c is None:
-            with self._open_lock:
-                if self._completer is None:
-                    self._completer = _Completer(f"pxn-ipc-complete-{self.local_id}", self._failed_statuses)
-                c = self._completer
-        return c
-
-    def _send(self, ep: TcpEndpoint, msgs: List[_OutMsg]) -> None:
+    def _send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
         """When the peer's descriptions of every region involved are current, the copies and their NOTIFYs run in
         the posting thread (no hand-off to a socket's sender thread, no GRANT round trip); else the messages
         queue for the sender threads as on tcp."""
@@ -870,36 +583,7 @@ class IpcFabric(TcpFabric):
         # after the other: cutting a post per socket would only add a launch and a synchronise per message.
         return max(64 << 10, self.message_bytes)
 
-    def _gen_reader(self, ep: TcpEndpoint):
-        """The peer's region counter, mapped once (None when its descriptor has none)."""
-        reader = self._gen_readers.get(ep.peer_id)
-        if reader is None:
-            d = ep.peer_desc
-            if "gen_addr" not in d:
-                return None
-            reader = self._gen_readers[ep.peer_id] = CounterReader(int(d["pid"]), int(d.get("gen_fd", -1)),
-                                                                   int(d["gen_addr"]))
-        return reader
-
-    def _current_info(self, ep: TcpEndpoint, table, keys=None):
-        """(descriptions by rkey, counter value) when every rkey of ``table`` (or every one of ``keys``) was
-        described by a GRANT and the peer deregistered nothing since; else (None, the counter value or None)."""
-        reader = self._gen_reader(ep)
-        if reader is None:
-            return None, None
-        gen = reader.read()
-        known = self._granted_info.get(ep.peer_id)
-        if not known:
-            return None, gen
-        info = {}
-        for k in (distinct(table["rkey"]) if keys is None else keys):
-            got = known.get(k)
-            if got is None or got[1] != gen:
-                return None, gen
-            info[k] = got[0]
-        return info, gen
-
-    def _notify(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, info: dict) -> None:
+    def _notify(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg, info: dict) -> None:
         """One message instead of REQ / GRANT / DONE: copy now (the same bounds checks against the peer's own
         descriptions, ``info``, as after a GRANT), then tell the peer what landed."""
         table = msg.table
@@ -917,7 +601,7 @@ class IpcFabric(TcpFabric):
                                                       len(tb) + len(statuses)) + tb + bytes(statuses)))
         ep.on_ack(msg.seq, bytes(statuses))
 
-    def _transmit(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg) -> None:
+    def _transmit(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg) -> None:
         table = msg.table
         info, gen = self._current_info(ep, table)
         if info is not None:
@@ -939,16 +623,13 @@ class IpcFabric(TcpFabric):
         info = {int(k): v for k, v in json.loads(info_json or b"{}").items()}
         if gen is not None and info:
             # described while pinned, at counter value >= gen: valid for as long as the counter stays at gen
-            known = self._granted_info.setdefault(ep.peer_id, {})
-            for k, v in info.items():
-                known[k] = (v, gen)
-            self._granted_changes += 1
+            self._peers.record_grant(ep, info, gen)
         self._copy_checked(ep, s, msg, statuses, info)
         with s.send_lock:
             s.sock.sendall(_seal(s.sess, HDR.pack(MAGIC, T_DONE, 0, 0, len(statuses), msg.seq, len(statuses))
                                  + bytes(statuses)))
 
-    def _copy_checked(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
+    def _copy_checked(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
         try:
             self._copy(ep, s, msg, statuses, info)
         except OSError as e:
@@ -956,11 +637,10 @@ class IpcFabric(TcpFabric):
                 raise ConnectionError(f"peer process gone: {e}") from e
             raise
 
-    def _copy(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
+    def _copy(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
         """Copy the pieces of ``msg`` that are ``ST_OK`` in ``statuses``, after checking each against the region
         the target described for its rkey (``info``); a piece outside it becomes ``ST_BOUNDS``. Whole-array numpy:
-        a Python step per piece was a large share of a post of many pieces (benchmarks/NOTES.md, "The message path:
-        writes as arrays, completions at the writer")."""
+        a Python step per piece would be a large share of a post of many pieces."""
         t = msg.table
         n = len(t)
         pid = int(ep.peer_desc["pid"])  # verified at connect (token read back), not taken from the GRANT
@@ -997,26 +677,7 @@ class IpcFabric(TcpFabric):
                 log.error("ipc GPU copy of %d piece(s) to %s failed: %s", int(to_gpu.sum()), ep.peer_id, e)
                 st[to_gpu] = ST_FAILED
 
-    def _local_index(self, uuid: str) -> int:
-        import torch
-        if self._uuid_to_index is None:
-            self._uuid_to_index = {str(torch.cuda.get_device_properties(d).uuid): d
-                                   for d in range(torch.cuda.device_count())}
-        try:
-            return self._uuid_to_index[uuid]
-        except KeyError:
-            raise FabricError(f"ipc: the target's GPU {uuid} is not visible in this process "
-                              f"(CUDA_VISIBLE_DEVICES?)") from None
-
-    def _mapped(self, reg: dict, open_dev: int) -> int:
-        key = (reg["handle"], open_dev)
-        with self._open_lock:
-            ptr = self._opened.get(key)
-            if ptr is None:
-                ptr = self._opened[key] = self._cuda_api().open(reg["handle"], open_dev)
-        return ptr
-
-    def _copy_few(self, ep: TcpEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict, pid: int) -> None:
+    def _copy_few(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict, pid: int) -> None:
         """``_copy`` for a message of a few pieces (an ack, a chunk): one Python step per piece costs less than the
         two dozen numpy calls of the whole-array path."""
         t = msg.table
@@ -1089,84 +750,7 @@ class IpcFabric(TcpFabric):
         finally:
             self.bound_copies.finish(launched, wait=True)
 
-    def _remembered(self, kind: tuple, regs: list, make):
-        """``make(regs)``, remembered by ``kind`` and the identity of the description objects ``regs`` (the target's
-        regions named by a message, or None for an unknown rkey). A description is replaced by a new object
-        whenever a GRANT describes its region again, and the entry holds ``regs``, so equal identities mean the
-        same descriptions. Why: a batch over many regions (sglang's region per layer) paid a Python step per
-        region and post for these arrays (benchmarks/NOTES.md, "A region per layer on the GPU")."""
-        key = kind + tuple(map(id, regs))
-        got = self._by_descriptions.get(key)
-        if got is not None:
-            return got[1]
-        value = make(regs)
-        with self._open_lock:
-            if len(self._by_descriptions) >= _SPANS_CHECKED:
-                self._by_descriptions.pop(next(iter(self._by_descriptions)))
-            self._by_descriptions[key] = (regs, value)
-        return value
-
-    @staticmethod
-    def _bounds_of(regs: list) -> tuple:
-        """(known, start, end, on host) of each description in ``regs`` (numpy arrays by position)."""
-        known = np.array([r is not None for r in regs], dtype=bool)
-        lo = np.array([r["addr"] if r else 0 for r in regs], dtype=np.int64)
-        hi = lo + np.array([r["length"] if r else 0 for r in regs], dtype=np.int64)
-        on_host = np.array([r is not None and r["device"] == DEVICE_HOST for r in regs], dtype=bool)
-        return known, lo, hi, on_host
-
-    def _shifts_on(self, regs: list, dev: int) -> np.ndarray:
-        """What to add to an address in each GPU region of ``regs`` to reach its mapping in GPU ``dev``'s context
-        (int64 by position; 0 for host regions and unknown rkeys, which no GPU copy takes)."""
-        shift = np.zeros(len(regs), dtype=np.int64)
-        for j, r in enumerate(regs):
-            if r is not None and r["device"] != DEVICE_HOST:
-                shift[j] = self._mapped(r, dev) - r["base"]
-        return shift
-
     def _on_close(self) -> None:
-        if self._completer is not None:
-            self._completer.close()
+        self._ordered.close()
         self._gen.close()
-        if self._cuda is not None:
-            for ptr in self._opened.values():
-                self._cuda.close(ptr)
-        self._opened.clear()
-
-
-class _Completer:
-    """The thread that completes event-ordered posts: waits for each post's copy event in posting order, then
-    acks its messages (success, or failure when the copy failed)."""
-
-    def __init__(self, name: str, failed_statuses):
-        import queue
-        self._q = queue.SimpleQueue()
-        self._failed_statuses = failed_statuses
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def put(self, ep, event, msgs, batches) -> None:
-        self._q.put((ep, event, msgs, batches))
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            ep, event, msgs, batches = item
-            try:
-                event.synchronize()  # releases the GIL while it waits
-                failed = False
-            except Exception as e:  # noqa: BLE001 — a CUDA failure fails these batches, not the link
-                log.error("ipc ordered GPU copy to %s failed: %s", ep.peer_id, e)
-                failed = True
-            for m, b in zip(msgs, batches):
-                try:
-                    ep.on_ack(m.seq, self._failed_statuses(m, b) if failed else bytes(b.count))
-                except Exception:  # noqa: BLE001 — one bad completion must not stop the thread
-                    log.exception("completing ipc message %d to %s failed", m.seq, ep.peer_id)
-
-    def close(self) -> None:
-        self._q.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
+        self._peers.close()

@@ -1,8 +1,8 @@
 """Same-host load/store path: a whole batch written into a peer process's memory from the caller's thread.
 
 Why: on the ipc fabric every write message is a socket round trip (REQ -> GRANT -> copy -> DONE -> ACK) handed
-between Python threads, and on a GPU that, not the bytes, was nearly the whole cost: a large batch took many
-times one device copy of its bytes (benchmarks/NOTES.md, "Engine"). A peer on the same host needs none of
+between Python threads, and on a GPU that, not the bytes, is nearly the whole cost: a large batch takes many
+times one device copy of its bytes. A peer on the same host needs none of
 it: its GPU allocations can be mapped here once (CUDA IPC) and its host memory written by cross-memory attach,
 so a batch is one ``pxn_kernels.copy`` launch (every GPU piece, any mix of sizes, straight to its destination:
 no relay chunk, no receiver scatter) plus one ``process_vm_writev`` for host pieces. This is what NCCL does
@@ -29,7 +29,7 @@ import numpy as np
 from transport.arrays import distinct
 from transport.errors import PeerLost, TransferError
 from transport.fabric.gpu_copy import Pending
-from transport.fabric.ipc import process_vm_write
+from transport.fabric.procmem import process_vm_write
 from transport.fabric.region_counter import CounterReader
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,6 @@ class LoadStoreWriter:
         waited for when ``wait``). Raises TransferError (PeerLost when the peer is gone) on a failed copy.
         """
         # scalars (Python or numpy ints, ndim 0) vs per-piece arrays, by attribute: np.ndim() costs more per call
-        # (benchmarks/NOTES.md, "Engine")
         if getattr(dst_index, "ndim", 0) == 0 and getattr(src_dev, "ndim", 0) == 0:
             # every piece in one local and one peer region (the caller's span check): no per-piece work
             s_dev, d_dev = int(src_dev), int(rsnap.devices[dst_index])
@@ -93,7 +92,6 @@ class LoadStoreWriter:
                 return None  # host <-> GPU: the message path stages them
         else:
             # one side may be a scalar (one region); np.broadcast_to costs more per call even on an array
-            # (benchmarks/NOTES.md, "Engine")
             if getattr(src_dev, "ndim", 0) == 0:
                 src_dev = np.full(lengths.size, int(src_dev), dtype=np.int64)
             if getattr(dst_index, "ndim", 0) == 0:
@@ -102,8 +100,8 @@ class LoadStoreWriter:
             if gpu_groups is None:
                 return None
         # From here on bytes move. GPU pieces first: their copy runs on the device while this thread writes the
-        # host pieces, so the two overlap (the host write itself runs slower meanwhile: benchmarks/NOTES.md,
-        # "Engine").
+        # host pieces, so the two overlap (the host write itself runs a little slower meanwhile, far less than the
+        # copy takes).
         whole = length_stats
         if len(gpu_groups) != 1 or gpu_groups[0][3] is not lengths:
             length_stats = None  # they describe the whole batch, not a subset
@@ -133,8 +131,8 @@ class LoadStoreWriter:
 
         Why runs: callers put each buffer's pieces together (sglang's KV blocks, then its aux pieces), so a
         batch is a few runs of pieces with one (source device, destination region) each, and every run is a
-        slice: views instead of masks and fancy indexing (the per-piece version's masks were a sizeable share of a
-        KV + aux batch: benchmarks/NOTES.md, "Engine"). A batch of many short runs takes the per-piece version.
+        slice: views instead of masks and fancy indexing (the per-piece version's masks are a sizeable share of a
+        KV + aux batch). A batch of many short runs takes the per-piece version.
         """
         n = lengths.size
         cut = ((src_dev[1:] != src_dev[:-1]) | (dst_index[1:] != dst_index[:-1])).nonzero()[0]

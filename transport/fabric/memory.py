@@ -67,7 +67,6 @@ def gpu_batch_copy(src_ptrs, dst_ptrs, lengths, device: int) -> None:
         _batched_copy_fn = fn
     src_ptrs, dst_ptrs, lengths = (np.asarray(v, dtype=np.int64) for v in (src_ptrs, dst_ptrs, lengths))
     # a few pieces: one cudaMemcpyAsync each, less host time in all than the launch with its descriptor upload
-    # (benchmarks/NOTES.md, "The message path: writes as arrays, completions at the writer")
     if _batched_copy_fn and lengths.size > MEMCPY_MAX:
         _batched_copy_fn(src_ptrs, dst_ptrs, lengths, check=False, device=torch.device("cuda", device))
         return

@@ -15,6 +15,7 @@ import struct
 import threading
 
 from transport.errors import PeerLost
+from transport.fabric.procmem import process_vm_read
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,8 @@ _I64 = struct.Struct("<q")
 class GenerationCounter:
     """The receiving engine's deregistration counter, in an 8-byte shared-memory file (``memfd``): a same-host
     sender maps it read-only through ``/proc/<pid>/fd/<fd>`` and reads it with a plain memory load before every
-    batch (a ``process_vm_readv`` per batch costs far more host time: benchmarks/NOTES.md, "Engine"; senders that
-    cannot open the file fall back to it, at the address ``wire()`` gives). Without memfd (non-Linux) it lives in
+    batch (a ``process_vm_readv`` per batch costs far more host time, a system call each; senders that cannot
+    open the file fall back to it, at the address ``wire()`` gives). Without memfd (non-Linux) it lives in
     ordinary memory."""
 
     def __init__(self):
@@ -83,7 +84,6 @@ class CounterReader:
     def read(self) -> int:
         if self._map is not None:
             return _I64.unpack_from(self._map, 0)[0]
-        from transport.fabric.ipc import process_vm_read  # the fallback only: ipc imports this module
         try:
             raw = process_vm_read(self.pid, self.addr, 8)
         except OSError as e:

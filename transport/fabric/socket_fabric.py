@@ -1,0 +1,410 @@
+"""The socket-message layer that the tcp and ipc fabrics share: options, the registered regions (``RegionBook``),
+the connection set (``Connections``), the checks of a post and its cutting into messages, the sender threads, the
+receive loop that reads and checks every frame, and the in-order release of acks and RECV_IMM events.
+
+What a message does at the target is each fabric's own (``_on_message``: tcp places payload, ipc grants and
+copies), and so is how a queued message goes out (``_transmit``).
+
+Threads: one listener per fabric (one short-lived thread per connection while it authenticates); per socket one
+receiver thread (never blocks on sending) and one sender thread (owns all sends on the socket, control messages
+first), which rules out the cross-peer deadlock where both sides block sending while nobody drains.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from hmac import compare_digest
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from transport import auth
+from transport.errors import FabricClosed, UnknownPeer
+from transport.fabric.base import (
+    DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteBatch,
+    WriteRequest, check_range,
+)
+from transport.fabric.connections import Connections
+from transport.fabric.endpoint import SocketEndpoint
+from transport.fabric.messages import _OutMsg, batch_messages, write_messages
+from transport.fabric.region_book import RegionBook
+from transport.fabric.sockets import _Sock, recv_exact, send_buffers, send_now
+from transport.fabric.wire import (
+    _NO_TAG, _SEQ, _VECTOR_MIN, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
+    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, _seal,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SocketFabric(Fabric):
+    """One-sided writes as messages over authenticated sockets; the base of ``TcpFabric`` and ``IpcFabric``.
+
+    Options: ``hostname`` to bind (default 127.0.0.1), ``port`` (0 = ephemeral), ``connections_per_peer``
+    (sockets striped per endpoint, default 2..4 by core count), ``message_bytes`` (target payload bytes per wire
+    message), ``connect_timeout`` (seconds), ``keepalive`` (seconds of silence before a vanished host is declared
+    dead via TCP keepalive / TCP_USER_TIMEOUT, default 3), ``ack_timeout`` (seconds the oldest pending message may
+    wait for its ack before the endpoint is failed, default 30: catches a peer process that hangs while its kernel
+    keeps the TCP connection up), ``secret`` (shared secret of ``transport.auth``, at least 16 bytes; None:
+    ``PXN_SECRET``, else the per-user secret file on a loopback ``hostname``; elsewhere ``insecure`` must be set),
+    ``insecure`` (run without a secret when none is set; None: ``PXN_INSECURE``), ``handshake_timeout`` (seconds an
+    incoming connection has to authenticate and say hello, default 5), ``guard_claims`` (the engine's mode: an
+    incoming connection is taken only for a peer id announced by ``expect_peer``, and never replaces a live
+    endpoint of that id unless announced again), ``max_peers_per_addr`` (live incoming endpoints per source
+    address, default 256).
+    """
+
+    # a fabric that reads small WRITE messages whole through a look-ahead reader (tcp: ``_on_small_write``)
+    _small_writes = False
+
+    def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: Optional[int] = None,
+                 message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
+                 ack_timeout: float = 30.0, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
+                 guard_claims: bool = False, max_peers_per_addr: int = 256, insecure: Optional[bool] = None):
+        if connections_per_peer is None:
+            # loopback on a 2-core box peaks at 2 sockets (more threads only contend); bigger hosts use 4
+            connections_per_peer = max(2, min(4, (os.cpu_count() or 2) // 2))
+        if not isinstance(connections_per_peer, int) or not 1 <= connections_per_peer <= 64:
+            raise ValueError(f"connections_per_peer must be an int in 1..64, got {connections_per_peer!r}")
+        if not isinstance(message_bytes, int) or not 4096 <= message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"message_bytes must be an int in [4096, {MAX_MESSAGE_BYTES}], got {message_bytes!r}")
+        self.connections_per_peer = connections_per_peer
+        self.message_bytes = message_bytes
+        self.connect_timeout = float(connect_timeout)
+        self.keepalive = float(keepalive)
+        self.ack_timeout = float(ack_timeout)
+        self.guard_claims = bool(guard_claims)
+        self.max_peers_per_addr = int(max_peers_per_addr)
+        self._closed = False
+        self._lock = threading.Lock()  # guards ``_closed``
+        self._cq = CompletionQueue()
+        # per receiving thread: the ACK of a landed write whose RECV_IMM is being delivered, held so that an unacked
+        # write its handler posts back to the same peer (a receiver's ack of the chunk) leaves in the same send
+        self._held = threading.local()
+        self._conns = Connections(self, hostname, port, connections_per_peer, connect_timeout, keepalive,
+                                  ack_timeout, auth.resolve_secret(secret, hostname, insecure), handshake_timeout,
+                                  guard_claims, max_peers_per_addr)
+        self.hostname = hostname
+        self.port = self._conns.port
+        self._id = self._conns.owner
+        book = self._book = RegionBook(self._id)
+        # the book's tables and checks under the names the receive path uses: no attribute hop per message
+        self._regions = book.regions
+        self._host_views = book.host_views
+        self._region_lock = book.region_lock
+        self._validate_pieces = book.validate_pieces
+        self._validate_lists = book.validate_lists
+        self._unpin = book.unpin
+
+    def _start(self) -> None:
+        """Start listening and watching: the last step of a fabric's construction, once all its parts exist."""
+        self._conns.start()
+        log.debug("%s fabric listening on %s", self.name, self._id)
+
+    # --- Fabric API -----------------------------------------------------------------------------------------
+    @property
+    def local_id(self) -> str:
+        return self._id
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FabricClosed(f"{self.name} fabric {self._id} is closed")
+
+    def register(self, addr: int, length: int, device: int = DEVICE_HOST) -> MemoryRegion:
+        self._check_open()
+        mr = self._book.register(addr, length, device)
+        self._on_register(mr)
+        return mr
+
+    def _on_register(self, mr: MemoryRegion) -> None:
+        """Hook: ipc exports GPU regions."""
+
+    def deregister(self, mr: MemoryRegion) -> None:
+        self._check_open()
+        self._book.deregister(mr)
+
+    def descriptor(self) -> bytes:
+        self._check_open()
+        return json.dumps({"fabric": self.name, "id": self._id, "host": self.hostname, "port": self.port,
+                           "message_bytes": self.message_bytes, **self._descriptor_extra()}).encode()
+
+    def _descriptor_extra(self) -> dict:
+        return {}
+
+    def connect(self, peer_descriptor: bytes) -> Endpoint:
+        return self._conns.connect(peer_descriptor)
+
+    def _check_peer(self, desc: dict) -> None:
+        """Hook: ipc refuses peers on another host."""
+
+    def endpoint(self, peer_id: str) -> Endpoint:
+        self._check_open()
+        return self._conns.endpoint(peer_id)
+
+    def expect_peer(self, peer_id: str, ttl: float = 60.0) -> None:
+        """Allow one incoming connection to take ``peer_id`` within ``ttl`` seconds, replacing a live endpoint
+        of that id if there is one (with ``guard_claims``; the engine calls this for the rail ids a sender
+        announced over its authenticated control connection)."""
+        self._conns.expect_peer(peer_id, ttl)
+
+    def admission_stats(self) -> dict:
+        """Incoming connections: accepted, authenticated, refused by cause (``transport.auth.Gate.stats``), plus
+        ``refused_claims`` (a peer id held by a live connection, or never announced)."""
+        return self._conns.admission_stats()
+
+    @property
+    def gate(self) -> "auth.Gate":
+        """The admission of incoming connections (``transport.auth.Gate``)."""
+        return self._conns.gate
+
+    @property
+    def _all_eps(self) -> List[SocketEndpoint]:
+        return self._conns.endpoints()
+
+    def _validate(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> List[MemoryRegion]:
+        self._check_open()
+        if not isinstance(ep, SocketEndpoint) or ep.fabric is not self:
+            raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {self.name} fabric {self._id}")
+        ep.check_alive()
+        if len(requests) > _VECTOR_MIN:
+            mrs = self._book.validate_many(requests)
+            if mrs is not None:
+                return mrs
+        mrs = []
+        for r in requests:
+            check_range(r.local_addr, r.length, f"wr_id={r.wr_id} local")
+            check_range(r.remote_addr, r.length, f"wr_id={r.wr_id} remote")
+            if not isinstance(r.rkey, int) or not 0 <= r.rkey <= 0xFFFFFFFF:
+                raise ValueError(f"wr_id={r.wr_id}: rkey must be a 32-bit unsigned int, got {r.rkey!r}")
+            if r.imm is not None and (not isinstance(r.imm, int) or not 0 <= r.imm <= IMM_MAX):
+                raise ValueError(f"wr_id={r.wr_id}: imm must be a 32-bit unsigned int, got {r.imm!r}")
+            mrs.append(self._book.lookup_local(r))
+        return mrs
+
+    def _validate_batch(self, b: WriteBatch) -> np.ndarray:
+        """The local checks of a ``WriteBatch`` (``RegionBook.validate_batch``): each write's source device."""
+        return self._book.validate_batch(b)
+
+    def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
+        """Check every request and batch, then hand their messages over (``_send``)."""
+        requests = list(requests)
+        batches = [r for r in requests if isinstance(r, WriteBatch)]
+        if batches:
+            requests = [r for r in requests if not isinstance(r, WriteBatch)]
+        mrs = self._validate(ep, requests)
+        devices = [self._validate_batch(b) for b in batches]  # every check before anything is posted
+        msgs = write_messages(requests, mrs, self._message_target, len(ep.socks)) if requests else []
+        for b, dev in zip(batches, devices):
+            msgs.extend(batch_messages(b, dev, self._message_target, len(ep.socks)))
+        if msgs:
+            self._send(ep, msgs)
+
+    def _message_target(self, total: int, nsocks: int) -> int:
+        """Payload bytes per message for a post of ``total`` bytes: a share per socket (each socket's sender thread
+        streams its messages in parallel), at most ``message_bytes``."""
+        return max(64 << 10, min(self.message_bytes, -(-total // nsocks)))
+
+    def _send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
+        """Hand checked messages to the sockets' sender threads."""
+        ep.enqueue(msgs)
+
+    def _transmit(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg) -> None:
+        """Send one queued message on socket ``s`` (the sender thread of ``s``)."""
+        raise NotImplementedError
+
+    def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
+        self._check_open()
+        return self._cq.take(max_n, timeout)
+
+    def set_completion_handler(self, handler) -> None:
+        self._cq.set_handler(handler)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._conns.close()
+        self._cq.close()
+        self._on_close()
+
+    def _on_close(self) -> None:
+        """Hook for subclasses."""
+
+    def _push(self, comps: List[Completion]) -> None:
+        if comps:
+            self._cq.push(comps)
+
+    def _send_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
+        try:
+            while True:
+                with s.cv:
+                    while not s.ctrl and not s.data and not s.closed:
+                        s.cv.wait()
+                    if s.closed:
+                        return
+                # taken before the queues are read: the rest of a message that a thread began to send itself
+                # (``send_now``) is at the head of ``ctrl`` by the time the lock is free
+                with s.wire_lock:
+                    with s.cv:
+                        ctrl = list(s.ctrl)
+                        s.ctrl.clear()
+                        msg = s.data.popleft() if (not ctrl and s.data) else None
+                    if ctrl:
+                        sess = s.sess
+                        if sess is not None:  # new frames get their tags now; a memoryview continues a frame
+                            ctrl = [c if type(c) is memoryview else _seal(sess, c) for c in ctrl]
+                        send_buffers(s.sock, ctrl)
+                    if msg is not None:
+                        self._transmit(ep, s, msg)
+        except Exception as e:  # noqa: BLE001 — any send failure means the link is gone
+            if ep.alive and not self._closed:
+                log.debug("send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
+            ep.fail(f"send failed: {e}")
+
+    def _recv_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
+        """The receive thread of socket ``s``: one message after the other until the link fails."""
+        st = self._receive_state(s)
+        rx = st["rx"] = s.sock
+        try:
+            while True:
+                self._read_one(ep, s, rx, st)
+        except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
+            if ep.alive and not self._closed:
+                log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)
+            ep.fail(f"receive failed: {e}")
+
+    @staticmethod
+    def _receive_state(s: _Sock) -> dict:
+        """A receive thread's buffers: piece tables, payload staging, the header."""
+        hdr = bytearray(HDR.size)
+        return {"table": bytearray(64 * 48), "stage": bytearray(1 << 20), "hdr": hdr, "hview": memoryview(hdr)}
+
+    def _read_one(self, ep: SocketEndpoint, s: _Sock, rx, st: dict) -> None:
+        """Read and handle one message from socket ``s`` (through ``rx``, its look-ahead reader or the bare socket);
+        blocks until the whole message is read. Raises on EOF, a reset or a malformed stream."""
+        sess = s.sess
+        if rx is not s.sock:
+            magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
+            if sess is not None:  # the header is checked with what its tag covers, before anything acts on it
+                p = rx.pos - 48
+                mac = sess._rx.copy()  # Session.rx_begin, inline: this runs once per frame
+                mac.update(_SEQ.pack(sess.rx_n))
+                sess.rx_n += 1
+                mac.update(rx.view[p:p + 32])
+                mac.update(_NO_TAG)
+                tag = bytes(rx.view[p + 32:p + 48])
+        else:
+            recv_exact(rx, st["hview"])
+            magic, typ, hflags, _, count, seq, blen = HDR.unpack(st["hdr"])
+            if sess is not None:
+                mac = sess._rx.copy()
+                mac.update(_SEQ.pack(sess.rx_n))
+                sess.rx_n += 1
+                mac.update(st["hview"][:32])
+                mac.update(_NO_TAG)
+                tag = bytes(st["hview"][32:48])
+        if magic != MAGIC:
+            raise ValueError(f"bad magic {magic!r}")
+        if typ == T_ACK:
+            if count > MAX_TABLE or blen != count:
+                raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
+            if rx is not s.sock:  # the statuses are usually in the look-ahead buffer already
+                body = bytes(rx.take(count, memoryview(st["stage"])))
+            else:
+                body = bytearray(count)
+                recv_exact(rx, memoryview(body))
+                body = bytes(body)
+            if sess is not None:
+                mac.update(body)
+                if not compare_digest(mac.digest(), tag):
+                    sess.rx_end(mac, tag)  # raises, naming the connection
+            ep.on_ack(seq, body)
+        elif typ in (T_WRITE, T_REQ, T_NOTIFY):
+            if count > MAX_TABLE:
+                raise ValueError(f"piece count {count} above {MAX_TABLE}")
+            tb = count * PIECE_DT.itemsize
+            if blen < tb:
+                raise ValueError(f"body {blen} B shorter than its table {tb} B")
+            whole = hflags & H_WHOLE and typ == T_WRITE and count == 1
+            if blen - tb > (MAX_WHOLE if whole else ep.max_payload):
+                raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
+            if typ == T_WRITE and blen <= SMALL_MESSAGE and self._small_writes:
+                self._on_small_write(ep, s, seq, count, tb, blen, st, hflags, (mac, tag) if sess else None)
+                return
+            if len(st["table"]) < tb:
+                st["table"] = bytearray(tb)
+            tview = memoryview(st["table"])[:tb]
+            recv_exact(rx, tview)
+            if sess is not None:
+                mac.update(tview)
+                if not compare_digest(mac.digest(), tag):
+                    sess.rx_end(mac, tag)
+            table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
+            if whole and blen - tb > ep.max_payload and not (
+                    table["addr"][0] == table["waddr"][0] and table["len"][0] == table["wlen"][0]):
+                raise ValueError(f"a message of {blen - tb} B above the peer's message size is not one whole "
+                                 f"write")
+            self._on_message(ep, s, typ, seq, table, blen - tb, st, ack=not hflags & H_NOACK)
+        else:
+            if typ not in self._OTHER_TYPES:
+                raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
+            if count > MAX_TABLE or blen > count + MAX_CTRL_BODY:
+                raise ValueError(f"control message of {count} statuses in {blen} B is implausible")
+            body = bytearray(blen)
+            recv_exact(rx, memoryview(body))
+            if sess is not None:
+                mac.update(body)
+                if not compare_digest(mac.digest(), tag):
+                    sess.rx_end(mac, tag)  # raises, naming the connection
+            self._on_other(ep, s, typ, count, seq, bytes(body))
+
+    _OTHER_TYPES: tuple = ()  # message types besides WRITE / REQ / ACK this fabric receives (ipc: GRANT, DONE)
+
+    def _on_other(self, ep: SocketEndpoint, s: _Sock, typ: int, count: int, seq: int, body: bytes) -> None:
+        raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
+
+    def _send_ctrl(self, ep: SocketEndpoint, s: _Sock, payload: bytes) -> None:
+        """Send a small control message (ack): at once when the socket is idle, else through its sender thread
+        (the receiving thread that calls this never waits on a send)."""
+        if not send_now(s, [payload]):
+            ep.send_ctrl(s, payload)
+
+    def _on_message(self, ep: SocketEndpoint, s: _Sock, typ: int, seq: int, table: np.ndarray, payload: int,
+                    st: dict, ack: bool = True) -> None:
+        """Handle one WRITE / REQ / NOTIFY message whose table ``_read_one`` read and checked (its ``payload``
+        bytes still on the socket)."""
+        raise NotImplementedError
+
+    def _finish_message(self, ep: SocketEndpoint, s: _Sock, seq: int, table: np.ndarray, statuses,
+                        ack: bool = True, hold: bool = False) -> None:
+        """Ack the sender (unless ``ack`` is False: it completed the message itself), then release this message's
+        RECV_IMM events in order. ``hold``: the ACK waits while the events are delivered, for an unacked write
+        that their handler posts to this peer to take it along (``_post_unacked``), and is sent on its own after
+        them otherwise."""
+        events = []
+        flags = table["flags"]
+        if len(flags) == 1:  # one piece (a whole write, a relay chunk): its row as ints, no numpy steps
+            _, _, _, wlen, _, f, imm, _ = table[0].tolist()
+            if f & F_IMM and statuses[0] == ST_OK:
+                events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlen, imm))
+        elif flags.any():
+            for i in np.nonzero(flags & F_IMM)[0].tolist():
+                if statuses[i] == ST_OK:
+                    events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, int(table["wlen"][i]),
+                                             int(table["imm"][i])))
+        if ack:
+            payload = HDR.pack(MAGIC, T_ACK, 0, 0, len(statuses), seq, len(statuses)) + bytes(statuses)
+            if hold and events:
+                held = self._held.__dict__
+                held["ack"] = (ep, s, payload)
+                try:
+                    ep.deliver_in_order(seq, events)
+                finally:
+                    if held.pop("ack", None) is not None:
+                        self._send_ctrl(ep, s, payload)
+                return
+            self._send_ctrl(ep, s, payload)
+        ep.deliver_in_order(seq, events)

@@ -1,0 +1,143 @@
+"""The socket fabrics' wire format: frame headers, piece tables, tags, status codes, and the bounds on every
+length a peer announces.
+
+Wire protocol (little-endian), per socket, in both directions:
+
+* First the shared-secret challenge-response of ``transport.auth`` (nothing else is read or answered before it),
+  then HELLO / HELLO_ACK (JSON body), so that the accepting side builds the symmetric endpoint. Each incoming
+  connection authenticates in its own thread within ``handshake_timeout`` (``transport.auth.Gate``), so idle
+  sockets cannot hold the listener, and the listener survives running out of file descriptors.
+* Every frame after the handshake (HELLO included) carries in its header a 16-byte tag under the connection's
+  session key (``transport.auth.Session``) over an implicit per-socket, per-direction sequence number, the header
+  and the piece table (the whole body for ACK and control messages); the payload is not covered, it only lands
+  inside the regions the checked table names. A wrong tag fails the endpoint before anything is acted on.
+* WRITE: a 48-byte header (32 bytes of fields, the tag), a table of ``count`` 48-byte piece descriptors, then
+  the pieces' payloads back to back. One message carries many writes (4 KB writes cost one table row, not one
+  syscall each), and a large write is cut into pieces spread over the peer's sockets (striping). Every piece
+  carries the bounds of its *whole* write, so all pieces of a write are accepted or refused together. A message
+  with header flag ``H_WHOLE`` carries exactly one whole write (a ``GatherWrite``: a relay chunk sent from its
+  header in the slot and its pieces' sources) and may exceed the sender's message size, up to ``MAX_WHOLE``.
+* ACK: header + one status byte per piece; the sender reports completions only from acks, i.e. after the bytes
+  are placed at the target. A WRITE with header flag ``H_NOACK`` (an unacked write, ``WriteRequest.acked`` False:
+  one small write, a receiver's ack of a chunk) is not acknowledged; its sender keeps no record of it.
+* REQ / GRANT / DONE / NOTIFY: the ipc fabric's doorbell messages (``transport.fabric.ipc``).
+
+Every length on the wire is bounded before anything is allocated for it: piece tables by ``MAX_TABLE``, a
+message's payload by the sender's ``message_bytes`` (from its hello), acks by the pieces of the acked message,
+HELLO bodies by ``MAX_HELLO``.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Dict
+
+import numpy as np
+
+from transport import auth
+
+MAGIC = b"PXNT"
+T_HELLO, T_HELLO_ACK, T_WRITE, T_ACK, T_REQ, T_GRANT, T_DONE, T_NOTIFY = 1, 2, 3, 4, 5, 6, 7, 8
+# magic, type, flags, reserved, count, seq, body bytes (table/JSON + payload), then the 16-byte tag (packed as zeros;
+# ``_seal`` fills it at send time, when the frame's place in the socket's sequence is known)
+HDR = struct.Struct("<4sBBHIQQ4x16x")
+assert HDR.size == 48
+_TABLE_TYPES = frozenset((3, 5, 8))  # WRITE, REQ, NOTIFY: the tag covers the piece table, not what follows it
+_TCB = struct.Struct("<4xB3xI8xQ")  # type, count, body bytes of a frame header
+_SEQ = struct.Struct("<Q")
+_NO_TAG = bytes(16)
+
+
+def _seal(sess, buf):
+    """``buf`` (one or more frames back to back, each header and what its tag covers inside it; the last one's
+    payload may follow in other buffers) with every frame's tag filled in, in order, under ``sess`` (None: ``buf``
+    as is). Call it where the frames go out, under the socket's send lock: each tag takes the next sequence
+    number. A tag is keyed BLAKE2b over the sequence number, then the header with its tag field zero (as packed)
+    and the covered bytes, which follow it: one contiguous range."""
+    if sess is None:
+        return buf
+    typ, count, blen = _TCB.unpack_from(buf, 0)
+    end = 48 + (count * 48 if typ in _TABLE_TYPES else blen)
+    n = len(buf)
+    if n <= 48 + blen:  # one frame (the usual case): hashed in place, copied once with its tag
+        if end > n:
+            raise AssertionError(f"frame of type {typ}: its covered bytes end at {end}, past the buffer {n}")
+        h = sess._tx.copy()
+        h.update(_SEQ.pack(sess.tx_n))
+        sess.tx_n += 1
+        h.update(buf if end == n else memoryview(buf)[:end])
+        return b"".join((buf[:32], h.digest(), buf[48:]))
+    b = bytearray(buf)
+    off = 0
+    while off + 48 <= n:
+        typ, count, blen = _TCB.unpack_from(b, off)
+        end = off + 48 + (count * 48 if typ in _TABLE_TYPES else blen)
+        if end > n:
+            raise AssertionError(f"frame of type {typ} at {off}: its covered bytes end at {end}, past the buffer {n}")
+        h = sess._tx.copy()
+        h.update(_SEQ.pack(sess.tx_n))
+        sess.tx_n += 1
+        h.update(memoryview(b)[off:end])
+        b[off + 32:off + 48] = h.digest()
+        off += 48 + blen
+    return b
+
+
+def _frame_check(sess, hdr, body) -> None:
+    """Check a whole received frame (``hdr`` 48 bytes, ``body`` what its tag covers); raises AuthError."""
+    if sess is not None:
+        sess.check(hdr[32:48], hdr[:32], _NO_TAG, body)
+
+
+def _keyed(sock):
+    """The tagging session of a connected socket, None when its connection runs without a secret."""
+    sess = auth.session_of(sock)
+    return sess if sess is not None and sess.keyed else None
+
+
+PIECE_DT = np.dtype([("addr", "<u8"), ("len", "<u8"), ("waddr", "<u8"), ("wlen", "<u8"),
+                     ("rkey", "<u4"), ("flags", "<u4"), ("imm", "<u4"), ("wr", "<u4")])
+assert PIECE_DT.itemsize == 48
+F_IMM = 1
+# header flag of a WRITE message that carries one whole write (a ``GatherWrite``, i.e. a relay chunk): its payload may
+# exceed the sender's message size, up to MAX_WHOLE bytes, since it goes into one registered region (or is discarded
+# through the fixed staging buffer) and nothing is allocated for it
+H_WHOLE = 1
+MAX_WHOLE = 64 << 20
+# header flag of a WRITE message the target does not acknowledge (``WriteRequest.acked`` False): its sender keeps no
+# pending record and reports no completion for it, so an ACK would only cost a send and a receive on each side
+H_NOACK = 2
+# payload bytes of an unacked write at most; larger ones go as acknowledged writes (the target receives unacked ones
+# in one piece, as a small message)
+UNACKED_MAX = 4096
+_ROW = struct.Struct("<QQQQIIII")  # one PIECE_DT row
+assert _ROW.size == PIECE_DT.itemsize
+
+ST_OK, ST_BAD_RKEY, ST_BOUNDS, ST_FAILED = 0, 1, 2, 3
+_STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range outside the target's region",
+                ST_FAILED: "target failed to place the bytes"}
+
+# Pieces under this size are received into a staging run and scattered by memmove: one recv per run instead of
+# one syscall per 64 B piece.
+SMALL_PIECE = 32 << 10
+# A WRITE message of at most this many bytes (table and payload) is received in one piece into the staging buffer
+# and placed from there (``_on_small_write``): one receive and no numpy call, where the bytes copied once more
+# cost less than the steps saved.
+SMALL_MESSAGE = 64 << 10
+MAX_TABLE = 1 << 16  # pieces per message; a peer claiming more is broken or hostile
+_VECTOR_MIN = 16  # posts of more writes than this are checked and framed by numpy, not one write at a time
+_I64 = (1 << 63) - 1
+MAX_HELLO = 1 << 16  # bytes of a HELLO body
+MAX_MESSAGE_BYTES = 1 << 30  # largest message_bytes a peer may announce
+MAX_CTRL_BODY = 1 << 20  # bytes of a control message body beyond its per-piece statuses (an ipc GRANT's JSON)
+
+
+_TABLES: Dict[int, struct.Struct] = {}
+
+
+def _table_struct(count: int) -> struct.Struct:
+    """A ``struct.Struct`` of ``count`` rows of PIECE_DT (cached: small messages have at most
+    ``SMALL_MESSAGE // PIECE_DT.itemsize`` rows)."""
+    t = _TABLES.get(count)
+    if t is None:
+        t = _TABLES[count] = struct.Struct("<" + "QQQQIIII" * count)
+    return t

@@ -8,13 +8,12 @@ with callers that read their own acks.
 """
 from __future__ import annotations
 
-import os
 import select
 import time
 from typing import Optional, Sequence
 
 from transport import auth
-from transport.errors import ConfigError
+from transport.config import EngineConfig
 from transport.fabric.base import Capabilities, Endpoint, WriteRequest, WriteRows
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.sockets import _EPOLLIN, _Rx, _Sock, send_now
@@ -88,17 +87,10 @@ class TcpFabric(TcpLanding, SocketFabric):
                  ack_spin: Optional[float] = None, recv_spin: Optional[float] = None,
                  insecure: Optional[bool] = None):
         spins = []
-        for name, v, env in (("ack_spin", ack_spin, "PXN_ACK_SPIN_US"), ("recv_spin", recv_spin, "PXN_RECV_SPIN_US")):
-            if v is None and os.environ.get(env):
-                text = os.environ[env]
-                try:
-                    v = float(text) / 1e6
-                except ValueError:
-                    v = None
-                if v is None or not 0.0 <= v <= 1.0:
-                    raise ConfigError(f"environment variable {env}={text!r} is not microseconds in [0, 1000000]")
-            elif v is None:
-                v = SPIN
+        given = EngineConfig.read(("ack_spin", "recv_spin"))  # the variables when no argument is given
+        for name, v in (("ack_spin", ack_spin), ("recv_spin", recv_spin)):
+            if v is None:
+                v = given.get(name, SPIN)
             if not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"{name} must be seconds in [0, 1], got {v!r}")
             spins.append(float(v))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from transport.batches import _Batch
 from transport.errors import FabricError, TransferError
 from transport.fabric.base import DEVICE_HOST, RegionSpans, WriteBounds
 from transport.fabric.gpu_copy import Pending
@@ -36,7 +37,8 @@ class InlineRoute:
     Arguments: pipe: the data path (``transport.pipeline.Pipeline``), whose fabrics, planner, relay rings, rail
     counters and accounts this uses; directory: the ``transport.peers.PeerDirectory`` (usable rails)."""
 
-    def __init__(self, pipe, directory):
+    def __init__(self, pipe, directory, not_taken):
+        self.not_taken = not_taken  # what ``submit`` returns for a batch it does not take
         self.fabrics = pipe.fabrics
         self.planner = pipe.planner
         self.counters = pipe.counters
@@ -48,6 +50,25 @@ class InlineRoute:
         self._rail_choices = directory.rail_choices
         self._spans_memo = {}  # _region_spans: the regions of batches over several regions, by layout
         self._spans_lock = threading.Lock()
+
+    def submit(self, peer: "_Peer", src, dst, ln, devices, lsnap, idx, rsnap, ridx, one_region: bool,
+               extremes: tuple, nbytes: int, t0: int, t1: int, async_: bool):
+        """The route's entry for a validated batch (``Pipeline._submit``): None when written (and counted) while
+        the caller waited, a ``_Batch`` holding the writes still running (``async_``), or ``not_taken`` (the batch
+        does not qualify, or the fabric declined: nothing counted, the posted route takes it)."""
+        if one_region:
+            pending = self.write(peer, src, dst, ln, int(devices), lsnap.regions[idx], rsnap.regions[ridx], extremes,
+                                 nbytes, t0, t1, not async_)
+        else:
+            pending = self.write_regions(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, extremes, nbytes, t0,
+                                         t1, not async_)
+        if pending is None:
+            return self.not_taken
+        if not async_:
+            return None
+        batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
+        batch.pending, batch.path = pending, "inline"
+        return batch
 
     def write(self, peer: "_Peer", src, dst, ln, dev: int, local, remote, extremes: tuple, nbytes: int,
                       t0: int, t1: int, wait: bool):

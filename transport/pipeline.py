@@ -40,6 +40,7 @@ from transport.telemetry import POSTED, now_ns
 
 log = logging.getLogger("transport.engine")  # one logger for the engine and its data path
 
+NOT_TAKEN = object()  # what a route returns for a batch it does not take (the next route gets it)
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
 
 
@@ -139,7 +140,7 @@ class Pipeline:
         self._finish = self.completions.finish
         self._rows_acked = self.completions.rows_acked
         # a batch that goes whole as one direct unit, or relayed whole, is written by the caller's thread
-        self._inline = InlineRoute(self, directory) if caps.inline_writes else None
+        self._inline = InlineRoute(self, directory, NOT_TAKEN) if caps.inline_writes else None
 
     def ring(self, device: int, rail: int) -> RelayRing:
         """The relay ring of ``device`` (-1: host) on ``rail``, made at first use."""
@@ -260,45 +261,57 @@ class Pipeline:
         t1 = now_ns()
         nbytes = lmin * n if lmin == lmax else int(ln.sum())
         if writer is not None and peer.connected():
-            try:
-                pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_,
-                                       length_stats=(nbytes, lmin, lmax))
-            except TransferError:
-                self.counters.add_many((("batches_submitted", 1), ("batches_failed", 1)))
-                raise
-            if pending is not None:
-                t2 = now_ns()
-                counts = [("batches_submitted", 1), ("items", int(ln.size)), ("bytes", nbytes),
-                          ("path_loadstore_units", 1), ("path_loadstore_bytes", nbytes),
-                          ("time_validate_s", (t1 - t0) / 1e9), ("time_loadstore_s", (t2 - t1) / 1e9)]
-                if not async_:  # already complete: account for it here, nothing to wait for
-                    counts.append(("batches_ok", 1))
-                    self.counters.add_many(counts)
-                    self._account_done("batch", t0, t2, int(ln.size), nbytes, True, "loadstore", counted=True)
-                    return None
-                self.counters.add_many(counts)
-                batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
-                batch.pending = pending
-                return batch
+            got = self._write_loadstore(writer, peer, src, dst, ln, devices, ridx, rsnap, nbytes, lmin, lmax, t0, t1,
+                                        async_)
+            if got is not NOT_TAKEN:
+                return got
         one_region = getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0
+        extremes = (lmin, lmax, smin, send, dmin, dend)
         if self._inline is not None:
-            extremes = (lmin, lmax, smin, send, dmin, dend)
-            if one_region:
-                pending = self._inline.write(peer, src, dst, ln, int(devices), lsnap.regions[idx],
-                                             rsnap.regions[ridx], extremes, nbytes, t0, t1, not async_)
-            else:
-                pending = self._inline.write_regions(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, extremes,
-                                                     nbytes, t0, t1, not async_)
-            if pending is not None:
-                if not async_:
-                    return None
-                batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
-                batch.pending, batch.path = pending, "inline"
-                return batch
+            got = self._inline.submit(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, one_region, extremes,
+                                      nbytes, t0, t1, async_)
+            if got is not NOT_TAKEN:
+                return got
+        return self._submit_posted(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, one_region, extremes, nbytes,
+                                   t0, t1)
+
+    def _write_loadstore(self, writer, peer: _Peer, src, dst, ln, devices, ridx, rsnap, nbytes: int, lmin: int,
+                         lmax: int, t0: int, t1: int, async_: bool):
+        """The load/store route (a same-host peer on a fabric with ``loadstore``): the peer's ``writer`` moves the
+        validated batch from this thread. Returns None (written and counted), a ``_Batch`` holding the copies
+        still running (``async_``), or ``NOT_TAKEN`` (the writer declined: nothing counted)."""
+        try:
+            pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_,
+                                   length_stats=(nbytes, lmin, lmax))
+        except TransferError:
+            self.counters.add_many((("batches_submitted", 1), ("batches_failed", 1)))
+            raise
+        if pending is None:
+            return NOT_TAKEN
+        t2 = now_ns()
+        counts = [("batches_submitted", 1), ("items", int(ln.size)), ("bytes", nbytes),
+                  ("path_loadstore_units", 1), ("path_loadstore_bytes", nbytes),
+                  ("time_validate_s", (t1 - t0) / 1e9), ("time_loadstore_s", (t2 - t1) / 1e9)]
+        if not async_:  # already complete: account for it here, nothing to wait for
+            counts.append(("batches_ok", 1))
+            self.counters.add_many(counts)
+            self._account_done("batch", t0, t2, int(ln.size), nbytes, True, "loadstore", counted=True)
+            return None
+        self.counters.add_many(counts)
+        batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
+        batch.pending = pending
+        return batch
+
+    def _submit_posted(self, peer: _Peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, one_region: bool,
+                       extremes: tuple, nbytes: int, t0: int, t1: int) -> _Batch:
+        """The posted route, which takes any validated batch: plan its units (``transport.planner``), dispatch
+        them (direct units posted by this thread, chunks and relayed pieces through the relay rings); returns
+        the ``_Batch`` its completions finish."""
+        lmin, lmax = extremes[0], extremes[1]
         batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
         if one_region:
             batch.spans = (lsnap, int(idx), rsnap, int(ridx))
-            batch.extremes = (lmin, lmax, smin, send, dmin, dend)
+            batch.extremes = extremes
         if getattr(devices, "ndim", 0) == 0:
             device_list = [int(devices)]
             devices = None  # the planner reads one device from device_list
@@ -309,7 +322,7 @@ class Pipeline:
         for dev in device_list:
             rails_of[dev] = self._rail_choices(dev, peer)
             if not rails_of[dev]:
-                raise all_rails_failed(peer, f"no usable rail to {session_id} for device {dev}")
+                raise all_rails_failed(peer, f"no usable rail to {peer.session} for device {dev}")
         load = {pr.rail: pr.bytes_in_flight for pr in peer.rails}
         dst_devices = None
         if peer.forward is not None and lmax >= self.coalesce_bytes:

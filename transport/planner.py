@@ -337,8 +337,8 @@ class Planner:
         lens = lengths if every else lengths[idx]
         cum = np.cumsum(lens)
         if int(cum[-1]) <= self.relay_bytes:
-            # one slot holds them all (small-piece batches): one run, no list of running totals (its tolist was
-            # most of the planning time of 4096 small pieces)
+            # one slot holds them all (small-piece batches): one run, no list of running totals (its tolist
+            # costs most of the planning time of 4096 small pieces)
             c = self._least_loaded(choices, load)
             nbytes = int(cum[-1])
             run = (srcs, dsts, lengths) if every else (srcs[idx], dsts[idx], lens)

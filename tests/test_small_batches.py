@@ -414,7 +414,7 @@ def test_ack_completes_a_rows_message_by_its_callback_only_in_order():
 
 
 def test_small_batches_counted_when_they_complete_by_their_ack(peer, src, rng):
-    """Batches completed straight from their ack (``Pipeline._rows_acked``) are counted as the completion path
+    """Batches completed straight from their ack (``Completions.rows_acked``) are counted as the completion path
     counts them: batch, path, latency and rail counters, nothing left in flight; every byte lands."""
     with _engine(src) as eng:
         n = 20

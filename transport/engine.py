@@ -51,8 +51,8 @@ from transport.batches import BatchHandle, _Batch, batch_timeout
 from transport.completions import WATCHDOG_S
 from transport.config import EngineConfig
 from transport.control import ControlPlane
-from transport.errors import (AddressNotRegistered, FabricError, FabricUnavailable, InvalidTransfer, RegionOverlap,
-                              UnknownSession)
+from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, FabricUnavailable, InvalidTransfer,
+                              RegionOverlap, UnknownSession)
 from transport.fabric.base import DEVICE_HOST
 from transport.peers import PeerDirectory, rail_local_gpus
 from transport.pipeline import Pipeline
@@ -334,7 +334,6 @@ class TransferEngine:
 
     def _check_open(self) -> None:
         if self._closed:
-            from transport.errors import FabricClosed
             raise FabricClosed(f"engine {getattr(self, 'session_id', '?')} is closed")
 
     # ========================================================================================================

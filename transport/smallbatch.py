@@ -138,7 +138,7 @@ def submit_rows(pipe, session_id, srcs: Sequence[int], dsts: Sequence[int], leng
         a.reqs = [req]
         a.pending = 1
         a.posted = True
-    if pipe._by_callback:  # completions by callback: the ack completes the batch straight away (``Completions.rows_acked``)
+    if pipe._by_callback:  # completions by callback: the ack completes the batch at once (``Completions.rows_acked``)
         req.on_acked = a.rows_acked
         req.read_ack = read_ack
     try:

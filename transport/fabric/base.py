@@ -453,6 +453,13 @@ class Fabric(abc.ABC):
         completion."""
         return None
 
+    def expect_peer(self, peer_id: str, ttl: float = 60.0) -> None:
+        """Fabrics with ``authenticated_rails``: allow one incoming rail connection to take ``peer_id`` within
+        ``ttl`` seconds (replacing a live endpoint of that id, with ``guard_claims``); the receiver calls this for
+        the rail ids a sender announced over its authenticated control connection. This default does nothing: a
+        fabric without admission control takes any connection."""
+        return None
+
     def admission_stats(self) -> Optional[dict]:
         """Incoming rail connections of fabrics that authenticate them (``authenticated_rails``): accepted,
         refused by cause, with a ``refused`` total (``transport.auth.Gate.stats``); None (the default) for a

@@ -573,6 +573,11 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        if sys.is_finalizing():
+            # the interpreter is exiting (a holder's __del__ run by the last garbage collection): no thread can
+            # start any more, and a fabric's close may start one (verbs' flush timers) and then wait for it
+            # forever; the process's end releases the sockets and memory
+            return
         self._control.close()
         self._reads.close()
         self._pipe.close()  # fails the batches in flight

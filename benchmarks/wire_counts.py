@@ -139,7 +139,7 @@ def main() -> int:
                     eng.batch_write(peer.session, srcs, dsts, lengths.tolist())
                 s1, r1 = wire_totals(eng.stats()), wire_totals(peer.call("stats"))
                 send, recv = delta(s1, s0, args.repeat), delta(r1, r0, args.repeat)
-                exp = expected(lengths.tolist(), eng.coalesce_bytes, eng.slot_bytes, args.rails)
+                exp = expected(lengths.tolist(), eng.config.coalesce_bytes, eng.config.relay_slot_bytes, args.rails)
                 meets = (send["post_send"] <= exp["posts_max"] and send["with_imm"] == exp["chunk_writes"]
                          and send["work_requests"] == exp["chunk_writes"] + exp["direct_writes"]
                          and send["signaled"] == send["post_send"])
@@ -151,7 +151,7 @@ def main() -> int:
                       f"{send['signaled']:5.1f} signalled {send['with_imm']:5.1f} imm {send['inline']:6.1f} inline "
                       f"({send['rails_used']} rails used over {args.repeat} batches) | receiver {recv['work_requests']:5.1f} WR "
                       f"{recv['post_send']:5.1f} posts | {'meets' if meets else 'MISSES'} {exp}", flush=True)
-            coalesce, slot = eng.coalesce_bytes, eng.slot_bytes
+            coalesce, slot = eng.config.coalesce_bytes, eng.config.relay_slot_bytes
     finally:
         peer.close()
     import torch

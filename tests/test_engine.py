@@ -253,14 +253,14 @@ def test_source_deregistered_between_validation_and_post_fails_and_writes_nothin
         eng.register(own)
         eng.batch_write(peer.session, [own.ctypes.data], [peer.base], [64])  # handshake first
         peer.poison()
-        real_plan = eng.planner.plan
+        real_plan = eng._pipe.planner.plan
 
         def plan_then_deregister(*args, **kwargs):
             units = real_plan(*args, **kwargs)
             eng.deregister(own.ctypes.data)
             return units
 
-        monkeypatch.setattr(eng.planner, "plan", plan_then_deregister)
+        monkeypatch.setattr(eng._pipe.planner, "plan", plan_then_deregister)
         with pytest.raises(InvalidTransfer, match="deregistered during the transfer"):
             eng.batch_write(peer.session, [own.ctypes.data + i * 65536 for i in range(3)],
                             [peer.base + i * 65536 for i in range(3)], [65536, 1, 4097])
@@ -682,7 +682,7 @@ def test_ipc_fabric_end_to_end_message_path(src, rng, ipc_peer, coalesce):
     """loadstore=False, the ipc message path: by the fabric's default every piece is a direct write (no chunks);
     with ``coalesce_bytes`` set, coalesced chunks + receiver scatter + direct writes."""
     with TransferEngine(fabric="ipc", loadstore=False, coalesce_bytes=coalesce) as eng:
-        assert eng.coalesce_bytes == (0 if coalesce is None else coalesce)
+        assert eng.config.coalesce_bytes == (0 if coalesce is None else coalesce)
         eng.register(src)
         lengths = AUX + [BLOCK_1K] * 20 + [64] * 4096 + rng.integers(1, 8193, size=300).tolist()
         run_case(eng, ipc_peer, src, disjoint_offsets(rng, lengths, 100 * MB),
@@ -1256,10 +1256,10 @@ def test_topology_rails_and_relay_choice(src, rng):
             run_case(eng, peer, src, disjoint_offsets(rng, lengths, 32 * MB), disjoint_offsets(rng, lengths, 16 * MB),
                      lengths)
             p = eng._peer(peer.session)
-            assert eng._rail_choices(0, p)[0].local and eng._rail_choices(0, p)[0].relay_device == 0
-            c1 = eng._rail_choices(1, p)[0]
+            assert eng._peers.rail_choices(0, p)[0].local and eng._peers.rail_choices(0, p)[0].relay_device == 0
+            c1 = eng._peers.rail_choices(1, p)[0]
             assert not c1.local and c1.relay_device == 0 and c1.rail == 0
-            assert eng._rail_choices(-1, p)[0].local
+            assert eng._peers.rail_choices(-1, p)[0].local
     finally:
         peer.close()
 

@@ -28,11 +28,9 @@ there is none, and ``refresh_regions(peer)`` re-fetches its region list. Neither
 peer found dead, or a refresh that finds nobody (or a different engine) at the session, raises ``PeerGone``
 (a ``PeerLost`` naming the peer) and the engine decides what to forget.
 
-What the control plane uses of its engine (``engine``): ``fabrics``, ``receiver``, ``engine_id``,
-``session_id``, ``landing_slots``, ``slot_bytes``, ``landing_device``, ``use_loadstore``, ``fabric_name``,
-``counters``, ``_regions`` (RegionTable), ``_region_gen``, ``_lock``, ``_peers``, ``_lost``, ``_by_remote_rail``,
-``_closed``; and the two record types it builds at a handshake, given to the constructor (``make_peer``,
-``make_rail``).
+What the control plane is given (not the engine): the peer directory (``transport.peers.PeerDirectory``: the
+sessions it handshakes with, and the record types it builds), this engine's region table and deregistration
+counter, its fabrics, receiver (landing slots for a new sender), counters, configuration and id.
 """
 from __future__ import annotations
 
@@ -44,12 +42,13 @@ import socket
 import struct
 import threading
 import weakref
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from transport import auth
-from transport.errors import FabricError, PeerGone, PeerLost, UnknownSession
+from transport.errors import FabricError, PeerGone, PeerLost, TransferError, UnknownSession
 from transport.fabric.base import DEVICE_HOST
 from transport.packing import HostBuffer
+from transport.peers import close_ctrl_locked
 from transport.receiver import ACK_BYTES
 from transport.regions import Region
 from transport.telemetry import now_ns
@@ -170,25 +169,39 @@ class ControlPlane:
     """The control listener and the sender side of the handshake of one engine (see the module docstring).
 
     Arguments:
-        engine: the owning ``TransferEngine``.
         hostname, port: where to listen (port 0: any free port).
-        make_peer: ``make_peer(session)`` -> the engine's per-session record.
-        make_rail: ``make_rail(rail, ep, remote_id, landing_addr, landing_rkey, slots, slot_bytes, peer)`` -> the
-            engine's per-rail record of a peer.
+        directory: the engine's ``transport.peers.PeerDirectory`` (its ``make_peer`` and ``make_rail`` build the
+            records of a handshake).
+        regions: the engine's ``RegionTable``; region_gen: its deregistration counter (``GenerationCounter``).
+        fabrics: the engine's fabrics, one per rail; receiver: its ``Receiver``; counters: its ``Counters``.
+        config: the engine's ``EngineConfig`` (landing slots, relay slot bytes, load/store, forward_large).
+        engine_id: the engine's id; landing_device: where landing slots go (None: chosen per rail, see
+            ``landing_devices``); rail_gpu: per rail, the GPU next to its NIC or None.
+        secret, handshake_timeout, max_conns_per_addr: see ``transport.auth``.
+    ``session_id`` is set by the owner once the listener is bound (``port``).
     Raises FabricError when the port cannot be bound.
     """
 
-    def __init__(self, engine, hostname: str, port: int, make_peer: Callable, make_rail: Callable,
+    def __init__(self, hostname: str, port: int, directory, regions, region_gen, fabrics: list, receiver,
+                 counters, config, engine_id: int, landing_device: Optional[int] = None, rail_gpu=None,
                  secret: Optional[bytes] = None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
                  max_conns_per_addr: int = 64):
-        self.engine = engine
         self.hostname = hostname
         self.secret = secret
         self.handshake_timeout = float(handshake_timeout)
-        self._make_peer = make_peer
-        self._make_rail = make_rail
+        self.directory = directory
+        self.regions = regions
+        self.region_gen = region_gen
+        self.fabrics = fabrics
+        self.receiver = receiver
+        self.counters = counters
+        self.config = config
+        self.engine_id = engine_id
+        self.landing_device = landing_device
+        self.rail_gpu = list(rail_gpu) if rail_gpu is not None else [None] * len(fabrics)
+        self.session_id = f"{hostname}:{port}"
+        self.closed = False
         self.ops: Dict[str, Callable[[dict], dict]] = {"hello": self._op_hello, "regions": self._op_regions,
-                                                       "read": self._op_reads, "notify": self._op_reads,
                                                        "owns": self._op_owns}
         # the bindings (``transport.auth.Session.binding``) of the control connections this engine opened, while
         # they live: a peer asked to send a read's bytes to this engine asks first whether the request's
@@ -211,6 +224,7 @@ class ControlPlane:
         return self._thread
 
     def close(self) -> None:
+        self.closed = True
         _close_listener(self.listener)
 
     # ========================================================================================================
@@ -219,11 +233,10 @@ class ControlPlane:
     def regions_wire(self) -> dict:
         """The region list a peer validates destinations against, with the deregistration counter read before
         it (a peer writing by load/store re-fetches the list when the counter moves past this value)."""
-        eng = self.engine
-        gen = eng._region_gen.wire()  # read before the list: a deregister in between shows as a newer value
-        fab = eng.fabrics[0]
+        gen = self.region_gen.wire()  # read before the list: a deregister in between shows as a newer value
+        fab = self.fabrics[0]
         regions = []
-        for r in eng._regions.regions():
+        for r in self.regions.regions():
             d = {"addr": r.addr, "length": r.length, "device": r.device, "keys": [mr.rkey for mr in r.keys]}
             access = fab.access_info(r.keys[0])
             if access is not None:
@@ -232,7 +245,7 @@ class ControlPlane:
         return {"regions": regions, **gen}
 
     def _ctrl_loop(self) -> None:
-        self.gate.serve(self.listener, lambda: self.engine._closed)
+        self.gate.serve(self.listener, lambda: self.closed)
 
     def _serve(self, a: "auth.Admitted") -> None:
         """One control connection (its own thread): authenticate, then answer requests until the peer closes."""
@@ -241,7 +254,7 @@ class ControlPlane:
         sess = auth.server_handshake(conn, self.secret, "ctrl", a.deadline, a.established)
         self._conn.current = {"binding": sess.binding, "addr": a.addr, "owner": None}
         conn.settimeout(None)  # an authenticated sender keeps its control connection for region refreshes
-        while not self.engine._closed:
+        while not self.closed:
             try:
                 req = recv_msg(conn, MAX_REQUEST)
             except (OSError, ConnectionError, ValueError, auth.AuthError) as e:
@@ -269,7 +282,7 @@ class ControlPlane:
     def _op_regions(self, req: dict) -> dict:
         # the engine id lets a sender whose control connection was re-opened tell a restarted peer (new id) from
         # the same one
-        return {"ok": True, "engine_id": self.engine.engine_id, **self.regions_wire()}
+        return {"ok": True, "engine_id": self.engine_id, **self.regions_wire()}
 
     def current(self) -> Optional[dict]:
         """The control connection the calling thread serves: ``binding`` (its ``Session.binding``), ``addr`` (the
@@ -285,24 +298,31 @@ class ControlPlane:
             owns = isinstance(b, str) and bytes.fromhex(b) in self.own
         except ValueError:
             owns = False
-        return {"ok": True, "owns": owns, "engine_id": self.engine.engine_id}
+        return {"ok": True, "owns": owns, "engine_id": self.engine_id}
 
-    def _op_reads(self, req: dict) -> dict:
-        # pulls and notifies (transport.reads): only ever reached on an authenticated connection
-        from transport.reads import serve_op
-        return serve_op(self.engine, req)
+    def landing_devices(self) -> List[int]:
+        """Per rail, where a new sender's landing slots go: ``landing_device`` when given; else, when this
+        engine registered GPU memory, the GPU next to the rail's NIC (receive-side PXN: chunks land there and
+        the receiver forwards them over NVLink to GPUs without a NIC) or, without a topology, the first GPU
+        holding a registered region; host memory otherwise."""
+        n = len(self.fabrics)
+        if self.landing_device is not None:
+            return [self.landing_device] * n
+        devs = sorted({r.device for r in self.regions.regions() if r.device >= 0})
+        if not devs:
+            return [DEVICE_HOST] * n
+        return [devs[0] if g is None else g for g in self.rail_gpu]
 
     def _op_hello(self, req: dict) -> dict:
-        eng = self.engine
-        devices = eng._landing_devices()
-        landing = eng.receiver.accept_sender(req, devices)
+        devices = self.landing_devices()
+        landing = self.receiver.accept_sender(req, devices)
         # receive-side PXN for large pieces (forward_large): rails whose landing slots sit on the GPU next to their
         # NIC (from the topology) ask the sender to send large pieces for other GPUs through them, and this
         # receiver forwards them over NVLink (chunks of small pieces land there and are forwarded in any case)
-        forward = [eng.forward_large and eng.landing_device is None and g is not None and d >= 0
-                   for g, d in zip(eng._rail_gpu, devices)]
-        return {"ok": True, "engine_id": eng.engine_id, "rail_ids": [f.local_id for f in eng.fabrics],
-                "rail_descs": [base64.b64encode(f.descriptor()).decode() for f in eng.fabrics], "forward": forward,
+        fwd_large = self.config.forward_large and self.landing_device is None
+        forward = [fwd_large and g is not None and d >= 0 for g, d in zip(self.rail_gpu, devices)]
+        return {"ok": True, "engine_id": self.engine_id, "rail_ids": [f.local_id for f in self.fabrics],
+                "rail_descs": [base64.b64encode(f.descriptor()).decode() for f in self.fabrics], "forward": forward,
                 **self.regions_wire(), **landing}
 
     # ========================================================================================================
@@ -313,8 +333,8 @@ class ControlPlane:
         of the previous connection failed). Raises UnknownSession naming why the handshake failed (the next call
         tries again; nothing is remembered but the reason, for the message), and ``PeerGone`` for a peer whose
         every endpoint died while nothing was in flight to notice (the engine forgets it and calls again)."""
-        eng = self.engine
-        peer = eng._peers.get(session_id) if isinstance(session_id, str) else None
+        d = self.directory
+        peer = d.peers.get(session_id) if isinstance(session_id, str) else None
         if peer is None:
             parse_session(session_id)  # a malformed id never reaches the resolver or the session table
         if peer is not None and peer.ready and not peer.retired:
@@ -323,14 +343,14 @@ class ControlPlane:
             # the peer restarted while idle: the engine fails its rails (forgetting it), then asks again
             raise PeerGone(f"every rail endpoint to {session_id} died", peer)
         while True:
-            with eng._lock:
-                peer = eng._peers.get(session_id)
+            with d.lock:
+                peer = d.peers.get(session_id)
                 if peer is None or peer.retired:
-                    peer = eng._peers[session_id] = self._make_peer(session_id)
+                    peer = d.peers[session_id] = d.make_peer(session_id)
             with peer.lock:
                 if peer.ready:
                     return peer
-                if eng._peers.get(session_id) is not peer:
+                if d.peers.get(session_id) is not peer:
                     if peer.error is not None:
                         # another caller's handshake failed while this one waited for it: report that instead
                         # of queueing one more connect (up to 10 s each towards a host that drops packets)
@@ -341,12 +361,12 @@ class ControlPlane:
                     self._handshake(peer)
                 except BaseException as e:
                     peer.error = e
-                    with eng._lock:
+                    with d.lock:
                         # no half-made peer stays behind: the next call starts over with a fresh one
-                        if eng._peers.get(session_id) is peer:
-                            del eng._peers[session_id]
+                        if d.peers.get(session_id) is peer:
+                            del d.peers[session_id]
                     raise
-                eng.counters.add("handshake_s", (now_ns() - t0) / 1e9)
+                self.counters.add("handshake_s", (now_ns() - t0) / 1e9)
                 return peer
 
     def connect(self, session: str, timeout: float = 10.0) -> socket.socket:
@@ -355,7 +375,7 @@ class ControlPlane:
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except (OSError, UnicodeError) as e:
-            lost = self.engine._lost.get(session)
+            lost = self.directory.lost.get(session)
             raise UnknownSession(f"no pxn engine answers at session {session!r}: {e}"
                                  + (f" (its previous connection was lost: {lost})" if lost else "")) from e
         try:
@@ -372,36 +392,37 @@ class ControlPlane:
         return sock
 
     def _handshake(self, peer) -> None:
-        eng = self.engine
+        cfg = self.config
+        fabrics = self.fabrics
         sock = self.connect(peer.session)
-        n = len(eng.fabrics)
-        credit = HostBuffer(n * eng.landing_slots * ACK_BYTES)
+        n = len(fabrics)
+        credit = HostBuffer(n * cfg.landing_slots * ACK_BYTES)
         mrs = []
         rails = []
         try:
-            for fab in eng.fabrics:
+            for fab in fabrics:
                 mrs.append(fab.register(credit.addr, credit.nbytes, DEVICE_HOST))
-            send_msg(sock, {"op": "hello", "engine_id": eng.engine_id, "session": eng.session_id,
-                            "rail_ids": [f.local_id for f in eng.fabrics],
+            send_msg(sock, {"op": "hello", "engine_id": self.engine_id, "session": self.session_id,
+                            "rail_ids": [f.local_id for f in fabrics],
                             "credit_addr": credit.addr, "credit_rkeys": [m.rkey for m in mrs],
-                            "credit_slots": eng.landing_slots, "slot_bytes": eng.slot_bytes})
+                            "credit_slots": cfg.landing_slots, "slot_bytes": cfg.relay_slot_bytes})
             rep = recv_msg(sock)
             if not rep.get("ok"):
                 raise UnknownSession(f"session {peer.session!r} refused the handshake: {rep.get('error')}")
             if len(rep["rail_ids"]) != n:
                 raise UnknownSession(f"session {peer.session!r} has {len(rep['rail_ids'])} rails, this engine {n}")
-            slots = min(int(rep["landing_slots"]), eng.landing_slots)
-            if int(rep["landing_slot_bytes"]) < eng.slot_bytes:
+            slots = min(int(rep["landing_slots"]), cfg.landing_slots)
+            if int(rep["landing_slot_bytes"]) < cfg.relay_slot_bytes:
                 raise UnknownSession(f"session {peer.session!r} offers {rep['landing_slot_bytes']} B landing slots, "
-                                     f"smaller than this engine's {eng.slot_bytes} B chunks")
-            for i, fab in enumerate(eng.fabrics):
+                                     f"smaller than this engine's {cfg.relay_slot_bytes} B chunks")
+            for i, fab in enumerate(fabrics):
                 ep = fab.connect(base64.b64decode(rep["rail_descs"][i]))
-                rails.append(self._make_rail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
+                rails.append(self.directory.make_rail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
                                              int(rep["landing_rkeys"][i]), slots, int(rep["landing_slot_bytes"]),
                                              peer))
         except (OSError, ConnectionError, ValueError, KeyError, FabricError) as e:
             sock.close()
-            for fab, mr in zip(eng.fabrics, mrs):
+            for fab, mr in zip(fabrics, mrs):
                 try:
                     fab.deregister(mr)
                 except FabricError:
@@ -421,31 +442,30 @@ class ControlPlane:
         peer.forward = {i: int(devices[i]) for i, f in enumerate(fwd) if f and i < len(devices)} or None
         peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
         peer.loadstore = self._loadstore_writer(peer, rep)
-        with eng._lock:
+        d = self.directory
+        with d.lock:
             for pr in rails:
-                eng._by_remote_rail[pr.remote_id] = (peer, pr)
-            again = eng._lost.pop(peer.session, None) is not None
+                d.by_remote_rail[pr.remote_id] = (peer, pr)
+            again = d.lost.pop(peer.session, None) is not None
         peer.ready = True
         if again:
-            eng.counters.add("reconnects")
+            self.counters.add("reconnects")
         log.log(logging.WARNING if again else logging.INFO, "engine %s %sconnected to %s over %d rail(s)",
-                eng.session_id, "re" if again else "", peer.session, n)
+                self.session_id, "re" if again else "", peer.session, n)
 
     def _loadstore_writer(self, peer, rep: dict):
         """The rail-0 fabric's local writer for a same-host peer (``Fabric.local_writer``: the ipc fabric's
         load/store path), else None."""
-        eng = self.engine
-        if not (eng.use_loadstore and eng.fabrics[0].capabilities.loadstore):
+        fab = self.fabrics[0]
+        if not (self.config.loadstore and fab.capabilities.loadstore):
             return None
-        return eng.fabrics[0].local_writer(peer.rails[0].ep, rep)
+        return fab.local_writer(peer.rails[0].ep, rep)
 
     def refresh_regions(self, peer) -> None:
         """Fetch the peer's region list again over the control connection. The control connection alone can
         drop (an idle NAT / firewall timeout: unlike the rails it has no keepalive), so a failed request is
         retried once on a new connection. Raises ``PeerGone`` when nobody answers there any more or a different
         engine does (the peer restarted), TransferError naming the cause for other failures."""
-        from transport.errors import TransferError
-        eng = self.engine
         gone = None
         with peer.lock:
             try:
@@ -466,7 +486,7 @@ class ControlPlane:
                     raise TransferError(f"cannot refresh the region list of {peer.session}: {first}; again on a "
                                         f"new control connection: {e}", [first, e]) from e
                 else:
-                    eng.counters.add("ctrl_reconnects")
+                    self.counters.add("ctrl_reconnects")
             if gone is None and int(rep.get("engine_id", peer.engine_id)) != peer.engine_id:
                 gone = PeerLost(f"a different engine (id 0x{int(rep['engine_id']):x}, was 0x{peer.engine_id:x}) "
                                 f"answers at {peer.session} now: the peer restarted")
@@ -475,7 +495,7 @@ class ControlPlane:
         peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
         if peer.loadstore is not None:
             peer.loadstore.gen_seen = int(rep.get("region_gen", peer.loadstore.gen_seen))
-        eng.counters.add("region_refreshes")
+        self.counters.add("region_refreshes")
 
     @staticmethod
     def request(peer, msg: dict) -> dict:
@@ -488,12 +508,4 @@ class ControlPlane:
             raise ValueError(f"peer refused {msg.get('op')!r}: {rep.get('error')}")
         return rep
 
-    @staticmethod
-    def close_ctrl_locked(peer) -> None:
-        """Close the peer's control socket (``peer.lock`` held, or the peer forgotten)."""
-        sock, peer.ctrl = peer.ctrl, None
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
+    close_ctrl_locked = staticmethod(close_ctrl_locked)

@@ -22,10 +22,13 @@ engine forgets that peer (rails, landing-slot credits, credit region, region lis
 flight to it fail with every rail's cause, and the next batch to the same session id handshakes again from
 scratch, with whatever engine listens at that host:port by then.
 
-Code: this module holds the facade (construction, rails, registration, the batch API, telemetry, lifetime);
-the handshake and the peer directory are ``transport.control``, the settings ``transport.config``, and the data
-path, from a batch's checks to its last completion and failover, ``transport.pipeline`` (``Pipeline``, which this
-class composes).
+Code: this module holds the facade (construction, rails, registration, the batch API, telemetry, lifetime),
+which owns and closes the parts and inherits none of them: the settings (``transport.config``), the peer
+directory and failover (``transport.peers``), the control plane (``transport.control``: listener, handshake,
+region refresh, and the ops registry that reads use), reads and notifies (``transport.reads``), and the data
+path (``transport.pipeline``: submission and its routes, posts; with ``transport.inline``,
+``transport.smallbatch``, ``transport.fills``, ``transport.completions`` and the batch records and accounting of
+``transport.batches``).
 
 Threads: one progress thread (``transport.progress``) for the receiver's landed chunks, the posts of units
 re-dispatched after a failover and, on fabrics that deliver completions by callback (tcp, ipc), whose own threads
@@ -37,50 +40,32 @@ thread-safe.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import os
 import secrets
-import socket
 import sys
 import threading
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
-from transport.config import EngineConfig, parse_size
-from transport.control import ControlPlane, PeerGone, UnknownSession, recv_msg, send_msg
-from transport.errors import (AddressNotRegistered, FabricError, FabricUnavailable, InvalidTransfer, PeerLost,
-                              RegionOverlap, TransferError)
+from transport.batches import BatchHandle, _Batch, batch_timeout
+from transport.completions import WATCHDOG_S
+from transport.config import EngineConfig
+from transport.control import ControlPlane
+from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, FabricUnavailable, InvalidTransfer,
+                              RegionOverlap, UnknownSession)
 from transport.fabric.base import DEVICE_HOST
-from transport.fabric.gpu_copy import BoundCopies
-from transport.packing import HostBuffer
-from transport.pipeline import WATCHDOG_S, BatchHandle, Pipeline, _Attempt, _Batch, batch_timeout
-from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice
+from transport.peers import PeerDirectory, rail_local_gpus
+from transport.pipeline import Pipeline
+from transport.planner import COALESCED, DIRECT, RELAYED
 from transport.progress import ProgressLoop
+from transport.reads import Reads, batch_read, batch_read_async
 from transport.receiver import Receiver
 from transport.regions import Region, RegionTable
-from transport.relay import RelayRing
 from transport.telemetry import Counters, LatencyWindow, Trace
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TransferEngine", "UnknownSession", "BatchHandle"]
-
-
-# the control framing, re-exported for callers that speak to an engine's control port (the Mooncake shim's probe)
-_send_msg, _recv_msg = send_msg, recv_msg
-
-
-_size = parse_size  # sizes like "64K" (kept under this name for callers of the engine module)
-
-
-def _rail_local_gpus(routes, rail_keys: List[str]) -> List[Optional[int]]:
-    """Per rail (NIC port key): the GPU whose direct rail it is, i.e. the GPU next to that NIC, or None."""
-    local: Dict[str, int] = {}
-    for g in routes.gpus:
-        for r in routes.rails(g):
-            if r.relay_gpu == g and r.kind == "direct":
-                local.setdefault(r.key, g)
-    return [local.get(k) for k in rail_keys]
 
 
 def _check_topology_gpus(routes) -> None:
@@ -109,62 +94,6 @@ def _check_topology_gpus(routes) -> None:
                                     f"give a topology without this relay or connect the GPUs by NVLink")
 
 
-class _PeerRail:
-    """This engine's view of one rail to one peer: endpoint, landing-slot credits, work in flight."""
-
-    def __init__(self, rail: int, ep, remote_id: str, landing_addr: int, landing_rkey: int, slots: int,
-                 slot_bytes: int, peer: Optional["_Peer"] = None):
-        self.rail = rail
-        self.peer = peer  # the peer incarnation this rail belongs to (the one to forget when every rail is dead)
-        self.ep = ep
-        self.remote_id = remote_id
-        self.landing_addr = landing_addr
-        self.landing_rkey = landing_rkey
-        self.slots = slots
-        self.slot_bytes = slot_bytes
-        self.free_landing = list(range(slots))[::-1]
-        self.landing_owner: Dict[int, _Attempt] = {}
-        self.cv = threading.Condition()
-        self.inflight: set = set()
-        self.alive = True
-        self.cause: Optional[BaseException] = None
-        self.bytes_in_flight = 0
-
-    def usable(self) -> bool:
-        return self.alive and self.ep.alive
-
-
-class _Peer:
-    """One incarnation of a connection to a session: made at the handshake, forgotten (``retired``) when every
-    rail failed. A later batch to the same session builds a new ``_Peer``; batches still holding this one fail
-    with its rails' causes."""
-
-    def __init__(self, session: str):
-        self.session = session
-        self.lock = threading.Lock()  # handshake and control socket
-        self.ready = False
-        self.retired = False
-        self.lost_work = False  # a rail failed with work in flight (the forget is then worth a warning)
-        self.error: Optional[BaseException] = None  # why its handshake failed (shared with callers that waited)
-        self.engine_id = 0
-        self.rails: List[_PeerRail] = []
-        self.regions = RegionTable()
-        self.ctrl: Optional[socket.socket] = None
-        self.credit: Optional[HostBuffer] = None
-        self.credit_mrs: List = []
-        self.seq = itertools.count(1)
-        self.landing_device = DEVICE_HOST
-        self.forward: Optional[Dict[int, int]] = None  # rail -> the peer's landing GPU, where it forwards
-        self.loadstore = None  # rail 0's local writer for a same-host peer (the ipc fabric's load/store path)
-
-    def connected(self) -> bool:
-        # a plain loop: called twice per batch, and any(<genexpr>) costs more (benchmarks/NOTES.md, "Engine")
-        for pr in self.rails:
-            if pr.alive and pr.ep.alive:
-                return True
-        return False
-
-
 def _plain(value):
     """``value`` with every numpy scalar inside it as the Python number it holds, so that ``stats()`` compares,
     formats and serialises like plain data."""
@@ -180,7 +109,7 @@ def _plain(value):
     return value
 
 
-class TransferEngine(Pipeline):
+class TransferEngine:
     """Moves batches of pieces into a peer engine's registered memory (see the module docstring).
 
     Arguments (each falls back to a ``PXN_*`` environment variable, then to a default; read once into the frozen
@@ -199,8 +128,7 @@ class TransferEngine(Pipeline):
         direct_pieces: a batch with at most this many small pieces of host memory on a device writes them direct
             instead of through a chunk (``PXN_DIRECT_PIECES``; default 0, tcp 64: ``Fabric.config_defaults``).
         relay_slot_bytes: relay / landing slot size = largest chunk and relayed piece (``PXN_RELAY_SLOT_BYTES``,
-            default 4 MiB: on tcp, 64 KB pieces coalesce much faster into 4 MiB chunks than into 1 MiB ones;
-            benchmarks/NOTES.md, "Engine").
+            default 4 MiB: on tcp, 64 KB pieces coalesce much faster into 4 MiB chunks than into 1 MiB ones).
         relay_slots: slots per lane (``PXN_RELAY_SLOTS``, default 8). lanes: lanes per ring (``PXN_LANES``, 2).
         landing_slots: landing slots per peer and rail = chunk credits (``PXN_LANDING_SLOTS``, default 16).
         stripe_bytes: direct pieces above this are split across rails (``PXN_STRIPE_BYTES``, default 16 MiB).
@@ -219,7 +147,7 @@ class TransferEngine(Pipeline):
             NVLink; with this on, senders also send large pieces for this engine's other GPUs through those
             landing slots instead of writing them straight to their destination. Off by default because the
             receiver's Python work per forwarded chunk then bounds these pieces below what a NIC's write across
-            PCIe reaches (benchmarks/NOTES.md, "The message path on two GPUs").
+            PCIe reaches.
         loadstore: on the ipc fabric, write batches between GPU memories (and between host memories) straight
             from the caller's thread with one copy launch, skipping the message path (``PXN_LOADSTORE``,
             default on; see ``transport.fabric.loadstore``).
@@ -273,118 +201,90 @@ class TransferEngine(Pipeline):
         self.config = cfg
         from transport.auth import Resolved, resolve_secret
         self._secret = resolve_secret(secret, hostname, insecure, environ)
-        self.max_senders = cfg.max_senders
-        self.handshake_timeout = cfg.handshake_timeout
-        max_conns_per_addr = cfg.max_conns_per_addr
         if cfg.switch_interval:
             # process-wide: how long a thread that released the GIL (socket / CUDA wait) may wait to get it
             # back while another thread runs Python; the default 5 ms stalls every hand-off of the pipeline
             sys.setswitchinterval(float(cfg.switch_interval))
-        self.coalesce_bytes = cfg.coalesce_bytes
-        self.slot_bytes = cfg.relay_slot_bytes
-        self.relay_slots = cfg.relay_slots
-        self.lanes = cfg.lanes
-        self.landing_slots = cfg.landing_slots
-        self.stripe_bytes = cfg.stripe_bytes
-        self.relay_mode = cfg.relay
-        self.default_timeout = float(cfg.timeout)
-        self.landing_device = landing_device
-        self.use_loadstore = cfg.loadstore
-        self.forward_large = cfg.forward_large
         # Bumped by every deregister; same-host peers writing by load/store read it before each batch.
         from transport.fabric.region_counter import GenerationCounter
         self._region_gen = GenerationCounter()
-        trace_path = cfg.trace_path
-        self.direct_pieces = cfg.direct_pieces
-        self.planner = Planner(self.coalesce_bytes, self.slot_bytes, self.stripe_bytes, self.slot_bytes,
-                               self.relay_mode, self.direct_pieces)
         self.engine_id = secrets.randbits(63) | 1
-        self.trace = Trace(trace_path) if trace_path else None
+        self.trace = Trace(cfg.trace_path) if cfg.trace_path else None
         self.counters = Counters()
         self.latency = LatencyWindow()
         self._closed = False
-        self._lock = threading.RLock()  # attempt state, peers
-        self._wr_ids = itertools.count(1)
-        self._batch_ids = itertools.count(1)
-        self._inflight: Dict[int, _Attempt] = {}
-        self._peers: Dict[str, _Peer] = {}
-        self._by_remote_rail: Dict[str, Tuple[_Peer, _PeerRail]] = {}
-        self._lost: Dict[str, str] = {}  # session -> why its last connection was forgotten (for error messages)
         self._regions = RegionTable()
-        self._rings: Dict[Tuple[int, int], RelayRing] = {}
-        self._relay_copies = BoundCopies()  # GPU relay fills: plans by lengths, bound launches, per ring thread
         self._rail_stats = []
-        self._rail_gpu: List[Optional[int]] = []  # per rail: the GPU its NIC is local to (topology), else None
+        self._threads: List[threading.Thread] = []
 
         # --- rails -------------------------------------------------------------------------------------------
         options = dict(fabric_options or {})
-        self.routes = None
+        routes = None
         rail_specs: List[dict] = []
         if topology is not None:
             from transport.routing import plan_routes
-            self.routes = plan_routes(topology)
+            routes = plan_routes(topology)
             ports = list(topology.usable_ports())
             if not ports:
                 raise FabricUnavailable("topology has no usable NIC port; pass topology=None for loopback rails")
             self._rail_keys = [p.key for p in ports]
             rail_specs = [{"device": p.name, "port_num": p.port} for p in ports]
-            self._rail_gpu = _rail_local_gpus(self.routes, self._rail_keys)
-            _check_topology_gpus(self.routes)
+            rail_gpu = rail_local_gpus(routes, self._rail_keys)
+            _check_topology_gpus(routes)
         else:
             n = cfg.rails
             self._rail_keys = [f"rail{i}" for i in range(n)]
-            self._rail_gpu = [None] * n
+            rail_gpu = [None] * n
             rail_specs = [{} for _ in range(n)]
+        caps = fabric_cls.capabilities
         options = {**fabric_cls.engine_options, **options}
-        self._selective = fabric_cls.capabilities.selective_signaling
-        self._batches = fabric_cls.capabilities.write_batches
-        # a batch that goes whole as one direct unit, or relayed whole, is written by the caller's thread
-        # (Fabric.write_inline; Pipeline._write_inline)
-        self._inline = fabric_cls.capabilities.inline_writes
-        self._spans_memo = {}  # Pipeline._region_spans: the regions of batches over several regions, by layout
-        self._spans_lock = threading.Lock()
-        # small batches as one WriteRows post, checked in Python (transport.smallbatch)
-        self._rows = fabric_cls.capabilities.write_rows and self.direct_pieces > 0
         options["secret"] = Resolved(self._secret)  # resolved once here: the fabrics do not read PXN_SECRET again
-        if fabric_cls.capabilities.authenticated_rails:
+        if caps.authenticated_rails:
             # an incoming rail must have been announced by an authenticated control hello (receiver.accept_sender)
-            options.setdefault("handshake_timeout", self.handshake_timeout)
+            options.setdefault("handshake_timeout", cfg.handshake_timeout)
             options.setdefault("guard_claims", True)
         self.fabrics = []
+        self._peers = PeerDirectory(threading.RLock(), routes, self._rail_keys)
         try:
             for spec in rail_specs:
                 opts = dict(options)
-                if fabric_cls.capabilities.nic_ports:
+                if caps.nic_ports:
                     opts.update(spec)  # the rail's NIC device and port
                 self.fabrics.append(make_fabric(self.fabric_name, hostname=hostname, **opts))
             self._rail_stats = [Counters() for _ in self.fabrics]
             # the engine's one progress thread: landed chunks, failed completions, re-dispatched posts, watchdogs
             self._progress = ProgressLoop("pxn-progress")
-            self.receiver = Receiver(self.fabrics, self._regions, self.landing_slots, self.slot_bytes,
-                                     self.counters, self.trace, max_senders=self.max_senders, progress=self._progress)
+            self.receiver = Receiver(self.fabrics, self._regions, cfg.landing_slots, cfg.relay_slot_bytes,
+                                     self.counters, self.trace, max_senders=cfg.max_senders, progress=self._progress)
+            self._pipe = Pipeline(cfg, caps, self.fabrics, self._regions, self._peers, self.receiver,
+                                  self._progress, self.counters, self._rail_stats, self.latency, self.trace,
+                                  self.engine_id)
             for rail in range(len(self.fabrics)):
-                self._ring(DEVICE_HOST, rail)
-            self._control = ControlPlane(self, hostname, port, _Peer, _PeerRail, secret=self._secret,
-                                         handshake_timeout=self.handshake_timeout,
-                                         max_conns_per_addr=max_conns_per_addr)
+                self._pipe.ring(DEVICE_HOST, rail)
+            self._control = ControlPlane(hostname, port, self._peers, self._regions, self._region_gen, self.fabrics,
+                                         self.receiver, self.counters, cfg, self.engine_id,
+                                         landing_device=landing_device, rail_gpu=rail_gpu, secret=self._secret,
+                                         handshake_timeout=cfg.handshake_timeout,
+                                         max_conns_per_addr=cfg.max_conns_per_addr)
         except BaseException:
             self._teardown()
             raise
         self.port = self._control.port
-        self.session_id = f"{hostname}:{self.port}"
-        self._threads: List[threading.Thread] = [self._control.start()]
+        self.session_id = self._control.session_id = self._pipe.session_id = f"{hostname}:{self.port}"
+        self._pipe.control = self._control
+        self._reads = Reads(self, self._control)
+        self._threads.append(self._control.start())
         # completions handled in the fabric thread that sees them (one thread hand-off fewer per write and per
         # chunk), failed ones in the progress loop, which also runs the watchdogs; else a poll loop per rail
-        self._by_callback = fabric_cls.capabilities.completion_callback
-        if self._by_callback:
-            self._deferring = [0] * len(self.fabrics)  # per rail: lists queued in the progress loop, not handled
-            self._defer_lock = threading.Lock()
+        completions = self._pipe.completions
+        if caps.completion_callback:
             for rail, fab in enumerate(self.fabrics):
-                fab.set_completion_handler(functools.partial(self._on_completions, rail))
-            self._progress.every(WATCHDOG_S, self._watchdogs)
+                fab.set_completion_handler(functools.partial(completions.on_completions, rail))
+            self._progress.every(WATCHDOG_S, completions.watchdogs)
         else:
             for rail in range(len(self.fabrics)):
-                t = threading.Thread(target=self._poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}", daemon=True)
+                t = threading.Thread(target=completions.poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}",
+                                     daemon=True)
                 t.start()
                 self._threads.append(t)
         if self._secret is None:
@@ -394,8 +294,8 @@ class TransferEngine(Pipeline):
                      "this engine's registered memory through control port %d and %s rail port(s) %s",
                      self.session_id, hostname, self.port, self.fabric_name, ", ".join(ports))
         log.info("pxn engine %s: fabric %s, %d rail(s), coalesce < %d B, slots %d x %d x %d B",
-                 self.session_id, self.fabric_name, len(self.fabrics), self.coalesce_bytes, self.lanes,
-                 self.relay_slots, self.slot_bytes)
+                 self.session_id, self.fabric_name, len(self.fabrics), cfg.coalesce_bytes, cfg.lanes,
+                 cfg.relay_slots, cfg.relay_slot_bytes)
 
     # ========================================================================================================
     # configuration helpers
@@ -418,32 +318,23 @@ class TransferEngine(Pipeline):
     def rails(self) -> int:
         return len(self.fabrics)
 
-    def _rail_choices(self, device: int, peer: _Peer) -> List[RailChoice]:
-        """Usable rails for data on ``device`` to ``peer``, best first."""
-        out = []
-        if self.routes is not None and device >= 0:
-            for r in self.routes.rails(device):
-                idx = self._rail_keys.index(r.key) if r.key in self._rail_keys else -1
-                if idx >= 0 and peer.rails[idx].usable():
-                    out.append(RailChoice(idx, r.relay_gpu == device, r.relay_gpu))
-            return out
-        for i, pr in enumerate(peer.rails):
-            if pr.usable():
-                out.append(RailChoice(i, True, device))
-        return out
+    @property
+    def default_timeout(self) -> float:
+        """Seconds a batch may take when the call gives no ``timeout`` (``config.timeout``)."""
+        return float(self.config.timeout)
 
-    def _ring(self, device: int, rail: int) -> RelayRing:
-        key = (device, rail)
-        ring = self._rings.get(key)
-        if ring is None:
-            with self._lock:
-                ring = self._rings.get(key)
-                if ring is None:
-                    name = f"{'host' if device < 0 else f'cuda{device}'}/rail{rail}"
-                    ring = RelayRing(name, self.fabrics[rail], device, self.lanes, self.relay_slots,
-                                     self.slot_bytes, self._fill, self._post, self.trace)
-                    self._rings[key] = ring
-        return ring
+    def _peer(self, session_id: str):
+        """The connected peer record of ``session_id`` (handshaking first): diagnostics and tests."""
+        return self._pipe._peer(session_id)
+
+    @property
+    def _inflight(self) -> dict:
+        """The data path's attempts in flight, by write id: diagnostics and tests."""
+        return self._pipe._inflight
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FabricClosed(f"engine {getattr(self, 'session_id', '?')} is closed")
 
     # ========================================================================================================
     # registration
@@ -542,49 +433,6 @@ class TransferEngine(Pipeline):
         return Resolved(self._secret)
 
     # ========================================================================================================
-    # handshake
-    # ========================================================================================================
-    def _landing_devices(self) -> List[int]:
-        """Per rail, where a new sender's landing slots go: ``landing_device`` when given; else, when this
-        engine registered GPU memory, the GPU next to the rail's NIC (receive-side PXN: chunks land there and
-        the receiver forwards them over NVLink to GPUs without a NIC) or, without a topology, the first GPU
-        holding a registered region; host memory otherwise."""
-        if self.landing_device is not None:
-            return [self.landing_device] * len(self.fabrics)
-        devs = sorted({r.device for r in self._regions.regions() if r.device >= 0})
-        if not devs:
-            return [DEVICE_HOST] * len(self.fabrics)
-        return [devs[0] if g is None else g for g in self._rail_gpu]
-
-    # The control plane lives in transport.control; these are the engine's entry points to it. The control plane
-    # reports a dead or replaced peer (PeerGone) and the engine decides: it forgets the peer (failover state).
-    def _peer(self, session_id: str) -> _Peer:
-        """The connected peer of ``session_id``, handshaking first when there is none. Raises UnknownSession
-        naming why the handshake failed."""
-        while True:
-            try:
-                return self._control.peer(session_id)
-            except PeerGone as e:
-                # every endpoint died while nothing was in flight to notice (the peer restarted while idle): fail
-                # the rails now so the peer is forgotten, then handshake again
-                self._fail_peer(e.peer, None)
-
-    def _refresh_regions(self, peer: _Peer) -> None:
-        """Fetch the peer's region list again; when nobody (or a different engine) answers at its session any
-        more the peer is forgotten. Raises TransferError naming the cause."""
-        try:
-            self._control.refresh_regions(peer)
-        except PeerGone as e:
-            gone = e.cause or e
-            self._fail_peer(peer, PeerLost(f"control connection to {peer.session}: {gone}"))
-            raise TransferError(f"cannot refresh the region list of {peer.session}: {gone}; forgot the peer, the "
-                                f"next batch to it handshakes again", [gone]) from None
-
-    @staticmethod
-    def _close_ctrl_locked(peer: _Peer) -> None:
-        ControlPlane.close_ctrl_locked(peer)
-
-    # ========================================================================================================
     # batch API
     # ========================================================================================================
     def batch_write(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
@@ -606,10 +454,11 @@ class TransferEngine(Pipeline):
             unregistered source, destination outside the peer's regions; UnknownSession (nothing written); RemoteRejected: the peer refused a chunk
             or write; TransferTimeout; TransferError with ``causes`` when every rail failed.
         """
-        timeout = batch_timeout(timeout, self.default_timeout)
-        batch = self._submit(session_id, srcs, dsts, lengths)
+        timeout = batch_timeout(timeout, self.config.timeout)
+        pipe = self._pipe
+        batch = pipe._submit(session_id, srcs, dsts, lengths)
         if batch is not None:
-            self._wait(batch, timeout)
+            pipe._wait(batch, timeout)
 
     def batch_write_async(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
                           lengths: Sequence[int], timeout: Optional[float] = None) -> BatchHandle:
@@ -617,12 +466,12 @@ class TransferEngine(Pipeline):
         Validation errors are raised here, before anything is posted. GPU sources: the load/store and inline
         paths queue their copies behind this thread's work on the sources' current stream and return; the posted
         path (chunks, posted relays, fabrics that read from other threads) first waits for that work."""
-        timeout = batch_timeout(timeout, self.default_timeout)
-        batch = self._submit(session_id, srcs, dsts, lengths, async_=True)
+        timeout = batch_timeout(timeout, self.config.timeout)
+        batch = self._pipe._submit(session_id, srcs, dsts, lengths, async_=True)
         if batch is None:
             batch = _Batch(0, None, None, None, [], 0)
             batch.event.set()
-        return BatchHandle(self, batch, timeout)
+        return BatchHandle(self._pipe, batch, timeout)
 
     def batch_read(self, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
                    lengths: Sequence[int], timeout: Optional[float] = None) -> None:
@@ -636,14 +485,12 @@ class TransferEngine(Pipeline):
         Raises: InvalidTransfer (nothing written) for malformed lists, a local destination outside this
         engine's regions or a source outside the peer's; UnknownSession; TransferTimeout; TransferError.
         """
-        from transport.reads import batch_read
         batch_read(self, session_id, local_dsts, remote_srcs, lengths, timeout)
 
     def batch_read_async(self, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
                          lengths: Sequence[int], timeout: Optional[float] = None):
         """As ``batch_read`` but returns at once with a handle (``wait(timeout)``, ``done()``), like
         ``batch_write_async``. Argument errors and local destinations are checked here, before anything is sent."""
-        from transport.reads import batch_read_async
         return batch_read_async(self, session_id, local_dsts, remote_srcs, lengths, timeout)
 
     def write_tensors(self, session_id: str, pairs: Iterable[Tuple[object, int]],
@@ -686,18 +533,19 @@ class TransferEngine(Pipeline):
         time_s = {k[len("time_"):-2]: v for k, v in c.items() if k.startswith("time_")}
         receiver = {k[3:]: v for k, v in c.items() if k.startswith("rx_")}
         receiver.update(self.receiver.stats())
+        cfg = self.config
         return _plain({
             "engine": {"session_id": self.session_id, "fabric": self.fabric_name, "rails": len(self.fabrics),
-                       "coalesce_bytes": self.coalesce_bytes, "relay_slot_bytes": self.slot_bytes,
-                       "relay_slots": self.relay_slots, "lanes": self.lanes, "landing_slots": self.landing_slots,
-                       "stripe_bytes": self.stripe_bytes, "relay": self.relay_mode},
+                       "coalesce_bytes": cfg.coalesce_bytes, "relay_slot_bytes": cfg.relay_slot_bytes,
+                       "relay_slots": cfg.relay_slots, "lanes": cfg.lanes, "landing_slots": cfg.landing_slots,
+                       "stripe_bytes": cfg.stripe_bytes, "relay": cfg.relay},
             "batches": {"submitted": c.get("batches_submitted", 0), "ok": c.get("batches_ok", 0),
                         "failed": c.get("batches_failed", 0), "items": c.get("items", 0),
                         "bytes": c.get("bytes", 0), "latency": self.latency.summary()},
             "paths": paths,
             "time_s": time_s,
             "rails": rails,
-            "rings": {ring.name: ring.stats() for ring in list(self._rings.values())},
+            "rings": {ring.name: ring.stats() for ring in list(self._pipe._rings.values())},
             "receiver": receiver,
             "failover": {"rail_failures": c.get("rail_failures", 0), "redispatched_units": c.get("failovers", 0),
                          "peers_lost": c.get("peers_lost", 0), "reconnects": c.get("reconnects", 0),
@@ -710,7 +558,7 @@ class TransferEngine(Pipeline):
     def _security_stats(self, c: dict) -> dict:
         """Incoming connections refused (by cause) on the control port and each rail, and senders refused."""
         ctrl = self._control.gate.stats()
-        rails = [f.admission_stats() for f in self.fabrics if hasattr(f, "admission_stats")]
+        rails = [st for st in (f.admission_stats() for f in self.fabrics) if st is not None]
         senders = {"refused_max_senders": c.get("senders_refused_max", 0),
                    "refused_rail_claims": c.get("senders_refused_claim", 0)}
         refused = ctrl["refused"] + sum(r["refused"] for r in rails) + sum(senders.values())
@@ -725,15 +573,16 @@ class TransferEngine(Pipeline):
         if self._closed:
             return
         self._closed = True
+        if sys.is_finalizing():
+            # the interpreter is exiting (a holder's __del__ run by the last garbage collection): no thread can
+            # start any more, and a fabric's close may start one (verbs' flush timers) and then wait for it
+            # forever; the process's end releases the sockets and memory
+            return
         self._control.close()
-        from transport.reads import close_state
-        close_state(self)
-        with self._lock:
-            pending = list(self._inflight.values())
-        for a in pending:
-            self._fail_batch(a.batch, TransferError(f"engine {self.session_id} closed"))
+        self._reads.close()
+        self._pipe.close()  # fails the batches in flight
         self._teardown()
-        for t in getattr(self, "_threads", []):
+        for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=2.0)
         if self.trace is not None:
@@ -746,16 +595,12 @@ class TransferEngine(Pipeline):
         receiver = getattr(self, "receiver", None)
         if receiver is not None:
             receiver.close()
-        for ring in list(getattr(self, "_rings", {}).values()):
-            ring.close()
-        for peer in list(getattr(self, "_peers", {}).values()):
-            if peer.loadstore is not None:
-                peer.loadstore.close()
-            if peer.ctrl is not None:
-                try:
-                    peer.ctrl.close()
-                except OSError:
-                    pass
+        pipe = getattr(self, "_pipe", None)
+        if pipe is not None:
+            pipe.close_rings()
+        peers = getattr(self, "_peers", None)
+        if peers is not None:
+            peers.close()
         for fab in getattr(self, "fabrics", []):
             try:
                 fab.close()

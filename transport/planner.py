@@ -202,8 +202,8 @@ class Planner:
             if idx_large.size > 1 and forward is None and (
                     self.relay == "never" or (self.relay == "auto" and all(c.local for c in choices))):
                 # every large piece goes direct: runs of whole pieces per rail, balanced by bytes, in a few numpy
-                # calls (a Python step per piece was a large share of a call of many pieces: benchmarks/NOTES.md,
-                # "The message path on two GPUs"); pieces to stripe go below
+                # calls (a Python step per piece is a large share of a call of many pieces); pieces to stripe go
+                # below
                 every = idx_large.size == lengths.size
                 if every and length_stats is not None and length_stats[1] <= self.stripe_bytes:
                     # no piece to stripe, by the caller's largest length: one comparison instead of an array's
@@ -337,8 +337,8 @@ class Planner:
         lens = lengths if every else lengths[idx]
         cum = np.cumsum(lens)
         if int(cum[-1]) <= self.relay_bytes:
-            # one slot holds them all (small-piece batches): one run, no list of running totals (its tolist was
-            # most of the planning time of 4096 small pieces)
+            # one slot holds them all (small-piece batches): one run, no list of running totals (its tolist
+            # costs most of the planning time of 4096 small pieces)
             c = self._least_loaded(choices, load)
             nbytes = int(cum[-1])
             run = (srcs, dsts, lengths) if every else (srcs[idx], dsts[idx], lens)

@@ -7,8 +7,8 @@ Its work is of two kinds:
   failover;
 * duties run every so often (``every``): the receiver's sweep of departed senders, the rails' watchdogs.
 
-Why one thread: each of these waited in a thread of its own before, most of them idle nearly all the time, and
-every thread of an engine is one more contender for the GIL. A task must not block for long: it delays every task
+Why one thread: a thread for each of these would be idle nearly all the time, and every thread of an engine is one
+more contender for the GIL. A task must not block for long: it delays every task
 behind it. None of the tasks above waits for the network or for another task.
 """
 from __future__ import annotations

@@ -44,16 +44,18 @@ import numpy as np
 
 from transport.auth import AuthError
 from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, InvalidTransfer, PeerLost,
-                              RemoteRejected, TransferError, TransferTimeout)
-from transport.pipeline import batch_timeout
+                              RemoteRejected, TransferError, TransferTimeout, UnknownSession)
+from transport.arrays import as_arrays
+from transport.batches import batch_timeout
+from transport.control import recv_msg, send_msg
 from transport.regions import first_bad
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReadHandle", "batch_read", "batch_read_async", "serve_op", "send_notify", "take_notifies",
+__all__ = ["Reads", "ReadHandle", "batch_read", "batch_read_async", "serve_op", "send_notify", "take_notifies",
            "CONTROL_OPS"]
 
-CONTROL_OPS = ("read", "notify")   # the control ops this module serves (TransferEngine._serve hands them here)
+CONTROL_OPS = ("read", "notify")   # the control ops this module serves (registered in ControlPlane.ops)
 _POOL_IDLE = 8                     # idle read connections kept per session
 _REPLY_MARGIN_S = 10.0             # extra wait for the peer's reply beyond the batch timeout (seconds)
 _MAX_NOTIFIES = 1 << 16            # queued notifies kept per engine; the oldest are dropped beyond this
@@ -78,17 +80,28 @@ def _unpack(name: str, text) -> np.ndarray:
 
 
 # --- per-engine state ----------------------------------------------------------------------------------------
-class _State:
-    """Pooled control connections for reads, the async executor and the notify queue of one engine."""
+class Reads:
+    """Pooled control connections for reads, the async executor and the notify queue of one engine, which owns
+    it; it serves the ops ``CONTROL_OPS`` on the engine's control plane (``ControlPlane.ops``).
 
-    def __init__(self, engine):
+    Arguments: engine: the owning ``TransferEngine`` (a read is served by its ``batch_write``); control: its
+    ``ControlPlane`` (connections to peers, the connection a request came in on)."""
+
+    def __init__(self, engine, control):
         self.engine = engine
+        self.control = control
         self.lock = threading.Lock()
         self.idle: Dict[str, List[socket.socket]] = {}
         self.executor: Optional[ThreadPoolExecutor] = None
         self.notifies: List[Tuple[str, str]] = []
         self.notify_chars = 0  # len(name) + len(msg) summed over ``notifies``
         self.closed = False
+        for op in CONTROL_OPS:
+            control.ops[op] = self.serve
+
+    def serve(self, req: dict) -> dict:
+        """A control op of ``CONTROL_OPS`` (only ever reached on an authenticated connection)."""
+        return serve_op(self.engine, req)
 
     def take(self, session: str) -> Tuple[socket.socket, bool]:
         """A control connection to ``session`` and whether it came from the pool (may be stale)."""
@@ -98,7 +111,7 @@ class _State:
             socks = self.idle.get(session)
             if socks:
                 return socks.pop(), True
-        return self.engine._control.connect(session), False  # authenticated like every control connection
+        return self.control.connect(session), False  # authenticated like every control connection
 
     def give_back(self, session: str, sock: socket.socket) -> None:
         with self.lock:
@@ -117,6 +130,7 @@ class _State:
             return self.executor.submit(fn, *args)
 
     def close(self) -> None:
+        """Close the pooled connections and the executor (called by ``TransferEngine.close``)."""
         with self.lock:
             self.closed = True
             socks = [s for lst in self.idle.values() for s in lst]
@@ -126,26 +140,6 @@ class _State:
             _close(s)
         if ex is not None:
             ex.shutdown(wait=False, cancel_futures=True)
-
-
-_STATE_LOCK = threading.Lock()
-
-
-def _state(engine) -> _State:
-    st = engine.__dict__.get("_reads_state")
-    if st is None:
-        with _STATE_LOCK:
-            st = engine.__dict__.get("_reads_state")
-            if st is None:
-                st = engine.__dict__["_reads_state"] = _State(engine)
-    return st
-
-
-def close_state(engine) -> None:
-    """Release what reads and notifies hold for ``engine`` (called by ``TransferEngine.close``)."""
-    st = engine.__dict__.get("_reads_state")
-    if st is not None:
-        st.close()
 
 
 def _close(sock: socket.socket) -> None:
@@ -187,9 +181,8 @@ class ReadHandle:
 def _validate(engine, session_id, local_dsts, remote_srcs, lengths):
     """Argument and local-destination checks (all-or-nothing). Returns (dst, src, ln) int64 arrays."""
     engine._check_open()
-    dst, src, ln = engine._as_arrays(("local_dsts", local_dsts), ("remote_srcs", remote_srcs), ("lengths", lengths))
+    dst, src, ln = as_arrays(("local_dsts", local_dsts), ("remote_srcs", remote_srcs), ("lengths", lengths))
     if not isinstance(session_id, str) or session_id.count(":") < 1:
-        from transport.engine import UnknownSession
         raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
     if ln.size == 0:
         return dst, src, ln
@@ -218,14 +211,13 @@ def _check_inside(engine, name: str, addrs: np.ndarray, ln: np.ndarray, outside:
 def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
     """One request / reply on a pooled control connection to ``session_id``; a dead pooled connection is
     replaced once. Raises UnknownSession when nobody answers, TransferTimeout, PeerLost."""
-    st = _state(engine)
+    st = engine._reads
     for attempt in (0, 1):
         sock, pooled = st.take(session_id)
         try:
             sock.settimeout(timeout)
-            from transport.control import recv_msg as _recv_msg, send_msg as _send_msg
-            _send_msg(sock, msg)
-            rep = _recv_msg(sock)
+            send_msg(sock, msg)
+            rep = recv_msg(sock)
         except socket.timeout:
             _close(sock)
             raise TransferTimeout(f"{msg.get('op')} request to {session_id}: no reply within {timeout:.1f} s")
@@ -266,7 +258,7 @@ def _run(engine, session_id: str, dst, src, ln, timeout: float) -> None:
 def batch_read(engine, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
                lengths: Sequence[int], timeout: Optional[float] = None) -> None:
     """See ``TransferEngine.batch_read``."""
-    limit = batch_timeout(timeout, engine.default_timeout)
+    limit = batch_timeout(timeout, engine.config.timeout)
     dst, src, ln = _validate(engine, session_id, local_dsts, remote_srcs, lengths)
     if ln.size == 0:
         _request(engine, session_id, {"op": "regions"}, limit)  # an unknown session is an error even here
@@ -277,12 +269,12 @@ def batch_read(engine, session_id: str, local_dsts: Sequence[int], remote_srcs: 
 def batch_read_async(engine, session_id: str, local_dsts: Sequence[int], remote_srcs: Sequence[int],
                      lengths: Sequence[int], timeout: Optional[float] = None) -> ReadHandle:
     """See ``TransferEngine.batch_read_async``."""
-    limit = batch_timeout(timeout, engine.default_timeout)
+    limit = batch_timeout(timeout, engine.config.timeout)
     dst, src, ln = _validate(engine, session_id, local_dsts, remote_srcs, lengths)
     if ln.size == 0:
         _request(engine, session_id, {"op": "regions"}, limit)
         return ReadHandle(None, limit, 0)
-    return ReadHandle(_state(engine).submit(_run, engine, session_id, dst, src, ln, limit), limit, int(ln.sum()))
+    return ReadHandle(engine._reads.submit(_run, engine, session_id, dst, src, ln, limit), limit, int(ln.sum()))
 
 
 def send_notify(engine, session_id: str, name: str, msg: str, timeout: float = 10.0) -> None:
@@ -290,7 +282,6 @@ def send_notify(engine, session_id: str, name: str, msg: str, timeout: float = 1
     ``TransferNotify``); returns once the peer queued it. Raises UnknownSession / PeerLost / TransferError."""
     engine._check_open()
     if not isinstance(session_id, str) or session_id.count(":") < 1:
-        from transport.engine import UnknownSession
         raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
     rep = _request(engine, session_id, {"op": "notify", "name": str(name), "msg": str(msg)}, timeout)
     if not rep.get("ok"):
@@ -299,7 +290,7 @@ def send_notify(engine, session_id: str, name: str, msg: str, timeout: float = 1
 
 def take_notifies(engine) -> List[Tuple[str, str]]:
     """The (name, msg) pairs peers sent to this engine since the last call, oldest first."""
-    st = _state(engine)
+    st = engine._reads
     with st.lock:
         out, st.notifies = st.notifies, []
         st.notify_chars = 0
@@ -313,7 +304,7 @@ def serve_op(engine, req: dict) -> dict:
     op = req.get("op")
     try:
         if op == "notify":
-            st = _state(engine)
+            st = engine._reads
             with st.lock:
                 item = (str(req.get("name", "")), str(req.get("msg", "")))
                 st.notifies.append(item)
@@ -359,7 +350,7 @@ def _check_asker(engine, session: str, timeout: Optional[float]) -> None:
     connection (its ``Session.binding``, which only the two ends of the connection know). Once it said yes, the
     connection's later reads naming the same session need no question. Raises ``RemoteRejected`` (nothing
     written, nothing connected beyond that question) when it says no or cannot be asked."""
-    conn = engine._control.current()
+    conn = engine._reads.control.current()
     if conn is None:
         raise RemoteRejected("read request outside a control connection")
     if conn["owner"] == session:

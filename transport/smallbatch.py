@@ -3,11 +3,11 @@ one registered region and every destination in one of the peer's, submitted in a
 
 What the general path (``Pipeline._submit``) does for such a batch -- argument arrays, reductions, the plan, a
 ``WriteBatch`` of arrays, the fabric's array checks and framing -- is a few dozen numpy calls on arrays of a
-dozen items: more host time than the batch's wire round trip (benchmarks/NOTES.md). Here the same checks run
+dozen items: more host time than the batch's wire round trip. Here the same checks run
 on the caller's lists of ints, and the batch becomes the plan's own result for it (``Planner.direct_pieces``): one
 DIRECT unit on the least loaded rail, one ``WriteRows`` request, posted by the caller with ``Pipeline._post``'s
 bookkeeping done here in one lock section. Its ack completes the batch straight away (``WriteRows.on_acked``,
-``Pipeline._rows_acked``) when nothing posted earlier on the endpoint is still waiting; otherwise it completes
+``Completions.rows_acked``) when nothing posted earlier on the endpoint is still waiting; otherwise it completes
 through the fabric's completions like any write.
 
 Anything else -- a non-int entry, a piece that is not small, a source or destination outside one region, an
@@ -20,6 +20,7 @@ from __future__ import annotations
 import _thread
 from typing import Optional, Sequence
 
+from transport.batches import _Attempt, _Batch
 from transport.errors import FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected
 from transport.fabric.base import DEVICE_HOST, WriteRows
 from transport.planner import DIRECT, Unit
@@ -65,10 +66,9 @@ class Signal:
             except RuntimeError:  # a second setter released it meanwhile
                 pass
         return self._set
-_pipeline = None  # transport.pipeline, imported at first use (it imports this module)
 
 
-def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
+def submit_rows(pipe, session_id, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
                 read_ack: bool = False):
     """Submit a small batch as one ``WriteRows`` post from this thread. Returns the ``_Batch`` (posted; its
     completion sets ``batch.event``), or None when the batch does not qualify (nothing was done: the caller takes
@@ -78,9 +78,9 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     if srcs.__class__ not in _LISTS or dsts.__class__ not in _LISTS or lengths.__class__ not in _LISTS:
         return None
     n = len(lengths)
-    if not 0 < n <= eng.direct_pieces or len(srcs) != n or len(dsts) != n:
+    if not 0 < n <= pipe.direct_pieces or len(srcs) != n or len(dsts) != n:
         return None
-    peer = eng._peers.get(session_id)
+    peer = pipe._peers.get(session_id)
     if peer is None or not peer.ready or peer.retired or peer.loadstore is not None or peer.forward is not None:
         return None
     try:
@@ -88,12 +88,12 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     except ValueError:
         return None
     lmax = req.max_length
-    if lmax >= eng.coalesce_bytes:
+    if lmax >= pipe.coalesce_bytes:
         return None
     (smin, send), (dmin, dend) = req.local_span, req.remote_span
     if send >= _END_MAX or dend >= _END_MAX:
         return None
-    lsnap = eng._regions.snapshot()
+    lsnap = pipe._regions.snapshot()
     li = span_region(lsnap, smin, send - 1, send, lmax)  # every piece has a byte: no start is past send - 1
     if li is None:
         return None
@@ -109,7 +109,7 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     # thread is still awake from the last one (``recv_spin``); batches in flight at once still spread by load
     rails = peer.rails
     k = len(rails)
-    r = eng.planner._rotate
+    r = pipe.planner._rotate
     pr = None
     for j in range(k):
         c = rails[(r + j) % k]
@@ -118,11 +118,8 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     if pr is None:
         return None
     rail = pr.rail
-    global _pipeline
-    if _pipeline is None:
-        from transport import pipeline as _pipeline
     nbytes = req.nbytes
-    batch = _pipeline._Batch(next(eng._batch_ids), peer, srcs, dsts, lengths, nbytes, Signal())
+    batch = _Batch(next(pipe._batch_ids), peer, srcs, dsts, lengths, nbytes, Signal())
     batch.spans = (lsnap, li, rsnap, ri)  # a failover's re-post finds its keys without a lookup per piece
     batch.remaining = 1
     la, ra = req.local_addr, req.remote_addr
@@ -132,44 +129,44 @@ def submit_rows(eng, session_id, srcs: Sequence[int], dsts: Sequence[int], lengt
     req.rkey, req.lkey = rsnap.regions[ri].keys[rail], local.keys[rail].lkey
     # ``Pipeline._post`` for this one attempt and request, its bookkeeping in the same lock section as the
     # attempt's creation
-    with eng._lock:
-        a = _pipeline._Attempt(eng, unit, batch, pr)
+    with pipe._lock:
+        a = _Attempt(pipe, unit, batch, pr)
         pr.inflight.add(a)
         pr.bytes_in_flight += nbytes
-        req.wr_id = wr_id = next(eng._wr_ids)
-        eng._inflight[wr_id] = a
+        req.wr_id = wr_id = next(pipe._wr_ids)
+        pipe._inflight[wr_id] = a
         a.reqs = [req]
         a.pending = 1
         a.posted = True
-    if eng._by_callback:  # completions by callback: the ack completes the batch straight away (``_rows_acked``)
+    if pipe._by_callback:  # completions by callback: the ack completes the batch at once (``Completions.rows_acked``)
         req.on_acked = a.rows_acked
         req.read_ack = read_ack
     try:
         if not pr.ep.alive:
             raise PeerLost(f"rail {rail} endpoint to {pr.remote_id} is dead")
-        fab = eng.fabrics[rail]
+        fab = pipe.fabrics[rail]
         fab.post_writes(pr.ep, (req,))
         posted = True
         if req.reader is not None:
             batch.reader = (fab, req)
     except (FabricError, OSError, ValueError) as e:
         posted = False
-        with eng._lock:
-            eng._unpost(a)
+        with pipe._lock:
+            pipe._unpost(a)
         if isinstance(e, (FabricError, OSError)) and not isinstance(e, RegionError):
-            eng._rail_failed(pr, e)  # the rail is gone: the attempt fails over, as from ``_post``
+            pipe._rail_failed(pr, e)  # the rail is gone: the attempt fails over, as from ``_post``
             if a.cancelled:
-                eng._drop(a)  # a failover that took the attempt while it was being posted re-sent its unit
+                pipe._drop(a)  # a failover that took the attempt while it was being posted re-sent its unit
         else:
-            eng._fail_batch(batch, RemoteRejected(f"post refused: {e}", [e]) if isinstance(e, RegionError)
+            pipe._fail_batch(batch, RemoteRejected(f"post refused: {e}", [e]) if isinstance(e, RegionError)
                             else InvalidTransfer(f"post refused locally: {e}", [e]))
-            eng._drop(a)
+            pipe._drop(a)
     t2 = now_ns()
     if posted:
-        eng._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
+        pipe._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
                                         ("time_post_s", (t2 - t1) / 1e9)))
-        if eng.trace is not None:
-            eng.trace.complete("post", "fabric", f"post/rail{rail}", t1, t2, {"writes": 1, "bytes": nbytes})
-    eng.counters.add_many((("batches_submitted", 1), ("items", n), ("bytes", nbytes),
+        if pipe.trace is not None:
+            pipe.trace.complete("post", "fabric", f"post/rail{rail}", t1, t2, {"writes": 1, "bytes": nbytes})
+    pipe.counters.add_many((("batches_submitted", 1), ("items", n), ("bytes", nbytes),
                            ("time_validate_s", (t1 - t0) / 1e9), ("time_dispatch_s", (t2 - t1) / 1e9)))
     return batch

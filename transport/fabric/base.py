@@ -438,6 +438,34 @@ class Fabric(abc.ABC):
         completion). ``handler`` must not block and must not post on this fabric."""
         raise NotImplementedError(f"{self.name} fabric does not deliver completions by callback")
 
+    def set_landing_handler(self, mr: MemoryRegion, handler) -> None:
+        """Fabrics with the ``landing_handlers`` capability: let ``handler`` place writes with an immediate into the
+        host region ``mr`` (a receiver's landing slots) straight into their final destinations, before the rest
+        lands in ``mr`` (see ``TcpFabric.set_landing_handler`` for the handler's contract). This default refuses:
+        without the capability every byte of such a write lands in ``mr``."""
+        raise NotImplementedError(f"{self.name} fabric does not place landed writes by handler")
+
+    def await_rows(self, b: WriteRows, deadline: float) -> None:
+        """Fabrics with the ``write_rows`` capability whose posts may hand the posting thread the socket the ack
+        comes on (``b.reader`` set after ``post_writes`` of a ``WriteRows`` with ``read_ack``): read until ``b``'s
+        ack is handled, the endpoint failed or ``time.monotonic()`` passes ``deadline``, then hand the socket
+        back. This default does nothing: such a fabric never sets ``b.reader``, and the ack arrives as a
+        completion."""
+        return None
+
+    def expect_peer(self, peer_id: str, ttl: float = 60.0) -> None:
+        """Fabrics with ``authenticated_rails``: allow one incoming rail connection to take ``peer_id`` within
+        ``ttl`` seconds (replacing a live endpoint of that id, with ``guard_claims``); the receiver calls this for
+        the rail ids a sender announced over its authenticated control connection. This default does nothing: a
+        fabric without admission control takes any connection."""
+        return None
+
+    def admission_stats(self) -> Optional[dict]:
+        """Incoming rail connections of fabrics that authenticate them (``authenticated_rails``): accepted,
+        refused by cause, with a ``refused`` total (``transport.auth.Gate.stats``); None (the default) for a
+        fabric that admits no connections of its own."""
+        return None
+
     def access_info(self, mr: MemoryRegion) -> Optional[dict]:
         """What a peer of this host needs to load/store ``mr`` directly (``local_writer``), or None when this
         fabric offers no such access (the default: tcp, verbs). JSON-serialisable."""

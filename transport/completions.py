@@ -1,0 +1,246 @@
+"""Completions of the data path: a rail's writes and chunk acks coming back, finishing units and batches.
+
+Fabrics with ``completion_callback`` (tcp, ipc) call ``on_completions`` in their own threads; a failed completion
+and those after it on the same rail go, in order, through the engine's progress loop (failover must not run in
+a fabric thread the fabric may be waiting on). Other fabrics (verbs) have one ``poll_loop`` thread per rail. A
+``WriteRows`` post (``transport.smallbatch``) is completed by its ack straight away (``rows_acked``). Every
+successful attempt ends in ``finish``, whose counting is ``Accounts.unit_done``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from transport.errors import FabricClosed, PeerLost, RegionError, RemoteRejected
+from transport.fabric.base import Opcode
+from transport.planner import COALESCED
+from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, decode_ack, decode_ack_payload
+from transport.telemetry import WAITING
+
+if TYPE_CHECKING:  # annotations only
+    from transport.batches import _Attempt
+
+log = logging.getLogger("transport.engine")  # one logger for the engine and its parts
+
+WATCHDOG_S = 0.1  # seconds between two runs of a rail's watchdog
+
+
+class Completions:
+    """The completion side of one engine's data path (see the module docstring).
+
+    Arguments: pipe: the data path (``transport.pipeline.Pipeline``), whose attempt table, lock, rail counters,
+    accounts, drops and failover this uses; directory: the ``transport.peers.PeerDirectory`` (acks name the
+    peer's rail); receiver: the engine's ``transport.receiver.Receiver`` (incoming chunks); progress: the
+    engine's progress loop."""
+
+    def __init__(self, pipe, directory, receiver, progress, n_rails: int):
+        self.pipe = pipe
+        self.fabrics = pipe.fabrics
+        self.directory = directory
+        self.receiver = receiver
+        self.progress = progress
+        self.closed = False
+        # the shared state, bound once: a completion touches each of these
+        self._lock = pipe._lock
+        self._inflight = pipe._inflight
+        self._rail_stats = pipe._rail_stats
+        self._selective = pipe._selective
+        self.counters = pipe.counters
+        self.accounts = pipe.accounts
+        self._deferring = [0] * n_rails  # per rail: lists queued in the progress loop, not handled yet
+        self._defer_lock = threading.Lock()
+
+    def poll_loop(self, rail: int) -> None:
+        """A rail's poller, on fabrics that report completions by ``poll`` (no ``completion_callback``)."""
+        fab = self.fabrics[rail]
+        last_check = time.monotonic()
+        while not self.closed:
+            try:
+                comps = fab.poll(256, timeout=0.05)
+            except FabricClosed:
+                return
+            except Exception:  # noqa: BLE001
+                log.exception("poll on rail %d failed", rail)
+                time.sleep(0.05)
+                continue
+            for c in comps or ():
+                try:
+                    self.on_completion(rail, c)
+                except Exception:  # noqa: BLE001 — one bad completion must not stop the poller
+                    log.exception("rail %d: handling completion %r failed", rail, c)
+            now = time.monotonic()
+            if now - last_check > WATCHDOG_S:
+                last_check = now
+                self.watchdog(rail)
+
+    def _deferred(self, rail: int, comps) -> None:
+        """A rail's failed completions and those that came after them, in the progress loop (fabrics with
+        ``completion_callback``: ``on_completions`` queues them there in order)."""
+        for c in comps:
+            try:
+                self.on_completion(rail, c)
+            except Exception:  # noqa: BLE001 — one bad completion must not stop the others
+                log.exception("rail %d: handling completion %r failed", rail, c)
+        with self._defer_lock:
+            self._deferring[rail] -= 1
+
+    def watchdogs(self) -> None:
+        """Every rail's watchdog (the progress loop runs this every ``WATCHDOG_S``)."""
+        for rail in range(len(self.fabrics)):
+            try:
+                self.watchdog(rail)
+            except Exception:  # noqa: BLE001 — one rail's watchdog must not stop the others'
+                log.exception("rail %d: watchdog failed", rail)
+
+    def watchdog(self, rail: int) -> None:
+        """A rail whose endpoint died with work in flight (e.g. chunks waiting for acks) fails over even when
+        no completion reports it."""
+        for peer in list(self.directory.peers.values()):
+            if peer.ready and rail < len(peer.rails):
+                pr = peer.rails[rail]
+                if pr.alive and not pr.ep.alive:
+                    self.pipe._rail_failed(pr, PeerLost(f"rail {rail} endpoint to {peer.session} died"))
+
+    def on_completions(self, rail: int, comps) -> None:
+        """Completion handler called by a fabric thread (fabrics with ``completion_callback``). Failures go to the
+        engine's progress loop instead: failover deregisters and re-posts, which must not run in a fabric thread
+        that the fabric itself may be waiting on."""
+        if self.closed:
+            return
+        with self._defer_lock:
+            # from the first failure on, and while earlier ones wait, completions keep their order through the
+            # progress loop: a unit's last write must never be counted done before an earlier write's error
+            if len(comps) == 1:  # the common case (a batch's one completion): no generator
+                first_bad = None if comps[0].error is None else 0
+            else:
+                first_bad = next((i for i, c in enumerate(comps) if c.error is not None), None)
+            if self._deferring[rail] or first_bad is not None:
+                cut = 0 if self._deferring[rail] else first_bad
+                later = comps[cut:]
+                comps = comps[:cut]
+                self._deferring[rail] += 1
+                self.progress.submit(self._deferred, rail, later)
+        for c in comps:
+            try:
+                self.on_completion(rail, c)
+            except Exception:  # noqa: BLE001 — one bad completion must not break the fabric's thread
+                log.exception("rail %d: handling completion %r failed", rail, c)
+
+    def rows_acked(self, a: "_Attempt") -> bool:
+        """A posted ``WriteRows`` (``transport.smallbatch``) was placed by the peer, in order on its endpoint: its
+        completion without a ``Completion`` object, then ``finish``'s counting. False when completions of the
+        rail go through the progress loop meanwhile (an earlier failure is being handled there): the fabric then
+        reports the completion, which queues behind it."""
+        if self.closed:
+            return True
+        rail = a.prail.rail
+        with self._defer_lock:
+            if self._deferring[rail]:
+                return False
+        req = a.reqs[0]
+        pipe = self.pipe
+        with self._lock:
+            if self._inflight.pop(req.wr_id, None) is None:
+                return True
+            a.pending = 0
+            claimed = not a.finished and not a.cancelled
+            _, slot, landing = pipe._retire_locked(a)
+        self._rail_stats[rail].add_many((("completions", 1), ("bytes_completed", req.nbytes)))
+        if slot is not None or landing is not None:
+            pipe._release(a, slot, landing)
+        if claimed:
+            self.accounts.unit_done(a.batch, a.unit)
+        return True
+
+    def on_completion(self, rail: int, c) -> None:
+        if c.opcode == Opcode.RECV_IMM:
+            if c.imm is not None and c.imm & ACK_FLAG:
+                self.on_ack(rail, c)
+            else:
+                self.receiver.on_chunk(rail, c.peer_id, c.imm or 0, c.byte_len)
+            return
+        if c.wr_id >= ACK_WR_BASE:
+            if c.error is not None:
+                self.counters.add("rx_ack_errors")
+                log.info("ack write on rail %d failed: %s", rail, c.error)
+            return
+        with self._lock:
+            a = self._inflight.pop(c.wr_id, None)
+            if a is not None:
+                a.pending -= 1
+                more = a.pending > 0
+        if a is None:
+            return
+        stats = self._rail_stats[rail]
+        if c.error is None:
+            done_bytes = c.byte_len
+            if not more and self._selective and (len(a.reqs) > 1 or not a.reqs[0].signaled):
+                # the silent writes before it are done too (posting order)
+                done_bytes += sum(r.length for r in a.reqs if not r.signaled)
+            stats.add_many((("completions", 1), ("bytes_completed", done_bytes)))
+            if more:
+                return
+            if a.unit.kind == COALESCED and not a.cancelled:
+                with self._lock:
+                    a.write_done = True
+                    done = a.acked
+                if done:
+                    self.finish(a)
+                elif a.slot is not None:
+                    a.slot.enter(WAITING)
+                return
+            self.finish(a)
+            return
+        stats.add("completion_errors")
+        pipe = self.pipe
+        if a.cancelled:
+            pipe._drop(a)
+            return
+        if isinstance(c.error, RegionError):
+            pipe._drop(a)
+            pipe._fail_batch(a.batch, RemoteRejected(f"{a.batch.peer.session} refused a write on rail {rail}: "
+                                                     f"{c.error}", [c.error]))
+            return
+        with self._lock:
+            a.write_done = True
+        pipe._rail_failed(a.prail, c.error)
+
+    def on_ack(self, rail: int, c) -> None:
+        entry = self.directory.by_remote_rail.get(c.peer_id)
+        if entry is None:
+            return
+        peer, pr = entry
+        slot, status = decode_ack(c.imm)
+        with pr.cv:
+            a = pr.landing_owner.get(slot)
+        if a is None:
+            return
+        if status != ST_OK:
+            off = (pr.rail * pr.slots + slot) * ACK_BYTES
+            reason = decode_ack_payload(peer.credit.array[off:off + ACK_BYTES])
+            self.pipe._drop(a)
+            self.pipe._fail_batch(a.batch, RemoteRejected(f"{peer.session} rejected a chunk of batch {a.batch.id}: "
+                                                          f"{reason}"))
+            return
+        silent = not a.reqs[0].signaled  # a silent chunk write: this ack completes it (see ``SlotFills.fill``)
+        with self._lock:
+            a.acked = True
+            done = a.write_done or silent
+        if silent:
+            self._rail_stats[a.prail.rail].add("bytes_completed", a.reqs[0].length)
+        if done:
+            self.finish(a)
+
+    def finish(self, a: "_Attempt") -> None:
+        """An attempt succeeded: give back its resources and count its unit done."""
+        # one lock section decides between success and failover: rail_failed only takes attempts that are
+        # neither finished nor cancelled, so a unit is never counted done twice
+        pipe = self.pipe
+        with self._lock:
+            claimed = not a.finished and not a.cancelled
+            _, slot, landing = pipe._retire_locked(a)
+        pipe._release(a, slot, landing)
+        if claimed:
+            self.accounts.unit_done(a.batch, a.unit)

@@ -1,0 +1,194 @@
+"""The copy thread's side of the coalesced and relayed routes: filling a relay slot and taking landing credits.
+
+A relay ring's copy thread (``transport.relay.RelayRing``) calls ``SlotFills.fill`` for each attempt it holds a
+slot for: a COALESCED unit's pieces are gathered into a chunk (header table and payload; on the GPU by one
+kernel) bound for one of the peer's landing slots, whose credit it waits for; a RELAYED unit's pieces are copied
+into the slot and written from there to their destinations.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from transport.errors import AddressNotRegistered, PeerLost
+from transport.fabric.base import GatherWrite, WriteBatch, WriteRequest
+from transport.fabric.memory import MEMCPY_MAX, memcpy_async
+from transport.planner import COALESCED
+from transport.receiver import chunk_imm
+from transport.regions import locate_inside
+from transport.packing import gpu_pack, gpu_pack_large, host_memmove
+from transport.telemetry import now_ns
+
+if TYPE_CHECKING:  # annotations only
+    from transport.batches import _Attempt
+    from transport.peers import _PeerRail
+
+log = logging.getLogger("transport.engine")  # one logger for the engine and its parts
+
+
+class SlotFills:
+    """Fills relay slots for one engine's data path (see the module docstring).
+
+    Arguments: pipe: the data path (``transport.pipeline.Pipeline``), whose fabrics, counters, trace, relay copy
+    plans, lock, write keys and failover this uses."""
+
+    def __init__(self, pipe):
+        self.fabrics = pipe.fabrics
+        self.counters = pipe.counters
+        self.trace = pipe.trace
+        self.engine_id = pipe.engine_id
+        self._relay_copies = pipe._relay_copies
+        self._lock = pipe._lock
+        self._selective = pipe._selective
+        self._batches = pipe._batches
+        self._keys = pipe._keys
+        self._rail_failed = pipe._rail_failed
+
+    def fill(self, a: _Attempt, slot) -> bool:
+        """Fill ``slot`` for attempt ``a`` (runs in the ring's copy thread). False: cancelled, slot unused. GPU
+        copies are only enqueued on the slot's lane stream: the ring synchronises its streams once per round."""
+        if a.cancelled or a.batch.failed:
+            return False
+        u = a.unit
+        t0 = now_ns()
+        if u.kind == COALESCED:
+            landing = self._acquire_landing(a)
+            if landing is None:
+                if not (a.cancelled or a.batch.failed):
+                    # the rail died while we waited for a credit: fail it over (this attempt included)
+                    self._rail_failed(a.prail, a.prail.cause or PeerLost(
+                        f"rail {a.prail.rail} endpoint to {a.batch.peer.session} died"))
+                return False
+            b = a.batch
+            if u.items is not None:
+                items = u.items
+                srcs, dsts, lens = b.srcs[items], b.dsts[items], b.lengths[items]
+            else:  # large pieces sent through the peer's landing slots (receive-side PXN)
+                srcs, dsts, lens = (np.array(col, dtype=np.int64) for col in zip(*u.segs))
+            seq = next(b.peer.seq)
+            gather = None
+            if slot.tensor is None:
+                from pxn_kernels.chunk import build_header_table
+                view = slot.ring._buf.array[slot.addr - slot.ring._buf.addr:][:slot.nbytes]
+                _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view)
+                fab = self.fabrics[a.prail.rail]
+                if fab.capabilities.gather_writes and int(lens.sum()) >= fab.gather_min_bytes * lens.size:
+                    gather = (srcs, slot.addr + offsets, lens)  # the fabric sends each piece from its source
+                else:
+                    host_memmove(srcs, slot.addr + offsets, lens)
+            elif u.items is None:  # large pieces for the peer to forward: the copy engine moves them
+                chunk_bytes = gpu_pack_large(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
+            else:
+                chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
+            pr = a.prail
+            a.reqs = [(WriteRequest if gather is None else GatherWrite)(
+                slot.addr, chunk_bytes, pr.landing_addr + landing * pr.slot_bytes, pr.landing_rkey, slot.ring.lkey,
+                imm=chunk_imm(landing, seq))]
+            if gather is not None:
+                a.reqs[0].gather = gather
+                # the receiver acks a chunk only once every byte of it has arrived, so the ack also completes the
+                # write: where the fabric keeps successes silent, the chunk costs one completion, not two
+                a.reqs[0].signaled = not self._selective
+        elif (u.runs is None or u.runs[2].size <= MEMCPY_MAX) and not (slot.ring.ordered and u.device >= 0):
+            # RELAYED, a few pieces: copy them into the slot, then one write per piece to its final address
+            # (scalar steps: a few numpy calls per piece would cost more than the copies' host time)
+            segs = u.segments()
+            offs = [0]
+            for _, _, n in segs[:-1]:
+                offs.append(offs[-1] + n)
+            if slot.tensor is None:
+                host_memmove([sg[0] for sg in segs], [slot.addr + o for o in offs], [sg[2] for sg in segs])
+            elif u.device < 0:
+                from pxn_kernels import host_view
+                for (s_addr, _, n), o in zip(segs, offs):
+                    slot.tensor[o:o + n].copy_(host_view(s_addr, n))
+            else:
+                # large pieces: the copy engine (cudaMemcpyAsync, over NVLink from a peer GPU) runs at link speed
+                # and needs no descriptor upload
+                stream = slot.ring.stream(slot.lane)
+                for (s_addr, _, n), o in zip(segs, offs):
+                    memcpy_async(slot.addr + o, s_addr, n, stream)  # the ring waits for the stream once
+            a.reqs = []
+            for (s_addr, d_addr, n), o in zip(segs, offs):
+                _, rkey = self._keys(a, s_addr, d_addr, n)
+                a.reqs.append(WriteRequest(slot.addr + o, n, d_addr, rkey, slot.ring.lkey))
+        else:  # RELAYED, many pieces (or GPU pieces to an event-ordered fabric): one gather into the slot, its writes
+            s_arr, d_arr, n_arr = u.arrays()
+            offs = np.cumsum(n_arr) - n_arr
+            local = slot.addr + offs
+            if slot.tensor is None:
+                host_memmove(s_arr, local, n_arr)
+            elif u.device < 0:
+                from pxn_kernels import host_view
+                for s_addr, o, n in zip(s_arr.tolist(), offs.tolist(), n_arr.tolist()):
+                    slot.tensor[o:o + n].copy_(host_view(s_addr, n))
+            else:
+                # one bound batched-copy launch (replayed for lengths seen before), where a call per piece costs
+                # host time for every piece; on the lane's stream, ordered after the lane's earlier work, which the ring
+                # waits for or orders after
+                stream = slot.ring.stream(slot.lane)
+                self._relay_copies.finish([self._relay_copies.copy(slot.ring.device, s_arr, local, n_arr,
+                                                                   stream=stream)], wait=False, stream=stream)
+            rail = a.prail.rail
+            rsnap = a.batch.peer.regions.snapshot()
+            remote = a.batch.peer_region(rsnap)
+            if remote is not None:  # one peer region holds the whole batch: its key for every piece
+                rkeys = np.full(n_arr.size, remote.keys[rail], dtype=np.int64)
+            else:
+                ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
+                if ri is None:  # a region went away since validation: name it
+                    for s_addr, d_addr, n in zip(s_arr.tolist(), d_arr.tolist(), n_arr.tolist()):
+                        self._keys(a, s_addr, d_addr, n)
+                    raise AddressNotRegistered(f"a destination of batch {a.batch.id} is no longer advertised by "
+                                          f"{a.batch.peer.session}")
+                rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)[ri]
+            lkeys = np.full(n_arr.size, slot.ring.lkey, dtype=np.int64)
+            if self._batches:
+                a.reqs = [WriteBatch(local, n_arr, d_arr, rkeys, lkeys)]  # one completion, no object per piece
+            else:
+                a.reqs = [WriteRequest(lo, n, d, rk, slot.ring.lkey)
+                          for lo, n, d, rk in zip(local.tolist(), n_arr.tolist(), d_arr.tolist(), rkeys.tolist())]
+        with self._lock:
+            if a.cancelled or a.finished:
+                landing, a.landing = a.landing, None
+            else:
+                a.slot = slot
+                landing = None
+        if landing is not None:
+            self.release_landing(a.prail, landing)
+            return False  # the ring gives the slot back
+        t1 = now_ns()
+        self.counters.add("time_fill_s", (t1 - t0) / 1e9)
+        if self.trace is not None:
+            self.trace.complete("gather" if u.kind == COALESCED else "relay copy", "copy", f"copy/{slot.ring.name}",
+                                t0, t1, {"bytes": u.nbytes, "batch": a.batch.id})
+        return True
+
+    def _acquire_landing(self, a: _Attempt) -> Optional[int]:
+        """A free landing slot (credit) at the peer on the attempt's rail; waits (back-pressure). None when the
+        rail died or the attempt was cancelled meanwhile."""
+        pr = a.prail
+        t0 = None
+        with pr.cv:
+            while True:
+                if a.cancelled or a.batch.failed or not pr.alive or not pr.ep.alive:
+                    return None
+                if pr.free_landing:
+                    s = pr.free_landing.pop()
+                    pr.landing_owner[s] = a
+                    a.landing = s
+                    if t0 is not None:
+                        self.counters.add("time_wait_credit_s", (now_ns() - t0) / 1e9)
+                    return s
+                if t0 is None:
+                    t0 = now_ns()
+                    self.counters.add("credit_waits")
+                pr.cv.wait(0.25)
+
+    def release_landing(self, pr: _PeerRail, slot: int) -> None:
+        with pr.cv:
+            if pr.landing_owner.pop(slot, None) is not None:
+                pr.free_landing.append(slot)
+            pr.cv.notify()

@@ -92,17 +92,7 @@ class RegionBook:
                     break
 
     def set_landing_handler(self, mr: MemoryRegion, handler) -> None:
-        """Capability ``landing_handlers``: let ``handler`` place writes with an immediate into the host region
-        ``mr`` (a receiver's landing slots) straight into their final destinations.
-
-        For such a write, checked as any write (rkey, whole write inside ``mr``) and carried whole in one message,
-        the receiving thread calls ``handler(peer_id, addr, length, imm, read)`` before placing anything;
-        ``read(n)`` receives the write's next ``n`` bytes into ``mr`` at their own place and returns a view of
-        them (a chunk's header and table). The handler returns None (the rest of the write lands in ``mr`` as
-        usual) or a plan: ``dsts``, ``lens``, ``offs`` (lists of ints: byte ``offs[i]`` of the write onwards,
-        ``lens[i]`` bytes, go to host address ``dsts[i]``, which the handler vouches for; offsets ascending, past
-        what it read, without overlap, inside the write) and ``done()``, called once every byte is placed. Bytes
-        of the write outside the plan land in ``mr``. The RECV_IMM of the write follows as for any write."""
+        """Register ``handler`` for the host region ``mr`` (the contract: ``TcpLanding.set_landing_handler``)."""
         with self.lock:
             if self.regions.get(mr.rkey) is not mr or mr.device != DEVICE_HOST:
                 raise RegionError(f"set_landing_handler: {mr!r} is not a host region registered with {self.owner}")

@@ -44,6 +44,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from transport.bench_cli import LocalPeer, measure  # noqa: E402
+from transport.config import parse_size  # noqa: E402
 from transport.peer_process import Buffer  # noqa: E402
 from transport.engine import TransferEngine  # noqa: E402
 
@@ -83,6 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--goal-rounds", type=int, default=21,
                     help="rounds of the goal pair measured back to back after the table (0: none)")
     ap.add_argument("--goal-repeat", type=int, default=3, help="calls per path in each goal round (median)")
+    ap.add_argument("--cell", metavar="PIECE,SLOT", default=None,
+                    help="only the relayed cell of these sizes (e.g. 64K,512K; no goal pair), to time one cell with "
+                         "a larger --repeat")
     ap.add_argument("--out", default=None, help="JSON path (default: a temporary file; the committed "
                                                 "benchmarks/results/relay-table-<fabric>.json only with --out)")
     args = ap.parse_args(argv)
@@ -116,7 +120,10 @@ def main(argv=None) -> int:
                   f"{r['gbps']:7.3f} GB/s", flush=True)
             return row
 
-        for piece in PIECES:
+        if args.cell:
+            piece, slot = (parse_size(v) for v in args.cell.split(","))
+            cell({"relay": "always", "coalesce_bytes": 0, "relay_slot_bytes": slot}, piece, slot, "relayed")
+        for piece in PIECES if not args.cell else ():
             cell(DIRECT, piece, None, "direct")
             for slot in SLOTS:
                 cell({"relay": "always", "coalesce_bytes": 0, "relay_slot_bytes": slot}, piece, slot, "relayed")
@@ -124,13 +131,16 @@ def main(argv=None) -> int:
                 if piece + CHUNK_OVERHEAD + 16 <= slot:
                     cell(_coalesced(piece, slot), piece, slot, "coalesced")
         for r in rows:
-            d = next(x for x in rows if x["path"] == "direct" and x["piece_bytes"] == r["piece_bytes"])
-            r["ratio_to_direct"] = round(r["gbps"] / d["gbps"], 4)
-        if args.goal_rounds > 0:
+            d = next((x for x in rows if x["path"] == "direct" and x["piece_bytes"] == r["piece_bytes"]), None)
+            r["ratio_to_direct"] = round(r["gbps"] / d["gbps"], 4) if d else None
+        if args.goal_rounds > 0 and not args.cell:
             rows.append(goal_pair(common, peer, src, total, args.goal_rounds, args.goal_repeat, args.fabric, date))
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         json.dump(rows, f, indent=1)
+    if args.cell:
+        print(f"wrote {out}")
+        return 0
     from transport.plots import plot_relay_table
     plot_relay_table(rows, os.path.splitext(out)[0] + ".png")  # the heat map beside the JSON (matplotlib)
 

@@ -38,6 +38,7 @@ def _flag(value) -> bool:
 
 _flag.__name__ = "flag"
 
+
 def _seconds_from_us(value) -> float:
     v = float(value) / 1e6
     if not 0.0 <= v <= 1.0:

@@ -100,21 +100,21 @@ def tag_costs(n: int = 20000) -> dict:
     import numpy as np
 
     from transport import auth
-    from transport.fabric import tcp as T
+    from transport.fabric import wire
     key = os.urandom(32)
     tx = auth.Session(key, True, b"b", "tcp")
     rx = auth.Session(key, False, b"b", "tcp")
     out = {}
     for rows in (1, 16, 256):
-        table = np.zeros(rows, dtype=T.PIECE_DT).tobytes()
-        frame = T.HDR.pack(T.MAGIC, T.T_WRITE, 0, 0, rows, 7, len(table) + 4096) + table
+        table = np.zeros(rows, dtype=wire.PIECE_DT).tobytes()
+        frame = wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, rows, 7, len(table) + 4096) + table
         k = n if rows < 256 else n // 10
         t0 = time.perf_counter()
-        sealed = [T._seal(tx, frame) for _ in range(k)]
+        sealed = [wire._seal(tx, frame) for _ in range(k)]
         t1 = time.perf_counter()
         for f in sealed:  # checked in the order sealed, as a receiver does
             v = memoryview(f)
-            h = rx.rx_begin(v[:32], T._NO_TAG)
+            h = rx.rx_begin(v[:32], wire._NO_TAG)
             h.update(v[48:48 + len(table)])
             rx.rx_end(h, v[32:48])
         t2 = time.perf_counter()

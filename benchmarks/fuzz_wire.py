@@ -45,6 +45,7 @@ from pxn_kernels.chunk import (ENTRY_BYTES, HEADER_BYTES, PAYLOAD_ALIGN, build_h
 from transport.errors import ChunkFormatError  # noqa: E402
 from transport import auth  # noqa: E402
 from transport.fabric import tcp as T  # noqa: E402
+from transport.fabric import wire  # noqa: E402
 
 POISON = 0x5A
 GUARD = 4096
@@ -171,10 +172,10 @@ class WireHarness:
         for part in s.ctrl:
             data += part
         acks, pos = [], 0
-        while pos + T.HDR.size <= len(data):
-            count = T.HDR.unpack_from(data, pos)[4]
-            acks.append(bytes(data[pos:pos + T.HDR.size + count]))
-            pos += T.HDR.size + count
+        while pos + wire.HDR.size <= len(data):
+            count = wire.HDR.unpack_from(data, pos)[4]
+            acks.append(bytes(data[pos:pos + wire.HDR.size + count]))
+            pos += wire.HDR.size + count
         return acks
 
     def _check(self, frame: bytes, acks) -> None:
@@ -182,15 +183,15 @@ class WireHarness:
         may_change = np.zeros(self.mem.size, dtype=bool)
         exp = np.full(self.mem.size, POISON, dtype=np.uint8)
         pos, n_acked, n_complete = 0, 0, 0
-        while pos + T.HDR.size <= len(frame):
-            magic, typ, hflags, _, count, _, blen = T.HDR.unpack_from(frame, pos)
-            if magic != T.MAGIC or typ != T.T_WRITE or count > T.MAX_TABLE:
+        while pos + wire.HDR.size <= len(frame):
+            magic, typ, hflags, _, count, _, blen = wire.HDR.unpack_from(frame, pos)
+            if magic != wire.MAGIC or typ != wire.T_WRITE or count > wire.MAX_TABLE:
                 break  # the link fails here (or an ACK / other type: never a write)
-            tb = count * T.PIECE_DT.itemsize
-            start = pos + T.HDR.size
+            tb = count * wire.PIECE_DT.itemsize
+            start = pos + wire.HDR.size
             if blen < tb or blen - tb > 1 << 20 or start + tb > len(frame):
                 break
-            table = np.frombuffer(frame, dtype=T.PIECE_DT, count=count, offset=start)
+            table = np.frombuffer(frame, dtype=wire.PIECE_DT, count=count, offset=start)
             if sum(int(x) for x in table["len"]) != blen - tb:
                 break
             ok = [self.expected_status(r) for r in table]
@@ -208,14 +209,14 @@ class WireHarness:
             self.counts["pieces_refused"] += sum(1 for g in ok if not g)
             self.counts["pieces_accepted"] += sum(1 for g in ok if g)
             pos = off
-            if hflags & T.H_NOACK:  # an unacked write: its pieces land (or are refused) and nothing answers
+            if hflags & wire.H_NOACK:  # an unacked write: its pieces land (or are refused) and nothing answers
                 self.counts["unacked"] += 1
                 continue
             assert n_acked < len(acks), "a complete WRITE message was not acked"
-            statuses = acks[n_acked][T.HDR.size:]
+            statuses = acks[n_acked][wire.HDR.size:]
             assert len(statuses) == count, (len(statuses), count)
             for i, good in enumerate(ok):
-                assert (statuses[i] == T.ST_OK) == good, (i, statuses[i], table[i])
+                assert (statuses[i] == wire.ST_OK) == good, (i, statuses[i], table[i])
             n_acked += 1
         assert len(acks) == n_acked, f"{len(acks)} acks for {n_acked} complete messages"
         self.counts["acked"] += n_acked
@@ -250,26 +251,26 @@ def frames(draw, base: int, rkey: int):
             rows.append((addr % (1 << 64), ln % (1 << 64), waddr % (1 << 64), wlen % (1 << 64),
                          draw(st.sampled_from([rkey] * 4 + [0, rkey ^ 1, draw(st.integers(0, (1 << 32) - 1))])),
                          draw(st.integers(0, 3)), draw(st.integers(0, (1 << 32) - 1)), 0))
-        table = np.array(rows, dtype=T.PIECE_DT).tobytes()
+        table = np.array(rows, dtype=wire.PIECE_DT).tobytes()
         lens = sum(r[1] for r in rows)
         body_len = lens if lens <= 64 << 10 else draw(st.integers(0, 64 << 10))
         payload = draw(st.binary(min_size=min(body_len, 64), max_size=min(body_len, 64)))
         payload = (payload * (body_len // max(1, len(payload)) + 1))[:body_len] if payload else bytes(body_len)
-        count = n if draw(st.integers(0, 3)) else draw(st.sampled_from([n + 1, max(0, n - 1), T.MAX_TABLE + 1,
+        count = n if draw(st.integers(0, 3)) else draw(st.sampled_from([n + 1, max(0, n - 1), wire.MAX_TABLE + 1,
                                                                          (1 << 32) - 1]))
         blen = len(table) + lens if draw(st.integers(0, 3)) else draw(st.sampled_from(
             [len(table) + body_len, 0, (1 << 64) - 1, draw(st.integers(0, (1 << 64) - 1))]))
         blen %= 1 << 64
-        hflags = draw(st.sampled_from([0, 0, 0, T.H_NOACK]))  # an unacked write now and then: no ACK expected
-        frame = T.HDR.pack(T.MAGIC, T.T_WRITE, hflags, 0, count, draw(st.integers(0, 3)), blen) + table + payload
+        hflags = draw(st.sampled_from([0, 0, 0, wire.H_NOACK]))  # an unacked write now and then: no ACK expected
+        frame = wire.HDR.pack(wire.MAGIC, wire.T_WRITE, hflags, 0, count, draw(st.integers(0, 3)), blen) + table + payload
     else:
-        typ = T.T_ACK if kind == "ack" else draw(st.integers(0, 255))
-        count = draw(st.sampled_from([0, 1, 8, T.MAX_TABLE, T.MAX_TABLE + 1, (1 << 32) - 1]))
+        typ = wire.T_ACK if kind == "ack" else draw(st.integers(0, 255))
+        count = draw(st.sampled_from([0, 1, 8, wire.MAX_TABLE, wire.MAX_TABLE + 1, (1 << 32) - 1]))
         blen = draw(st.sampled_from([count, 0, count + 1, (1 << 24) + 1, (1 << 64) - 1]))
-        frame = T.HDR.pack(T.MAGIC, typ, 0, 0, count, draw(st.integers(0, 3)), blen) \
+        frame = wire.HDR.pack(wire.MAGIC, typ, 0, 0, count, draw(st.integers(0, 3)), blen) \
             + draw(st.binary(max_size=64))
     if draw(st.integers(0, 19)) == 0:  # a corrupted header byte
-        i = draw(st.integers(0, min(len(frame), T.HDR.size) - 1))
+        i = draw(st.integers(0, min(len(frame), wire.HDR.size) - 1))
         frame = frame[:i] + bytes([draw(st.integers(0, 255))]) + frame[i + 1:]
     if draw(st.integers(0, 9)) == 0:  # truncated
         frame = frame[:draw(st.integers(0, len(frame)))]

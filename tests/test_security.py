@@ -25,6 +25,7 @@ from transport import InvalidTransfer, TransferEngine, UnknownSession
 from transport import auth
 from transport.control import parse_session, recv_msg, send_msg
 from transport.fabric import tcp as T
+from transport.fabric import wire
 from transport.peer_process import digest, serve
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -151,13 +152,13 @@ def _closed_without_answer(s: socket.socket, timeout: float = 10.0) -> bytes:
 def _hello_frame(peer_id: str) -> bytes:
     hello = json.dumps({"id": peer_id, "conn": os.urandom(8).hex(), "index": 0, "n": 1,
                         "desc": {"fabric": "tcp", "id": peer_id, "host": "127.0.0.1", "port": 1}}).encode()
-    return T.HDR.pack(T.MAGIC, T.T_HELLO, 0, 0, 0, 0, len(hello)) + hello
+    return wire.HDR.pack(wire.MAGIC, wire.T_HELLO, 0, 0, 0, 0, len(hello)) + hello
 
 
 def _write_frame(addr: int, data: bytes, rkey: int, imm=None) -> bytes:
-    row = np.array([(addr, len(data), addr, len(data), rkey, T.F_IMM if imm is not None else 0, imm or 0, 0)],
-                   dtype=T.PIECE_DT).tobytes()
-    return T.HDR.pack(T.MAGIC, T.T_WRITE, 0, 0, 1, 0, len(row) + len(data)) + row + data
+    row = np.array([(addr, len(data), addr, len(data), rkey, wire.F_IMM if imm is not None else 0, imm or 0, 0)],
+                   dtype=wire.PIECE_DT).tobytes()
+    return wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, 1, 0, len(row) + len(data)) + row + data
 
 
 # --- strangers: no secret -----------------------------------------------------------------------------------
@@ -278,9 +279,9 @@ def _insider_control(victim, hello_overrides=None):
 def _insider_rail(victim, rail_id: str, rail: int = 0) -> socket.socket:
     s = socket.create_connection(_addr(victim.rails[rail]), timeout=10)
     auth.client_handshake(s, SECRET.encode(), "tcp", 10)
-    s.sendall(T._seal(T._keyed(s), _hello_frame(rail_id)))  # an insider tags its frames as an engine does
-    hdr = auth.recv_exact(s, T.HDR.size, time.monotonic() + 10)
-    _, typ, _, _, status, _, blen = T.HDR.unpack(hdr)
+    s.sendall(wire._seal(wire._keyed(s), _hello_frame(rail_id)))  # an insider tags its frames as an engine does
+    hdr = auth.recv_exact(s, wire.HDR.size, time.monotonic() + 10)
+    _, typ, _, _, status, _, blen = wire.HDR.unpack(hdr)
     body = auth.recv_exact(s, blen, time.monotonic() + 10)
     if status:
         s.close()
@@ -300,9 +301,9 @@ def test_forged_lengths_cost_nothing(victim, src, rng, attack):
             assert _closed_without_answer(ctrl) == b""
         else:
             s = _insider_rail(victim, hello["rail_ids"][0])
-            hdr = {"ack_count": T.HDR.pack(T.MAGIC, T.T_ACK, 0, 0, 0xFFFFFFFF, 0, 0xFFFFFFFF),
-                   "write_count": T.HDR.pack(T.MAGIC, T.T_WRITE, 0, 0, 0xFFFFFFFF, 0, 1 << 60),
-                   "write_payload": T.HDR.pack(T.MAGIC, T.T_WRITE, 0, 0, 0, 0, 1 << 60)}[attack]
+            hdr = {"ack_count": wire.HDR.pack(wire.MAGIC, wire.T_ACK, 0, 0, 0xFFFFFFFF, 0, 0xFFFFFFFF),
+                   "write_count": wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, 0xFFFFFFFF, 0, 1 << 60),
+                   "write_payload": wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, 0, 0, 1 << 60)}[attack]
             s.sendall(hdr)
             assert _closed_without_answer(s) == b""
             s.close()

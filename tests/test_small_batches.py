@@ -16,6 +16,10 @@ from fabric_helpers import wait_completions
 from transport import InvalidTransfer, TransferEngine
 from transport.errors import RegionError
 from transport.fabric import tcp as T
+from transport.fabric import base as fabric_base
+from transport.fabric import messages
+from transport.fabric import sockets
+from transport.fabric import wire
 from transport.smallbatch import Signal
 
 AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
@@ -215,16 +219,16 @@ def test_signal_is_an_event_set_once():
 
 
 def test_write_rows_checks_name_the_bad_write():
-    ok = T.WriteRows((10, 20), [1, 2], [30, 40], 5, 6)
+    ok = fabric_base.WriteRows((10, 20), [1, 2], [30, 40], 5, 6)
     assert ok.local_span == (10, 22) and ok.remote_span == (30, 42) and ok.max_length == 2 and ok.nbytes == 3
     assert ok.count == 2 and isinstance(ok.local_addr, list)
     for args, what in [(([10, 20], [1, 0], [30, 40]), "write 1"), (([10, True], [1, 1], [30, 40]), "write 1"),
                        (([10, 20], [1, 1], [-1, 40]), "write 0"), (([10], [1 << 63], [0]), "write 0"),
                        (([10, 20], [1.0, 1], [30, 40]), "write 0")]:
         with pytest.raises(ValueError, match=what):
-            T.WriteRows(*args, 5, 6)
+            fabric_base.WriteRows(*args, 5, 6)
     with pytest.raises(ValueError, match="one length"):
-        T.WriteRows([1, 2], [1], [3], 5, 6)
+        fabric_base.WriteRows([1, 2], [1], [3], 5, 6)
 
 
 @pytest.fixture
@@ -247,7 +251,7 @@ def test_write_rows_on_the_fabric(fabric_pair):
     base = dst.ctypes.data + (1 << 16)
     lens = [7, 64, 1, 4000]
     s_offs, d_offs = [0, 100, 5000, 9000], [60000, 0, 333, 20000]
-    a.post_writes(ep, [T.WriteRows([src.ctypes.data + o for o in s_offs], lens, [base + o for o in d_offs],
+    a.post_writes(ep, [fabric_base.WriteRows([src.ctypes.data + o for o in s_offs], lens, [base + o for o in d_offs],
                                    rmr.rkey, lmr.lkey, wr_id=1)])
     (c,) = wait_completions(a, 1)
     assert c.wr_id == 1 and c.error is None and c.byte_len == sum(lens)
@@ -256,9 +260,9 @@ def test_write_rows_on_the_fabric(fabric_pair):
         exp[(1 << 16) + d_:(1 << 16) + d_ + n] = src[s_:s_ + n]
     assert np.array_equal(dst, exp)
     with pytest.raises(RegionError, match="write 1: local range"):
-        a.post_writes(ep, [T.WriteRows([src.ctypes.data, src.ctypes.data + src.nbytes - 4], [4, 8], [base, base + 8],
+        a.post_writes(ep, [fabric_base.WriteRows([src.ctypes.data, src.ctypes.data + src.nbytes - 4], [4, 8], [base, base + 8],
                                        rmr.rkey, lmr.lkey, wr_id=2)])
-    a.post_writes(ep, [T.WriteRows([src.ctypes.data, src.ctypes.data + 8], [8, 8],
+    a.post_writes(ep, [fabric_base.WriteRows([src.ctypes.data, src.ctypes.data + 8], [8, 8],
                                    [base + 100, base + (1 << 16) - 4], rmr.rkey, lmr.lkey, wr_id=3)])
     (c,) = wait_completions(a, 1)
     assert c.wr_id == 3 and isinstance(c.error, RegionError)
@@ -272,7 +276,7 @@ def test_inline_send_of_a_full_socket_leaves_the_rest_first_in_line():
     a, b = socket.socketpair()
     try:
         a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        s = T._Sock(a, 0)
+        s = sockets._Sock(a, 0)
         big = np.random.default_rng(1).bytes(1 << 20)
         assert T.TcpFabric._send_now(s, [b"head", memoryview(big)])
         assert s.ctrl  # the kernel took part of it
@@ -289,7 +293,7 @@ def test_inline_send_of_a_full_socket_leaves_the_rest_first_in_line():
 
         t = threading.Thread(target=drain)
         t.start()
-        T.send_buffers(a, list(s.ctrl))
+        sockets.send_buffers(a, list(s.ctrl))
         t.join(10)
         assert bytes(got) == b"head" + big + b"later"
     finally:
@@ -304,12 +308,12 @@ def test_look_ahead_receive_returns_the_stream_in_order():
         data = np.random.default_rng(2).bytes(sum(sizes) + 50 * len(sizes))
         t = threading.Thread(target=lambda: [a.sendall(data[i:i + 777]) for i in range(0, len(data), 777)])
         t.start()
-        rx = T._Rx(b, 4096)
+        rx = sockets._Rx(b, 4096)
         out = bytearray()
         stage = memoryview(bytearray(1 << 16))
         for n in sizes:
             view = memoryview(bytearray(n))
-            T.recv_exact(rx, view)
+            sockets.recv_exact(rx, view)
             out += view
             out += rx.take(50, stage)
         t.join(10)
@@ -327,9 +331,9 @@ def test_look_ahead_header_unpack_across_partial_receives(rng):
     try:
         n = 300
         bodies = [rng.bytes(int(k)) for k in rng.integers(0, 9000, n)]
-        fields = [(T.MAGIC, int(rng.integers(1, 9)), 0, 0, int(rng.integers(0, 1 << 32)), int(rng.integers(0, 1 << 63)),
+        fields = [(wire.MAGIC, int(rng.integers(1, 9)), 0, 0, int(rng.integers(0, 1 << 32)), int(rng.integers(0, 1 << 63)),
                    len(body)) for body in bodies]
-        data = b"".join(T.HDR.pack(*f) + body for f, body in zip(fields, bodies))
+        data = b"".join(wire.HDR.pack(*f) + body for f, body in zip(fields, bodies))
         cuts = np.sort(rng.choice(len(data), size=4000, replace=False))  # many one-byte and short sends
 
         def send():
@@ -339,15 +343,15 @@ def test_look_ahead_header_unpack_across_partial_receives(rng):
                 pos = c
         t = threading.Thread(target=send)
         t.start()
-        rx = T._Rx(b, T.HDR.size + 4096)
+        rx = sockets._Rx(b, wire.HDR.size + 4096)
         stage = memoryview(bytearray(1 << 16))
         for i, (f, body) in enumerate(zip(fields, bodies)):
-            assert rx.unpack(T.HDR) == f, f"header {i}"
+            assert rx.unpack(wire.HDR) == f, f"header {i}"
             if i % 2:
                 assert bytes(rx.take(len(body), stage)) == body, f"body {i}"
             else:
                 view = memoryview(bytearray(len(body)))
-                T.recv_exact(rx, view)
+                sockets.recv_exact(rx, view)
                 assert bytes(view) == body, f"body {i}"
         t.join(10)
     finally:
@@ -365,11 +369,11 @@ class _Pushed:
         self.pushed.extend(comps)
 
 
-def _rows_message(wr_id: int, on_acked=None) -> "T._OutMsg":
-    req = T.WriteRows([0, 8], [8, 8], [100, 200], 5, 6, wr_id=wr_id)
-    m = T._OutMsg(0)
-    m.rows = b"".join(T._ROW.pack(r, k, r, k, 5, 0, 0, 0) for r, k in zip(req.remote_addr, req.length))
-    m.pieces, m.batch, m.final, m.on_acked = 2, T._BatchRecord(req), True, on_acked
+def _rows_message(wr_id: int, on_acked=None) -> "messages._OutMsg":
+    req = fabric_base.WriteRows([0, 8], [8, 8], [100, 200], 5, 6, wr_id=wr_id)
+    m = messages._OutMsg(0)
+    m.rows = b"".join(wire._ROW.pack(r, k, r, k, 5, 0, 0, 0) for r, k in zip(req.remote_addr, req.length))
+    m.pieces, m.batch, m.final, m.on_acked = 2, messages._BatchRecord(req), True, on_acked
     return m
 
 
@@ -405,7 +409,7 @@ def test_ack_completes_a_rows_message_by_its_callback_only_in_order():
         fab.pushed.clear()
         m5 = _rows_message(5, on_acked=lambda: called.append(5) or True)
         ep.enqueue_one(m5)
-        ep.on_ack(m5.seq, bytes([0, T.ST_BOUNDS]))
+        ep.on_ack(m5.seq, bytes([0, wire.ST_BOUNDS]))
         assert called == [3, 4] and len(fab.pushed) == 1
         assert isinstance(fab.pushed[0].error, RegionError) and "0xc8" in str(fab.pushed[0].error)
     finally:

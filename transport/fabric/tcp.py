@@ -23,15 +23,6 @@ from transport.fabric.tcp_landing import TcpLanding
 from transport.fabric.tcp_posting import TcpPoster
 from transport.fabric.wire import HDR, SMALL_MESSAGE
 
-# The wire format and the socket helpers under the names the wire tests and the fuzzer (tests/test_small_batches.py,
-# tests/test_security.py, benchmarks/fuzz_wire.py, benchmarks/auth_overhead.py) reach them by, as ``tcp.<name>``.
-from transport.fabric.messages import _BatchRecord, _OutMsg  # noqa: F401
-from transport.fabric.sockets import recv_exact, send_buffers  # noqa: F401
-from transport.fabric.wire import (  # noqa: F401
-    _NO_TAG, _ROW, F_IMM, H_NOACK, MAGIC, MAX_TABLE, PIECE_DT, ST_BOUNDS, ST_OK, T_ACK, T_HELLO, T_WRITE, UNACKED_MAX,
-    _keyed, _seal,
-)
-
 # seconds a thread reads its socket without sleeping before it blocks, at most (``AdaptiveSpin`` keeps it on only
 # while it pays): a waiting caller for its small batch's ack (``ack_spin``), a receive thread for the next message
 # (``recv_spin``)

@@ -90,6 +90,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default: a temporary file; the committed "
                                                 "benchmarks/results/relay-table-<fabric>.json only with --out)")
     args = ap.parse_args(argv)
+    cell_sizes = None
+    if args.cell:
+        try:
+            cell_sizes = tuple(parse_size(v) for v in args.cell.split(","))
+        except ValueError:
+            cell_sizes = ()
+        if len(cell_sizes) != 2 or min(cell_sizes) < 1:
+            ap.error(f"--cell {args.cell!r}: expected PIECE,SLOT as two positive sizes, e.g. 64K,512K")
     logging.basicConfig(level=logging.WARNING)
     out = args.out or os.path.join(tempfile.gettempdir(), f"pxn-relay-table-{args.fabric}.json")
     total = args.total_mb * MB
@@ -121,7 +129,7 @@ def main(argv=None) -> int:
             return row
 
         if args.cell:
-            piece, slot = (parse_size(v) for v in args.cell.split(","))
+            piece, slot = cell_sizes
             cell({"relay": "always", "coalesce_bytes": 0, "relay_slot_bytes": slot}, piece, slot, "relayed")
         for piece in PIECES if not args.cell else ():
             cell(DIRECT, piece, None, "direct")

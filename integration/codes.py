@@ -65,26 +65,30 @@ def error_name(code: int) -> str:
     return "OK" if code == 0 else _NAMES.get(code, f"ERR_{code}")
 
 
+# narrowest class first: ``UnknownSession`` is an ``UnknownPeer`` and an ``InvalidTransfer``, and the typed
+# subclasses of ``InvalidTransfer`` carry their own codes
+_CODE_BY_TYPE = (
+    (UnknownPeer, ERR_METADATA),
+    (AddressNotRegistered, ERR_ADDRESS_NOT_REGISTERED),
+    (RegionOverlap, ERR_ADDRESS_OVERLAPPED),
+    (InvalidTransfer, ERR_INVALID_ARGUMENT),
+    (TransferTimeout, ERR_TIMEOUT),
+    (RemoteRejected, ERR_REMOTE_REJECTED),
+    (FabricClosed, ERR_CONTEXT),
+    (FabricUnavailable, ERR_DEVICE_NOT_FOUND),
+    (PeerLost, ERR_ENDPOINT),
+)
+
+
 def error_code(exc: BaseException) -> int:
-    """Map a pxn exception to its negative code (the table in ``integration.mooncake``). Order matters: the
-    narrowest class first (``UnknownSession`` is also an ``InvalidTransfer`` and an ``UnknownPeer``)."""
-    if isinstance(exc, UnknownPeer):  # before InvalidTransfer: UnknownSession is both
-        return ERR_METADATA
-    if isinstance(exc, AddressNotRegistered):
-        return ERR_ADDRESS_NOT_REGISTERED
-    if isinstance(exc, RegionOverlap):
-        return ERR_ADDRESS_OVERLAPPED
-    if isinstance(exc, InvalidTransfer):
-        return ERR_INVALID_ARGUMENT
-    if isinstance(exc, TransferTimeout):
-        return ERR_TIMEOUT
-    if isinstance(exc, RemoteRejected):
-        return ERR_REMOTE_REJECTED
-    if isinstance(exc, FabricClosed):
-        return ERR_CONTEXT
-    if isinstance(exc, FabricUnavailable):
-        return ERR_DEVICE_NOT_FOUND
-    if isinstance(exc, PeerLost) or (isinstance(exc, TransferError) and exc.causes):
+    """Map a pxn exception to its negative code (the table in ``integration.mooncake``): the first class of
+    ``_CODE_BY_TYPE`` it is an instance of; a ``TransferError`` caused by lost peers is ``ERR_ENDPOINT``, any
+    other pxn error ``ERR_TRANSFER``, a ``ValueError`` / ``TypeError`` ``ERR_INVALID_ARGUMENT``, anything else
+    ``ERR_INTERNAL``."""
+    for cls, code in _CODE_BY_TYPE:
+        if isinstance(exc, cls):
+            return code
+    if isinstance(exc, TransferError) and exc.causes:
         return ERR_ENDPOINT
     if isinstance(exc, (TransferError, FabricError, PxnError)):
         return ERR_TRANSFER

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from transport.errors import FabricClosed, PeerLost, RegionError, RemoteRejected
 from transport.fabric.base import Opcode
 from transport.planner import COALESCED
-from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, decode_ack, decode_ack_payload
+from transport.receiver import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, F_QUEUED, F_RETURNED, ST_GRANT, ST_OK, decode_ack,
+                                decode_ack_payload, decode_grant)
 from transport.telemetry import WAITING
 
 if TYPE_CHECKING:  # annotations only
@@ -213,12 +214,25 @@ class Completions:
             return
         peer, pr = entry
         slot, status = decode_ack(c.imm)
+        flags, status = status & (F_RETURNED | F_QUEUED), status & ~(F_RETURNED | F_QUEUED)
+        if not 0 <= slot < pr.slots:
+            return
+        off = (pr.rail * pr.slots + slot) * ACK_BYTES
+        if status == ST_GRANT:
+            pr.grant([(slot, decode_grant(peer.credit.array[off:off + ACK_BYTES]))])
+            return
         with pr.cv:
             a = pr.landing_owner.get(slot)
+            if flags & F_RETURNED:
+                # the credit went back to the peer's pool: the chunk's release must not make it free here
+                pr.credit_slot.pop(slot, None)
+                if a is not None:
+                    del pr.landing_owner[slot]
+                if flags & F_QUEUED:
+                    pr.asked_at = time.monotonic()  # a grant follows; no need to ask
         if a is None:
             return
         if status != ST_OK:
-            off = (pr.rail * pr.slots + slot) * ACK_BYTES
             reason = decode_ack_payload(peer.credit.array[off:off + ACK_BYTES])
             self.pipe._drop(a)
             self.pipe._fail_batch(a.batch, RemoteRejected(f"{peer.session} rejected a chunk of batch {a.batch.id}: "

@@ -1,5 +1,6 @@
 """The shared landing pool (transport.receiver): many senders into one receiver, one sender into many receivers,
-landing memory that does not grow with senders, credits of a dead sender, the cap on a hello's slot size.
+landing memory that does not grow with senders, credits of a dead sender, the cap on a hello's slot size, and the
+routes to a peer whose pool slots are smaller than our chunks (one planner for all of them).
 
 Scaled down for the 2-core CPU box (tcp on loopback, host memory, one rail and one tcp connection per rail per
 engine): per sender, aux11, 4096 x 64 B, 16 x 64 KB (not 1024) and 300 pieces of 1..8192 B + 1 x 2 MB (not
@@ -11,11 +12,12 @@ import statistics
 import time
 
 import numpy as np
+import pytest
 
 from conftest import SEED
 from transport import TransferEngine
 from transport.control import query
-from transport.peer_process import POISON, PeerProcess
+from transport.peer_process import POISON, PeerProcess, digest
 
 MB = 1 << 20
 AUX11 = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
@@ -295,3 +297,51 @@ def test_hello_with_huge_slot_size_costs_no_more_than_the_cap():
         assert all(0 <= p["free"] <= p["slots"] == POOL // SLOT for p in pools)
     finally:
         rx.close()
+
+
+def test_peer_with_smaller_pool_slots_keeps_its_batches_inline_after_warm_up(seed):
+    """A receiver whose pool slots are smaller than the sender's chunks (ipc: 64 MiB relay slots, a 32 MiB pool)
+    gives the sender a planner of its own for that peer. Every route to the peer plans with it: a batch over a
+    region per piece that the planner splits between two rails goes inline on both rails once each rail learned
+    the peer's regions, batch after batch (the inline and posted routes pick the same rails, so what the posted
+    route taught a rail is what the inline route asks of it). Byte-exact, poison around every piece."""
+    from engine_helpers import EnginePeer, spy_taken
+    from transport.fabric.ipc import IpcFabric
+    try:
+        peer = EnginePeer(MB, fabric="ipc")
+    except RuntimeError as e:
+        pytest.skip(f"ipc fabric unavailable here: {e}")
+    rng = np.random.default_rng(seed)
+    with pytest.MonkeyPatch.context() as mp:
+        taken = spy_taken(mp, IpcFabric, "write_inline_regions")
+        try:
+            lengths = [1, 63, 4097] + rng.integers(48 << 10, 96 << 10, 29).tolist()
+            rng.shuffle(lengths)
+            with TransferEngine(fabric="ipc", loadstore=False, rails=2) as eng:
+                bufs = [np.frombuffer(rng.bytes(n + 32), dtype=np.uint8).copy() for n in lengths]
+                for b in bufs:
+                    eng.register(b)
+                extras = [peer.call("register_extra", size=n + 32, device=-1) for n in lengths]
+                offs = rng.integers(0, 32, (2, len(lengths)))
+                srcs = np.array([b.ctypes.data + int(o) for b, o in zip(bufs, offs[0])], dtype=np.int64)
+                dsts = np.array([a + int(o) for a, o in zip(extras, offs[1])], dtype=np.int64)
+                ln = np.asarray(lengths, dtype=np.int64)
+                warm = 0
+                while taken[-2:] != [True, True]:
+                    assert warm < 10, f"the rails did not learn the peer's regions: {taken}"
+                    eng.batch_write(peer.session, srcs, dsts, ln)
+                    warm += 1
+                assert eng._peer(peer.session).planner is not None  # the peer's own planner is in use
+                for round_ in range(4):
+                    for b in bufs:
+                        b[:] = np.frombuffer(rng.bytes(b.size), dtype=np.uint8)
+                    peer.poison()
+                    before = len(taken)
+                    eng.batch_write(peer.session, srcs, dsts, ln)
+                    assert taken[before:] == [True, True], f"round {round_}: an inline write declined: {taken}"
+                    for k, a in enumerate(extras):
+                        img = np.full(lengths[k] + 32, POISON, dtype=np.uint8)
+                        img[offs[1][k]:offs[1][k] + lengths[k]] = bufs[k][offs[0][k]:offs[0][k] + lengths[k]]
+                        assert peer.call("extra_digest", addr=a) == digest(img), f"piece {k} differs"
+        finally:
+            peer.close()

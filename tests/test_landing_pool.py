@@ -345,3 +345,45 @@ def test_peer_with_smaller_pool_slots_keeps_its_batches_inline_after_warm_up(see
                         assert peer.call("extra_digest", addr=a) == digest(img), f"piece {k} differs"
         finally:
             peer.close()
+
+
+def test_notifies_are_bounded_in_bytes(monkeypatch, seed):
+    """Notifies queue per engine up to a byte budget counted in UTF-8 bytes plus a cost per entry: multi-byte
+    text counts for its bytes, not its characters, and the oldest go first, the newest is always kept."""
+    from transport import reads
+    monkeypatch.setattr(reads, "_MAX_NOTIFY_BYTES", 64 << 10)
+    rng = np.random.default_rng(seed)
+    with _engine() as eng:
+        sent = []
+        for i in range(64):
+            msg = "€" * int(rng.integers(1000, 3000))  # 3 bytes each in UTF-8
+            sent.append((f"n{i}", msg))
+            assert reads.serve_op(eng, {"op": "notify", "name": f"n{i}", "msg": msg}) == {"ok": True}
+        got = reads.take_notifies(eng)
+    assert got == sent[-len(got):] and got[-1] == sent[-1]
+    held = sum(len(n.encode()) + len(m.encode()) + reads._NOTIFY_ENTRY_BYTES for n, m in got)
+    assert held <= 64 << 10 < held + len(sent[-len(got) - 1][1].encode()) + 200
+
+
+def test_chunks_beyond_a_senders_credits_are_not_queued():
+    """The receiver queues at most one chunk per credit a sender may hold (``SenderState.queue_cap``): a sender
+    whose chunks exceed that has nothing more queued for it, and the excess is counted."""
+    rx, tx = _engine(landing_bytes=POOL), _engine()
+    try:
+        mem = np.zeros(MB, dtype=np.uint8)
+        src = np.frombuffer(os.urandom(4096), dtype=np.uint8).copy()
+        rx.register(mem.ctypes.data, mem.nbytes)
+        tx.register(src.ctypes.data, src.nbytes)
+        tx.batch_write(rx.session_id, [src.ctypes.data + 64 * i for i in range(64)],
+                       [mem.ctypes.data + 128 * i for i in range(64)], [64] * 64)
+        st = next(iter(rx.receiver._senders.values()))
+        assert st.queue_cap == st.slots * len(st.rail_ids) >= 1
+        st.chunks_queued = st.queue_cap  # as if that many chunks waited for the progress loop
+        before = rx.stats()["receiver"].get("chunks_over_credits", 0)
+        rx.receiver.on_chunk(0, st.rail_ids[0], 0, 4096)
+        assert rx.stats()["receiver"].get("chunks_over_credits", 0) == before + 1
+        assert st.chunks_queued == st.queue_cap
+        st.chunks_queued = 0
+    finally:
+        tx.close()
+        rx.close()

@@ -156,6 +156,14 @@ class SenderState:
     stale_eps: Dict = field(default_factory=dict)  # rail -> endpoint of an earlier connection, dead or dying
     retired: bool = False  # replaced by a newer handshake of the same sender, or released
     placed: Dict = field(default_factory=dict)  # (rail, imm) -> _Placed: chunks placed as they arrived
+    chunks_queued: int = 0  # its landed chunks waiting for the progress loop (``on_chunk``), at most ``queue_cap``
+    queue_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def queue_cap(self) -> int:
+        """Chunks of this sender the progress loop may hold at once: one per credit it may hold on every rail (a
+        sender that keeps to its credits never has more), so the queue is bounded in bytes per sender."""
+        return max(1, self.slots) * max(1, len(self.rail_ids))
 
     def landing_addr(self, rail: int, slot: int) -> int:
         """Address of the pool slot behind credit ``slot`` on ``rail`` (KeyError: not lent to this sender)."""
@@ -525,12 +533,27 @@ class Receiver:
                     return
                 log.warning("receiver: placed chunk on rail %d imm 0x%x does not match its RECV_IMM (%d B vs %d B)",
                             rail, imm, byte_len, placed.length)
+        if entry is not None:
+            st = entry[0]
+            with st.queue_lock:
+                full = st.chunks_queued >= st.queue_cap
+                if not full:
+                    st.chunks_queued += 1
+            if full:
+                # more chunks than credits it may hold: not a sender that keeps to the protocol; nothing is
+                # queued for it (its batch fails at its own timeout)
+                self.counters.add("rx_chunks_over_credits")
+                return
         self._progress.submit(self._handle_if_open, rail, peer_id, entry, imm, byte_len, now_ns())
 
     # in the progress loop, which logs what raises and goes on: nothing once this receiver is closed
-    def _handle_if_open(self, *item) -> None:
+    def _handle_if_open(self, rail, peer_id, entry, *item) -> None:
+        if entry is not None:
+            st = entry[0]
+            with st.queue_lock:
+                st.chunks_queued -= 1
         if not self._closed:
-            self._handle(*item)
+            self._handle(rail, peer_id, entry, *item)
 
     def _sweep_if_open(self) -> None:
         if not self._closed:

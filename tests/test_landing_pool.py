@@ -387,3 +387,37 @@ def test_chunks_beyond_a_senders_credits_are_not_queued():
     finally:
         tx.close()
         rx.close()
+
+
+def test_idle_credits_go_back_and_come_again():
+    """A sender's credits unused for ``CREDIT_IDLE_S`` go back to the receiver's pool (every slot free there); its
+    next chunked batches ask again and land byte-exact."""
+    from transport.fills import CREDIT_IDLE_S
+    rx, tx = _engine(landing_bytes=POOL), _engine()
+    try:
+        mem = np.full(2 * MB, POISON, dtype=np.uint8)
+        src = np.frombuffer(os.urandom(MB), dtype=np.uint8).copy()
+        rx.register(mem.ctypes.data, mem.nbytes)
+        tx.register(src.ctypes.data, src.nbytes)
+        s_l = [src.ctypes.data + 128 * i for i in range(4096)]
+        d_l = [mem.ctypes.data + 256 * i + 7 for i in range(4096)]
+        lens = [64] * 4096
+        tx.batch_write(rx.session_id, s_l, d_l, lens)
+        deadline = time.monotonic() + 20 * CREDIT_IDLE_S + 5
+        while time.monotonic() < deadline and not tx.stats()["credits"]["returned_idle"]:
+            time.sleep(CREDIT_IDLE_S)
+        assert tx.stats()["credits"]["returned_idle"] >= 1
+        assert all(p["free"] == p["slots"] for p in _pool_stats(rx)), _pool_stats(rx)
+        for round_ in range(2):
+            src[:] = np.frombuffer(os.urandom(MB), dtype=np.uint8)
+            asked = tx.stats()["credits"]["requests"]
+            tx.batch_write(rx.session_id, s_l, d_l, lens)
+            exp = np.full(2 * MB, POISON, dtype=np.uint8)
+            for i in range(4096):
+                exp[256 * i + 7:256 * i + 71] = src[128 * i:128 * i + 64]
+            assert np.array_equal(mem, exp), f"round {round_}"
+            if round_ == 0:  # it held no credit: it asked the receiver again
+                assert tx.stats()["credits"]["requests"] > asked
+    finally:
+        tx.close()
+        rx.close()

@@ -37,7 +37,20 @@ log = logging.getLogger("transport.engine")  # one logger for the engine and its
 
 CREDIT_ASK_S = 1.0  # a rail holding no credit asks the peer again after this many seconds without a grant
 CREDIT_IDLE_S = 0.1  # credits unused for this long (no chunk waiting) go back to the peer's landing pool
+CREDIT_RETURN_TIMEOUT_S = 1.0  # the progress loop waits this long at most for a peer's reply to an idle return
 DEFER = -1  # _acquire_landing: no credit now, and waiting would wait for the caller's own round
+
+
+def _request(control, peer, msg: dict, timeout: Optional[float]) -> dict:
+    """``control.request`` on the peer's control connection, with ``timeout`` seconds for the reply (None: its
+    own, 30 s)."""
+    if peer.ctrl is not None:
+        peer.ctrl.settimeout(30.0 if timeout is None else timeout)
+    try:
+        return control.request(peer, msg)
+    finally:
+        if peer.ctrl is not None:
+            peer.ctrl.settimeout(30.0)
 
 
 class SlotFills:
@@ -227,29 +240,36 @@ class SlotFills:
             self.ask_credits(pr, want, [])
 
     def ask_credits(self, pr: _PeerRail, want: int, release: List[int]) -> None:
-        """One ``credits`` request to the peer for rail ``pr``: return the credits ``release``, ask for ``want``
-        more. Grants in the reply are free at once; the rest come as grant writes (``Completions.on_ack``). A
-        failure is logged: the rail's own failure, if any, shows on its endpoint, and a waiting chunk asks
-        again."""
+        """One ``credits`` request to the peer for rail ``pr`` (the copy thread of a chunk that waits): return the
+        credits ``release``, ask for ``want`` more. Grants in the reply are free at once; the rest come as grant
+        writes (``Completions.on_ack``). A failure is logged: the rail's own failure, if any, shows on its
+        endpoint, and a waiting chunk asks again."""
+        peer = pr.peer
+        with peer.lock:
+            if not peer.retired:
+                self._request_credits_locked(pr, want, release, None)
+
+    def _request_credits_locked(self, pr: _PeerRail, want: int, release: List[int], timeout: Optional[float]) -> bool:
+        """The ``credits`` request of ``ask_credits`` with ``peer.lock`` held, once more on a new control connection
+        when that one dropped. ``timeout``: seconds for the connect and the reply (the progress loop's idle returns
+        must not stall it); None: the control connection's own. False when it failed (the control connection is
+        then closed: a late reply must not answer the next request)."""
         peer = pr.peer
         control = self.pipe.control
         msg = {"op": "credits", "engine_id": self.engine_id, "rail": pr.rail, "want": want, "release": release}
         try:
-            with peer.lock:
-                if peer.retired:
-                    return
-                try:
-                    rep = control.request(peer, msg)
-                except (OSError, ConnectionError):
-                    # the control connection alone dropped (an idle timeout): once more on a new one
-                    control.close_ctrl_locked(peer)
-                    peer.ctrl = control.connect(peer.session)
-                    peer.ctrl.settimeout(30.0)
-                    rep = control.request(peer, msg)
+            try:
+                rep = _request(control, peer, msg, timeout)
+            except (OSError, ConnectionError):
+                # the control connection alone dropped (an idle timeout, or a failed request): once more on a new one
+                control.close_ctrl_locked(peer)
+                peer.ctrl = control.connect(peer.session, timeout=timeout or 10.0)
+                rep = _request(control, peer, msg, timeout)
         except (OSError, ConnectionError, ValueError, FabricError, TransferError) as e:
+            control.close_ctrl_locked(peer)
             self.counters.add("credit_requests_failed")
             log.info("credits request to %s rail %d failed: %s", peer.session, pr.rail, e)
-            return
+            return False
         self.counters.add("credit_requests")
         grants = rep.get("grants") or []
         if grants:
@@ -257,25 +277,37 @@ class SlotFills:
         if rep.get("queued"):
             with pr.cv:
                 pr.asked_at = time.monotonic()
+        return True
 
     def return_idle_credits(self) -> None:
         """In the progress loop, every ``CREDIT_IDLE_S``: credits a rail has not used for that long, with no
-        chunk waiting for one, go back to the peer's pool, where other senders may wait for them."""
+        chunk waiting for one, go back to the peer's pool, where other senders may wait for them. A peer whose
+        control connection is busy (a handshake, a region refresh, a chunk asking) is left for the next round; a
+        return that fails keeps the credits here (they are used or returned later)."""
         if self.pipe._closed:
             return
         now = time.monotonic()
         with self._lock:
             peers = [p for p in self.pipe.directory.values() if p.ready and not p.retired]
         for peer in peers:
-            for pr in peer.rails:
-                with pr.cv:
-                    if not pr.free_landing or pr.chunk_demand or now - pr.idle_since < CREDIT_IDLE_S or not pr.alive:
-                        continue
-                    release, pr.free_landing = pr.free_landing, []
-                    for k in release:
-                        pr.credit_slot.pop(k, None)
-                self.ask_credits(pr, 0, release)
-                self.counters.add("credits_returned_idle", len(release))
+            if not any(pr.free_landing and pr.alive for pr in peer.rails) or not peer.lock.acquire(blocking=False):
+                continue
+            try:
+                for pr in peer.rails:
+                    with pr.cv:
+                        if not pr.free_landing or pr.chunk_demand or now - pr.idle_since < CREDIT_IDLE_S \
+                                or not pr.alive:
+                            continue
+                        release, pr.free_landing = pr.free_landing, []
+                        held = [(k, pr.credit_slot.pop(k)) for k in release if k in pr.credit_slot]
+                    if peer.retired:
+                        break
+                    if self._request_credits_locked(pr, 0, [k for k, _ in held], CREDIT_RETURN_TIMEOUT_S):
+                        self.counters.add("credits_returned_idle", len(held))
+                    else:
+                        pr.grant(held)
+            finally:
+                peer.lock.release()
 
     def release_landing(self, pr: _PeerRail, slot: int, a: Optional[_Attempt] = None) -> None:
         """Credit ``slot`` of attempt ``a`` is free again (unless the peer took it back meanwhile)."""

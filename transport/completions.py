@@ -5,6 +5,10 @@ and those after it on the same rail go, in order, through the engine's progress 
 a fabric thread the fabric may be waiting on). Other fabrics (verbs) have one ``poll_loop`` thread per rail. A
 ``WriteRows`` post (``transport.smallbatch``) is completed by its ack straight away (``rows_acked``). Every
 successful attempt ends in ``finish``, whose counting is ``Accounts.unit_done``.
+
+Writes into this engine's credit region (``on_ack``) are acks of chunks, which may say that the credit went back
+to the peer's landing pool (``F_RETURNED``; ``F_QUEUED``: a grant follows), or grants of credits
+(``ST_GRANT``, the pool slot in the payload): see ``transport.receiver`` and ``transport.fills``.
 """
 from __future__ import annotations
 

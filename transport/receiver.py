@@ -20,7 +20,7 @@ Every sender writes into the same pool; slots are lent to senders as credits:
   credit when nobody waits, or when it has more and holds less than its share (pool slots / senders holding
   or waiting); otherwise the slot goes to the next waiter (the sender, when it had more, queues again behind
   the others: ``F_QUEUED``). Credits a sender leaves unused it returns itself (``CREDIT_IDLE_S`` in
-  ``transport.pipeline``);
+  ``transport.fills``);
 * credits of a sender whose rail died (the liveness sweep, every ``SWEEP_S``) or that left go back to the pool.
 
 A sender's announced slot size is capped by the pool's stride: the hello answers ``landing_slot_bytes`` =

@@ -111,7 +111,7 @@ class _Attempt:
     one is marked cancelled and only gives its resources back when the fabric is done with them."""
 
     __slots__ = ("unit", "batch", "prail", "ring", "slot", "landing", "wr_id", "cancelled", "posted",
-                 "write_done", "acked", "finished", "reqs", "pipe", "pending")
+                 "write_done", "acked", "finished", "reqs", "pipe", "pending", "demand", "landing_at")
 
     def __init__(self, pipe, unit: Unit, batch: _Batch, prail: "_PeerRail"):
         self.pipe = pipe  # the data path that owns the attempt (``transport.pipeline.Pipeline``)
@@ -129,6 +129,8 @@ class _Attempt:
         self.finished = False
         self.reqs: List["WriteRequest"] = []
         self.pending = 0  # writes posted and not completed
+        self.demand = False  # counted in its rail's chunk_demand (a chunk that holds no credit yet)
+        self.landing_at = (0, False)  # a chunk's (pool slot of its credit, whether more chunks wait for credits)
 
     def rows_acked(self) -> bool:
         """The fabric's ``on_acked`` of this attempt's ``WriteRows``: see ``Completions.rows_acked``."""

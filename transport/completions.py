@@ -5,6 +5,10 @@ and those after it on the same rail go, in order, through the engine's progress 
 a fabric thread the fabric may be waiting on). Other fabrics (verbs) have one ``poll_loop`` thread per rail. A
 ``WriteRows`` post (``transport.smallbatch``) is completed by its ack straight away (``rows_acked``). Every
 successful attempt ends in ``finish``, whose counting is ``Accounts.unit_done``.
+
+Writes into this engine's credit region (``on_ack``) are acks of chunks, which may say that the credit went back
+to the peer's landing pool (``F_RETURNED``; ``F_QUEUED``: a grant follows), or grants of credits
+(``ST_GRANT``, the pool slot in the payload): see ``transport.receiver`` and ``transport.fills``.
 """
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from typing import TYPE_CHECKING
 from transport.errors import FabricClosed, PeerLost, RegionError, RemoteRejected
 from transport.fabric.base import Opcode
 from transport.planner import COALESCED
-from transport.receiver import ACK_BYTES, ACK_FLAG, ACK_WR_BASE, ST_OK, decode_ack, decode_ack_payload
+from transport.receiver import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, F_QUEUED, F_RETURNED, ST_GRANT, ST_OK, decode_ack,
+                                decode_ack_payload, decode_grant)
 from transport.telemetry import WAITING
 
 if TYPE_CHECKING:  # annotations only
@@ -213,12 +218,25 @@ class Completions:
             return
         peer, pr = entry
         slot, status = decode_ack(c.imm)
+        flags, status = status & (F_RETURNED | F_QUEUED), status & ~(F_RETURNED | F_QUEUED)
+        if not 0 <= slot < pr.slots:
+            return
+        off = (pr.rail * pr.slots + slot) * ACK_BYTES
+        if status == ST_GRANT:
+            pr.grant([(slot, decode_grant(peer.credit.array[off:off + ACK_BYTES]))])
+            return
         with pr.cv:
             a = pr.landing_owner.get(slot)
+            if flags & F_RETURNED:
+                # the credit went back to the peer's pool: the chunk's release must not make it free here
+                pr.credit_slot.pop(slot, None)
+                if a is not None:
+                    del pr.landing_owner[slot]
+                if flags & F_QUEUED:
+                    pr.asked_at = time.monotonic()  # a grant follows; no need to ask
         if a is None:
             return
         if status != ST_OK:
-            off = (pr.rail * pr.slots + slot) * ACK_BYTES
             reason = decode_ack_payload(peer.credit.array[off:off + ACK_BYTES])
             self.pipe._drop(a)
             self.pipe._fail_batch(a.batch, RemoteRejected(f"{peer.session} rejected a chunk of batch {a.batch.id}: "

@@ -90,6 +90,8 @@ class EngineConfig:
     gid_index: Optional[int] = _setting(None, "PXN_GID_INDEX", OPERATIONAL, _gid_index)
     metadata_ttl: float = _setting(5.0, "PXN_METADATA_TTL", OPERATIONAL, float)
     """Mooncake API on etcd: seconds of the lease on an engine's entry."""
+    landing_bytes: int = _setting(32 << 20, "PXN_LANDING_BYTES", OPERATIONAL, parse_size)
+    """Bytes of the landing pool per receiving rail, shared by every sender (the receiver's memory budget)."""
     # --- tuning: one cost against another; the defaults are measured ---
     coalesce_bytes: int = _setting(64 << 10, "PXN_COALESCE_BYTES", TUNING, parse_size)
     direct_pieces: int = _setting(0, "PXN_DIRECT_PIECES", TUNING, int)
@@ -165,7 +167,7 @@ class EngineConfig:
 
     def __post_init__(self):
         # normalise the forms constructor arguments may take (sizes as "64K", flags as ints)
-        for name in ("coalesce_bytes", "relay_slot_bytes", "stripe_bytes"):
+        for name in ("coalesce_bytes", "relay_slot_bytes", "stripe_bytes", "landing_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         for name in ("loadstore", "forward_large", "insecure"):
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -178,7 +180,7 @@ class EngineConfig:
             raise _bad("relay", f"relay must be 'auto', 'always' or 'never', got {self.relay!r}")
         for name, lo in (("rails", 1), ("relay_slots", 1), ("lanes", 1), ("landing_slots", 1),
                          ("relay_slot_bytes", 4096), ("stripe_bytes", 4096), ("coalesce_bytes", 0),
-                         ("direct_pieces", 0)):
+                         ("landing_bytes", 4096), ("direct_pieces", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise _bad(name, f"{name} must be an int >= {lo}, got {value!r}")

@@ -11,8 +11,13 @@ dict), so other parts of pxn can add their own.
 
 Built-in ops:
 
-* ``hello``: a sender's first message. It names its rails and its credit region; the reply carries this engine's
-  rail descriptors, the landing slots allocated for that sender and the region list.
+* ``hello``: a sender's first message. It names its rails, its credit region (``credit_slots`` entries per rail)
+  and its chunk size (``slot_bytes``); the reply carries this engine's rail descriptors, the landing pool of each
+  rail (address, rkey, ``landing_stride``), the credits the sender may hold (``landing_slots``), the largest
+  chunk it may write (``landing_slot_bytes``, capped by the pool's slot size), a first grant of credits per rail
+  (``landing_grants``: [[credit index, pool slot]], possibly none) and the region list.
+* ``credits``: a connected sender returns credits it does not use and asks for more on one rail
+  (``transport.receiver.Receiver.credits``).
 * ``regions``: the region list again (a sender re-fetches it when a destination is not covered).
 * ``owns``: whether this engine opened the control connection with a given binding (``transport.reads`` asks it
   before it sends a read's bytes here).
@@ -202,7 +207,7 @@ class ControlPlane:
         self.session_id = f"{hostname}:{port}"
         self.closed = False
         self.ops: Dict[str, Callable[[dict], dict]] = {"hello": self._op_hello, "regions": self._op_regions,
-                                                       "owns": self._op_owns}
+                                                       "credits": self._op_credits, "owns": self._op_owns}
         # the bindings (``transport.auth.Session.binding``) of the control connections this engine opened, while
         # they live: a peer asked to send a read's bytes to this engine asks first whether the request's
         # connection is one of them (``transport.reads``)
@@ -313,6 +318,9 @@ class ControlPlane:
             return [DEVICE_HOST] * n
         return [devs[0] if g is None else g for g in self.rail_gpu]
 
+    def _op_credits(self, req: dict) -> dict:
+        return self.receiver.credits(req)
+
     def _op_hello(self, req: dict) -> dict:
         devices = self.landing_devices()
         landing = self.receiver.accept_sender(req, devices)
@@ -412,14 +420,22 @@ class ControlPlane:
             if len(rep["rail_ids"]) != n:
                 raise UnknownSession(f"session {peer.session!r} has {len(rep['rail_ids'])} rails, this engine {n}")
             slots = min(int(rep["landing_slots"]), cfg.landing_slots)
-            if int(rep["landing_slot_bytes"]) < cfg.relay_slot_bytes:
-                raise UnknownSession(f"session {peer.session!r} offers {rep['landing_slot_bytes']} B landing slots, "
-                                     f"smaller than this engine's {cfg.relay_slot_bytes} B chunks")
+            # the receiver decides the largest chunk (its landing pool's slot size, at most ours): a smaller one
+            # cuts this engine's chunks to this peer
+            chunk = int(rep["landing_slot_bytes"])
+            if not 4096 <= chunk <= cfg.relay_slot_bytes:
+                raise UnknownSession(f"session {peer.session!r} offers {chunk} B landing slots: need 4096 .. "
+                                     f"{cfg.relay_slot_bytes} B (this engine's chunks)")
+            stride = int(rep.get("landing_stride", chunk))
+            grants = rep.get("landing_grants") or [[] for _ in range(n)]
+            peer.planner = self._planner_for(chunk)
             for i, fab in enumerate(fabrics):
                 ep = fab.connect(base64.b64decode(rep["rail_descs"][i]))
-                rails.append(self.directory.make_rail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
-                                             int(rep["landing_rkeys"][i]), slots, int(rep["landing_slot_bytes"]),
-                                             peer))
+                pr = self.directory.make_rail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
+                                              int(rep["landing_rkeys"][i]), slots, chunk, peer)
+                pr.stride = stride
+                pr.grant([(int(k), int(p)) for k, p in grants[i]])
+                rails.append(pr)
         except (OSError, ConnectionError, ValueError, KeyError, FabricError) as e:
             sock.close()
             for fab, mr in zip(fabrics, mrs):
@@ -452,6 +468,17 @@ class ControlPlane:
             self.counters.add("reconnects")
         log.log(logging.WARNING if again else logging.INFO, "engine %s %sconnected to %s over %d rail(s)",
                 self.session_id, "re" if again else "", peer.session, n)
+
+    def _planner_for(self, chunk_bytes: int):
+        """A planner for a peer whose landing slots take chunks of at most ``chunk_bytes`` (its pool's slot size,
+        smaller than ours), or None when ours fits. ValueError when such a chunk cannot hold one coalesced
+        piece."""
+        cfg = self.config
+        if chunk_bytes >= cfg.relay_slot_bytes:
+            return None
+        from transport.planner import Planner
+        return Planner(cfg.coalesce_bytes, chunk_bytes, cfg.stripe_bytes, cfg.relay_slot_bytes, cfg.relay,
+                       cfg.direct_pieces)
 
     def _loadstore_writer(self, peer, rep: dict):
         """The rail-0 fabric's local writer for a same-host peer (``Fabric.local_writer``: the ipc fabric's

@@ -12,13 +12,14 @@ peer's registered memory (another ``TransferEngine``, named by its ``session_id`
   same device; the batch fails only when every rail failed (``TransferError.causes`` lists each cause).
 
 Handshake (``transport.control``): the engine runs a small TCP control listener (its port is in ``session_id``).
-On first use of a session the sender connects to it, sends its rail descriptors and the address / rkeys of a small credit region
-(where the receiver writes acks), and receives the peer's descriptors, its landing slots for this sender and
-the list of regions the peer registered. Then each rail connects (fabric connect is symmetric). The region list
-is re-fetched when a destination is not covered (the peer may have registered more since).
+On first use of a session the sender connects to it, sends its rail descriptors and the address / rkeys of a
+small credit region (where the receiver writes acks and grants), and receives the peer's descriptors, its
+landing pool (shared by every sender, lent as credits on demand: ``transport.receiver``) and the list of regions
+the peer registered. Then each rail connects (fabric connect is symmetric). The region list is re-fetched when a
+destination is not covered (the peer may have registered more since).
 
 Reconnect: when every rail to a peer has failed (the peer process died or restarted, the link dropped), the
-engine forgets that peer (rails, landing-slot credits, credit region, region list, control socket); batches in
+engine forgets that peer (rails, landing credits, credit region, region list, control socket); batches in
 flight to it fail with every rail's cause, and the next batch to the same session id handshakes again from
 scratch, with whatever engine listens at that host:port by then.
 
@@ -54,6 +55,7 @@ from transport.control import ControlPlane
 from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, FabricUnavailable, InvalidTransfer,
                               RegionOverlap, UnknownSession)
 from transport.fabric.base import DEVICE_HOST
+from transport.fills import CREDIT_IDLE_S
 from transport.peers import PeerDirectory, rail_local_gpus
 from transport.pipeline import Pipeline
 from transport.planner import COALESCED, DIRECT, RELAYED
@@ -130,7 +132,12 @@ class TransferEngine:
         relay_slot_bytes: relay / landing slot size = largest chunk and relayed piece (``PXN_RELAY_SLOT_BYTES``,
             default 4 MiB: on tcp, 64 KB pieces coalesce much faster into 4 MiB chunks than into 1 MiB ones).
         relay_slots: slots per lane (``PXN_RELAY_SLOTS``, default 8). lanes: lanes per ring (``PXN_LANES``, 2).
-        landing_slots: landing slots per peer and rail = chunk credits (``PXN_LANDING_SLOTS``, default 16).
+        landing_slots: credits (landing slots in use at once) one sender may hold per rail, as a sender and as a
+            receiver (``PXN_LANDING_SLOTS``, default 16; at most the landing pool's slots).
+        landing_bytes: the landing pool per receiving rail, shared by every sender (``PXN_LANDING_BYTES``, default
+            32 MiB: eight 4 MiB slots, about a bandwidth-delay product of a 400 Gb/s rail with a 0.5 ms chunk
+            turnaround; docs/README-engine.md, "Landing pool"). Slots are lent to senders as credits; a sender
+            out of credits waits. Its slot size is ``relay_slot_bytes`` (capped by this budget).
         stripe_bytes: direct pieces above this are split across rails (``PXN_STRIPE_BYTES``, default 16 MiB).
         relay: "auto" | "always" | "never" (``PXN_RELAY``): force large pieces through relay slots or direct.
         landing_device: device of landing slots (-1 host); None: the first CUDA device with a registered region
@@ -160,8 +167,8 @@ class TransferEngine:
             ``insecure``. ``secret=''`` while ``PXN_SECRET`` is set is refused, never a silent override.
         insecure: allow running without a shared secret when none is set (``PXN_INSECURE=1``; default off): no
             authentication at all, one warning per process, and one at start naming the exposed host and ports.
-        max_senders: senders this engine keeps landing slots for at once (``PXN_MAX_SENDERS``, default 256); a
-            hello beyond it is refused (a sender saying hello again keeps its place).
+        max_senders: senders connected to this engine at once (``PXN_MAX_SENDERS``, default 256); a hello beyond
+            it is refused (a sender saying hello again keeps its place). Landing memory does not depend on it.
         handshake_timeout: seconds an incoming control or rail connection has to authenticate
             (``PXN_HANDSHAKE_TIMEOUT``, default 5).
         max_conns_per_addr: authenticated control connections per source address (``PXN_MAX_CONNS_PER_ADDR``,
@@ -177,7 +184,7 @@ class TransferEngine:
                  switch_interval: Optional[float] = None, loadstore: Optional[bool] = None, secret=None,
                  max_senders: Optional[int] = None, handshake_timeout: Optional[float] = None,
                  max_conns_per_addr: Optional[int] = None, forward_large: Optional[bool] = None,
-                 direct_pieces: Optional[int] = None, insecure: Optional[bool] = None):
+                 direct_pieces: Optional[int] = None, insecure: Optional[bool] = None, landing_bytes=None):
         self.hostname = hostname
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
@@ -185,7 +192,8 @@ class TransferEngine:
         given = dict(
             fabric=fabric, rails=rails, coalesce_bytes=coalesce_bytes, direct_pieces=direct_pieces,
             relay_slot_bytes=relay_slot_bytes,
-            relay_slots=relay_slots, lanes=lanes, landing_slots=landing_slots, stripe_bytes=stripe_bytes,
+            relay_slots=relay_slots, lanes=lanes, landing_slots=landing_slots, landing_bytes=landing_bytes,
+            stripe_bytes=stripe_bytes,
             relay=relay, timeout=timeout, trace_path=trace_path, switch_interval=switch_interval,
             loadstore=loadstore, forward_large=forward_large, max_senders=max_senders,
             handshake_timeout=handshake_timeout, max_conns_per_addr=max_conns_per_addr)
@@ -255,10 +263,12 @@ class TransferEngine:
             # the engine's one progress thread: landed chunks, failed completions, re-dispatched posts, watchdogs
             self._progress = ProgressLoop("pxn-progress")
             self.receiver = Receiver(self.fabrics, self._regions, cfg.landing_slots, cfg.relay_slot_bytes,
-                                     self.counters, self.trace, max_senders=cfg.max_senders, progress=self._progress)
+                                     self.counters, self.trace, max_senders=cfg.max_senders, progress=self._progress,
+                                     landing_bytes=cfg.landing_bytes)
             self._pipe = Pipeline(cfg, caps, self.fabrics, self._regions, self._peers, self.receiver,
                                   self._progress, self.counters, self._rail_stats, self.latency, self.trace,
                                   self.engine_id)
+            self._progress.every(CREDIT_IDLE_S, self._pipe.fills.return_idle_credits)
             for rail in range(len(self.fabrics)):
                 self._pipe.ring(DEVICE_HOST, rail)
             self._control = ControlPlane(hostname, port, self._peers, self._regions, self._region_gen, self.fabrics,
@@ -538,7 +548,7 @@ class TransferEngine:
             "engine": {"session_id": self.session_id, "fabric": self.fabric_name, "rails": len(self.fabrics),
                        "coalesce_bytes": cfg.coalesce_bytes, "relay_slot_bytes": cfg.relay_slot_bytes,
                        "relay_slots": cfg.relay_slots, "lanes": cfg.lanes, "landing_slots": cfg.landing_slots,
-                       "stripe_bytes": cfg.stripe_bytes, "relay": cfg.relay},
+                       "landing_bytes": cfg.landing_bytes, "stripe_bytes": cfg.stripe_bytes, "relay": cfg.relay},
             "batches": {"submitted": c.get("batches_submitted", 0), "ok": c.get("batches_ok", 0),
                         "failed": c.get("batches_failed", 0), "items": c.get("items", 0),
                         "bytes": c.get("bytes", 0), "latency": self.latency.summary()},
@@ -550,7 +560,9 @@ class TransferEngine:
             "failover": {"rail_failures": c.get("rail_failures", 0), "redispatched_units": c.get("failovers", 0),
                          "peers_lost": c.get("peers_lost", 0), "reconnects": c.get("reconnects", 0),
                          "ctrl_reconnects": c.get("ctrl_reconnects", 0)},
-            "credits": {"waits": c.get("credit_waits", 0), "wait_s": c.get("time_wait_credit_s", 0)},
+            "credits": {"waits": c.get("credit_waits", 0), "wait_s": c.get("time_wait_credit_s", 0),
+                        "requests": c.get("credit_requests", 0), "requests_failed": c.get("credit_requests_failed", 0),
+                        "returned_idle": c.get("credits_returned_idle", 0), "defers": c.get("credit_defers", 0)},
             "handshake_s": c.get("handshake_s", 0),
             "security": self._security_stats(c),
         })

@@ -4,15 +4,23 @@ A relay ring's copy thread (``transport.relay.RelayRing``) calls ``SlotFills.fil
 slot for: a COALESCED unit's pieces are gathered into a chunk (header table and payload; on the GPU by one
 kernel) bound for one of the peer's landing slots, whose credit it waits for; a RELAYED unit's pieces are copied
 into the slot and written from there to their destinations.
+
+Landing credits (the receiver's side: ``transport.receiver``): a rail holds the credits the peer lent it out of
+its shared landing pool (``_PeerRail.credit_slot``: credit index -> pool slot). A chunk takes a free one; a rail
+holding none asks the peer for some (the ``credits`` control op, again every ``CREDIT_ASK_S`` while none
+comes), and grants come in the reply, with acks, or as grant writes into the credit region
+(``transport.completions``). Credits a rail has not used for ``CREDIT_IDLE_S`` go back to the pool
+(``return_idle_credits``, in the progress loop), where other senders may wait for them.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+import time
+from typing import TYPE_CHECKING, List, Optional
 
 import numpy as np
 
-from transport.errors import AddressNotRegistered, PeerLost
+from transport.errors import AddressNotRegistered, FabricError, PeerLost, TransferError
 from transport.fabric.base import GatherWrite, WriteBatch, WriteRequest
 from transport.fabric.memory import MEMCPY_MAX, memcpy_async
 from transport.planner import COALESCED
@@ -27,6 +35,23 @@ if TYPE_CHECKING:  # annotations only
 
 log = logging.getLogger("transport.engine")  # one logger for the engine and its parts
 
+CREDIT_ASK_S = 1.0  # a rail holding no credit asks the peer again after this many seconds without a grant
+CREDIT_IDLE_S = 0.1  # credits unused for this long (no chunk waiting) go back to the peer's landing pool
+CREDIT_RETURN_TIMEOUT_S = 1.0  # the progress loop waits this long at most for a peer's reply to an idle return
+DEFER = -1  # _acquire_landing: no credit now, and waiting would wait for the caller's own round
+
+
+def _request(control, peer, msg: dict, timeout: Optional[float]) -> dict:
+    """``control.request`` on the peer's control connection, with ``timeout`` seconds for the reply (None: its
+    own, 30 s)."""
+    if peer.ctrl is not None:
+        peer.ctrl.settimeout(30.0 if timeout is None else timeout)
+    try:
+        return control.request(peer, msg)
+    finally:
+        if peer.ctrl is not None:
+            peer.ctrl.settimeout(30.0)
+
 
 class SlotFills:
     """Fills relay slots for one engine's data path (see the module docstring).
@@ -35,6 +60,7 @@ class SlotFills:
     plans, lock, write keys and failover this uses."""
 
     def __init__(self, pipe):
+        self.pipe = pipe
         self.fabrics = pipe.fabrics
         self.counters = pipe.counters
         self.trace = pipe.trace
@@ -55,6 +81,12 @@ class SlotFills:
         t0 = now_ns()
         if u.kind == COALESCED:
             landing = self._acquire_landing(a)
+            if landing == DEFER:
+                # the credits this chunk waits for are held by chunks of this very round, posted only at its end:
+                # behind them in the ring's queue, not blocking the round
+                a.ring.enqueue_copy([a])
+                self.counters.add("credit_defers")
+                return False
             if landing is None:
                 if not (a.cancelled or a.batch.failed):
                     # the rail died while we waited for a credit: fail it over (this attempt included)
@@ -83,9 +115,10 @@ class SlotFills:
             else:
                 chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
             pr = a.prail
+            pool_slot, more = a.landing_at
             a.reqs = [(WriteRequest if gather is None else GatherWrite)(
-                slot.addr, chunk_bytes, pr.landing_addr + landing * pr.slot_bytes, pr.landing_rkey, slot.ring.lkey,
-                imm=chunk_imm(landing, seq))]
+                slot.addr, chunk_bytes, pr.landing_addr + pool_slot * pr.stride, pr.landing_rkey, slot.ring.lkey,
+                imm=chunk_imm(landing, seq, more))]
             if gather is not None:
                 a.reqs[0].gather = gather
                 # the receiver acks a chunk only once every byte of it has arrived, so the ack also completes the
@@ -157,7 +190,7 @@ class SlotFills:
                 a.slot = slot
                 landing = None
         if landing is not None:
-            self.release_landing(a.prail, landing)
+            self.release_landing(a.prail, landing, a)
             return False  # the ring gives the slot back
         t1 = now_ns()
         self.counters.add("time_fill_s", (t1 - t0) / 1e9)
@@ -167,28 +200,121 @@ class SlotFills:
         return True
 
     def _acquire_landing(self, a: _Attempt) -> Optional[int]:
-        """A free landing slot (credit) at the peer on the attempt's rail; waits (back-pressure). None when the
-        rail died or the attempt was cancelled meanwhile."""
+        """A free credit (landing slot) at the peer on the attempt's rail; waits (back-pressure). A rail holding
+        no credit asks the peer for some (``ask_credits``), again every ``CREDIT_ASK_S`` while none comes. None
+        when the rail died or the attempt was cancelled meanwhile; ``DEFER`` when the credits it would wait for
+        are held by chunks of the same ring round, not yet posted (a peer lends fewer credits than a round has
+        slots)."""
         pr = a.prail
         t0 = None
-        with pr.cv:
-            while True:
-                if a.cancelled or a.batch.failed or not pr.alive or not pr.ep.alive:
-                    return None
-                if pr.free_landing:
-                    s = pr.free_landing.pop()
-                    pr.landing_owner[s] = a
-                    a.landing = s
-                    if t0 is not None:
-                        self.counters.add("time_wait_credit_s", (now_ns() - t0) / 1e9)
-                    return s
-                if t0 is None:
-                    t0 = now_ns()
-                    self.counters.add("credit_waits")
-                pr.cv.wait(0.25)
+        while True:
+            with pr.cv:
+                while True:
+                    if a.cancelled or a.batch.failed or not pr.alive or not pr.ep.alive:
+                        return None
+                    if pr.free_landing:
+                        k = pr.free_landing.pop()
+                        pr.landing_owner[k] = a
+                        a.landing = k
+                        if a.demand:
+                            a.demand = False
+                            pr.chunk_demand -= 1
+                        # the receiver lets us keep this credit after its ack only if more chunks wait for one
+                        a.landing_at = (pr.credit_slot[k], pr.chunk_demand > 0)
+                        pr.idle_since = time.monotonic()
+                        if t0 is not None:
+                            self.counters.add("time_wait_credit_s", (now_ns() - t0) / 1e9)
+                        return k
+                    if a.ring is not None and any(o is not a and o.ring is a.ring and not o.posted
+                                                  for o in pr.landing_owner.values()):
+                        return DEFER
+                    if t0 is None:
+                        t0 = now_ns()
+                        self.counters.add("credit_waits")
+                    now = time.monotonic()
+                    if not pr.credit_slot and now - pr.asked_at >= CREDIT_ASK_S:
+                        pr.asked_at = now
+                        want = max(1, min(pr.chunk_demand, pr.slots))
+                        break
+                    pr.cv.wait(0.25)
+            self.ask_credits(pr, want, [])
 
-    def release_landing(self, pr: _PeerRail, slot: int) -> None:
+    def ask_credits(self, pr: _PeerRail, want: int, release: List[int]) -> None:
+        """One ``credits`` request to the peer for rail ``pr`` (the copy thread of a chunk that waits): return the
+        credits ``release``, ask for ``want`` more. Grants in the reply are free at once; the rest come as grant
+        writes (``Completions.on_ack``). A failure is logged: the rail's own failure, if any, shows on its
+        endpoint, and a waiting chunk asks again."""
+        peer = pr.peer
+        with peer.lock:
+            if not peer.retired:
+                self._request_credits_locked(pr, want, release, None)
+
+    def _request_credits_locked(self, pr: _PeerRail, want: int, release: List[int], timeout: Optional[float]) -> bool:
+        """The ``credits`` request of ``ask_credits`` with ``peer.lock`` held, once more on a new control connection
+        when that one dropped. ``timeout``: seconds for the connect and the reply (the progress loop's idle returns
+        must not stall it); None: the control connection's own. False when it failed (the control connection is
+        then closed: a late reply must not answer the next request)."""
+        peer = pr.peer
+        control = self.pipe.control
+        msg = {"op": "credits", "engine_id": self.engine_id, "rail": pr.rail, "want": want, "release": release}
+        try:
+            try:
+                rep = _request(control, peer, msg, timeout)
+            except (OSError, ConnectionError):
+                # the control connection alone dropped (an idle timeout, or a failed request): once more on a new one
+                control.close_ctrl_locked(peer)
+                peer.ctrl = control.connect(peer.session, timeout=timeout or 10.0)
+                rep = _request(control, peer, msg, timeout)
+        except (OSError, ConnectionError, ValueError, FabricError, TransferError) as e:
+            control.close_ctrl_locked(peer)
+            self.counters.add("credit_requests_failed")
+            log.info("credits request to %s rail %d failed: %s", peer.session, pr.rail, e)
+            return False
+        self.counters.add("credit_requests")
+        grants = rep.get("grants") or []
+        if grants:
+            pr.grant([(int(k), int(p)) for k, p in grants])
+        if rep.get("queued"):
+            with pr.cv:
+                pr.asked_at = time.monotonic()
+        return True
+
+    def return_idle_credits(self) -> None:
+        """In the progress loop, every ``CREDIT_IDLE_S``: credits a rail has not used for that long, with no
+        chunk waiting for one, go back to the peer's pool, where other senders may wait for them. A peer whose
+        control connection is busy (a handshake, a region refresh, a chunk asking) is left for the next round; a
+        return that fails keeps the credits here (they are used or returned later)."""
+        if self.pipe._closed:
+            return
+        now = time.monotonic()
+        with self._lock:
+            peers = [p for p in self.pipe.directory.values() if p.ready and not p.retired]
+        for peer in peers:
+            if not any(pr.free_landing and pr.alive for pr in peer.rails) or not peer.lock.acquire(blocking=False):
+                continue
+            try:
+                for pr in peer.rails:
+                    with pr.cv:
+                        if not pr.free_landing or pr.chunk_demand or now - pr.idle_since < CREDIT_IDLE_S \
+                                or not pr.alive:
+                            continue
+                        release, pr.free_landing = pr.free_landing, []
+                        held = [(k, pr.credit_slot.pop(k)) for k in release if k in pr.credit_slot]
+                    if peer.retired:
+                        break
+                    if self._request_credits_locked(pr, 0, [k for k, _ in held], CREDIT_RETURN_TIMEOUT_S):
+                        self.counters.add("credits_returned_idle", len(held))
+                    else:
+                        pr.grant(held)
+            finally:
+                peer.lock.release()
+
+    def release_landing(self, pr: _PeerRail, slot: int, a: Optional[_Attempt] = None) -> None:
+        """Credit ``slot`` of attempt ``a`` is free again (unless the peer took it back meanwhile)."""
         with pr.cv:
-            if pr.landing_owner.pop(slot, None) is not None:
-                pr.free_landing.append(slot)
+            owner = pr.landing_owner.get(slot)
+            if owner is not None and (a is None or owner is a):
+                del pr.landing_owner[slot]
+                if slot in pr.credit_slot:
+                    pr.free_landing.append(slot)
             pr.cv.notify()

@@ -51,6 +51,11 @@ class InlineRoute:
         self._spans_memo = {}  # _region_spans: the regions of batches over several regions, by layout
         self._spans_lock = threading.Lock()
 
+    def _planner(self, peer: "_Peer"):
+        """The planner of ``peer``'s routes (its own when its landing slots are smaller than our chunks): the
+        inline route asks the one the posted route plans with, so that both pick the same rails."""
+        return peer.planner or self.planner
+
     def submit(self, peer: "_Peer", src, dst, ln, devices, lsnap, idx, rsnap, ridx, one_region: bool,
                extremes: tuple, nbytes: int, t0: int, t1: int, async_: bool):
         """The route's entry for a validated batch (``Pipeline._submit``): None when written (and counted) while
@@ -84,10 +89,10 @@ class InlineRoute:
         again: the writes are idempotent)."""
         choices, load, c = self._whole_batch_rail(dev, peer, int(ln.size), nbytes, extremes)
         if c is None:
-            if self.planner.relays_all(choices, extremes[0], peer.forward):
+            if self._planner(peer).relays_all(choices, extremes[0], peer.forward):
                 return self._relay_inline(peer, src, dst, ln, dev, remote, extremes, nbytes, choices, load, t0, t1,
                                           wait)
-            if self.planner.direct_runs_all(choices, int(ln.size), extremes[0], extremes[1], peer.forward):
+            if self._planner(peer).direct_runs_all(choices, int(ln.size), extremes[0], extremes[1], peer.forward):
                 def write_run(fab, ep, rail, a, b, s, d, n, run_bytes, lmin, lmax):
                     # the run's own lengths; the batch's address spans hold every one of its pieces
                     bd = WriteBounds(lmin, lmax, *extremes[2:], remote.keys[rail], local.keys[rail].lkey)
@@ -106,7 +111,7 @@ class InlineRoute:
         batch of ``n`` pieces and ``nbytes`` bytes with the validation's ``extremes``."""
         choices = self._rail_choices(dev, peer)
         load = {pr.rail: pr.bytes_in_flight for pr in peer.rails} if len(choices) > 1 else {}
-        return choices, load, self.planner.whole_batch_rail(dev, choices, load, n, nbytes, extremes[0], extremes[1],
+        return choices, load, self._planner(peer).whole_batch_rail(dev, choices, load, n, nbytes, extremes[0], extremes[1],
                                                             peer.forward)
 
     def _inline_on_rail(self, peer: "_Peer", rail: int, write, n: int, nbytes: int, t0: int, t1: int, wait: bool):
@@ -122,7 +127,7 @@ class InlineRoute:
         if pending is None:
             # the posted path takes the same rail: what it does there (on ipc, a GRANT that describes the peer's
             # regions) lets that rail take the next batch inline
-            self.planner.rewind()
+            self._planner(peer).rewind()
             return None
         t3 = now_ns()
         # the rail's view: one post of n writes, complete once placed (``_wait`` for an async batch)
@@ -148,7 +153,7 @@ class InlineRoute:
             dev = int(devices)
         choices, load, c = self._whole_batch_rail(dev, peer, int(ln.size), nbytes, extremes)
         if c is None:
-            if not self.planner.direct_runs_all(choices, int(ln.size), extremes[0], extremes[1], peer.forward):
+            if not self._planner(peer).direct_runs_all(choices, int(ln.size), extremes[0], extremes[1], peer.forward):
                 return None
             many_local, many_remote = getattr(idx, "ndim", 0), getattr(ridx, "ndim", 0)
 
@@ -213,7 +218,7 @@ class InlineRoute:
         Returns the runs' joined ``Pending``, or None with nothing counted when a fabric declined or failed a run
         (on ipc: a rail that has not yet had the peer's region described): the runs already written are waited
         for, and the caller posts the whole batch (the writes are idempotent)."""
-        units = self.planner.plan(src, dst, ln, None, {dev: choices}, load, [dev], None, None,
+        units = self._planner(peer).plan(src, dst, ln, None, {dev: choices}, load, [dev], None, None,
                                   (nbytes, extremes[1], extremes[0]))
         t2 = now_ns()
         pendings, per_rail, first = [], {}, 0
@@ -256,7 +261,7 @@ class InlineRoute:
         Returns the units' joined ``Pending`` (waited for when ``wait``), or None with nothing counted when a
         fabric declined or failed a unit: the writes already made are waited for, and the caller posts the
         whole batch (the writes are idempotent)."""
-        units = self.planner.plan(src, dst, ln, None, {dev: choices}, load, [dev], None, None,
+        units = self._planner(peer).plan(src, dst, ln, None, {dev: choices}, load, [dev], None, None,
                                   (nbytes, extremes[1], extremes[0]))
         t2 = now_ns()
         pendings = []
@@ -310,7 +315,7 @@ class InlineRoute:
                 Pending.joined(pendings).wait()  # nothing of this try may land after the posted path's writes
             except RuntimeError:
                 log.exception("waiting for the inline %s writes to %s failed", what, peer.session)
-            self.planner.rewind()  # the posted path plans the same rails
+            self._planner(peer).rewind()  # the posted path plans the same rails
             return None
         t3 = now_ns()
         for rail, (posts, writes, rail_bytes) in per_rail.items():

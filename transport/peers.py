@@ -1,7 +1,7 @@
 """Peers, rails and failover: who this engine is connected to, over which rails, and what happens when a rail
 fails.
 
-* ``_PeerRail``: one rail to one peer (endpoint, landing-slot credits, attempts in flight);
+* ``_PeerRail``: one rail to one peer (endpoint, the landing credits it holds at the peer, attempts in flight);
 * ``_Peer``: one incarnation of a connection to a session, made at the handshake, forgotten when every rail failed;
 * ``PeerDirectory``: the sessions this engine is connected to, the rails by the peer's rail id (for acks), why a
   session was last forgotten, and the usable rails for data on a device (``rail_choices``);
@@ -40,12 +40,17 @@ class _PeerRail:
         self.peer = peer  # the peer incarnation this rail belongs to (the one to forget when every rail is dead)
         self.ep = ep
         self.remote_id = remote_id
-        self.landing_addr = landing_addr
+        self.landing_addr = landing_addr  # the peer's landing pool on this rail
         self.landing_rkey = landing_rkey
-        self.slots = slots
-        self.slot_bytes = slot_bytes
-        self.free_landing = list(range(slots))[::-1]
-        self.landing_owner: Dict[int, object] = {}  # landing slot -> the attempt (a chunk) holding it
+        self.slots = slots  # credits this engine may hold here (entries of its credit region per rail)
+        self.slot_bytes = slot_bytes  # largest chunk the peer takes
+        self.stride = slot_bytes  # bytes between two pool slots (the hello's landing_stride)
+        self.credit_slot: Dict[int, int] = {}  # credits held: credit index -> pool slot
+        self.free_landing: List[int] = []  # credits held and not in use
+        self.landing_owner: Dict[int, object] = {}  # credit -> the attempt (a chunk) holding it
+        self.chunk_demand = 0  # chunks dispatched to this rail that hold no credit yet
+        self.asked_at = 0.0  # time.monotonic() of the last ask for credits (or of being queued by an ack)
+        self.idle_since = 0.0  # time.monotonic() when the last chunk took a credit
         self.cv = threading.Condition()
         self.inflight: set = set()
         self.alive = True
@@ -54,6 +59,18 @@ class _PeerRail:
 
     def usable(self) -> bool:
         return self.alive and self.ep.alive
+
+    def grant(self, grants) -> None:
+        """Credits granted by the peer: (credit index, pool slot) pairs, now free to use. A grant answers an ask:
+        once out of credits again, the rail may ask at once."""
+        with self.cv:
+            if grants:
+                self.asked_at = 0.0
+            for k, p in grants:
+                if 0 <= k < self.slots and k not in self.credit_slot:
+                    self.credit_slot[k] = p
+                    self.free_landing.append(k)
+            self.cv.notify_all()
 
 
 class _Peer:
@@ -78,6 +95,9 @@ class _Peer:
         self.landing_device = DEVICE_HOST
         self.forward: Optional[Dict[int, int]] = None  # rail -> the peer's landing GPU, where it forwards
         self.loadstore = None  # rail 0's local writer for a same-host peer (the ipc fabric's load/store path)
+        # the planner of every route to this peer: the engine's, or its own when the peer's landing slots take
+        # smaller chunks than ours (one planner per peer, so that its routes share one tie rotation)
+        self.planner = None
 
     def connected(self) -> bool:
         # a plain loop: called twice per batch, where any(<genexpr>) costs a generator

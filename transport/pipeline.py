@@ -32,7 +32,7 @@ from transport.fabric.base import DEVICE_HOST, WriteBatch, WriteBounds, WriteReq
 from transport.fabric.gpu_copy import BoundCopies
 from transport.inline import InlineRoute
 from transport.peers import Failover, PeerDirectory, _Peer, all_rails_failed
-from transport.planner import DIRECT, RELAYED, Planner, Unit
+from transport.planner import COALESCED, DIRECT, RELAYED, Planner, Unit
 from transport.regions import first_bad, locate_inside, span_region
 from transport.relay import RelayRing
 from transport.smallbatch import submit_rows
@@ -329,8 +329,10 @@ class Pipeline:
             dst_devices = rsnap.devices[ridx]
             if getattr(dst_devices, "ndim", 0) == 0:
                 dst_devices = np.full(ln.size, int(dst_devices), dtype=np.int64)
-        units = _group_direct(self.planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices,
-                                                peer.forward, (nbytes, lmax, lmin)))
+        # a peer whose landing slots are smaller than our chunks has its own planner, which cuts them to fit
+        planner = peer.planner or self.planner
+        units = _group_direct(planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices,
+                                           peer.forward, (nbytes, lmax, lmin)))
         t2 = now_ns()
         batch.remaining = len(units)
         self._dispatch(batch, units)
@@ -377,6 +379,10 @@ class Pipeline:
             for u in units:
                 pr = batch.peer.rails[u.rail]
                 a = _Attempt(self, u, batch, pr)
+                if u.kind == COALESCED:
+                    with pr.cv:
+                        pr.chunk_demand += 1
+                    a.demand = True
                 pr.inflight.add(a)
                 pr.bytes_in_flight += u.wire_bytes or u.nbytes
                 attempts.append(a)
@@ -590,13 +596,18 @@ class Pipeline:
                     self._inflight.pop(r.wr_id, None)
         slot, a.slot = a.slot, None
         landing, a.landing = a.landing, None
+        if a.demand:
+            a.demand = False
+            pr = a.prail
+            with pr.cv:
+                pr.chunk_demand -= 1
         return first, slot, landing
 
     def _release(self, a: _Attempt, slot, landing) -> None:
         if slot is not None:
             slot.ring.release(slot)
         if landing is not None:
-            self.fills.release_landing(a.prail, landing)
+            self.fills.release_landing(a.prail, landing, a)
 
     def _drop(self, a: _Attempt) -> None:
         """Give back an attempt's resources when it will not be (or is no longer) in flight. Idempotent."""

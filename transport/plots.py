@@ -1,5 +1,6 @@
 """PNG plots of benchmark JSON: ``pxn bench``, the kernel benchmark, the fabrics and peers comparisons, the relay
-table (and the relay table as the README's Markdown, from the same cells).
+table (and the relay table as the README's Markdown, from the same cells), a receiver's cost against its number
+of peers (``benchmarks/scale.py``).
 
 matplotlib is optional (``pip install -e ".[bench]"``): without it every ``plot_*`` logs one line and writes
 nothing. Each function takes the JSON document as the benchmark wrote it and a PNG path, and returns the list
@@ -222,8 +223,41 @@ def plot_relay_table(rows: List[dict], path: str) -> List[str]:
     return _save(fig, path)
 
 
+def plot_scale(doc: dict, path: str) -> List[str]:
+    """``benchmarks/scale.py``'s rows against N peers: time to first byte, receiver RSS, landing bytes, threads,
+    file descriptors, aux11 latency under the load of the other N - 1 (p50 and p99)."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    rows = sorted(doc["rows"], key=lambda r: r["peers"])
+    ns = [r["peers"] for r in rows]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    series = [("ttfb_ms_median", "time to first byte, median (ms)"), ("rss_mib", "receiver RSS (MiB)"),
+              ("landing_bytes", "landing memory (MiB)"), ("threads", "receiver threads"), ("fds", "receiver fds"),
+              ("aux11_ms_p50", "aux11 under load, p50 / p99 (ms)")]
+    for ax, (key, title) in zip(axes.flat, series):
+        scale = 2 ** -20 if key == "landing_bytes" else 1
+        ax.plot(ns, [r[key] * scale for r in rows], "o-", label=key)
+        ax.set_ylim(bottom=0, top=max(r[key] * scale for r in rows) * 1.15 or 1)
+        if key == "aux11_ms_p50":
+            ax.plot(ns, [r["aux11_ms_p99"] for r in rows], "s--", label="aux11_ms_p99")
+            ax.set_ylim(bottom=0, top=max(r["aux11_ms_p99"] for r in rows) * 1.15 or 1)
+            ax.legend()
+        ax.set_title(title, fontsize=10)
+        if len(ns) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("peers (N)")
+        ax.grid(True, alpha=0.3)
+    setup = doc.get("setup", {})
+    fig.suptitle(f"pxn receiver cost vs peers ({setup.get('fabric', 'tcp')}, {setup.get('rails', 1)} rail; "
+                 f"{str(doc.get('date', ''))[:10]})")
+    return _save(fig, path)
+
+
 def plot_any(doc, path: str) -> List[str]:
     """Render a benchmark JSON document of any of the kinds above; [] for a kind without a plot."""
+    if isinstance(doc, dict) and doc.get("benchmark") == "scale" and doc.get("rows"):
+        return plot_scale(doc, path)
     if isinstance(doc, dict) and {"rows", "stats", "peer_stats"} <= doc.keys():
         rows = [r for r in doc["rows"] if "gbps" in r]  # engine_gpu.py adds ratio rows without GB/s
         return plot_bench(dict(doc, rows=rows), path) if rows else []

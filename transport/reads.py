@@ -59,7 +59,8 @@ CONTROL_OPS = ("read", "notify")   # the control ops this module serves (registe
 _POOL_IDLE = 8                     # idle read connections kept per session
 _REPLY_MARGIN_S = 10.0             # extra wait for the peer's reply beyond the batch timeout (seconds)
 _MAX_NOTIFIES = 1 << 16            # queued notifies kept per engine; the oldest are dropped beyond this
-_MAX_NOTIFY_BYTES = 64 << 20       # characters of queued notifies (names and messages) per engine, likewise
+_MAX_NOTIFY_BYTES = 64 << 20       # bytes of queued notifies per engine (``_notify_bytes``), likewise
+_NOTIFY_ENTRY_BYTES = 200          # what a queued notify costs beyond its text: the tuple and two str objects
 
 
 # --- wire encoding of the address arrays ----------------------------------------------------------------------
@@ -94,7 +95,7 @@ class Reads:
         self.idle: Dict[str, List[socket.socket]] = {}
         self.executor: Optional[ThreadPoolExecutor] = None
         self.notifies: List[Tuple[str, str]] = []
-        self.notify_chars = 0  # len(name) + len(msg) summed over ``notifies``
+        self.notify_bytes = 0  # ``_notify_bytes`` summed over ``notifies``
         self.closed = False
         for op in CONTROL_OPS:
             control.ops[op] = self.serve
@@ -293,11 +294,18 @@ def take_notifies(engine) -> List[Tuple[str, str]]:
     st = engine._reads
     with st.lock:
         out, st.notifies = st.notifies, []
-        st.notify_chars = 0
+        st.notify_bytes = 0
     return out
 
 
 # --- the peer's side -----------------------------------------------------------------------------------------
+def _notify_bytes(item: Tuple[str, str]) -> int:
+    """Bytes a queued notify is counted for: its name and message as UTF-8 plus a fixed cost per entry (a str of
+    non-ASCII text may take up to 4 bytes per character in memory, as in UTF-8)."""
+    return len(item[0].encode("utf-8", "surrogatepass")) + len(item[1].encode("utf-8", "surrogatepass")) \
+        + _NOTIFY_ENTRY_BYTES
+
+
 def serve_op(engine, req: dict) -> dict:
     """Serve one control request of ``CONTROL_OPS`` (``TransferEngine._serve`` calls this on the control
     connection's thread). Never raises: failures are replied with the exception's class name and message."""
@@ -308,11 +316,11 @@ def serve_op(engine, req: dict) -> dict:
             with st.lock:
                 item = (str(req.get("name", "")), str(req.get("msg", "")))
                 st.notifies.append(item)
-                st.notify_chars += len(item[0]) + len(item[1])
+                st.notify_bytes += _notify_bytes(item)
                 drop = 0
-                while len(st.notifies) - drop > _MAX_NOTIFIES or (st.notify_chars > _MAX_NOTIFY_BYTES
+                while len(st.notifies) - drop > _MAX_NOTIFIES or (st.notify_bytes > _MAX_NOTIFY_BYTES
                                                                   and len(st.notifies) - drop > 1):
-                    st.notify_chars -= len(st.notifies[drop][0]) + len(st.notifies[drop][1])
+                    st.notify_bytes -= _notify_bytes(st.notifies[drop])
                     drop += 1
                 if drop:
                     del st.notifies[:drop]

@@ -1,10 +1,34 @@
-"""The receiver: landing slots per peer, chunk validation, scatter, and the credit / ack back to the sender.
+"""The receiver: a shared landing pool per rail, credits, chunk validation, scatter, and the ack back to the sender.
 
-Per connected sender and rail, ``landing_slots`` slots of ``slot_bytes`` are registered with the rail's fabric;
-the sender learns their address and rkey at the handshake and owns a slot from the moment it writes a chunk into
-it until our ack arrives, so slots double as credits (a sender never has more chunks in flight than slots).
+Landing memory is bounded in bytes and does not grow with the number of senders: per receiving rail (and landing
+device) one pool of ``landing_bytes // stride`` slots is registered once, at the first hello
+(``LandingPool``; ``stride`` = this engine's relay slot size, capped by ``MAX_LANDING_SLOT`` and by the budget).
+Every sender writes into the same pool; slots are lent to senders as credits:
 
-A chunk arrives as a WRITE_WITH_IMM (imm = landing slot index). The progress thread then
+* a sender holds up to ``slots`` credits per rail (``min(its credit_slots, pool slots)``); credit ``k`` names pool
+  slot ``p`` (``SenderState.lent``). Its chunk's immediate names ``k``; the receiver maps it to ``p`` and refuses a
+  chunk naming a credit it does not hold. An ack (imm = ACK | status << 16 | k) gives credit ``k`` back to the
+  sender, or, with ``F_RETURNED`` in the status, takes it back into the pool;
+* the hello grants no credit (``landing_grants`` is there for a receiver that does): credits lent before the
+  sender's rails connect would stay lent for the whole ``CONNECT_GRACE_S`` if it died meanwhile. Grants come in
+  the reply to a ``credits`` request, back with acks (the credit stays with the sender) or as grant writes
+  (status ``ST_GRANT``, the pool slot in the payload) into the sender's credit region;
+* a sender out of credits asks for more with one small control message (``credits``: how many it wants, and the
+  credits it returns unused) and waits: backpressure, never a refusal while it is alive;
+* fairness: waiting senders queue per rail and get one slot at a time, round-robin; a chunk says whether its
+  sender has more chunks waiting for credits (``MORE_FLAG`` in its immediate). At its ack the sender keeps the
+  credit when nobody waits, or when it has more and holds less than its share (pool slots / senders holding
+  or waiting); otherwise the slot goes to the next waiter (the sender, when it had more, queues again behind
+  the others: ``F_QUEUED``). Credits a sender leaves unused it returns itself (``CREDIT_IDLE_S`` in
+  ``transport.fills``);
+* credits of a sender whose rail died (the liveness sweep, every ``SWEEP_S``) or that left go back to the pool.
+
+A sender's announced slot size is capped by the pool's stride: the hello answers ``landing_slot_bytes`` =
+``min(announced, stride)`` (more than ``MAX_LANDING_SLOT`` is refused) and the sender cuts its chunks to it.
+A hello costs at most ``slots x ACK_BYTES`` of
+ack buffer per rail and its ``SenderState``, whatever it announces.
+
+A chunk arrives as a WRITE_WITH_IMM (imm = credit index | MORE_FLAG | seq). The progress thread then
 
 On fabrics with ``landing_handlers`` (tcp) steps 1 and 2 happen as the chunk arrives, in the fabric's receiving
 thread (``_plan_landed``): once its header and table are in the landing slot and pass every check below, its
@@ -16,21 +40,21 @@ progress thread's way, which rejects it with the reason.
    against the bytes that landed), checks the sender id, and checks every destination against the regions this
    receiver registered (exposed to every peer) -- landing and credit buffers are never valid destinations;
 2. only then scatters the items (host: memmove; GPU: one scatter kernel launch);
-3. writes an ack back into the sender's credit region: WRITE_WITH_IMM with imm = ACK | status << 16 | slot and,
+3. writes an ack back into the sender's credit region: WRITE_WITH_IMM with imm = ACK | status << 16 | credit and,
    for a rejection, the reason text (UTF-8, up to ``ACK_BYTES - 8``) as the payload.
 
 A rejected chunk writes nothing.
 
-Admission (``accept_sender``, after the control connection authenticated): at most ``max_senders`` senders hold
-landing slots at once; every field of the hello is type- and range-checked before anything is allocated; a rail
+Admission (``accept_sender``, after the control connection authenticated): at most ``max_senders`` senders are
+connected at once; every field of the hello is type- and range-checked before anything is allocated; a rail
 id belongs to the sender that announced it while that sender's rail is alive -- another engine claiming it is
 refused and the holder is not touched. The rail ids of an accepted hello are announced to the fabrics
 (``expect_peer``), which take an incoming rail connection only for an announced id.
 
 A sender that lost every rail to this engine forgets it and handshakes again (same engine id, new credit
 region): its previous state is retired at the new hello, chunks of the old connection still queued are
-dropped unacknowledged (the sender gave up on them), and it gets fresh landing slots, so nothing of the old
-connection can be mistaken for the new one's.
+dropped unacknowledged (the sender gave up on them), its credits go back to the pool and it starts with none,
+so nothing of the old connection can be mistaken for the new one's.
 """
 from __future__ import annotations
 
@@ -46,6 +70,7 @@ import numpy as np
 
 from transport.errors import ChunkFormatError
 from transport.fabric.base import DEVICE_HOST, WriteRequest
+from transport.landing import LandingPool
 from transport.packing import HostBuffer, gpu_scatter, host_memmove, scatter_words
 from transport.progress import ProgressLoop
 from transport.regions import RegionTable, first_bad, span_region
@@ -56,7 +81,11 @@ log = logging.getLogger(__name__)
 ACK_FLAG = 1 << 31
 ACK_BYTES = 256
 MAX_LANDING_SLOT = 64 << 20
-ST_OK, ST_REJECTED, ST_FAILED = 0, 1, 2
+ST_OK, ST_REJECTED, ST_FAILED, ST_GRANT = 0, 1, 2, 3
+F_RETURNED = 0x80  # in an ack's status: the credit went back to the pool (the sender no longer holds it)
+F_QUEUED = 0x40  # with F_RETURNED: the sender queues for its next credit (it said it had more chunks)
+MORE_FLAG = 1 << 30  # in a chunk's immediate: its sender has more chunks for this rail waiting for credits
+LANDING_BYTES = 32 << 20  # default landing pool per rail (docs/README-engine.md, "Landing pool")
 BIG_PIECE = 256 << 10  # landed pieces of at least this many bytes are placed by the copy engine, not the kernel
 ACK_WR_BASE = 1 << 62  # wr_ids of ack writes: the engine's poller ignores their completions unless they fail
 SWEEP_S = 1.0  # how often the progress thread looks for departed senders
@@ -72,8 +101,9 @@ CLAIM_WAIT_S = 1.0
 _ACK_HDR = struct.Struct("<II")  # status, reason length
 
 
-def chunk_imm(slot: int, seq: int) -> int:
-    return ((seq & 0x7FFF) << 16) | (slot & 0xFFFF)
+def chunk_imm(slot: int, seq: int, more: bool = False) -> int:
+    """A chunk's immediate: credit index ``slot``, sequence number (14 bits), ``MORE_FLAG``."""
+    return ((seq & 0x3FFF) << 16) | (slot & 0xFFFF) | (MORE_FLAG if more else 0)
 
 
 def ack_imm(slot: int, status: int) -> int:
@@ -81,8 +111,13 @@ def ack_imm(slot: int, status: int) -> int:
 
 
 def decode_ack(imm: int) -> Tuple[int, int]:
-    """(slot, status) of an ack immediate."""
+    """(credit index, status with its flags) of an ack immediate."""
     return imm & 0xFFFF, (imm >> 16) & 0xFF
+
+
+def decode_grant(buf: np.ndarray) -> int:
+    """The pool slot of a grant written at ``buf`` (an ack entry of the credit region)."""
+    return int(_ACK_HDR.unpack(buf[:8].tobytes())[1])
 
 
 def decode_ack_payload(buf: np.ndarray) -> str:
@@ -108,19 +143,32 @@ class SenderState:
     rail_ids: List[str]  # the sender's fabric local_id per rail
     credit_addr: int
     credit_rkeys: List[int]
-    slots: int
-    slot_bytes: int
+    slots: int  # credits it may hold per rail (entries of its credit region per rail)
+    slot_bytes: int  # largest chunk it may write (its announced size, capped by the pool's stride)
     devices: List[int]  # per rail: where its landing slots are (-1 host, else a CUDA index)
-    landing: List = field(default_factory=list)  # per rail: (buffer, mr, tensor-or-None)
+    pools: List = field(default_factory=list)  # per rail: the LandingPool it writes into
+    lent: List = field(default_factory=list)  # per rail: {credit index: pool slot}
+    want: List = field(default_factory=list)  # per rail: credits it asked for and has not got yet
+    queued: List = field(default_factory=list)  # per rail: whether it is in the pool's waiting queue
+    returning: List = field(default_factory=list)  # per rail: credits taken back whose ack is not posted yet
     acks: List = field(default_factory=list)  # per rail: (HostBuffer, mr)
     hello_at: float = 0.0  # time.monotonic() of the handshake
     stale_eps: Dict = field(default_factory=dict)  # rail -> endpoint of an earlier connection, dead or dying
     retired: bool = False  # replaced by a newer handshake of the same sender, or released
     placed: Dict = field(default_factory=dict)  # (rail, imm) -> _Placed: chunks placed as they arrived
+    chunks_queued: int = 0  # its landed chunks waiting for the progress loop (``on_chunk``), at most ``queue_cap``
+    queue_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def queue_cap(self) -> int:
+        """Chunks of this sender the progress loop may hold at once: one per credit it may hold on every rail (a
+        sender that keeps to its credits never has more), so the queue is bounded in bytes per sender."""
+        return max(1, self.slots) * max(1, len(self.rail_ids))
 
     def landing_addr(self, rail: int, slot: int) -> int:
-        buf = self.landing[rail][0]
-        return buf.addr + slot * self.slot_bytes
+        """Address of the pool slot behind credit ``slot`` on ``rail`` (KeyError: not lent to this sender)."""
+        pool = self.pools[rail]
+        return pool.buf.addr + self.lent[rail][slot] * pool.stride
 
 
 class Receiver:
@@ -129,17 +177,26 @@ class Receiver:
     Arguments:
         fabrics: the engine's rail fabrics (index = rail).
         exposed: the RegionTable of regions this engine registered (valid chunk destinations).
-        landing_slots, slot_bytes: per sender and rail.
+        landing_slots: credits one sender may hold per rail (at most the pool's slots).
+        slot_bytes: this engine's relay slot size (bytes): the pool's slot stride, capped by ``landing_bytes`` and
+            ``MAX_LANDING_SLOT``; the largest chunk a sender may write.
+        landing_bytes: the landing pool per rail and landing device (bytes), shared by every sender.
         counters: shared telemetry counters; trace: optional Trace.
     """
 
     def __init__(self, fabrics, exposed: RegionTable, landing_slots: int, slot_bytes: int, counters: Counters,
-                 trace: Optional[Trace] = None, max_senders: int = 256, progress: Optional[ProgressLoop] = None):
+                 trace: Optional[Trace] = None, max_senders: int = 256, progress: Optional[ProgressLoop] = None,
+                 landing_bytes: int = LANDING_BYTES):
+        if isinstance(landing_bytes, bool) or not isinstance(landing_bytes, int) or landing_bytes < 4096:
+            raise ValueError(f"landing_bytes must be an int >= 4096, got {landing_bytes!r}")
         self.fabrics = fabrics
         self.max_senders = max_senders
         self.exposed = exposed
         self.landing_slots = landing_slots
-        self.slot_bytes = slot_bytes
+        self.landing_bytes = landing_bytes
+        self.stride = min(slot_bytes, MAX_LANDING_SLOT, landing_bytes)
+        self.slot_bytes = self.stride
+        self._pools: Dict[Tuple[int, int], LandingPool] = {}
         self.counters = counters
         self.trace = trace
         self._lock = threading.Lock()
@@ -164,10 +221,10 @@ class Receiver:
         if len(devices) != len(self.fabrics):
             raise ValueError(f"{len(devices)} landing devices for {len(self.fabrics)} rails")
         engine_id = _int_field(hello, "engine_id", 1, (1 << 63) - 1)
-        # landing slots follow the sender's chunk size (its relay slot size), so both ends agree on the largest
-        # chunk; their count is ours, capped by the sender's credit region
-        slot_bytes = _int_field(hello, "slot_bytes", 4096, MAX_LANDING_SLOT, self.slot_bytes)
-        slots = min(self.landing_slots, _int_field(hello, "credit_slots", 1, 0xFFFF, self.landing_slots))
+        # the sender's chunk size (its relay slot size) capped by the pool's stride: the sender cuts its chunks to
+        # what we answer, so a hello announcing huge slots costs what any other does
+        slot_bytes = min(_int_field(hello, "slot_bytes", 4096, MAX_LANDING_SLOT, self.slot_bytes), self.stride)
+        credit_slots = _int_field(hello, "credit_slots", 1, 0xFFFF, self.landing_slots)
         rail_ids, rkeys = hello.get("rail_ids"), hello.get("credit_rkeys")
         n = len(self.fabrics)
         if not (isinstance(rail_ids, list) and len(rail_ids) == n
@@ -180,9 +237,10 @@ class Receiver:
         session = hello.get("session", "?")
         st = SenderState(engine_id=engine_id, session=str(session)[:300],
                          rail_ids=list(rail_ids), credit_addr=_int_field(hello, "credit_addr", 1, (1 << 64) - 1),
-                         credit_rkeys=list(rkeys),
-                         slots=slots, slot_bytes=slot_bytes, devices=devices, hello_at=time.monotonic())
+                         credit_rkeys=list(rkeys), slots=0, slot_bytes=slot_bytes, devices=devices,
+                         hello_at=time.monotonic())
         old = None
+        grants: List[List[List[int]]] = []
         self._wait_for_departing_holders(st)
         try:
             with self._lock:
@@ -192,6 +250,13 @@ class Receiver:
                     self.counters.add("senders_refused_max")
                     raise ValueError(f"this receiver holds landing slots for max_senders={self.max_senders} "
                                      f"senders; refused sender {st.session}")
+                pools = [self._pool_locked(rail, devices[rail]) for rail in range(n)]
+                st.pools = pools
+                st.slots = min(self.landing_slots, credit_slots, min(p.nslots for p in pools))
+                st.lent = [{} for _ in range(n)]
+                st.want = [0] * n
+                st.queued = [False] * n
+                st.returning = [set() for _ in range(n)]
                 # a sender says hello again only after it forgot this engine (every rail failed): retire what it
                 # had, so that stale chunks and acks of the old connection cannot touch the new one's slots
                 old = self._senders.pop(engine_id, None)
@@ -206,19 +271,6 @@ class Receiver:
                     except Exception:  # noqa: BLE001 — never connected: nothing stale
                         pass
                 for rail, fab in enumerate(self.fabrics):
-                    nbytes = st.slots * st.slot_bytes
-                    device = devices[rail]
-                    if device < 0:
-                        buf = HostBuffer(nbytes)
-                        tensor = None
-                    else:
-                        import torch
-                        tensor = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
-                        buf = _TensorBuffer(tensor)
-                    mr = fab.register(buf.addr, nbytes, device)
-                    st.landing.append((buf, mr, tensor))
-                    if device < 0 and fab.capabilities.landing_handlers:
-                        fab.set_landing_handler(mr, functools.partial(self._plan_landed, st, rail))
                     ack = HostBuffer(st.slots * ACK_BYTES)
                     st.acks.append((ack, fab.register(ack.addr, ack.nbytes, DEVICE_HOST)))
                 self._senders[engine_id] = st
@@ -228,15 +280,139 @@ class Receiver:
                     expect = getattr(fab, "expect_peer", None)
                     if expect is not None:
                         expect(rid, CONNECT_GRACE_S)
+                if old is not None:  # its credits are free for the new connection's first grant
+                    for pool in old.pools:
+                        pool.forget(old)
+                # no first grant: credits lent before the rails connect would stay with a sender that dies
+                # meanwhile for the whole connect grace; the first chunk asks (one control round trip)
+                grants = [[] for _ in range(n)]
         finally:
             if old is not None:
                 self._free(old)
                 self.counters.add("rx_senders_replaced")
-                log.info("receiver: sender %s handshook again; replaced its landing slots", old.session)
-        return {"landing_addrs": [b.addr for b, _, _ in st.landing],
-                "landing_rkeys": [mr.rkey for _, mr, _ in st.landing],
+                log.info("receiver: sender %s handshook again; replaced its landing credits", old.session)
+        return {"landing_addrs": [p.buf.addr for p in st.pools],
+                "landing_rkeys": [p.mr.rkey for p in st.pools],
                 "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes,
+                "landing_stride": self.stride, "landing_grants": grants,
                 "landing_device": devices[0], "landing_devices": devices}
+
+    def _pool_locked(self, rail: int, device: int) -> LandingPool:
+        """The landing pool of ``rail`` on ``device``, registered at its first use (``self._lock`` held)."""
+        pool = self._pools.get((rail, device))
+        if pool is None:
+            fab = self.fabrics[rail]
+            pool = self._pools[(rail, device)] = LandingPool(fab, rail, device, self.landing_bytes, self.stride)
+            if device < 0 and fab.capabilities.landing_handlers:
+                fab.set_landing_handler(pool.mr, functools.partial(self._plan_landed, pool))
+            log.info("receiver: landing pool rail %d on %s: %d slots of %d B", rail,
+                     "host" if device < 0 else f"cuda:{device}", pool.nslots, pool.stride)
+        return pool
+
+    # --- credits ----------------------------------------------------------------------------------------------
+    def credits(self, req: dict) -> dict:
+        """The ``credits`` control op of a connected sender: ``release`` (credit indices it returns unused) and
+        ``want`` (credits it asks for) on ``rail``. Free slots are lent at once unless others wait (the reply's
+        ``grants``: [[credit index, pool slot]]); the rest come later as grant writes, round-robin."""
+        engine_id = _int_field(req, "engine_id", 1, (1 << 63) - 1)
+        rail = _int_field(req, "rail", 0, len(self.fabrics) - 1)
+        want = _int_field(req, "want", 0, 0xFFFF, 0)
+        release = req.get("release") or []
+        if not (isinstance(release, list) and len(release) <= 0xFFFF and all(type(k) is int for k in release)):
+            raise ValueError(f"credits release {str(release)[:200]}: need a list of credit indices")
+        with self._lock:
+            st = self._senders.get(engine_id)
+            if st is None or st.retired:
+                raise ValueError(f"credits: engine 0x{engine_id:x} is not a connected sender")
+            pool = st.pools[rail]
+            for k in release:
+                if k in st.lent[rail]:
+                    pool.take_back(st, k)
+            mine = []
+            st.want[rail] = min(want, st.slots - len(st.lent[rail]))
+            if st.want[rail] > 0:
+                if not pool.waiters:
+                    while st.want[rail] > 0:
+                        got = pool.lend(st)
+                        if got is None:
+                            break
+                        mine.append(list(got))
+                        st.want[rail] -= 1
+                if st.want[rail] > 0:
+                    pool.enqueue(st)
+            later = []
+            for g in pool.dispatch():
+                if g[0] is st:
+                    mine.append([g[2], g[3]])
+                else:
+                    later.append(g)
+            queued = st.queued[rail]
+        self.counters.add_many((("rx_credit_requests", 1), ("rx_credits_released", len(release))))
+        self._post_grants(later)
+        return {"ok": True, "grants": mine, "queued": queued}
+
+    def _settle(self, st: SenderState, rail: int, k: int, more: bool) -> Tuple[int, list]:
+        """At the ack of the chunk in credit ``k``: whether the sender keeps it (flags 0) or it goes back to the
+        pool (``F_RETURNED``, with ``F_QUEUED`` when the sender waits for its next one), and the grants that
+        frees for waiting senders."""
+        with self._lock:
+            pool = st.pools[rail]
+            if st.retired or k not in st.lent[rail]:
+                return 0, []
+            # kept while nobody waits (unused credits come back within the sender's CREDIT_IDLE_S), or while it has
+            # more to send and holds less than its share (this credit counted)
+            if not pool.waiters or (more and len(st.lent[rail]) < pool.share()):
+                return 0, []
+            pool.take_back(st, k)
+            st.returning[rail].add(k)
+            flags = F_RETURNED
+            if more:  # behind the senders already waiting
+                st.want[rail] = max(st.want[rail], 1)
+                pool.enqueue(st)
+                flags |= F_QUEUED
+            grants = pool.dispatch()
+            return flags, grants
+
+    def _post_grants(self, grants) -> None:
+        """Tell each sender of ``grants`` its new credit (a grant write into its credit region). A grant that
+        cannot be written goes back to the pool; its sender asks again when it waits too long."""
+        if grants:
+            self.counters.add("rx_grants", len(grants))
+        while grants:
+            failed = [g for g in grants if not self._write_credit(g[0], g[1], g[2], ST_GRANT, "", g[3])]
+            grants = []
+            if failed:
+                self.counters.add("rx_grants_failed", len(failed))
+                with self._lock:
+                    for st, rail, k, p in failed:
+                        if st.lent[rail].get(k) == p:
+                            st.pools[rail].take_back(st, k)
+                        st.want[rail] = 0  # not queued again: a sender we cannot write to asks again itself
+                    pools = {id(st.pools[rail]): st.pools[rail] for st, rail, _, _ in failed}
+                    for pool in pools.values():
+                        grants.extend(g for g in pool.dispatch() if g not in failed)
+
+    def _sweep_credits(self) -> None:
+        """Credits lent on a rail whose endpoint to their sender died go back to the pool (the sender's other
+        rails keep theirs)."""
+        grants = []
+        now = time.monotonic()
+        with self._lock:
+            for st in list(self._senders.values()):
+                for rail, fab in enumerate(self.fabrics):
+                    if not st.lent[rail] and not st.queued[rail]:
+                        continue
+                    try:
+                        ep = fab.endpoint(st.rail_ids[rail])
+                    except Exception:  # noqa: BLE001 — not connected yet
+                        continue
+                    if ep.alive or (ep is st.stale_eps.get(rail) and now - st.hello_at < CONNECT_GRACE_S):
+                        continue
+                    n = len(st.lent[rail])
+                    st.pools[rail].forget(st)
+                    self.counters.add("rx_credits_reclaimed", n)
+                    grants.extend(st.pools[rail].dispatch())
+        self._post_grants(grants)
 
     def _other_holders(self, st: SenderState):
         """For each rail id of ``st`` held by another sender: (rail id, the holder's state, whether the holder's
@@ -284,22 +460,26 @@ class Receiver:
                                  f"{holder.engine_id:x}); refused the claim of engine 0x{st.engine_id:x}")
 
     # --- chunks placed as they arrive (fabrics with landing_handlers) -----------------------------------------
-    def _plan_landed(self, st: SenderState, rail: int, peer_id: str, addr: int, length: int, imm: int, read):
-        """The landing handler of sender ``st``'s slots on ``rail`` (``TcpFabric.set_landing_handler``), called by
-        the fabric's receiving thread before any byte of a write into them is placed: reads the chunk's header
-        and table into the slot and checks them as ``_handle`` does (slot and size named by the immediate, the
-        write at that slot, ``parse_chunk``, the sender id, every destination inside a host region this receiver
-        registered). Returns where each item goes, or None (the chunk lands whole and ``_handle`` takes it,
-        rejecting it with the reason when it is bad). Nothing is written outside the slot before every check
-        passed."""
-        if st.retired or self._by_rail_id.get(peer_id) != (st, rail):
+    def _plan_landed(self, pool: LandingPool, peer_id: str, addr: int, length: int, imm: int, read):
+        """The landing handler of ``pool`` (``TcpFabric.set_landing_handler``), called by the fabric's receiving
+        thread before any byte of a write into it is placed: finds the sender of ``peer_id``, reads the chunk's
+        header and table into the slot and checks them as ``_handle`` does (the credit named by the immediate is
+        the sender's and the write is at its pool slot, the size, ``parse_chunk``, the sender id, every
+        destination inside a host region this receiver registered). Returns where each item goes, or None (the
+        chunk lands whole and ``_handle`` takes it, rejecting it with the reason when it is bad). Nothing is
+        written outside the slot before every check passed."""
+        entry = self._by_rail_id.get(peer_id)
+        if entry is None:
+            return None
+        st, rail = entry
+        if st.retired or rail != pool.rail or st.pools[rail] is not pool:
             return None
         from pxn_kernels.chunk import (HEADER_BYTES, parse_chunk, parse_chunk_rows,  # torch-free; lazy as in
                                        payload_offset_for)  # _handle
-        slot = imm & 0xFFFF
-        buf = st.landing[rail][0]
-        if imm & ACK_FLAG or slot >= st.slots or length > st.slot_bytes or length < HEADER_BYTES \
-                or addr != buf.addr + slot * st.slot_bytes:
+        slot = st.lent[rail].get(imm & 0xFFFF)
+        buf = pool.buf
+        if imm & ACK_FLAG or slot is None or length > st.slot_bytes or length < HEADER_BYTES \
+                or addr != buf.addr + slot * pool.stride:
             return None
         t0 = now_ns()
         head = read(HEADER_BYTES)
@@ -308,7 +488,7 @@ class Receiver:
         if need > length:
             return None
         read(need - HEADER_BYTES)
-        off = slot * st.slot_bytes
+        off = slot * pool.stride
         rows = parse_chunk_rows(buf.array[off:off + need], length)
         if rows is not None:
             # the usual chunk (items in payload order), checked in builtin steps: the same checks as below
@@ -353,16 +533,32 @@ class Receiver:
                     return
                 log.warning("receiver: placed chunk on rail %d imm 0x%x does not match its RECV_IMM (%d B vs %d B)",
                             rail, imm, byte_len, placed.length)
+        if entry is not None:
+            st = entry[0]
+            with st.queue_lock:
+                full = st.chunks_queued >= st.queue_cap
+                if not full:
+                    st.chunks_queued += 1
+            if full:
+                # more chunks than credits it may hold: not a sender that keeps to the protocol; nothing is
+                # queued for it (its batch fails at its own timeout)
+                self.counters.add("rx_chunks_over_credits")
+                return
         self._progress.submit(self._handle_if_open, rail, peer_id, entry, imm, byte_len, now_ns())
 
     # in the progress loop, which logs what raises and goes on: nothing once this receiver is closed
-    def _handle_if_open(self, *item) -> None:
+    def _handle_if_open(self, rail, peer_id, entry, *item) -> None:
+        if entry is not None:
+            st = entry[0]
+            with st.queue_lock:
+                st.chunks_queued -= 1
         if not self._closed:
-            self._handle(*item)
+            self._handle(rail, peer_id, entry, *item)
 
     def _sweep_if_open(self) -> None:
         if not self._closed:
             self._sweep()
+            self._sweep_credits()
 
     def _sweep(self) -> None:
         """Free the landing and ack buffers of senders whose every rail is dead (the sender closed or died):
@@ -400,12 +596,21 @@ class Receiver:
             log.info("receiver: sender %s is gone; released its landing slots", st.session)
 
     def _free(self, st: SenderState) -> None:
+        """Give a departed (or replaced) sender's credits back to the pools, to the senders waiting first, and
+        deregister its ack buffers."""
+        grants = []
+        with self._lock:
+            for pool in st.pools:
+                pool.forget(st)
+                grants.extend(pool.dispatch())
+        self._post_grants(grants)
         for rail, fab in enumerate(self.fabrics):
-            for mr in (st.landing[rail][1], st.acks[rail][1]):
-                try:
-                    fab.deregister(mr)
-                except Exception:  # noqa: BLE001 — fabric may be closed already
-                    pass
+            if rail >= len(st.acks):
+                break
+            try:
+                fab.deregister(st.acks[rail][1])
+            except Exception:  # noqa: BLE001 — fabric may be closed already
+                pass
 
     def _handle(self, rail: int, peer_id: str, entry, imm: int, byte_len: int, t_landed: int) -> None:
         if entry is None:
@@ -417,16 +622,19 @@ class Receiver:
             # the sender forgot this connection and handshook again (or left): nobody waits for this ack
             self.counters.add("rx_stale_chunks")
             return
-        slot = imm & 0xFFFF
+        k = imm & 0xFFFF
+        more = bool(imm & MORE_FLAG)
         t0 = now_ns()
-        if slot >= st.slots or byte_len > st.slot_bytes or st_rail != rail:
-            self._ack(st, rail, slot % st.slots, ST_REJECTED,
-                      f"chunk imm 0x{imm:x} names slot {slot} / {byte_len} B (have {st.slots} slots of "
-                      f"{st.slot_bytes} B) on rail {rail}")
+        slot = st.lent[rail].get(k) if st_rail == rail else None
+        if slot is None or byte_len > st.slot_bytes:
+            self._ack(st, rail, k % st.slots, ST_REJECTED,
+                      f"chunk imm 0x{imm:x} names credit {k} / {byte_len} B (holds {sorted(st.lent[rail])} of "
+                      f"{st.slots} credits, chunks up to {st.slot_bytes} B) on rail {rail}", more)
             return
-        buf, _, tensor = st.landing[rail]
+        pool = st.pools[rail]
+        buf, tensor = pool.buf, pool.tensor
         try:
-            header_bytes = self._read_header(buf, tensor, slot, st.slot_bytes, byte_len)
+            header_bytes = self._read_header(buf, tensor, slot, pool.stride, byte_len)
             from pxn_kernels.chunk import parse_chunk
             table = parse_chunk(header_bytes, available_bytes=byte_len)
             if table.sender_id != st.engine_id:
@@ -440,18 +648,18 @@ class Receiver:
                                        f"outside every region this receiver registered")
         except ChunkFormatError as e:
             self.counters.add("rx_rejected")
-            log.warning("receiver: rejected chunk from %s slot %d: %s", st.session, slot, e)
-            self._ack(st, rail, slot, ST_REJECTED, f"receiver rejected chunk (slot {slot}): {e}")
+            log.warning("receiver: rejected chunk from %s credit %d: %s", st.session, k, e)
+            self._ack(st, rail, k, ST_REJECTED, f"receiver rejected chunk (credit {k}): {e}", more)
             return
         t1 = now_ns()
         try:
-            self._scatter(buf, tensor, slot, st.slot_bytes, table)
+            self._scatter(buf, tensor, slot, pool.stride, table)
         except Exception as e:  # noqa: BLE001
             log.exception("receiver: scatter failed")
-            self._ack(st, rail, slot, ST_FAILED, f"receiver scatter failed: {e}")
+            self._ack(st, rail, k, ST_FAILED, f"receiver scatter failed: {e}", more)
             return
         t2 = now_ns()
-        self._ack(st, rail, slot, ST_OK, "")
+        self._ack(st, rail, k, ST_OK, "", more)
         t3 = now_ns()
         self.counters.add_many((("rx_chunks", 1), ("rx_items", table.item_count),
                                 ("rx_bytes", int(table.lengths.sum())),
@@ -467,7 +675,7 @@ class Receiver:
             self.counters.add("rx_stale_chunks")
             return
         t2 = now_ns()
-        self._ack(st, p.rail, p.imm & 0xFFFF, ST_OK, "")
+        self._ack(st, p.rail, p.imm & 0xFFFF, ST_OK, "", bool(p.imm & MORE_FLAG))
         t3 = now_ns()
         self.counters.add_many((("rx_chunks", 1), ("rx_items", len(p.lens)), ("rx_bytes", sum(p.lens)),
                                 ("rx_placed_chunks", 1), ("rx_validate_s", (p.t1 - p.t0) / 1e9),
@@ -572,18 +780,34 @@ class Receiver:
         gpu_scatter(pinned, dev_buf, tensor[off:off + table.chunk_bytes], table.offsets[sel],
                     table.dst_addrs[sel].astype(np.int64), lens, stream)
 
-    def _ack(self, st: SenderState, rail: int, slot: int, status: int, reason: str) -> None:
+    def _ack(self, st: SenderState, rail: int, k: int, status: int, reason: str, more: bool = False) -> None:
+        """Ack the chunk in credit ``k``: the credit stays with the sender or goes back to the pool (``_settle``),
+        and what that frees goes to waiting senders."""
         if st.retired:  # replaced while this chunk was handled: its credit region is not the sender's any more
             self.counters.add("rx_stale_chunks")
             return
+        flags, grants = self._settle(st, rail, k, more)
+        self._write_credit(st, rail, k, status | flags, reason)
+        if flags:
+            with self._lock:
+                st.returning[rail].discard(k)
+        if grants:
+            self._post_grants(grants)
+
+    def _write_credit(self, st: SenderState, rail: int, k: int, status: int, reason: str, value: int = 0) -> bool:
+        """One write into entry ``k`` of the sender's credit region on ``rail``: imm = ACK | status << 16 | k;
+        payload: status and the reason's length (a grant: the pool slot) and the reason text. False when the
+        write could not be posted."""
+        if st.retired:
+            return False
         ack_buf, ack_mr = st.acks[rail]
-        off = slot * ACK_BYTES
+        off = k * ACK_BYTES
         data = reason.encode("utf-8")[:ACK_BYTES - 8]
-        _ACK_HDR.pack_into(ack_buf.array, off, status, len(data))
+        _ACK_HDR.pack_into(ack_buf.array, off, status, value if status == ST_GRANT else len(data))
         if data:
             ack_buf.array[off + 8:off + 8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
         length = 8 + len(data)
-        remote = st.credit_addr + (rail * st.slots + slot) * ACK_BYTES
+        remote = st.credit_addr + (rail * st.slots + k) * ACK_BYTES
         fab = self.fabrics[rail]
         # unacked where the fabric can: nothing here waits for the ack write's completion (its loss shows at the
         # sender, whose chunk then never completes), and its own acknowledgement would cost a message each way
@@ -591,15 +815,18 @@ class Receiver:
         try:
             ep = fab.endpoint(st.rail_ids[rail])
             fab.post_writes(ep, [WriteRequest(ack_buf.addr + off, length, remote, st.credit_rkeys[rail],
-                                              ack_mr.lkey, imm=ack_imm(slot, status),
-                                              wr_id=ACK_WR_BASE + slot, signaled=not unacked, acked=not unacked)])
+                                              ack_mr.lkey, imm=ack_imm(k, status),
+                                              wr_id=ACK_WR_BASE + k, signaled=not unacked, acked=not unacked)])
         except Exception as e:  # noqa: BLE001 — the sender fails over when the rail is dead
             self.counters.add("rx_ack_failed")
-            log.info("receiver: ack for slot %d on rail %d to %s failed: %s", slot, rail, st.session, e)
+            log.info("receiver: credit write (status 0x%x) for credit %d on rail %d to %s failed: %s", status, k,
+                     rail, st.session, e)
+            return False
+        return True
 
     def close(self) -> None:
-        """Free every sender's buffers. A receiver made with the engine's progress loop is closed after that loop
-        (no chunk is being handled then); one with its own loop closes it first."""
+        """Free every sender's buffers and the pools. A receiver made with the engine's progress loop is closed
+        after that loop (no chunk is being handled then); one with its own loop closes it first."""
         self._closed = True
         if self._own_progress:
             self._progress.close()
@@ -607,14 +834,30 @@ class Receiver:
             senders = list(self._senders.values())
             self._senders.clear()
             self._by_rail_id.clear()
+            for st in senders:
+                st.retired = True
+            pools = list(self._pools.values())
+            self._pools.clear()
         for st in senders:
             self._free(st)
+        for pool in pools:
+            try:
+                self.fabrics[pool.rail].deregister(pool.mr)
+            except Exception:  # noqa: BLE001 — fabric may be closed already
+                pass
+
+    def landing_bytes_registered(self) -> int:
+        """Bytes of landing memory this receiver holds (every pool), whatever the number of senders."""
+        with self._lock:
+            return sum(p.nbytes for p in self._pools.values())
 
     def stats(self) -> dict:
         with self._lock:
             landing = sorted({d for st in self._senders.values() for d in st.devices})
             return {"senders": len(self._senders), "landing_slots": self.landing_slots,
-                    "slot_bytes": self.slot_bytes, "landing_devices": landing}
+                    "slot_bytes": self.slot_bytes, "landing_devices": landing,
+                    "landing_bytes": sum(p.nbytes for p in self._pools.values()),
+                    "landing_pools": [p.stats() for p in self._pools.values()]}
 
 
 class _Placed:
@@ -631,10 +874,3 @@ class _Placed:
 
     def done(self) -> None:
         self.st.placed[(self.rail, self.imm)] = self
-
-
-class _TensorBuffer:
-    def __init__(self, tensor):
-        self.tensor = tensor
-        self.addr = tensor.data_ptr()
-        self.nbytes = tensor.numel()

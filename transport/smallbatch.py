@@ -109,7 +109,7 @@ def submit_rows(pipe, session_id, srcs: Sequence[int], dsts: Sequence[int], leng
     # thread is still awake from the last one (``recv_spin``); batches in flight at once still spread by load
     rails = peer.rails
     k = len(rails)
-    r = pipe.planner._rotate
+    r = (peer.planner or pipe.planner)._rotate
     pr = None
     for j in range(k):
         c = rails[(r + j) % k]

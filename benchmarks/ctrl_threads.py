@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Threads of a receiving engine against the number of connected senders, and a new peer's first transfer.
+
+Setup: one receiving ``transport.TransferEngine`` (tcp, loopback, host memory) in a spawned process; N sender
+engines in this process, each connected and having written one 64-byte piece (so each holds a control connection
+and its rails to the receiver). For each N in ``--senders`` (default 1 8 32 64) the receiver reports its thread
+count (``threading.enumerate()``), grouped by thread name (digits dropped), and one more fresh sender times its
+first ``batch_write`` of 64 bytes (handshake, rail connects, the write; ``first_ms``). The destination is checked
+byte-exact after every write. ``--rounds`` repeats the whole sweep with fresh processes; figures are medians.
+
+Output: JSON (machine, versions, date, one row per N) to a temporary file unless ``--out`` names one, and a table
+on stdout.
+
+Run:  python3 benchmarks/ctrl_threads.py [--senders 1 8 32 64] [--rounds 3] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+SLOT = 64  # bytes each sender writes
+
+
+def _receiver(conn, nbytes: int) -> None:
+    from transport import TransferEngine
+    eng = TransferEngine(fabric="tcp", max_conns_per_addr=1024)  # every sender comes from 127.0.0.1
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    eng.register(buf)
+    conn.send((eng.session_id, buf.ctypes.data))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "threads":
+            time.sleep(0.3)  # let threads of connections just closed finish
+            names = collections.Counter(re.sub(r"[\d:.]+", "#", t.name) for t in threading.enumerate())
+            conn.send((threading.active_count(), dict(names)))
+        elif cmd == "read":
+            off, n = arg
+            conn.send(bytes(buf[off:off + n]))
+        else:
+            eng.close()
+            conn.send(None)
+            return
+
+
+def _sweep(counts, max_n: int) -> list:
+    from transport import TransferEngine
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    slots = max_n + len(counts) + 1
+    p = ctx.Process(target=_receiver, args=(child, slots * SLOT), daemon=True)
+    p.start()
+    session, base = parent.recv()
+    senders = []
+    rows = []
+    slot = 0
+
+    def write_one(eng) -> float:
+        nonlocal slot
+        src = np.frombuffer(os.urandom(SLOT), dtype=np.uint8).copy()
+        eng.register(src)
+        off = slot * SLOT
+        slot += 1
+        t0 = time.perf_counter()
+        eng.batch_write(session, [src.ctypes.data], [base + off], [SLOT])
+        dt = time.perf_counter() - t0
+        parent.send(("read", (off, SLOT)))
+        if parent.recv() != src.tobytes():
+            raise SystemExit(f"byte mismatch at slot {slot - 1}")
+        eng.__dict__.setdefault("_bench_bufs", []).append(src)
+        return dt
+
+    try:
+        for n in counts:
+            while len(senders) < n:
+                eng = TransferEngine(fabric="tcp")
+                senders.append(eng)
+                write_one(eng)
+            parent.send(("threads", None))
+            total, names = parent.recv()
+            fresh = TransferEngine(fabric="tcp")
+            first = write_one(fresh)
+            fresh.close()
+            rows.append({"senders": n, "threads": total, "by_name": names, "first_ms": first * 1e3})
+    finally:
+        for e in senders:
+            e.close()
+        parent.send(("close", None))
+        parent.recv()
+        p.join(10)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--senders", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    counts = sorted(set(args.senders))
+    runs = [_sweep(counts, counts[-1]) for _ in range(args.rounds)]
+    rows = []
+    for i, n in enumerate(counts):
+        rs = [r[i] for r in runs]
+        rows.append({"senders": n, "threads": statistics.median(r["threads"] for r in rs),
+                     "threads_rounds": [r["threads"] for r in rs],
+                     "first_ms": statistics.median(r["first_ms"] for r in rs),
+                     "first_ms_rounds": [round(r["first_ms"], 2) for r in rs], "by_name": rs[0]["by_name"]})
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+           "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "rounds": args.rounds, "rows": rows}
+    out = args.out or tempfile.mkstemp(prefix="pxn-ctrl-threads-", suffix=".json")[1]
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"{'senders':>8} {'threads':>8} {'first ms':>9}  threads by name (first round)")
+    for r in rows:
+        print(f"{r['senders']:>8} {r['threads']:>8} {r['first_ms']:>9.2f}  {r['by_name']}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

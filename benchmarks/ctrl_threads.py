@@ -4,14 +4,16 @@
 Setup: one receiving ``transport.TransferEngine`` (tcp, loopback, host memory) in a spawned process; N sender
 engines in this process, each connected and having written one 64-byte piece (so each holds a control connection
 and its rails to the receiver). For each N in ``--senders`` (default 1 8 32 64) the receiver reports its thread
-count (``threading.enumerate()``), grouped by thread name (digits dropped), and one more fresh sender times its
-first ``batch_write`` of 64 bytes (handshake, rail connects, the write; ``first_ms``). The destination is checked
+count (``threading.enumerate()``), grouped by thread name (digits dropped), and ``--fresh`` more senders, one after
+the other (each closed before the next), time their first ``batch_write`` of 64 bytes (``first_ms``: handshake,
+rail connects, the write) and report the engine's own handshake time (``handshake_ms``: the control connection,
+its authentication, the hello and its reply, the rail connects; ``stats()["handshake_s"]``). The destination is checked
 byte-exact after every write. ``--rounds`` repeats the whole sweep with fresh processes; figures are medians.
 
 Output: JSON (machine, versions, date, one row per N) to a temporary file unless ``--out`` names one, and a table
 on stdout.
 
-Run:  python3 benchmarks/ctrl_threads.py [--senders 1 8 32 64] [--rounds 3] [--out PATH]
+Run:  python3 benchmarks/ctrl_threads.py [--senders 1 8 32 64] [--rounds 3] [--fresh 5] [--out PATH]
 """
 from __future__ import annotations
 
@@ -60,11 +62,11 @@ def _receiver(conn, nbytes: int) -> None:
             return
 
 
-def _sweep(counts, max_n: int) -> list:
+def _sweep(counts, max_n: int, fresh_n: int) -> list:
     from transport import TransferEngine
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    slots = max_n + len(counts) + 1
+    slots = max_n + len(counts) * fresh_n + 1
     p = ctx.Process(target=_receiver, args=(child, slots * SLOT), daemon=True)
     p.start()
     session, base = parent.recv()
@@ -95,10 +97,14 @@ def _sweep(counts, max_n: int) -> list:
                 write_one(eng)
             parent.send(("threads", None))
             total, names = parent.recv()
-            fresh = TransferEngine(fabric="tcp")
-            first = write_one(fresh)
-            fresh.close()
-            rows.append({"senders": n, "threads": total, "by_name": names, "first_ms": first * 1e3})
+            firsts, shakes = [], []
+            for _ in range(fresh_n):
+                fresh = TransferEngine(fabric="tcp")
+                firsts.append(write_one(fresh) * 1e3)
+                shakes.append(fresh.stats()["handshake_s"] * 1e3)
+                fresh.close()
+            rows.append({"senders": n, "threads": total, "by_name": names, "first_ms": statistics.median(firsts),
+                         "handshake_ms": statistics.median(shakes)})
     finally:
         for e in senders:
             e.close()
@@ -112,17 +118,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--senders", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fresh", type=int, default=5, help="new senders timed per N")
     ap.add_argument("--out")
     args = ap.parse_args()
     counts = sorted(set(args.senders))
-    runs = [_sweep(counts, counts[-1]) for _ in range(args.rounds)]
+    runs = [_sweep(counts, counts[-1], args.fresh) for _ in range(args.rounds)]
     rows = []
     for i, n in enumerate(counts):
         rs = [r[i] for r in runs]
         rows.append({"senders": n, "threads": statistics.median(r["threads"] for r in rs),
                      "threads_rounds": [r["threads"] for r in rs],
                      "first_ms": statistics.median(r["first_ms"] for r in rs),
-                     "first_ms_rounds": [round(r["first_ms"], 2) for r in rs], "by_name": rs[0]["by_name"]})
+                     "first_ms_rounds": [round(r["first_ms"], 2) for r in rs],
+                     "handshake_ms": statistics.median(r["handshake_ms"] for r in rs),
+                     "handshake_ms_rounds": [round(r["handshake_ms"], 2) for r in rs], "by_name": rs[0]["by_name"]})
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
@@ -130,13 +139,13 @@ def main() -> None:
         commit = ""
     doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
            "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "rounds": args.rounds, "rows": rows}
+           "rounds": args.rounds, "fresh": args.fresh, "rows": rows}
     out = args.out or tempfile.mkstemp(prefix="pxn-ctrl-threads-", suffix=".json")[1]
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
-    print(f"{'senders':>8} {'threads':>8} {'first ms':>9}  threads by name (first round)")
+    print(f"{'senders':>8} {'threads':>8} {'first ms':>9} {'hshake ms':>9}  threads by name (first round)")
     for r in rows:
-        print(f"{r['senders']:>8} {r['threads']:>8} {r['first_ms']:>9.2f}  {r['by_name']}")
+        print(f"{r['senders']:>8} {r['threads']:>8} {r['first_ms']:>9.2f} {r['handshake_ms']:>9.2f}  {r['by_name']}")
     print(f"wrote {out}")
 
 

@@ -10,11 +10,12 @@ Threads (per control listener, none per connection):
   into a per-connection buffer as the bytes arrive (a length field alone allocates nothing; a body above
   ``limit`` closes the connection). A slow or partial request therefore holds nothing but its own buffer. Once a
   request is complete the selector stops reading that connection and hands the request to
-* the quick pool (``quick_workers`` threads, started with the server): it checks the request's tag under the
+* the quick pool (``quick_workers`` threads, 4 by default, started with the server; a hello may wait up to a
+  second for a departing sender's port, so a few run side by side): it checks the request's tag under the
   connection's session key and sequence number (``auth.Session``; a wrong one closes the connection unanswered
   and counts ``refused_tag``), parses it and answers it. Ops in ``long_ops`` (those that wait on other engines,
   such as a read, which asks the engine it names and then writes into it) are passed on to
-* the long pool (``long_workers`` threads, started at the first such op). Ops in the quick pool never wait on
+* the long pool (``long_workers`` threads, 4 by default, all started at the first such op). Ops in the quick pool never wait on
   another engine's control plane, so a long op waits only on quick ones elsewhere and the two pools cannot
   deadlock across engines.
 
@@ -128,7 +129,7 @@ class ControlServer:
     """
 
     def __init__(self, name: str, gate: "auth.Gate", secret: Optional[bytes], purpose: str,
-                 answer: Callable[[dict, dict], dict], limit: int, quick_workers: int = 2, long_workers: int = 4,
+                 answer: Callable[[dict, dict], dict], limit: int, quick_workers: int = 4, long_workers: int = 4,
                  long_ops=("read",)):
         self.name = name
         self.gate = gate
@@ -280,7 +281,7 @@ class ControlServer:
         else:
             want = self._frame_bytes(conn) - len(conn.inbuf)
         try:
-            data = conn.sock.recv(max(1, want))
+            data = conn.sock.recv(max(1, min(want, _CHUNK)))  # recv(n) allocates n bytes, whatever arrived
         except (BlockingIOError, InterruptedError):
             return
         if not data:

@@ -223,8 +223,9 @@ class ControlPlane:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> threading.Thread:
-        """Start the accept thread (returned, for the engine's join at close), the selector thread and the quick
-        pool (``transport.control_server``): their number does not depend on the number of peers."""
+        """Start the accept thread (returned, for the engine's join at close) and the selector thread; the worker
+        pools start at their first request (``transport.control_server``). None of their numbers depends on the
+        number of peers."""
         self.server.start()
         self._thread = threading.Thread(target=self._ctrl_loop, name=f"pxn-ctrl-{self.port}", daemon=True)
         self._thread.start()

@@ -10,8 +10,9 @@ Threads (per control listener, none per connection):
   into a per-connection buffer as the bytes arrive (a length field alone allocates nothing; a body above
   ``limit`` closes the connection). A slow or partial request therefore holds nothing but its own buffer. Once a
   request is complete the selector stops reading that connection and hands the request to
-* the quick pool (``quick_workers`` threads, 4 by default, started with the server; a hello may wait up to a
-  second for a departing sender's port, so a few run side by side): it checks the request's tag under the
+* the quick pool (``quick_workers`` threads, 4 by default, all started at the first request, so an engine that
+  only sends has none and their number never follows the load; a hello may wait up to a second for a departing
+  sender's port, so a few run side by side): it checks the request's tag under the
   connection's session key and sequence number (``auth.Session``; a wrong one closes the connection unanswered
   and counts ``refused_tag``), parses it and answers it. Ops in ``long_ops`` (those that wait on other engines,
   such as a read, which asks the engine it names and then writes into it) are passed on to
@@ -155,7 +156,6 @@ class ControlServer:
     def start(self) -> None:
         self.thread = threading.Thread(target=self._loop, name=f"pxn-ctrl-sel-{self.name}", daemon=True)
         self.thread.start()
-        self.quick.submit(lambda: None)  # its threads exist from the start: their number never follows the load
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the selector (it ends every connection through the gate) and the pools; joins them."""

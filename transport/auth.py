@@ -618,7 +618,8 @@ class Gate:
             try:
                 self.on_accept(a)
             except Exception as e:  # noqa: BLE001 — the owner is closing: end this one, keep the loop's contract
-                self.finish(a, e)
+                log.debug("%s: not taking %s: %s", self.name, addr, e)
+                self.finish(a, None)
             return
         try:
             threading.Thread(target=self._run, args=(a,), daemon=True, name=f"pxn-accept-{self.name}").start()

@@ -162,7 +162,9 @@ class ControlServer:
         self.closed = True
         self._wake()
         t = self.thread
-        if t is not None and t is not threading.current_thread():
+        if t is None:
+            self._shutdown()  # never started: only the selector and its wake-up pair to close
+        elif t is not threading.current_thread():
             t.join(timeout)
         self.quick.close(timeout)
         self.long.close(timeout)
@@ -201,6 +203,9 @@ class ControlServer:
                         self._end(conn, e)
                 self._take_posts()
                 self._expire()
+        except Exception:  # noqa: BLE001 — a bug here; say so, then end every connection (peers reconnect)
+            log.exception("%s: the control selector failed; closing its connections", self.name)
+            self.closed = True
         finally:
             self._shutdown()
 

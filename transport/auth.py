@@ -647,7 +647,7 @@ class Gate:
             g._unpend_locked(best)
             g._counts["evicted"] += 1
         v = best
-        # only shut down: its own thread closes it. Closing a socket another thread may still be about to use
+        # only shut down: whoever holds it (its thread, or the owner's selector) closes it. Closing a socket another thread may still be about to use
         # lets the next accept reuse the descriptor number under that thread (it would read the new peer's bytes)
         _shutdown(v.sock)
         return True

@@ -37,8 +37,9 @@ per-user secret file (``PXN_SECRET_FILE``, default ``~/.config/pxn/secret``, cre
 other user can. A listener on any other address refuses to start unless ``insecure=True`` / ``PXN_INSECURE=1``
 (then warns once per process).
 
-Admission (``Gate``). An accepting listener hands each connection to its own thread with a deadline to
-authenticate (``handshake_timeout``), so an idle or slow connection holds nothing but itself. Connections still
+Admission (``Gate``). An accepting listener hands each connection to its own thread, or to its owner's selector
+thread (``on_accept``: the engine's control listener, where one thread watches every connection), with a
+deadline to authenticate (``handshake_timeout``), so an idle or slow connection holds nothing but itself. Connections still
 authenticating are capped per source address and in all: a new one pushes the oldest waiting one out, so idle
 sockets (slowloris) cannot lock out a real peer, which authenticates within a round trip. Authenticated
 connections being served are capped per address. The accept loop survives running out of file descriptors
@@ -386,6 +387,66 @@ def _send_quietly(sock: socket.socket, data: bytes) -> None:
         pass
 
 
+class ServerHandshake:
+    """The accepting side's handshake in steps, for a caller that reads the bytes itself (a selector thread that
+    watches many connections, ``transport.control``): ``need`` is how many bytes the next step takes; ``step``
+    with exactly that many bytes either sends the challenge (after the preamble; returns None) or checks the
+    peer's proof, runs ``admit`` and sends the verdict (returns the ``Session``). Raises as ``server_handshake``.
+    The two sends are 72 and 1 bytes on a fresh connection: they fit its send buffer, so they do not block."""
+
+    __slots__ = ("sock", "secret", "purpose", "admit", "need", "_nc", "_ns", "_flags", "_ends")
+
+    def __init__(self, sock: socket.socket, secret: Optional[bytes], purpose: str,
+                 admit: Optional[Callable[[], None]] = None):
+        self.sock = sock
+        self.secret = secret
+        self.purpose = purpose
+        self.admit = admit
+        self.need = _PREAMBLE.size
+        self._nc = None  # the peer's nonce, once its preamble came
+
+    def step(self, data: bytes) -> Optional[Session]:
+        if self._nc is None:
+            magic, version, flags, nc = _PREAMBLE.unpack(data)
+            if magic != MAGIC or version != VERSION:
+                raise AuthError(f"{self.purpose}: not a pxn handshake (first bytes {magic!r} v{version})")
+            self._ends = _ends(self.sock, False)
+            self._nc, self._flags = nc, flags
+            self._ns = ns = _secrets.token_bytes(NONCE_BYTES)
+            secret, purpose = self.secret, self.purpose
+            proof = _mac(secret, b"server", purpose, nc, ns, self._ends) if secret else _ZERO_MAC
+            self.sock.sendall(_CHALLENGE.pack(MAGIC, VERSION, F_SECRET if secret else 0, ns, proof))
+            self.need = MAC_BYTES
+            return None
+        return self._verdict(data)
+
+    def closed_early(self) -> SecretMismatch:
+        """What an EOF after the challenge means (the error to raise)."""
+        return SecretMismatch(f"{self.purpose}: the peer closed the connection after the challenge (it does not "
+                              f"know the shared secret, has another one, or does not speak pxn-auth-{VERSION})")
+
+    def _verdict(self, theirs: bytes) -> Session:
+        sock, secret, purpose, flags = self.sock, self.secret, self.purpose, self._flags
+        if bool(flags & F_SECRET) != bool(secret):
+            _send_quietly(sock, bytes([VERDICT_REFUSED]))
+            raise SecretMismatch(f"{purpose}: the peer {'has a' if flags & F_SECRET else 'has no'} shared secret, "
+                                 f"this side {'none' if not secret else 'one'}")
+        if secret and not hmac.compare_digest(theirs, _mac(secret, b"client", purpose, self._nc, self._ns,
+                                                           self._ends)):
+            _send_quietly(sock, bytes([VERDICT_REFUSED]))
+            raise SecretMismatch(f"{purpose}: wrong proof (the peer does not know the shared secret, or the "
+                                 f"connection is relayed)")
+        sess = _start_session(sock, secret, False, purpose, self._nc, self._ns, self._ends)
+        if self.admit is not None:
+            try:
+                self.admit()
+            except AuthError:
+                sock.sendall(bytes([VERDICT_REFUSED]))
+                raise
+        sock.sendall(bytes([VERDICT_OK]))
+        return sess
+
+
 def server_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str, deadline: float,
                      admit: Optional[Callable[[], None]] = None) -> Session:
     """Authenticate a connection this side accepted, before ``deadline`` (time.monotonic()), and return its
@@ -393,35 +454,13 @@ def server_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str,
     (``Admitted.established``: the peer acts on the verdict at once, so it must already count as authenticated);
     an AuthError from it refuses. Raises AuthError (SecretMismatch for a proof that does not check out; the
     caller refuses the connection: closes it, answers nothing else)."""
-    magic, version, flags, nc = _PREAMBLE.unpack(recv_exact(sock, _PREAMBLE.size, deadline))
-    if magic != MAGIC or version != VERSION:
-        raise AuthError(f"{purpose}: not a pxn handshake (first bytes {magic!r} v{version})")
-    ends = _ends(sock, False)
-    ns = _secrets.token_bytes(NONCE_BYTES)
-    proof = _mac(secret, b"server", purpose, nc, ns, ends) if secret else _ZERO_MAC
-    sock.sendall(_CHALLENGE.pack(MAGIC, VERSION, F_SECRET if secret else 0, ns, proof))
+    hs = ServerHandshake(sock, secret, purpose, admit)
+    hs.step(recv_exact(sock, hs.need, deadline))
     try:
-        theirs = recv_exact(sock, MAC_BYTES, deadline)
+        theirs = recv_exact(sock, hs.need, deadline)
     except ConnectionError:
-        raise SecretMismatch(f"{purpose}: the peer closed the connection after the challenge (it does not know "
-                             f"the shared secret, has another one, or does not speak pxn-auth-{VERSION})") from None
-    if bool(flags & F_SECRET) != bool(secret):
-        _send_quietly(sock, bytes([VERDICT_REFUSED]))
-        raise SecretMismatch(f"{purpose}: the peer {'has a' if flags & F_SECRET else 'has no'} shared secret, this "
-                             f"side {'none' if not secret else 'one'}")
-    if secret and not hmac.compare_digest(theirs, _mac(secret, b"client", purpose, nc, ns, ends)):
-        _send_quietly(sock, bytes([VERDICT_REFUSED]))
-        raise SecretMismatch(f"{purpose}: wrong proof (the peer does not know the shared secret, or the connection "
-                             f"is relayed)")
-    sess = _start_session(sock, secret, False, purpose, nc, ns, ends)
-    if admit is not None:
-        try:
-            admit()
-        except AuthError:
-            sock.sendall(bytes([VERDICT_REFUSED]))
-            raise
-    sock.sendall(bytes([VERDICT_OK]))
-    return sess
+        raise hs.closed_early() from None
+    return hs.step(theirs)
 
 
 # ============================================================================================================
@@ -464,12 +503,24 @@ class Gate:
         max_pending, max_pending_per_addr: connections still authenticating, in all and per source address; a
             new one beyond either cap pushes the oldest waiting one (of that address, or in all) out.
         max_per_addr: authenticated connections being served (handler still running) per source address.
+        on_accept: instead of ``handler``: ``on_accept(admitted)`` is called on the accept thread and must not
+            block; it takes the connection over (no thread is started for it: the owner watches many connections
+            from one thread, ``transport.control``), enforces ``admitted.deadline`` itself and reports the
+            connection's end, with the exception that ended it or None, to ``finish`` (which counts, logs,
+            releases the caps and closes the socket as a handler's return would). An exception from
+            ``on_accept`` itself (the owner is closing) ends the connection at once.
+        Pushing a waiting connection out (the caps above, or out of descriptors) only shuts it down: whoever
+        holds it (its thread, or the owner's selector) sees the end and closes it.
     """
 
-    def __init__(self, name: str, handler: Callable[[Admitted], None], handshake_timeout: float = HANDSHAKE_TIMEOUT,
-                 max_pending: int = 128, max_pending_per_addr: int = 32, max_per_addr: int = 64):
+    def __init__(self, name: str, handler: Optional[Callable[[Admitted], None]] = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = 128, max_pending_per_addr: int = 32,
+                 max_per_addr: int = 64, on_accept: Optional[Callable[[Admitted], None]] = None):
+        if (handler is None) == (on_accept is None):
+            raise ValueError(f"Gate {name!r}: give exactly one of handler= and on_accept=")
         self.name = name
         self.handler = handler
+        self.on_accept = on_accept
         self.handshake_timeout = float(handshake_timeout)
         self.max_pending = max_pending
         self.max_pending_per_addr = max_pending_per_addr
@@ -562,7 +613,14 @@ class Gate:
             self._pending[id(a)] = a
             self._pending_by_host[a.host] = self._pending_by_host.get(a.host, 0) + 1
         for v in victims:
-            _shutdown(v.sock)  # its thread wakes with an error and closes it
+            _shutdown(v.sock)  # its thread (or its owner's selector) wakes with an error and closes it
+        if self.on_accept is not None:
+            try:
+                self.on_accept(a)
+            except Exception as e:  # noqa: BLE001 — the owner is closing: end this one, keep the loop's contract
+                log.debug("%s: not taking %s: %s", self.name, addr, e)
+                self.finish(a, None)
+            return
         try:
             threading.Thread(target=self._run, args=(a,), daemon=True, name=f"pxn-accept-{self.name}").start()
         except RuntimeError as e:  # no thread to be had: refuse this one, keep listening
@@ -589,7 +647,7 @@ class Gate:
             g._unpend_locked(best)
             g._counts["evicted"] += 1
         v = best
-        # only shut down: its own thread closes it. Closing a socket another thread may still be about to use
+        # only shut down: whoever holds it (its thread, or the owner's selector) closes it. Closing a socket another thread may still be about to use
         # lets the next accept reuse the descriptor number under that thread (it would read the new peer's bytes)
         _shutdown(v.sock)
         return True
@@ -629,27 +687,39 @@ class Gate:
             a.host = None
 
     def _run(self, a: Admitted) -> None:
-        sock = a.sock
+        err = None
         try:
             self.handler(a)
-        except RefusalCounted as e:
-            log.info("%s: refused %s: %s", self.name, a.addr, e)
-        except SecretMismatch as e:
-            self.count("refused_auth")
-            self._refused_proof(a, e)
-        except AuthError as e:
-            self.count("refused_auth")
-            log.info("%s: refused %s: %s", self.name, a.addr, e)
-        except socket.timeout:
-            if a.pending:
-                self.count("handshake_timeouts")
-            log.info("%s: %s did not authenticate within %.1f s", self.name, a.addr, self.handshake_timeout)
-        except (OSError, ConnectionError, ValueError) as e:
-            if a.pending:
+        except Exception as e:  # noqa: BLE001 — a broken peer must not take anything else down (``finish``)
+            err = e
+        self.finish(a, err)
+
+    def finish(self, a: Admitted, err: Optional[BaseException] = None) -> None:
+        """The end of connection ``a``: count and log ``err`` (what ended it; None: the peer closed, or the owner
+        did), release its place under the caps, close its socket unless ``a.sock`` was set to None (handed on).
+        Called once per connection: by its thread when the handler returns, or by the owner (``on_accept``)."""
+        sock = a.sock
+        try:
+            if err is None:
+                pass
+            elif isinstance(err, RefusalCounted):
+                log.info("%s: refused %s: %s", self.name, a.addr, err)
+            elif isinstance(err, SecretMismatch):
                 self.count("refused_auth")
-            log.info("%s: connection from %s ended: %s", self.name, a.addr, e)
-        except Exception:  # noqa: BLE001 — a broken peer must not take anything else down
-            log.exception("%s: serving %s failed", self.name, a.addr)
+                self._refused_proof(a, err)
+            elif isinstance(err, AuthError):
+                self.count("refused_auth")
+                log.info("%s: refused %s: %s", self.name, a.addr, err)
+            elif isinstance(err, socket.timeout):
+                if a.pending:
+                    self.count("handshake_timeouts")
+                log.info("%s: %s did not authenticate within %.1f s", self.name, a.addr, self.handshake_timeout)
+            elif isinstance(err, (OSError, ConnectionError, ValueError)):
+                if a.pending:
+                    self.count("refused_auth")
+                log.info("%s: connection from %s ended: %s", self.name, a.addr, err)
+            else:
+                log.error("%s: serving %s failed", self.name, a.addr, exc_info=err)
         finally:
             self._release(a)
             if a.sock is not None:

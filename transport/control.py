@@ -1,11 +1,13 @@
 """The engine's control plane: control listener, handshake, region refresh, and their message framing.
 
-A ``TransferEngine`` runs one small TCP listener (its port is in ``session_id``). Each connection to it is served
-by its own thread (``transport.auth.Gate``: a deadline to authenticate, caps per source address, an accept loop
-that survives running out of file descriptors). The connection first proves the shared secret
-(``transport.auth``, bound to the connection's two ends); nothing is read, allocated or answered before. Then the
-thread answers requests (4-byte length + JSON object ``{"op": ...}`` + a 16-byte tag under the connection's
-session key and sequence number, checked before the body is parsed) until the peer closes.
+A ``TransferEngine`` runs one small TCP listener (its port is in ``session_id``). Its connections are admitted by
+``transport.auth.Gate`` (a deadline to authenticate, caps per source address, an accept loop that survives
+running out of file descriptors) and served by ``transport.control_server.ControlServer``: one selector thread
+watches them all and small worker pools answer, so the threads of a control plane do not grow with its peers.
+The connection first proves the shared secret (``transport.auth``, bound to the connection's two ends); nothing
+is read, allocated or answered before. Then it carries requests (4-byte length + JSON object ``{"op": ...}`` + a
+16-byte tag under the connection's session key and sequence number, checked before the body is parsed), one at a
+time, each answered on it in order, until the peer closes.
 Ops are looked up in ``ControlPlane.ops`` (op name -> handler taking the request dict and returning the reply
 dict), so other parts of pxn can add their own.
 
@@ -51,6 +53,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from transport import auth
 from transport.errors import FabricError, PeerGone, PeerLost, TransferError, UnknownSession
+from transport.control_server import ControlServer
 from transport.fabric.base import DEVICE_HOST
 from transport.packing import HostBuffer
 from transport.peers import close_ctrl_locked
@@ -218,19 +221,26 @@ class ControlPlane:
         except OSError as e:
             raise FabricError(f"control listener: cannot listen on {hostname}:{port}: {e}") from e
         self.port = self.listener.getsockname()[1]
-        self.gate = auth.Gate(f"ctrl {hostname}:{self.port}", self._serve, handshake_timeout=handshake_timeout,
-                              max_per_addr=max_conns_per_addr)
+        name = f"ctrl {hostname}:{self.port}"
+        self.server = ControlServer(name, None, secret, "ctrl", self._answer, MAX_REQUEST)
+        self.gate = self.server.gate = auth.Gate(name, handshake_timeout=handshake_timeout,
+                                                 max_per_addr=max_conns_per_addr, on_accept=self.server.accept)
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> threading.Thread:
-        """Start the listener thread (returned, for the engine's join at close)."""
+        """Start the accept thread (returned, for the engine's join at close) and the selector thread; the worker
+        pools start at their first request (``transport.control_server``). None of their numbers depends on the
+        number of peers."""
+        self.server.start()
         self._thread = threading.Thread(target=self._ctrl_loop, name=f"pxn-ctrl-{self.port}", daemon=True)
         self._thread.start()
         return self._thread
 
     def close(self) -> None:
+        """Stop accepting, end every control connection, stop the serving threads (joined, 2 s at most)."""
         self.closed = True
         _close_listener(self.listener)
+        self.server.close()
 
     # ========================================================================================================
     # server side
@@ -252,37 +262,21 @@ class ControlPlane:
     def _ctrl_loop(self) -> None:
         self.gate.serve(self.listener, lambda: self.closed)
 
-    def _serve(self, a: "auth.Admitted") -> None:
-        """One control connection (its own thread): authenticate, then answer requests until the peer closes."""
-        conn = a.sock
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sess = auth.server_handshake(conn, self.secret, "ctrl", a.deadline, a.established)
-        self._conn.current = {"binding": sess.binding, "addr": a.addr, "owner": None}
-        conn.settimeout(None)  # an authenticated sender keeps its control connection for region refreshes
-        while not self.closed:
-            try:
-                req = recv_msg(conn, MAX_REQUEST)
-            except (OSError, ConnectionError, ValueError, auth.AuthError) as e:
-                if isinstance(e, auth.AuthError):
-                    self.gate.count("refused_tag")
-                    log.warning("control connection from %s: %s", a.addr, e)
-                elif not isinstance(e, (ConnectionError, OSError)):
-                    log.warning("control connection from %s: %s; closing it", a.addr, e)
-                return
-            try:
-                op = req.get("op")
-                handler = self.ops.get(op) if isinstance(op, str) else None
-                if handler is None:
-                    rep = {"ok": False, "error": f"unknown control op {op!r}"}
-                else:
-                    rep = handler(req)
-            except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
-                log.warning("control request %s failed: %s", req.get("op"), e)
-                rep = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            try:
-                send_msg(conn, rep)
-            except OSError:
-                return
+    def _answer(self, current: dict, req: dict) -> dict:
+        """One request of an authenticated control connection (on a worker of ``self.server``): the op's reply,
+        or ``{"ok": False, "error"}`` naming why not. ``current`` is the connection's record (``current()``)."""
+        self._conn.current = current
+        try:
+            op = req.get("op")
+            handler = self.ops.get(op) if isinstance(op, str) else None
+            if handler is None:
+                return {"ok": False, "error": f"unknown control op {op!r}"}
+            return handler(req)
+        except Exception as e:  # noqa: BLE001 — report to the peer, keep serving
+            log.warning("control request %s failed: %s", req.get("op"), e)
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        finally:
+            self._conn.current = None
 
     def _op_regions(self, req: dict) -> dict:
         # the engine id lets a sender whose control connection was re-opened tell a restarted peer (new id) from
@@ -290,9 +284,9 @@ class ControlPlane:
         return {"ok": True, "engine_id": self.engine_id, **self.regions_wire()}
 
     def current(self) -> Optional[dict]:
-        """The control connection the calling thread serves: ``binding`` (its ``Session.binding``), ``addr`` (the
-        peer's address) and ``owner`` (the session id that proved it opened the connection, once one did); None
-        outside a serving thread."""
+        """The control connection whose request the calling thread answers: ``binding`` (its ``Session.binding``),
+        ``addr`` (the peer's address) and ``owner`` (the session id that proved it opened the connection, once one
+        did); None outside a request."""
         return getattr(self._conn, "current", None)
 
     def _op_owns(self, req: dict) -> dict:

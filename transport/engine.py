@@ -35,7 +35,8 @@ Threads: one progress thread (``transport.progress``) for the receiver's landed 
 re-dispatched after a failover and, on fabrics that deliver completions by callback (tcp, ipc), whose own threads
 run the completion handlers, the failed completions (in order per rail) and the rails' watchdogs; on other
 fabrics (verbs) one poll loop per rail. Per (relay device, rail) ring one copy thread that fills and posts; the
-control listener (one thread per control connection). The fabrics own their socket threads. ``batch_write`` is
+control plane's accept loop, selector and worker pools (``transport.control_server``: none per connection). The
+fabrics own their socket threads. ``batch_write`` is
 thread-safe.
 """
 from __future__ import annotations

@@ -27,8 +27,9 @@ Notifies (Mooncake's ``TransferNotify``): ``send_notify`` delivers a (name, mess
 (op "notify"), ``take_notifies`` drains this engine's queue in arrival order.
 
 Requests run on their own control connections (a small per-session pool), never on the connection the write
-path uses for region refreshes, so a long read does not hold that one up. The peer serves each control
-connection on its own thread: concurrent reads from one initiator proceed in parallel on the peer.
+path uses for region refreshes, so a long read does not hold that one up. The peer answers reads on its control
+plane's long pool (``transport.control_server``, 4 threads): concurrent reads from one initiator proceed in
+parallel there, up to that many at once; more wait their turn.
 """
 from __future__ import annotations
 

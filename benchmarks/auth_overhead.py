@@ -7,7 +7,7 @@ and the per-message price of the tags.
 2. Small batches, where a per-message cost shows most: a sender engine and a receiver in a spawned process (tcp,
    host memory), 11 pieces of sglang's aux sizes per ``batch_write`` and a 256 x 4 KiB batch, median of
    ``--batches`` calls, each tree in its own interpreter, alternating like the bench.
-3. The price of one tag: sealing a frame header with its piece table (``transport.fabric.tcp._seal``) and checking
+3. The price of one tag: sealing a frame header with its piece table (``transport.fabric.wire._seal``) and checking
    it, for tables of 1, 16 and 256 rows; and a control message's tag.
 4. What payload integrity on tcp (not built: the tag covers headers and tables only) would cost: keyed BLAKE2b
    over a payload, GB/s, against the tcp fabric's own loopback rate from the bench.
@@ -112,11 +112,10 @@ def tag_costs(n: int = 20000) -> dict:
         t0 = time.perf_counter()
         sealed = [wire._seal(tx, frame) for _ in range(k)]
         t1 = time.perf_counter()
-        for f in sealed:  # checked in the order sealed, as a receiver does
-            v = memoryview(f)
-            h = rx.rx_begin(v[:32], wire._NO_TAG)
-            h.update(v[48:48 + len(table)])
-            rx.rx_end(h, v[32:48])
+        for f in sealed:  # checked in the order sealed, as a receiver does (in its own buffer)
+            h, tag = wire._rx_head(rx, f)
+            h.update(memoryview(f)[48:48 + len(table)])
+            rx.rx_end(h, tag)
         t2 = time.perf_counter()
         out[f"write_frame_{rows}_rows"] = {"seal_us": (t1 - t0) / k * 1e6, "check_us": (t2 - t1) / k * 1e6}
     body = json.dumps({"op": "regions"}).encode()

@@ -32,8 +32,8 @@ from transport.fabric.messages import _OutMsg, batch_messages, write_messages
 from transport.fabric.region_book import RegionBook
 from transport.fabric.sockets import _Sock, recv_exact, send_buffers, send_now
 from transport.fabric.wire import (
-    _NO_TAG, _SEQ, _VECTOR_MIN, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
-    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, _seal,
+    _TAIL, _VECTOR_MIN, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
+    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, _rx_head, _seal,
 )
 
 log = logging.getLogger(__name__)
@@ -289,23 +289,17 @@ class SocketFabric(Fabric):
         if rx is not s.sock:
             magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
             if sess is not None:  # the header is checked with what its tag covers, before anything acts on it
-                p = rx.pos - 48
-                mac = sess._rx.copy()  # Session.rx_begin, inline: this runs once per frame
-                mac.update(_SEQ.pack(sess.rx_n))
+                p = rx.pos - 48  # wire._rx_head, inline: this runs once per frame
+                tag = rx.buf[p + 32:p + 48]
+                _TAIL.pack_into(rx.buf, p + 32, sess.rx_n)  # consumed bytes: the tag's place, as when sealed
                 sess.rx_n += 1
-                mac.update(rx.view[p:p + 32])
-                mac.update(_NO_TAG)
-                tag = bytes(rx.view[p + 32:p + 48])
+                mac = sess._rx.copy()
+                mac.update(rx.view[p:p + 48])
         else:
             recv_exact(rx, st["hview"])
             magic, typ, hflags, _, count, seq, blen = HDR.unpack(st["hdr"])
             if sess is not None:
-                mac = sess._rx.copy()
-                mac.update(_SEQ.pack(sess.rx_n))
-                sess.rx_n += 1
-                mac.update(st["hview"][:32])
-                mac.update(_NO_TAG)
-                tag = bytes(st["hview"][32:48])
+                mac, tag = _rx_head(sess, st["hdr"])
         if magic != MAGIC:
             raise ValueError(f"bad magic {magic!r}")
         if typ == T_ACK:

@@ -43,29 +43,30 @@ HDR = struct.Struct("<4sBBHIQQ4x16x")
 assert HDR.size == 48
 _TABLE_TYPES = frozenset((3, 5, 8))  # WRITE, REQ, NOTIFY: the tag covers the piece table, not what follows it
 _TCB = struct.Struct("<4xB3xI8xQ")  # type, count, body bytes of a frame header
-_SEQ = struct.Struct("<Q")
-_NO_TAG = bytes(16)
+# What stands in a frame's tag field while its tag is computed: the frame's sequence number on the socket, 8 zero
+# bytes. Put there on both sides, it makes the header, the sequence number and the table one contiguous range, so
+# that a sender hashes each frame in one update and packs nothing else.
+_TAIL = struct.Struct("<Q8x")
 
 
 def _seal(sess, buf):
     """``buf`` (one or more frames back to back, each header and what its tag covers inside it; the last one's
-    payload may follow in other buffers) with every frame's tag filled in, in order, under ``sess`` (None: ``buf``
-    as is). Call it where the frames go out, under the socket's send lock: each tag takes the next sequence
-    number. A tag is keyed BLAKE2b over the sequence number, then the header with its tag field zero (as packed)
-    and the covered bytes, which follow it: one contiguous range."""
+    payload may follow in other buffers) as a new bytearray with every frame's tag filled in, in order, under
+    ``sess`` (None: ``buf`` as is). Call it where the frames go out, under the socket's send lock: each tag takes
+    the next sequence number. A tag is keyed BLAKE2b over the header with the frame's sequence number in its tag
+    field (``_TAIL``), then the covered bytes, which follow it: one contiguous range."""
     if sess is None:
         return buf
-    typ, count, blen = _TCB.unpack_from(buf, 0)
-    end = 48 + (count * 48 if typ in _TABLE_TYPES else blen)
     n = len(buf)
-    if n <= 48 + blen:  # one frame (the usual case): hashed in place, copied once with its tag
-        if end > n:
-            raise AssertionError(f"frame of type {typ}: its covered bytes end at {end}, past the buffer {n}")
-        h = sess._tx.copy()
-        h.update(_SEQ.pack(sess.tx_n))
+    typ, count, blen = _TCB.unpack_from(buf, 0)
+    if 48 + (count * 48 if typ in _TABLE_TYPES else blen) == n:  # one frame and what its tag covers: the usual
+        b = bytearray(buf)
+        _TAIL.pack_into(b, 32, sess.tx_n)
         sess.tx_n += 1
-        h.update(buf if end == n else memoryview(buf)[:end])
-        return b"".join((buf[:32], h.digest(), buf[48:]))
+        h = sess._tx.copy()
+        h.update(b)
+        b[32:48] = h.digest()
+        return b
     b = bytearray(buf)
     off = 0
     while off + 48 <= n:
@@ -74,18 +75,32 @@ def _seal(sess, buf):
         if end > n:
             raise AssertionError(f"frame of type {typ} at {off}: its covered bytes end at {end}, past the buffer {n}")
         h = sess._tx.copy()
-        h.update(_SEQ.pack(sess.tx_n))
+        _TAIL.pack_into(b, off + 32, sess.tx_n)
         sess.tx_n += 1
-        h.update(memoryview(b)[off:end])
+        h.update(b if end == n and not off else memoryview(b)[off:end])
         b[off + 32:off + 48] = h.digest()
         off += 48 + blen
     return b
 
 
+def _rx_head(sess, hdr: bytearray, p: int = 0):
+    """Begin checking a received frame whose 48-byte header is ``hdr[p:p + 48]``, in a buffer of the receiver's
+    own where those bytes are consumed: returns (the hash, to be updated with the covered bytes, and the tag it
+    must give). The tag field is overwritten with the expected sequence number (``_TAIL``), as it was sealed."""
+    tag = hdr[p + 32:p + 48]
+    _TAIL.pack_into(hdr, p + 32, sess.rx_n)
+    sess.rx_n += 1
+    mac = sess._rx.copy()
+    mac.update(memoryview(hdr)[p:p + 48])
+    return mac, tag
+
+
 def _frame_check(sess, hdr, body) -> None:
     """Check a whole received frame (``hdr`` 48 bytes, ``body`` what its tag covers); raises AuthError."""
     if sess is not None:
-        sess.check(hdr[32:48], hdr[:32], _NO_TAG, body)
+        mac, tag = _rx_head(sess, bytearray(hdr[:48]))
+        mac.update(body)
+        sess.rx_end(mac, tag)
 
 
 def _keyed(sock):

@@ -8,7 +8,7 @@ anything:
 1. the connecting side sends ``PREAMBLE``: magic ``PXNA``, version, flags (bit 0: it has a secret) and a fresh
    32-byte nonce ``nc``;
 2. the accepting side answers with its own flags, a fresh nonce ``ns`` and
-   ``HMAC-SHA256(secret, "pxn-auth-2 server" | purpose | nc | ns | client address | server address)``, which
+   ``HMAC-SHA256(secret, "pxn-auth-3 server" | purpose | nc | ns | client address | server address)``, which
    proves it knows the secret too;
 3. the connecting side checks that proof and sends the same MAC under the label ``"client"``;
 4. the accepting side checks it (constant-time compare) and sends one verdict byte (0: accepted).
@@ -71,7 +71,7 @@ __all__ = ["AuthError", "SecretMismatch", "InsecureConfig", "Resolved", "Session
            "client_handshake", "server_handshake", "Gate", "Admitted", "secret_file", "MIN_SECRET_BYTES"]
 
 MAGIC = b"PXNA"
-VERSION = 2
+VERSION = 3
 NONCE_BYTES = 32
 MAC_BYTES = 32
 TAG_BYTES = 16
@@ -222,7 +222,8 @@ def resolve_secret(secret=None, host=None, insecure: Optional[bool] = None, envi
 
 
 def _mac(secret: bytes, role: bytes, purpose: str, nc: bytes, ns: bytes, ends: bytes) -> bytes:
-    return hmac.new(secret, b"pxn-auth-2 " + role + b"|" + purpose.encode() + b"|" + nc + ns + b"|" + ends,
+    label = b"pxn-auth-%d " % VERSION  # a new version's proofs never verify under an old one
+    return hmac.new(secret, label + role + b"|" + purpose.encode() + b"|" + nc + ns + b"|" + ends,
                     hashlib.sha256).digest()
 
 

@@ -212,7 +212,9 @@ class TcpIo:
                     n -= 1
                 # only after an acknowledged small write (a small batch): its sender may send the next one as soon
                 # as it has the ack; after a chunk, an ack or an unacked write the next message is not that close
-                if not (st.pop("small", False) and spin.budget):
+                # (not at the end of the turn: a hit would leave read-ahead bytes nobody reads)
+                small = st.pop("small", False)
+                if n <= 0 or not (small and spin.budget):
                     continue
                 until = spin.until(mono())
                 if until:

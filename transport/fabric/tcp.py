@@ -30,7 +30,7 @@ from transport.fabric.tcp_posting import TcpPoster
 from transport.fabric.wire import SMALL_MESSAGE
 
 # seconds a thread reads its socket without sleeping before it blocks, at most (``AdaptiveSpin`` keeps it on only
-# while it pays): a waiting caller for its small batch's ack (``ack_spin``), a receive thread for the next message
+# while it pays): a waiting caller for its small batch's ack (``ack_spin``), a reader thread for the next message
 # (``recv_spin``)
 SPIN = 150e-6
 
@@ -44,7 +44,7 @@ class TcpFabric(TcpLanding, SocketFabric):
     Options as ``SocketFabric`` (``message_bytes`` default 4 MiB: big enough to amortise the per-message Python
     cost, small enough to spread one 64 MB write over every socket), and: ``own_acks`` (default True: a thread that
     posted a small ``WriteRows`` with ``read_ack`` may read its ack from the socket itself, ``await_rows``; False:
-    only the receive threads read), ``ack_spin`` (seconds such a thread keeps reading its socket without sleeping
+    only the reader threads read), ``ack_spin`` (seconds such a thread keeps reading its socket without sleeping
     before it blocks in ``poll``, at most; default ``PXN_ACK_SPIN_US`` or ``SPIN``; 0: block at once),
     ``recv_spin`` (the same for a reader thread on the socket where it placed and acknowledged a small write,
     waiting for the next message; default ``PXN_RECV_SPIN_US`` or ``SPIN``), ``io_threads`` (reader threads, and
@@ -102,8 +102,8 @@ class TcpFabric(TcpLanding, SocketFabric):
                          connect_timeout=connect_timeout, keepalive=keepalive, ack_timeout=ack_timeout, secret=secret,
                          handshake_timeout=handshake_timeout, guard_claims=guard_claims,
                          max_peers_per_addr=max_peers_per_addr, insecure=insecure)
-        # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: receive threads
-        # read every message, and block in ``recv`` rather than in epoll
+        # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: the reader
+        # threads read every message
         poster = self._poster = TcpPoster(self, bool(own_acks) and hasattr(select, "epoll"), self._spin)
         # the poster's entry points bound onto the fabric: a post, and the sender threads' sends, reach it without
         # an extra call

@@ -293,9 +293,9 @@ class TcpPoster:
     def await_rows(self, b: WriteRows, deadline: float) -> None:
         """For the thread that posted ``b`` with ``read_ack`` and got its socket (``b.reader`` set): read that
         socket -- every message on it, whoever it is for -- until ``b``'s ack is handled, the endpoint failed or
-        ``time.monotonic()`` passes ``deadline``, then hand the socket back to its receive thread. The ack
-        completes ``b`` as the receive thread would have (``on_acked`` or a completion). A read that fails (EOF,
-        reset, a malformed stream) fails the endpoint, as in the receive thread. No-op when ``b.reader`` is None."""
+        ``time.monotonic()`` passes ``deadline``, then hand the socket back to the reader threads. The ack
+        completes ``b`` as a reader thread would have (``on_acked`` or a completion). A read that fails (EOF,
+        reset, a malformed stream) fails the endpoint, as in the reader threads. No-op when ``b.reader`` is None."""
         held = b.reader
         if held is None:
             return
@@ -334,7 +334,7 @@ class TcpPoster:
             if m.done:
                 s.own_reads += 1
             # what the last receive took beyond the ack (another message, whole or in part) is read here: the
-            # receive thread is woken by bytes still in the socket, never by bytes already in the buffer
+            # reader threads are woken by bytes still in the socket, never by bytes already in the buffer
             while ep._alive and rx.pos < rx.end:
                 self._read_one(ep, s, rx, st)
         except Exception as e:  # noqa: BLE001 — as in the reader threads: the link is unusable

@@ -188,7 +188,10 @@ class TcpIo:
             for fd, _ in events:
                 ent = socks.get(fd)
                 if ent is not None:
-                    self._serve(ent[0], ent[1], st)
+                    try:
+                        self._serve(ent[0], ent[1], st)
+                    except Exception:  # noqa: BLE001 — a failing failure path must not take a shared thread along
+                        log.exception("tcp reader: serving %s/%d failed", ent[0].peer_id, ent[1].index)
 
     def _serve(self, ep, s: _Sock, st: dict) -> None:
         """One reader's turn on readable socket ``s``: every message there, then a spin after a small write."""

@@ -98,6 +98,8 @@ class Connections:
                 for t in s.threads:
                     if t is not threading.current_thread():
                         t.join(timeout=2.0)
+        self.fabric._stop_io()  # before the sockets close: no thread is left that reads or sends on them
+        for ep in eps:
             ep.close_sockets()
         self._listen_thread.join(timeout=2.0)
         self._watchdog.join(timeout=2.0)
@@ -176,7 +178,7 @@ class Connections:
             # forget dead endpoints whose threads are gone (their sockets were only shut down so far)
             keep = []
             for old_ep in self._all_eps:
-                if old_ep.alive or any(t.is_alive() for s in old_ep.socks for t in s.threads):
+                if old_ep.alive or old_ep.busy():
                     keep.append(old_ep)
                 else:
                     old_ep.close_sockets()

@@ -48,12 +48,13 @@ class SocketEndpoint(Endpoint):
         return f"{type(self).__name__}({self.peer_id!r}, sockets={len(self.socks)}, alive={self._alive})"
 
     def start(self) -> None:
-        for s in self.socks:
-            for fn, role in ((self.fabric._recv_loop, "recv"), (self.fabric._send_loop, "send")):
-                t = threading.Thread(target=fn, args=(self, s), daemon=True,
-                                     name=f"pxn-{self.fabric.name}-{role}-{self.peer_id}-{s.index}")
-                s.threads.append(t)
-                t.start()
+        """Start serving the sockets (``SocketFabric._start_endpoint``: threads of their own, or the tcp fabric's
+        I/O threads)."""
+        self.fabric._start_endpoint(self)
+
+    def busy(self) -> bool:
+        """A thread may still use one of the sockets (``_Sock.busy``): they must stay open."""
+        return any(s.busy() for s in self.socks)
 
     def abort(self) -> None:
         """Break every socket of this endpoint abruptly (RST); pending work fails with ``PeerLost``."""
@@ -130,7 +131,7 @@ class SocketEndpoint(Endpoint):
                 if queue:
                     with s.cv:
                         s.data.append(m)
-                        s.cv.notify()
+                        s.wake()
         return out
 
     def enqueue_one(self, m: _OutMsg, reader: bool = False) -> _Sock:
@@ -228,4 +229,4 @@ class SocketEndpoint(Endpoint):
             if s.closed:
                 return
             s.ctrl.append(payload)
-            s.cv.notify()
+            s.wake()

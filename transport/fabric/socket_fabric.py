@@ -5,9 +5,11 @@ receive loop that reads and checks every frame, and the in-order release of acks
 What a message does at the target is each fabric's own (``_on_message``: tcp places payload, ipc grants and
 copies), and so is how a queued message goes out (``_transmit``).
 
-Threads: one listener per fabric (one short-lived thread per connection while it authenticates); per socket one
-receiver thread (never blocks on sending) and one sender thread (owns all sends on the socket, control messages
-first), which rules out the cross-peer deadlock where both sides block sending while nobody drains.
+Threads: one listener and one watchdog per fabric (one short-lived thread per connection while it authenticates),
+and what serves the sockets (``_start_endpoint``): by default (ipc) per socket one receiver thread (never blocks on
+sending) and one sender thread (owns all sends on the socket, control messages first), which rules out the
+cross-peer deadlock where both sides block sending while nobody drains; the tcp fabric instead serves every socket
+with a fixed number of I/O threads per fabric (``transport.fabric.tcp_io``), under the same rules.
 """
 from __future__ import annotations
 
@@ -236,6 +238,19 @@ class SocketFabric(Fabric):
     def _push(self, comps: List[Completion]) -> None:
         if comps:
             self._cq.push(comps)
+
+    def _start_endpoint(self, ep: SocketEndpoint) -> None:
+        """Serve the sockets of a new endpoint: here a receiver and a sender thread per socket."""
+        for s in ep.socks:
+            for fn, role in ((self._recv_loop, "recv"), (self._send_loop, "send")):
+                t = threading.Thread(target=fn, args=(ep, s), daemon=True,
+                                     name=f"pxn-{self.name}-{role}-{ep.peer_id}-{s.index}")
+                s.threads.append(t)
+                t.start()
+
+    def _stop_io(self) -> None:
+        """Stop the threads that serve sockets beyond each socket's own (``Connections.close``, once every endpoint
+        failed and before the sockets close); none here."""
 
     def _send_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
         try:

@@ -1,6 +1,6 @@
 """The sockets of the socket fabrics (tcp, ipc): exact and scattered receives, gathered sends, the look-ahead
-reader of a receive thread (``_Rx``), one socket of an endpoint with its sender queue (``_Sock``), and the inline
-send of a small message by the thread that has it (``send_now``).
+reader (``_Rx``), one socket of an endpoint with its sender queue (``_Sock``), and the inline send of a small message
+by the thread that has it (``send_now``).
 """
 from __future__ import annotations
 
@@ -88,6 +88,14 @@ class _Rx:
         self.view = memoryview(self.buf)
         self.pos = self.end = 0
 
+    def attach(self, buf: bytearray, view: memoryview) -> None:
+        """Read through ``buf`` (``view`` its memoryview) from now on: the buffer of the thread that reads the socket
+        this turn (tcp's readers, ``transport.fabric.tcp_io``), so that a socket owns none. Only while nothing is
+        read ahead, as at the end of every turn; else the buffer in use stays."""
+        if self.pos == self.end:
+            self.buf, self.view = buf, view
+            self.pos = self.end = 0
+
     def recv_into(self, view, nbytes: int = 0, flags: int = 0) -> int:
         n = nbytes or len(view)
         have = self.end - self.pos
@@ -147,7 +155,9 @@ class _Rx:
 
 
 class _Sock:
-    """One socket of an endpoint with its sender queue."""
+    """One socket of an endpoint with its sender queue. Queued work is announced by ``wake()`` (under ``cv``): by
+    default it wakes the socket's own sender thread (ipc); the tcp fabric's I/O threads (``tcp_io.TcpIo``) put the
+    socket in their send queue instead."""
 
     def __init__(self, sock: socket.socket, index: int):
         self.sock = sock
@@ -157,6 +167,10 @@ class _Sock:
         self.data: collections.deque = collections.deque()  # _OutMsg
         self.closed = False
         self.threads: List[threading.Thread] = []
+        self.wake = self.cv.notify  # called under ``cv`` once a message was queued
+        # tcp's I/O threads (``tcp_io.TcpIo``): served by them; in their send queue; out of their epoll set for good
+        self.pooled = self.queued = self.dropped = False
+        self.rx: Optional[_Rx] = None  # tcp: the look-ahead reader, with the reading thread's buffer for its turn
         # ipc uses these to hand a GRANT from the receiver thread to the waiting sender thread
         self.grant_cv = threading.Condition()
         self.grants: Dict[int, tuple] = {}
@@ -166,16 +180,22 @@ class _Sock:
         self.wire_lock = threading.Lock()
         self.granted: Dict[int, tuple] = {}  # ipc target: seq -> (table, statuses, pinned) until DONE
         self.tx_cache: dict = {}  # sender thread's pinned / device staging buffers and CUDA streams
-        # tcp, shared reading (``TcpFabric._recv_loop``): whoever holds ``reader`` reads the socket, through the
-        # receive thread's state ``rx_state``; ``poller`` is that thread's epoll set (None once it ended)
+        # tcp, shared reading: whoever holds ``reader`` reads the socket (a reader thread for a turn, or a caller
+        # reading its own ack, ``TcpPoster.await_rows``); ``poller`` is the ``TcpIo`` whose epoll set holds the
+        # socket (None once it left it)
         self.reader = threading.Lock()
-        self.rx_state: Optional[dict] = None
         self.poller = None
         self.fd = sock.fileno()
         self.sess = _keyed(sock)  # the connection's tags (None without a secret)
-        self.want_shared = False  # a caller asked for shared reading (the receive thread switches after a message)
         self.own_reads = 0  # acks of small batches their waiting callers read themselves (counted under ``reader``)
-        self.spin: Optional[AdaptiveSpin] = None  # the receive thread's spin while it reads blocking (``recv_spin``)
+        self.spin: Optional[AdaptiveSpin] = None  # the readers' spin after a small write here (``recv_spin``)
+
+    def busy(self) -> bool:
+        """A thread may still use the socket: its own thread runs, or tcp's I/O threads still hold it (in their
+        epoll set, or queued to send); its file descriptor must stay open meanwhile."""
+        if self.pooled:
+            return not self.dropped or self.queued
+        return any(t.is_alive() for t in self.threads)
 
 
 def send_now(s: _Sock, bufs: List) -> bool:
@@ -214,7 +234,7 @@ def send_now(s: _Sock, bufs: List) -> bool:
         if rest:
             with s.cv:
                 s.ctrl.extendleft(reversed(rest))
-                s.cv.notify()
+                s.wake()
         return True
     finally:
         s.wire_lock.release()

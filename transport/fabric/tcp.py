@@ -1,30 +1,36 @@
 """TCP fabric: one-sided writes over real sockets, the fallback for machines without RDMA and the CI stand-in.
 
-``TcpFabric`` is the shared socket-message layer (``transport.fabric.socket_fabric``: regions, connections, sender
-threads, the receive loop; the wire format in ``transport.fabric.wire``) with tcp's sender side
-(``transport.fabric.tcp_posting``) and target side (``transport.fabric.tcp_landing``). Its own part is the
-receive threads' reading: a look-ahead buffer per socket, a spin for the next small message, and the socket shared
-with callers that read their own acks.
+``TcpFabric`` is the shared socket-message layer (``transport.fabric.socket_fabric``: regions, connections, the
+receive loop's message reading; the wire format in ``transport.fabric.wire``) with tcp's sender side
+(``transport.fabric.tcp_posting``), target side (``transport.fabric.tcp_landing``) and I/O threads
+(``transport.fabric.tcp_io``).
+
+Threads: a fixed number per fabric, whatever the number of peers: ``io_threads`` readers sharing one epoll set of
+every socket (a readable socket is read by one of them at a time), as many senders serving a queue of sockets
+with something to send, the listener and the watchdog (and a short-lived thread per incoming connection while
+it authenticates). Posting threads send a small message themselves when its socket is idle (``send_now``), and a
+caller waiting for its small batch reads the ack itself (``await_rows``), taking the socket from the readers for
+that while.
 """
 from __future__ import annotations
 
 import select
-import time
+import threading
 from typing import Optional, Sequence
 
 from transport import auth
 from transport.config import EngineConfig
 from transport.fabric.base import Capabilities, Endpoint, WriteRequest, WriteRows
 from transport.fabric.endpoint import SocketEndpoint
-from transport.fabric.sockets import _EPOLLIN, _Rx, _Sock, send_now
+from transport.fabric.sockets import _Rx, _Sock, send_now
 from transport.fabric.socket_fabric import SocketFabric, log
-from transport.fabric.spin import AdaptiveSpin
+from transport.fabric.tcp_io import TcpIo, reader_state
 from transport.fabric.tcp_landing import TcpLanding
 from transport.fabric.tcp_posting import TcpPoster
-from transport.fabric.wire import HDR, SMALL_MESSAGE
+from transport.fabric.wire import SMALL_MESSAGE
 
 # seconds a thread reads its socket without sleeping before it blocks, at most (``AdaptiveSpin`` keeps it on only
-# while it pays): a waiting caller for its small batch's ack (``ack_spin``), a receive thread for the next message
+# while it pays): a waiting caller for its small batch's ack (``ack_spin``), a reader thread for the next message
 # (``recv_spin``)
 SPIN = 150e-6
 
@@ -38,18 +44,20 @@ class TcpFabric(TcpLanding, SocketFabric):
     Options as ``SocketFabric`` (``message_bytes`` default 4 MiB: big enough to amortise the per-message Python
     cost, small enough to spread one 64 MB write over every socket), and: ``own_acks`` (default True: a thread that
     posted a small ``WriteRows`` with ``read_ack`` may read its ack from the socket itself, ``await_rows``; False:
-    only the receive threads read), ``ack_spin`` (seconds such a thread keeps reading its socket without sleeping
+    only the reader threads read), ``ack_spin`` (seconds such a thread keeps reading its socket without sleeping
     before it blocks in ``poll``, at most; default ``PXN_ACK_SPIN_US`` or ``SPIN``; 0: block at once),
-    ``recv_spin`` (the same for a receive thread in blocking reads after it placed and acknowledged a small write,
-    waiting for the next message; default ``PXN_RECV_SPIN_US`` or ``SPIN``). A spin saves the waiting thread's
+    ``recv_spin`` (the same for a reader thread on the socket where it placed and acknowledged a small write,
+    waiting for the next message; default ``PXN_RECV_SPIN_US`` or ``SPIN``), ``io_threads`` (reader threads, and
+    as many sender threads, for all the fabric's sockets: ``tcp_io.TcpIo``; default ``connections_per_peer``,
+    at least 2, at most 16). A spin saves the waiting thread's
     wake-up and the peer's cost of waking it where a core is free meanwhile, and costs the peer its core where none
     is: each is an ``AdaptiveSpin``, on only while what it waits for comes within it and the waiting thread gets a
     core whenever it wants one.
 
-    Its parts: the shared socket-message layer it builds on (``SocketFabric``: regions, connections, sender
-    threads, the receive loop), its sender side (``TcpPoster``, owned), and its target side (``TcpLanding``, mixed
-    in: it runs once per message on the receive threads and acknowledges through ``_send_ctrl``, which a hop to
-    another object would lengthen by a step per message).
+    Its parts: the shared socket-message layer it builds on (``SocketFabric``: regions, connections, the reading
+    of a message), its I/O threads (``TcpIo``, owned), its sender side (``TcpPoster``, owned), and its target side
+    (``TcpLanding``, mixed in: it runs once per message on the reading thread and acknowledges through
+    ``_send_ctrl``, which a hop to another object would lengthen by a step per message).
     """
 
     name = "tcp"
@@ -76,7 +84,7 @@ class TcpFabric(TcpLanding, SocketFabric):
                  ack_timeout: float = 30.0, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
                  guard_claims: bool = False, max_peers_per_addr: int = 256, own_acks: bool = True,
                  ack_spin: Optional[float] = None, recv_spin: Optional[float] = None,
-                 insecure: Optional[bool] = None):
+                 insecure: Optional[bool] = None, io_threads: Optional[int] = None):
         spins = []
         given = EngineConfig.read(("ack_spin", "recv_spin"))  # the variables when no argument is given
         for name, v in (("ack_spin", ack_spin), ("recv_spin", recv_spin)):
@@ -86,12 +94,16 @@ class TcpFabric(TcpLanding, SocketFabric):
                 raise ValueError(f"{name} must be seconds in [0, 1], got {v!r}")
             spins.append(float(v))
         self._spin, self._recv_spin = spins
+        if io_threads is None:
+            io_threads = min(16, max(2, connections_per_peer or 2))
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or not 1 <= io_threads <= 64:
+            raise ValueError(f"io_threads must be an int in 1..64, got {io_threads!r}")
         super().__init__(hostname, port, connections_per_peer=connections_per_peer, message_bytes=message_bytes,
                          connect_timeout=connect_timeout, keepalive=keepalive, ack_timeout=ack_timeout, secret=secret,
                          handshake_timeout=handshake_timeout, guard_claims=guard_claims,
                          max_peers_per_addr=max_peers_per_addr, insecure=insecure)
-        # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: receive threads
-        # read every message, and block in ``recv`` rather than in epoll
+        # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: the reader
+        # threads read every message
         poster = self._poster = TcpPoster(self, bool(own_acks) and hasattr(select, "epoll"), self._spin)
         # the poster's entry points bound onto the fabric: a post, and the sender threads' sends, reach it without
         # an extra call
@@ -100,6 +112,9 @@ class TcpFabric(TcpLanding, SocketFabric):
         self._send = poster.send
         self._transmit = poster.transmit
         self._ack_spin = poster.ack_spin
+        self._io = TcpIo(self, io_threads, self.ack_timeout, self._recv_spin)
+        self._io.start(str(self.port))
+        self._caller = threading.local()  # a caller's reading state (``_caller_state``)
         self._start()
 
     # Bound per instance to the poster's (above); these serve a call through the class.
@@ -110,55 +125,33 @@ class TcpFabric(TcpLanding, SocketFabric):
         """For the thread that posted ``b`` with ``read_ack``: read its ack itself (``TcpPoster.await_rows``)."""
         self._poster.await_rows(b, deadline)
 
+    def _start_endpoint(self, ep: SocketEndpoint) -> None:
+        """Serve a new endpoint's sockets with the fabric's I/O threads (``TcpIo.add``)."""
+        self._io.add(ep)
+
+    def _stop_io(self) -> None:
+        self._io.stop()
+
+    def _caller_state(self, s: _Sock) -> dict:
+        """The reading state of this thread (not a reader thread: a caller that reads its own ack), set up for
+        socket ``s``: its look-ahead reader with this thread's buffer."""
+        st = self._caller.__dict__.get("st")
+        if st is None:
+            st = self._caller.st = reader_state(SMALL_MESSAGE)
+        rx = s.rx
+        if rx is None:
+            rx = s.rx = _Rx(s.sock, 0)
+        rx.attach(st["rxbuf"], st["rxview"])
+        st["rx"] = rx
+        return st
+
     def _recv_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
-        """The receive thread of socket ``s``, reading through a look-ahead buffer (``_Rx``): alone at first, then
-        sharing the socket with callers that read their own acks."""
-        st = self._receive_state(s)
-        rx = st["rx"] = _Rx(s.sock, HDR.size + SMALL_MESSAGE)
+        """Read socket ``s`` on this thread, one message after the other, until the link fails (a test's or a
+        fuzzer's stand-in for the reader threads, on an endpoint they do not serve)."""
+        st = self._caller_state(s)
         try:
-            # Blocking reads, by this thread alone, until a caller on this side waits for a small batch of its own
-            # here (``want_shared``; a target that only receives stays here: a wake-up from ``recv`` is one step
-            # less than one from epoll). After a small write it acknowledged, this thread reads without sleeping
-            # for a while before it blocks (``recv_spin``), while the next message comes within that while and the
-            # host has a core to spare: a sender of back-to-back small batches then finds it awake. Then shared
-            # reading: this thread waits for readability (epoll) and reads under the socket's reader token, so that
-            # a caller waiting for its own small batch can take the token and read its ack itself (``await_rows``),
-            # one thread wake-up fewer on its critical path. While a caller holds the token the socket is left out of
-            # this thread's epoll set (its events mask 0), so the ack does not wake this thread too; hang-ups and
-            # errors still do.
-            spin = s.spin = AdaptiveSpin(self._recv_spin)
-            mono = time.monotonic
-            while not s.want_shared:
-                # only after an acknowledged small write (a small batch): its sender may send the next one as soon
-                # as it has the ack; after a chunk, an ack or an unacked write the next message is not that close
-                if rx.pos == rx.end and st.pop("small", False) and spin.budget:
-                    until = spin.until(mono())
-                    if until:
-                        hit = rx.ready()
-                        while not hit and mono() < until:
-                            hit = rx.ready()
-                        spin.done(hit)
-                self._read_one(ep, s, rx, st)
-            poller = select.epoll(1)
-            poller.register(s.fd, _EPOLLIN)
-            st["wait"] = select.poll()  # a caller's wait for readability, with a timeout (``await_rows``)
-            st["wait"].register(s.fd, select.POLLIN)
-            s.rx_state = st
-            s.poller = poller
-            token = s.reader
-            try:
-                while True:
-                    if rx.pos == rx.end:
-                        poller.poll()
-                    with token:
-                        if rx.ready():  # else a caller read what woke this thread
-                            self._read_one(ep, s, rx, st)
-                            while rx.pos < rx.end:  # the rest of what one receive took; more wakes the poll
-                                self._read_one(ep, s, rx, st)
-            finally:
-                with token:
-                    s.poller = None
-                    poller.close()
+            while True:
+                self._read_one(ep, s, st["rx"], st)
         except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
             if ep.alive and not self._closed:
                 log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)

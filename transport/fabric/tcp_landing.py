@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class TcpLanding:
-    """The target-side methods of ``TcpFabric``, on the receive threads (a part of that class, not a fabric of its
+    """The target-side methods of ``TcpFabric``, on the reading threads (a part of that class, not a fabric of its
     own: it runs once per message on the receiving thread, where reaching another object's methods and tables
     would add a step per message). It reads the fabric's region tables (``SocketFabric._book`` and their aliases)
     and acknowledges through ``_send_ctrl`` / ``_finish_message``."""
@@ -216,7 +216,7 @@ class TcpLanding:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))
         if not hflags & H_NOACK:
             self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, count, seq, count) + bytes(statuses))
-            st["small"] = True  # the receive thread may spin for the next one (``recv_spin``)
+            st["small"] = True  # the reader may spin for the next one (``recv_spin``)
         elif statuses.count(0) != count:
             i = next(i for i, v in enumerate(statuses) if v)
             log.warning("%s: refused an unacked write from %s: %d B at 0x%x rkey 0x%x: %s", self._id, ep.peer_id,

@@ -10,6 +10,7 @@ posted before it on that endpoint has landed, as on an RDMA RC queue pair.
 from __future__ import annotations
 
 import logging
+import select
 import time
 from typing import Dict, List, Sequence
 
@@ -21,7 +22,7 @@ from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
 from transport.fabric.messages import _BatchRecord, _OutMsg, _WrRecord, batch_messages, write_messages
-from transport.fabric.sockets import _EPOLLIN, _Sock, send_buffers, send_now
+from transport.fabric.sockets import _Sock, send_buffers, send_now
 from transport.fabric.spin import AdaptiveSpin
 from transport.fabric.wire import (_I64, _ROW, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_TABLE, PIECE_DT, T_WRITE,
                                    UNACKED_MAX, _seal)
@@ -56,6 +57,7 @@ class TcpPoster:
         self._validate_batch = fabric._validate_batch
         self._message_target = fabric._message_target
         self._read_one = fabric._read_one
+        self._caller_state = fabric._caller_state
         # unacked writes need the receiving side of ``TcpLanding._on_small_write``, which every tcp peer has
         self._unacked = fabric.capabilities.unacked_writes
         self._own_acks = own_acks
@@ -275,18 +277,12 @@ class TcpPoster:
         s = ep.enqueue_one(m, b.read_ack)
         wire = [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs]
         poller = s.poller
-        if b.read_ack and poller is None and self._own_acks:
-            s.want_shared = True  # this ack still comes through the receive thread; later ones need not
-        elif b.read_ack and poller is not None and self._own_acks and s.reader.acquire(False):
-            # the ack will be read by this thread (``await_rows``): taken before the send, so that the receive
-            # thread, out of the epoll set meanwhile, never sees it
-            try:
-                if s.poller is poller:
-                    poller.modify(s.fd, 0)
-                    b.reader = (ep, s, m)
-            except (OSError, ValueError):  # the receive thread ended meanwhile
-                pass
-            if b.reader is None:
+        if b.read_ack and poller is not None and self._own_acks and s.reader.acquire(False):
+            # the ack will be read by this thread (``await_rows``): taken before the send, so that the reader
+            # threads, kept off the socket meanwhile, never see it
+            if poller.disarm(s):
+                b.reader = (ep, s, m)
+            else:  # the socket left the readers' set: its endpoint failed
                 s.reader.release()
         try:
             self._send_inline(ep, s, m, wire)
@@ -297,18 +293,23 @@ class TcpPoster:
     def await_rows(self, b: WriteRows, deadline: float) -> None:
         """For the thread that posted ``b`` with ``read_ack`` and got its socket (``b.reader`` set): read that
         socket -- every message on it, whoever it is for -- until ``b``'s ack is handled, the endpoint failed or
-        ``time.monotonic()`` passes ``deadline``, then hand the socket back to its receive thread. The ack
-        completes ``b`` as the receive thread would have (``on_acked`` or a completion). A read that fails (EOF,
-        reset, a malformed stream) fails the endpoint, as in the receive thread. No-op when ``b.reader`` is None."""
+        ``time.monotonic()`` passes ``deadline``, then hand the socket back to the reader threads. The ack
+        completes ``b`` as a reader thread would have (``on_acked`` or a completion). A read that fails (EOF,
+        reset, a malformed stream) fails the endpoint, as in the reader threads. No-op when ``b.reader`` is None."""
         held = b.reader
         if held is None:
             return
         b.reader = None
         ep, s, m = held
+        st = {}
         try:
-            st = s.rx_state
+            st = self._caller_state(s)
             rx = st["rx"]
-            wait = st["wait"]
+            wait = st.get("wait")
+            if wait is None or st.get("wait_fd") != s.fd:
+                wait = st["wait"] = select.poll()  # this thread's wait for readability, with a timeout
+                wait.register(s.fd, select.POLLIN)
+                st["wait_fd"] = s.fd
             spin = self.ack_spin
             spin_until = spin.until(time.monotonic())
             spun = spin_until > 0.0  # reported to ``spin`` once: a hit when the ack is in before the spin ends
@@ -333,21 +334,20 @@ class TcpPoster:
             if m.done:
                 s.own_reads += 1
             # what the last receive took beyond the ack (another message, whole or in part) is read here: the
-            # receive thread is woken by bytes still in the socket, never by bytes already in the buffer
+            # reader threads are woken by bytes still in the socket, never by bytes already in the buffer
             while ep._alive and rx.pos < rx.end:
                 self._read_one(ep, s, rx, st)
-        except Exception as e:  # noqa: BLE001 — as in ``_recv_loop``: the link is unusable
+        except Exception as e:  # noqa: BLE001 — as in the reader threads: the link is unusable
             if ep.alive and not self._fab._closed:
                 log.debug("receive on %s/%d by a waiting caller ended", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"receive failed: {e}")
         finally:
+            st["rx"] = None
+            s.reader.release()
+            # armed after the token is free: a reader woken meanwhile that found it taken left the socket to us
             poller = s.poller
             if poller is not None:
-                try:
-                    poller.modify(s.fd, _EPOLLIN)
-                except (OSError, ValueError):
-                    pass
-            s.reader.release()
+                poller.rearm(ep, s)
 
     def send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
         """Hand checked messages over: to the sockets' sender threads, except a post of one small message, which
@@ -374,7 +374,7 @@ class TcpPoster:
         ep.small_busy(s)
         with s.cv:
             s.data.append(m)
-            s.cv.notify()
+            s.wake()
 
     def _wire_buffers(self, s: _Sock, msg: _OutMsg) -> List:
         """A WRITE message as buffers to send in order: header and table, then each piece's source bytes."""

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How a receiving engine's cost grows with the number of peers writing into it (issue: scale-out).
+"""How a receiving engine's cost grows with the number of peers writing into it.
 
 Setup: tcp on loopback, host memory, one rail. One receiving engine in its own process (engine defaults but
 ``rails=1``: a 32 MiB landing pool of 4 MiB slots); N sender engines (N = 1, 8, 32, 64, 128 by default) spread
@@ -16,7 +16,9 @@ connection per rail) so that 128 of them fit the machine. Per N, fresh processes
    ``load_ms_p99_worst`` (worst sender's p99) and batches per sender (min, max): the pool's fairness;
 3. the receiver's figures with all N connected, after the load: ``rss_mib`` (VmRSS), ``landing_bytes`` (every
    landing pool), ``threads`` (its OS threads), ``fds`` (open file descriptors);
-   ``per_peer_kib`` = (RSS at N - RSS at N=1) / (N - 1).
+   ``dest_rss_mib``: the resident part of the receiver's destination buffer (1 MiB per sender: the user's memory,
+   faulted in by the senders' writes), ``rss_pxn_mib`` = ``rss_mib`` - ``dest_rss_mib``;
+   ``per_peer_kib`` = (``rss_pxn_mib`` at N - at N=1) / (N - 1).
 
 Byte-exactness is the tests' job (tests/test_landing_pool.py); the last aux11 write of every sender is checked
 here too (``byte_exact``).
@@ -64,6 +66,22 @@ def _proc_figures(pid: int) -> dict:
             "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
+def _resident(addr: int, nbytes: int) -> int:
+    """Resident bytes of the mappings of this process that overlap [addr, addr + nbytes) (/proc/self/smaps): the
+    receiver's destination buffer is one anonymous mapping of its own, so this is the part of it the senders'
+    writes have faulted in -- the user's KV memory, not pxn's."""
+    total, overlap = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                overlap = lo < addr + nbytes and addr < hi
+            elif overlap and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def _receiver_main(conn, n: int) -> None:
     from transport import TransferEngine
     eng = TransferEngine(**RX_OPTS)
@@ -75,6 +93,7 @@ def _receiver_main(conn, n: int) -> None:
         if cmd == "figures":
             st = eng.stats()["receiver"]
             conn.send({**_proc_figures(os.getpid()), "landing_bytes": st["landing_bytes"],
+                       "dest_rss_bytes": _resident(mem.ctypes.data, mem.nbytes),
                        "senders": st["senders"], "grants": st.get("grants", 0),
                        "credit_requests": st.get("credit_requests", 0)})
         elif cmd == "read":
@@ -232,6 +251,8 @@ def run_n(n: int, load_seconds: float) -> dict:
             "load_batches_per_sender_max": max(counts, default=0),
             "rss_mib": round(fig["rss_bytes"] / 2**20, 1), "rss_idle_mib": round(base_fig["rss_bytes"] / 2**20, 1),
             "rss_connected_mib": round(connected_fig["rss_bytes"] / 2**20, 1),
+            "dest_rss_mib": round(fig["dest_rss_bytes"] / 2**20, 1),
+            "rss_pxn_mib": round((fig["rss_bytes"] - fig["dest_rss_bytes"]) / 2**20, 1),
             "landing_bytes": fig["landing_bytes"], "threads": fig["threads"], "threads_idle": base_fig["threads"],
             "fds": fig["fds"], "fds_idle": base_fig["fds"], "senders": fig["senders"],
             "grants": fig["grants"], "credit_requests": fig["credit_requests"], "byte_exact": bool(exact),
@@ -275,7 +296,7 @@ def main(argv=None) -> None:
         print(json.dumps(row), flush=True)
     one = next((r for r in rows if r["peers"] == 1), None)
     for r in rows:
-        r["per_peer_kib"] = (round((r["rss_mib"] - one["rss_mib"]) * 1024 / (r["peers"] - 1), 1)
+        r["per_peer_kib"] = (round((r["rss_pxn_mib"] - one["rss_pxn_mib"]) * 1024 / (r["peers"] - 1), 1)
                              if one is not None and r["peers"] > 1 else None)
         r["threads_per_peer"] = (round((r["threads"] - one["threads"]) / (r["peers"] - 1), 2)
                                  if one is not None and r["peers"] > 1 else None)
@@ -292,11 +313,11 @@ def main(argv=None) -> None:
     from transport import plots  # the same drawing as benchmarks/plots.py makes from the JSON
     if not plots.plot_scale(doc, png):
         png = "no PNG (matplotlib is not installed)"
-    print(f"{'N':>4} {'ttfb ms':>8} {'aux11 p50/p99 ms':>17} {'load p50/p99w ms':>17} {'RSS MiB':>8} "
+    print(f"{'N':>4} {'ttfb ms':>8} {'aux11 p50/p99 ms':>17} {'load p50/p99w ms':>17} {'RSS-dst':>8} "
           f"{'KiB/peer':>8} {'landing':>9} {'thr':>5} {'fds':>5} exact")
     for r in rows:
         print(f"{r['peers']:>4} {r['ttfb_ms_median']:>8} {r['aux11_ms_p50']:>8}/{r['aux11_ms_p99']:<8} "
-              f"{r['load_ms_p50']!s:>8}/{r['load_ms_p99_worst']!s:<8} {r['rss_mib']:>8} {r['per_peer_kib']!s:>8} "
+              f"{r['load_ms_p50']!s:>8}/{r['load_ms_p99_worst']!s:<8} {r['rss_pxn_mib']:>8} {r['per_peer_kib']!s:>8} "
               f"{r['landing_bytes']:>9} {r['threads']:>5} {r['fds']:>5} {r['byte_exact']}")
     print(f"wrote {out} and {png}")
 

@@ -239,6 +239,10 @@ def plot_scale(doc: dict, path: str) -> List[str]:
         scale = 2 ** -20 if key == "landing_bytes" else 1
         ax.plot(ns, [r[key] * scale for r in rows], "o-", label=key)
         ax.set_ylim(bottom=0, top=max(r[key] * scale for r in rows) * 1.15 or 1)
+        if key == "rss_mib" and all("rss_pxn_mib" in r for r in rows):
+            # less the destination buffer the senders wrote into (the user's memory, 1 MiB per sender)
+            ax.plot(ns, [r["rss_pxn_mib"] for r in rows], "s--", label="rss_pxn_mib")
+            ax.legend()
         if key == "aux11_ms_p50":
             ax.plot(ns, [r["aux11_ms_p99"] for r in rows], "s--", label="aux11_ms_p99")
             ax.set_ylim(bottom=0, top=max(r["aux11_ms_p99"] for r in rows) * 1.15 or 1)

@@ -14,7 +14,8 @@ and the per-message price of the tags.
 
 Usage::
 
-    python benchmarks/auth_overhead.py --before /tmp/pxn-before --pairs 4 --out benchmarks/results/auth-overhead-cpu.json
+    python benchmarks/auth_overhead.py --before /tmp/pxn-before --pairs 4 \
+        --out benchmarks/results/auth-overhead-cpu.json
 
 Without ``--out`` the JSON goes to a temporary file (its path is printed).
 """

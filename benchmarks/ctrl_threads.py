@@ -2,10 +2,10 @@
 """Threads of a receiving engine against the number of connected senders, and a new peer's first transfer.
 
 Setup: one receiving ``transport.TransferEngine`` (tcp, loopback, host memory, small landing and relay slots:
-``SMALL``) in a spawned process; N sender engines in another (one per round), each connected and having written one 64-byte piece (so each holds a control connection
-and its rails to the receiver). For each N in ``--senders`` (default 1 8 32 64) the receiver reports its thread
-count (``threading.enumerate()``; ``ctrl_threads``: those of its control plane, "ctrl" in the name), grouped by thread
-name (digits dropped), and ``--fresh`` more senders, one after
+``SMALL``) in a spawned process; N sender engines in another (one per round), each connected and having written one
+64-byte piece (so each holds a control connection and its rails to the receiver). For each N in ``--senders`` (default
+1 8 32 64) the receiver reports its thread count (``threading.enumerate()``; ``ctrl_threads``: those of its control
+plane, "ctrl" in the name), grouped by thread name (digits dropped), and ``--fresh`` more senders, one after
 the other (each closed before the next), time their first ``batch_write`` of 64 bytes (``first_ms``: handshake,
 rail connects, the write) and report the engine's own handshake time (``handshake_ms``: the control connection,
 its authentication, the hello and its reply, the rail connects; ``stats()["handshake_s"]``). The destination is checked
@@ -108,8 +108,8 @@ def _sweep(counts, max_n: int, fresh_n: int) -> list:
                 shakes.append(fresh.stats()["handshake_s"] * 1e3)
                 fresh.close()
             ctrl = sum(k for name, k in names.items() if "ctrl" in name)
-            rows.append({"senders": n, "threads": total, "ctrl_threads": ctrl, "by_name": names, "first_ms": statistics.median(firsts),
-                         "handshake_ms": statistics.median(shakes)})
+            rows.append({"senders": n, "threads": total, "ctrl_threads": ctrl, "by_name": names,
+                         "first_ms": statistics.median(firsts), "handshake_ms": statistics.median(shakes)})
     finally:
         for e in senders:
             e.close()

@@ -276,8 +276,9 @@ def test_dead_sender_credits_come_back():
 
 
 def test_hello_with_huge_slot_size_costs_no_more_than_the_cap():
-    """A hello announcing 64 MB slots (the most a hello may say) and 65535 credits gets slots of the pool's size, at most the pool's slot
-    count of credits, and costs no landing memory beyond the pool (registered once, at the first hello)."""
+    """A hello announcing 64 MB slots (the most a hello may say) and 65535 credits gets slots of the pool's size, at
+    most the pool's slot count of credits, and costs no landing memory beyond the pool (registered once, at the
+    first hello)."""
     rx = _engine(landing_bytes=POOL)
     try:
         rep = None

@@ -39,10 +39,10 @@ other user can. A listener on any other address refuses to start unless ``insecu
 
 Admission (``Gate``). An accepting listener hands each connection to its own thread, or to its owner's selector
 thread (``on_accept``: the engine's control listener, where one thread watches every connection), with a
-deadline to authenticate (``handshake_timeout``), so an idle or slow connection holds nothing but itself. Connections still
-authenticating are capped per source address and in all: a new one pushes the oldest waiting one out, so idle
-sockets (slowloris) cannot lock out a real peer, which authenticates within a round trip. Authenticated
-connections being served are capped per address. The accept loop survives running out of file descriptors
+deadline to authenticate (``handshake_timeout``), so an idle or slow connection holds nothing but itself. Connections
+still authenticating are capped per source address and in all: a new one pushes the oldest waiting one out, so idle
+sockets (slowloris) cannot lock out a real peer, which authenticates within a round trip. Authenticated connections
+being served are capped per address. The accept loop survives running out of file descriptors
 (``EMFILE`` / ``ENFILE``): it drops the oldest unauthenticated connection, backs off, logs, and keeps listening.
 A connection refused for its proof is logged at WARNING, naming the peer address and "wrong or missing secret"
 (at most one such line per listener every 5 s, with the count of those left out).
@@ -648,8 +648,9 @@ class Gate:
             g._unpend_locked(best)
             g._counts["evicted"] += 1
         v = best
-        # only shut down: whoever holds it (its thread, or the owner's selector) closes it. Closing a socket another thread may still be about to use
-        # lets the next accept reuse the descriptor number under that thread (it would read the new peer's bytes)
+        # only shut down: whoever holds it (its thread, or the owner's selector) closes it. Closing a socket another
+        # thread may still be about to use lets the next accept reuse the descriptor number under that thread (it
+        # would read the new peer's bytes)
         _shutdown(v.sock)
         return True
 

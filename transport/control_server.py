@@ -16,8 +16,8 @@ Threads (per control listener, none per connection):
   connection's session key and sequence number (``auth.Session``; a wrong one closes the connection unanswered
   and counts ``refused_tag``), parses it and answers it. Ops in ``long_ops`` (those that wait on other engines,
   such as a read, which asks the engine it names and then writes into it) are passed on to
-* the long pool (``long_workers`` threads, 4 by default, all started at the first such op). Ops in the quick pool never wait on
-  another engine's control plane, so a long op waits only on quick ones elsewhere and the two pools cannot
+* the long pool (``long_workers`` threads, 4 by default, all started at the first such op). Ops in the quick pool
+  never wait on another engine's control plane, so a long op waits only on quick ones elsewhere and the two pools cannot
   deadlock across engines.
 
 The reply (length, JSON, tag) is built by the worker and written by the selector as the socket takes it; then

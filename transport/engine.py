@@ -462,8 +462,9 @@ class TransferEngine:
             None, once every byte is placed at the peer.
         Raises:
             InvalidTransfer (nothing written): a timeout that is not a number > 0, mismatched lists, bad length,
-            unregistered source, destination outside the peer's regions; UnknownSession (nothing written); RemoteRejected: the peer refused a chunk
-            or write; TransferTimeout; TransferError with ``causes`` when every rail failed.
+            unregistered source, destination outside the peer's regions; UnknownSession (nothing written);
+            RemoteRejected: the peer refused a chunk or write; TransferTimeout; TransferError with ``causes`` when
+            every rail failed.
         """
         timeout = batch_timeout(timeout, self.config.timeout)
         pipe = self._pipe

@@ -111,8 +111,9 @@ class InlineRoute:
         batch of ``n`` pieces and ``nbytes`` bytes with the validation's ``extremes``."""
         choices = self._rail_choices(dev, peer)
         load = {pr.rail: pr.bytes_in_flight for pr in peer.rails} if len(choices) > 1 else {}
-        return choices, load, self._planner(peer).whole_batch_rail(dev, choices, load, n, nbytes, extremes[0], extremes[1],
-                                                            peer.forward)
+        planner = self._planner(peer)
+        return choices, load, planner.whole_batch_rail(dev, choices, load, n, nbytes, extremes[0], extremes[1],
+                                                       peer.forward)
 
     def _inline_on_rail(self, peer: "_Peer", rail: int, write, n: int, nbytes: int, t0: int, t1: int, wait: bool):
         """Make an inline write (``write(fabric, endpoint)`` of rail ``rail``) and count it as one direct unit of
@@ -331,8 +332,8 @@ class InlineRoute:
         (``wait``) counts as ok and done here; an async one when ``_wait`` finds its copies done."""
         t0, t1, t2, t3 = times
         counts = [("batches_submitted", 1), ("items", n), ("bytes", nbytes), (f"path_{kind}_units", units),
-                  (f"path_{kind}_bytes", nbytes), ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
-                  ("time_dispatch_s", (t3 - t2) / 1e9)]
+                  (f"path_{kind}_bytes", nbytes), ("time_validate_s", (t1 - t0) / 1e9),
+                  ("time_plan_s", (t2 - t1) / 1e9), ("time_dispatch_s", (t3 - t2) / 1e9)]
         if wait:
             counts.append(("batches_ok", 1))
         self.counters.add_many(counts)

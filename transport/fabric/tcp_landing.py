@@ -160,7 +160,8 @@ class TcpLanding:
             if not compare_digest(mac[0].digest(), mac[1]):
                 s.sess.rx_end(*mac)
         cols = _table_struct(count).unpack_from(view)
-        addrs, lens, waddrs, wlens, rkeys, flags = cols[0::8], cols[1::8], cols[2::8], cols[3::8], cols[4::8], cols[5::8]
+        addrs, lens, waddrs, wlens = cols[0::8], cols[1::8], cols[2::8], cols[3::8]
+        rkeys, flags = cols[4::8], cols[5::8]
         payload = blen - tb
         if sum(lens) != payload:
             raise ValueError(f"payload {payload} B does not match the table's {sum(lens)} B")

@@ -150,7 +150,8 @@ class TcpPoster:
             raise ValueError(f"wr_id={r.wr_id}: gather arrays of sizes {src.size}, {loc.size}, {n}: need one size >= 1")
         ends = loc + ln
         if int(ln.min()) < 1 or int(loc[0]) < r.local_addr or int(ends[-1]) > r.local_addr + r.length or \
-                int(src.min()) < 0 or int(src.max()) > _I64 - int(ln.max()) or (n > 1 and bool((loc[1:] < ends[:-1]).any())):
+                int(src.min()) < 0 or int(src.max()) > _I64 - int(ln.max()) or \
+                (n > 1 and bool((loc[1:] < ends[:-1]).any())):
             raise ValueError(f"wr_id={r.wr_id}: gather ranges must have lengths >= 1 and lie in ascending order, "
                              f"without overlap, inside the write's local range 0x{r.local_addr:x}+{r.length}")
         lo, hi = int(src.min()), int((src + ln).max())

@@ -309,7 +309,7 @@ def test_peer_with_smaller_pool_slots_keeps_its_batches_inline_after_warm_up(see
     from engine_helpers import EnginePeer, spy_taken
     from transport.fabric.ipc import IpcFabric
     try:
-        peer = EnginePeer(MB, fabric="ipc")
+        peer = EnginePeer(MB, fabric="ipc", landing_bytes=32 << 20)
     except RuntimeError as e:
         pytest.skip(f"ipc fabric unavailable here: {e}")
     rng = np.random.default_rng(seed)

@@ -107,8 +107,12 @@ class IpcFabric(SocketFabric):
     # Relay slots of 64 MiB, one per lane: a relayed unit costs a fixed amount of host time (fill launch, post,
     # completion) whatever its size, and this wire moves 4 MiB far faster than that; the fewer the units, the
     # closer a relayed batch gets to its copies' speed.
-    # Ring and landing memory: 2 x 64 MiB each (the defaults: 64 MiB each).
-    config_defaults = {"coalesce_bytes": 0, "relay_slot_bytes": 64 << 20, "relay_slots": 1, "landing_slots": 2}
+    # Ring memory: 2 x 64 MiB (the default: 64 MiB). The landing pool holds two of these slots, 128 MiB per rail
+    # shared by every sender: with 32 MiB a sender cuts its chunks to the pool's smaller slot and plans with a
+    # planner of its own, and the one-GPU load/store rows measured 10-30 % slower that way (benchmarks/NOTES.md,
+    # "The landing pool on one H200").
+    config_defaults = {"coalesce_bytes": 0, "relay_slot_bytes": 64 << 20, "relay_slots": 1, "landing_slots": 2,
+                       "landing_bytes": 128 << 20}
 
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: int = None,

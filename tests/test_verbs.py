@@ -357,3 +357,60 @@ def test_guarded_listener_takes_only_announced_rail_ids():
         target.expect_peer(sender.local_id, ttl=10)
         ep = sender.connect(target.descriptor())
         assert ep.alive and target.endpoint(sender.local_id).alive
+
+
+
+def test_a_failed_qp_hands_over_its_completions_before_its_endpoint_reads_dead(seed, monkeypatch):
+    """A write whose local key is bad when it executes (IBV_WC_LOC_PROT_ERR; the fabric's own post-time check is
+    bypassed here to get one) fails its QP. The failed completion reaches the completion handler, with the
+    write's own status, while the endpoint still reads alive, and from that moment the endpoint is done with:
+    nothing more can be posted on it, and a ``connect`` builds a new QP pair instead of returning it. The engine
+    relies on this order: its watchdog fails a rail whose endpoint reads dead, and would otherwise fail the
+    batch as a bare "endpoint died" before the completion naming the write's status is handled. Fails when
+    the endpoint reads dead before its completions go, or is handed out or posted to again while they do."""
+    import threading
+    from transport.errors import PeerLost, RegionError
+    from transport.fabric.base import WriteRequest
+    from transport.fabric.verbs import VerbsFabric
+    rng = np.random.default_rng([seed, 77])
+    src = rng.integers(0, 256, 8192 + int(rng.integers(1, 4096)), dtype=np.uint8)
+    dst = np.zeros(src.size, dtype=np.uint8)
+    got, at_handover, release, seen = [], [], threading.Event(), threading.Event()
+    with VerbsFabric(secret=SECRET) as a, VerbsFabric(secret=SECRET) as b:
+        smr = a.register(src.ctypes.data, src.nbytes)
+        dmr = b.register(dst.ctypes.data, dst.nbytes)
+        old = a.connect(b.descriptor())
+
+        def handler(comps):
+            for c in comps:
+                got.append(c)
+                if c.error is not None:
+                    at_handover.append(old.alive)
+                    seen.set()
+                    release.wait(30)  # the failure stays in hand while the main thread looks at the endpoint
+
+        a.set_completion_handler(handler)
+        with monkeypatch.context() as m:
+            m.setattr(a, "_check_request", lambda r: None)
+            a.post_writes(old, [WriteRequest(src.ctypes.data, src.nbytes, dst.ctypes.data, dmr.rkey,
+                                             smr.lkey ^ 0x5A5A, wr_id=41)])
+        try:
+            assert seen.wait(30), got
+            assert at_handover == [True], "the endpoint read dead before its failed completion was handed over"
+            with pytest.raises(PeerLost, match="died while posting"):
+                a.post_writes(old, [WriteRequest(src.ctypes.data, 8, dst.ctypes.data, dmr.rkey, smr.lkey,
+                                                 wr_id=42)])
+            new = a.connect(b.descriptor())
+        finally:
+            release.set()
+        assert [c.wr_id for c in got] == [41] and isinstance(got[0].error, RegionError), got
+        assert "IBV_WC_LOC_PROT_ERR" in str(got[0].error), got
+        assert new is not old and new.alive and not old.alive, (new, old)
+        assert not dst.any(), "the refused write placed bytes"
+        a.post_writes(new, [WriteRequest(src.ctypes.data, src.nbytes, dst.ctypes.data, dmr.rkey, smr.lkey,
+                                         wr_id=43)])
+        deadline = time.time() + 30
+        while time.time() < deadline and len(got) < 2:
+            time.sleep(0.01)
+        assert [c.wr_id for c in got[1:]] == [43] and got[1].error is None, got
+        assert bytes(dst) == bytes(src)

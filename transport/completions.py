@@ -101,7 +101,12 @@ class Completions:
 
     def watchdog(self, rail: int) -> None:
         """A rail whose endpoint died with work in flight (e.g. chunks waiting for acks) fails over even when
-        no completion reports it."""
+        no completion reports it. Not while the rail's completions wait in the progress loop: a failed one among
+        them carries the endpoint's own cause (a fabric hands its failure over before the endpoint reads as
+        dead), and failing the rail first would name only "endpoint died"."""
+        with self._defer_lock:
+            if self._deferring[rail]:
+                return
         for peer in list(self.directory.peers.values()):
             if peer.ready and rail < len(peer.rails):
                 pr = peer.rails[rail]

@@ -311,7 +311,7 @@ class VerbsFabric(Fabric):
         with gate:  # one connection exchange per peer at a time: a second caller gets the first one's endpoint
             with self._lock:
                 ep = self._eps.get(peer_id)
-                if ep is not None and ep.alive:
+                if ep is not None and ep.alive and not ep.settled:  # settled: failing, its completions are out
                     return ep
             return self._connect(peer_id, host, port)
 
@@ -551,8 +551,8 @@ class VerbsFabric(Fabric):
             with ep.lock:
                 while ep._alive and ep.next_seq - 1 - ep.retired >= self.max_send_wr:
                     ep.room.wait(0.5)
-                if not ep._alive:
-                    raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause})")
+                if not ep._alive or ep.settled:
+                    raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause or 'its QP failed'})")
                 room = self.max_send_wr - (ep.next_seq - 1 - ep.retired)
             part = flat[done:done + room]
             first = start + done
@@ -577,8 +577,8 @@ class VerbsFabric(Fabric):
                 wrs.append(wr)
             failure = None
             with ep.lock:
-                if not ep._alive:
-                    raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause})")
+                if not ep._alive or ep.settled:  # settled: nothing posted now would ever complete
+                    raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause or 'its QP failed'})")
                 # the records go in before the post: the progress thread may see the completion at once
                 while queued < len(records) and records[queued].first <= last:
                     ep.pending.append(records[queued])
@@ -650,7 +650,9 @@ class VerbsFabric(Fabric):
                             out.append(rec.completion(ep.peer_id))
                     ep.room.notify_all()
                 continue
-            out.extend(self._settle(ep, wc.wr_id, wc.status, emit=False))
+            # the completions so far go out first, then the failure's, in order
+            self._settle(ep, wc.wr_id, wc.status, before=out)
+            out = []
         if out:
             self._cq_out.push(out)
 
@@ -669,20 +671,22 @@ class VerbsFabric(Fabric):
             return PeerLost(f"{what} to {ep.peer_id} was flushed: the endpoint failed ({ep.cause or 'QP error'})")
         return PeerLost(f"{what} to {ep.peer_id} failed with WC status {status}")
 
-    def _settle(self, ep: VerbsEndpoint, seq: Optional[int], status: Optional[int], emit: bool = True):
+    def _settle(self, ep: VerbsEndpoint, seq: Optional[int], status: Optional[int], before=()) -> None:
         """The QP of ``ep`` failed at work request ``seq`` with WC ``status`` (None, None: the device never said,
         and the grace period is over). RC completes in order: everything before ``seq`` was placed; the item
         holding ``seq`` fails with ``status``'s error (``PeerLost`` naming the endpoint's cause for a flush:
         something else moved the QP to ERR); everything after was not executed (``PeerLost`` naming why). The
-        endpoint is failed and its QP, CQ and channel are released. Returns (or pushes, with ``emit``) the
-        completions."""
+        endpoint is failed and its QP, CQ and channel are released. ``before``: completions to push ahead of these.
+
+        The completions are pushed before the endpoint reads as dead: whoever sees it dead (the engine's watchdog)
+        then finds its failure already handed over, with the work request's own status, rather than failing the
+        rail with a bare "endpoint died" first. ``connect`` does not reuse a settled endpoint meanwhile, and
+        nothing can be posted on it."""
         out: List[Completion] = []
         with ep.lock:
-            if ep.settled:
-                return out
-            ep.settled = True
+            settled, ep.settled = ep.settled, True
             first_error = None
-            for rec in ep.pending:
+            for rec in () if settled else ep.pending:
                 if seq is not None and rec.last < seq:
                     if rec.signaled:
                         out.append(rec.completion(ep.peer_id))
@@ -694,6 +698,11 @@ class VerbsFabric(Fabric):
                     out.append(rec.completion(ep.peer_id, PeerLost(
                         f"wr_id={rec.wr_id} to {ep.peer_id} was not executed: the endpoint failed before it ({why})")))
             ep.pending.clear()
+        out = list(before) + out
+        if out:
+            self._cq_out.push(out)
+        if settled:
+            return
         if ep.alive:
             self._fail(ep, str(first_error) if first_error is not None else f"WC status {status}")
         with self._lock:
@@ -706,9 +715,6 @@ class VerbsFabric(Fabric):
                 obj.close()
             except Exception:  # noqa: BLE001
                 pass
-        if emit and out:
-            self._cq_out.push(out)
-        return out
 
     @property
     def ack_timeout_s(self) -> float:

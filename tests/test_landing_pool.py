@@ -2,9 +2,10 @@
 landing memory that does not grow with senders, credits of a dead sender, the cap on a hello's slot size, and the
 routes to a peer whose pool slots are smaller than our chunks (one planner for all of them).
 
-Scaled down for the 2-core CPU box (tcp on loopback, host memory, one rail and one tcp connection per rail per
-engine): per sender, aux11, 4096 x 64 B, 16 x 64 KB (not 1024) and 300 pieces of 1..8192 B + 1 x 2 MB (not
-2000 + 8 x 2 MB); the receiver's pool is 4 slots of 1 MiB, so 64 senders wait for credits nearly all the time.
+On the 2-core CPU box: tcp on loopback, host memory, one rail and one tcp connection per rail per engine; per
+sender, aux11, 4096 x 64 B, 1024 x 64 KB and the 2000-piece mix (2000 pieces of 1..8192 B + 8 x 2 MB), 89 MB;
+the receiver's pool is 4 slots of 1 MiB, so 64 senders wait for credits nearly all the time (the fan-in holds
+about 12 GB of host memory at its peak, both sides together).
 """
 import os
 import signal
@@ -23,7 +24,7 @@ MB = 1 << 20
 AUX11 = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
 SLOT = 1 << 20
 POOL = 4 * SLOT
-REGION = 5 * MB  # receiver bytes per sender
+REGION = 96 * MB  # receiver bytes per sender
 GAP = 64  # poison between destination pieces
 FAIR_ROUNDS = 12
 
@@ -39,8 +40,8 @@ def _plan(seed: int, idx: int):
     """Sender ``idx``'s source bytes and batches [(name, src offsets, dst offsets, lengths)] (dst offsets inside
     its ``REGION``), the same in the sender's process and in the test's."""
     rng = np.random.default_rng([seed, idx])
-    shapes = [("aux11", AUX11), ("64Bx4096", [64] * 4096), ("64KBx16", [65536] * 16),
-              ("mix300", rng.integers(1, 8193, 300).tolist() + [2 * MB])]
+    shapes = [("aux11", AUX11), ("64Bx4096", [64] * 4096), ("64KBx1024", [65536] * 1024),
+              ("mix2000", rng.integers(1, 8193, 2000).tolist() + [2 * MB] * 8)]
     total = sum(sum(lens) for _, lens in shapes)
     src = np.frombuffer(rng.bytes(total), dtype=np.uint8).copy()
     batches, s_pos, d_pos = [], 0, 0

@@ -304,8 +304,8 @@ def test_hello_with_huge_slot_size_costs_no_more_than_the_cap():
 def test_peer_with_smaller_pool_slots_keeps_its_batches_inline_after_warm_up(seed):
     """A receiver whose pool slots are smaller than the sender's chunks (ipc: 64 MiB relay slots, a 32 MiB pool)
     gives the sender a planner of its own for that peer. Every route to the peer plans with it: a batch over a
-    region per piece that the planner splits between two rails goes inline on both rails once each rail learned
-    the peer's regions, batch after batch (the inline and posted routes pick the same rails, so what the posted
+    region per piece goes inline on the rails the planner picks (both when it splits the batch) once each rail
+    learned the peer's regions, batch after batch, never declined (the inline and posted routes pick the same rails, so what the posted
     route taught a rail is what the inline route asks of it). Byte-exact, poison around every piece."""
     from engine_helpers import EnginePeer, spy_taken
     from transport.fabric.ipc import IpcFabric
@@ -340,7 +340,10 @@ def test_peer_with_smaller_pool_slots_keeps_its_batches_inline_after_warm_up(see
                     peer.poison()
                     before = len(taken)
                     eng.batch_write(peer.session, srcs, dsts, ln)
-                    assert taken[before:] == [True, True], f"round {round_}: an inline write declined: {taken}"
+                    # inline on the rails the planner picked: both when it splits the batch, one when the rails'
+                    # load at that moment sends it whole; never a decline
+                    new = taken[before:]
+                    assert new and all(new), f"round {round_}: an inline write declined: {taken}"
                     for k, a in enumerate(extras):
                         img = np.full(lengths[k] + 32, POISON, dtype=np.uint8)
                         img[offs[1][k]:offs[1][k] + lengths[k]] = bufs[k][offs[0][k]:offs[0][k] + lengths[k]]

@@ -463,12 +463,13 @@ def test_engine_config_precedence_and_errors():
 
 
 def test_fabric_defaults_sit_between_variables_and_class_defaults():
-    """A fabric's ``config_defaults`` (ipc: coalesce_bytes 0, one 64 MiB relay slot per lane, 2 landing slots)
-    replace the class default only: a PXN_* variable or an argument still wins."""
+    """A fabric's ``config_defaults`` (ipc: coalesce_bytes 0, one 64 MiB relay slot per lane, 2 landing slots, a
+    128 MiB landing pool) replace the class default only: a PXN_* variable or an argument still wins."""
     from transport.config import EngineConfig
     from transport.fabric import fabric_class
     ipc = fabric_class("ipc").config_defaults
-    assert ipc == {"coalesce_bytes": 0, "relay_slot_bytes": 64 << 20, "relay_slots": 1, "landing_slots": 2}
+    assert ipc == {"coalesce_bytes": 0, "relay_slot_bytes": 64 << 20, "relay_slots": 1, "landing_slots": 2,
+                   "landing_bytes": 128 << 20}
     tcp = fabric_class("tcp").config_defaults
     assert tcp == {"direct_pieces": 64}
     cfg = EngineConfig.from_env({}, defaults=ipc)

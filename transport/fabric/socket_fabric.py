@@ -32,10 +32,10 @@ from transport.fabric.connections import Connections
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.messages import _OutMsg, batch_messages, write_messages
 from transport.fabric.region_book import RegionBook
-from transport.fabric.sockets import _Sock, recv_exact, send_buffers, send_now
+from transport.fabric.sockets import _Sock, recv_exact, send_ctrl_frames, send_now
 from transport.fabric.wire import (
     _TAIL, _VECTOR_MIN, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
-    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, _rx_head, _seal,
+    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, _rx_head,
 )
 
 log = logging.getLogger(__name__)
@@ -268,10 +268,7 @@ class SocketFabric(Fabric):
                         s.ctrl.clear()
                         msg = s.data.popleft() if (not ctrl and s.data) else None
                     if ctrl:
-                        sess = s.sess
-                        if sess is not None:  # new frames get their tags now; a memoryview continues a frame
-                            ctrl = [c if type(c) is memoryview else _seal(sess, c) for c in ctrl]
-                        send_buffers(s.sock, ctrl)
+                        send_ctrl_frames(s, ctrl)
                     if msg is not None:
                         self._transmit(ep, s, msg)
         except Exception as e:  # noqa: BLE001 — any send failure means the link is gone

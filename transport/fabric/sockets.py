@@ -198,6 +198,15 @@ class _Sock:
         return any(t.is_alive() for t in self.threads)
 
 
+def send_ctrl_frames(s: _Sock, ctrl: List) -> None:
+    """Send the control frames taken from ``s.ctrl`` (the caller holds ``s.wire_lock``): new frames get their tags
+    now; a memoryview continues a frame that ``send_now`` began."""
+    sess = s.sess
+    if sess is not None:
+        ctrl = [c if type(c) is memoryview else _seal(sess, c) for c in ctrl]
+    send_buffers(s.sock, ctrl)
+
+
 def send_now(s: _Sock, bufs: List) -> bool:
     """Send ``bufs`` (one message) from this thread when no other thread is sending on the socket and the
     kernel takes at least its first byte without waiting; what it does not take goes to the head of the

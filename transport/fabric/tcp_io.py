@@ -39,9 +39,9 @@ import threading
 import time
 from typing import Dict, List
 
-from transport.fabric.sockets import _Rx, _Sock, send_buffers
+from transport.fabric.sockets import _Rx, _Sock, send_ctrl_frames
 from transport.fabric.spin import AdaptiveSpin
-from transport.fabric.wire import HDR, SMALL_MESSAGE, _seal
+from transport.fabric.wire import HDR, SMALL_MESSAGE
 
 log = logging.getLogger(__name__)
 
@@ -279,10 +279,7 @@ class TcpIo:
                         s.ctrl.clear()
                         msg = s.data.popleft() if (not ctrl and s.data) else None
                     if ctrl:
-                        sess = s.sess
-                        if sess is not None:  # new frames get their tags now; a memoryview continues a frame
-                            ctrl = [c if type(c) is memoryview else _seal(sess, c) for c in ctrl]
-                        send_buffers(s.sock, ctrl)
+                        send_ctrl_frames(s, ctrl)
                     if msg is not None:
                         transmit(ep, s, msg)
             return True

@@ -119,6 +119,47 @@ def test_stalled_requests_and_handshakes_hold_up_nobody():
                 s.close()
 
 
+def test_garbage_flood_pushes_out_no_handshake(rng):
+    """Threads connect, send random bytes and close, as fast as they can, while a peer authenticates again and
+    again: the selector refuses the garbage as fast as it is accepted, so the cap on connections still
+    authenticating never pushes one out, and every legitimate handshake is answered. (Before, the accept thread
+    ran ahead of the selector: hundreds of evictions a second, a legitimate handshake among them now and then.)"""
+    with TransferEngine(fabric="tcp", secret=SECRET) as rx:
+        host, port = rx.session_id.rsplit(":", 1)
+        stop = threading.Event()
+        sent = [0]
+
+        def spray(seed):
+            r = np.random.default_rng(seed)
+            while not stop.is_set():
+                try:
+                    with socket.create_connection((host, int(port)), timeout=2) as s:
+                        s.sendall(r.bytes(int(r.integers(1, 4096))))
+                        sent[0] += 1
+                except OSError:
+                    pass
+
+        threads = [threading.Thread(target=spray, args=(int(rng.integers(1 << 30)),), daemon=True)
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        answered = 0
+        try:
+            t_end = time.monotonic() + 2.0
+            while time.monotonic() < t_end:
+                with _connect(rx) as s:
+                    send_msg(s, {"op": "regions"})
+                    assert recv_msg(s)["ok"]
+                answered += 1
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=10)
+        ctrl = rx.stats()["security"]["control"]
+    assert sent[0] > 100 and answered > 0, (sent[0], answered)
+    assert ctrl["evicted"] == 0, ctrl
+
+
 def test_bad_tag_after_good_requests_closes_only_that_connection():
     """A connection whose second request carries a wrong tag is closed unanswered and counted; another
     connection goes on being served."""

@@ -48,6 +48,7 @@ __all__ = ["ControlServer"]
 _LEN = struct.Struct("<I")
 _CHUNK = 1 << 16          # bytes read at once from a connection before its request's length is known
 _TICK_S = 1.0             # longest the selector sleeps with no deadline due (seconds)
+_AHEAD = 8                # connections the accept thread may hand over before the selector has looked at them
 
 
 class _Conn:
@@ -148,6 +149,10 @@ class ControlServer:
         self._posts: "collections.deque" = collections.deque()  # (kind, conn, payload) from other threads
         self._conns: Dict[int, _Conn] = {}  # id(conn) -> conn, every connection not yet ended
         self._shaking: Dict[int, _Conn] = {}  # those of them still authenticating (their deadlines)
+        # the accept thread's pace: connections handed over, taken by the selector, and taken before its last
+        # completed pass (``accept``)
+        self._pace = threading.Condition()
+        self._handed = self._taken = self._looked_at = 0
         self.quick = _Pool(quick_workers, f"pxn-ctrl-op-{name}")
         self.long = _Pool(long_workers, f"pxn-ctrl-long-{name}")
         self.thread: Optional[threading.Thread] = None
@@ -170,9 +175,20 @@ class ControlServer:
         self.long.close(timeout)
 
     def accept(self, a: "auth.Admitted") -> None:
-        """``Gate(on_accept=)``: take a new connection over (on the accept thread; never blocks)."""
-        if self.closed:
-            raise ConnectionAbortedError(f"{self.name} is closing")
+        """``Gate(on_accept=)``: take a new connection over (on the accept thread).
+
+        It waits while ``_AHEAD`` connections handed over have not yet been through one pass of the selector
+        (woken for it at once). Without that pace, a flood of connections that send garbage and close is
+        accepted faster than the selector refuses them, and the gate's cap on connections still authenticating
+        pushes out the oldest, which may be a legitimate handshake in progress. With it, such a connection is
+        refused within a pass or two of being accepted, and only peers that really are slow fill the cap."""
+        with self._pace:
+            while not self.closed and self._handed - self._looked_at >= _AHEAD:
+                self._wake()
+                self._pace.wait(_TICK_S)
+            if self.closed:
+                raise ConnectionAbortedError(f"{self.name} is closing")
+            self._handed += 1
         self._post("new", _Conn(a), None)
 
     def _post(self, kind: str, conn: _Conn, payload) -> None:
@@ -188,8 +204,10 @@ class ControlServer:
     # --- the selector thread --------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            fresh = False  # connections registered since the last pass: look at them at once (``accept``)
             while not self.closed:
-                for key, mask in self._sel.select(self._timeout()):
+                taken = self._taken  # connections registered before this pass: the pass looks at them
+                for key, mask in self._sel.select(0 if fresh else self._timeout()):
                     conn = key.data
                     if conn is None:
                         self._drain_wake()
@@ -201,7 +219,12 @@ class ControlServer:
                             self._readable(conn)
                     except Exception as e:  # noqa: BLE001 — one connection's failure must not stop the others
                         self._end(conn, e)
+                if taken != self._looked_at:
+                    with self._pace:
+                        self._looked_at = taken
+                        self._pace.notify_all()
                 self._take_posts()
+                fresh = self._taken != taken
                 self._expire()
         except Exception:  # noqa: BLE001 — a bug here; say so, then end every connection (peers reconnect)
             log.exception("%s: the control selector failed; closing its connections", self.name)
@@ -226,6 +249,7 @@ class ControlServer:
             kind, conn, payload = self._posts.popleft()
             try:
                 if kind == "new":
+                    self._taken += 1
                     self._open(conn)
                 elif id(conn) not in self._conns:
                     continue  # ended meanwhile (the gate pushed it out, or close)
@@ -353,6 +377,8 @@ class ControlServer:
         self._next(conn)
 
     def _shutdown(self) -> None:
+        with self._pace:
+            self._pace.notify_all()  # an accept waiting for the pace sees ``closed``
         for conn in list(self._conns.values()):
             self._end(conn, None)
         while self._posts:

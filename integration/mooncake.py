@@ -122,6 +122,14 @@ __all__ = ["TransferEngine", "TransferOpcode", "error_code", "error_name", "norm
            "ERR_INTERNAL"]
 
 
+SWITCH_INTERVAL = 0.0005
+"""Seconds: the interpreter's switch interval ``initialize`` sets for the process unless the caller chose one
+(``switch_interval=`` or ``PXN_SWITCH_INTERVAL``). Mooncake's engine threads never wait for the interpreter; pxn's
+do, and with CPython's default of 5 ms a caller thread that keeps running Python (a scheduler loop, or a script
+spinning in ``while True: pass``, as Mooncake's own test target does) makes each hand-off between pxn's threads
+wait up to 5 ms (benchmarks/NOTES.md, "A caller that keeps running Python")."""
+
+
 class TransferEngine(TransferCalls):
     """Mooncake's ``TransferEngine`` Python API over ``transport.TransferEngine`` (see the module docstring).
 
@@ -233,6 +241,8 @@ class TransferEngine(TransferCalls):
                 if fabric in ("verbs", "auto") and "topology" not in options:
                     options["topology"] = rails_topology(fabric, names)
                 from transport.engine import TransferEngine as PxnEngine
+                if "switch_interval" not in options and "switch_interval" not in env:
+                    options["switch_interval"] = SWITCH_INTERVAL
                 if "port" not in options:
                     options["port"] = rpc_port()
                 eng = PxnEngine(hostname=host, fabric=fabric, **options)

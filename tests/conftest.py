@@ -113,3 +113,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def seed():
     return SEED
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _switch_interval_per_module():
+    """The Mooncake layer's ``initialize`` sets the process's switch interval (``integration.mooncake``); each test
+    module starts from the interpreter's own value, whatever ran before it."""
+    old = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(old)

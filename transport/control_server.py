@@ -3,7 +3,7 @@
 Threads (per control listener, none per connection):
 
 * the accept loop (``transport.auth.Gate.serve``, one thread): accepts, applies the caps on connections still
-  authenticating, and hands each new connection to
+  authenticating, and hands each new connection (at most 8 ahead of the selector's passes: ``accept``) to
 * the selector thread (one): it runs every connection's handshake without blocking (``auth.ServerHandshake``:
   it reads exactly the bytes the next step needs, so a stranger's bytes cost at most 72 bytes of buffer), ends
   a connection whose deadline (``Gate.handshake_timeout``) passed, and reads authenticated connections' requests

@@ -160,7 +160,8 @@ def make_pairs(args, size: int):
 
 def machine() -> dict:
     from transport.bench_cli import _versions
-    return dict(_versions(), numpy=np.__version__, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return dict(_versions(), numpy=np.__version__, date=now.strftime("%Y-%m-%d %H:%M UTC"))
 
 
 def main(argv=None) -> int:

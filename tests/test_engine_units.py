@@ -208,7 +208,8 @@ def test_relay_ring_back_pressure_and_states():
 
 def test_size_parsing_and_env(monkeypatch):
     from transport.config import parse_size
-    assert parse_size("64K") == 65536 and parse_size("1M") == MB and parse_size("8MiB") == 8 * MB and parse_size(4096) == 4096
+    assert parse_size("64K") == 65536 and parse_size("1M") == MB and parse_size("8MiB") == 8 * MB
+    assert parse_size(4096) == 4096
 
 
 def test_planner_packs_small_relayed_pieces_into_one_slot():

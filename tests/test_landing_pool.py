@@ -305,8 +305,9 @@ def test_peer_with_smaller_pool_slots_keeps_its_batches_inline_after_warm_up(see
     """A receiver whose pool slots are smaller than the sender's chunks (ipc: 64 MiB relay slots, a 32 MiB pool)
     gives the sender a planner of its own for that peer. Every route to the peer plans with it: a batch over a
     region per piece goes inline on the rails the planner picks (both when it splits the batch) once each rail
-    learned the peer's regions, batch after batch, never declined (the inline and posted routes pick the same rails, so what the posted
-    route taught a rail is what the inline route asks of it). Byte-exact, poison around every piece."""
+    learned the peer's regions, batch after batch, never declined (the inline and posted routes pick the same
+    rails, so what the posted route taught a rail is what the inline route asks of it). Byte-exact, poison around
+    every piece."""
     from engine_helpers import EnginePeer, spy_taken
     from transport.fabric.ipc import IpcFabric
     try:

@@ -506,10 +506,11 @@ class Gate:
         max_per_addr: authenticated connections being served (handler still running) per source address.
         on_accept: instead of ``handler``: ``on_accept(admitted)`` is called on the accept thread and must not
             wait on any peer (it may wait briefly for its owner to keep pace: accepting no faster than the owner
-            looks at what it accepted is what keeps the caps above for slow peers); it takes the connection over (no thread is started for it: the owner watches many connections
-            from one thread, ``transport.control``), enforces ``admitted.deadline`` itself and reports the
-            connection's end, with the exception that ended it or None, to ``finish`` (which counts, logs,
-            releases the caps and closes the socket as a handler's return would). An exception from
+            looks at what it accepted is what keeps the caps above for slow peers); it takes the connection over
+            (no thread is started for it: the owner watches many connections from one thread,
+            ``transport.control``), enforces ``admitted.deadline`` itself and reports the connection's end, with
+            the exception that ended it or None, to ``finish`` (which counts, logs, releases the caps and closes
+            the socket as a handler's return would). An exception from
             ``on_accept`` itself (the owner is closing) ends the connection at once.
         Pushing a waiting connection out (the caps above, or out of descriptors) only shuts it down: whoever
         holds it (its thread, or the owner's selector) sees the end and closes it.

@@ -10,8 +10,9 @@ same machine state on both sides, so load from elsewhere and drift cancel; the r
 ratios with a bootstrap 95 % interval over block pairs, and each arm's median call.
 
 Each shape is written once per arm and checked byte for byte against a poisoned receiver before it is timed.
-The sender's tag operations per call (frames and messages it sealed plus those it checked; the receiver does as
-many) come from the sessions' own counters. ``--same`` gives both arms the secret: an A/A run, whose ratio
+The sender's tag operations per call (frames and messages it hashed to seal or check them; an ACK that carries
+its WRITE's ack token is compared, not hashed, and not counted; the receiver does as many) come from the
+sessions' own counters. ``--same`` gives both arms the secret: an A/A run, whose ratio
 should be 1 within its interval (a check of the method itself). The two pairs' memory is not alike in every way
 (which pair's buffers were allocated first can show in a row of scattered pieces), so a claim rests on two runs,
 ``--first tags`` and ``--first no_tags``: what the tags cost shows in both, a pair's memory flips sign.

@@ -821,6 +821,86 @@ def test_untagged_messages_on_an_authenticated_connection_are_refused(victim, sr
     victim.untouched()
 
 
+def _session_pair():
+    """Both ends of one authenticated connection, without sockets: (client's Session, server's Session)."""
+    key = os.urandom(32)
+    return auth.Session(key, True, b"", "tcp"), auth.Session(key, False, b"", "tcp")
+
+
+def _sealed_write(sess, seq: int, pieces: int = 3) -> bytes:
+    """A WRITE frame's header and table (no payload) for message ``seq``, sealed by ``sess`` as a sender does."""
+    table = bytes(range(48)) * pieces
+    return bytes(wire._seal(sess, wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, pieces, seq, len(table) + pieces)
+                            + table))
+
+
+def _token_of(sess, frame: bytes) -> bytes:
+    """What the receiver of ``frame`` computes when it checks the tag: its ack token (the tag must check out)."""
+    mac, tag = wire._rx_head(sess, bytearray(frame[:48]))
+    mac.update(frame[48:])
+    d = mac.digest()
+    assert d[:auth.TAG_BYTES] == bytes(tag)
+    return d[auth.TAG_BYTES:]
+
+
+def test_ack_token_answers_only_its_own_write():
+    """An ACK that carries the acked WRITE's token instead of a tag of its own (every piece placed) is accepted
+    once, for that WRITE only: a flipped bit, the WRITE's own tag (which an on-path attacker saw), a token of
+    another WRITE, a replay, a token for a WRITE not pending, or a token beside a refused piece all close the
+    connection. A refused piece gets a tagged ACK, which takes the next sequence number."""
+    c, s = _session_pair()
+    w1, w2 = _sealed_write(c, 7), _sealed_write(c, 8)
+    assert set(c.acks) == {7, 8} and c.tx_n == 2
+    t1, t2 = _token_of(s, w1), _token_of(s, w2)
+    assert t1 != t2 and t1 != w1[32:48]
+    ack = wire.ack_frame(7, bytearray(3), t1)
+    assert ack[5] & wire.H_TOKEN and ack[32:48] == t1
+    assert wire._seal(s, ack) is ack and s.tx_n == 0  # carried as is: no tag, no sequence number
+    for bad in (bytes([t1[0] ^ 1]) + t1[1:], w1[32:48], t2):
+        with pytest.raises(auth.SecretMismatch, match="wrong ack token"):
+            wire.check_token(c, 7, bad, bytes(3))
+        c.acks[7] = t1  # a real sender closes the connection here; put the token back to try the next forgery
+    with pytest.raises(auth.SecretMismatch, match="refused piece"):
+        wire.check_token(c, 7, t1, b"\x00\x02\x00")
+    c.acks[7] = t1
+    wire.check_token(c, 7, t1, bytes(3))
+    assert set(c.acks) == {8}
+    with pytest.raises(auth.SecretMismatch, match="no WRITE pending"):  # replayed
+        wire.check_token(c, 7, t1, bytes(3))
+    refused = wire.ack_frame(8, bytearray(b"\x00\x01\x00"), t2)
+    assert not refused[5] & wire.H_TOKEN and refused[32:48] == bytes(16)
+    sealed = wire._seal(s, refused)
+    assert s.tx_n == 1 and sealed[32:48] != bytes(16)
+    unacked = wire.HDR.pack(wire.MAGIC, wire.T_WRITE, wire.H_NOACK, 0, 1, 9, 48 + 1) + bytes(48)
+    wire._seal(c, unacked)
+    assert 9 not in c.acks  # nobody acks it: nothing kept
+
+
+def test_forged_ack_token_fails_the_write(monkeypatch):
+    """End to end over tcp: a receiver whose ACK tokens are off by one bit (an on-path forger) makes the write
+    fail, naming the wrong token, instead of completing it; the same pair wrote fine before."""
+    from transport.errors import TransferError
+    from transport.fabric import tcp_landing
+    real = tcp_landing.ack_frame
+
+    def forged(seq, statuses, token):
+        f = bytearray(real(seq, statuses, token))
+        if f[5] & wire.H_TOKEN:
+            f[40] ^= 1
+        return bytes(f)
+
+    with TransferEngine(fabric="tcp", secret=SECRET) as rx, TransferEngine(fabric="tcp", secret=SECRET) as tx:
+        dst = np.zeros(4096, dtype=np.uint8)
+        rx.register(dst)
+        src = np.frombuffer(os.urandom(4096), dtype=np.uint8).copy()
+        tx.register(src)
+        tx.batch_write(rx.session_id, [src.ctypes.data], [dst.ctypes.data], [63], timeout=20)
+        assert bytes(dst[:63]) == bytes(src[:63]) and not dst[63:].any()
+        monkeypatch.setattr(tcp_landing, "ack_frame", forged)
+        with pytest.raises(TransferError, match="wrong ack token"):
+            tx.batch_write(rx.session_id, [src.ctypes.data + 1], [dst.ctypes.data + 100], [1], timeout=20)
+
+
 def test_read_naming_a_third_session_is_refused():
     """An authenticated peer asks the victim for a read whose bytes go to a third engine (its session named in
     the request): the victim asks that engine whether it sent the request, it did not, nothing is written there.

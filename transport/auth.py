@@ -8,7 +8,7 @@ anything:
 1. the connecting side sends ``PREAMBLE``: magic ``PXNA``, version, flags (bit 0: it has a secret) and a fresh
    32-byte nonce ``nc``;
 2. the accepting side answers with its own flags, a fresh nonce ``ns`` and
-   ``HMAC-SHA256(secret, "pxn-auth-3 server" | purpose | nc | ns | client address | server address)``, which
+   ``HMAC-SHA256(secret, "pxn-auth-4 server" | purpose | nc | ns | client address | server address)``, which
    proves it knows the secret too;
 3. the connecting side checks that proof and sends the same MAC under the label ``"client"``;
 4. the accepting side checks it (constant-time compare) and sends one verdict byte (0: accepted).
@@ -21,11 +21,15 @@ relays a handshake between two connections of its own sees two different pairs o
 check out and the handshake fails at once (this also means pxn does not work through NAT or a TCP proxy).
 
 Session keys. Both sides then derive a key from the secret, both nonces and both ends' addresses, and from it
-one keyed BLAKE2b (16-byte tags) per direction (``Session``). Every later message on the connection carries a
-tag over an implicit sequence number (one per direction, counted by both sides) and what the message says: a
-control message (``transport.control``) its whole body, a tcp / ipc frame its header and piece table (the payload
-is not covered: it only ever lands inside regions the header and table name, which are checked). A message
-injected, replayed, dropped or reordered on the connection breaks the sequence of tags and closes it.
+one keyed BLAKE2b of 32-byte output per direction (``Session``). Every later message on the connection carries a
+16-byte tag, the first half of that hash over an implicit sequence number (one per direction, counted by both
+sides) and what the message says: a control message (``transport.control``) its whole body, a tcp / ipc frame its
+header and piece table (the payload is not covered: it only ever lands inside regions the header and table name,
+which are checked). A message injected, replayed, dropped or reordered on the connection breaks the sequence of
+tags and closes it. The second half of a tcp WRITE's hash never travels with it: the receiver, which computed it
+to check the tag, sends it back as the write's ACK when every piece was placed (an *ack token*,
+``transport.fabric.wire``), so that an ACK costs neither side a hash of its own; nobody without the session key
+can produce it.
 
 With no secret (``insecure=True`` / ``PXN_INSECURE=1``) the exchange still runs (flags 0, empty proofs) and
 accepts; a secret on one side only is refused by both, with a message saying so. Nothing is MAC'd then.
@@ -71,11 +75,13 @@ __all__ = ["AuthError", "SecretMismatch", "InsecureConfig", "Resolved", "Session
            "client_handshake", "server_handshake", "Gate", "Admitted", "secret_file", "MIN_SECRET_BYTES"]
 
 MAGIC = b"PXNA"
-VERSION = 3
+VERSION = 4
 NONCE_BYTES = 32
 MAC_BYTES = 32
 TAG_BYTES = 16
-"""Bytes of the tag every message after the handshake carries (keyed BLAKE2b)."""
+"""Bytes of the tag every message after the handshake carries (the first half of a keyed BLAKE2b's output)."""
+DIGEST_BYTES = 32
+"""Output bytes of a session's keyed BLAKE2b: the tag, then the ack token (see the module docstring)."""
 MIN_SECRET_BYTES = 16
 """Shortest shared secret accepted (bytes)."""
 F_SECRET = 1
@@ -249,23 +255,26 @@ def _ends(sock: socket.socket, client_side: bool) -> bytes:
 class Session:
     """What an authenticated connection keeps: a tag per message in each direction, each over an implicit
     sequence number (``tag`` for what this side sends, ``check`` / ``rx_begin`` + ``rx_end`` for what it
-    receives), and ``binding``, a value both ends of this connection (and nobody else's) share, by which an
-    engine can ask a peer whether it opened a given connection (``transport.reads``)."""
+    receives); ``acks``, the ack tokens of the WRITEs this side sent and the peer has not acknowledged yet
+    (message sequence number -> 16 bytes, kept by ``transport.fabric.wire``); and ``binding``, a value both ends
+    of this connection (and nobody else's) share, by which an engine can ask a peer whether it opened a given
+    connection (``transport.reads``)."""
 
-    __slots__ = ("_tx", "_rx", "tx_n", "rx_n", "binding", "purpose", "__weakref__")
+    __slots__ = ("_tx", "_rx", "tx_n", "rx_n", "acks", "binding", "purpose", "__weakref__")
 
     def __init__(self, key: Optional[bytes], client: bool, binding: bytes, purpose: str):
         self.binding = binding
         self.purpose = purpose
         self.tx_n = 0
         self.rx_n = 0
+        self.acks: Dict[int, bytes] = {}
         if key is None:
             self._tx = self._rx = None
             return
         c2s = hashlib.blake2b(b"c2s", key=key, digest_size=32).digest()
         s2c = hashlib.blake2b(b"s2c", key=key, digest_size=32).digest()
-        self._tx = hashlib.blake2b(key=c2s if client else s2c, digest_size=TAG_BYTES)
-        self._rx = hashlib.blake2b(key=s2c if client else c2s, digest_size=TAG_BYTES)
+        self._tx = hashlib.blake2b(key=c2s if client else s2c, digest_size=DIGEST_BYTES)
+        self._rx = hashlib.blake2b(key=s2c if client else c2s, digest_size=DIGEST_BYTES)
 
     @property
     def keyed(self) -> bool:
@@ -282,7 +291,7 @@ class Session:
         self.tx_n += 1
         for p in parts:
             h.update(p)
-        return h.digest()
+        return h.digest()[:TAG_BYTES]
 
     def rx_begin(self, *parts):
         """Start checking the next received message: returns a hash to ``update`` with the rest and hand to
@@ -299,7 +308,7 @@ class Session:
 
     def rx_end(self, h, tag) -> None:
         """Raise SecretMismatch unless ``tag`` is the one ``h`` expects."""
-        if h is not None and not hmac.compare_digest(h.digest(), bytes(tag)):
+        if h is not None and not hmac.compare_digest(h.digest()[:TAG_BYTES], bytes(tag)):
             raise SecretMismatch(f"{self.purpose}: message {self.rx_n - 1} on this connection carries a wrong tag "
                                  f"(injected, replayed or reordered); closing the connection")
 

@@ -34,8 +34,8 @@ from transport.fabric.messages import _OutMsg, batch_messages, write_messages
 from transport.fabric.region_book import RegionBook
 from transport.fabric.sockets import _Sock, recv_exact, send_ctrl_frames, send_now
 from transport.fabric.wire import (
-    _TAIL, _VECTOR_MIN, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
-    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, _rx_head,
+    _TAIL, _VECTOR_MIN, F_IMM, H_NOACK, H_TOKEN, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
+    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, _rx_head, ack_frame, check_token,
 )
 
 log = logging.getLogger(__name__)
@@ -303,15 +303,21 @@ class SocketFabric(Fabric):
             if sess is not None:  # the header is checked with what its tag covers, before anything acts on it
                 p = rx.pos - 48  # wire._rx_head, inline: this runs once per frame
                 tag = rx.buf[p + 32:p + 48]
-                _TAIL.pack_into(rx.buf, p + 32, sess.rx_n)  # consumed bytes: the tag's place, as when sealed
-                sess.rx_n += 1
-                mac = sess._rx.copy()
-                mac.update(rx.view[p:p + 48])
+                if hflags & H_TOKEN and typ == T_ACK:  # an ack token: no hash, no sequence number
+                    mac = None
+                else:
+                    _TAIL.pack_into(rx.buf, p + 32, sess.rx_n)  # consumed bytes: the tag's place, as when sealed
+                    sess.rx_n += 1
+                    mac = sess._rx.copy()
+                    mac.update(rx.view[p:p + 48])
         else:
             recv_exact(rx, st["hview"])
             magic, typ, hflags, _, count, seq, blen = HDR.unpack(st["hdr"])
             if sess is not None:
-                mac, tag = _rx_head(sess, st["hdr"])
+                if hflags & H_TOKEN and typ == T_ACK:
+                    mac, tag = None, bytes(st["hview"][32:48])
+                else:
+                    mac, tag = _rx_head(sess, st["hdr"])
         if magic != MAGIC:
             raise ValueError(f"bad magic {magic!r}")
         if typ == T_ACK:
@@ -324,9 +330,13 @@ class SocketFabric(Fabric):
                 recv_exact(rx, memoryview(body))
                 body = bytes(body)
             if sess is not None:
-                mac.update(body)
-                if not compare_digest(mac.digest(), tag):
-                    sess.rx_end(mac, tag)  # raises, naming the connection
+                if mac is None:
+                    check_token(sess, seq, tag, body)  # raises, naming the connection
+                else:
+                    mac.update(body)
+                    if not compare_digest(mac.digest()[:16], tag):
+                        sess.rx_end(mac, tag)  # raises, naming the connection
+                    sess.acks.pop(seq, None)  # a refused piece: no token comes for that WRITE
             ep.on_ack(seq, body)
         elif typ in (T_WRITE, T_REQ, T_NOTIFY):
             if count > MAX_TABLE:
@@ -346,8 +356,10 @@ class SocketFabric(Fabric):
             recv_exact(rx, tview)
             if sess is not None:
                 mac.update(tview)
-                if not compare_digest(mac.digest(), tag):
+                d = mac.digest()
+                if not compare_digest(d[:16], tag):
                     sess.rx_end(mac, tag)
+                st["token"] = d[16:] if typ == T_WRITE and not hflags & H_NOACK else None
             table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
             if whole and blen - tb > ep.max_payload and not (
                     table["addr"][0] == table["waddr"][0] and table["len"][0] == table["wlen"][0]):
@@ -363,7 +375,7 @@ class SocketFabric(Fabric):
             recv_exact(rx, memoryview(body))
             if sess is not None:
                 mac.update(body)
-                if not compare_digest(mac.digest(), tag):
+                if not compare_digest(mac.digest()[:16], tag):
                     sess.rx_end(mac, tag)  # raises, naming the connection
             self._on_other(ep, s, typ, count, seq, bytes(body))
 
@@ -385,9 +397,10 @@ class SocketFabric(Fabric):
         raise NotImplementedError
 
     def _finish_message(self, ep: SocketEndpoint, s: _Sock, seq: int, table: np.ndarray, statuses,
-                        ack: bool = True, hold: bool = False) -> None:
-        """Ack the sender (unless ``ack`` is False: it completed the message itself), then release this message's
-        RECV_IMM events in order. ``hold``: the ACK waits while the events are delivered, for an unacked write
+                        ack: bool = True, hold: bool = False, token: Optional[bytes] = None) -> None:
+        """Ack the sender (unless ``ack`` is False: it completed the message itself; with the WRITE's ack token
+        ``token`` when every piece was placed, ``wire.ack_frame``), then release this message's RECV_IMM events
+        in order. ``hold``: the ACK waits while the events are delivered, for an unacked write
         that their handler posts to this peer to take it along (``_post_unacked``), and is sent on its own after
         them otherwise."""
         events = []
@@ -402,7 +415,7 @@ class SocketFabric(Fabric):
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, int(table["wlen"][i]),
                                              int(table["imm"][i])))
         if ack:
-            payload = HDR.pack(MAGIC, T_ACK, 0, 0, len(statuses), seq, len(statuses)) + bytes(statuses)
+            payload = ack_frame(seq, statuses, token)
             if hold and events:
                 held = self._held.__dict__
                 held["ack"] = (ep, s, payload)

@@ -26,8 +26,8 @@ from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
 from transport.fabric.sockets import _Sock, recv_exact, recv_views
-from transport.fabric.wire import (_STATUS_TEXT, F_IMM, H_NOACK, HDR, MAGIC, SMALL_PIECE, ST_FAILED, ST_OK, T_ACK,
-                                   T_WRITE, _table_struct)
+from transport.fabric.wire import (_STATUS_TEXT, F_IMM, H_NOACK, SMALL_PIECE, ST_FAILED, ST_OK, T_WRITE, _table_struct,
+                                   ack_frame)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class TcpLanding:
                 self._place(st.get("rx", s.sock), table, lens, statuses, regions, st)
         finally:
             self._unpin(pinned)
-        self._finish_message(ep, s, seq, table, statuses, ack=ack, hold=landed and ack)
+        self._finish_message(ep, s, seq, table, statuses, ack=ack, hold=landed and ack, token=st.pop("token", None))
 
     def _place_landed(self, ep: SocketEndpoint, sock, handler, mr: MemoryRegion, addr: int, length: int, imm: int,
                       st: dict) -> None:
@@ -155,10 +155,13 @@ class TcpLanding:
         checks are ``_validate_pieces``'s, before anything is placed; a table of whole writes into one host region
         (what a ``WriteRows`` post sends) is checked by its extremes."""
         view = st["rx"].take(blen, memoryview(st["stage"]))
+        token = None
         if mac is not None:  # the header and table checked before the table is read
             mac[0].update(view[:tb])
-            if not compare_digest(mac[0].digest(), mac[1]):
+            d = mac[0].digest()
+            if not compare_digest(d[:16], mac[1]):
                 s.sess.rx_end(*mac)
+            token = d[16:]
         cols = _table_struct(count).unpack_from(view)
         addrs, lens, waddrs, wlens = cols[0::8], cols[1::8], cols[2::8], cols[3::8]
         rkeys, flags = cols[4::8], cols[5::8]
@@ -216,7 +219,7 @@ class TcpLanding:
                 if f & F_IMM and statuses[i] == ST_OK:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))
         if not hflags & H_NOACK:
-            self._send_ctrl(ep, s, HDR.pack(MAGIC, T_ACK, 0, 0, count, seq, count) + bytes(statuses))
+            self._send_ctrl(ep, s, ack_frame(seq, statuses, token))
             st["small"] = True  # the reader may spin for the next one (``recv_spin``)
         elif statuses.count(0) != count:
             i = next(i for i, v in enumerate(statuses) if v)

@@ -18,7 +18,14 @@ Wire protocol (little-endian), per socket, in both directions:
   with header flag ``H_WHOLE`` carries exactly one whole write (a ``GatherWrite``: a relay chunk sent from its
   header in the slot and its pieces' sources) and may exceed the sender's message size, up to ``MAX_WHOLE``.
 * ACK: header + one status byte per piece; the sender reports completions only from acks, i.e. after the bytes
-  are placed at the target. A WRITE with header flag ``H_NOACK`` (an unacked write, ``WriteRequest.acked`` False:
+  are placed at the target. With tags, an ACK whose every status is OK carries header flag ``H_TOKEN`` and, in
+  its tag field, the acked WRITE's ack token: the second half of the hash the receiver computed to check that
+  WRITE's tag, which never travelled (``transport.auth``). Its sender kept the same 16 bytes when it sealed the
+  WRITE (``Session.acks``) and compares: only a holder of the session key who checked that very WRITE (its
+  sequence number on the socket, its header with the message number, its table) can produce them, so the ACK
+  needs no hash of its own on either side and takes no sequence number. A token that does not match, or comes
+  for a WRITE not pending, closes the connection like a wrong tag. Any other ACK (a piece refused, an ipc ACK)
+  is tagged as every frame. A WRITE with header flag ``H_NOACK`` (an unacked write, ``WriteRequest.acked`` False:
   one small write, a receiver's ack of a chunk) is not acknowledged; its sender keeps no record of it.
 * REQ / GRANT / DONE / NOTIFY: the ipc fabric's doorbell messages (``transport.fabric.ipc``).
 
@@ -29,6 +36,7 @@ HELLO bodies by ``MAX_HELLO``.
 from __future__ import annotations
 
 import struct
+from hmac import compare_digest
 from typing import Dict
 
 import numpy as np
@@ -41,8 +49,9 @@ T_HELLO, T_HELLO_ACK, T_WRITE, T_ACK, T_REQ, T_GRANT, T_DONE, T_NOTIFY = 1, 2, 3
 # ``_seal`` fills it at send time, when the frame's place in the socket's sequence is known)
 HDR = struct.Struct("<4sBBHIQQ4x16x")
 assert HDR.size == 48
+_ACK_TOKEN = struct.Struct("<4sBBHIQQ4x16s")  # HDR with the ack token in its tag field
 _TABLE_TYPES = frozenset((3, 5, 8))  # WRITE, REQ, NOTIFY: the tag covers the piece table, not what follows it
-_TCB = struct.Struct("<4xB3xI8xQ")  # type, count, body bytes of a frame header
+_TFCSB = struct.Struct("<4xBBxxIQQ")  # type, flags, count, sequence number, body bytes of a frame header
 # What stands in a frame's tag field while its tag is computed: the frame's sequence number on the socket, 8 zero
 # bytes. Put there on both sides, it makes the header, the sequence number and the table one contiguous range, so
 # that a sender hashes each frame in one update and packs nothing else.
@@ -53,34 +62,66 @@ def _seal(sess, buf):
     """``buf`` (one or more frames back to back, each header and what its tag covers inside it; the last one's
     payload may follow in other buffers) as a new bytearray with every frame's tag filled in, in order, under
     ``sess`` (None: ``buf`` as is). Call it where the frames go out, under the socket's send lock: each tag takes
-    the next sequence number. A tag is keyed BLAKE2b over the header with the frame's sequence number in its tag
-    field (``_TAIL``), then the covered bytes, which follow it: one contiguous range."""
+    the next sequence number. A tag is the first half of keyed BLAKE2b over the header with the frame's sequence
+    number in its tag field (``_TAIL``), then the covered bytes, which follow it: one contiguous range. A WRITE
+    that asks for an ACK leaves the second half, its ack token, in ``sess.acks``; an ACK that carries a token
+    (``H_TOKEN``) is left as it is and takes no sequence number."""
     if sess is None:
         return buf
     n = len(buf)
-    typ, count, blen = _TCB.unpack_from(buf, 0)
+    typ, fl, count, seq, blen = _TFCSB.unpack_from(buf, 0)
     if 48 + (count * 48 if typ in _TABLE_TYPES else blen) == n:  # one frame and what its tag covers: the usual
+        if fl & H_TOKEN and typ == T_ACK:
+            return buf
         b = bytearray(buf)
         _TAIL.pack_into(b, 32, sess.tx_n)
         sess.tx_n += 1
         h = sess._tx.copy()
         h.update(b)
-        b[32:48] = h.digest()
+        d = h.digest()
+        b[32:48] = d[:16]
+        if typ == T_WRITE and not fl & H_NOACK:
+            sess.acks[seq] = d[16:]
         return b
     b = bytearray(buf)
     off = 0
     while off + 48 <= n:
-        typ, count, blen = _TCB.unpack_from(b, off)
+        typ, fl, count, seq, blen = _TFCSB.unpack_from(b, off)
         end = off + 48 + (count * 48 if typ in _TABLE_TYPES else blen)
         if end > n:
             raise AssertionError(f"frame of type {typ} at {off}: its covered bytes end at {end}, past the buffer {n}")
-        h = sess._tx.copy()
-        _TAIL.pack_into(b, off + 32, sess.tx_n)
-        sess.tx_n += 1
-        h.update(b if end == n and not off else memoryview(b)[off:end])
-        b[off + 32:off + 48] = h.digest()
+        if not (fl & H_TOKEN and typ == T_ACK):
+            h = sess._tx.copy()
+            _TAIL.pack_into(b, off + 32, sess.tx_n)
+            sess.tx_n += 1
+            h.update(b if end == n and not off else memoryview(b)[off:end])
+            d = h.digest()
+            b[off + 32:off + 48] = d[:16]
+            if typ == T_WRITE and not fl & H_NOACK:
+                sess.acks[seq] = d[16:]
         off += 48 + blen
     return b
+
+
+def ack_frame(seq: int, statuses, token) -> bytes:
+    """The ACK of message ``seq`` with one status byte per piece: carrying ``token`` (the WRITE's ack token, from
+    the receiver's check of its tag) when there is one and every piece was placed, else to be tagged when sent."""
+    count = len(statuses)
+    if token is not None and statuses.count(0) == count:
+        return _ACK_TOKEN.pack(MAGIC, T_ACK, H_TOKEN, 0, count, seq, count, token) + bytes(statuses)
+    return HDR.pack(MAGIC, T_ACK, 0, 0, count, seq, count) + bytes(statuses)
+
+
+def check_token(sess, seq: int, token, statuses: bytes) -> None:
+    """Accept an ACK with ``H_TOKEN`` for message ``seq``: its token must be the one kept when that WRITE was sealed
+    and every status OK; raises SecretMismatch naming the connection otherwise (a forged, replayed or misdirected
+    ACK)."""
+    want = sess.acks.pop(seq, None)
+    if want is None or not compare_digest(want, token) or statuses.count(0) != len(statuses):
+        raise auth.SecretMismatch(
+            f"{sess.purpose}: an ACK for message {seq} carries "
+            f"{'a token for no WRITE pending here' if want is None else 'a wrong ack token or a refused piece'} "
+            f"(injected, replayed or reordered); closing the connection")
 
 
 def _rx_head(sess, hdr: bytearray, p: int = 0):
@@ -121,6 +162,8 @@ MAX_WHOLE = 64 << 20
 # header flag of a WRITE message the target does not acknowledge (``WriteRequest.acked`` False): its sender keeps no
 # pending record and reports no completion for it, so an ACK would only cost a send and a receive on each side
 H_NOACK = 2
+# header flag of an ACK whose tag field holds the acked WRITE's ack token (every piece placed; see the docstring)
+H_TOKEN = 4
 # payload bytes of an unacked write at most; larger ones go as acknowledged writes (the target receives unacked ones
 # in one piece, as a small message)
 UNACKED_MAX = 4096

@@ -69,9 +69,11 @@ def _expected(seed: int, idx: int) -> np.ndarray:
 
 
 def _senders_main(conn, seed: int, first: int, count: int, session: str, base: int, fair_rounds: int):
-    """A process of ``count`` sender engines (ids ``first`` ..): each writes its batches into its region, then
-    ``fair_rounds`` more 4096 x 64 B batches (over the same bytes), all engines at once; returns per engine its
-    batch times (s) of those rounds."""
+    """A process of ``count`` sender engines (ids ``first`` ..). Command ``run``: each writes its batches into its
+    region, all engines at once. Command ``fair``: ``fair_rounds`` more 4096 x 64 B batches (over the same bytes),
+    all engines at once; returns per engine its batch times (s) of those rounds. The test starts ``fair`` in every
+    process only when all have finished ``run``, so that the rounds timed compete with each other and not with
+    another sender's 1 MiB chunks of its larger batches."""
     import threading
     from transport.peer_process import serve
 
@@ -79,9 +81,10 @@ def _senders_main(conn, seed: int, first: int, count: int, session: str, base: i
 
     def start():
         state["engines"] = [_engine() for _ in range(count)]
+        state["plans"] = [None] * count
         return {}
 
-    def run_one(i, eng, times, errors, barrier):
+    def run_one(i, eng, errors, barrier):
         try:
             src, batches = _plan(seed, first + i)
             eng.register(src.ctypes.data, src.nbytes)
@@ -90,7 +93,14 @@ def _senders_main(conn, seed: int, first: int, count: int, session: str, base: i
             for _, so, do, ln in batches:
                 eng.batch_write(session, (src.ctypes.data + so).tolist(), (dst0 + do).tolist(), ln.tolist())
             _, so, do, ln = batches[1]
-            s_l, d_l, l_l = (src.ctypes.data + so).tolist(), (dst0 + do).tolist(), ln.tolist()
+            state["plans"][i] = (src, (src.ctypes.data + so).tolist(), (dst0 + do).tolist(), ln.tolist())
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            errors.append(f"sender {first + i}: {type(e).__name__}: {e}")
+
+    def fair_one(i, eng, times, errors, barrier):
+        try:
+            _, s_l, d_l, l_l = state["plans"][i]
+            barrier.wait()
             for _ in range(fair_rounds):
                 t0 = time.perf_counter()
                 eng.batch_write(session, s_l, d_l, l_l)
@@ -99,13 +109,14 @@ def _senders_main(conn, seed: int, first: int, count: int, session: str, base: i
             errors.append(f"sender {first + i}: {type(e).__name__}: {e}")
 
     def handle(cmd, kw):
-        if cmd != "run":
+        if cmd not in ("run", "fair"):
             raise ValueError(cmd)
         engines = state["engines"]
         times = [[] for _ in engines]
         errors = []
         barrier = threading.Barrier(len(engines))
-        threads = [threading.Thread(target=run_one, args=(i, e, times[i], errors, barrier))
+        threads = [threading.Thread(target=run_one, args=(i, e, errors, barrier)) if cmd == "run" else
+                   threading.Thread(target=fair_one, args=(i, e, times[i], errors, barrier))
                    for i, e in enumerate(engines)]
         for t in threads:
             t.start()
@@ -149,16 +160,18 @@ def test_fan_in_64_senders_in_8_processes():
         for p in range(procs_n):
             procs.append(PeerProcess(_senders_main, (SEED, p * per, per, rx.session_id, mem.ctypes.data,
                                                      FAIR_ROUNDS), name=f"pxn-senders-{p}"))
-        for p in procs:
-            p._conn.send(("run", {}))
         outs = []
-        for p in procs:
-            assert p._conn.poll(600), f"{p.name} did not finish"
-            msg = p._conn.recv()
-            assert msg["ok"], msg.get("error")
-            outs.append(msg["value"])
-        errors = [e for o in outs for e in o["errors"]]
-        assert not errors, errors[:5]
+        for cmd in ("run", "fair"):  # every process ends its large batches before any times its rounds
+            for p in procs:
+                p._conn.send((cmd, {}))
+            outs = []
+            for p in procs:
+                assert p._conn.poll(600), f"{p.name} did not finish {cmd}"
+                msg = p._conn.recv()
+                assert msg["ok"], msg.get("error")
+                outs.append(msg["value"])
+            errors = [e for o in outs for e in o["errors"]]
+            assert not errors, errors[:5]
         assert rx.stats()["receiver"]["senders"] >= n
         assert rx.receiver.landing_bytes_registered() == landing_one  # the same with 64 senders as with one
         for i in range(n):

@@ -237,8 +237,10 @@ class Completions:
                 pr.credit_slot.pop(slot, None)
                 if a is not None:
                     del pr.landing_owner[slot]
-                if flags & F_QUEUED:
-                    pr.asked_at = time.monotonic()  # a grant follows; no need to ask
+                # a grant follows, no need to ask; unless one already came (a grant written by another thread of
+                # the receiver may overtake this ack): the rail then holds it, and asks at once when out again
+                if flags & F_QUEUED and not pr.credit_slot:
+                    pr.asked_at = time.monotonic()
         if a is None:
             return
         if status != ST_OK:

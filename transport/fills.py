@@ -257,6 +257,7 @@ class SlotFills:
         peer = pr.peer
         control = self.pipe.control
         msg = {"op": "credits", "engine_id": self.engine_id, "rail": pr.rail, "want": want, "release": release}
+        grants_before = pr.grants_in
         try:
             try:
                 rep = _request(control, peer, msg, timeout)
@@ -274,9 +275,13 @@ class SlotFills:
         grants = rep.get("grants") or []
         if grants:
             pr.grant([(int(k), int(p)) for k, p in grants])
+            grants_before += 1
         if rep.get("queued"):
             with pr.cv:
-                pr.asked_at = time.monotonic()
+                # a grant write may overtake this reply (it comes on the data connection): then the queue entry
+                # the reply speaks of is already served, and waiting CREDIT_ASK_S for another grant would stall
+                if pr.grants_in == grants_before:
+                    pr.asked_at = time.monotonic()
         return True
 
     def return_idle_credits(self) -> None:

@@ -50,6 +50,7 @@ class _PeerRail:
         self.landing_owner: Dict[int, object] = {}  # credit -> the attempt (a chunk) holding it
         self.chunk_demand = 0  # chunks dispatched to this rail that hold no credit yet
         self.asked_at = 0.0  # time.monotonic() of the last ask for credits (or of being queued by an ack)
+        self.grants_in = 0  # grants received: tells a "queued" reply from one a grant already overtook
         self.idle_since = 0.0  # time.monotonic() when the last chunk took a credit
         self.cv = threading.Condition()
         self.inflight: set = set()
@@ -66,6 +67,7 @@ class _PeerRail:
         with self.cv:
             if grants:
                 self.asked_at = 0.0
+                self.grants_in += 1
             for k, p in grants:
                 if 0 <= k < self.slots and k not in self.credit_slot:
                     self.credit_slot[k] = p

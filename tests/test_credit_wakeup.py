@@ -44,7 +44,7 @@ def test_queued_reply_without_a_grant_waits_for_it(monkeypatch):
     assert pr.asked_at > 0.0, "still queued for one more: the rail waits for its grant instead of asking again"
 
 
-def test_queued_ack_overtaken_by_a_grant_lets_the_rail_ask_again():
+def test_queued_ack_overtaken_by_a_grant_lets_the_rail_ask_again(monkeypatch):
     peer, pr = _rail()
     pr.grant([(0, 3)])
     pr.free_landing.remove(0)  # credit 0 in use by a chunk; its ack returns it to the pool, a grant follows
@@ -53,11 +53,7 @@ def test_queued_ack_overtaken_by_a_grant_lets_the_rail_ask_again():
     rec = completions.Completions.__new__(completions.Completions)
     rec.directory = types.SimpleNamespace(by_remote_rail={"r": (peer, pr)})
     ack = types.SimpleNamespace(peer_id="r", imm=None)
-    orig = completions.decode_ack
-    completions.decode_ack = lambda imm: (0, ST_OK | F_RETURNED | F_QUEUED)
-    try:
-        rec.on_ack(0, ack)
-    finally:
-        completions.decode_ack = orig
+    monkeypatch.setattr(completions, "decode_ack", lambda imm: (0, ST_OK | F_RETURNED | F_QUEUED))
+    rec.on_ack(0, ack)
     assert 0 not in pr.credit_slot and pr.credit_slot == {1: 5}
     assert pr.asked_at == 0.0

@@ -350,6 +350,69 @@ def test_rail_id_claims_are_bound_to_the_announcing_sender(victim, src, rng):
             _insider_rail(victim, "never-announced:1")
 
 
+
+def test_insider_cannot_speak_for_a_connected_sender(victim, src, rng):
+    """An insider on its own authenticated control connection names a connected sender's engine id: a
+    ``credits`` request that would hand the sender's credits back, and a hello that would replace its landing
+    state, are refused (no proof of the key the sender got at its hello), and the sender keeps writing
+    byte-exact on the same connection."""
+    with TransferEngine(fabric="tcp", secret=SECRET) as eng:
+        eng.register(src)
+        _legit_write(eng, victim, src, rng)
+        eid = eng.engine_id
+        before = victim.security()["refused_unproven"]
+        s, _, rep = _insider_control(victim)
+        try:
+            assert rep["ok"], rep
+            for proof in (None, "00" * 16, "not hex", 7):
+                msg = {"op": "credits", "engine_id": eid, "rail": 0, "want": 0, "release": list(range(16))}
+                if proof is not None:
+                    msg["proof"] = proof
+                send_msg(s, msg)
+                bad = recv_msg(s)
+                assert not bad["ok"] and f"0x{eid:x}" in bad["error"] and "proof" in bad["error"], (proof, bad)
+        finally:
+            s.close()
+        s, _, rep = _insider_control(victim, {"engine_id": eid})
+        s.close()
+        assert not rep["ok"] and f"0x{eid:x}" in rep["error"] and "no proof" in rep["error"], rep
+        assert victim.security()["refused_unproven"] == before + 5
+        failover = eng.stats()["failover"]
+        for _ in range(2):
+            _legit_write(eng, victim, src, rng)
+        assert eng.stats()["failover"] == failover  # no rail lost, no reconnect: its state was never replaced
+
+
+def test_a_sender_proves_itself_on_a_new_control_connection(victim):
+    """The key of a hello reply is what a sender shows on a later connection: its hello again (its rails still
+    held by the receiver) and its credits requests there pass with the proof, which is bound to the connection
+    (a proof made for the first connection is refused on the second)."""
+    s1, hello, rep = _insider_control(victim)
+    try:
+        assert rep["ok"], rep
+        key = bytes.fromhex(rep["sender_key"])
+        assert len(key) == 16
+        first = auth.claim_proof(key, auth.session_of(s1).binding).hex()
+        credits = {"op": "credits", "engine_id": hello["engine_id"], "rail": 0, "want": 0, "release": []}
+        with socket.create_connection(_addr(victim.session), timeout=10) as s2:
+            auth.client_handshake(s2, SECRET.encode(), "ctrl", 10)
+            send_msg(s2, {**credits, "proof": first})
+            bad = recv_msg(s2)
+            assert not bad["ok"] and "a wrong proof" in bad["error"], bad
+            proof = auth.claim_proof(key, auth.session_of(s2).binding).hex()
+            send_msg(s2, {**credits, "proof": proof})
+            assert recv_msg(s2)["ok"]
+            send_msg(s2, credits)  # proven once: the connection speaks for it from then on
+            assert recv_msg(s2)["ok"]
+        with socket.create_connection(_addr(victim.session), timeout=10) as s3:
+            auth.client_handshake(s3, SECRET.encode(), "ctrl", 10)
+            send_msg(s3, {**hello, "proof": auth.claim_proof(key, auth.session_of(s3).binding).hex()})
+            again = recv_msg(s3)
+            assert again["ok"] and again["sender_key"] != rep["sender_key"], again
+    finally:
+        s1.close()
+
+
 @pytest.mark.parametrize("holder_dies", [True, False])
 def test_claim_of_a_departing_holders_rail_id_waits_for_its_end(monkeypatch, holder_dies):
     """A new sender may get the port, so the rail id, of a sender that closed a moment ago, before this side

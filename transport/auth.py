@@ -328,6 +328,14 @@ def session_of(sock) -> Optional[Session]:
         return None
 
 
+def claim_proof(key: bytes, binding: bytes) -> bytes:
+    """Proof that the sender of a control request on the connection with ``binding`` (``Session.binding``) holds
+    ``key``, the key a receiver gave that sender in its hello reply (``transport.control``: a ``credits`` request,
+    or a second hello, naming a connected sender's engine id on another connection than its hello's must carry
+    it). Keyed BLAKE2b of the binding, 16 bytes: a proof seen on one connection is worth nothing on another."""
+    return hashlib.blake2b(b"pxn-claim-1|" + binding, key=key, digest_size=16).digest()
+
+
 def _start_session(sock, secret, client: bool, purpose: str, nc: bytes, ns: bytes, ends: bytes) -> Session:
     key = None
     if secret:

@@ -20,6 +20,11 @@ Built-in ops:
   (``landing_grants``: [[credit index, pool slot]], possibly none) and the region list.
 * ``credits``: a connected sender returns credits it does not use and asks for more on one rail
   (``transport.receiver.Receiver.credits``).
+
+  The hello reply gives the sender a key of its own (``sender_key``). A ``credits`` request naming a connected
+  sender's engine id on another connection than that sender's hello, or a second hello naming it while its rails
+  live, must carry ``proof`` (``transport.auth.claim_proof`` of that connection's binding under the key); else it
+  is refused, so no other holder of the secret can return a sender's credits or take its place.
 * ``regions``: the region list again (a sender re-fetches it when a destination is not covered).
 * ``owns``: whether this engine opened the control connection with a given binding (``transport.reads`` asks it
   before it sends a read's bytes here).
@@ -42,6 +47,7 @@ counter, its fabrics, receiver (landing slots for a new sender), counters, confi
 from __future__ import annotations
 
 import base64
+import hmac
 import ipaddress
 import json
 import logging
@@ -106,6 +112,12 @@ def _recv_growing(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("control connection closed")
         buf += chunk
     return bytes(buf)
+
+
+def proof_on(sock: socket.socket, key: bytes) -> str:
+    """``proof`` for a request on control connection ``sock`` that names this engine at a peer that gave it
+    ``key`` (``transport.auth.claim_proof`` of the connection's binding, hex)."""
+    return auth.claim_proof(key, auth.session_of(sock).binding).hex()
 
 
 def recv_msg(sock: socket.socket, limit: int = MAX_MSG) -> dict:
@@ -313,11 +325,42 @@ class ControlPlane:
         return [devs[0] if g is None else g for g in self.rail_gpu]
 
     def _op_credits(self, req: dict) -> dict:
+        self._check_claim(req)
         return self.receiver.credits(req)
 
+    def _check_claim(self, req: dict) -> None:
+        """A request naming the engine id of a connected sender speaks for it only on the connection of that
+        sender's hello, or with ``proof`` of its key (see the module docstring). A hello naming a sender whose
+        rails have died needs none: that sender lost them and says hello again. Raises ValueError (the
+        requester's error reply) otherwise."""
+        conn, engine_id = self.current(), req.get("engine_id")
+        if conn is None or conn["sender"] == engine_id:
+            return
+        claim = self.receiver.claim_key(engine_id)
+        if claim is None or (req.get("op") == "hello" and claim[1]):
+            return  # no such sender: a hello is a new one, and ``credits`` refuses it naming the id
+        proof = req.get("proof")
+        try:
+            ok = isinstance(proof, str) and hmac.compare_digest(
+                bytes.fromhex(proof), auth.claim_proof(claim[0], conn["binding"]))
+        except ValueError:
+            ok = False
+        if not ok:
+            self.counters.add("senders_refused_proof")
+            log.warning("control connection from %s: %s naming connected sender 0x%x without its proof; refused",
+                        conn["addr"], req.get("op"), engine_id)
+            raise ValueError(f"{req.get('op')}: engine 0x{engine_id:x} is a connected sender, and this control "
+                             f"connection did not prove it speaks for it ({'no' if proof is None else 'a wrong'} "
+                             f"proof); refused")
+        conn["sender"] = engine_id
+
     def _op_hello(self, req: dict) -> dict:
+        self._check_claim(req)
         devices = self.landing_devices()
         landing = self.receiver.accept_sender(req, devices)
+        current = self.current()
+        if current is not None:
+            current["sender"] = req["engine_id"]  # its later requests here speak for it without proof
         # receive-side PXN for large pieces (forward_large): rails whose landing slots sit on the GPU next to their
         # NIC (from the topology) ask the sender to send large pieces for other GPUs through them, and this
         # receiver forwards them over NVLink (chunks of small pieces land there and are forwarded in any case)
@@ -404,13 +447,18 @@ class ControlPlane:
         try:
             for fab in fabrics:
                 mrs.append(fab.register(credit.addr, credit.nbytes, DEVICE_HOST))
-            send_msg(sock, {"op": "hello", "engine_id": self.engine_id, "session": self.session_id,
-                            "rail_ids": [f.local_id for f in fabrics],
-                            "credit_addr": credit.addr, "credit_rkeys": [m.rkey for m in mrs],
-                            "credit_slots": cfg.landing_slots, "slot_bytes": cfg.relay_slot_bytes})
+            hello = {"op": "hello", "engine_id": self.engine_id, "session": self.session_id,
+                     "rail_ids": [f.local_id for f in fabrics],
+                     "credit_addr": credit.addr, "credit_rkeys": [m.rkey for m in mrs],
+                     "credit_slots": cfg.landing_slots, "slot_bytes": cfg.relay_slot_bytes}
+            key = self.directory.claim_keys.get(peer.session)
+            if key is not None:  # the peer may still hold this engine as a live sender: prove it is us
+                hello["proof"] = proof_on(sock, key)
+            send_msg(sock, hello)
             rep = recv_msg(sock)
             if not rep.get("ok"):
                 raise UnknownSession(f"session {peer.session!r} refused the handshake: {rep.get('error')}")
+            key = bytes.fromhex(rep["sender_key"])
             if len(rep["rail_ids"]) != n:
                 raise UnknownSession(f"session {peer.session!r} has {len(rep['rail_ids'])} rails, this engine {n}")
             slots = min(int(rep["landing_slots"]), cfg.landing_slots)
@@ -445,6 +493,7 @@ class ControlPlane:
         peer.credit = credit
         peer.credit_mrs = mrs
         peer.engine_id = int(rep["engine_id"])
+        peer.claim_key = key
         peer.rails = rails
         peer.landing_device = int(rep.get("landing_device", DEVICE_HOST))
         fwd = rep.get("forward") or []
@@ -457,6 +506,10 @@ class ControlPlane:
             for pr in rails:
                 d.by_remote_rail[pr.remote_id] = (peer, pr)
             again = d.lost.pop(peer.session, None) is not None
+            d.claim_keys.pop(peer.session, None)
+            d.claim_keys[peer.session] = key
+            while len(d.claim_keys) > 4096:  # the oldest peers' keys: a hello without proof then waits for rails
+                d.claim_keys.pop(next(iter(d.claim_keys)))  # to die at the peer, as before it knew us
         peer.ready = True
         if again:
             self.counters.add("reconnects")

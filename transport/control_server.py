@@ -125,7 +125,7 @@ class ControlServer:
             apply unchanged.
         secret: the shared secret (``auth.resolve_secret``; None: no authentication); purpose: "ctrl".
         answer: ``answer(current, request) -> reply`` runs on a worker for each parsed request; ``current`` is the
-            connection's record (``{"binding", "addr", "owner"}``, kept across its requests).
+            connection's record (``{"binding", "addr", "owner", "sender"}``, kept across its requests).
         limit: largest request body (bytes).
         quick_workers, long_workers: threads of the two pools; long_ops: op names served on the long pool.
     """
@@ -330,7 +330,7 @@ class ControlServer:
                     conn.hs = None
                     del self._shaking[id(conn)]
                     conn.sess = sess
-                    conn.current = {"binding": sess.binding, "addr": conn.a.addr, "owner": None}
+                    conn.current = {"binding": sess.binding, "addr": conn.a.addr, "owner": None, "sender": None}
             return
         self._next(conn)
 

@@ -574,7 +574,8 @@ class TransferEngine:
         ctrl = self._control.gate.stats()
         rails = [st for st in (f.admission_stats() for f in self.fabrics) if st is not None]
         senders = {"refused_max_senders": c.get("senders_refused_max", 0),
-                   "refused_rail_claims": c.get("senders_refused_claim", 0)}
+                   "refused_rail_claims": c.get("senders_refused_claim", 0),
+                   "refused_unproven": c.get("senders_refused_proof", 0)}
         refused = ctrl["refused"] + sum(r["refused"] for r in rails) + sum(senders.values())
         return {"authenticated": self._secret is not None, "refused": refused, "control": ctrl, "rails": rails,
                 **senders}

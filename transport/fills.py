@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 import numpy as np
 
+from transport.control import proof_on
 from transport.errors import AddressNotRegistered, FabricError, PeerLost, TransferError
 from transport.fabric.base import GatherWrite, WriteBatch, WriteRequest
 from transport.fabric.memory import MEMCPY_MAX, memcpy_async
@@ -43,9 +44,11 @@ DEFER = -1  # _acquire_landing: no credit now, and waiting would wait for the ca
 
 def _request(control, peer, msg: dict, timeout: Optional[float]) -> dict:
     """``control.request`` on the peer's control connection, with ``timeout`` seconds for the reply (None: its
-    own, 30 s)."""
+    own, 30 s), with the proof that this engine speaks for itself on that connection (``transport.control``)."""
     if peer.ctrl is not None:
         peer.ctrl.settimeout(30.0 if timeout is None else timeout)
+        if peer.claim_key is not None:
+            msg["proof"] = proof_on(peer.ctrl, peer.claim_key)
     try:
         return control.request(peer, msg)
     finally:

@@ -88,6 +88,7 @@ class _Peer:
         self.lost_work = False  # a rail failed with work in flight (the forget is then worth a warning)
         self.error: Optional[BaseException] = None  # why its handshake failed (shared with callers that waited)
         self.engine_id = 0
+        self.claim_key: Optional[bytes] = None  # the peer's key for this engine (hello reply's ``sender_key``)
         self.rails: List[_PeerRail] = []
         self.regions = RegionTable()
         self.ctrl: Optional[socket.socket] = None
@@ -147,6 +148,9 @@ class PeerDirectory:
         self.peers: Dict[str, _Peer] = {}
         self.by_remote_rail: Dict[str, Tuple[_Peer, _PeerRail]] = {}
         self.lost: Dict[str, str] = {}
+        # per session, the key its engine gave this one at the last hello (kept after a forget: the next hello
+        # proves with it that this engine is the sender the peer may still hold; ``transport.control``)
+        self.claim_keys: Dict[str, bytes] = {}
 
     def __getitem__(self, session: str) -> _Peer:
         return self.peers[session]

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import struct
 import threading
 import time
@@ -158,6 +159,9 @@ class SenderState:
     placed: Dict = field(default_factory=dict)  # (rail, imm) -> _Placed: chunks placed as they arrived
     chunks_queued: int = 0  # its landed chunks waiting for the progress loop (``on_chunk``), at most ``queue_cap``
     queue_lock: threading.Lock = field(default_factory=threading.Lock)
+    # given to the sender in its hello reply: a request naming this sender on another control connection proves
+    # it holds this (``transport.auth.claim_proof``), so no other holder of the secret can speak for it
+    key: bytes = field(default_factory=lambda: os.urandom(16))
 
     @property
     def queue_cap(self) -> int:
@@ -295,7 +299,15 @@ class Receiver:
                 "landing_rkeys": [p.mr.rkey for p in st.pools],
                 "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes,
                 "landing_stride": self.stride, "landing_grants": grants,
-                "landing_device": devices[0], "landing_devices": devices}
+                "landing_device": devices[0], "landing_devices": devices, "sender_key": st.key.hex()}
+
+    def claim_key(self, engine_id) -> Optional[Tuple[bytes, bool]]:
+        """For the live sender with ``engine_id``: (its key, whether it has departed: a rail it connected is dead),
+        by which ``transport.control`` checks a request naming it on another connection than its hello's; None
+        when no live sender has that id."""
+        with self._lock:
+            st = self._senders.get(engine_id) if type(engine_id) is int else None
+            return None if st is None or st.retired else (st.key, self._departed(st))
 
     def _pool_locked(self, rail: int, device: int) -> LandingPool:
         """The landing pool of ``rail`` on ``device``, registered at its first use (``self._lock`` held)."""

@@ -579,3 +579,58 @@ def test_progress_loop_runs_tasks_in_order_and_duties_between_them(caplog):
     loop.submit(task, 500)
     time.sleep(0.1)
     assert 500 not in ran and len(ticks) == n
+
+
+def test_redispatch_waits_for_a_dead_rails_queued_completion():
+    """Rail 0 failed and its unit has no rail left; rail 1's endpoint reads dead while its failed completion waits
+    in the progress loop. The batch must fail with rail 1's own cause (from that completion), not "endpoint
+    died": the redispatch waits for the queued completions before it labels rail 1. Fails when it labels it
+    at once."""
+    from types import SimpleNamespace as NS
+    from transport.errors import PeerLost
+    from transport.peers import Failover
+
+    class Comps:
+        def __init__(self):
+            self.pending, self.queue = {1}, []
+
+        def deferring(self, rail):
+            return rail in self.pending
+
+        def after_deferred(self, fn, *args):
+            self.queue.append((fn, args))
+
+    peer = NS(session="peer:1", ready=True, rails=[])
+    for rail, alive in ((0, False), (1, True)):
+        peer.rails.append(NS(rail=rail, alive=alive, ep=NS(alive=False), usable=lambda: False,
+                             cause=PeerLost("rail 0: connection reset by peer") if rail == 0 else None))
+    failed, labelled, forgotten = [], [], []
+    batch = NS(peer=peer, failed=False, id=7)
+    pipe = NS(completions=Comps(), counters=None, _fail_batch=lambda b, e: (failed.append(e),
+                                                                            setattr(b, "failed", True)))
+    directory = NS(rail_choices=lambda device, p: [])
+    fo = Failover(pipe, directory, [])
+
+    def rail_failed(pr, cause):
+        labelled.append((pr.rail, str(cause)))
+        pr.alive, pr.cause = False, cause
+    fo.rail_failed, fo.forget_peer = rail_failed, forgotten.append
+    old = NS(batch=batch, unit=NS(device=-1))
+    fo.redispatch(old)
+    assert labelled == [] and failed == [] and len(pipe.completions.queue) == 1
+    # the progress loop: rail 1's completion first (it fails the rail with its status), then the waiting unit
+    rail_failed(peer.rails[1], PeerLost("rail 1: write failed: IBV_WC_RETRY_EXC_ERR"))
+    pipe.completions.pending.clear()
+    fn, args = pipe.completions.queue.pop()
+    fn(*args)
+    assert [r for r, _ in labelled] == [1] and "endpoint died" not in labelled[0][1]
+    assert len(failed) == 1 and "IBV_WC_RETRY_EXC_ERR" in str(failed[0]) and "endpoint" not in str(failed[0])
+    assert forgotten == [peer]
+    # a rail whose completions never stop coming is labelled after REDISPATCH_WAITS waits
+    peer.rails[1].alive, batch.failed, labelled[:] = True, False, []
+    pipe.completions.pending = {1}
+    fo.redispatch(old)
+    while pipe.completions.queue:
+        fn, args = pipe.completions.queue.pop()
+        fn(*args)
+    assert labelled == [(1, "rail 1 endpoint to peer:1 died")]

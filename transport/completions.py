@@ -104,14 +104,23 @@ class Completions:
         no completion reports it. Not while the rail's completions wait in the progress loop: a failed one among
         them carries the endpoint's own cause (a fabric hands its failure over before the endpoint reads as
         dead), and failing the rail first would name only "endpoint died"."""
-        with self._defer_lock:
-            if self._deferring[rail]:
-                return
+        if self.deferring(rail):
+            return
         for peer in list(self.directory.peers.values()):
             if peer.ready and rail < len(peer.rails):
                 pr = peer.rails[rail]
                 if pr.alive and not pr.ep.alive:
                     self.pipe._rail_failed(pr, PeerLost(f"rail {rail} endpoint to {peer.session} died"))
+
+    def deferring(self, rail: int) -> bool:
+        """Whether completions of ``rail`` wait in the progress loop (a failed one among them carries the rail's
+        own cause, which its endpoint reading dead does not)."""
+        with self._defer_lock:
+            return self._deferring[rail] > 0
+
+    def after_deferred(self, fn, *args) -> None:
+        """Run ``fn(*args)`` in the progress loop after the completions queued there by now."""
+        self.progress.submit(fn, *args)
 
     def on_completions(self, rail: int, comps) -> None:
         """Completion handler called by a fabric thread (fabrics with ``completion_callback``). Failures go to the

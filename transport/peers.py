@@ -30,6 +30,10 @@ if TYPE_CHECKING:  # annotations only
 
 log = logging.getLogger("transport.engine")  # one logger for the engine and its parts
 
+REDISPATCH_WAITS = 3
+"""How often a unit with no rail left waits for a dead rail's queued completions before that rail is failed as
+"endpoint died" (each wait lasts until the completions queued in the progress loop by then are handled)."""
+
 
 class _PeerRail:
     """This engine's view of one rail to one peer: endpoint, landing-slot credits, work in flight."""
@@ -241,6 +245,10 @@ class Failover:
                 continue
             self.redispatch(a)
 
+    def _redispatch_unless_failed(self, old, waits: int) -> None:
+        if not old.batch.failed:
+            self.redispatch(old, waits)
+
     def fail_peer(self, peer: _Peer, cause: Optional[BaseException]) -> None:
         """Fail every rail of ``peer`` (``cause``, or each rail's own: its endpoint died), which forgets it."""
         for pr in list(peer.rails):
@@ -300,19 +308,26 @@ class Failover:
                 "engine %s: every rail to %s failed (%s); forgot the peer, the next batch to it handshakes again",
                 self.pipe.session_id, peer.session, why)
 
-    def redispatch(self, old) -> None:
+    def redispatch(self, old, waits: int = 0) -> None:
         """Send a failed attempt's unit again on another usable rail of its device (relayed or direct as that
-        rail's locality says), or fail its batch with every rail's cause when none is left."""
+        rail's locality says), or fail its batch with every rail's cause when none is left. ``waits``: how often
+        this unit already waited for another rail's queued completions (below)."""
         pipe = self.pipe
         b = old.batch
         u = old.unit
         choices = self.directory.rail_choices(u.device, b.peer)
         if not choices:
+            dead = [pr for pr in b.peer.rails if pr.alive and not pr.ep.alive]
+            comps = pipe.completions
+            if waits < REDISPATCH_WAITS and any(comps.deferring(pr.rail) for pr in dead):
+                # such a rail's completions wait in the progress loop: a failed one among them names the rail's
+                # real cause (and fails it), which "endpoint died" would hide; decide after them
+                comps.after_deferred(self._redispatch_unless_failed, old, waits + 1)
+                return
             # rails whose endpoint died without a completion saying so yet: fail them now, so that the batch
-            # names their real causes and a peer without any rail left is forgotten before the caller retries
-            for pr in b.peer.rails:
-                if pr.alive and not pr.ep.alive:
-                    self.rail_failed(pr, PeerLost(f"rail {pr.rail} endpoint to {b.peer.session} died"))
+            # names their causes and a peer without any rail left is forgotten before the caller retries
+            for pr in dead:
+                self.rail_failed(pr, PeerLost(f"rail {pr.rail} endpoint to {b.peer.session} died"))
             if b.peer.ready and not any(pr.alive for pr in b.peer.rails):
                 # the thread that failed the last rail may not have forgotten the peer yet; the caller woken by
                 # the failure below must find it forgotten (stats, and a fresh handshake on its next batch)

@@ -4,7 +4,7 @@ import types
 
 from transport import completions, fills
 from transport.peers import _Peer, _PeerRail
-from transport.receiver import F_QUEUED, F_RETURNED, ST_OK
+from transport.credits import F_QUEUED, F_RETURNED, ST_OK
 
 
 class _Counters:

@@ -7,7 +7,7 @@ import pytest
 
 from pxn_kernels.chunk import chunk_layout
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, chunk_splits
-from transport.receiver import ACK_FLAG, ack_imm, chunk_imm, decode_ack
+from transport.credits import ACK_FLAG, ack_imm, chunk_imm, decode_ack
 from transport.regions import Region, RegionTable, locate_inside, span_region
 
 KB, MB = 1 << 10, 1 << 20

@@ -17,11 +17,11 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from transport.credits import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, F_QUEUED, F_RETURNED, ST_GRANT, ST_OK, decode_ack,
+                                decode_ack_payload, decode_grant)
 from transport.errors import FabricClosed, PeerLost, RegionError, RemoteRejected
 from transport.fabric.base import Opcode
 from transport.planner import COALESCED
-from transport.receiver import (ACK_BYTES, ACK_FLAG, ACK_WR_BASE, F_QUEUED, F_RETURNED, ST_GRANT, ST_OK, decode_ack,
-                                decode_ack_payload, decode_grant)
 from transport.telemetry import WAITING
 
 if TYPE_CHECKING:  # annotations only

@@ -19,7 +19,7 @@ Built-in ops:
   chunk it may write (``landing_slot_bytes``, capped by the pool's slot size), a first grant of credits per rail
   (``landing_grants``: [[credit index, pool slot]], possibly none) and the region list.
 * ``credits``: a connected sender returns credits it does not use and asks for more on one rail
-  (``transport.receiver.Receiver.credits``).
+  (``transport.credits.CreditDesk.request``).
 
   The hello reply gives the sender a key of its own (``sender_key``). A ``credits`` request naming a connected
   sender's engine id on another connection than that sender's hello, or a second hello naming it while its rails
@@ -54,16 +54,17 @@ import logging
 import socket
 import struct
 import threading
+import time
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 from transport import auth
+from transport.credits import ACK_BYTES
 from transport.errors import FabricError, PeerGone, PeerLost, TransferError, UnknownSession
 from transport.control_server import ControlServer
 from transport.fabric.base import DEVICE_HOST
 from transport.packing import HostBuffer
 from transport.peers import close_ctrl_locked
-from transport.receiver import ACK_BYTES
 from transport.regions import Region
 from transport.telemetry import now_ns
 
@@ -228,6 +229,7 @@ class ControlPlane:
         # connection is one of them (``transport.reads``)
         self.own: "weakref.WeakValueDictionary[bytes, auth.Session]" = weakref.WeakValueDictionary()
         self._conn = threading.local()  # the connection the serving thread answers (``current``)
+        self._claim_warned = -1e9  # time.monotonic() of the last WARNING about an unproven claim
         try:
             self.listener = socket.create_server((hostname, port), backlog=64)
         except OSError as e:
@@ -326,7 +328,7 @@ class ControlPlane:
 
     def _op_credits(self, req: dict) -> dict:
         self._check_claim(req)
-        return self.receiver.credits(req)
+        return self.receiver.credit_desk.request(req)
 
     def _check_claim(self, req: dict) -> None:
         """A request naming the engine id of a connected sender speaks for it only on the connection of that
@@ -334,11 +336,13 @@ class ControlPlane:
         rails have died needs none: that sender lost them and says hello again. Raises ValueError (the
         requester's error reply) otherwise."""
         conn, engine_id = self.current(), req.get("engine_id")
-        if conn is None or conn["sender"] == engine_id:
+        if conn is None or conn.get("sender") == engine_id:
             return
         claim = self.receiver.claim_key(engine_id)
         if claim is None or (req.get("op") == "hello" and claim[1]):
-            return  # no such sender: a hello is a new one, and ``credits`` refuses it naming the id
+            # no live sender has that id (a hello is then a new sender; ``credits`` refuses it, naming the id), or
+            # a hello from a sender whose rails died
+            return
         proof = req.get("proof")
         try:
             ok = isinstance(proof, str) and hmac.compare_digest(
@@ -347,8 +351,12 @@ class ControlPlane:
             ok = False
         if not ok:
             self.counters.add("senders_refused_proof")
-            log.warning("control connection from %s: %s naming connected sender 0x%x without its proof; refused",
-                        conn["addr"], req.get("op"), engine_id)
+            now = time.monotonic()
+            loud = now - self._claim_warned > 5.0  # an insider's flood stays one WARNING per 5 s
+            if loud:
+                self._claim_warned = now
+            log.log(logging.WARNING if loud else logging.DEBUG, "control connection from %s: %s naming connected "
+                    "sender 0x%x without its proof; refused", conn["addr"], req.get("op"), engine_id)
             raise ValueError(f"{req.get('op')}: engine 0x{engine_id:x} is a connected sender, and this control "
                              f"connection did not prove it speaks for it ({'no' if proof is None else 'a wrong'} "
                              f"proof); refused")

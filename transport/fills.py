@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, List, Optional
 import numpy as np
 
 from transport.control import proof_on
+from transport.credits import chunk_imm
 from transport.errors import AddressNotRegistered, FabricError, PeerLost, TransferError
 from transport.fabric.base import GatherWrite, WriteBatch, WriteRequest
 from transport.fabric.memory import MEMCPY_MAX, memcpy_async
 from transport.planner import COALESCED
-from transport.receiver import chunk_imm
 from transport.regions import locate_inside
 from transport.packing import gpu_pack, gpu_pack_large, host_memmove
 from transport.telemetry import now_ns

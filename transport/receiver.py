@@ -23,6 +23,9 @@ Every sender writes into the same pool; slots are lent to senders as credits:
   ``transport.fills``);
 * credits of a sender whose rail died (the liveness sweep, every ``SWEEP_S``) or that left go back to the pool.
 
+The credit side (the ``credits`` op, the keep-or-return decision at each ack, grant writes, credits of dead
+rails taken back) and the ack wire format are ``transport.credits`` (``CreditDesk``, ``Receiver.credit_desk``).
+
 A sender's announced slot size is capped by the pool's stride: the hello answers ``landing_slot_bytes`` =
 ``min(announced, stride)`` (more than ``MAX_LANDING_SLOT`` is refused) and the sender cuts its chunks to it.
 A hello costs at most ``slots x ACK_BYTES`` of
@@ -61,7 +64,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -69,8 +71,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from transport.credits import (ACK_BYTES, ACK_FLAG, CONNECT_GRACE_S, MORE_FLAG, ST_FAILED, ST_OK, ST_REJECTED,
+                               CreditDesk, int_field)
 from transport.errors import ChunkFormatError
-from transport.fabric.base import DEVICE_HOST, WriteRequest
+from transport.fabric.base import DEVICE_HOST
 from transport.landing import LandingPool
 from transport.packing import HostBuffer, gpu_scatter, host_memmove, scatter_words
 from transport.progress import ProgressLoop
@@ -79,61 +83,15 @@ from transport.telemetry import Counters, Trace, now_ns
 
 log = logging.getLogger(__name__)
 
-ACK_FLAG = 1 << 31
-ACK_BYTES = 256
 MAX_LANDING_SLOT = 64 << 20
-ST_OK, ST_REJECTED, ST_FAILED, ST_GRANT = 0, 1, 2, 3
-F_RETURNED = 0x80  # in an ack's status: the credit went back to the pool (the sender no longer holds it)
-F_QUEUED = 0x40  # with F_RETURNED: the sender queues for its next credit (it said it had more chunks)
-MORE_FLAG = 1 << 30  # in a chunk's immediate: its sender has more chunks for this rail waiting for credits
 LANDING_BYTES = 32 << 20  # default landing pool per rail (docs/README-engine.md, "Landing pool")
 BIG_PIECE = 256 << 10  # landed pieces of at least this many bytes are placed by the copy engine, not the kernel
-ACK_WR_BASE = 1 << 62  # wr_ids of ack writes: the engine's poller ignores their completions unless they fail
 SWEEP_S = 1.0  # how often the progress thread looks for departed senders
-# A sender that handshakes again still has its old, dead endpoint here until its new rails connect; the sweep
-# gives it this long to connect before it counts as departed (rails connect one after the other, each within the
-# fabric's connect timeout, 10 s on tcp).
-CONNECT_GRACE_S = 30.0
 # A new sender whose rail id (host:port) is still held by the live-looking endpoint of a sender that just closed
 # (the OS gave the port again before this side read the old connection's end) waits this long for that endpoint
 # to die before its claim is refused: a closed peer's sockets reach end-of-file within milliseconds, a live
 # holder stays alive and the claim is refused as before.
 CLAIM_WAIT_S = 1.0
-_ACK_HDR = struct.Struct("<II")  # status, reason length
-
-
-def chunk_imm(slot: int, seq: int, more: bool = False) -> int:
-    """A chunk's immediate: credit index ``slot``, sequence number (14 bits), ``MORE_FLAG``."""
-    return ((seq & 0x3FFF) << 16) | (slot & 0xFFFF) | (MORE_FLAG if more else 0)
-
-
-def ack_imm(slot: int, status: int) -> int:
-    return ACK_FLAG | ((status & 0xFF) << 16) | (slot & 0xFFFF)
-
-
-def decode_ack(imm: int) -> Tuple[int, int]:
-    """(credit index, status with its flags) of an ack immediate."""
-    return imm & 0xFFFF, (imm >> 16) & 0xFF
-
-
-def decode_grant(buf: np.ndarray) -> int:
-    """The pool slot of a grant written at ``buf`` (an ack entry of the credit region)."""
-    return int(_ACK_HDR.unpack(buf[:8].tobytes())[1])
-
-
-def decode_ack_payload(buf: np.ndarray) -> str:
-    status, n = _ACK_HDR.unpack(buf[:8].tobytes())
-    n = min(int(n), ACK_BYTES - 8)
-    return buf[8:8 + n].tobytes().decode("utf-8", "replace")
-
-
-def _int_field(hello: dict, key: str, lo: int, hi: int, default=None) -> int:
-    """``hello[key]`` as an int in [lo, hi] (bools and other types refused); ``default`` when absent."""
-    v = hello.get(key, default)
-    if type(v) is not int or not lo <= v <= hi:
-        raise ValueError(f"sender {key}={v!r}: need an int in [{lo}, {hi}]")
-    return v
-
 
 @dataclass
 class SenderState:
@@ -206,6 +164,8 @@ class Receiver:
         self._lock = threading.Lock()
         self._senders: Dict[int, SenderState] = {}
         self._by_rail_id: Dict[str, Tuple[SenderState, int]] = {}
+        # the ``credits`` control op, the keep-or-return decision at each ack, grant writes
+        self.credit_desk = CreditDesk(fabrics, self._lock, self._senders, counters)
         self._closed = False
         # the engine's progress loop, or one of the receiver's own; its owner closes it before this receiver
         self._own_progress = progress is None
@@ -224,11 +184,11 @@ class Receiver:
         devices = list(device) if isinstance(device, (list, tuple)) else [device] * len(self.fabrics)
         if len(devices) != len(self.fabrics):
             raise ValueError(f"{len(devices)} landing devices for {len(self.fabrics)} rails")
-        engine_id = _int_field(hello, "engine_id", 1, (1 << 63) - 1)
+        engine_id = int_field(hello, "engine_id", 1, (1 << 63) - 1)
         # the sender's chunk size (its relay slot size) capped by the pool's stride: the sender cuts its chunks to
         # what we answer, so a hello announcing huge slots costs what any other does
-        slot_bytes = min(_int_field(hello, "slot_bytes", 4096, MAX_LANDING_SLOT, self.slot_bytes), self.stride)
-        credit_slots = _int_field(hello, "credit_slots", 1, 0xFFFF, self.landing_slots)
+        slot_bytes = min(int_field(hello, "slot_bytes", 4096, MAX_LANDING_SLOT, self.slot_bytes), self.stride)
+        credit_slots = int_field(hello, "credit_slots", 1, 0xFFFF, self.landing_slots)
         rail_ids, rkeys = hello.get("rail_ids"), hello.get("credit_rkeys")
         n = len(self.fabrics)
         if not (isinstance(rail_ids, list) and len(rail_ids) == n
@@ -240,7 +200,7 @@ class Receiver:
             raise ValueError(f"sender credit_rkeys {str(rkeys)[:200]}: need {n} 32-bit keys")
         session = hello.get("session", "?")
         st = SenderState(engine_id=engine_id, session=str(session)[:300],
-                         rail_ids=list(rail_ids), credit_addr=_int_field(hello, "credit_addr", 1, (1 << 64) - 1),
+                         rail_ids=list(rail_ids), credit_addr=int_field(hello, "credit_addr", 1, (1 << 64) - 1),
                          credit_rkeys=list(rkeys), slots=0, slot_bytes=slot_bytes, devices=devices,
                          hello_at=time.monotonic())
         old = None
@@ -320,111 +280,6 @@ class Receiver:
             log.info("receiver: landing pool rail %d on %s: %d slots of %d B", rail,
                      "host" if device < 0 else f"cuda:{device}", pool.nslots, pool.stride)
         return pool
-
-    # --- credits ----------------------------------------------------------------------------------------------
-    def credits(self, req: dict) -> dict:
-        """The ``credits`` control op of a connected sender: ``release`` (credit indices it returns unused) and
-        ``want`` (credits it asks for) on ``rail``. Free slots are lent at once unless others wait (the reply's
-        ``grants``: [[credit index, pool slot]]); the rest come later as grant writes, round-robin."""
-        engine_id = _int_field(req, "engine_id", 1, (1 << 63) - 1)
-        rail = _int_field(req, "rail", 0, len(self.fabrics) - 1)
-        want = _int_field(req, "want", 0, 0xFFFF, 0)
-        release = req.get("release") or []
-        if not (isinstance(release, list) and len(release) <= 0xFFFF and all(type(k) is int for k in release)):
-            raise ValueError(f"credits release {str(release)[:200]}: need a list of credit indices")
-        with self._lock:
-            st = self._senders.get(engine_id)
-            if st is None or st.retired:
-                raise ValueError(f"credits: engine 0x{engine_id:x} is not a connected sender")
-            pool = st.pools[rail]
-            for k in release:
-                if k in st.lent[rail]:
-                    pool.take_back(st, k)
-            mine = []
-            st.want[rail] = min(want, st.slots - len(st.lent[rail]))
-            if st.want[rail] > 0:
-                if not pool.waiters:
-                    while st.want[rail] > 0:
-                        got = pool.lend(st)
-                        if got is None:
-                            break
-                        mine.append(list(got))
-                        st.want[rail] -= 1
-                if st.want[rail] > 0:
-                    pool.enqueue(st)
-            later = []
-            for g in pool.dispatch():
-                if g[0] is st:
-                    mine.append([g[2], g[3]])
-                else:
-                    later.append(g)
-            queued = st.queued[rail]
-        self.counters.add_many((("rx_credit_requests", 1), ("rx_credits_released", len(release))))
-        self._post_grants(later)
-        return {"ok": True, "grants": mine, "queued": queued}
-
-    def _settle(self, st: SenderState, rail: int, k: int, more: bool) -> Tuple[int, list]:
-        """At the ack of the chunk in credit ``k``: whether the sender keeps it (flags 0) or it goes back to the
-        pool (``F_RETURNED``, with ``F_QUEUED`` when the sender waits for its next one), and the grants that
-        frees for waiting senders."""
-        with self._lock:
-            pool = st.pools[rail]
-            if st.retired or k not in st.lent[rail]:
-                return 0, []
-            # kept while nobody waits (unused credits come back within the sender's CREDIT_IDLE_S), or while it has
-            # more to send and holds less than its share (this credit counted)
-            if not pool.waiters or (more and len(st.lent[rail]) < pool.share()):
-                return 0, []
-            pool.take_back(st, k)
-            st.returning[rail].add(k)
-            flags = F_RETURNED
-            if more:  # behind the senders already waiting
-                st.want[rail] = max(st.want[rail], 1)
-                pool.enqueue(st)
-                flags |= F_QUEUED
-            grants = pool.dispatch()
-            return flags, grants
-
-    def _post_grants(self, grants) -> None:
-        """Tell each sender of ``grants`` its new credit (a grant write into its credit region). A grant that
-        cannot be written goes back to the pool; its sender asks again when it waits too long."""
-        if grants:
-            self.counters.add("rx_grants", len(grants))
-        while grants:
-            failed = [g for g in grants if not self._write_credit(g[0], g[1], g[2], ST_GRANT, "", g[3])]
-            grants = []
-            if failed:
-                self.counters.add("rx_grants_failed", len(failed))
-                with self._lock:
-                    for st, rail, k, p in failed:
-                        if st.lent[rail].get(k) == p:
-                            st.pools[rail].take_back(st, k)
-                        st.want[rail] = 0  # not queued again: a sender we cannot write to asks again itself
-                    pools = {id(st.pools[rail]): st.pools[rail] for st, rail, _, _ in failed}
-                    for pool in pools.values():
-                        grants.extend(g for g in pool.dispatch() if g not in failed)
-
-    def _sweep_credits(self) -> None:
-        """Credits lent on a rail whose endpoint to their sender died go back to the pool (the sender's other
-        rails keep theirs)."""
-        grants = []
-        now = time.monotonic()
-        with self._lock:
-            for st in list(self._senders.values()):
-                for rail, fab in enumerate(self.fabrics):
-                    if not st.lent[rail] and not st.queued[rail]:
-                        continue
-                    try:
-                        ep = fab.endpoint(st.rail_ids[rail])
-                    except Exception:  # noqa: BLE001 — not connected yet
-                        continue
-                    if ep.alive or (ep is st.stale_eps.get(rail) and now - st.hello_at < CONNECT_GRACE_S):
-                        continue
-                    n = len(st.lent[rail])
-                    st.pools[rail].forget(st)
-                    self.counters.add("rx_credits_reclaimed", n)
-                    grants.extend(st.pools[rail].dispatch())
-        self._post_grants(grants)
 
     def _other_holders(self, st: SenderState):
         """For each rail id of ``st`` held by another sender: (rail id, the holder's state, whether the holder's
@@ -570,7 +425,7 @@ class Receiver:
     def _sweep_if_open(self) -> None:
         if not self._closed:
             self._sweep()
-            self._sweep_credits()
+            self.credit_desk.sweep()
 
     def _sweep(self) -> None:
         """Free the landing and ack buffers of senders whose every rail is dead (the sender closed or died):
@@ -615,7 +470,7 @@ class Receiver:
             for pool in st.pools:
                 pool.forget(st)
                 grants.extend(pool.dispatch())
-        self._post_grants(grants)
+        self.credit_desk.post_grants(grants)
         for rail, fab in enumerate(self.fabrics):
             if rail >= len(st.acks):
                 break
@@ -793,48 +648,18 @@ class Receiver:
                     table.dst_addrs[sel].astype(np.int64), lens, stream)
 
     def _ack(self, st: SenderState, rail: int, k: int, status: int, reason: str, more: bool = False) -> None:
-        """Ack the chunk in credit ``k``: the credit stays with the sender or goes back to the pool (``_settle``),
-        and what that frees goes to waiting senders."""
+        """Ack the chunk in credit ``k``: the credit stays with the sender or goes back to the pool
+        (``CreditDesk.settle``), and what that frees goes to waiting senders."""
         if st.retired:  # replaced while this chunk was handled: its credit region is not the sender's any more
             self.counters.add("rx_stale_chunks")
             return
-        flags, grants = self._settle(st, rail, k, more)
-        self._write_credit(st, rail, k, status | flags, reason)
+        flags, grants = self.credit_desk.settle(st, rail, k, more)
+        self.credit_desk.write(st, rail, k, status | flags, reason)
         if flags:
             with self._lock:
                 st.returning[rail].discard(k)
         if grants:
-            self._post_grants(grants)
-
-    def _write_credit(self, st: SenderState, rail: int, k: int, status: int, reason: str, value: int = 0) -> bool:
-        """One write into entry ``k`` of the sender's credit region on ``rail``: imm = ACK | status << 16 | k;
-        payload: status and the reason's length (a grant: the pool slot) and the reason text. False when the
-        write could not be posted."""
-        if st.retired:
-            return False
-        ack_buf, ack_mr = st.acks[rail]
-        off = k * ACK_BYTES
-        data = reason.encode("utf-8")[:ACK_BYTES - 8]
-        _ACK_HDR.pack_into(ack_buf.array, off, status, value if status == ST_GRANT else len(data))
-        if data:
-            ack_buf.array[off + 8:off + 8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        length = 8 + len(data)
-        remote = st.credit_addr + (rail * st.slots + k) * ACK_BYTES
-        fab = self.fabrics[rail]
-        # unacked where the fabric can: nothing here waits for the ack write's completion (its loss shows at the
-        # sender, whose chunk then never completes), and its own acknowledgement would cost a message each way
-        unacked = fab.capabilities.unacked_writes
-        try:
-            ep = fab.endpoint(st.rail_ids[rail])
-            fab.post_writes(ep, [WriteRequest(ack_buf.addr + off, length, remote, st.credit_rkeys[rail],
-                                              ack_mr.lkey, imm=ack_imm(k, status),
-                                              wr_id=ACK_WR_BASE + k, signaled=not unacked, acked=not unacked)])
-        except Exception as e:  # noqa: BLE001 — the sender fails over when the rail is dead
-            self.counters.add("rx_ack_failed")
-            log.info("receiver: credit write (status 0x%x) for credit %d on rail %d to %s failed: %s", status, k,
-                     rail, st.session, e)
-            return False
-        return True
+            self.credit_desk.post_grants(grants)
 
     def close(self) -> None:
         """Free every sender's buffers and the pools. A receiver made with the engine's progress loop is closed

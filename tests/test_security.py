@@ -383,6 +383,32 @@ def test_insider_cannot_speak_for_a_connected_sender(victim, src, rng):
         assert eng.stats()["failover"] == failover  # no rail lost, no reconnect: its state was never replaced
 
 
+def test_an_engine_proves_itself_once_on_a_reopened_control_connection(victim, src, rng, monkeypatch):
+    """An engine's credits requests carry no proof on its hello connection. When that connection drops, the
+    request goes again on a new one with the proof, is answered, and later requests there go without it."""
+    from transport import fills
+    proofs = []
+    real = fills.proof_on
+    monkeypatch.setattr(fills, "proof_on", lambda sock, key: proofs.append(sock) or real(sock, key))
+    with TransferEngine(fabric="tcp", secret=SECRET) as eng:
+        eng.register(src)
+        _legit_write(eng, victim, src, rng)
+        before = victim.security()["refused_unproven"]
+        peer = eng._peers.peers[victim.session]
+        pr, ask = peer.rails[0], eng._pipe.fills.ask_credits
+        ask(pr, 0, [])
+        assert proofs == []
+        hello_ctrl = peer.ctrl
+        hello_ctrl.shutdown(socket.SHUT_RDWR)  # dropped: the next request re-opens the control connection
+        for _ in range(3):
+            ask(pr, 0, [])
+        assert peer.ctrl is not hello_ctrl and proofs == [peer.ctrl], proofs
+        c = eng.stats()["credits"]
+        assert c["requests"] >= 4 and c["requests_failed"] == 0, c
+        assert victim.security()["refused_unproven"] == before
+        _legit_write(eng, victim, src, rng)
+
+
 def test_a_sender_proves_itself_on_a_new_control_connection(victim):
     """The key of a hello reply is what a sender shows on a later connection: its hello again (its rails still
     held by the receiver) and its credits requests there pass with the proof, which is bound to the connection

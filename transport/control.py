@@ -502,6 +502,7 @@ class ControlPlane:
         peer.credit_mrs = mrs
         peer.engine_id = int(rep["engine_id"])
         peer.claim_key = key
+        peer.proven_ctrl = sock
         peer.rails = rails
         peer.landing_device = int(rep.get("landing_device", DEVICE_HOST))
         fwd = rep.get("forward") or []

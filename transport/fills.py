@@ -44,13 +44,16 @@ DEFER = -1  # _acquire_landing: no credit now, and waiting would wait for the ca
 
 def _request(control, peer, msg: dict, timeout: Optional[float]) -> dict:
     """``control.request`` on the peer's control connection, with ``timeout`` seconds for the reply (None: its
-    own, 30 s), with the proof that this engine speaks for itself on that connection (``transport.control``)."""
+    own, 30 s), with the proof that this engine speaks for itself on a connection the peer does not know it on
+    yet (``transport.control``; the hello's, and one a request was answered on, need none)."""
     if peer.ctrl is not None:
         peer.ctrl.settimeout(30.0 if timeout is None else timeout)
-        if peer.claim_key is not None:
+        if peer.claim_key is not None and peer.ctrl is not peer.proven_ctrl:
             msg["proof"] = proof_on(peer.ctrl, peer.claim_key)
     try:
-        return control.request(peer, msg)
+        rep = control.request(peer, msg)
+        peer.proven_ctrl = peer.ctrl  # answered: the peer knows this engine on that connection from now on
+        return rep
     finally:
         if peer.ctrl is not None:
             peer.ctrl.settimeout(30.0)

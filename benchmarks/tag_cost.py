@@ -20,11 +20,14 @@ should be 1 within its interval (a check of the method itself). The two pairs' m
 Shapes: ``--fabric tcp`` takes the default ``pxn bench`` shapes (host memory, as ``pxn bench`` on a machine
 without a GPU); ``--fabric ipc`` the one-GPU message-path rows of ``benchmarks/message_path.py``
 (``--topologies direct,loadstore``; GPU memory with ``--device 0``, host memory by default, where the ipc fabric
-runs the same frames and tags without a GPU).
+runs the same frames and tags without a GPU). ``--bench`` times ``pxn bench``'s own run instead: its shapes, each
+buffer where ``pxn bench`` puts it (the KV buffer on GPU ``--device``, aux in host memory), its peer process and
+its engines' defaults, with ``--fabric`` as pxn bench would choose it (``ipc`` on a GPU host, ``tcp`` without one).
 
     python3 benchmarks/tag_cost.py --fabric tcp                       # CPU box: the pxn bench shapes
     python3 benchmarks/tag_cost.py --fabric ipc --device 0            # one GPU: the message-path rows
     python3 benchmarks/tag_cost.py --fabric tcp --same                # A/A: both arms tagged, ratio ~1
+    python3 benchmarks/tag_cost.py --bench --fabric ipc --device 0    # GPU host: pxn bench as it runs there
     python3 benchmarks/tag_cost.py --fabric tcp --shapes aux_metadata --pairs 200 --out tags.json
 
 Without ``--out`` the JSON goes to a temporary file (its path is printed).
@@ -98,9 +101,18 @@ def time_row(pairs: dict, name: str, shape, args, rng) -> dict:
         peer.check(exp)
         calls[arm] = (eng, peer.session, srcs, dsts, ln)
     row["byte_exact"] = True
+    row.update(alternate(calls, args, rng))
+    return row
+
+
+def alternate(calls: dict, args, rng, sync=None) -> dict:
+    """Time ``calls`` (arm -> (engine, session, srcs, dsts, lengths)) in alternating blocks of calls (see the
+    module docstring): the row's timing fields. ``sync`` (optional) runs before each timed call, outside it."""
 
     def one(arm) -> float:
         eng, session, srcs, dsts, ln = calls[arm]
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         eng.batch_write(session, srcs, dsts, ln)
         return time.perf_counter() - t0
@@ -127,11 +139,72 @@ def time_row(pairs: dict, name: str, shape, args, rng) -> dict:
     tag_ops = _tags_so_far() - tags0
     r = np.asarray(ratios)
     lo, hi = _bootstrap(r, rng)
-    row.update(calls_per_block=k, block_pairs=int(r.size),
-               ms={a: round(float(np.median(v)) * 1e3, 4) for a, v in per_arm.items()},
-               ratio=round(float(np.median(r)), 4), ratio_ci95=[round(lo, 4), round(hi, 4)],
-               sender_tag_ops_per_call=round(tag_ops / max(1, n_tags_calls) / (2 if args.same else 1), 2))
-    return row
+    return dict(calls_per_block=k, block_pairs=int(r.size),
+                ms={a: round(float(np.median(v)) * 1e3, 4) for a, v in per_arm.items()},
+                ratio=round(float(np.median(r)), 4), ratio_ci95=[round(lo, 4), round(hi, 4)],
+                sender_tag_ops_per_call=round(tag_ops / max(1, n_tags_calls) / (2 if args.same else 1), 2))
+
+
+def bench_rows(args, rng) -> list:
+    """``--bench``: ``pxn bench``'s own run, both arms side by side: its shapes, each buffer in the memory
+    ``pxn bench`` puts it in (``--device``: the GPU of the KV buffer; aux stays in host memory), its receiving
+    peer (``transport.bench_cli.LocalPeer``) and its engines' defaults (the machine's own topology), each shape
+    checked byte for byte as ``pxn bench`` checks it before it is timed."""
+    from transport import TransferEngine
+    from transport.bench_cli import LocalPeer, buffer_sizes, expecteddigest, sglang_shapes
+    from transport.peer_process import Buffer
+    shapes = sglang_shapes(device=args.device)
+    wanted = [s for s in args.shapes.split(",") if s]
+    names = {s["name"].split(" ")[0] for s in shapes}
+    if set(wanted) - names:
+        raise SystemExit(f"unknown shape(s) {sorted(set(wanted) - names)}; pxn bench has {sorted(names)}")
+    shapes = [s for s in shapes if not wanted or s["name"].split(" ")[0] in wanted]
+    need = buffer_sizes(shapes)
+    devs = {s["buffer"]: s["device"] for s in shapes}
+    sync = None
+    if args.device >= 0:
+        import torch
+        sync = torch.cuda.synchronize
+    arms, rows = {}, []
+    try:
+        for arm in (ARMS if args.first == ARMS[0] else ARMS[::-1]):
+            sec = {"secret": SECRET} if arm == "tags" or args.same else {"insecure": True}
+            eng = TransferEngine(fabric=args.fabric, **sec)
+            arms[arm] = [eng]
+            arms[arm].append(LocalPeer({k: (v, devs[k]) for k, v in need.items()}, fabric=args.fabric, **sec))
+            srcs = {k: Buffer(v, devs[k], random_seed=7 + i) for i, (k, v) in enumerate(sorted(need.items()))}
+            for m in srcs.values():
+                eng.register(m.addr, m.nbytes, device=m.device)
+            arms[arm].append(srcs)
+        for shape in shapes:
+            name, buf = shape["name"].split(" ")[0], shape["buffer"]
+            calls = {}
+            for arm, (eng, peer, srcs) in arms.items():
+                srcl = (srcs[buf].addr + shape["src"]).tolist()
+                dstl = (peer.addrs[buf] + shape["dst"]).tolist()
+                peer.call("poison")
+                eng.batch_write(peer.session, srcl, dstl, shape["len"].tolist())
+                if peer.call("digest", name=buf) != expecteddigest(srcs[buf].host(), need[buf], shape):
+                    raise SystemExit(f"{name}: the {arm} arm's write is not byte-exact at the peer")
+                calls[arm] = (eng, peer.session, srcl, dstl, shape["len"].tolist())
+            row = {"shape": name, "pieces": int(shape["len"].size), "bytes": int(shape["len"].sum()),
+                   "memory": "host" if shape["device"] < 0 else f"cuda:{shape['device']}", "byte_exact": True,
+                   "topology": "pxn bench"}
+            row.update(alternate(calls, args, rng, sync))
+            rows.append(row)
+            _print_row(args, row)
+    finally:
+        for eng, peer, *_ in arms.values():
+            eng.close()
+            peer.close()
+    return rows
+
+
+def _print_row(args, row: dict) -> None:
+    print(f"{args.fabric} {row['topology']:9s} {row['shape']:16s} tags {row['ms']['tags']:10.4f} ms  no tags "
+          f"{row['ms']['no_tags']:10.4f} ms  ratio {row['ratio']:.4f} [{row['ratio_ci95'][0]:.4f}, "
+          f"{row['ratio_ci95'][1]:.4f}]  {row['block_pairs']} pairs x {row['calls_per_block']} calls  "
+          f"sender tag ops/call {row['sender_tag_ops_per_call']}", flush=True)
 
 
 def make_pairs(args, size: int):
@@ -181,6 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--first", choices=ARMS, default=ARMS[0], help="the arm whose engines and buffers are made "
                     "first (a pair's memory can differ from the other's: run both orders)")
     ap.add_argument("--same", action="store_true", help="both arms with the secret (A/A: the ratio should be 1)")
+    ap.add_argument("--bench", action="store_true", help="pxn bench's own run (its shapes, memory, peer and "
+                    "engine defaults; --device 0 puts the KV buffer on that GPU, as pxn bench does where CUDA is "
+                    "available) instead of --fabric's rows")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default=None, help="JSON path (default: a temporary file)")
     args = ap.parse_args(argv)
@@ -192,8 +268,10 @@ def main(argv=None) -> int:
     result = {"machine": machine(), "fabric": args.fabric, "seed": seed, "same": args.same, "first": args.first,
               "arms": {"tags": "secret= given: frames and control messages tagged",
                        "no_tags": "insecure=True: handshake only"},
-              "rows": []}
-    topologies = args.topologies.split(",") if args.fabric == "ipc" else ["-"]
+              "bench": args.bench, "rows": []}
+    topologies = [] if args.bench else args.topologies.split(",") if args.fabric == "ipc" else ["-"]
+    if args.bench:
+        result["rows"] = bench_rows(args, rng)
     for topo in topologies:
         args.topology = topo
         if args.fabric == "tcp":
@@ -214,10 +292,7 @@ def main(argv=None) -> int:
                 row = time_row({a: v[:4] for a, v in pairs.items()}, name, shapes[name], args, rng)
                 row["topology"] = topo
                 result["rows"].append(row)
-                print(f"{args.fabric} {topo:9s} {name:16s} tags {row['ms']['tags']:10.4f} ms  no tags "
-                      f"{row['ms']['no_tags']:10.4f} ms  ratio {row['ratio']:.4f} [{row['ratio_ci95'][0]:.4f}, "
-                      f"{row['ratio_ci95'][1]:.4f}]  {row['block_pairs']} pairs x {row['calls_per_block']} calls  "
-                      f"sender tag ops/call {row['sender_tag_ops_per_call']}", flush=True)
+                _print_row(args, row)
         finally:
             for eng, peer, *_ in pairs.values():
                 eng.close()

@@ -378,18 +378,24 @@ class TcpPoster:
             s.wake()
 
     def _wire_buffers(self, s: _Sock, msg: _OutMsg) -> List:
-        """A WRITE message as buffers to send in order: header and table, then each piece's source bytes."""
+        """A WRITE message as buffers to send in order: header and table (one bytearray, which ``transmit`` seals
+        in place), then each piece's source bytes."""
         if msg.rows is not None:
-            return [HDR.pack(MAGIC, T_WRITE, 0, 0, msg.pieces, msg.seq, len(msg.rows) + msg.batch.length)
-                    + msg.rows] + msg.bufs
+            rows = msg.rows
+            head = bytearray(48 + len(rows))
+            HDR.pack_into(head, 0, MAGIC, T_WRITE, 0, 0, msg.pieces, msg.seq, len(rows) + msg.batch.length)
+            head[48:] = rows
+            return [head] + msg.bufs
+        table = msg.table
+        if not table.flags.c_contiguous:
+            table = np.ascontiguousarray(table)
+        head = bytearray(48 + table.nbytes)
+        head[48:] = memoryview(table).cast("B")
         if msg.whole:
-            table = msg.table.tobytes()
-            return [HDR.pack(MAGIC, T_WRITE, H_WHOLE, 0, 1, msg.seq, len(table) + int(msg.table["len"][0]))
-                    + table] + msg.bufs
-        table = msg.table.tobytes()
-        payload = int(msg.table["len"].sum())
-        hdr = HDR.pack(MAGIC, T_WRITE, 0, 0, len(msg.table), msg.seq, len(table) + payload)
-        return [hdr + table] + self._source_buffers(s, msg)
+            HDR.pack_into(head, 0, MAGIC, T_WRITE, H_WHOLE, 0, 1, msg.seq, table.nbytes + int(table["len"][0]))
+            return [head] + msg.bufs
+        HDR.pack_into(head, 0, MAGIC, T_WRITE, 0, 0, len(table), msg.seq, table.nbytes + int(table["len"].sum()))
+        return [head] + self._source_buffers(s, msg)
 
     def _source_buffers(self, s: _Sock, msg: _OutMsg) -> List:
         srcs = msg.sources()
@@ -430,5 +436,5 @@ class TcpPoster:
         """Send queued message ``msg`` on socket ``s`` (its sender thread), its first frame tagged now."""
         bufs = self._wire_buffers(s, msg)
         if s.sess is not None:
-            bufs[0] = _seal(s.sess, bufs[0])
+            bufs[0] = _seal(s.sess, bufs[0], own=True)
         send_buffers(s.sock, bufs)

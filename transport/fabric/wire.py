@@ -58,10 +58,11 @@ _TFCSB = struct.Struct("<4xBBxxIQQ")  # type, flags, count, sequence number, bod
 _TAIL = struct.Struct("<Q8x")
 
 
-def _seal(sess, buf):
+def _seal(sess, buf, own: bool = False):
     """``buf`` (one or more frames back to back, each header and what its tag covers inside it; the last one's
     payload may follow in other buffers) as a new bytearray with every frame's tag filled in, in order, under
-    ``sess`` (None: ``buf`` as is). Call it where the frames go out, under the socket's send lock: each tag takes
+    ``sess`` (None: ``buf`` as is). ``own``: a bytearray ``buf`` was built for this one send and is sealed in
+    place, not copied (a many-piece table is tens of KiB to MiBs). Call it where the frames go out, under the socket's send lock: each tag takes
     the next sequence number. A tag is the first half of keyed BLAKE2b over the header with the frame's sequence
     number in its tag field (``_TAIL``), then the covered bytes, which follow it: one contiguous range. A WRITE
     that asks for an ACK leaves the second half, its ack token, in ``sess.acks``; an ACK that carries a token
@@ -73,7 +74,7 @@ def _seal(sess, buf):
     if 48 + (count * 48 if typ in _TABLE_TYPES else blen) == n:  # one frame and what its tag covers: the usual
         if fl & H_TOKEN and typ == T_ACK:
             return buf
-        b = bytearray(buf)
+        b = buf if own and type(buf) is bytearray else bytearray(buf)
         _TAIL.pack_into(b, 32, sess.tx_n)
         sess.tx_n += 1
         h = sess._tx.copy()
@@ -83,7 +84,7 @@ def _seal(sess, buf):
         if typ == T_WRITE and not fl & H_NOACK:
             sess.acks[seq] = d[16:]
         return b
-    b = bytearray(buf)
+    b = buf if own and type(buf) is bytearray else bytearray(buf)
     off = 0
     while off + 48 <= n:
         typ, fl, count, seq, blen = _TFCSB.unpack_from(b, off)

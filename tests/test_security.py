@@ -966,12 +966,13 @@ def test_ack_token_answers_only_its_own_write():
 
 
 def test_a_frame_built_for_one_send_is_sealed_in_place_as_a_copy_would_be():
-    """``_seal(..., own=True)`` (the sender thread's framing of a many-piece table) writes the tags into the
-    bytearray it is given, the same bytes a copy gets, keeping the ack token; given bytes it still copies, and
-    without ``own`` the caller's bytearray is left as it was."""
+    """``_seal(..., own=True)`` (the sender thread's framing of a many-piece table) and ``seal_write`` (a small
+    batch sent by its caller) write the tags into the bytearray they are given, the same bytes a copy gets,
+    keeping the same ack token; given bytes ``_seal`` still copies, and without ``own`` the caller's bytearray is
+    left as it was."""
     c1, s1 = _session_pair()
-    c2 = auth.Session(b"", True, b"", "tcp")
-    c2._tx, c2.tx_n = c1._tx, 0  # a second sender with the same key and sequence: the same tags
+    c2, c3 = auth.Session(b"", True, b"", "tcp"), auth.Session(b"", True, b"", "tcp")
+    c2._tx = c3._tx = c1._tx  # more senders with the same key and sequence: the same tags
     pieces = 3
     table = os.urandom(48 * pieces)
     frame = wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, pieces, 5, len(table) + pieces) + table
@@ -979,6 +980,8 @@ def test_a_frame_built_for_one_send_is_sealed_in_place_as_a_copy_would_be():
     mine = bytearray(frame)
     assert wire._seal(c2, mine, own=True) is mine and mine == copied and c2.acks == c1.acks
     assert _token_of(s1, bytes(mine)) == c1.acks[5]
+    small = bytearray(frame)
+    assert wire.seal_write(c3, small, 5) is None and small == copied and c3.acks == c1.acks and c3.tx_n == 1
     kept = bytearray(frame)
     assert wire._seal(c1, kept) is not kept and kept == frame  # not owned: the caller's buffer is untouched
     assert wire._seal(c1, frame, own=True) is not frame  # bytes cannot be sealed in place

@@ -12,7 +12,7 @@ import threading
 from typing import Dict, List, Optional
 
 from transport.fabric.spin import AdaptiveSpin
-from transport.fabric.wire import _keyed, _seal
+from transport.fabric.wire import _keyed, _seal, seal_write
 
 _EPOLLIN = getattr(select, "EPOLLIN", 1)
 
@@ -207,11 +207,13 @@ def send_ctrl_frames(s: _Sock, ctrl: List) -> None:
     send_buffers(s.sock, ctrl)
 
 
-def send_now(s: _Sock, bufs: List) -> bool:
+def send_now(s: _Sock, bufs: List, write_seq: int = -1) -> bool:
     """Send ``bufs`` (one message) from this thread when no other thread is sending on the socket and the
     kernel takes at least its first byte without waiting; what it does not take goes to the head of the
     socket's queue, for the sender thread to send before anything else. False: nothing was sent (the socket
     is busy or full; queue the message). Never blocks: receiving threads send their acks this way.
+    ``write_seq`` >= 0: ``bufs[0]`` is a bytearray holding one acknowledged WRITE numbered so, built for this
+    send, and is tagged in place (``wire.seal_write``).
 
     Why: handing a small message to the sender thread costs a thread wake-up on each side of the wire, more
     than the message's own send; the sender thread stays for large messages and for a socket that is full."""
@@ -225,7 +227,10 @@ def send_now(s: _Sock, bufs: List) -> bool:
         if sess is not None:
             # the tag takes the socket's next sequence number: only once the bytes are sure to go out now
             tx_n = sess.tx_n
-            bufs = [_seal(sess, bufs[0]), *bufs[1:]]
+            if write_seq < 0:
+                bufs = [_seal(sess, bufs[0]), *bufs[1:]]
+            else:
+                seal_write(sess, bufs[0], write_seq)
         try:
             sent = s.sock.sendmsg(bufs, (), socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):

@@ -29,6 +29,8 @@ from transport.fabric.wire import (_I64, _ROW, F_IMM, H_NOACK, H_WHOLE, HDR, MAG
 
 log = logging.getLogger(__name__)
 
+_HEAD = bytearray(48)  # a WRITE header's place: ``_post_rows`` frames into ``_HEAD + rows``, a new bytearray
+
 # A post of one message at most this large (pieces, bytes on the wire) is sent by the posting thread itself when
 # its socket is idle; larger ones go to the sender threads, which stream them over every socket in parallel.
 INLINE_PIECES = 256
@@ -276,7 +278,9 @@ class TcpPoster:
             ep.enqueue([m])
             return
         s = ep.enqueue_one(m, b.read_ack)
-        wire = [HDR.pack(MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes) + rows, *bufs]
+        head = _HEAD + rows  # a bytearray of its own: tagged in place (``send_now``)
+        HDR.pack_into(head, 0, MAGIC, T_WRITE, 0, 0, n, m.seq, len(rows) + nbytes)
+        wire = [head, *bufs]
         poller = s.poller
         if b.read_ack and poller is not None and self._own_acks and s.reader.acquire(False):
             # the ack will be read by this thread (``await_rows``): taken before the send, so that the reader
@@ -286,7 +290,7 @@ class TcpPoster:
             else:  # the socket left the readers' set: its endpoint failed
                 s.reader.release()
         try:
-            self._send_inline(ep, s, m, wire)
+            self._send_inline(ep, s, m, wire, m.seq)
         except BaseException:
             self.await_rows(b, 0.0)
             raise
@@ -362,11 +366,11 @@ class TcpPoster:
         s, = ep.enqueue(msgs, queue=False)
         self._send_inline(ep, s, m, self._wire_buffers(s, m))
 
-    def _send_inline(self, ep: SocketEndpoint, s: _Sock, m: _OutMsg, buffers) -> None:
+    def _send_inline(self, ep: SocketEndpoint, s: _Sock, m: _OutMsg, buffers, write_seq: int = -1) -> None:
         """Send message ``m`` (already numbered on socket ``s``) from the posting thread when the socket is free,
-        else hand it to the socket's sender thread, behind what it holds."""
+        else hand it to the socket's sender thread, behind what it holds. ``write_seq``: as ``send_now``'s."""
         try:
-            if send_now(s, buffers):
+            if send_now(s, buffers, write_seq):
                 return
         except OSError as e:  # as in the sender thread: the link is unusable, pending work fails over
             log.debug("inline send on %s/%d failed", ep.peer_id, s.index, exc_info=True)

@@ -59,13 +59,13 @@ _TAIL = struct.Struct("<Q8x")
 
 
 def _seal(sess, buf, own: bool = False):
-    """``buf`` (one or more frames back to back, each header and what its tag covers inside it; the last one's
-    payload may follow in other buffers) as a new bytearray with every frame's tag filled in, in order, under
-    ``sess`` (None: ``buf`` as is). ``own``: a bytearray ``buf`` was built for this one send and is sealed in
-    place, not copied (a many-piece table is tens of KiB to MiBs). Call it where the frames go out, under the socket's send lock: each tag takes
-    the next sequence number. A tag is the first half of keyed BLAKE2b over the header with the frame's sequence
-    number in its tag field (``_TAIL``), then the covered bytes, which follow it: one contiguous range. A WRITE
-    that asks for an ACK leaves the second half, its ack token, in ``sess.acks``; an ACK that carries a token
+    """``buf`` (one or more frames back to back, each header and what its tag covers inside it; the last one's payload
+    may follow in other buffers) as a new bytearray with every frame's tag filled in, in order, under ``sess`` (None:
+    ``buf`` as is). ``own``: a bytearray ``buf`` was built for this one send and is sealed in place, not copied (a
+    many-piece table is tens of KiB to MiBs). Call it where the frames go out, under the socket's send lock: each tag
+    takes the next sequence number. A tag is the first half of keyed BLAKE2b over the header with the frame's
+    sequence number in its tag field (``_TAIL``), then the covered bytes, which follow it: one contiguous range. A
+    WRITE that asks for an ACK leaves the second half, its ack token, in ``sess.acks``; an ACK that carries a token
     (``H_TOKEN``) is left as it is and takes no sequence number."""
     if sess is None:
         return buf
@@ -107,7 +107,7 @@ def _seal(sess, buf, own: bool = False):
 def seal_write(sess, frame: bytearray, seq: int) -> None:
     """``_seal`` of one acknowledged WRITE, in place: ``frame`` is its header and table, a bytearray built for
     this one send (``TcpPoster._post_rows``, a small batch sent by its caller). The same bytes and ack token as
-    ``_seal`` gives, without the steps that find out what the buffer holds: they are a tenth of the smallest
+    ``_seal`` gives, without the steps that find out what the buffer holds: they were a fifth of the smallest
     call's tag cost (``benchmarks/NOTES.md``)."""
     _TAIL.pack_into(frame, 32, sess.tx_n)
     sess.tx_n += 1

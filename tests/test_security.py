@@ -966,7 +966,7 @@ def test_ack_token_answers_only_its_own_write():
 
 
 def test_a_frame_built_for_one_send_is_sealed_in_place_as_a_copy_would_be():
-    """``_seal(..., own=True)`` (the sender thread's framing of a many-piece table) and ``seal_write`` (a small
+    """``_seal(..., own=True)`` (the sender thread's framing of a many-piece table) and ``seal_frame`` (a small
     batch sent by its caller) write the tags into the bytearray they are given, the same bytes a copy gets,
     keeping the same ack token; given bytes ``_seal`` still copies, and without ``own`` the caller's bytearray is
     left as it was."""
@@ -981,7 +981,7 @@ def test_a_frame_built_for_one_send_is_sealed_in_place_as_a_copy_would_be():
     assert wire._seal(c2, mine, own=True) is mine and mine == copied and c2.acks == c1.acks
     assert _token_of(s1, bytes(mine)) == c1.acks[5]
     small = bytearray(frame)
-    assert wire.seal_write(c3, small, 5) is None and small == copied and c3.acks == c1.acks and c3.tx_n == 1
+    assert wire.seal_frame(c3, small, 5) is None and small == copied and c3.acks == c1.acks and c3.tx_n == 1
     kept = bytearray(frame)
     assert wire._seal(c1, kept) is not kept and kept == frame  # not owned: the caller's buffer is untouched
     assert wire._seal(c1, frame, own=True) is not frame  # bytes cannot be sealed in place

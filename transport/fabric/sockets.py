@@ -12,7 +12,7 @@ import threading
 from typing import Dict, List, Optional
 
 from transport.fabric.spin import AdaptiveSpin
-from transport.fabric.wire import _keyed, _seal, seal_write
+from transport.fabric.wire import _keyed, _seal, seal_frame
 
 _EPOLLIN = getattr(select, "EPOLLIN", 1)
 
@@ -213,7 +213,7 @@ def send_now(s: _Sock, bufs: List, write_seq: int = -1) -> bool:
     socket's queue, for the sender thread to send before anything else. False: nothing was sent (the socket
     is busy or full; queue the message). Never blocks: receiving threads send their acks this way.
     ``write_seq`` >= 0: ``bufs[0]`` is a bytearray holding one acknowledged WRITE numbered so, built for this
-    send, and is tagged in place (``wire.seal_write``).
+    send, and is tagged in place (``wire.seal_frame``).
 
     Why: handing a small message to the sender thread costs a thread wake-up on each side of the wire, more
     than the message's own send; the sender thread stays for large messages and for a socket that is full."""
@@ -230,7 +230,7 @@ def send_now(s: _Sock, bufs: List, write_seq: int = -1) -> bool:
             if write_seq < 0:
                 bufs = [_seal(sess, bufs[0]), *bufs[1:]]
             else:
-                seal_write(sess, bufs[0], write_seq)
+                seal_frame(sess, bufs[0], write_seq)
         try:
             sent = s.sock.sendmsg(bufs, (), socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):

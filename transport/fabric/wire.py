@@ -75,14 +75,7 @@ def _seal(sess, buf, own: bool = False):
         if fl & H_TOKEN and typ == T_ACK:
             return buf
         b = buf if own and type(buf) is bytearray else bytearray(buf)
-        _TAIL.pack_into(b, 32, sess.tx_n)
-        sess.tx_n += 1
-        h = sess._tx.copy()
-        h.update(b)
-        d = h.digest()
-        b[32:48] = d[:16]
-        if typ == T_WRITE and not fl & H_NOACK:
-            sess.acks[seq] = d[16:]
+        seal_frame(sess, b, seq if typ == T_WRITE and not fl & H_NOACK else -1)
         return b
     b = buf if own and type(buf) is bytearray else bytearray(buf)
     off = 0
@@ -92,30 +85,26 @@ def _seal(sess, buf, own: bool = False):
         if end > n:
             raise AssertionError(f"frame of type {typ} at {off}: its covered bytes end at {end}, past the buffer {n}")
         if not (fl & H_TOKEN and typ == T_ACK):
-            h = sess._tx.copy()
-            _TAIL.pack_into(b, off + 32, sess.tx_n)
-            sess.tx_n += 1
-            h.update(b if end == n and not off else memoryview(b)[off:end])
-            d = h.digest()
-            b[off + 32:off + 48] = d[:16]
-            if typ == T_WRITE and not fl & H_NOACK:
-                sess.acks[seq] = d[16:]
+            seal_frame(sess, b if end == n and not off else memoryview(b)[off:end],
+                       seq if typ == T_WRITE and not fl & H_NOACK else -1)
         off += 48 + blen
     return b
 
 
-def seal_write(sess, frame: bytearray, seq: int) -> None:
-    """``_seal`` of one acknowledged WRITE, in place: ``frame`` is its header and table, a bytearray built for
-    this one send (``TcpPoster._post_rows``, a small batch sent by its caller). The same bytes and ack token as
-    ``_seal`` gives, without the steps that find out what the buffer holds: they were a fifth of the smallest
-    call's tag cost (``benchmarks/NOTES.md``)."""
+def seal_frame(sess, frame, ack_seq: int) -> None:
+    """Tag one frame in place: ``frame`` is its header and what its tag covers (a bytearray built for this one send, or
+    a writable view of one); its tag takes the next sequence number. ``ack_seq`` >= 0: the frame is the acknowledged
+    WRITE numbered so, whose ack token goes to ``sess.acks``. ``_seal`` calls it once it knows what the buffer holds;
+    a small batch sent by its caller (``TcpPoster._post_rows``) calls it directly, without those steps: they were a
+    fifth of the smallest call's tag cost (``benchmarks/NOTES.md``)."""
     _TAIL.pack_into(frame, 32, sess.tx_n)
     sess.tx_n += 1
     h = sess._tx.copy()
     h.update(frame)
     d = h.digest()
     frame[32:48] = d[:16]
-    sess.acks[seq] = d[16:]
+    if ack_seq >= 0:
+        sess.acks[ack_seq] = d[16:]
 
 
 def ack_frame(seq: int, statuses, token) -> bytes:

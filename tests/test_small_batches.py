@@ -635,8 +635,8 @@ def test_small_batches_keep_to_one_socket_until_it_is_busy(src, rng):
         ep = eng.rail_endpoint(tgt.session_id, rail)
         reads = sorted(s.own_reads for s in ep.socks)
         # one socket serves them; a batch posted while that socket's receive thread holds its reader token (woken
-        # by another message) or a control frame holds the socket goes to another socket, once -- so at most 2
-        # go elsewhere, where round-robin would spread them n / sockets each
+        # by another message), or while a control frame holds the socket, goes to another socket -- each of the
+        # two moves one batch, so at most 2 go elsewhere, where round-robin would spread them n / sockets each
         assert len(ep.socks) > 1 and reads[-1] >= n - 3 and sum(reads[:-1]) <= 2, reads
         first = ep._small
         sock = ep.socks[first]

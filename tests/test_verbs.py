@@ -300,8 +300,9 @@ def test_qp_transition_errors_name_device_port_gid_and_state():
 
 
 def test_dmabuf_module_path_is_pyverbs_v59s():
-    """The dma-buf MR class is imported from where pyverbs keeps it since rdma-core v55; registering GPU memory on
-    the model raises its 'not supported by the model' error (the GPU path is untested on hardware)."""
+    """The dma-buf MR class is imported from where pyverbs keeps it since rdma-core v55, and registration checks the
+    fd first, as the kernel's dma_buf_get does: fd -1 is EBADF (NCCL's probe relies on that)."""
+    import errno
     import importlib
     from transport.fabric.verbs import DMABUF_MODULE
     mod = importlib.import_module(DMABUF_MODULE)
@@ -311,8 +312,9 @@ def test_dmabuf_module_path_is_pyverbs_v59s():
     ctx = v["Context"](name="mlx5_1")
     pd = v["PD"](ctx)
     try:
-        with pytest.raises(Exception, match="not supported by the model"):
+        with pytest.raises(Exception) as err:
             mod.Mlx5DmaBufMR(pd, offset=0, length=4096, iova=0, fd=-1, access=0)
+        assert getattr(err.value, "error_code", None) == errno.EBADF, repr(err.value)
     finally:
         pd.close()
         ctx.close()

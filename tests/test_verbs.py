@@ -373,6 +373,7 @@ def test_a_failed_qp_hands_over_its_completions_before_its_endpoint_reads_dead(s
     import threading
     from transport.errors import PeerLost, RegionError
     from transport.fabric.base import WriteRequest
+    from transport.fabric import verbs as verbs_module
     from transport.fabric.verbs import VerbsFabric
     rng = np.random.default_rng([seed, 77])
     src = rng.integers(0, 256, 8192 + int(rng.integers(1, 4096)), dtype=np.uint8)
@@ -393,7 +394,7 @@ def test_a_failed_qp_hands_over_its_completions_before_its_endpoint_reads_dead(s
 
         a.set_completion_handler(handler)
         with monkeypatch.context() as m:
-            m.setattr(a, "_check_request", lambda r: None)
+            m.setattr(verbs_module, "check_request", lambda r, local_region: None)
             a.post_writes(old, [WriteRequest(src.ctypes.data, src.nbytes, dst.ctypes.data, dmr.rkey,
                                              smr.lkey ^ 0x5A5A, wr_id=41)])
         try:

@@ -342,6 +342,10 @@ class Capabilities:
     when their sources may be reused."""
     inline_writes: bool = False
     """``write_inline`` writes a checked batch from the calling thread."""
+    gpu_write_flush: bool = False
+    """Writes a peer made into GPU memory become visible to that GPU's work only after ``flush_gpu_writes(device)``
+    (GPUDirect RDMA: the NIC writes over PCIe, unordered with CUDA streams); the receiver flushes before it reads
+    a landed chunk, and ``TransferEngine.flush_gpu_writes`` does it for data written straight to its place."""
 
 
 class Fabric(abc.ABC):
@@ -431,6 +435,12 @@ class Fabric(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release sockets, handles, registrations. Idempotent."""
+
+    def flush_gpu_writes(self, device: int) -> str:
+        """Fabrics with ``gpu_write_flush``: make the writes peers made into cuda:``device`` memory, up to the
+        completions seen so far, visible to that GPU; returns the method used. This default has nothing to flush:
+        the fabric's own copies wrote that memory in stream order."""
+        return "none"
 
     def set_completion_handler(self, handler) -> None:
         """Fabrics with the ``completion_callback`` capability: call ``handler(completions)`` from the fabric's own

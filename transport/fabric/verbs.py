@@ -2,16 +2,22 @@
 
 Constructing it without pyverbs or without a usable port raises ``FabricUnavailable`` saying which is missing
 and how to install it. In CI it runs on ``softverbs`` (a software model of pyverbs v59 and of RC semantics);
-GPU memory (dma-buf) has not run on hardware from this repository.
+GPU memory runs on the model's GPUDirect mode (dma-buf MRs over CUDA memory); it has not run on an RDMA NIC.
 
 * **Port and GID** (``verbs_ports``). The port is the one asked for (``device``, ``port_num``: a topology rail)
   or the first ACTIVE port with a usable GID. On RoCE the GID is, in order of preference, a RoCE v2 IPv4-mapped
   one (``::ffff:a.b.c.d``), any RoCE v2 one, any non-empty one; an all-zero entry (a port with no IP address) is
   never used. ``gid_index`` / ``PXN_GID_INDEX`` overrides the choice, as ``NCCL_IB_GID_INDEX`` does.
-* **Memory.** Host memory by ``MR(pd, length, access, address=addr)``. GPU memory by dma-buf: the fd comes from
-  ``cuMemGetHandleForAddressRange`` and is registered with ``Mlx5DmaBufMR``
-  (``pyverbs.providers.mlx5.mlx5dv_dmabuf``), its iova set to the virtual address so that peers address GPU
-  and host regions alike; where that fails, a plain ``MR`` on the device address (needs ``nvidia_peermem``).
+* **Memory.** Host memory by ``MR(pd, length, access, address=addr)``. GPU memory by dma-buf, else a peer-memory
+  MR, and the ordering GPU memory needs on both sides: ``transport.fabric.verbs_gpu``. Writes from GPU memory
+  never go inline. A receiver calls ``flush_gpu_writes(device)`` before GPU work reads what peers wrote there
+  (capability ``gpu_write_flush``).
+* **Threads and pyverbs objects.** Real pyverbs dies (SIGSEGV) on a call through a closed CQ, QP or MR. The
+  progress thread owns every endpoint's CQ and QP: it polls them and is the only thread that destroys them
+  (``VerbsEndpoint.destroy``, for endpoints ``_settle`` handed it); other threads post or move a QP to the error
+  state under the endpoint's lock, only while it is not destroyed. ``close`` destroys what is left once the
+  progress thread has ended, and leaves the context open (with a warning) if that thread did not end.
+* **Work requests** are built once per QP and reused (``SendChain``): real pyverbs never frees them.
 * **Connection.** One RC QP (and its own CQ) per peer. QP number, PSN, GID, LID and MTU travel over a TCP
   socket that first proves the shared secret (``transport.auth``) and then stays open as a liveness channel:
   its EOF fails the endpoint at once instead of after the QP's retries.
@@ -29,6 +35,7 @@ GPU memory (dma-buf) has not run on hardware from this repository.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +55,7 @@ from transport.fabric.base import (
     WriteRequest, check_range,
 )
 from transport.fabric.verbs_endpoint import Posted, VerbsEndpoint, recv_json, send_json
+from transport.fabric.verbs_gpu import DMABUF_MODULE, GpuFlush, register_gpu
 from transport.fabric.verbs_ports import (
     INSTALL_HINT, PortChoice, PortStatus, choose_port, gid_index_from_env, import_pyverbs, port_table, usable_port,
 )
@@ -57,9 +65,6 @@ __all__ = ["ACK_TIMEOUT_EXP", "DMABUF_MODULE", "INSTALL_HINT", "MAX_MESSAGE", "P
            "VerbsEndpoint", "VerbsFabric", "gid_index_from_env", "port_table", "usable_port"]
 
 log = logging.getLogger(__name__)
-
-DMABUF_MODULE = "pyverbs.providers.mlx5.mlx5dv_dmabuf"
-"""Where pyverbs keeps ``Mlx5DmaBufMR`` (rdma-core v55 and later)."""
 
 MAX_MESSAGE = 0x7FFFFFFF
 """Largest write one work request carries here (bytes); longer pieces are refused with a ``ValueError``."""
@@ -81,17 +86,18 @@ class VerbsFabric(Fabric):
     ``secret`` (``transport.auth``: the exchange proves it before any QP is made, and its messages carry the
     connection's tags; None: ``PXN_SECRET``, else the per-user secret file on loopback), ``insecure`` (run
     without a secret on another address: ``transport.auth.resolve_secret``), ``handshake_timeout`` and
-    ``guard_claims`` (the engine's: see ``expect_peer``)."""
+    ``guard_claims`` (the engine's: see ``expect_peer``), ``gdr_flush`` (how writes into GPU memory are made
+    visible to the GPU: ``"auto"``, ``"cuda"``, ``"read"`` or ``"none"``; see ``transport.fabric.verbs_gpu``)."""
 
     name = "verbs"
     capabilities = Capabilities(nic_ports=True, selective_signaling=True, write_batches=True, completion_callback=True,
-                               authenticated_rails=True, refusal_fails_endpoint=True)
+                               authenticated_rails=True, refusal_fails_endpoint=True, gpu_write_flush=True)
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, device: Optional[str] = None,
                  port_num: Optional[int] = None, gid_index: Optional[int] = None, max_send_wr: int = 4096,
                  max_recv_wr: int = 1024, max_inline: int = 256, cq_batch: int = 64, connect_timeout: float = 10.0,
                  ack_timeout: Optional[float] = None, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
-                 guard_claims: bool = False, insecure: Optional[bool] = None):
+                 guard_claims: bool = False, insecure: Optional[bool] = None, gdr_flush: str = "auto"):
         for what, value in (("max_send_wr", max_send_wr), ("max_recv_wr", max_recv_wr), ("cq_batch", cq_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"verbs: {what} must be an int >= 1, got {value!r}")
@@ -101,6 +107,7 @@ class VerbsFabric(Fabric):
             raise ValueError(f"verbs: connect_timeout must be > 0 seconds, got {connect_timeout!r}")
         if ack_timeout is not None and not ack_timeout > 0:
             raise ValueError(f"verbs: ack_timeout must be > 0 seconds, got {ack_timeout!r}")
+        self.gpu_flush = GpuFlush(self, gdr_flush)  # checks gdr_flush before anything is opened
         self._secret = auth.resolve_secret(secret, hostname, insecure)
         self.v = v = import_pyverbs()
         self.e = e = v["e"]
@@ -117,11 +124,17 @@ class VerbsFabric(Fabric):
         self.pd = v["PD"](self.ctx)
         self.access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
         self._recv_scratch = v["MR"](self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+        self._recv_wr = v["RecvWR"](wr_id=_RECV_WR_ID, num_sge=1,
+                                    sg=[v["SGE"](self._recv_scratch.buf, 0, self._recv_scratch.lkey)])
         self._lock = threading.RLock()
+        self._built = threading.Condition(self._lock)  # _builders reached 0
+        self._builders = 0  # threads inside _building()
         self._closed = False
         self._regions: Dict[int, tuple] = {}  # lkey -> (MemoryRegion, pyverbs MR, dmabuf fd or None)
+        self._gpu_lkeys: set = set()  # lkeys of GPU regions: their writes never go inline
         self._eps: Dict[str, VerbsEndpoint] = {}
         self._live: List[VerbsEndpoint] = []  # endpoints whose CQ the progress thread polls
+        self._retiring: "collections.deque[VerbsEndpoint]" = collections.deque()  # settled: to destroy
         self._claims = auth.RailClaims(guard_claims)
         self._connecting: Dict[str, threading.Lock] = {}  # peer id -> held while connecting to it
         self._channels = selectors.DefaultSelector()  # every endpoint's liveness socket, read by one thread
@@ -162,7 +175,7 @@ class VerbsFabric(Fabric):
             if device == DEVICE_HOST:
                 mr = self.v["MR"](self.pd, length, self.access, address=addr)
             else:
-                mr, fd = self._register_gpu(addr, length, device)
+                mr, fd = register_gpu(self.v, self.pd, addr, length, device, self.access, self.device)
         except FabricError:
             raise
         except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError carries errno text
@@ -171,35 +184,9 @@ class VerbsFabric(Fabric):
         region = MemoryRegion(addr=addr, length=length, lkey=mr.lkey, rkey=mr.rkey, device=device)
         with self._lock:
             self._regions[mr.lkey] = (region, mr, fd)
+            if device != DEVICE_HOST:
+                self._gpu_lkeys.add(region.lkey)
         return region
-
-    def _register_gpu(self, addr: int, length: int, device: int):
-        """dma-buf first (no kernel module needed), peer-memory MR as the fallback."""
-        import importlib
-        fd = None
-        try:
-            dmabuf_mr = importlib.import_module(DMABUF_MODULE).Mlx5DmaBufMR
-            from cuda.bindings import driver
-            page = 1 << 16  # CUDA dma-buf export wants an aligned range; 64 KiB covers its granularity
-            base = addr & ~(page - 1)
-            end = (addr + length + page - 1) & ~(page - 1)
-            err, fd = driver.cuMemGetHandleForAddressRange(
-                base, end - base, driver.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)
-            if int(err) != 0:
-                raise FabricError(f"cuMemGetHandleForAddressRange: {err!r}")
-            fd = int(fd)
-            mr = dmabuf_mr(self.pd, offset=addr - base, length=length, iova=addr, fd=fd, access=self.access)
-            return mr, fd
-        except Exception as ex:  # noqa: BLE001
-            first_error = ex
-            if fd is not None:
-                os.close(fd)
-        try:
-            return self.v["MR"](self.pd, length, self.access, address=addr), None
-        except Exception as ex:  # noqa: BLE001
-            raise FabricError(f"verbs: GPU memory 0x{addr:x}+{length} on cuda:{device} could not be registered "
-                              f"with {self.device}: dma-buf failed ({first_error}); peer-memory MR failed ({ex}) — "
-                              f"load nvidia_peermem or use a NIC/pyverbs with dma-buf support") from ex
 
     def deregister(self, mr: MemoryRegion) -> None:
         self._check_open()
@@ -208,6 +195,7 @@ class VerbsFabric(Fabric):
             if entry is None or entry[0] != mr:
                 raise RegionError(f"deregister: region {mr!r} is not registered with {self._id}")
             del self._regions[mr.lkey]
+            self._gpu_lkeys.discard(mr.lkey)
         entry[1].close()
         if entry[2] is not None:
             os.close(entry[2])
@@ -218,14 +206,33 @@ class VerbsFabric(Fabric):
         return json.dumps({"fabric": "verbs", "id": self._id, "host": self.hostname, "port": self.port,
                            "gid": self.gid}).encode()
 
-    def _new_qp(self):
+    @contextlib.contextmanager
+    def _building(self):
+        """Held by a thread that makes a QP pair (``_connect``, ``_incoming``) until the endpoint is registered (the
+        progress thread owns it then): ``close`` waits for such threads before it releases the context, so none
+        of them calls into a closed context (SIGSEGV on real pyverbs)."""
+        with self._lock:
+            if self._closed:
+                raise FabricClosed(f"verbs fabric {self._id} is closed")
+            self._builders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._builders -= 1
+                self._built.notify_all()
+
+    def _new_qp(self, max_send_wr: Optional[int] = None, max_recv_wr: Optional[int] = None,
+                inline: Optional[int] = None, access: Optional[int] = None):
         """A QP in INIT with its own CQ (large enough for every work request and receive it can hold, so that a
-        flush cannot overrun it), and the ``max_inline_data`` the device granted."""
+        flush cannot overrun it), and the ``max_inline_data`` the device granted. Called inside ``_building``."""
         v, e = self.v, self.e
-        cq = v["CQ"](self.ctx, self.max_send_wr + self.max_recv_wr + 16, None, None, 0)
+        max_send_wr = self.max_send_wr if max_send_wr is None else max_send_wr
+        max_recv_wr = self.max_recv_wr if max_recv_wr is None else max_recv_wr
+        cq = v["CQ"](self.ctx, max_send_wr + max_recv_wr + 16, None, None, 0)
         qp = None
-        for inline in dict.fromkeys((self.max_inline, 0)):
-            cap = v["QPCap"](max_send_wr=self.max_send_wr, max_recv_wr=self.max_recv_wr, max_send_sge=1,
+        for inline in dict.fromkeys((self.max_inline if inline is None else inline, 0)):
+            cap = v["QPCap"](max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=1,
                              max_recv_sge=1, max_inline_data=inline)
             init = v["QPInitAttr"](qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
             try:
@@ -238,7 +245,7 @@ class VerbsFabric(Fabric):
             cq.close()
             raise FabricError(f"verbs: cannot create an RC QP on {self.device} port {self.port_num}: {error}")
         attr = v["QPAttr"](port_num=self.port_num)
-        attr.qp_access_flags = self.access
+        attr.qp_access_flags = self.access if access is None else access
         attr.pkey_index = 0
         try:
             self._transition(qp, "INIT", qp.to_init, attr)
@@ -247,6 +254,32 @@ class VerbsFabric(Fabric):
             cq.close()
             raise
         return qp, cq, granted
+
+    def loopback_qp(self, access: int):
+        """An RC QP connected to itself, with its own small CQ and ``qp_access_flags`` ``access``, for the GPUDirect
+        flush READ (``verbs_gpu.GpuFlush``, which owns and closes both)."""
+        with self._building():
+            qp, cq, _ = self._new_qp(max_send_wr=2, max_recv_wr=1, inline=0, access=access)
+            try:
+                psn = random.getrandbits(24)
+                self._bring_up(qp, self._local_info(qp, psn), psn, receives=0)
+            except BaseException:
+                qp.close()
+                cq.close()
+                raise
+        return qp, cq
+
+    @property
+    def scratch_mr(self):
+        """A 64-byte host MR of this fabric's (LOCAL_WRITE): where receives and flush READs put their bytes."""
+        return self._recv_scratch
+
+    def flush_gpu_writes(self, device: int) -> str:
+        """Make the writes peers made into cuda:``device`` memory through this NIC, up to the completions seen so
+        far, visible to that GPU's work (capability ``gpu_write_flush``); returns the method (``"cuda"``,
+        ``"read"`` or ``"none"``)."""
+        self._check_open()
+        return self.gpu_flush.flush(device)
 
     def _local_info(self, qp, psn):
         pc = self.port_choice
@@ -259,8 +292,9 @@ class VerbsFabric(Fabric):
             raise FabricError(f"verbs: QP {qp.qp_num} on {self.device} port {self.port_num} GID index "
                               f"{self.gid_index} ({self.gid}) could not go to {state}: {ex}") from ex
 
-    def _bring_up(self, qp, peer: dict, psn: int) -> None:
-        """INIT -> RTR -> RTS towards ``peer`` (its qpn, psn, gid, lid, mtu), then post the receives."""
+    def _bring_up(self, qp, peer: dict, psn: int, receives: Optional[int] = None) -> None:
+        """INIT -> RTR -> RTS towards ``peer`` (its qpn, psn, gid, lid, mtu), then post ``receives`` receives
+        (default ``max_recv_wr``)."""
         v = self.v
         try:
             dgid = v["GID"](str(peer["gid"]))
@@ -282,15 +316,16 @@ class VerbsFabric(Fabric):
         attr.rnr_retry = 7  # a receiver out of posted receives is slow, not dead
         attr.max_rd_atomic = 1
         self._transition(qp, "RTS", qp.to_rts, attr)
-        sge = self.v["SGE"](self._recv_scratch.buf, 0, self._recv_scratch.lkey)
-        wr = self.v["RecvWR"](wr_id=_RECV_WR_ID, num_sge=1, sg=[sge])
-        for _ in range(self.max_recv_wr):
-            qp.post_recv(wr)
+        for _ in range(self.max_recv_wr if receives is None else receives):
+            qp.post_recv(self._recv_wr)
 
     def _register_ep(self, peer_id: str, qp, cq, inline: int, sock) -> VerbsEndpoint:
         ep = VerbsEndpoint(self, peer_id, qp, cq, sock)
         ep.max_inline = inline
         with self._lock:
+            if self._closed:
+                ep.destroy()
+                raise FabricClosed(f"verbs fabric {self._id} closed while connecting to {peer_id}")
             old = self._eps.get(peer_id)
             self._eps[peer_id] = ep
             self._live.append(ep)
@@ -316,27 +351,30 @@ class VerbsFabric(Fabric):
             return self._connect(peer_id, host, port)
 
     def _connect(self, peer_id: str, host: str, port: int) -> VerbsEndpoint:
-        qp, cq, inline = self._new_qp()
         psn = random.getrandbits(24)
-        sock = None
-        try:
-            sock = socket.create_connection((host, port), timeout=self.connect_timeout)
-            session = auth.client_handshake(sock, self._secret, self.name, self.connect_timeout)
-            send_json(sock, self._local_info(qp, psn), session)
-            peer = recv_json(sock, session)
-            if "error" in peer:
-                raise ConnectionError(f"refused: {peer['error']}")
-            self._bring_up(qp, peer, psn)
-            send_json(sock, {"ready": True}, session)
-            recv_json(sock, session)
-            sock.settimeout(None)
-        except (OSError, ConnectionError, ValueError, FabricError, auth.AuthError) as ex:
-            for obj in (qp, cq, sock):
-                if obj is not None:
-                    obj.close()
-            raise PeerLost(f"verbs connect to {peer_id} ({host}:{port}) from {self.device} port {self.port_num} "
-                           f"failed: {ex}") from ex
-        return self._register_ep(peer_id, qp, cq, inline, sock)
+        sock = qp = cq = None
+        with self._building():
+            try:
+                sock = socket.create_connection((host, port), timeout=self.connect_timeout)
+                session = auth.client_handshake(sock, self._secret, self.name, self.connect_timeout)
+                qp, cq, inline = self._new_qp()
+                send_json(sock, self._local_info(qp, psn), session)
+                peer = recv_json(sock, session)
+                if "error" in peer:
+                    raise ConnectionError(f"refused: {peer['error']}")
+                self._bring_up(qp, peer, psn)
+                send_json(sock, {"ready": True}, session)
+                recv_json(sock, session)
+                sock.settimeout(None)
+            except (OSError, ConnectionError, ValueError, FabricError, auth.AuthError) as ex:
+                for obj in (qp, cq, sock):
+                    if obj is not None:
+                        obj.close()
+                if isinstance(ex, FabricClosed):
+                    raise
+                raise PeerLost(f"verbs connect to {peer_id} ({host}:{port}) from {self.device} port "
+                               f"{self.port_num} failed: {ex}") from ex
+            return self._register_ep(peer_id, qp, cq, inline, sock)
 
     def _accept_loop(self) -> None:
         self.gate.serve(self._listener, lambda: self._closed)
@@ -367,21 +405,22 @@ class VerbsFabric(Fabric):
             log.warning("verbs %s: refused a connection from %s: %s", self._id, a.addr, why)
             send_json(sock, {"error": why}, session)
             return
-        qp, cq, inline = self._new_qp()
-        try:
-            psn = random.getrandbits(24)
-            send_json(sock, self._local_info(qp, psn), session)
-            self._bring_up(qp, peer, psn)
-            recv_json(sock, session)
-        except BaseException:
-            qp.close()
-            cq.close()
-            raise
-        # no timeout from here on (the handshake's would fail an idle QP pair): the watch thread reads the
-        # channel for as long as the QP lives
-        sock.settimeout(None)
-        self._register_ep(peer["id"], qp, cq, inline, sock)  # registered before "ready": symmetric connect
-        a.sock = None  # the endpoint owns it now (the watch thread reads it)
+        with self._building():
+            qp, cq, inline = self._new_qp()
+            try:
+                psn = random.getrandbits(24)
+                send_json(sock, self._local_info(qp, psn), session)
+                self._bring_up(qp, peer, psn)
+                recv_json(sock, session)
+            except BaseException:
+                qp.close()
+                cq.close()
+                raise
+            # no timeout from here on (the handshake's would fail an idle QP pair): the watch thread reads the
+            # channel for as long as the QP lives
+            sock.settimeout(None)
+            self._register_ep(peer["id"], qp, cq, inline, sock)  # registered before "ready": symmetric connect
+            a.sock = None  # the endpoint owns it now (the watch thread reads it)
         send_json(sock, {"ready": True}, session)
 
     def _watch_loop(self) -> None:
@@ -440,14 +479,15 @@ class VerbsFabric(Fabric):
             self._flush(ep)
 
     def _flush(self, ep: VerbsEndpoint) -> None:
-        if ep.settled:
-            return
-        try:
-            attr = self.v["QPAttr"]()
-            attr.qp_state = self.e.IBV_QPS_ERR
-            ep.qp.modify(attr, self.e.IBV_QP_STATE)
-        except Exception:  # noqa: BLE001 — the QP is gone already
-            log.debug("moving QP of %s to ERR failed", ep.peer_id, exc_info=True)
+        with ep.lock:  # not while the progress thread destroys the QP (destroy takes this lock)
+            if ep.settled or ep.destroyed:
+                return
+            try:
+                attr = self.v["QPAttr"]()
+                attr.qp_state = self.e.IBV_QPS_ERR
+                ep.qp.modify(attr, self.e.IBV_QP_STATE)
+            except Exception:  # noqa: BLE001 — PyverbsRDMAError: the device refused the transition
+                log.debug("moving QP of %s to ERR failed", ep.peer_id, exc_info=True)
         # a device that never flushes (gone): complete what is left after a grace period
         timer = threading.Timer(3.0, self._settle, args=(ep, None, None))
         timer.daemon = True
@@ -466,41 +506,6 @@ class VerbsFabric(Fabric):
         entry = self._regions.get(lkey)
         return None if entry is None else entry[0]
 
-    def _check_request(self, r: WriteRequest) -> None:
-        check_range(r.local_addr, r.length, f"wr_id={r.wr_id} local")
-        check_range(r.remote_addr, r.length, f"wr_id={r.wr_id} remote")
-        if r.length > MAX_MESSAGE:
-            raise ValueError(f"wr_id={r.wr_id}: {r.length} B exceeds a verbs message ({MAX_MESSAGE} B); split it")
-        if isinstance(r.rkey, bool) or not isinstance(r.rkey, int) or not 0 <= r.rkey <= 0xFFFFFFFF:
-            raise ValueError(f"wr_id={r.wr_id}: rkey must be a 32-bit unsigned int, got {r.rkey!r}")
-        if r.imm is not None and (isinstance(r.imm, bool) or not isinstance(r.imm, int) or not 0 <= r.imm <= IMM_MAX):
-            raise ValueError(f"wr_id={r.wr_id}: imm must be a 32-bit unsigned int, got {r.imm!r}")
-        region = self._local_region(r.lkey)
-        if region is None or not region.contains(r.local_addr, r.length):
-            raise RegionError(f"wr_id={r.wr_id}: local range 0x{r.local_addr:x}+{r.length} is not inside the "
-                              f"region of lkey 0x{r.lkey:x}")
-
-    def _check_batch(self, b: WriteBatch) -> None:
-        """Every write of ``b`` checked with array operations; raises naming the first bad write."""
-        la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
-        bad = np.flatnonzero((ln <= 0) | (ln > MAX_MESSAGE) | (la < 0) | (ra < 0) | (rk < 0) | (rk > 0xFFFFFFFF)
-                             | (la > (1 << 63) - 1 - ln) | (ra > (1 << 63) - 1 - ln))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"WriteBatch wr_id={b.wr_id}: write {i} is malformed (local 0x{int(la[i]):x}, "
-                             f"{int(ln[i])} B, remote 0x{int(ra[i]):x}, rkey {int(rk[i])})")
-        for key in np.unique(lk).tolist():
-            region = self._local_region(int(key))
-            sel = np.flatnonzero(lk == key)
-            if region is None:
-                raise RegionError(f"WriteBatch wr_id={b.wr_id}: write {int(sel[0])}: lkey 0x{int(key):x} is not "
-                                  f"registered with {self._id}")
-            out = sel[(la[sel] < region.addr) | (la[sel] + ln[sel] > region.addr + region.length)]
-            if out.size:
-                i = int(out[0])
-                raise RegionError(f"WriteBatch wr_id={b.wr_id}: write {i}: local range 0x{int(la[i]):x}+"
-                                  f"{int(ln[i])} is not inside the region of lkey 0x{int(key):x}")
-
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
         """Post ``requests`` (``WriteRequest`` and ``WriteBatch`` items) as one chain of work requests, only its
         last one signalled; a chain longer than the send queue has room for is posted in parts as room frees.
@@ -514,18 +519,18 @@ class VerbsFabric(Fabric):
         writes = 0
         for r in items:
             if isinstance(r, WriteBatch):
-                self._check_batch(r)
+                check_batch(r, self._local_region, self._id)
                 writes += r.count
             else:
-                self._check_request(r)
+                check_request(r, self._local_region)
                 writes += 1
         with ep.post_lock:
             self._post_items(ep, items, writes)
 
     def _post_items(self, ep: VerbsEndpoint, items: list, writes: int) -> None:
-        v, e = self.v, self.e
-        SGE, SendWR = v["SGE"], v["SendWR"]
+        e = self.e
         inline = ep.max_inline
+        on_gpu = self._gpu_lkeys  # the CPU cannot copy device memory into a WQE: never inline from there
         # one flat list of (local, length, remote, rkey, lkey, imm) in posting order, and the items' records
         flat = []
         records = []
@@ -557,24 +562,26 @@ class VerbsFabric(Fabric):
             part = flat[done:done + room]
             first = start + done
             last = first + len(part) - 1
-            wrs = []
+            wrs, sges = ep.chain.take(len(part))
             n_inline = n_imm = 0
             for k, (la, n, ra, rkey, lkey, imm) in enumerate(part):
                 flags = 0
-                if n <= inline:
+                if n <= inline and lkey not in on_gpu:
                     flags |= e.IBV_SEND_INLINE
                     n_inline += 1
                 if k == len(part) - 1:
                     flags |= e.IBV_SEND_SIGNALED
-                wr = SendWR(wr_id=first + k, opcode=e.IBV_WR_RDMA_WRITE if imm is None else
-                            e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[SGE(la, n, lkey)], send_flags=flags)
+                sge, wr = sges[k], wrs[k]
+                sge.addr, sge.length, sge.lkey = la, n, lkey
+                wr.wr_id = first + k
+                wr.send_flags = flags
                 wr.set_wr_rdma(rkey, ra)
-                if imm is not None:
+                if imm is None:
+                    wr.opcode = e.IBV_WR_RDMA_WRITE
+                else:
+                    wr.opcode = e.IBV_WR_RDMA_WRITE_WITH_IMM
                     wr.imm_data = socket.htonl(imm)  # __be32: the bytes travel as they are
                     n_imm += 1
-                if wrs:
-                    wrs[-1].next_wr = wr
-                wrs.append(wr)
             failure = None
             with ep.lock:
                 if not ep._alive or ep.settled:  # settled: nothing posted now would ever complete
@@ -602,15 +609,20 @@ class VerbsFabric(Fabric):
             done += len(part)
 
     def _progress_loop(self) -> None:
+        """Polls every live endpoint's CQ, and destroys the endpoints ``_settle`` retired: the one thread that
+        does either, so that no CQ is polled while or after it is destroyed."""
         idle = 0
         while not self._closed:
+            self._destroy_retired()
             with self._lock:
                 eps = list(self._live)
             busy = False
             for ep in eps:
                 try:
                     n, wcs = ep.cq.poll(num_entries=self.cq_batch)
-                except Exception:  # noqa: BLE001 — the CQ was destroyed (endpoint settled, fabric closing)
+                except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError: a CQ overrun (EIO) fails the endpoint
+                    if ep.alive:
+                        self._fail(ep, f"polling its CQ failed: {ex}")
                     continue
                 if n:
                     busy = True
@@ -634,8 +646,7 @@ class VerbsFabric(Fabric):
                     out.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wc.byte_len, socket.ntohl(wc.imm_data)))
                     if ep.alive:
                         try:
-                            sge = self.v["SGE"](self._recv_scratch.buf, 0, self._recv_scratch.lkey)
-                            ep.qp.post_recv(self.v["RecvWR"](wr_id=_RECV_WR_ID, num_sge=1, sg=[sge]))
+                            ep.qp.post_recv(self._recv_wr)
                         except Exception:  # noqa: BLE001 — the QP went to error meanwhile
                             log.debug("re-posting a receive to %s failed", ep.peer_id, exc_info=True)
                 continue
@@ -655,21 +666,6 @@ class VerbsFabric(Fabric):
             out = []
         if out:
             self._cq_out.push(out)
-
-    def _status_error(self, ep: VerbsEndpoint, rec: Posted, seq: int, status: int) -> FabricError:
-        e = self.e
-        what = rec.write_at(seq)
-        if status == e.IBV_WC_REM_ACCESS_ERR:
-            return RegionError(f"peer {ep.peer_id} refused {what}: rkey or range outside its registered regions "
-                               f"(IBV_WC_REM_ACCESS_ERR)")
-        if status == e.IBV_WC_LOC_PROT_ERR:
-            return RegionError(f"{what} to {ep.peer_id}: the local range left its region (IBV_WC_LOC_PROT_ERR)")
-        if status == e.IBV_WC_RETRY_EXC_ERR:
-            return PeerLost(f"{what} to {ep.peer_id}: no ACK within {self.ack_timeout_s:.3g} s "
-                            f"(IBV_WC_RETRY_EXC_ERR: timeout {self.timeout_exp}, retry_cnt {self.retry_cnt})")
-        if status == e.IBV_WC_WR_FLUSH_ERR:
-            return PeerLost(f"{what} to {ep.peer_id} was flushed: the endpoint failed ({ep.cause or 'QP error'})")
-        return PeerLost(f"{what} to {ep.peer_id} failed with WC status {status}")
 
     def _settle(self, ep: VerbsEndpoint, seq: Optional[int], status: Optional[int], before=()) -> None:
         """The QP of ``ep`` failed at work request ``seq`` with WC ``status`` (None, None: the device never said,
@@ -691,7 +687,7 @@ class VerbsFabric(Fabric):
                     if rec.signaled:
                         out.append(rec.completion(ep.peer_id))
                 elif seq is not None and rec.first <= seq and first_error is None:
-                    first_error = self._status_error(ep, rec, seq, status)
+                    first_error = status_error(self, ep, rec, seq, status)
                     out.append(rec.completion(ep.peer_id, first_error))
                 else:
                     why = first_error if first_error is not None else (ep.cause or "its QP went to error")
@@ -705,16 +701,16 @@ class VerbsFabric(Fabric):
             return
         if ep.alive:
             self._fail(ep, str(first_error) if first_error is not None else f"WC status {status}")
+        self._unwatch(ep)
         with self._lock:
             if ep in self._live:
                 self._live.remove(ep)
-        self._unwatch(ep)
-        # the CQ goes with the QP: its leftover flushes are of no use now
-        for obj in (ep.qp, ep.cq, ep.sock):
-            try:
-                obj.close()
-            except Exception:  # noqa: BLE001
-                pass
+            # the CQ goes with the QP (its leftover flushes are of no use now), destroyed by the progress thread
+            self._retiring.append(ep)
+
+    def _destroy_retired(self) -> None:
+        while self._retiring:
+            self._retiring.popleft().destroy()
 
     @property
     def ack_timeout_s(self) -> float:
@@ -739,7 +735,10 @@ class VerbsFabric(Fabric):
             if self._closed:
                 return
             self._closed = True
-            eps = list(self._eps.values())
+            eps = list(dict.fromkeys([*self._eps.values(), *self._live]))  # replaced endpoints too
+            # threads making a QP pair finish (or fail) before the context goes
+            self._built.wait_for(lambda: self._builders == 0, timeout=self.connect_timeout + 1.0)
+            builders = self._builders
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() of the handshake thread
             self._listener.close()
@@ -748,11 +747,19 @@ class VerbsFabric(Fabric):
         for ep in eps:
             self._fail(ep, "fabric closed")
         for t in self._threads:
-            t.join(timeout=2.0)
+            t.join(timeout=10.0)
         for ep in eps:
             self._settle(ep, None, None)
         self._channels.close()
         self._cq_out.close()
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck or builders:
+            # a thread that may still call into these objects: leave them open rather than crash the process
+            log.warning("verbs %s: closing without releasing the device context (%s still running)", self._id,
+                        ", ".join(stuck) or f"{builders} connection set-ups")
+            return
+        self._destroy_retired()  # the progress thread has ended: this thread owns what it left
+        self.gpu_flush.close()
         self._release_verbs()
 
     def _release_verbs(self) -> None:
@@ -769,6 +776,61 @@ class VerbsFabric(Fabric):
                 obj.close()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def check_request(r: WriteRequest, local_region) -> None:
+    """Raises naming what is wrong with ``r``; ``local_region(lkey)``: the registered region of an lkey, or None."""
+    check_range(r.local_addr, r.length, f"wr_id={r.wr_id} local")
+    check_range(r.remote_addr, r.length, f"wr_id={r.wr_id} remote")
+    if r.length > MAX_MESSAGE:
+        raise ValueError(f"wr_id={r.wr_id}: {r.length} B exceeds a verbs message ({MAX_MESSAGE} B); split it")
+    if isinstance(r.rkey, bool) or not isinstance(r.rkey, int) or not 0 <= r.rkey <= 0xFFFFFFFF:
+        raise ValueError(f"wr_id={r.wr_id}: rkey must be a 32-bit unsigned int, got {r.rkey!r}")
+    if r.imm is not None and (isinstance(r.imm, bool) or not isinstance(r.imm, int) or not 0 <= r.imm <= IMM_MAX):
+        raise ValueError(f"wr_id={r.wr_id}: imm must be a 32-bit unsigned int, got {r.imm!r}")
+    region = local_region(r.lkey)
+    if region is None or not region.contains(r.local_addr, r.length):
+        raise RegionError(f"wr_id={r.wr_id}: local range 0x{r.local_addr:x}+{r.length} is not inside the "
+                          f"region of lkey 0x{r.lkey:x}")
+
+
+def check_batch(b: WriteBatch, local_region, fabric_id: str) -> None:
+    """Every write of ``b`` checked with array operations; raises naming the first bad write."""
+    la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
+    bad = np.flatnonzero((ln <= 0) | (ln > MAX_MESSAGE) | (la < 0) | (ra < 0) | (rk < 0) | (rk > 0xFFFFFFFF)
+                         | (la > (1 << 63) - 1 - ln) | (ra > (1 << 63) - 1 - ln))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"WriteBatch wr_id={b.wr_id}: write {i} is malformed (local 0x{int(la[i]):x}, "
+                         f"{int(ln[i])} B, remote 0x{int(ra[i]):x}, rkey {int(rk[i])})")
+    for key in np.unique(lk).tolist():
+        region = local_region(int(key))
+        sel = np.flatnonzero(lk == key)
+        if region is None:
+            raise RegionError(f"WriteBatch wr_id={b.wr_id}: write {int(sel[0])}: lkey 0x{int(key):x} is not "
+                              f"registered with {fabric_id}")
+        out = sel[(la[sel] < region.addr) | (la[sel] + ln[sel] > region.addr + region.length)]
+        if out.size:
+            i = int(out[0])
+            raise RegionError(f"WriteBatch wr_id={b.wr_id}: write {i}: local range 0x{int(la[i]):x}+"
+                              f"{int(ln[i])} is not inside the region of lkey 0x{int(key):x}")
+
+
+def status_error(fab: "VerbsFabric", ep: VerbsEndpoint, rec: Posted, seq: int, status: int) -> FabricError:
+    """The error of work request ``seq`` (of ``rec``) that completed with WC ``status``."""
+    e = fab.e
+    what = rec.write_at(seq)
+    if status == e.IBV_WC_REM_ACCESS_ERR:
+        return RegionError(f"peer {ep.peer_id} refused {what}: rkey or range outside its registered regions "
+                           f"(IBV_WC_REM_ACCESS_ERR)")
+    if status == e.IBV_WC_LOC_PROT_ERR:
+        return RegionError(f"{what} to {ep.peer_id}: the local range left its region (IBV_WC_LOC_PROT_ERR)")
+    if status == e.IBV_WC_RETRY_EXC_ERR:
+        return PeerLost(f"{what} to {ep.peer_id}: no ACK within {fab.ack_timeout_s:.3g} s "
+                        f"(IBV_WC_RETRY_EXC_ERR: timeout {fab.timeout_exp}, retry_cnt {fab.retry_cnt})")
+    if status == e.IBV_WC_WR_FLUSH_ERR:
+        return PeerLost(f"{what} to {ep.peer_id} was flushed: the endpoint failed ({ep.cause or 'QP error'})")
+    return PeerLost(f"{what} to {ep.peer_id} failed with WC status {status}")
 
 
 def _qp_timeout(ack_timeout: Optional[float]):

@@ -65,8 +65,41 @@ class Posted:
                 f"0x{int(self.remote[i]):x})")
 
 
+class SendChain:
+    """Work-request objects of one QP, built once and reused: real pyverbs frees neither ``SendWR`` nor ``SGE``
+    (64 B each), so building them per write leaks. ``wrs[i]`` is the i-th from the end of one linked chain whose
+    last work request ends it, each pointing at its own ``SGE`` (``sg_list``: the WR reads the SGE's fields at
+    post time); a chain of ``k`` starts at ``wrs[k - 1]``. ``ibv_post_send`` copies what it needs before it
+    returns, so the objects are rewritten for the next post (the endpoint's ``post_lock`` serialises posts)."""
+
+    __slots__ = ("v", "wrs", "sges")
+
+    def __init__(self, v: dict):
+        self.v = v
+        self.wrs: list = []
+        self.sges: list = []
+
+    def take(self, k: int):
+        """The last ``k`` work requests of the chain, in posting order (their SGEs alongside), growing it once."""
+        SGE, SendWR = self.v["SGE"], self.v["SendWR"]
+        while len(self.wrs) < k:
+            sge = SGE(0, 0, 0)
+            wr = SendWR(num_sge=1, sg=[sge])
+            wr.sg_list = sge
+            if self.wrs:
+                wr.next_wr = self.wrs[-1]
+            self.wrs.append(wr)
+            self.sges.append(sge)
+        return self.wrs[k - 1::-1], self.sges[k - 1::-1]
+
+
 class VerbsEndpoint(Endpoint):
-    """One RC QP (with its own CQ) to a peer, and the TCP channel that watches that the peer lives."""
+    """One RC QP (with its own CQ) to a peer, and the TCP channel that watches that the peer lives.
+
+    Who may touch the QP and CQ: the fabric's progress thread polls the CQ and is the only thread that destroys
+    them (``destroyed``, set under ``lock``); a thread that posts or moves the QP to the error state does so under
+    ``lock`` and only while ``destroyed`` is false. So no pyverbs object is used after its ``close()``: on real
+    pyverbs that dereferences a NULL handle (SIGSEGV)."""
 
     def __init__(self, fabric: Fabric, peer_id: str, qp, cq, sock: socket.socket):
         self.fabric, self.peer_id, self.qp, self.cq, self.sock = fabric, peer_id, qp, cq, sock
@@ -80,6 +113,9 @@ class VerbsEndpoint(Endpoint):
         self.retired = 0  # every work request up to this sequence number has completed
         self.pending: "collections.deque[Posted]" = collections.deque()
         self.settled = False  # the QP's outcome is known: pending work was completed or failed
+        self.destroyed = False  # QP, CQ and channel closed (by the progress thread)
+        self.chain = SendChain(fabric.v)
+        self.max_inline = 0
 
     @property
     def alive(self) -> bool:
@@ -88,6 +124,18 @@ class VerbsEndpoint(Endpoint):
     def abort(self) -> None:
         """Move the QP to the error state (its posted work flushes as ``PeerLost``) and drop the TCP channel."""
         self.fabric._fail(self, "aborted locally")
+
+    def destroy(self) -> None:
+        """Close the QP, CQ and channel (the progress thread, or ``close`` once that thread has ended)."""
+        with self.lock:
+            if self.destroyed:
+                return
+            self.destroyed = True
+            for obj in (self.qp, self.cq, self.sock):
+                try:
+                    obj.close()
+                except Exception:  # noqa: BLE001 — a socket closed twice, a QP whose context went first
+                    pass
 
     def __repr__(self):
         return f"VerbsEndpoint({self.peer_id}, qp {self.qp_num}, {'alive' if self._alive else self.cause})"

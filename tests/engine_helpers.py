@@ -40,10 +40,12 @@ def _peer_main(conn, size: int, device: int, engine_kwargs: dict, log_level: int
             for x in [mem, *extras.values()]:
                 x.fill(kw.get("value", POISON))
             return None
+        if cmd in ("digest", "dump") and device >= 0:
+            # what a receiving application does before it reads GPU memory peers wrote (GPUDirect RDMA)
+            engine.flush_gpu_writes()
+            import torch
+            torch.cuda.synchronize(device)
         if cmd == "digest":
-            if device >= 0:
-                import torch
-                torch.cuda.synchronize(device)
             return _digest(mem.host())
         if cmd == "dump":
             return mem.host().tobytes()

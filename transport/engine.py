@@ -47,7 +47,7 @@ import os
 import secrets
 import sys
 import threading
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from transport.batches import BatchHandle, _Batch, batch_timeout
 from transport.completions import WATCHDOG_S
@@ -421,6 +421,25 @@ class TransferEngine:
                 fab.deregister(mr)
             except FabricError as e:
                 log.warning("deregister 0x%x on %s: %s", addr, fab.local_id, e)
+
+    def flush_gpu_writes(self) -> Dict[int, str]:
+        """Make what peers wrote straight into this engine's GPU regions visible to GPU work launched from now on.
+
+        A NIC writes GPU memory over PCIe, unordered with CUDA streams, and its completion does not promise that
+        the GPU sees the bytes (GPUDirect RDMA). Chunks that land in pxn's landing slots are flushed by the
+        receiver before they are read; pieces a peer wrote directly into registered GPU memory (large pieces) are
+        read by the application, which calls this once it learns they are there and before it launches the work
+        that reads them. ``get_notifies`` (the Mooncake API) does it before returning notifies. Fabrics whose
+        own copies wrote the memory (ipc, tcp) need nothing. Returns {device: method} (``"cuda"``, ``"read"``,
+        ``"none"``) for the GPUs flushed."""
+        self._check_open()
+        devices = sorted({r.device for r in self._regions.regions() if r.device >= 0})
+        done: Dict[int, str] = {}
+        for fab in self.fabrics:
+            if fab.capabilities.gpu_write_flush:
+                for dev in devices:
+                    done[dev] = fab.flush_gpu_writes(dev)
+        return done
 
     def regions(self) -> List[Region]:
         """The regions registered here, by address."""

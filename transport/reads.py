@@ -291,11 +291,15 @@ def send_notify(engine, session_id: str, name: str, msg: str, timeout: float = 1
 
 
 def take_notifies(engine) -> List[Tuple[str, str]]:
-    """The (name, msg) pairs peers sent to this engine since the last call, oldest first."""
+    """The (name, msg) pairs peers sent to this engine since the last call, oldest first; where there are any,
+    after ``engine.flush_gpu_writes()``, so that GPU memory the peer wrote is visible to what reads it next."""
     st = engine._reads
     with st.lock:
         out, st.notifies = st.notifies, []
         st.notify_bytes = 0
+    if out:
+        # a notify says the peer's writes completed: GPU memory they went to straight is read next (GPUDirect)
+        engine.flush_gpu_writes()
     return out
 
 

@@ -173,6 +173,7 @@ class Receiver:
         self._progress.every(SWEEP_S, self._sweep_if_open)
         self._scratch = None
         self._streams: Dict[int, object] = {}
+        self._flushed_at: Dict[Tuple[int, int], int] = {}  # (rail, GPU) -> start of its last GPUDirect flush (ns)
 
     # --- handshake ------------------------------------------------------------------------------------------
     def accept_sender(self, hello: dict, device=DEVICE_HOST) -> dict:
@@ -500,6 +501,13 @@ class Receiver:
             return
         pool = st.pools[rail]
         buf, tensor = pool.buf, pool.tensor
+        if tensor is not None:
+            try:
+                self._flush_landed(rail, pool.device, t_landed)
+            except Exception as e:  # noqa: BLE001 — FabricError naming the NIC and GPU
+                log.warning("receiver: GPUDirect flush for chunk from %s credit %d failed: %s", st.session, k, e)
+                self._ack(st, rail, k, ST_FAILED, f"receiver GPUDirect flush failed: {e}", more)
+                return
         try:
             header_bytes = self._read_header(buf, tensor, slot, pool.stride, byte_len)
             from pxn_kernels.chunk import parse_chunk
@@ -535,6 +543,18 @@ class Receiver:
         if self.trace is not None:
             self.trace.complete("validate", "receiver", f"rx/rail{rail}", t0, t1, {"items": table.item_count})
             self.trace.complete("scatter", "receiver", f"rx/rail{rail}", t1, t2, {"bytes": int(table.lengths.sum())})
+
+    def _flush_landed(self, rail: int, device: int, t_landed: int) -> None:
+        """Before a chunk that a NIC wrote into GPU landing memory is read: flush that NIC's writes into the GPU
+        (``Fabric.flush_gpu_writes``), unless a flush that began after the chunk's RECV_IMM was seen covers it
+        already (chunks queued behind each other share one)."""
+        fab = self.fabrics[rail]
+        if not fab.capabilities.gpu_write_flush or self._flushed_at.get((rail, device), -1) > t_landed:
+            return
+        t0 = now_ns()
+        method = fab.flush_gpu_writes(device)
+        self._flushed_at[(rail, device)] = t0
+        self.counters.add_many(((f"rx_gpu_flush_{method}", 1), ("rx_gpu_flush_s", (now_ns() - t0) / 1e9)))
 
     def _acked_placed(self, p: "_Placed") -> None:
         st = p.st

@@ -272,8 +272,7 @@ class RelayRing:
                     event.record(self._streams[lane])
                     after.append(event)
             else:
-                for lane in lanes:
-                    self._streams[lane].synchronize()
+                self.wait_for_fills(lanes)
         except Exception as e:  # noqa: BLE001 — a CUDA error fails the round's batches, not the ring
             log.exception("%s: waiting for slot copies failed", self.name)
             for attempt, slot in filled:
@@ -288,6 +287,12 @@ class RelayRing:
             self._post(ready, after)  # from this thread: no hand-off to another
         except Exception:  # noqa: BLE001 — post() handles its own failures; this is a last resort
             log.exception("%s: submit failed", self.name)
+
+    def wait_for_fills(self, lanes) -> None:
+        """Block until the fills queued on ``lanes``' streams are done: a fabric whose NIC reads the slot over PCIe
+        (verbs, GPUDirect RDMA) is unordered with CUDA streams, so its writes are posted only after this."""
+        for lane in lanes:
+            self._streams[lane].synchronize()
 
     def close(self) -> None:
         with self._cv:

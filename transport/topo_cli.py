@@ -80,6 +80,19 @@ def _screen(topo: Topology, routes: Optional[Routes], root: str) -> str:
         if down:
             out.append("Down (state not ACTIVE or phys_state not LinkUp): %d port(s): %s"
                        % (len(down), _short(down)))
+    if topo.gpus and topo.ports:
+        out.append("")
+        out.append("GPU memory for RDMA (GPUDirect: how each GPU's memory can be registered with each NIC):")
+        said = {}  # the answer -> GPUs it holds for (GPUs alike are printed once)
+        for g, rows in _gpu_rdma(topo, root):
+            ok = sorted({how for _, can, how in rows if can})
+            no = sorted({how for _, can, how in rows if not can})
+            answer = "; ".join(
+                ["%s with %s" % (how, _short([n for n, can, h in rows if can and h == how])) for how in ok]
+                + ["NO with %s: %s" % (_short([n for n, can, h in rows if not can and h == why]), why)
+                   for why in no])
+            said.setdefault(answer, []).append("GPU%d" % g.index)
+        out.extend("  %s: %s" % (_short(gpus), answer) for answer, gpus in said.items())
     if routes is not None and routes.gpus:
         out.append("")
         out.append("Routes (first rail first; at most %d GPU(s) per port as first rail where possible):"
@@ -103,6 +116,19 @@ def _screen(topo: Topology, routes: Optional[Routes], root: str) -> str:
     for n in notes:
         out.append("Note: %s" % n)
     return "\n".join(out)
+
+
+def _gpu_rdma(topo: Topology, root: str):
+    """Per GPU, per NIC device: (NIC label, whether its memory can be registered with it, how or why not)."""
+    from transport.fabric.verbs_gpu import gpu_rdma_support
+    out = []
+    for g in topo.gpus:
+        rows = []
+        for p in topo.ports:
+            can, how = gpu_rdma_support(pci=g.pci, sysfs_root=root, nic=p.name)
+            rows.append((topo.label(p), can, how))
+        out.append((g, rows))
+    return out
 
 
 def _word(state: str) -> str:
@@ -153,6 +179,10 @@ def run(args: argparse.Namespace) -> int:
         error = str(e)
     if as_json:
         doc = topo.to_json()
+        if topo.ports:
+            doc["gpu_rdma"] = [{"gpu": g.index, "nics": [{"nic": label, "registrable": can, "how": how}
+                                                        for label, can, how in rows]}
+                               for g, rows in _gpu_rdma(topo, root)]
         if routes is not None:
             doc.update(routes.to_json())
             doc["notes"] = list(topo.notes) + list(routes.notes)

@@ -555,7 +555,7 @@ _NIC_FIELDS = {"name": str, "port": int, "pci": str, "numa": int, "state": str, 
 _GPU_FIELDS = {"index": int, "pci": str, "numa": int, "nvlink": list, "distances": dict}
 _TOP_FIELDS = {"name", "root", "nvlink", "gpus", "nics", "distances", "notes", "description"}
 # Keys that `pxn topo --json` adds; accepted and ignored so its output can be edited and fed back.
-_IGNORED_FIELDS = {"routes", "cap", "load", "hot_gpus", "message", "error", "expected"}
+_IGNORED_FIELDS = {"routes", "cap", "load", "hot_gpus", "message", "error", "expected", "gpu_rdma"}
 
 
 @dataclass

@@ -71,24 +71,42 @@ def _attribute(device: int, name: str) -> Optional[int]:
         return None
 
 
-def gpu_rdma_support(device: int) -> Tuple[bool, str]:
-    """(can GPU ``device``'s memory be registered for RDMA here, why): dma-buf (driver support and pyverbs v55+)
-    or ``nvidia_peermem``. Costs no registration; ``pxn topo`` prints it per GPU."""
-    have_dmabuf_module = importlib.util.find_spec("pyverbs") is not None and _module_exists(DMABUF_MODULE)
-    dmabuf = _attribute(device, "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED")
-    peermem = os.path.isdir("/sys/module/nvidia_peermem")
-    if dmabuf and have_dmabuf_module:
-        return True, "dma-buf (driver exports GPU memory; pyverbs has Mlx5DmaBufMR)"
+def _cuda_ordinal(pci: str) -> Optional[int]:
+    """The CUDA device index of the GPU at PCI address ``pci`` (sysfs form), or None where no driver answers."""
+    try:
+        drv = _driver()
+        _cu(drv.cuInit(0), "cuInit")
+        return int(_cu(drv.cuDeviceGetByPCIBusId(pci.encode()), "cuDeviceGetByPCIBusId"))
+    except Exception:  # noqa: BLE001 — no driver or bindings, or a GPU this process cannot see
+        return None
+
+
+def gpu_rdma_support(device: Optional[int] = None, pci: Optional[str] = None, sysfs_root: str = "/",
+                     nic: str = "mlx5") -> Tuple[bool, str]:
+    """(can this GPU's memory be registered for RDMA with NIC ``nic`` here, how or why not): dma-buf (driver
+    support, pyverbs v55+ and an mlx5 NIC: pyverbs takes a dma-buf fd through ``Mlx5DmaBufMR`` only) or
+    ``nvidia_peermem``. The GPU is CUDA index ``device`` or the one at PCI address ``pci``. Costs no
+    registration; ``pxn topo`` prints it per GPU and NIC."""
+    if device is None and pci is not None and sysfs_root in ("/", ""):
+        device = _cuda_ordinal(pci)
+    dmabuf = None if device is None else _attribute(device, "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED")
+    have_module = _module_exists("pyverbs") and _module_exists(DMABUF_MODULE)
+    peermem = os.path.isdir(os.path.join(sysfs_root or "/", "sys/module/nvidia_peermem"))
+    mlx5 = nic.startswith("mlx5")
+    if dmabuf and have_module and mlx5:
+        return True, "dma-buf"
     if peermem:
-        return True, "nvidia_peermem (plain MR on the device address)"
+        return True, "nvidia_peermem"
     missing = []
     if dmabuf is None:
-        missing.append("no CUDA driver or cuda-bindings to ask for dma-buf support")
+        missing.append("no CUDA driver here to ask for dma-buf support")
     elif not dmabuf:
         missing.append("the driver cannot export GPU memory as dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0: "
                        "needs NVIDIA's open kernel modules and Linux >= 5.12)")
-    if not have_dmabuf_module:
-        missing.append(f"pyverbs has no {DMABUF_MODULE} (rdma-core < v55)")
+    if not have_module:
+        missing.append(f"pyverbs has no {DMABUF_MODULE} (rdma-core < v55, or no pyverbs)")
+    if not mlx5:
+        missing.append(f"{nic} is not an mlx5 NIC (pyverbs registers a dma-buf fd only through Mlx5DmaBufMR)")
     missing.append("nvidia_peermem is not loaded")
     return False, "; ".join(missing)
 
@@ -121,7 +139,7 @@ def register_gpu(v: dict, pd, addr: int, length: int, device: int, access: int, 
     try:
         return v["MR"](pd, length, access, address=addr), None
     except Exception as ex:  # noqa: BLE001
-        ok, why = gpu_rdma_support(device)
+        ok, why = gpu_rdma_support(device, nic=nic)
         raise FabricError(f"verbs: GPU memory 0x{addr:x}+{length} on cuda:{device} cannot be registered with "
                           f"{nic}: dma-buf failed ({first_error}); peer-memory MR failed ({ex})"
                           + ("" if ok else f"; missing: {why}")) from ex

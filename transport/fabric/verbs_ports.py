@@ -13,10 +13,12 @@ from typing import Iterator, List, Optional
 from transport.config import EngineConfig
 from transport.errors import FabricUnavailable, VerbsPortError
 
-INSTALL_HINT = ("install pyverbs: Debian/Ubuntu `apt-get install -y rdma-core libibverbs-dev python3-pyverbs` "
-                "(system Python), or the PyPI sdist: `pip install \"cython==3.0.12\" \"scikit-build-core>=0.10\" "
-                "setuptools_scm && pip install --no-build-isolation pyverbs` (then put its rdma-core libraries on "
-                "LD_LIBRARY_PATH)")
+INSTALL_HINT = ("install pyverbs with the rdma-core libraries of its own version: rdma-core v59 (a distribution's "
+                "v59 packages, or built from source at tag v59.0) and `pip install \"cython==3.0.12\" "
+                "\"scikit-build-core>=0.10\" setuptools_scm && pip install --no-build-isolation pyverbs==59.0`; or "
+                "a distribution's python3-pyverbs (Debian/Ubuntu: `apt-get install -y rdma-core libibverbs-dev "
+                "python3-pyverbs`), which before v55 registers GPU memory only through nvidia_peermem "
+                "(docs/README-fabrics.md, 'Installing RDMA')")
 
 
 def gid_index_from_env(environ=None) -> Optional[int]:

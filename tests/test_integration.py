@@ -669,7 +669,7 @@ def test_error_code_mapping():
     from transport.errors import (AddressNotRegistered, FabricClosed, FabricUnavailable, InvalidTransfer, PeerLost,
                                   RegionOverlap, RemoteRejected, TransferError, TransferTimeout)
     cases = [
-        (InvalidTransfer("lengths[0] = 0: every length must be >= 1"), mc.ERR_INVALID_ARGUMENT),
+        (InvalidTransfer("lengths[0] = -1: every length must be >= 0"), mc.ERR_INVALID_ARGUMENT),
         (AddressNotRegistered("dsts[2] = 0x10 + lengths[2] = 1 is outside every region session x registered"),
          mc.ERR_ADDRESS_NOT_REGISTERED),
         (RegionOverlap("register 0x10+4: overlaps a registered region"), mc.ERR_ADDRESS_OVERLAPPED),

@@ -220,7 +220,11 @@ class Pipeline:
         send, dend = smax + lmax, dmax + lmax
         if lmin < 1:
             i = int(np.argmin(ln))
-            raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
+            if lmin < 0:
+                raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 0")
+            # zero-length pieces are done by definition, as in Mooncake: dropped unchecked, the rest goes on
+            keep = ln != 0
+            return self._submit(session_id, src[keep], dst[keep], ln[keep], async_)
         for name, arr, lo in (("srcs", src, smin), ("dsts", dst, dmin)):
             if lo < 0:
                 i = int(np.argmin(arr))

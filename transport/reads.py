@@ -186,6 +186,9 @@ def _validate(engine, session_id, local_dsts, remote_srcs, lengths):
     dst, src, ln = as_arrays(("local_dsts", local_dsts), ("remote_srcs", remote_srcs), ("lengths", lengths))
     if not isinstance(session_id, str) or session_id.count(":") < 1:
         raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
+    if ln.size and int(ln.min()) == 0:  # zero-length pieces are done by definition, as in Mooncake
+        keep = ln != 0
+        dst, src, ln = dst[keep], src[keep], ln[keep]
     if ln.size == 0:
         return dst, src, ln
     _check_inside(engine, "local_dsts", dst, ln, "is not inside a region registered with this engine; nothing was "
@@ -194,12 +197,12 @@ def _validate(engine, session_id, local_dsts, remote_srcs, lengths):
 
 
 def _check_inside(engine, name: str, addrs: np.ndarray, ln: np.ndarray, outside: str, also=()) -> None:
-    """Every length >= 1, every address (``addrs``, then each of ``also``: (name, array) pairs) >= 0, every piece
+    """Every length >= 1 (zero-length pieces are gone by now), every address (``addrs``, then each of ``also``: (name, array) pairs) >= 0, every piece
     of ``addrs`` inside a region this engine registered; else ``InvalidTransfer`` naming the first bad piece
     (``outside``: how a piece outside every region is told)."""
     if int(ln.min()) < 1:
         i = int(np.argmin(ln))
-        raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
+        raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 0")
     for label, arr in ((name, addrs), *also):
         if int(arr.min()) < 0:
             i = int(np.argmin(arr))

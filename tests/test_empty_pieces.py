@@ -123,5 +123,5 @@ def test_the_mooncake_api_answers_the_same(seed):
         assert sender.transfer_sync_write(session, src.ctypes.data, dst.ctypes.data, 0) == 0
         assert (dst == POISON).all()
     finally:
-        sender.close() if hasattr(sender, "close") else None
-        receiver.close() if hasattr(receiver, "close") else None
+        sender.close()
+        receiver.close()

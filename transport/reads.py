@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from transport.auth import AuthError
-from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, InvalidTransfer, PeerLost,
+from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, InvalidTransfer, PeerGone, PeerLost,
                               RemoteRejected, TransferError, TransferTimeout, UnknownSession)
 from transport.arrays import as_arrays
 from transport.batches import batch_timeout
@@ -215,7 +215,8 @@ def _check_inside(engine, name: str, addrs: np.ndarray, ln: np.ndarray, outside:
 
 def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
     """One request / reply on a pooled control connection to ``session_id``; a dead pooled connection is
-    replaced once. Raises UnknownSession when nobody answers, TransferTimeout, PeerLost."""
+    replaced once. Raises UnknownSession when nobody answers, TransferTimeout, PeerGone (the connection broke, or
+    nobody answers where a peer was connected)."""
     st = engine._reads
     for attempt in (0, 1):
         sock, pooled = st.take(session_id)
@@ -230,7 +231,8 @@ def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
             _close(sock)
             if pooled and attempt == 0:
                 continue  # the pooled connection died while idle (peer restarted): once more on a fresh one
-            raise PeerLost(f"{msg.get('op')} request to {session_id}: control connection failed: {e}") from e
+            raise PeerGone(f"{msg.get('op')} request to {session_id}: control connection failed: {e}", None,
+                           e) from e
         st.give_back(session_id, sock)
         return rep
     raise AssertionError("unreachable")

@@ -212,3 +212,24 @@ def test_engine_refuses_a_bad_trace_path_at_once(tmp_path):
     with pytest.raises(ConfigError, match=r"trace_path .*nowhere.*does not exist"):
         EngineConfig.from_env({}, trace_path=str(tmp_path / "nowhere" / "t.json"))
     assert EngineConfig.from_env({"PXN_TRACE": str(tmp_path / "t.json")}).trace_path == str(tmp_path / "t.json")
+
+
+def test_a_peer_error_is_one_line_without_class_names():
+    from transport.bench_cli import _one_line
+    peer = RuntimeError("pxn-bench-peer failed to start: ConfigError: environment variable PXN_LANES='0': lanes "
+                        "must be an int >= 1, got 0\nTraceback (most recent call last):\n  File ...")
+    assert _one_line(peer) == ("pxn-bench-peer failed to start: environment variable PXN_LANES='0': lanes must be an "
+                               "int >= 1, got 0")
+    assert _one_line(FileNotFoundError(2, "No such file or directory", "/x/y.json")) == \
+        "No such file or directory: /x/y.json"
+
+
+@pytest.mark.parametrize("var,value,limit", [("PXN_LANDING_BYTES", "100G", "68719476736"),
+                                             ("PXN_RELAY_SLOT_BYTES", "2G", "1073741824"),
+                                             ("PXN_RELAY_SLOTS", "100000", "1024"), ("PXN_LANES", "1000", "64"),
+                                             ("PXN_RAILS", "65", "64")])
+def test_settings_that_size_memory_have_upper_bounds(var, value, limit):
+    from transport.config import EngineConfig
+    from transport.errors import ConfigError
+    with pytest.raises(ConfigError, match=rf"{var}='{value}': \w+ must be at most {limit}, got"):
+        EngineConfig.from_env({var: value})

@@ -151,7 +151,8 @@ def test_machines_named_as_what_they_are():
 def test_python_version_licence_and_where_next():
     required = re.search(r'python_requires=">=(\d+\.\d+)"', (REPO / "setup.py").read_text())[1]
     assert f"Python {required} or newer" in README
-    assert "Apache License" in (REPO / "LICENSE").read_text() and 'license="Apache-2.0"' in (REPO / "setup.py").read_text()
+    assert "Apache License" in (REPO / "LICENSE").read_text()
+    assert 'license="Apache-2.0"' in (REPO / "setup.py").read_text()
     assert "## Licence" in README and "(LICENSE)" in README
     where = README[README.index("## Where next"):]
     for link in re.findall(r"\]\(([^)#]+)", where[:where.index("\n## ")]):

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import platform
+import re
 import sys
 import time
 from typing import Dict, List, Optional
@@ -280,13 +281,15 @@ def _fail(msg: str) -> int:
 
 
 def _one_line(e: BaseException) -> str:
-    """An error as one line, in words: a peer's error carries its traceback after the first line; an OS error
-    is its reason and file."""
+    """An error as one line, in words: a peer's error carries its traceback after the first line and the class
+    name of the error in the peer; an OS error is its reason and file."""
     text = str(e).strip().splitlines()
     line = text[0] if text else type(e).__name__
     if isinstance(e, OSError) and e.strerror:
         line = f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
-    return line
+    # the peer process reports its error as "ClassName: message": the message is what the user needs
+    return re.sub(r"\b[A-Z][A-Za-z]*(?:Error|Exception|Unavailable|Closed|Lost|Gone|Rejected|Timeout|Session): ", "",
+                  line)
 
 
 def _fabric_choice(args) -> str:

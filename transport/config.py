@@ -19,8 +19,11 @@ from transport.errors import ConfigError
 __all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "parse_size", "unwritable", "MAX_RAILS"]
 
 MAX_RAILS = 64
-"""Most rails one engine runs: each holds sockets, threads and a landing pool (``landing_bytes``) per peer, so
-a thousand took tens of GB; machines have up to 32 NIC ports."""
+"""Most rails one engine runs: each holds sockets, threads, a landing pool (``landing_bytes``) and relay rings,
+so a thousand took tens of GB; machines have up to 32 NIC ports."""
+_MOST = {"relay_slot_bytes": 1 << 30, "landing_bytes": 64 << 30, "relay_slots": 1024, "lanes": 64}
+"""Upper bounds of settings that size memory: a typo (``PXN_LANDING_BYTES=32G`` for 32M) must be refused by
+name, not end in the kernel's out-of-memory killer."""
 
 _PSEUDO_FILE_SYSTEMS = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs",
                         "devpts", "pstore", "bpf", "efivarfs", "fusectl", "mqueue", "hugetlbfs"}
@@ -244,6 +247,9 @@ class EngineConfig:
                 raise _bad(name, f"{name} must be an int >= {lo}, got {value!r}")
         if self.rails > MAX_RAILS:
             raise _bad("rails", f"rails must be at most {MAX_RAILS}, got {self.rails}")
+        for name, most in _MOST.items():
+            if getattr(self, name) > most:
+                raise _bad(name, f"{name} must be at most {most}, got {getattr(self, name)}")
         if self.switch_interval is not None and (isinstance(self.switch_interval, bool)
                                                  or not 0.0 < self.switch_interval <= 1.0):
             raise _bad("switch_interval", f"switch_interval must be None or seconds in (0, 1], "

@@ -111,7 +111,8 @@ def test_kernels_still_load_on_first_use():
     assert set(pxn_kernels.__all__) <= set(dir(pxn_kernels))
 
 
-def test_ctrl_c_at_any_moment_is_one_line(tmp_path, seed):
+@pytest.mark.parametrize("fabric", ["tcp", "auto"])  # auto imports torch (seconds, partly in C++) to look for CUDA
+def test_ctrl_c_at_any_moment_is_one_line(tmp_path, seed, fabric):
     """SIGINT to the whole group at moments from ``main``'s start on (the subcommand's import, the parsing, the
     peer's start, the run): one line, never a traceback, and the status a shell shows as 130. (Before ``main``:
     the interpreter's start and the few milliseconds of ``import transport.cli``, CPython answers by itself.)"""
@@ -122,7 +123,7 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path, seed):
              "sys.exit(main(sys.argv[1:]))")
     rnd = random.Random(seed)
     for delay in [0.0, 0.005, 0.02] + sorted(rnd.uniform(0.05, 3.0) for _ in range(4)):
-        p = subprocess.Popen([sys.executable, "-c", start, "bench", "--fabric", "tcp", "--repeat", "100000",
+        p = subprocess.Popen([sys.executable, "-c", start, "bench", "--fabric", fabric, "--repeat", "100000",
                               "--shapes", str(shapes)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:

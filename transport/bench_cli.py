@@ -235,19 +235,40 @@ def add_arguments(parser) -> None:
 
 
 def _versions() -> dict:
+    """The software of the run; torch and Triton by their installed versions, not imported for it (a tcp run on
+    host memory never loads them)."""
+    from importlib import metadata
     out = {"python": platform.python_version(), "platform": platform.platform(), "cores": os.cpu_count()}
-    try:
-        import torch
+    torch = sys.modules.get("torch")
+    for name in ("torch", "triton"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    if torch is not None:
         out["torch"] = torch.__version__
         out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except ImportError:
-        pass
-    try:
-        import triton
-        out["triton"] = triton.__version__
-    except ImportError:
-        pass
     return out
+
+
+def _import_torch():
+    """torch, or None where it cannot be imported. The import (seconds, partly in C++) runs with SIGINT blocked:
+    a Ctrl-C inside torch's C++ start ends the process through std::terminate; blocked, it waits and arrives as
+    a ``KeyboardInterrupt`` once the import is done (threads torch starts keep it blocked)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"]
+    import signal
+    import threading
+    block = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if block else None
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _print(msg: str = "") -> None:
@@ -358,11 +379,8 @@ def run(args) -> int:
         EngineConfig.from_env(fabric=None if fabric == "auto" else fabric, rails=args.rails)  # every PXN_* value
     except ConfigError as e:
         return _fail(str(e))
-    try:
-        import torch
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
+    torch = _import_torch() if fabric != "tcp" else None  # tcp moves host memory: torch is not needed
+    cuda = torch is not None and torch.cuda.is_available()
     if fabric == "auto":
         fabric = "ipc" if cuda else "tcp"
     device = 0 if (cuda and fabric in ("ipc", "verbs")) else -1

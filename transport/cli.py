@@ -62,7 +62,13 @@ class _StdoutWatch:
             return  # not a real file (captured), or closed
         poller = select.poll()
         poller.register(fd, 0)  # POLLERR (the read end is closed) and POLLHUP are reported without asking
-        threading.Thread(target=self._watch, args=(poller,), name="pxn-stdout-watch", daemon=True).start()
+        # started with SIGINT blocked, which it keeps: a Ctrl-C goes to the main thread, which may hold it back
+        # while it imports torch (``bench_cli._import_torch``)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            threading.Thread(target=self._watch, args=(poller,), name="pxn-stdout-watch", daemon=True).start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def _watch(self, poller) -> None:
         while not self.done.is_set():

@@ -26,6 +26,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
+    license="Apache-2.0",
     packages=find_packages(include=["pxn_kernels*", "transport*", "integration*"]),
     package_data={"transport": ["data/*.json"]},
     install_requires=["torch>=2.4", "triton>=3.0", "numpy>=1.24"],

@@ -92,6 +92,8 @@ def error_code(exc: BaseException) -> int:
         return ERR_ENDPOINT
     if isinstance(exc, (TransferError, FabricError, PxnError)):
         return ERR_TRANSFER
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return ERR_ENDPOINT  # a peer's socket refused, reset or silent (e.g. a query to a dead peer)
     if isinstance(exc, (ValueError, TypeError)):
         return ERR_INVALID_ARGUMENT
     return ERR_INTERNAL

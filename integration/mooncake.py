@@ -48,11 +48,12 @@ ERR_SOCKET             -102   ``send_probe``: nothing answers at the peer's cont
 ERR_METADATA           -200   unknown session: malformed "host:port", nobody listens there, handshake refused,
                               a segment name the metadata server does not know, the metadata server unreachable
                               (``UnknownSession``), an entry that is not a pxn engine's (``ForeignSegment``: a
-                              Mooncake engine's segment); also a dead peer once the engine forgot it; nothing
-                              written
-ERR_ENDPOINT           -201   every rail to the peer failed (peer died, connections reset) (``PeerLost`` /
-                              ``TransferError`` with per-rail ``causes``); part may have been written. The engine
-                              then forgets the peer: a later call to the session handshakes again
+                              Mooncake engine's segment); nothing written
+ERR_ENDPOINT           -201   a dead peer (``PeerGone``, on every fabric): every rail to it failed (peer died,
+                              connections reset; part may have been written), and every later call while nobody
+                              answers at its session (nothing written); also a query such as
+                              ``get_first_buffer_address`` whose connection is refused or reset. The engine forgets
+                              the dead peer: a call once a new engine answers at the session handshakes again
 ERR_CONTEXT            -202   not initialized yet, or closed (``FabricClosed``)
 ERR_NOT_IMPLEMENTED    -303   a metadata server other than P2PHANDSHAKE / http / etcd (or etcd without etcd3gw
                               installed), a protocol pxn has no fabric for

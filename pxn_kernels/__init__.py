@@ -17,19 +17,43 @@ Public entries (each with a plain-torch reference beside it):
 All index arguments are int64 tensors on the device that runs the copy; addresses are raw integers
 (UVA: device memory of this or a peer GPU, or pinned host memory). Lengths are bytes.
 """
-from pxn_kernels import chunk, policy  # noqa: F401
-from pxn_kernels._batched_copy import (  # noqa: F401
-    CopyPlan, DeviceBatch, LaunchSettings, PreparedCopy, launch_batched_copy, launch_settings, plan_batched_copy,
-    plan_for_lengths, plan_host, Regime, settings_for,
-)
-from pxn_kernels._grid_copy import GridCopy, GridSettings, grid_settings  # noqa: F401
-from pxn_kernels._row_copy import RowCopy, RowSettings, row_settings  # noqa: F401
-from pxn_kernels._segment_copy import SegmentCopy, SegmentSettings, segment_table  # noqa: F401
-from pxn_kernels._memory import host_copy, host_view, raw_view  # noqa: F401
-from pxn_kernels.batch_copy import copy, copy_torch  # noqa: F401
-from pxn_kernels.gather import gather, gather_torch  # noqa: F401
-from pxn_kernels.pack import pack_chunk, pack_chunk_torch  # noqa: F401
-from pxn_kernels.scatter import scatter, scatter_torch  # noqa: F401
+# Names load on first use (PEP 562): the kernels import torch and Triton, which take seconds, and the torch-free
+# parts (``errors``, ``chunk``, ``policy``) are imported by code that never launches a kernel (``pxn --version``,
+# the tcp engine on a machine without a GPU).
+_LAZY = {
+    "_batched_copy": ("CopyPlan", "DeviceBatch", "LaunchSettings", "PreparedCopy", "launch_batched_copy",
+                      "launch_settings", "plan_batched_copy", "plan_for_lengths", "plan_host", "Regime",
+                      "settings_for"),
+    "_grid_copy": ("GridCopy", "GridSettings", "grid_settings"),
+    "_row_copy": ("RowCopy", "RowSettings", "row_settings"),
+    "_segment_copy": ("SegmentCopy", "SegmentSettings", "segment_table"),
+    "_memory": ("host_copy", "host_view", "raw_view"),
+    "batch_copy": ("copy", "copy_torch"),
+    "gather": ("gather", "gather_torch"),
+    "pack": ("pack_chunk", "pack_chunk_torch"),
+    "scatter": ("scatter", "scatter_torch"),
+}
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+_SUBMODULES = ("chunk", "policy")
+
+
+def __getattr__(name):
+    import importlib
+    if name in _SUBMODULES:
+        return importlib.import_module(f"pxn_kernels.{name}")
+    if name not in _WHERE:
+        raise AttributeError(f"module 'pxn_kernels' has no attribute {name!r}")
+    # All at once, and bound over the submodules of the same name (``gather``, ``scatter``), as the eager
+    # imports did: ``pxn_kernels.gather`` is the function.
+    for module, names in _LAZY.items():
+        loaded = importlib.import_module(f"pxn_kernels.{module}")
+        globals().update({n: getattr(loaded, n) for n in names})
+    return globals()[name]
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE) | set(_SUBMODULES))
+
 
 __all__ = ["gather", "gather_torch", "scatter", "scatter_torch", "copy", "copy_torch", "pack_chunk", "pack_chunk_torch",
            "chunk", "host_copy", "host_view", "raw_view", "plan_batched_copy", "plan_host", "launch_settings",

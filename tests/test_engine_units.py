@@ -449,7 +449,7 @@ def test_engine_config_precedence_and_errors():
     assert cfg.lanes == 5 and cfg.coalesce_bytes == 32 << 10 and cfg.loadstore is False and cfg.forward_large
     assert cfg.relay_slot_bytes == 4 << 20 and cfg.fabric == "auto"  # defaults
     assert EngineConfig.from_env({}, relay_slot_bytes="8MiB").relay_slot_bytes == 8 << 20
-    with pytest.raises(ValueError, match=r"PXN_LANDING_SLOTS='many' is not a valid int"):
+    with pytest.raises(ValueError, match=r"PXN_LANDING_SLOTS='many': not a valid int"):
         EngineConfig.from_env({"PXN_LANDING_SLOTS": "many"})
     with pytest.raises(ValueError, match=r"landing_slots must be <= 65535"):
         EngineConfig.from_env({}, landing_slots=70000)

@@ -253,11 +253,12 @@ def _run_fault(tmp_path, faults: str, seed: int) -> dict:
 def test_link_lost_mid_batch_fails_it_within_the_retry_time(tmp_path, seed):
     """SOFTVERBS_FAULTS=drop_after_writes=3: this process's link drops every packet after three RDMA writes, in
     the middle of a six-write batch. The QP exceeds its retry count (4.096 us x 2^timeout x (retry_cnt + 1)) and
-    the batch fails with a TransferError naming it, within seconds, not at the batch timeout (60 s). The model's
-    link stays down for the process, so the next batch, on a new connection, fails the same way and as fast."""
+    the batch fails with PeerGone (a TransferError) naming it, within seconds, not at the batch timeout (60 s).
+    The model's link stays down for the process, so the next batch, on a new connection, fails the same way and
+    as fast."""
     out = _run_fault(tmp_path, "drop_after_writes=3", seed)
     for k in ("first", "second"):
-        assert out[k].startswith("TransferError") and "IBV_WC_RETRY_EXC_ERR" in out[k], out
+        assert out[k].startswith("PeerGone") and "IBV_WC_RETRY_EXC_ERR" in out[k], out
         assert out[f"{k}_s"] < 15, out
 
 

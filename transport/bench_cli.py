@@ -15,13 +15,14 @@ import json
 import logging
 import os
 import platform
+import re
 import sys
 import time
 from typing import Dict, List, Optional
 
 import numpy as np
 
-from transport.config import EngineConfig
+from transport.config import MAX_RAILS, EngineConfig, unwritable
 from transport.errors import ConfigError, PxnError, ShapesError
 from transport.peer_process import POISON, Buffer, PeerProcess, digest, serve
 
@@ -37,6 +38,8 @@ MAX_COUNT = 1 << 16
 """Most pieces (layers) a shapes file's ``count`` may give one MLA call."""
 DEFAULT_LAYERS = 78
 """Layers per MLA call where neither ``--layers`` nor the shapes file's ``count`` says (GLM-5's 78)."""
+MAX_REPEAT = 1_000_000
+"""Most timed calls per shape ``--repeat`` may ask for."""
 
 
 def shapes_path(path: Optional[str] = None) -> str:
@@ -217,12 +220,13 @@ def add_arguments(parser) -> None:
                         help="auto: ipc + GPU memory when CUDA is available, else tcp + host memory "
                              "(default: $PXN_FABRIC, else auto)")
     parser.add_argument("--layers", type=int, default=None,
-                        help=f"layers per MLA call (default: each call's count in the shapes file, "
-                             f"else {DEFAULT_LAYERS})")
-    parser.add_argument("--repeat", type=int, default=3, help="timed calls per shape (default 3)")
+                        help=f"layers per MLA call, 1 to {MAX_COUNT} (default: each call's count in the shapes "
+                             f"file, else {DEFAULT_LAYERS})")
+    parser.add_argument("--repeat", type=int, default=3, help=f"timed calls per shape, 1 to {MAX_REPEAT} (default 3)")
     parser.add_argument("--quick", action="store_true", help="skip the 64k shape, fewer MHA pages")
-    parser.add_argument("--rails", type=int, default=None, help="rails (loopback fabric instances)")
-    parser.add_argument("--json", metavar="PATH", help="write rows and stats() as JSON here")
+    parser.add_argument("--rails", type=int, default=None,
+                        help=f"rails (loopback fabric instances), 1 to {MAX_RAILS} (default: $PXN_RAILS, else 2)")
+    parser.add_argument("--json", metavar="PATH", help="write rows and stats() as JSON here (its folder must exist)")
     parser.add_argument("--no-verify", action="store_true", help="skip the byte-exact check of each shape")
     parser.add_argument("--shapes", metavar="FILE", default=None,
                         help="sglang shapes JSON (default: $PXN_SHAPES, else the copy shipped in transport/data)")
@@ -231,19 +235,40 @@ def add_arguments(parser) -> None:
 
 
 def _versions() -> dict:
+    """The software of the run; torch and Triton by their installed versions, not imported for it (a tcp run on
+    host memory never loads them)."""
+    from importlib import metadata
     out = {"python": platform.python_version(), "platform": platform.platform(), "cores": os.cpu_count()}
-    try:
-        import torch
+    torch = sys.modules.get("torch")
+    for name in ("torch", "triton"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    if torch is not None:
         out["torch"] = torch.__version__
         out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except ImportError:
-        pass
-    try:
-        import triton
-        out["triton"] = triton.__version__
-    except ImportError:
-        pass
     return out
+
+
+def _import_torch():
+    """torch, or None where it cannot be imported. The import (seconds, partly in C++) runs with SIGINT blocked:
+    a Ctrl-C inside torch's C++ start ends the process through std::terminate; blocked, it waits and arrives as
+    a ``KeyboardInterrupt`` once the import is done (threads torch starts keep it blocked)."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"]
+    import signal
+    import threading
+    block = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if block else None
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _print(msg: str = "") -> None:
@@ -277,26 +302,15 @@ def _fail(msg: str) -> int:
 
 
 def _one_line(e: BaseException) -> str:
-    """An exception as one line: a peer's error carries its traceback after the first line; that stays out."""
+    """An error as one line, in words: a peer's error carries its traceback after the first line and the class
+    name of the error in the peer; an OS error is its reason and file."""
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
-def _unwritable(path: str) -> Optional[str]:
-    """Why a file cannot be written at ``path`` (None when it can, as far as can be told without writing):
-    checked before a run, so that its results are not lost at the end. Missing folders are created later."""
-    path = os.path.abspath(path)
-    if os.path.isdir(path):
-        return "it is a directory"
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"{parent} is not a directory"
-    target = path if os.path.exists(path) else parent
-    if not os.access(target, os.W_OK):
-        return f"{target} is not writable"
-    return None
+    line = text[0] if text else type(e).__name__
+    if isinstance(e, OSError) and e.strerror:
+        line = f"{e.strerror}" + (f": {e.filename}" if e.filename else "")
+    # the peer process reports its error as "ClassName: message": the message is what the user needs
+    return re.sub(r"\b[A-Z][A-Za-z]*(?:Error|Exception|Unavailable|Closed|Lost|Gone|Rejected|Timeout|Session): ", "",
+                  line)
 
 
 def _fabric_choice(args) -> str:
@@ -308,7 +322,7 @@ def _fabric_choice(args) -> str:
     if text.strip() == "":
         return "auto"
     if text.strip() not in FABRICS:
-        raise ConfigError(f"environment variable PXN_FABRIC={text!r} is not a fabric: {', '.join(FABRICS)}")
+        raise ConfigError(f"environment variable PXN_FABRIC={text!r}: not a fabric ({', '.join(FABRICS)})")
     return text.strip()
 
 
@@ -349,26 +363,24 @@ def _memory_check(shapes: List[dict], need: Dict[str, int], device: int) -> Opti
 
 def run(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for name in ("repeat", "layers"):
+    # Every input is checked before any work: a run of minutes must not end in a refusal of its output path.
+    for name, most in (("repeat", MAX_REPEAT), ("layers", MAX_COUNT), ("rails", MAX_RAILS)):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            return _fail(f"--{name} must be >= 1 (got {value})")
-    if args.rails is not None and args.rails < 1:
-        return _fail(f"--rails must be >= 1 (got {args.rails})")
+        if value is not None and not 1 <= value <= most:
+            return _fail(f"--{name} {value}: must be from 1 to {most}")
     plot_path = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        why = _unwritable(path) if path else None
+    for option, path in (("--json", args.json), ("--plot", plot_path)):
+        why = unwritable(path) if path else None
         if why:
-            return _fail(f"{option} {path}: cannot write there: {why}")
+            via = "" if option == "--json" or args.plot else f" (beside --json {args.json})"
+            return _fail(f"{option} {path}{via}: cannot write there: {why}")
     try:
         fabric = _fabric_choice(args)
+        EngineConfig.from_env(fabric=None if fabric == "auto" else fabric, rails=args.rails)  # every PXN_* value
     except ConfigError as e:
         return _fail(str(e))
-    try:
-        import torch
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
+    torch = _import_torch() if fabric != "tcp" else None  # tcp moves host memory: torch is not needed
+    cuda = torch is not None and torch.cuda.is_available()
     if fabric == "auto":
         fabric = "ipc" if cuda else "tcp"
     device = 0 if (cuda and fabric in ("ipc", "verbs")) else -1
@@ -447,7 +459,6 @@ def run(args) -> int:
            "rows": rows, "stats": stats, "peer_stats": peer_stats}
     if args.json:
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=1)
         except OSError as e:

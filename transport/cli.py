@@ -2,8 +2,11 @@
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only dispatches. Exit codes: 0 success, 1 a benchmark's byte-exact check failed, 2 bad input / environment
-(a malformed ``PXN_*`` variable too), or stdout closed early (one line on stderr, never a traceback;
-``pxn --traceback ...`` shows it for an unexpected error), 130 interrupted.
+(a malformed ``PXN_*`` variable too), or stdout closed early, 130 interrupted.
+
+Every refusal is one line on stderr, ``pxn <command>: error: <what>: <why>``, naming the flag or variable and
+its value; argparse's own refusals too (with a hint where ``--help`` is). "unexpected" is kept for a bug in pxn,
+whose traceback ``pxn --traceback ...`` shows.
 """
 from __future__ import annotations
 
@@ -59,7 +62,13 @@ class _StdoutWatch:
             return  # not a real file (captured), or closed
         poller = select.poll()
         poller.register(fd, 0)  # POLLERR (the read end is closed) and POLLHUP are reported without asking
-        threading.Thread(target=self._watch, args=(poller,), name="pxn-stdout-watch", daemon=True).start()
+        # started with SIGINT blocked, which it keeps: a Ctrl-C goes to the main thread, which may hold it back
+        # while it imports torch (``bench_cli._import_torch``)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            threading.Thread(target=self._watch, args=(poller,), name="pxn-stdout-watch", daemon=True).start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def _watch(self, poller) -> None:
         while not self.done.is_set():
@@ -70,15 +79,46 @@ class _StdoutWatch:
                 return
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse in pxn's voice: a refusal is one line naming the command, and where to read the options (not
+    argparse's usage block). Subcommand parsers are of this class too (``add_subparsers`` uses the parent's)."""
+
+    def error(self, message):
+        if message.startswith("argument "):  # "argument --rails: invalid int value: 'x'": the flag leads
+            message = message[len("argument "):]
+        self.exit(2, "%s: error: %s (%s --help lists the options)\n" % (self.prog, message, self.prog))
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's message as one line (a peer's error carries its traceback after the first line)."""
+    return (str(e).strip().splitlines() or [""])[0]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="pxn", description="pxn: PXN relay for KV-cache transfer")
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    prog = "pxn %s" % chosen if chosen in SUBCOMMANDS else "pxn"
+    traceback_wanted = "--traceback" in argv
+    try:
+        return _main(argv, chosen)
+    except KeyboardInterrupt:  # before a subcommand runs (its import, the parsing): one line too
+        print("%s: interrupted" % prog, file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the promise is one line, never a traceback
+        if traceback_wanted:
+            raise
+        print("%s: unexpected %s: %s (pxn --traceback ... shows where)" % (prog, type(e).__name__, _first_line(e)),
+              file=sys.stderr)
+        return 2
+
+
+def _main(argv, chosen) -> int:
+    parser = _Parser(prog="pxn", description="pxn: PXN relay for KV-cache transfer")
     parser.add_argument("--version", action="version", version="pxn " + version())
     parser.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True)
     # Only the chosen subcommand's module is imported: one broken or heavy subcommand never takes the
     # others down with it (``pxn topo`` must work on a machine where the engine cannot start).
-    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     module = chosen_parser = None
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
@@ -106,15 +146,14 @@ def main(argv=None) -> int:
         print("%s: interrupted" % prog, file=sys.stderr)
         return 130
     except PxnError as e:  # a malformed setting (ConfigError), a fabric this machine cannot run: the user's to fix
-        first = (str(e).strip().splitlines() or [""])[0]
-        print("%s: error: %s: %s" % (prog, type(e).__name__, first), file=sys.stderr)
+        print("%s: error: %s" % (prog, _first_line(e)), file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - the promise is one line, never a traceback
         if args.traceback:
             raise
-        first = (str(e).strip().splitlines() or [""])[0]
-        print("%s: unexpected %s: %s (pxn --traceback %s ... shows where)" % (prog, type(e).__name__, first,
-                                                                          args.command), file=sys.stderr)
+        print("%s: unexpected %s: %s (pxn --traceback %s ... shows where)" % (prog, type(e).__name__,
+                                                                          _first_line(e), args.command),
+              file=sys.stderr)
         return 2
     finally:
         watch.done.set()

@@ -11,11 +11,72 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from typing import Dict, Mapping, Optional, Tuple
 
 from transport.errors import ConfigError
 
-__all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "parse_size"]
+__all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "parse_size", "unwritable", "MAX_RAILS"]
+
+MAX_RAILS = 64
+"""Most rails one engine runs: each holds sockets, threads, a landing pool (``landing_bytes``) and relay rings,
+so a thousand took tens of GB; machines have up to 32 NIC ports."""
+_MOST = {"relay_slot_bytes": 1 << 30, "landing_bytes": 64 << 30, "relay_slots": 1024, "lanes": 64}
+"""Upper bounds of settings that size memory: a typo (``PXN_LANDING_BYTES=32G`` for 32M) must be refused by
+name, not end in the kernel's out-of-memory killer."""
+
+_PSEUDO_FILE_SYSTEMS = {"proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs",
+                        "devpts", "pstore", "bpf", "efivarfs", "fusectl", "mqueue", "hugetlbfs"}
+
+
+def _file_system_of(path: str) -> Optional[Tuple[str, str]]:
+    """(mount point, file system type) of the mount holding ``path``, from /proc/self/mountinfo; None when it
+    cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            mounts = []
+            for line in f:
+                fields = line.split()
+                mount_point = fields[4].replace("\\040", " ")
+                fs_type = fields[fields.index("-") + 1]
+                mounts.append((mount_point, fs_type))
+    except (OSError, ValueError, IndexError):
+        return None
+    best = None
+    for mount_point, fs_type in mounts:  # the last, longest mount point wins: it is the one on top
+        inside = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+        if inside and (best is None or len(mount_point) >= len(best[0])):
+            best = (mount_point, fs_type)
+    return best
+
+
+def unwritable(path: str) -> Optional[str]:
+    """Why a results file cannot be written at ``path``, or None when it can: its folder exists and takes a new
+    file (tried: an empty file is made and removed), an existing file is a regular one that may be written, and
+    neither lies in a kernel file system (/proc, /sys). Checked before work starts, so a run's results are not
+    lost at its end."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        return "it is a directory"
+    parent = os.path.dirname(path)
+    if not os.path.exists(parent):
+        return f"folder {parent} does not exist"
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
+    mount = _file_system_of(os.path.realpath(parent))
+    if mount is not None and mount[1] in _PSEUDO_FILE_SYSTEMS:
+        return f"{mount[0]} is the kernel's {mount[1]} file system, not storage"
+    if os.path.exists(path):
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return "it is not a regular file"
+        return None if os.access(path, os.W_OK) else "the file is not writable"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as e:
+        return f"cannot create a file there ({e.strerror or e})"
+    os.close(fd)
+    os.unlink(path)
+    return None
 
 
 def parse_size(value) -> int:
@@ -162,7 +223,7 @@ class EngineConfig:
             try:
                 values[name] = parse(text)
             except ValueError as e:
-                raise ConfigError(f"environment variable {var}={text!r} is not a valid {parse.__name__}") from e
+                raise ConfigError(f"environment variable {var}={text!r}: not a valid {parse.__name__}") from e
         return values
 
     def __post_init__(self):
@@ -184,6 +245,19 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise _bad(name, f"{name} must be an int >= {lo}, got {value!r}")
+        if self.rails > MAX_RAILS:
+            raise _bad("rails", f"rails must be at most {MAX_RAILS}, got {self.rails}")
+        for name, most in _MOST.items():
+            if getattr(self, name) > most:
+                raise _bad(name, f"{name} must be at most {most}, got {getattr(self, name)}")
+        if self.switch_interval is not None and (isinstance(self.switch_interval, bool)
+                                                 or not 0.0 < self.switch_interval <= 1.0):
+            raise _bad("switch_interval", f"switch_interval must be None or seconds in (0, 1], "
+                                          f"got {self.switch_interval!r}")
+        if self.trace_path:
+            why = unwritable(self.trace_path)
+            if why:
+                raise _bad("trace_path", f"trace_path {self.trace_path}: cannot write a trace there: {why}")
         if self.landing_slots > 0xFFFF:
             raise _bad("landing_slots", f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
         for name in ("ack_spin", "recv_spin"):

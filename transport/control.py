@@ -429,8 +429,10 @@ class ControlPlane:
             sock = socket.create_connection((host, port), timeout=timeout)
         except (OSError, UnicodeError) as e:
             lost = self.directory.lost.get(session)
-            raise UnknownSession(f"no pxn engine answers at session {session!r}: {e}"
-                                 + (f" (its previous connection was lost: {lost})" if lost else "")) from e
+            if lost:  # it was connected: the peer is gone, not a session that never answered
+                raise PeerGone(f"peer {session} is gone: nobody answers at its session any more ({e}); its "
+                               f"previous connection was lost: {lost}", None, e) from e
+            raise UnknownSession(f"no pxn engine answers at session {session!r}: {e}") from e
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sess = auth.client_handshake(sock, self.secret, "ctrl", timeout)
@@ -562,7 +564,7 @@ class ControlPlane:
                     peer.ctrl = self.connect(peer.session)
                     peer.ctrl.settimeout(30.0)
                     rep = self.request(peer, {"op": "regions"})
-                except UnknownSession as e:
+                except (UnknownSession, PeerGone) as e:
                     gone = e
                 except (OSError, ConnectionError, ValueError, auth.AuthError) as e:
                     self.close_ctrl_locked(peer)

@@ -475,7 +475,9 @@ class TransferEngine:
                 read after the work this thread queued on their GPU's current stream (a producer such as
                 ``t.copy_(x)`` needs no synchronise before the call).
             dsts: destination addresses, each piece inside a region the peer registered.
-            lengths: bytes per piece (>= 1).
+            lengths: bytes per piece (>= 0). As in Mooncake, a zero-length piece is done by definition: it is
+                dropped unchecked, and an empty batch (or one of zero-length pieces only) returns at once, once
+                the session is known to answer.
             timeout: seconds > 0 (default: the engine's ``timeout``).
         Returns:
             None, once every byte is placed at the peer.
@@ -511,7 +513,8 @@ class TransferEngine:
         The peer gathers the pieces and writes them back with its own ``batch_write`` (small ones coalesced into
         chunks), see ``transport.reads``. Arguments: session_id: the peer's "host:port"; local_dsts: addresses
         inside regions registered here; remote_srcs: addresses inside regions the peer registered; lengths:
-        bytes (>= 1); timeout: seconds (default: the engine's ``timeout``).
+        bytes (>= 0; zero-length pieces and empty batches as in ``batch_write``); timeout: seconds (default: the
+        engine's ``timeout``).
         Returns: None, once every byte is in local memory.
         Raises: InvalidTransfer (nothing written) for malformed lists, a local destination outside this
         engine's regions or a source outside the peer's; UnknownSession; TransferTimeout; TransferError.

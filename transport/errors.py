@@ -114,12 +114,15 @@ class RemoteRejected(TransferError):
     """The receiver refused a chunk (failed validation); nothing of that chunk was written."""
 
 
-class PeerGone(PeerLost):
-    """A connected peer is dead (every rail endpoint died) or replaced (a different engine answers at its
-    session). ``peer`` is the engine's record of it; the engine forgets it."""
+class PeerGone(PeerLost, TransferError):
+    """A connected peer is dead (every rail endpoint died, or nobody answers at its session any more) or replaced
+    (a different engine answers there). What a batch, a read or a region refresh to it raises on every fabric,
+    and the Mooncake API's ``ERR_ENDPOINT``. ``peer`` is the engine's record of it (None once forgotten: the
+    engine forgets a dead peer, and the next call to its session handshakes again); ``causes`` the per-rail
+    causes where several rails died."""
 
-    def __init__(self, message: str, peer, cause: Optional[BaseException] = None):
-        super().__init__(message)
+    def __init__(self, message: str, peer=None, cause: Optional[BaseException] = None, causes=None):
+        TransferError.__init__(self, message, causes if causes is not None else [cause] if cause else [])
         self.peer = peer
         self.cause = cause
 

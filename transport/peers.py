@@ -20,7 +20,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from transport.errors import FabricError, PeerLost, TransferError
+from transport.errors import FabricError, PeerGone, PeerLost, TransferError
 from transport.fabric.base import DEVICE_HOST
 from transport.planner import COALESCED, DIRECT, RELAYED, RailChoice, Unit
 from transport.regions import RegionTable
@@ -196,11 +196,11 @@ class PeerDirectory:
                     pass
 
 
-def all_rails_failed(peer: _Peer, what: str) -> TransferError:
-    """The error of a batch to ``peer`` that has no usable rail left: every rail's cause."""
+def all_rails_failed(peer: _Peer, what: str) -> PeerGone:
+    """The error of a batch to ``peer`` that has no usable rail left: ``PeerGone`` with every rail's cause."""
     causes = [pr.cause or PeerLost(f"rail {pr.rail}: endpoint dead") for pr in peer.rails]
     text = "; ".join(f"rail {pr.rail}: {c}" for pr, c in zip(peer.rails, causes))
-    return TransferError(f"{what}: every rail failed ({text})", causes)
+    return PeerGone(f"{what}: every rail failed ({text})", peer, causes[0] if causes else None, causes)
 
 
 class Failover:
@@ -222,10 +222,10 @@ class Failover:
             if pr.alive:
                 pr.alive = False
                 pr.cause = cause
-                # a peer that closed with nothing in flight is routine; lost work is worth a warning
-                log.log(logging.WARNING if pr.inflight and not pipe._closed else logging.INFO,
-                        "rail %d to %s failed (%s); re-dispatching %d unit(s)", pr.rail, pr.remote_id, cause,
-                        len(pr.inflight))
+                # INFO: its work goes on on the other rails (``stats()`` counts ``rail_failures``); when the
+                # last rail goes, forgetting the peer logs the one line of its death, a warning if work was lost
+                log.info("rail %d to %s failed (%s); re-dispatching %d unit(s)", pr.rail, pr.remote_id, cause,
+                         len(pr.inflight))
                 pipe.counters.add("rail_failures")
             victims = [a for a in pr.inflight if not a.cancelled and not a.finished]
             for a in victims:

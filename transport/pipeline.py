@@ -164,6 +164,8 @@ class Pipeline:
             try:
                 return self.control.peer(session_id)
             except PeerGone as e:
+                if e.peer is None:
+                    raise  # forgotten already, and nobody answers at its session: the caller's error
                 # every endpoint died while nothing was in flight to notice (the peer restarted while idle): fail
                 # the rails now so the peer is forgotten, then handshake again
                 self._fail_peer(e.peer, None)
@@ -176,8 +178,8 @@ class Pipeline:
         except PeerGone as e:
             gone = e.cause or e
             self._fail_peer(peer, PeerLost(f"control connection to {peer.session}: {gone}"))
-            raise TransferError(f"cannot refresh the region list of {peer.session}: {gone}; forgot the peer, the "
-                                f"next batch to it handshakes again", [gone]) from None
+            raise PeerGone(f"cannot refresh the region list of {peer.session}: {gone}; forgot the peer, the "
+                           f"next batch to it handshakes again", None, gone) from None
 
     def close(self) -> None:
         """Fail the batches in flight, stop the completions and the relay rings."""
@@ -220,7 +222,11 @@ class Pipeline:
         send, dend = smax + lmax, dmax + lmax
         if lmin < 1:
             i = int(np.argmin(ln))
-            raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
+            if lmin < 0:
+                raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 0")
+            # zero-length pieces are done by definition, as in Mooncake: dropped unchecked, the rest goes on
+            keep = ln != 0
+            return self._submit(session_id, src[keep], dst[keep], ln[keep], async_)
         for name, arr, lo in (("srcs", src, smin), ("dsts", dst, dmin)):
             if lo < 0:
                 i = int(np.argmin(arr))

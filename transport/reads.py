@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from transport.auth import AuthError
-from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, InvalidTransfer, PeerLost,
+from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, InvalidTransfer, PeerGone, PeerLost,
                               RemoteRejected, TransferError, TransferTimeout, UnknownSession)
 from transport.arrays import as_arrays
 from transport.batches import batch_timeout
@@ -186,6 +186,9 @@ def _validate(engine, session_id, local_dsts, remote_srcs, lengths):
     dst, src, ln = as_arrays(("local_dsts", local_dsts), ("remote_srcs", remote_srcs), ("lengths", lengths))
     if not isinstance(session_id, str) or session_id.count(":") < 1:
         raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
+    if ln.size and int(ln.min()) == 0:  # zero-length pieces are done by definition, as in Mooncake
+        keep = ln != 0
+        dst, src, ln = dst[keep], src[keep], ln[keep]
     if ln.size == 0:
         return dst, src, ln
     _check_inside(engine, "local_dsts", dst, ln, "is not inside a region registered with this engine; nothing was "
@@ -194,12 +197,12 @@ def _validate(engine, session_id, local_dsts, remote_srcs, lengths):
 
 
 def _check_inside(engine, name: str, addrs: np.ndarray, ln: np.ndarray, outside: str, also=()) -> None:
-    """Every length >= 1, every address (``addrs``, then each of ``also``: (name, array) pairs) >= 0, every piece
-    of ``addrs`` inside a region this engine registered; else ``InvalidTransfer`` naming the first bad piece
+    """Every length >= 1 (zero-length pieces are gone by now), every address (``addrs``, then each of ``also``:
+    (name, array) pairs) >= 0, every piece of ``addrs`` inside a region this engine registered; else ``InvalidTransfer`` naming the first bad piece
     (``outside``: how a piece outside every region is told)."""
     if int(ln.min()) < 1:
         i = int(np.argmin(ln))
-        raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 1")
+        raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 0")
     for label, arr in ((name, addrs), *also):
         if int(arr.min()) < 0:
             i = int(np.argmin(arr))
@@ -212,7 +215,8 @@ def _check_inside(engine, name: str, addrs: np.ndarray, ln: np.ndarray, outside:
 
 def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
     """One request / reply on a pooled control connection to ``session_id``; a dead pooled connection is
-    replaced once. Raises UnknownSession when nobody answers, TransferTimeout, PeerLost."""
+    replaced once. Raises UnknownSession when nobody answers, TransferTimeout, PeerGone (the connection broke, or
+    nobody answers where a peer was connected)."""
     st = engine._reads
     for attempt in (0, 1):
         sock, pooled = st.take(session_id)
@@ -227,7 +231,8 @@ def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
             _close(sock)
             if pooled and attempt == 0:
                 continue  # the pooled connection died while idle (peer restarted): once more on a fresh one
-            raise PeerLost(f"{msg.get('op')} request to {session_id}: control connection failed: {e}") from e
+            raise PeerGone(f"{msg.get('op')} request to {session_id}: control connection failed: {e}", None,
+                           e) from e
         st.give_back(session_id, sock)
         return rep
     raise AssertionError("unreachable")

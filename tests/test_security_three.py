@@ -139,3 +139,59 @@ def test_documented_switch_values(monkeypatch, value, want):
     assert EngineConfig.from_env().forward_large is (False if want is None else want)
     monkeypatch.setenv("PXN_SGLANG_PLUGIN", value)
     assert parse_flag("PXN_SGLANG_PLUGIN", True) is (True if want is None else want)
+
+
+def _load_in_thread(path: str, timeout: float = 10.0):
+    """``_load_secret_file(path)`` in a thread: what it raised, or a hang (a FIFO opened for reading without
+    O_NONBLOCK blocks until a writer comes)."""
+    import threading
+    from transport import auth
+    got = {}
+
+    def run():
+        try:
+            got["value"] = auth._load_secret_file(path)
+        except BaseException as e:  # noqa: BLE001 — handed to the test
+            got["error"] = e
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        with open(path, "wb"):  # let the hung open return (a writer appears, closes at once)
+            pass
+        t.join(5.0)
+        pytest.fail(f"loading the secret file {path} hung for {timeout} s")
+    return got.get("error"), got.get("value")
+
+
+def test_secret_file_that_is_a_fifo_is_refused_at_once(monkeypatch, tmp_path):
+    """A FIFO at ``PXN_SECRET_FILE`` must not hang an engine's start: refused at once, naming the path."""
+    from transport import auth
+    d = tmp_path / "pxn"
+    d.mkdir(mode=0o700)
+    fifo = d / "secret"
+    os.mkfifo(fifo, 0o600)
+    err, _ = _load_in_thread(str(fifo))
+    assert isinstance(err, auth.InsecureConfig) and "not a regular file" in str(err) and str(fifo) in str(err)
+
+
+@pytest.mark.parametrize("case", ["symlink", "mode 0644", "mode 0640", "mode 0700", "directory"])
+def test_secret_file_other_than_a_0600_regular_file_is_refused(tmp_path, case):
+    from transport import auth
+    d = tmp_path / "pxn"
+    d.mkdir(mode=0o700)
+    path = d / "secret"
+    real = d / "real"
+    real.write_text("b" * 64)
+    real.chmod(0o600)
+    if case == "symlink":
+        path.symlink_to(real)
+    elif case == "directory":
+        path.mkdir(mode=0o700)
+    else:
+        path.write_text("c" * 64)
+        path.chmod(int(case.split()[1], 8))
+    err, _ = _load_in_thread(str(path))
+    assert isinstance(err, auth.InsecureConfig) and str(path) in str(err)
+    err, value = _load_in_thread(str(real))
+    assert err is None and value == b"b" * 64

@@ -61,6 +61,7 @@ import logging
 import os
 import secrets as _secrets
 import socket
+import stat
 import struct
 import threading
 import time
@@ -136,9 +137,38 @@ def secret_file(environ=None) -> str:
     return os.path.join(base, "pxn", "secret")
 
 
+def _open_secret_file(path: str) -> int:
+    """A descriptor of the secret file ``path``, checked before a byte is read: opened with ``O_NOFOLLOW |
+    O_NONBLOCK`` (a symlink is refused, and a FIFO or device opens at once instead of hanging the start), then
+    ``fstat``: anything but a regular file of this user with mode 0600 raises InsecureConfig at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InsecureConfig(f"secret file {path} is a symbolic link; point PXN_SECRET_FILE at the file "
+                                 f"itself") from None
+        raise InsecureConfig(f"secret file {path} cannot be opened: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InsecureConfig(f"secret file {path} is not a regular file (mode {stat.filemode(st.st_mode)}); "
+                                 f"set PXN_SECRET_FILE to a file of your own")
+        if st.st_uid != os.getuid():
+            raise InsecureConfig(f"secret file {path} belongs to uid {st.st_uid}, not to this user "
+                                 f"({os.getuid()}); set PXN_SECRET_FILE to a file of your own")
+        if st.st_mode & 0o777 != 0o600:
+            raise InsecureConfig(f"secret file {path} has mode {st.st_mode & 0o777:o}, not 600"
+                                 f"{': other users may read it' if st.st_mode & 0o077 else ''}; chmod 600 it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _load_secret_file(path: str) -> bytes:
     """The secret in ``path``, created (32 random bytes, hex, mode 0600, directory 0700) when missing. Raises
-    InsecureConfig when the file is not this user's, is readable by others, or is too short."""
+    InsecureConfig at once when it is a symlink, not a regular file (a FIFO must not hang the start), not this
+    user's, not of mode 0600, or too short (``_open_secret_file``)."""
     with _FILE_LOCK:
         got = _FILE_SECRETS.get(path)
         if got is not None:
@@ -146,7 +176,7 @@ def _load_secret_file(path: str) -> bytes:
         d = os.path.dirname(path)
         os.makedirs(d, mode=0o700, exist_ok=True)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             pass
         else:
@@ -156,21 +186,14 @@ def _load_secret_file(path: str) -> bytes:
                 f.write(_secrets.token_hex(32) + "\n")
         deadline = time.monotonic() + 2.0
         while True:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = _open_secret_file(path)
             try:
-                st = os.fstat(fd)
                 data = os.read(fd, 4096).strip()
             finally:
                 os.close(fd)
             if len(data) >= MIN_SECRET_BYTES or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        if st.st_uid != os.getuid():
-            raise InsecureConfig(f"secret file {path} belongs to uid {st.st_uid}, not to this user "
-                                 f"({os.getuid()}); set PXN_SECRET_FILE to a file of your own")
-        if st.st_mode & 0o077:
-            raise InsecureConfig(f"secret file {path} has mode {st.st_mode & 0o777:o}: other users may read it; "
-                                 f"chmod 600 it")
         if len(data) < MIN_SECRET_BYTES:
             raise InsecureConfig(f"secret file {path} holds {len(data)} bytes, fewer than {MIN_SECRET_BYTES}")
         _FILE_SECRETS[path] = data

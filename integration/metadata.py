@@ -32,18 +32,39 @@ class HttpMetadata:
         self.timeout = timeout
         # changes are signed with it (``integration.metadata_server.sign``); a server without a secret ignores it
         self.secret = secret
+        self._version = 0
+
+    def _next_version(self) -> int:
+        """The version of this client's next PUT: the clock in ns, above every earlier one of this client (the
+        server refuses a PUT not newer than the entry it holds)."""
+        self._version = max(time.time_ns(), self._version + 1)
+        return self._version
+
+    def _challenge(self) -> Optional[str]:
+        """A challenge of the server, to sign a change with; None from a server that issues none (Mooncake's, or
+        pxn's without a secret: it takes changes unsigned)."""
+        import urllib.parse
+        url = urllib.parse.urlsplit(self.url)
+        status, body = self._fetch("GET", urllib.parse.urlunsplit(url._replace(
+            path=url.path.rstrip("/") + "/challenge", query="")), None, {})
+        return body.decode("ascii", "replace") if status == 200 and len(body) <= 200 else None
 
     def _call(self, method: str, key: str, body: Optional[bytes] = None) -> Tuple[int, bytes]:
-        import urllib.error
         import urllib.parse
-        import urllib.request
         sep = "&" if "?" in self.url else "?"
         headers = {}
         if self.secret and method != "GET":
             from integration.metadata_server import AUTH_HEADER, sign
-            headers[AUTH_HEADER] = sign(self.secret, method, key, body or b"")
-        req = urllib.request.Request(f"{self.url}{sep}key={urllib.parse.quote(key, safe='')}", data=body,
-                                     method=method, headers=headers)
+            challenge = self._challenge()
+            if challenge is not None:
+                headers[AUTH_HEADER] = sign(self.secret, method, key, body or b"", challenge,
+                                            self._next_version() if method == "PUT" else 0)
+        return self._fetch(method, f"{self.url}{sep}key={urllib.parse.quote(key, safe='')}", body, headers)
+
+    def _fetch(self, method: str, url: str, body: Optional[bytes], headers: dict) -> Tuple[int, bytes]:
+        import urllib.error
+        import urllib.request
+        req = urllib.request.Request(url, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 return r.status, r.read()

@@ -5,6 +5,7 @@ is changed after its frame was sealed (a redirect into another tenant's region),
 landing slots, a captured metadata change replayed after a restart, a forged etcd entry, a FIFO at the secret
 file's path, and a typo in a boolean variable.
 """
+import json
 import os
 import struct
 import zlib
@@ -195,3 +196,81 @@ def test_secret_file_other_than_a_0600_regular_file_is_refused(tmp_path, case):
     assert isinstance(err, auth.InsecureConfig) and str(path) in str(err)
     err, value = _load_in_thread(str(real))
     assert err is None and value == b"b" * 64
+
+
+def _http(url: str, method: str, body=None, headers=None):
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _capturing(client):
+    """Record every request ``client`` (an ``HttpMetadata``) sends: what someone on the path would capture."""
+    sent = []
+    fetch = client._fetch
+
+    def record(method, url, body, headers):
+        sent.append((method, url, body, dict(headers)))
+        return fetch(method, url, body, headers)
+    client._fetch = record
+    return sent
+
+
+def test_a_captured_metadata_change_is_refused_after_a_restart_and_on_another_server():
+    """An entry goes v1 -> v2; the signed PUT of v1, captured, is replayed on the same server, on a second server with
+    the same secret, and on the first one restarted on its port (where v2 was published again): refused (403) every
+    time, and the entry stays v2. A fresh, signed PUT of an older version is refused too (409)."""
+    from integration.metadata import HttpMetadata
+    from integration.metadata_server import AUTH_HEADER, MetadataServer, sign
+    key = "pxn/segment/prefill-0"
+    v1, v2 = {"session": "10.0.0.1:1111"}, {"session": "10.0.0.2:2222"}
+    with MetadataServer("127.0.0.1", 0, secret=SECRET) as first, MetadataServer("127.0.0.1", 0, secret=SECRET) as other:
+        client = HttpMetadata(first.url, secret=SECRET.encode())
+        sent = _capturing(client)
+        client.put(key, v1)
+        _, url1, body1, headers1 = [s for s in sent if s[0] == "PUT"][-1]
+        client.put(key, v2)
+        assert client.get(key) == v2
+        assert _http(url1, "PUT", body1, headers1)[0] == 403
+        assert client.get(key) == v2
+        assert _http(url1.replace(str(first.port), str(other.port)), "PUT", body1, headers1)[0] == 403
+        assert other.keys() == []
+        port = first.port
+        first.close()
+        with MetadataServer("127.0.0.1", port, secret=SECRET) as again:
+            client.put(key, v2)
+            assert _http(url1, "PUT", body1, headers1)[0] == 403
+            assert client.get(key) == v2
+            # a signed change, on a fresh challenge, of an older version than the stored one
+            old = json.dumps(v1).encode()
+            challenge = _http(again.url + "/challenge", "GET")[1].decode()
+            status, text = _http(url1, "PUT", old, {AUTH_HEADER: sign(SECRET.encode(), "PUT", key, old, challenge, 1)})
+            assert status == 409 and b"not newer" in text
+            assert client.get(key) == v2 and again.keys() == [key]
+
+
+def test_the_metadata_server_uses_the_per_user_secret_on_loopback_by_default(monkeypatch, tmp_path):
+    """Started with no secret and not told to be insecure, the server on loopback takes the per-user secret file, as
+    engines do: an unsigned PUT or DELETE from any local process is refused; a client holding that file's secret
+    gets in; ``insecure=True`` runs Mooncake's open protocol."""
+    from integration.metadata import HttpMetadata
+    from integration.metadata_server import MetadataServer
+    from transport.auth import resolve_secret
+    monkeypatch.delenv("PXN_SECRET", raising=False)
+    monkeypatch.delenv("PXN_INSECURE", raising=False)
+    monkeypatch.setenv("PXN_SECRET_FILE", str(tmp_path / "pxn" / "secret"))
+    with MetadataServer("127.0.0.1", 0) as srv:
+        assert srv.authenticated
+        url = srv.url + "?key=pxn/segment/a"
+        assert _http(url, "PUT", b'{"session": "evil:1"}')[0] == 403
+        assert srv.keys() == []
+        HttpMetadata(srv.url, secret=resolve_secret(None, "127.0.0.1")).put("pxn/segment/a", {"session": "h:1"})
+        assert _http(url, "DELETE")[0] == 403 and srv.keys() == ["pxn/segment/a"]
+    with MetadataServer("127.0.0.1", 0, insecure=True) as srv:
+        assert not srv.authenticated
+        assert _http(srv.url + "?key=k", "PUT", b"{}")[0] == 200

@@ -17,15 +17,17 @@ Header (little-endian, 64 bytes)::
      24   4  payload_offset   align16(64 + 16 n)
      28   4  chunk_bytes      payload_offset + payload bytes (items at 16-B aligned offsets)
      32   8  sender_id        sender's 64-bit id
-     40   4  checksum         CRC-32 of header (with this field zero) + item table
-     44  16  mac              with flag ``F_KEYED``: keyed BLAKE2b-128 under the sender's chunk key of the header
-                              (bytes 0..40 and 60..64) and the item table; else zero
+     40   4  checksum         CRC-32 of header (with this field zero) + item table; zero with ``F_KEYED``
+     44  16  mac              with flag ``F_KEYED``: HMAC-SHA256 under the sender's chunk key of the header (bytes
+                              0..40 and 60..64) and the item table, its first 16 bytes; else zero
      60   4  reserved, 0
 
-The checksum catches a chunk that was not (or not wholly) written; only the MAC says who wrote it. A receiver
-holding a chunk key for the sender (``key=`` of ``parse_chunk``) refuses a chunk without ``F_KEYED`` or whose MAC
-does not check (``ChunkAuthError``) before it reads anything else of it: the header and the table decide where
-every byte goes, and the fabric's own tags do not cover them (they travel as the payload of a write).
+Flags: ``F_KEYED`` (bit 0). Without a secret the checksum catches a chunk that was not (or not wholly) written.
+With one, the MAC replaces it: only the MAC says who wrote the chunk. A receiver holding a chunk key for the
+sender (``key=`` of ``parse_chunk``) refuses a chunk without ``F_KEYED`` or whose MAC does not check
+(``ChunkAuthError``) before it reads the table: the header and the table decide where every byte goes, and the
+fabric's own tags do not cover them (they travel as the payload of a write). HMAC-SHA256 rather than keyed
+BLAKE2b: with the CPU's SHA instructions it hashes a 4096-item table (64 KiB) in about half the time.
 
 Item table entry (16 bytes)::
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
-from hashlib import blake2b
+import hmac
 from hmac import compare_digest
 from itertools import islice, repeat
 from operator import add, and_, le
@@ -102,10 +104,18 @@ def chunk_bytes_for(lengths: Sequence[int]) -> int:
 def chunk_mac(key: bytes, head_table) -> bytes:
     """The MAC of a chunk whose header and item table are ``head_table`` (bytes-like, exactly that long): keyed
     BLAKE2b-128 over them without the checksum and MAC fields (bytes 40..60)."""
-    h = blake2b(key=key, digest_size=MAC_BYTES)
+    base = _MAC_BASES.get(key)
+    if base is None:
+        if len(_MAC_BASES) >= 1024:
+            _MAC_BASES.clear()
+        base = _MAC_BASES[key] = hmac.new(key, digestmod="sha256")  # the key's pads hashed once, copied per chunk
+    h = base.copy()
     h.update(head_table[:40])
     h.update(head_table[_MAC_END:])
-    return h.digest()
+    return h.digest()[:MAC_BYTES]
+
+
+_MAC_BASES: dict = {}
 
 
 def build_header_table(dst_addrs: Sequence[int], lengths: Sequence[int], seq: int, sender_id: int,
@@ -144,11 +154,12 @@ def build_header_table(dst_addrs: Sequence[int], lengths: Sequence[int], seq: in
         flags |= F_KEYED
     header = _HEADER.pack(MAGIC, VERSION, flags, seq, n, HEADER_BYTES, table_end, chunk_bytes, sender_id, 0)
     buf[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-    if key is not None:
+    if key is not None:  # the MAC replaces the checksum (left zero)
         buf[_MAC_AT:_MAC_END] = np.frombuffer(chunk_mac(key, memoryview(buf[:HEADER_BYTES + ENTRY_BYTES * n])),
                                               dtype=np.uint8)
-    checksum = zlib.crc32(buf[:HEADER_BYTES + ENTRY_BYTES * n])
-    buf[40:44] = np.frombuffer(struct.pack("<I", checksum), dtype=np.uint8)
+    else:
+        checksum = zlib.crc32(buf[:HEADER_BYTES + ENTRY_BYTES * n])
+        buf[40:44] = np.frombuffer(struct.pack("<I", checksum), dtype=np.uint8)
     return buf, item_offsets, chunk_bytes
 
 
@@ -173,8 +184,10 @@ class ChunkTable:
 BufferLike = Union[bytes, bytearray, memoryview, np.ndarray]
 
 
-def _check_mac(key: bytes, flags: int, head_table) -> None:
+def _check_mac(key: Optional[bytes], flags: int, head_table) -> None:
     """Raise ChunkAuthError unless the chunk whose header and table are ``head_table`` carries a good MAC."""
+    if key is None:
+        raise ChunkAuthError(f"chunk with a MAC (flags 0x{flags:x}) for a receiver that holds no chunk key")
     if not flags & F_KEYED:
         raise ChunkAuthError(f"chunk without a MAC (flags 0x{flags:x}) from a sender that holds a chunk key")
     got = bytes(head_table[_MAC_AT:_MAC_END])
@@ -220,13 +233,14 @@ def parse_chunk(data: BufferLike, available_bytes: Optional[int] = None, key: Op
                                f"(header+table .. bytes that landed)")
     if view.size < table_end:
         raise ChunkFormatError(f"item table needs {table_end} bytes, only {view.size} given")
-    if key is not None:
+    if key is not None or flags & F_KEYED:
         _check_mac(key, flags, memoryview(view[:table_end]))
-    scratch = view[:table_end].copy()
-    scratch[40:44] = 0
-    if zlib.crc32(scratch) != checksum:
-        raise ChunkFormatError(f"checksum mismatch: header says 0x{checksum:08x}, "
-                               f"computed 0x{zlib.crc32(scratch):08x}")
+    else:
+        scratch = view[:table_end].copy()
+        scratch[40:44] = 0
+        if zlib.crc32(scratch) != checksum:
+            raise ChunkFormatError(f"checksum mismatch: header says 0x{checksum:08x}, "
+                                   f"computed 0x{zlib.crc32(scratch):08x}")
     table = view[HEADER_BYTES:table_end].view(_ENTRY_DTYPE)
     lengths = table["length"].astype(np.int64)
     offsets = table["offset"].astype(np.int64)
@@ -306,11 +320,11 @@ def parse_chunk_rows(data: memoryview, available_bytes: int, key: Optional[bytes
             or payload_offset != align_up(table_end) or not payload_offset <= chunk_bytes <= available_bytes \
             or len(data) < table_end:
         return None
+    if key is not None:  # the MAC (instead of the checksum)
+        if not (flags & F_KEYED and compare_digest(bytes(data[_MAC_AT:_MAC_END]), chunk_mac(key, data[:table_end]))):
+            return None
     # the checksum of header (its checksum field zero) and table, as parse_chunk computes it on a copy
-    if zlib.crc32(data[44:table_end], zlib.crc32(b"\0\0\0\0", zlib.crc32(data[:40]))) != checksum:
-        return None
-    if key is not None and not (flags & F_KEYED and compare_digest(bytes(data[_MAC_AT:_MAC_END]),
-                                                                   chunk_mac(key, data[:table_end]))):
+    elif flags & F_KEYED or zlib.crc32(data[44:table_end], zlib.crc32(b"\0\0\0\0", zlib.crc32(data[:40]))) != checksum:
         return None
     rows = _rows_struct(count).unpack_from(data, HEADER_BYTES)
     dsts, lens, offs = rows[0::3], rows[1::3], rows[2::3]

@@ -95,7 +95,9 @@ def test_chunk_mac_refuses_a_changed_table_a_missing_mac_and_a_replayed_sequence
     assert chunk_format.parse_chunk_rows(memoryview(head.copy()), nbytes, key)[0] == 9
     changed = head.copy()
     _retabled(changed, 4 * MB)
-    chunk_format.parse_chunk(changed, nbytes)  # the checksum alone cannot tell
+    plain = chunk_format.build_header_table(dsts, lens, 9, 77)[0].copy()
+    _retabled(plain, 4 * MB)
+    chunk_format.parse_chunk(plain, nbytes)  # without a secret, the checksum alone cannot tell
     for bad, k in ((changed, key), (head.copy(), other),
                    (chunk_format.build_header_table(dsts, lens, 9, 77)[0], key)):
         with pytest.raises(ChunkAuthError):
@@ -274,3 +276,127 @@ def test_the_metadata_server_uses_the_per_user_secret_on_loopback_by_default(mon
     with MetadataServer("127.0.0.1", 0, insecure=True) as srv:
         assert not srv.authenticated
         assert _http(srv.url + "?key=k", "PUT", b"{}")[0] == 200
+
+
+# --- etcd ------------------------------------------------------------------------------------------------------
+def _etcd(tmp_path, tls=None):
+    pytest.importorskip("etcd3gw")
+    from etcd_helpers import EtcdServer, EtcdUnavailable
+    try:
+        return EtcdServer.start(str(tmp_path), tls=tls)
+    except EtcdUnavailable as e:
+        pytest.skip(str(e))
+
+
+def test_a_forged_etcd_entry_is_refused_naming_its_key(tmp_path, monkeypatch):
+    """Someone who may write to etcd but does not hold the secret replaces a published entry with one pointing at
+    their own session, or copies a signed entry to another segment name: a reader with the secret refuses both
+    (``ForgedSegment``, naming the key) and still reads the genuine entry."""
+    import etcd3gw
+    from integration.metadata import EtcdMetadata
+    from transport.errors import ForgedSegment
+    monkeypatch.delenv("MC_METADATA_CLUSTER_ID", raising=False)
+    etcd = _etcd(tmp_path)
+    writer = reader = None
+    try:
+        writer = EtcdMetadata(etcd.url, ttl=30, secret=SECRET.encode())
+        reader = EtcdMetadata(etcd.url, secret=SECRET.encode())
+        writer.put("pxn/segment/prefill-0", {"session": "127.0.0.1:1111", "engine_id": 7, "fabric": "tcp"})
+        assert reader.get("pxn/segment/prefill-0")["session"] == "127.0.0.1:1111"
+        raw = etcd3gw.Etcd3Client("127.0.0.1", etcd.port)
+        genuine = raw.get("mooncake/ram/prefill-0")[0]
+        raw.put("mooncake/ram/prefill-1", genuine)  # a signed entry under another name
+        with pytest.raises(ForgedSegment, match="mooncake/ram/prefill-1"):
+            reader.get("pxn/segment/prefill-1")
+        forged = json.loads(genuine)
+        forged["pxn"]["session"] = "10.6.6.6:6666"
+        raw.put("mooncake/ram/prefill-0", json.dumps(forged))
+        with pytest.raises(ForgedSegment, match="mooncake/ram/prefill-0.*signed with another secret"):
+            reader.get("pxn/segment/prefill-0")
+        del forged["pxn"]["mac"]
+        raw.put("mooncake/ram/prefill-0", json.dumps(forged))
+        with pytest.raises(ForgedSegment, match="mooncake/ram/prefill-0.*unsigned"):
+            reader.get("pxn/segment/prefill-0")
+    finally:
+        for c in (writer, reader):
+            if c is not None:
+                c.close()
+        etcd.stop()
+
+
+def _etcdctl(etcd, *args):
+    import shutil
+    import subprocess
+    exe = shutil.which("etcdctl") or os.path.join(os.path.dirname(os.sys.executable), "etcdctl")
+    subprocess.run([exe, "--endpoints", etcd.client_url, *args], check=True, capture_output=True, timeout=30)
+
+
+def test_etcd_authentication_is_passed_through(tmp_path, monkeypatch):
+    """etcd with its own authentication on: a client without credentials is refused by etcd (an error naming the
+    server), one with ``user`` and ``password_file`` in the connection string publishes and reads its signed entry,
+    also after its token went stale."""
+    from integration.metadata import EtcdMetadata
+    from transport.errors import UnknownPeer
+    monkeypatch.delenv("MC_METADATA_CLUSTER_ID", raising=False)
+    etcd = _etcd(tmp_path)
+    client = None
+    try:
+        _etcdctl(etcd, "user", "add", "root", "--new-user-password=root-pw-0123")
+        _etcdctl(etcd, "role", "add", "root")
+        _etcdctl(etcd, "user", "grant-role", "root", "root")
+        _etcdctl(etcd, "user", "add", "pxn", "--new-user-password=pxn-pw-0123")
+        _etcdctl(etcd, "role", "add", "pxn")
+        _etcdctl(etcd, "role", "grant-permission", "pxn", "--prefix=true", "readwrite", "mooncake/")
+        _etcdctl(etcd, "user", "grant-role", "pxn", "pxn")
+        _etcdctl(etcd, "auth", "enable")
+        anonymous = EtcdMetadata(etcd.url, ttl=30, secret=SECRET.encode())
+        with pytest.raises(UnknownPeer, match="etcd"):
+            anonymous.put("pxn/segment/a", {"session": "127.0.0.1:1"})
+        anonymous.close()
+        pw = tmp_path / "etcd-password"
+        pw.write_text("pxn-pw-0123\n")
+        pw.chmod(0o600)
+        client = EtcdMetadata(f"{etcd.url}?user=pxn&password_file={pw}", ttl=30, secret=SECRET.encode())
+        client.put("pxn/segment/a", {"session": "127.0.0.1:1"})
+        assert client.get("pxn/segment/a")["session"] == "127.0.0.1:1"
+        client._clients[0].session.headers["Authorization"] = "expired-token"  # a token etcd no longer knows
+        assert client.get("pxn/segment/a")["session"] == "127.0.0.1:1"
+    finally:
+        if client is not None:
+            client.close()
+        etcd.stop()
+
+
+def test_etcd_tls_is_passed_through(tmp_path, monkeypatch):
+    """etcd serving https only: ``ca`` in the connection string makes the client speak TLS and check etcd's
+    certificate; a client without it cannot reach etcd."""
+    import shutil
+    import subprocess
+    from integration.metadata import EtcdMetadata
+    from transport.errors import UnknownPeer
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make certificates")
+    monkeypatch.delenv("MC_METADATA_CLUSTER_ID", raising=False)
+    d = tmp_path
+
+    def ssl_cmd(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60, cwd=d)
+    ssl_cmd("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=pxn-test-ca")
+    ssl_cmd("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=127.0.0.1")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    ssl_cmd("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            "srv.pem", "-days", "1", "-extfile", "san.ext")
+    etcd = _etcd(tmp_path, tls=(str(d / "srv.pem"), str(d / "srv.key"), str(d / "ca.pem")))
+    client = None
+    try:
+        plain = EtcdMetadata(etcd.url, timeout=2.0)
+        with pytest.raises(UnknownPeer):
+            plain.get("pxn/segment/a")
+        client = EtcdMetadata(f"{etcd.url}?ca={d / 'ca.pem'}", ttl=30, secret=SECRET.encode())
+        client.put("pxn/segment/a", {"session": "127.0.0.1:2"})
+        assert client.get("pxn/segment/a")["session"] == "127.0.0.1:2"
+    finally:
+        if client is not None:
+            client.close()
+        etcd.stop()

@@ -54,6 +54,11 @@ class ForeignSegment(UnknownPeer):
     move data to it; the message names the key, the server and what the entry holds."""
 
 
+class ForgedSegment(ForeignSegment):
+    """A pxn segment entry in etcd whose MAC does not check under this engine's secret (or that carries none):
+    written by someone who does not hold the secret. The message names the key and the server."""
+
+
 class PeerLost(FabricError):
     """The peer's connection broke (process died, socket reset); its pending work fails with this cause."""
 

@@ -400,3 +400,100 @@ def test_etcd_tls_is_passed_through(tmp_path, monkeypatch):
         if client is not None:
             client.close()
         etcd.stop()
+
+
+# --- credits are leases ------------------------------------------------------------------------------------------
+PIECES, PIECE = 32768, 64  # a batch of small pieces: several chunks, each taking a landing credit
+
+
+def _looping_sender(session: str, secret: str, done, stop, errors) -> None:
+    """A sender in its own process writing batches of small pieces to ``session`` until ``stop`` is set; ``done``
+    counts the batches that completed, ``errors`` those that failed (its rails aborted while it was stopped)."""
+    import logging
+    import time
+    logging.basicConfig(level=logging.ERROR)
+    rng = np.random.default_rng(os.getpid())
+    with TransferEngine(fabric="tcp", secret=secret, rails=2) as eng:
+        src = np.frombuffer(rng.bytes(PIECES * PIECE * 2), dtype=np.uint8).copy()
+        eng.register(src)
+        base = int(session.rsplit("@", 1)[1])
+        session = session.rsplit("@", 1)[0]
+        srcs = [src.ctypes.data + 2 * PIECE * i for i in range(PIECES)]
+        dsts = [base + PIECE * i for i in range(PIECES)]
+        while not stop.is_set():
+            try:
+                eng.batch_write(session, srcs, dsts, [PIECE] * PIECES, timeout=60)
+                done.value += 1
+            except Exception:  # noqa: BLE001 — counted: the test checks that it recovers
+                errors.value += 1
+                time.sleep(0.1)
+
+
+def _pool_free(rx) -> int:
+    """Free slots of the receiver's fullest landing pool."""
+    return min(p["free"] for p in rx.stats()["receiver"]["landing_pools"])
+
+
+def test_a_stopped_sender_does_not_keep_its_landing_slots(seed):
+    """A sender stopped (SIGSTOP) while it holds most of a receiver's landing slots on both rails: another sender's
+    batches still all complete (the stopped one's leases run out while it waits, its rails to the receiver are
+    aborted and its slots go back), and the stopped sender, resumed, asks again and completes batches."""
+    import multiprocessing
+    import signal
+    import time
+    from transport.credits import LEASE_S
+    rng = np.random.default_rng(seed)
+    chunk = 128 << 10
+    ctx = multiprocessing.get_context("spawn")
+    with TransferEngine(fabric="tcp", secret=SECRET, rails=2, relay_slot_bytes=chunk, landing_bytes=8 * chunk) as rx:
+        dst = np.zeros(2 * PIECES * PIECE, dtype=np.uint8)
+        rx.register(dst)
+        done, errors, stop = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event()
+        proc = ctx.Process(target=_looping_sender, args=(f"{rx.session_id}@{dst.ctypes.data}", SECRET, done, stop, errors),
+                           daemon=True)
+        proc.start()
+        try:
+            deadline = time.monotonic() + 120
+            while done.value < 3 and time.monotonic() < deadline and proc.is_alive():
+                time.sleep(0.05)
+            assert done.value >= 3, "the looping sender did not get going"
+            nslots = rx.stats()["receiver"]["landing_pools"][0]["slots"]
+            for _ in range(200):  # stop it while it holds slots on every rail
+                os.kill(proc.pid, signal.SIGSTOP)
+                time.sleep(0.05)
+                if _pool_free(rx) <= 1:
+                    break
+                os.kill(proc.pid, signal.SIGCONT)
+                time.sleep(0.01 * rng.random())
+            else:
+                pytest.fail("never caught the sender holding all but one slot of a pool")
+            with TransferEngine(fabric="tcp", secret=SECRET, rails=2, relay_slot_bytes=chunk) as other:
+                src = np.frombuffer(rng.bytes(PIECES * PIECE), dtype=np.uint8).copy()
+                other.register(src)
+                base = dst.ctypes.data + PIECES * PIECE
+                took = []
+                for i in range(10):
+                    t0 = time.monotonic()
+                    other.batch_write(rx.session_id, [src.ctypes.data + PIECE * j for j in range(PIECES)],
+                                      [base + PIECE * j for j in range(PIECES)], [PIECE] * PIECES,
+                                      timeout=3 * LEASE_S + 10)
+                    took.append(time.monotonic() - t0)
+                    assert bytes(dst[PIECES * PIECE:]) == bytes(src)
+                    dst[PIECES * PIECE:] = 0
+                print(f"other sender's batches while one is stopped: {['%.3f' % t for t in took]} s")
+            assert rx.counters.get("rx_leases_expired") >= 1
+            before = done.value
+            os.kill(proc.pid, signal.SIGCONT)
+            deadline = time.monotonic() + 60
+            while done.value < before + 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert done.value >= before + 2, "the resumed sender did not complete batches again"
+        finally:
+            stop.set()
+            try:
+                os.kill(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()

@@ -121,6 +121,9 @@ class SenderState:
     want: List = field(default_factory=list)  # per rail: credits it asked for and has not got yet
     queued: List = field(default_factory=list)  # per rail: whether it is in the pool's waiting queue
     returning: List = field(default_factory=list)  # per rail: credits taken back whose ack is not posted yet
+    # per rail: {credit index: time.monotonic() it was lent or kept at an ack} of credits whose chunk has not
+    # arrived since: a lease, which runs out after LEASE_S while others wait (``CreditDesk.sweep``)
+    leased: List = field(default_factory=list)
     acks: List = field(default_factory=list)  # per rail: (HostBuffer, mr)
     hello_at: float = 0.0  # time.monotonic() of the handshake
     stale_eps: Dict = field(default_factory=dict)  # rail -> endpoint of an earlier connection, dead or dying
@@ -252,6 +255,7 @@ class Receiver:
                 st.want = [0] * n
                 st.queued = [False] * n
                 st.returning = [set() for _ in range(n)]
+                st.leased = [{} for _ in range(n)]
                 # a sender says hello again only after it forgot this engine (every rail failed): retire what it
                 # had, so that stale chunks and acks of the old connection cannot touch the new one's slots
                 old = self._senders.pop(engine_id, None)
@@ -379,6 +383,7 @@ class Receiver:
         if imm & ACK_FLAG or slot is None or length > st.slot_bytes or length < HEADER_BYTES \
                 or addr != buf.addr + slot * pool.stride:
             return None
+        st.leased[rail].pop(imm & 0xFFFF, None)  # written: its lease is kept
         t0 = now_ns()
         head = read(HEADER_BYTES)
         count = int.from_bytes(head[16:20], "little")
@@ -427,6 +432,8 @@ class Receiver:
         # the sender state is looked up now, when the chunk has landed: if the sender handshakes again before
         # the progress thread gets to it, the chunk still belongs to (and is dropped with) the old state
         entry = self._by_rail_id.get(peer_id)
+        if entry is not None and entry[1] == rail:
+            entry[0].leased[rail].pop(imm & 0xFFFF, None)  # written within its lease
         if entry is not None and entry[0].placed:
             placed = entry[0].placed.pop((rail, imm), None)
             if placed is not None:

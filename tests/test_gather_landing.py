@@ -313,14 +313,21 @@ def test_coalesced_chunks_are_placed_as_they_arrive_byte_exact(sender, peer, src
 
 
 def test_bad_chunk_is_rejected_and_writes_nothing(sender, peer, src, monkeypatch):
-    """A chunk whose table checksum is wrong (pieces large enough for the placement path) is refused before any
-    destination byte is written: the batch fails with RemoteRejected and the peer's buffer stays poisoned."""
+    """A chunk whose table is malformed (an item's payload offset not 16-byte aligned; pieces large enough for the
+    placement path), sealed by its sender (its MAC checks), is refused before any destination byte is written: the
+    batch fails with RemoteRejected and the peer's buffer stays poisoned."""
     import pxn_kernels.chunk as chunk
     real = chunk.build_header_table
 
     def corrupt(*args, **kw):
         buf, offsets, nbytes = real(*args, **kw)
-        buf[40] ^= 0xFF  # the checksum
+        n = int(buf[16:20].view(np.uint32)[0])
+        buf[chunk.HEADER_BYTES + 12] += 1  # item 0's payload offset, off its 16-byte alignment
+        if kw.get("key") is not None:  # sealed again: the table is the sender's own mistake, not a forgery
+            buf[44:60] = np.frombuffer(chunk.chunk_mac(kw["key"], memoryview(buf[:chunk.HEADER_BYTES + 16 * n])),
+                                       dtype=np.uint8)
+        else:
+            buf[40] ^= 0xFF  # the checksum
         return buf, offsets, nbytes
 
     src[:] = 0x3C
@@ -328,7 +335,7 @@ def test_bad_chunk_is_rejected_and_writes_nothing(sender, peer, src, monkeypatch
     monkeypatch.setattr(chunk, "build_header_table", corrupt)
     before = _placed(peer)
     b = src.ctypes.data
-    with pytest.raises(RemoteRejected, match="checksum"):
+    with pytest.raises(RemoteRejected, match="aligned|checksum"):
         sender.batch_write(peer.session, [b + i * 20_000 for i in range(100)],
                            [peer.base + 7 + i * 20_000 for i in range(100)], [19_999] * 100)
     monkeypatch.setattr(chunk, "build_header_table", real)

@@ -885,7 +885,12 @@ def test_http_metadata_mode_with_pxns_server():
             a.close()
             b.close()
         assert srv.keys() == []   # close() removes the engine's entry
-        # the server speaks Mooncake's protocol
+        # changes need the secret (the per-user one on loopback, as the engines used above)
+        with pytest.raises(HTTPError) as e:
+            urlopen(Request(f"{srv.url}?key=k", data=b"{}", method="PUT"), timeout=5)
+        assert e.value.code == 403
+    with MetadataServer("127.0.0.1", 0, insecure=True) as srv:
+        # told to be insecure, the server speaks Mooncake's open protocol
         with pytest.raises(HTTPError) as e:
             urlopen(f"http://127.0.0.1:{srv.port}/metadata", timeout=5)
         assert e.value.code == 400

@@ -1130,26 +1130,33 @@ def _http(url: str, method: str, key: str, body: Optional[bytes] = None, headers
         return e.code, e.read()
 
 
+def _signed(srv, secret: bytes, method: str, key: str, body: bytes, version: int = 1) -> dict:
+    """The auth header of one change, signed for a fresh challenge of ``srv``."""
+    from integration.metadata_server import AUTH_HEADER, sign
+    challenge = _http(srv.url + "/challenge", "GET", "")[1].decode()
+    return {AUTH_HEADER: sign(secret, method, key, body, challenge, version)}
+
+
 def test_metadata_changes_need_the_secret():
     """PUT, replacing PUT and DELETE without proof of the secret are refused and change nothing; a signed request
     works once (a replay of it is refused); GET stays open. (Before, anyone could PUT or DELETE any key.)"""
-    from integration.metadata_server import AUTH_HEADER, MetadataServer, sign
+    from integration.metadata_server import MetadataServer
     key = SECRET.encode()
     with MetadataServer("127.0.0.1", 0, secret=SECRET) as srv:
         seg = json.dumps({"session": "10.0.0.1:1234"}).encode()
         assert _http(srv.url, "PUT", "pxn/segment/a", seg)[0] == 403
         assert srv.keys() == []
-        signed = {AUTH_HEADER: sign(key, "PUT", "pxn/segment/a", seg)}
+        signed = _signed(srv, key, "PUT", "pxn/segment/a", seg)
         assert _http(srv.url, "PUT", "pxn/segment/a", seg, signed)[0] == 200
         assert _http(srv.url, "PUT", "pxn/segment/a", b'{"session": "evil:1"}', signed)[0] == 403  # replay
         evil = b'{"session": "evil:1"}'
         assert _http(srv.url, "PUT", "pxn/segment/a", evil,
-                     {AUTH_HEADER: sign(b"wrong-secret-0123456789", "PUT", "pxn/segment/a", evil)})[0] == 403
+                     _signed(srv, b"wrong-secret-0123456789", "PUT", "pxn/segment/a", evil, 2))[0] == 403
         assert _http(srv.url, "PUT", "pxn/segment/a", evil)[0] == 403
         assert _http(srv.url, "DELETE", "pxn/segment/a")[0] == 403
         assert _http(srv.url, "GET", "pxn/segment/a") == (200, seg)
         assert _http(srv.url, "DELETE", "pxn/segment/a", None,
-                     {AUTH_HEADER: sign(key, "DELETE", "pxn/segment/a", b"")})[0] == 200
+                     _signed(srv, key, "DELETE", "pxn/segment/a", b""))[0] == 200
         assert srv.keys() == []
 
 
@@ -1157,13 +1164,13 @@ def test_metadata_oversized_request_and_flood_are_bounded():
     """A body above the cap is refused before it is read; keys and stored bytes are capped. (Before, 12 PUTs of
     64 MiB were taken, and 20,000 keys.)"""
     from integration.metadata_server import MetadataServer
-    with MetadataServer("127.0.0.1", 0) as srv:
+    with MetadataServer("127.0.0.1", 0, insecure=True) as srv:  # bounds hold for an open server too
         with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
             s.sendall(f"PUT /metadata?key=big HTTP/1.1\r\nHost: x\r\nContent-Length: {64 << 20}\r\n\r\n".encode())
             s.sendall(b"x" * 4096)
             assert b" 413 " in s.recv(4096).split(b"\r\n")[0] + b" "
         assert srv.keys() == [] and srv.stored_bytes() == 0
-    with MetadataServer("127.0.0.1", 0, max_keys=40, max_bytes=64 << 10) as srv:
+    with MetadataServer("127.0.0.1", 0, max_keys=40, max_bytes=64 << 10, insecure=True) as srv:
         codes = [_http(srv.url, "PUT", f"k{i}", b"v" * 100)[0] for i in range(60)]
         assert codes[:40] == [200] * 40 and set(codes[40:]) == {507}, codes
         assert len(srv.keys()) == 40
@@ -1175,7 +1182,7 @@ def test_metadata_idle_sockets_hold_no_thread_and_lock_nobody_out():
     """300 idle sockets cost the server no thread, and a legitimate request is served at once meanwhile.
     (Before, one thread per connection; about 1,000 idle sockets made legitimate PUTs time out.)"""
     from integration.metadata_server import MetadataServer
-    with MetadataServer("127.0.0.1", 0, idle_timeout=30) as srv:
+    with MetadataServer("127.0.0.1", 0, idle_timeout=30, insecure=True) as srv:
         threads0 = threading.active_count()
         idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(300)]
         try:

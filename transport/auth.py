@@ -24,12 +24,14 @@ Session keys. Both sides then derive a key from the secret, both nonces and both
 one keyed BLAKE2b of 32-byte output per direction (``Session``). Every later message on the connection carries a
 16-byte tag, the first half of that hash over an implicit sequence number (one per direction, counted by both
 sides) and what the message says: a control message (``transport.control``) its whole body, a tcp / ipc frame its
-header and piece table (the payload is not covered: it only ever lands inside regions the header and table name,
-which are checked). A message injected, replayed, dropped or reordered on the connection breaks the sequence of
-tags and closes it. The second half of a tcp WRITE's hash never travels with it: the receiver, which computed it
-to check the tag, sends it back as the write's ACK when every piece was placed (an *ack token*,
-``transport.fabric.wire``), so that an ACK costs neither side a hash of its own; nobody without the session key
-can produce it.
+header and piece table. A frame's payload is not covered. When it is a relay chunk, its header and item table
+(which say where each item goes) carry a MAC of their own under ``chunk_key``, checked by the receiver on every
+fabric before any byte is placed (``pxn_kernels.chunk``, ``transport.receiver``). So bytes injected into a payload
+can corrupt that write's bytes where its checked tables send them, but cannot send them anywhere else. A message
+injected, replayed, dropped or reordered on the connection breaks the sequence of tags and closes it. The second
+half of a tcp WRITE's hash never travels with it: the receiver, which computed it to check the tag, sends it back as
+the write's ACK when every piece was placed (an *ack token*, ``transport.fabric.wire``), so that an ACK costs
+neither side a hash of its own; nobody without the session key can produce it.
 
 With no secret (``insecure=True`` / ``PXN_INSECURE=1``) the exchange still runs (flags 0, empty proofs) and
 accepts; a secret on one side only is refused by both, with a message saying so. Nothing is MAC'd then.
@@ -38,8 +40,10 @@ Which secret (``resolve_secret``): ``secret=``, else ``PXN_SECRET``; at least 16
 never overrides a set ``PXN_SECRET`` (ValueError). With neither: a listener on a loopback address uses the
 per-user secret file (``PXN_SECRET_FILE``, default ``~/.config/pxn/secret``, created on first use with mode
 0600 in a directory of mode 0700): every process of this user on this host reads the same random secret, and no
-other user can. A listener on any other address refuses to start unless ``insecure=True`` / ``PXN_INSECURE=1``
-(then warns once per process).
+other user can; the file is opened with ``O_NOFOLLOW | O_NONBLOCK`` and refused at once, before a byte is read,
+unless ``fstat`` shows a regular file of this user with mode 0600 (a symlink, FIFO or device never hangs or fools
+a start). A listener on any other address refuses to start unless ``insecure=True`` / ``PXN_INSECURE=1`` (then
+warns once per process; ``PXN_INSECURE`` takes 1/true/yes/on or 0/false/no/off, anything else is refused).
 
 Admission (``Gate``). An accepting listener hands each connection to its own thread, or to its owner's selector
 thread (``on_accept``: the engine's control listener, where one thread watches every connection), with a
@@ -61,6 +65,7 @@ import logging
 import os
 import secrets as _secrets
 import socket
+import stat
 import struct
 import threading
 import time
@@ -136,9 +141,38 @@ def secret_file(environ=None) -> str:
     return os.path.join(base, "pxn", "secret")
 
 
+def _open_secret_file(path: str) -> int:
+    """A descriptor of the secret file ``path``, checked before a byte is read: opened with ``O_NOFOLLOW |
+    O_NONBLOCK`` (a symlink is refused, and a FIFO or device opens at once instead of hanging the start), then
+    ``fstat``: anything but a regular file of this user with mode 0600 raises InsecureConfig at once."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InsecureConfig(f"secret file {path} is a symbolic link; point PXN_SECRET_FILE at the file "
+                                 f"itself") from None
+        raise InsecureConfig(f"secret file {path} cannot be opened: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InsecureConfig(f"secret file {path} is not a regular file (mode {stat.filemode(st.st_mode)}); "
+                                 f"set PXN_SECRET_FILE to a file of your own")
+        if st.st_uid != os.getuid():
+            raise InsecureConfig(f"secret file {path} belongs to uid {st.st_uid}, not to this user "
+                                 f"({os.getuid()}); set PXN_SECRET_FILE to a file of your own")
+        if st.st_mode & 0o777 != 0o600:
+            raise InsecureConfig(f"secret file {path} has mode {st.st_mode & 0o777:o}, not 600"
+                                 f"{': other users may read it' if st.st_mode & 0o077 else ''}; chmod 600 it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _load_secret_file(path: str) -> bytes:
     """The secret in ``path``, created (32 random bytes, hex, mode 0600, directory 0700) when missing. Raises
-    InsecureConfig when the file is not this user's, is readable by others, or is too short."""
+    InsecureConfig at once when it is a symlink, not a regular file (a FIFO must not hang the start), not this
+    user's, not of mode 0600, or too short (``_open_secret_file``)."""
     with _FILE_LOCK:
         got = _FILE_SECRETS.get(path)
         if got is not None:
@@ -146,7 +180,7 @@ def _load_secret_file(path: str) -> bytes:
         d = os.path.dirname(path)
         os.makedirs(d, mode=0o700, exist_ok=True)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             pass
         else:
@@ -156,21 +190,14 @@ def _load_secret_file(path: str) -> bytes:
                 f.write(_secrets.token_hex(32) + "\n")
         deadline = time.monotonic() + 2.0
         while True:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            fd = _open_secret_file(path)
             try:
-                st = os.fstat(fd)
                 data = os.read(fd, 4096).strip()
             finally:
                 os.close(fd)
             if len(data) >= MIN_SECRET_BYTES or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        if st.st_uid != os.getuid():
-            raise InsecureConfig(f"secret file {path} belongs to uid {st.st_uid}, not to this user "
-                                 f"({os.getuid()}); set PXN_SECRET_FILE to a file of your own")
-        if st.st_mode & 0o077:
-            raise InsecureConfig(f"secret file {path} has mode {st.st_mode & 0o777:o}: other users may read it; "
-                                 f"chmod 600 it")
         if len(data) < MIN_SECRET_BYTES:
             raise InsecureConfig(f"secret file {path} holds {len(data)} bytes, fewer than {MIN_SECRET_BYTES}")
         _FILE_SECRETS[path] = data
@@ -334,6 +361,16 @@ def claim_proof(key: bytes, binding: bytes) -> bytes:
     or a second hello, naming a connected sender's engine id on another connection than its hello's must carry
     it). Keyed BLAKE2b of the binding, 16 bytes: a proof seen on one connection is worth nothing on another."""
     return hashlib.blake2b(b"pxn-claim-1|" + binding, key=key, digest_size=16).digest()
+
+
+def chunk_key(secret: Optional[bytes], sender_key: bytes) -> Optional[bytes]:
+    """The key of the MAC every relay chunk from a sender to a receiver carries over its header and item table
+    (``pxn_kernels.chunk``): HMAC-SHA256 of the shared secret over the key the receiver gave that sender in its
+    hello reply (fresh per hello). Both ends derive it; it never travels, so whoever read the hello reply off the
+    network still cannot make a chunk's table check. None without a secret (nothing is MAC'd)."""
+    if secret is None:
+        return None
+    return hmac.new(secret, b"pxn-chunk-1|" + sender_key, hashlib.sha256).digest()
 
 
 def _start_session(sock, secret, client: bool, purpose: str, nc: bytes, ns: bytes, ends: bytes) -> Session:

@@ -16,7 +16,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 from transport.errors import ConfigError
 
-__all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "parse_size", "unwritable", "MAX_RAILS"]
+__all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "parse_size", "parse_flag", "unwritable", "MAX_RAILS"]
 
 MAX_RAILS = 64
 """Most rails one engine runs: each holds sockets, threads, a landing pool (``landing_bytes``) and relay rings,
@@ -93,11 +93,33 @@ def parse_size(value) -> int:
 parse_size.__name__ = "size"
 
 
+FLAG_TRUE, FLAG_FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _flag(value) -> bool:
-    return str(value).strip().lower() not in ("0", "false", "no", "off", "")
+    """A boolean variable's value: one of ``FLAG_TRUE`` / ``FLAG_FALSE`` (any case). Anything else is refused, not
+    read as either: a typo in ``PXN_INSECURE`` must not turn authentication off."""
+    text = str(value).strip().lower()
+    if text in FLAG_TRUE:
+        return True
+    if text in FLAG_FALSE:
+        return False
+    raise ValueError(f"{value!r} is not a flag")
 
 
-_flag.__name__ = "flag"
+_flag.__name__ = "flag (1, true, yes, on or 0, false, no, off)"
+
+
+def parse_flag(variable: str, default: bool, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """A boolean ``PXN_*`` variable that is not an engine setting (the sglang plugin's switch): ``default`` when
+    unset or empty, else its value; ``ConfigError`` naming the variable and the value for anything else."""
+    text = (os.environ if environ is None else environ).get(variable)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        return _flag(text)
+    except ValueError:
+        raise ConfigError(f"environment variable {variable}={text!r} is not a valid {_flag.__name__}") from None
 
 
 def _seconds_from_us(value) -> float:

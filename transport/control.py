@@ -504,6 +504,7 @@ class ControlPlane:
         peer.credit_mrs = mrs
         peer.engine_id = int(rep["engine_id"])
         peer.claim_key = key
+        peer.chunk_key = auth.chunk_key(self.secret, key)  # the MAC key of every chunk to this peer
         peer.proven_ctrl = sock
         peer.rails = rails
         peer.landing_device = int(rep.get("landing_device", DEVICE_HOST))

@@ -36,6 +36,12 @@ ACK_WR_BASE = 1 << 62  # wr_ids of ack writes: the engine's poller ignores their
 # gives it this long to connect before it counts as departed (rails connect one after the other, each within the
 # fabric's connect timeout, 10 s on tcp).
 CONNECT_GRACE_S = 30.0
+# A credit is a lease: lent (or kept at an ack) and not written within this many seconds while other senders wait
+# for the pool, it is taken back with every credit of its sender on that rail, by aborting the rail's endpoint to
+# that sender (``CreditDesk.sweep``): a sender that stalls (stopped, swapped out) holding slots cannot keep the
+# others waiting. Only a broken connection guarantees that a late write cannot land in a slot lent to someone
+# else since (an RDMA write needs no receiver work). The sender's rail fails over, and it asks for credits again.
+LEASE_S = 2.0
 _ACK_HDR = struct.Struct("<II")  # status, reason length
 
 
@@ -138,6 +144,7 @@ class CreditDesk:
             # kept while nobody waits (unused credits come back within the sender's CREDIT_IDLE_S), or while it has
             # more to send and holds less than its share (this credit counted)
             if not pool.waiters or (more and len(st.lent[rail]) < pool.share()):
+                st.leased[rail][k] = time.monotonic()  # kept: a new lease
                 return 0, []
             pool.take_back(st, k)
             st.returning[rail].add(k)
@@ -170,9 +177,11 @@ class CreditDesk:
 
     def sweep(self) -> None:
         """Credits lent on a rail whose endpoint to their sender died go back to the pool (the sender's other
-        rails keep theirs)."""
+        rails keep theirs). A sender holding a credit whose lease ran out (``LEASE_S``) while others wait for that
+        pool loses the rail: its endpoint is aborted and its credits there go back."""
         grants = []
         now = time.monotonic()
+        expired = []
         with self._lock:
             for st in list(self._senders.values()):
                 for rail, fab in enumerate(self.fabrics):
@@ -182,8 +191,29 @@ class CreditDesk:
                         ep = fab.endpoint(st.rail_ids[rail])
                     except Exception:  # noqa: BLE001 — not connected yet
                         continue
+                    leased = st.leased[rail]
+                    if ep.alive and leased and st.pools[rail].waiters and now - min(leased.values()) > LEASE_S:
+                        expired.append((st, rail, ep, len(st.lent[rail]), len(st.pools[rail].waiters)))
+                        continue
                     if ep.alive or (ep is st.stale_eps.get(rail) and now - st.hello_at < CONNECT_GRACE_S):
                         continue
+                    n = len(st.lent[rail])
+                    st.pools[rail].forget(st)
+                    self.counters.add("rx_credits_reclaimed", n)
+                    grants.extend(st.pools[rail].dispatch())
+        self.post_grants(grants)
+        grants = []
+        for st, rail, ep, n, waiting in expired:
+            self.counters.add("rx_leases_expired")
+            log.warning("receiver: sender %s holds %d credit(s) on rail %d, one unwritten for more than %.1f s, "
+                        "while %d sender(s) wait: aborting that rail to it, its credits go back to the pool",
+                        st.session, n, rail, LEASE_S, waiting)
+            try:
+                ep.abort()  # nothing more of it lands: its slots can go to others
+            except Exception:  # noqa: BLE001 — closing already
+                pass
+            with self._lock:
+                if not st.retired:
                     n = len(st.lent[rail])
                     st.pools[rail].forget(st)
                     self.counters.add("rx_credits_reclaimed", n)

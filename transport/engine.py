@@ -265,7 +265,7 @@ class TransferEngine:
             self._progress = ProgressLoop("pxn-progress")
             self.receiver = Receiver(self.fabrics, self._regions, cfg.landing_slots, cfg.relay_slot_bytes,
                                      self.counters, self.trace, max_senders=cfg.max_senders, progress=self._progress,
-                                     landing_bytes=cfg.landing_bytes)
+                                     landing_bytes=cfg.landing_bytes, secret=self._secret)
             self._pipe = Pipeline(cfg, caps, self.fabrics, self._regions, self._peers, self.receiver,
                                   self._progress, self.counters, self._rail_stats, self.latency, self.trace,
                                   self.engine_id)
@@ -597,7 +597,8 @@ class TransferEngine:
         rails = [st for st in (f.admission_stats() for f in self.fabrics) if st is not None]
         senders = {"refused_max_senders": c.get("senders_refused_max", 0),
                    "refused_rail_claims": c.get("senders_refused_claim", 0),
-                   "refused_unproven": c.get("senders_refused_proof", 0)}
+                   "refused_unproven": c.get("senders_refused_proof", 0),
+                   "refused_chunk_mac": c.get("rx_chunks_forged", 0)}
         refused = ctrl["refused"] + sum(r["refused"] for r in rails) + sum(senders.values())
         return {"authenticated": self._secret is not None, "refused": refused, "control": ctrl, "rails": rails,
                 **senders}

@@ -5,7 +5,8 @@ Every error names its cause and the offending value; callers catch the narrowest
 """
 from typing import Optional
 
-from pxn_kernels.errors import ChunkFormatError, CudaDriverError, PeerAccessError, PxnError  # noqa: F401
+from pxn_kernels.errors import (ChunkAuthError, ChunkFormatError, CudaDriverError, PeerAccessError,  # noqa: F401
+                               PxnError)
 
 
 class ConfigError(PxnError, ValueError):
@@ -51,6 +52,11 @@ class ForeignSegment(UnknownPeer):
     """A metadata server holds an entry under the segment name, but not a pxn engine's: a Mooncake engine's
     segment descriptor (its ``protocol`` is Mooncake's, e.g. "rdma" or "tcp") or a malformed value. pxn cannot
     move data to it; the message names the key, the server and what the entry holds."""
+
+
+class ForgedSegment(ForeignSegment):
+    """A pxn segment entry in etcd whose MAC does not check under this engine's secret (or that carries none):
+    written by someone who does not hold the secret. The message names the key and the server."""
 
 
 class PeerLost(FabricError):

@@ -110,16 +110,18 @@ class SlotFills:
             if slot.tensor is None:
                 from pxn_kernels.chunk import build_header_table
                 view = slot.ring._buf.array[slot.addr - slot.ring._buf.addr:][:slot.nbytes]
-                _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view)
+                _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view,
+                                                             key=b.peer.chunk_key)
                 fab = self.fabrics[a.prail.rail]
                 if fab.capabilities.gather_writes and int(lens.sum()) >= fab.gather_min_bytes * lens.size:
                     gather = (srcs, slot.addr + offsets, lens)  # the fabric sends each piece from its source
                 else:
                     host_memmove(srcs, slot.addr + offsets, lens)
             elif u.items is None:  # large pieces for the peer to forward: the copy engine moves them
-                chunk_bytes = gpu_pack_large(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
+                chunk_bytes = gpu_pack_large(slot, srcs, lens, dsts, seq, self.engine_id, sync=False,
+                                             key=b.peer.chunk_key)
             else:
-                chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id, sync=False)
+                chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id, sync=False, key=b.peer.chunk_key)
             pr = a.prail
             pool_slot, more = a.landing_at
             a.reqs = [(WriteRequest if gather is None else GatherWrite)(

@@ -9,6 +9,7 @@ described there.
 from __future__ import annotations
 
 import collections
+import time
 from typing import List, Optional, Tuple
 
 from transport.packing import HostBuffer
@@ -55,12 +56,14 @@ class LandingPool:
         k = next(i for i in range(st.slots) if i not in lent and i not in returning)
         p = self.free.popleft()
         lent[k] = p
+        st.leased[self.rail][k] = time.monotonic()
         self.owner[p] = (st, k)
         self._touch(st)
         return k, p
 
     def take_back(self, st, k: int) -> None:
         p = st.lent[self.rail].pop(k)
+        st.leased[self.rail].pop(k, None)
         self.owner[p] = None
         self.free.append(p)
         self._touch(st)

@@ -91,7 +91,7 @@ def _staging(slot, need: int):
 
 
 def gpu_pack(slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, seq: int, sender_id: int,
-             sync: bool = True) -> int:
+             sync: bool = True, key=None) -> int:
     """Build a chunk in a CUDA relay slot (``transport.relay.Slot``) with one H2D copy and one gather launch on the lane's stream (synchronised
     unless ``sync`` is False: the ring then synchronises once for every slot it filled).
 
@@ -99,7 +99,8 @@ def gpu_pack(slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, seq: in
     first_item, computed on the host: ``plan_host``), followed by the chunk's header + table. Item 0 of the
     copy is the header + table itself (source: its place in the device copy of the staging buffer), items 1..n
     the pieces, so one launch writes the whole chunk -- the layout of ``pxn_kernels.pack_chunk``, without its
-    per-call pinned allocation and device-side plan. Returns the chunk's bytes.
+    per-call pinned allocation and device-side plan. ``key``: the peer's chunk key (the header + table carry their
+    MAC, ``pxn_kernels.chunk``). Returns the chunk's bytes.
     """
     import torch
     from pxn_kernels._batched_copy import CopyPlan, launch_batched_copy, launch_settings, plan_host
@@ -114,7 +115,7 @@ def gpu_pack(slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, seq: in
     need = desc_bytes + table_bytes
     pinned, dev_buf = _staging(slot, need)
     host = pinned.numpy()
-    _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, sender_id, out=host[desc_bytes:need])
+    _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, sender_id, out=host[desc_bytes:need], key=key)
     if chunk_bytes > slot.nbytes:
         raise ValueError(f"chunk of {chunk_bytes} B does not fit slot of {slot.nbytes} B")
     w = host[:desc_bytes].view(np.int64)
@@ -140,18 +141,18 @@ def gpu_pack(slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, seq: in
 
 
 def gpu_pack_large(slot, srcs: np.ndarray, lens: np.ndarray, dsts: np.ndarray, seq: int,
-                   sender_id: int, sync: bool = True) -> int:
+                   sender_id: int, sync: bool = True, key=None) -> int:
     """Build a chunk of large pieces in a CUDA slot: header + table by one H2D copy, each piece by the copy
     engine (``cudaMemcpyAsync``, over NVLink from a peer GPU), then a synchronise of the lane's stream. The
     range kernel of ``gpu_pack`` is sized for many small items; a few MB-sized ones run far below link speed
-    there. Returns the chunk's bytes."""
+    there. ``key``: as ``gpu_pack``. Returns the chunk's bytes."""
     import torch
     from pxn_kernels.chunk import build_header_table, payload_offset_for
     from transport.fabric.memory import memcpy_async
     table_bytes = payload_offset_for(int(lens.size))
     pinned, _ = _staging(slot, table_bytes)
     host = pinned.numpy()
-    _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, sender_id, out=host[:table_bytes])
+    _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, sender_id, out=host[:table_bytes], key=key)
     if chunk_bytes > slot.nbytes:
         raise ValueError(f"chunk of {chunk_bytes} B does not fit slot of {slot.nbytes} B")
     stream = slot.ring.stream(slot.lane)

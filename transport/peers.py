@@ -93,6 +93,7 @@ class _Peer:
         self.error: Optional[BaseException] = None  # why its handshake failed (shared with callers that waited)
         self.engine_id = 0
         self.claim_key: Optional[bytes] = None  # the peer's key for this engine (hello reply's ``sender_key``)
+        self.chunk_key: Optional[bytes] = None  # the MAC key of chunks to the peer (``transport.auth.chunk_key``)
         # the control socket the peer knows this engine on (its hello's, or one a credits request was answered
         # on): requests there carry no proof of ``claim_key``
         self.proven_ctrl: Optional[socket.socket] = None

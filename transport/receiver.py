@@ -39,14 +39,20 @@ items are received straight into their destinations (no landing copy, no scatter
 has the ack sent (``on_chunk``). A chunk that fails a check there lands whole, as on any fabric, and goes the
 progress thread's way, which rejects it with the reason.
 
-1. parses and validates it (``pxn_kernels.chunk.parse_chunk``: magic, version, counts, offsets, checksum, size
-   against the bytes that landed), checks the sender id, and checks every destination against the regions this
-   receiver registered (exposed to every peer) -- landing and credit buffers are never valid destinations;
+1. parses and validates it (``pxn_kernels.chunk.parse_chunk``: magic, version, counts, the MAC of header and
+   table under the sender's chunk key, offsets, checksum, size against the bytes that landed), checks the sender
+   id, that its sequence number was not seen before (a replayed header and table), and every destination
+   against the regions this receiver registered (exposed to every peer) -- landing and credit buffers are never
+   valid destinations;
 2. only then scatters the items (host: memmove; GPU: one scatter kernel launch);
 3. writes an ack back into the sender's credit region: WRITE_WITH_IMM with imm = ACK | status << 16 | credit and,
    for a rejection, the reason text (UTF-8, up to ``ACK_BYTES - 8``) as the payload.
 
-A rejected chunk writes nothing.
+A rejected chunk writes nothing. A chunk whose MAC does not check, or whose sequence number came before, was
+changed or replayed on its way (the fabric's own tags do not cover a chunk's table, which travels as payload):
+the receiver writes nothing of it, sends no ack and aborts the rail's endpoint, and the sender fails the rail
+over as for a frame with a wrong tag (``stats()["security"]["refused_chunk_mac"]``). This lives here, above
+every fabric: a fabric only has to deliver the chunk's bytes and its immediate, and ``Endpoint.abort``.
 
 Admission (``accept_sender``, after the control connection authenticated): at most ``max_senders`` senders are
 connected at once; every field of the hello is type- and range-checked before anything is allocated; a rail
@@ -71,9 +77,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from transport import auth
 from transport.credits import (ACK_BYTES, ACK_FLAG, CONNECT_GRACE_S, MORE_FLAG, ST_FAILED, ST_OK, ST_REJECTED,
                                CreditDesk, int_field)
-from transport.errors import ChunkFormatError
+from transport.errors import ChunkAuthError, ChunkFormatError
 from transport.fabric.base import DEVICE_HOST
 from transport.landing import LandingPool
 from transport.packing import HostBuffer, gpu_scatter, host_memmove, scatter_words
@@ -92,6 +99,10 @@ SWEEP_S = 1.0  # how often the progress thread looks for departed senders
 # to die before its claim is refused: a closed peer's sockets reach end-of-file within milliseconds, a live
 # holder stays alive and the claim is refused as before.
 CLAIM_WAIT_S = 1.0
+# Chunk sequence numbers of a sender (one counter over all its rails) are accepted once each, and only within this
+# many of the highest seen: chunks in flight at once are bounded by its credits (at most 0xFFFF per rail), far
+# fewer.
+SEQ_WINDOW = 1 << 17
 
 @dataclass
 class SenderState:
@@ -110,6 +121,9 @@ class SenderState:
     want: List = field(default_factory=list)  # per rail: credits it asked for and has not got yet
     queued: List = field(default_factory=list)  # per rail: whether it is in the pool's waiting queue
     returning: List = field(default_factory=list)  # per rail: credits taken back whose ack is not posted yet
+    # per rail: {credit index: time.monotonic() it was lent or kept at an ack} of credits whose chunk has not
+    # arrived since: a lease, which runs out after LEASE_S while others wait (``CreditDesk.sweep``)
+    leased: List = field(default_factory=list)
     acks: List = field(default_factory=list)  # per rail: (HostBuffer, mr)
     hello_at: float = 0.0  # time.monotonic() of the handshake
     stale_eps: Dict = field(default_factory=dict)  # rail -> endpoint of an earlier connection, dead or dying
@@ -120,6 +134,22 @@ class SenderState:
     # given to the sender in its hello reply: a request naming this sender on another control connection proves
     # it holds this (``transport.auth.claim_proof``), so no other holder of the secret can speak for it
     key: bytes = field(default_factory=lambda: os.urandom(16))
+    chunk_key: Optional[bytes] = None  # the MAC key of its chunks (``transport.auth.chunk_key``); None: no secret
+    seq_hi: int = 0  # the highest chunk sequence number accepted from it
+    seq_seen: set = field(default_factory=set)  # those accepted within SEQ_WINDOW of seq_hi
+
+    def fresh(self, seq: int) -> bool:
+        """Whether chunk sequence number ``seq`` is new from this sender (then it is recorded): a header and table
+        replayed from an earlier chunk carry a number seen before."""
+        with self.queue_lock:
+            if seq <= self.seq_hi - SEQ_WINDOW or seq in self.seq_seen:
+                return False
+            self.seq_seen.add(seq)
+            if seq > self.seq_hi:
+                self.seq_hi = seq
+                if len(self.seq_seen) > 2 * SEQ_WINDOW:
+                    self.seq_seen = {s for s in self.seq_seen if s > seq - SEQ_WINDOW}
+            return True
 
     @property
     def queue_cap(self) -> int:
@@ -144,14 +174,17 @@ class Receiver:
             ``MAX_LANDING_SLOT``; the largest chunk a sender may write.
         landing_bytes: the landing pool per rail and landing device (bytes), shared by every sender.
         counters: shared telemetry counters; trace: optional Trace.
+        secret: the engine's shared secret (None: none): every sender's chunks must carry a MAC under a key derived
+            from it (``transport.auth.chunk_key``).
     """
 
     def __init__(self, fabrics, exposed: RegionTable, landing_slots: int, slot_bytes: int, counters: Counters,
                  trace: Optional[Trace] = None, max_senders: int = 256, progress: Optional[ProgressLoop] = None,
-                 landing_bytes: int = LANDING_BYTES):
+                 landing_bytes: int = LANDING_BYTES, secret: Optional[bytes] = None):
         if isinstance(landing_bytes, bool) or not isinstance(landing_bytes, int) or landing_bytes < 4096:
             raise ValueError(f"landing_bytes must be an int >= 4096, got {landing_bytes!r}")
         self.fabrics = fabrics
+        self._secret = secret
         self.max_senders = max_senders
         self.exposed = exposed
         self.landing_slots = landing_slots
@@ -204,6 +237,7 @@ class Receiver:
                          rail_ids=list(rail_ids), credit_addr=int_field(hello, "credit_addr", 1, (1 << 64) - 1),
                          credit_rkeys=list(rkeys), slots=0, slot_bytes=slot_bytes, devices=devices,
                          hello_at=time.monotonic())
+        st.chunk_key = auth.chunk_key(self._secret, st.key)
         old = None
         grants: List[List[List[int]]] = []
         self._wait_for_departing_holders(st)
@@ -222,6 +256,7 @@ class Receiver:
                 st.want = [0] * n
                 st.queued = [False] * n
                 st.returning = [set() for _ in range(n)]
+                st.leased = [{} for _ in range(n)]
                 # a sender says hello again only after it forgot this engine (every rail failed): retire what it
                 # had, so that stale chunks and acks of the old connection cannot touch the new one's slots
                 old = self._senders.pop(engine_id, None)
@@ -349,6 +384,7 @@ class Receiver:
         if imm & ACK_FLAG or slot is None or length > st.slot_bytes or length < HEADER_BYTES \
                 or addr != buf.addr + slot * pool.stride:
             return None
+        st.leased[rail].pop(imm & 0xFFFF, None)  # written: its lease is kept
         t0 = now_ns()
         head = read(HEADER_BYTES)
         count = int.from_bytes(head[16:20], "little")
@@ -357,18 +393,20 @@ class Receiver:
             return None
         read(need - HEADER_BYTES)
         off = slot * pool.stride
-        rows = parse_chunk_rows(buf.array[off:off + need], length)
+        rows = parse_chunk_rows(buf.array[off:off + need], length, st.chunk_key)
         if rows is not None:
             # the usual chunk (items in payload order), checked in builtin steps: the same checks as below
-            _, sender_id, _, dsts, lens, offs, lo, hi = rows
+            seq, sender_id, _, dsts, lens, offs, lo, hi = rows
             if sender_id != st.engine_id or sum(lens) < getattr(self.fabrics[rail], "gather_min_bytes", 0) * count:
                 return None
             snap = self.exposed.snapshot()
             i = span_region(snap, lo, hi - 1, hi, hi - lo)
-            if i is not None and snap.regions[i].device < 0:  # one host region holds every destination
+            if i is not None and snap.regions[i].device < 0 and st.fresh(seq):  # one host region holds them all
                 return _Placed(self, st, rail, imm, length, dsts, lens, offs, t0)
+            if i is not None and snap.regions[i].device < 0:
+                return None  # a replayed sequence number: _handle refuses it
         try:
-            table = parse_chunk(buf.array[off:off + need], available_bytes=length)
+            table = parse_chunk(buf.array[off:off + need], available_bytes=length, key=st.chunk_key)
         except ChunkFormatError:
             return None
         if table.sender_id != st.engine_id or not count:
@@ -379,6 +417,8 @@ class Receiver:
         idx, ok = self.exposed.locate(table.dst_addrs, lens)
         if not ok.all() or (self.exposed.snapshot().devices[idx] >= 0).any():
             return None  # outside every region (rejected by _handle), or GPU destinations (scattered there)
+        if not st.fresh(table.seq):
+            return None  # a replayed sequence number: _handle refuses it
         offs = table.offsets
         if count > 1 and not bool((offs[1:] > offs[:-1]).all()):
             order = np.argsort(offs, kind="stable")
@@ -393,6 +433,8 @@ class Receiver:
         # the sender state is looked up now, when the chunk has landed: if the sender handshakes again before
         # the progress thread gets to it, the chunk still belongs to (and is dropped with) the old state
         entry = self._by_rail_id.get(peer_id)
+        if entry is not None and entry[1] == rail:
+            entry[0].leased[rail].pop(imm & 0xFFFF, None)  # written within its lease
         if entry is not None and entry[0].placed:
             placed = entry[0].placed.pop((rail, imm), None)
             if placed is not None:
@@ -511,16 +553,22 @@ class Receiver:
         try:
             header_bytes = self._read_header(buf, tensor, slot, pool.stride, byte_len)
             from pxn_kernels.chunk import parse_chunk
-            table = parse_chunk(header_bytes, available_bytes=byte_len)
+            table = parse_chunk(header_bytes, available_bytes=byte_len, key=st.chunk_key)
             if table.sender_id != st.engine_id:
                 raise ChunkFormatError(f"chunk sender_id 0x{table.sender_id:x} is not the connected sender "
                                        f"0x{st.engine_id:x}")
+            if not st.fresh(table.seq):
+                raise ChunkAuthError(f"chunk sequence number {table.seq} came before from this sender (a replayed "
+                                     f"header and table)")
             dst = table.dst_addrs.astype(np.uint64)
             _, ok = self.exposed.locate(dst, table.lengths)
             if not ok.all():
                 i = first_bad(ok)
                 raise ChunkFormatError(f"item {i}: destination 0x{int(dst[i]):x} + {int(table.lengths[i])} B is "
                                        f"outside every region this receiver registered")
+        except ChunkAuthError as e:
+            self._refuse_forged(st, rail, k, e)
+            return
         except ChunkFormatError as e:
             self.counters.add("rx_rejected")
             log.warning("receiver: rejected chunk from %s credit %d: %s", st.session, k, e)
@@ -555,6 +603,19 @@ class Receiver:
         method = fab.flush_gpu_writes(device)
         self._flushed_at[(rail, device)] = t0
         self.counters.add_many(((f"rx_gpu_flush_{method}", 1), ("rx_gpu_flush_s", (now_ns() - t0) / 1e9)))
+
+    def _refuse_forged(self, st: SenderState, rail: int, k: int, e: ChunkAuthError) -> None:
+        """A chunk whose header and table were changed or replayed on the way: nothing of it is placed and no ack
+        goes back; the rail's endpoint is aborted, so that the sender fails the rail over as for a frame with a
+        wrong tag (the stream that carried the chunk cannot be trusted). The credit comes back with the dead rail's
+        (``CreditDesk.sweep``)."""
+        self.counters.add("rx_chunks_forged")
+        log.warning("receiver: chunk from %s on rail %d (credit %d) refused: %s; aborting the rail", st.session,
+                    rail, k, e)
+        try:
+            self.fabrics[rail].endpoint(st.rail_ids[rail]).abort()
+        except Exception:  # noqa: BLE001 — not connected any more, or the fabric is closing
+            pass
 
     def _acked_placed(self, p: "_Placed") -> None:
         st = p.st

@@ -124,7 +124,8 @@ def run(impl: str = "pxn", mode: str = "p2p", circle: int = 1000, server: str = 
             else:
                 sys.path.insert(0, ROOT)
                 from integration.metadata_server import MetadataServer
-                meta_srv = MetadataServer("127.0.0.1", mport)
+                # Mooncake's engines do not sign their changes: the server runs open for them only
+                meta_srv = MetadataServer("127.0.0.1", mport, insecure=impl == "mooncake" or None)
             common = {"MC_METADATA_SERVER": f"http://127.0.0.1:{mport}/metadata",
                       "TARGET_SERVER_NAME": "127.0.0.1:12345", "INITIATOR_SERVER_NAME": "127.0.0.1:12347",
                       "CIRCLE": str(circle)}

@@ -9,8 +9,10 @@ Wire protocol (little-endian), per socket, in both directions:
   sockets cannot hold the listener, and the listener survives running out of file descriptors.
 * Every frame after the handshake (HELLO included) carries in its header a 16-byte tag under the connection's
   session key (``transport.auth.Session``) over an implicit per-socket, per-direction sequence number, the header
-  and the piece table (the whole body for ACK and control messages); the payload is not covered, it only lands
-  inside the regions the checked table names. A wrong tag fails the endpoint before anything is acted on.
+  and the piece table (the whole body for ACK and control messages). A wrong tag fails the endpoint before anything
+  is acted on. The payload is not covered: a piece lands only inside the range the checked table names. A relay
+  chunk sent as a payload carries a MAC of its own over its header and item table (``pxn_kernels.chunk``), which
+  the receiver checks before it places an item, so changed payload bytes cannot send the chunk's items elsewhere.
 * WRITE: a 48-byte header (32 bytes of fields, the tag), a table of ``count`` 48-byte piece descriptors, then
   the pieces' payloads back to back. One message carries many writes (4 KB writes cost one table row, not one
   syscall each), and a large write is cut into pieces spread over the peer's sockets (striping). Every piece

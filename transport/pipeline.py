@@ -289,8 +289,11 @@ class Pipeline:
         try:
             pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_,
                                    length_stats=(nbytes, lmin, lmax))
-        except TransferError:
+        except (TransferError, PeerLost) as e:
             self.counters.add_many((("batches_submitted", 1), ("batches_failed", 1)))
+            if isinstance(e, PeerLost) and not isinstance(e, PeerGone):
+                # the same-host peer's process is gone (ESRCH): the one error a dead peer gives on every route
+                raise PeerGone(f"peer {peer.session} is gone: {e}", peer, e) from e
             raise
         if pending is None:
             return NOT_TAKEN

@@ -23,11 +23,16 @@ tree first on ``PYTHONPATH``, alternating (before/after in one run); default: th
 
 Shapes: ``aux11`` (sglang's 11-piece aux batch, 64-8192 B), ``4096x64B``, ``1024x64KB``.
 
+``--conversions`` times, without engines, what converting one list of ints to an int64 array costs per candidate
+(``np.asarray``, ``np.array(dtype=int64)``, ``np.fromiter``, ``array.array``, ``struct``, ``as_array``): the floor
+``transport.arrays`` works against.
+
 Output: JSON rows ``{tree, variant, shape, ms, ...}`` with machine, versions and date, written to a temporary file
 unless ``--out`` names one, and a table on stdout.
 
     python3 benchmarks/list_args.py                                   # tcp, host memory
     python3 benchmarks/list_args.py --protocol ipc --device 0 --loadstore off --out $OUT/list-args-ipc.json
+    python3 benchmarks/list_args.py --conversions --sizes 11,4096
 """
 from __future__ import annotations
 
@@ -209,6 +214,43 @@ def measure(args) -> list:
     return rows
 
 
+def conversions(args) -> list:
+    """What converting and checking one list of ints costs here, per candidate (no engines): the floor of
+    ``transport.arrays.as_array`` for lists. Entries: random non-negative ints below 2**40 (addresses), fresh per
+    size. Best of ``--repeat`` timings of ``--number`` calls, in microseconds per call."""
+    import array
+    import random
+    import struct
+    import timeit
+    from transport.arrays import as_array
+    rows = []
+    for n in args.sizes:
+        values = [random.randrange(1 << 40) for _ in range(n)]
+        packer = struct.Struct(f"{n}q")
+
+        def pack_into(v=values):
+            out = np.empty(n, dtype=np.int64)
+            packer.pack_into(out, 0, *v)
+            return out
+        cands = {
+            "np.asarray (infers the type)": lambda v=values: np.asarray(v),
+            "np.array(dtype=int64) (no type check)": lambda v=values: np.array(v, dtype=np.int64),
+            "np.fromiter(int64) (no type check)": lambda v=values: np.fromiter(v, np.int64, n),
+            "array.array('q')": lambda v=values: array.array("q", v),
+            "struct pack_into (checks ints)": pack_into,
+            "type check alone: {*map(type, l)}": lambda v=values: {*map(type, v)},
+            "min and max of the list": lambda v=values: (min(v), max(v)),
+            "ndarray.tolist (the way back)": lambda a=np.asarray(values, dtype=np.int64): a.tolist(),
+            "as_array (this tree)": lambda v=values: as_array("x", v),
+        }
+        number = max(1, args.number // max(1, n // 64))
+        for name, fn in cands.items():
+            best = min(timeit.repeat(fn, number=number, repeat=args.repeat)) / number
+            rows.append({"entries": n, "candidate": name, "us": round(best * 1e6, 3),
+                         "ns_per_entry": round(best * 1e9 / n, 2)})
+    return rows
+
+
 def _child(args) -> None:
     rows = measure(args)
     with open(args.child, "w") as f:
@@ -264,6 +306,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=51)
     p.add_argument("--out", help="JSON output (default: a temporary file)")
     p.add_argument("--note", default="", help="a line kept in the output (e.g. the machine's description)")
+    p.add_argument("--conversions", action="store_true",
+                   help="time only the list conversions (no engines): the floor of converting a list of ints")
+    p.add_argument("--sizes", default="11,4096", help="--conversions: entries per list, comma-separated")
+    p.add_argument("--number", type=int, default=20000, help="--conversions: calls per timing of 64 entries")
+    p.add_argument("--repeat", type=int, default=7, help="--conversions: timings per candidate (best kept)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--rotate", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -275,6 +322,21 @@ def main(argv=None) -> int:
     for v in args.variants:
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}")
+    if args.conversions:
+        sys.path.append(ROOT)  # appended: a PYTHONPATH naming another checkout takes precedence
+        args.sizes = [int(n) for n in args.sizes.split(",") if n]
+        rows = conversions(args)
+        import transport.arrays
+        tree = os.path.dirname(os.path.dirname(os.path.abspath(transport.arrays.__file__)))
+        doc = {"benchmark": "list_args --conversions", "date": _now(), "note": args.note, "machine": _machine(-1),
+               "versions": _versions({"transport.arrays": tree}), "rows": rows}
+        out = args.out or os.path.join(tempfile.mkdtemp(prefix="pxn-list-args-"), "conversions.json")
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=1)
+        for r in rows:
+            print(f"{r['entries']:6d}  {r['candidate']:40s} {r['us']:10.2f} us  {r['ns_per_entry']:8.2f} ns/entry")
+        print(f"written to {out}")
+        return 0
     if args.child:
         k = args.rotate % len(args.variants)
         args.variants = args.variants[k:] + args.variants[:k]

@@ -34,26 +34,19 @@ def read_base_timeout(env: dict) -> Optional[float]:
 
 
 SHORT_COLUMNS = 64
-"""Pieces up to which ``nonempty`` makes flat arrays and tensors lists: a dozen entries' ``tolist`` costs less
-than one numpy reduction, and the zero check and the byte count that follow are then C loops over lists."""
-
-
-def _as_list(values):
-    """A flat array's or tensor's entries as a list; anything else as given (the engine names what is wrong)."""
-    try:
-        return values.tolist() if values.ndim == 1 else values
-    except (AttributeError, TypeError, RuntimeError):
-        return values
+"""Pieces up to which ``nonempty`` gives a flat array's or tensor's lengths back as a list: a dozen entries'
+``tolist`` costs less than one numpy reduction, and the zero check here and the byte count of the timeout are
+then C loops over a list. The addresses stay as given (the engine takes each column as it comes)."""
 
 
 def nonempty(buffers, peers, lengths):
     """Drop zero-length pieces (Mooncake accepts them and moves nothing). Returns the three columns as given
-    when none is zero-length (keeps the engine's fast path for int64 arrays), but short flat arrays and tensors
-    (up to ``SHORT_COLUMNS`` pieces) as lists: one batch costs the same whatever the type of its columns."""
+    when none is zero-length (keeps the engine's fast path for int64 arrays), the lengths of a short batch (up
+    to ``SHORT_COLUMNS`` pieces) as a list: one batch costs about the same whatever the type of its columns."""
     try:
         if lengths.__class__ not in (list, tuple) and getattr(lengths, "ndim", 0) == 1 and \
                 lengths.shape[0] <= SHORT_COLUMNS:
-            buffers, peers, lengths = _as_list(buffers), _as_list(peers), _as_list(lengths)
+            lengths = lengths.tolist()
         if lengths.__class__ in (list, tuple) and 0 not in lengths:
             return buffers, peers, lengths  # a list without a zero (numpy would find none either): as given
         import numpy as np
@@ -65,7 +58,7 @@ def nonempty(buffers, peers, lengths):
             return buffers, peers, lengths  # the engine names the mismatch
         keep = ln != 0
         return b[keep], p[keep], ln[keep]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor that cannot be read here
         return buffers, peers, lengths
 
 

@@ -148,18 +148,25 @@ def measure(args) -> list:
     drv, child = ctx.Pipe()
     proc = ctx.Process(target=_target_main, args=(child, args.protocol, args.device, size, options), daemon=True)
     proc.start()
-    mc = TransferEngine(**options)
-    if mc.initialize(HOST, "P2PHANDSHAKE", args.protocol, "") != 0:
-        raise RuntimeError("initialize failed")
     addr, host, tensor = _alloc(size, args.device)
-    if mc.register_memory(addr, size) != 0:
-        raise RuntimeError("register_memory failed")
+    if args.plain:  # a plain pxn engine as the sender: no Mooncake layer, the interpreter's own switch interval
+        from transport import TransferEngine as PxnEngine
+        mc = None
+        eng = PxnEngine(fabric=args.protocol, **options)
+        eng.register(addr, size)
+    else:
+        mc = TransferEngine(**options)
+        if mc.initialize(HOST, "P2PHANDSHAKE", args.protocol, "") != 0:
+            raise RuntimeError("initialize failed")
+        if mc.register_memory(addr, size) != 0:
+            raise RuntimeError("register_memory failed")
+        eng = mc._engine
     if not drv.poll(120):
         raise RuntimeError("target did not start within 120 s")
     status, info = drv.recv()
     if status != "ok":
         raise RuntimeError(f"target: {info}")
-    target, eng = info["target"], mc._engine
+    target = info["target"]
     rng = np.random.default_rng(args.seed)
     rows = []
     for shape in args.shapes:
@@ -184,13 +191,13 @@ def measure(args) -> list:
                         raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
             for _ in range(args.warmup):
                 call()
-            before = _routes(mc._engine) if hasattr(mc._engine, "stats") else {}
+            before = _routes(eng)
             times = []
             for _ in range(args.calls):
                 t0 = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - t0)
-            after = _routes(mc._engine)
+            after = _routes(eng)
             route = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
             # byte-exact: fresh source bytes, a poisoned destination, one call, the whole range compared
             fresh = rng.integers(0, 256, int(src_off[-1]) + lengths[-1], dtype=np.uint8)
@@ -210,7 +217,7 @@ def measure(args) -> list:
             rows.append({"variant": variant, "shape": shape, "pieces": n, "bytes": int(sum(lengths)),
                          "times_ms": [round(t * 1e3, 4) for t in times], "route": route, "byte_exact": exact})
     drv.send(("stop",))
-    mc.close() if hasattr(mc, "close") else None
+    (mc or eng).close()
     return rows
 
 
@@ -303,6 +310,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--buffer-mib", type=int, default=512, help="bytes each side registers (MiB)")
     p.add_argument("--trees", default="", help="name=PATH,... checkouts measured alternately (default: this one)")
+    p.add_argument("--plain", action="store_true",
+                   help="the sender is a plain transport.TransferEngine (native variants only), not the Mooncake API's")
     p.add_argument("--seed", type=int, default=51)
     p.add_argument("--out", help="JSON output (default: a temporary file)")
     p.add_argument("--note", default="", help="a line kept in the output (e.g. the machine's description)")
@@ -319,6 +328,8 @@ def main(argv=None) -> int:
     for s in args.shapes:
         if s not in SHAPES:
             p.error(f"unknown shape {s!r}")
+    if args.plain:
+        args.variants = [v for v in args.variants if v.startswith("native-")]
     for v in args.variants:
         if v not in VARIANTS:
             p.error(f"unknown variant {v!r}")

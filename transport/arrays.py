@@ -60,9 +60,10 @@ def as_array(name: str, values) -> np.ndarray:
     """int64 array of a sequence of ints (list, tuple, numpy array, CPU tensor); anything else (floats,
     bools, strings, nested lists) raises InvalidTransfer naming the first bad entry.
 
-    Lists and tuples are packed in one C pass (``_packed``: about 1/2.3 of ``np.asarray``'s time for 4096
-    entries, 1/3 for 11, which infers a type before converting); the entries it refuses, and the bools it lets
-    pass, are then named by the checks below."""
+    Lists and tuples are packed in one C pass (``_packed``), where ``np.asarray`` first inferred a type in a pass
+    of its own: this function now takes 0.4-0.55 of its former time for 11 to 4096 entries (benchmarks/NOTES.md);
+    the entries ``_packed`` refuses, and the bools it lets pass, are then named. A CPU tensor is read through
+    ``numpy()``, without a list in between."""
     if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
         return values  # the common case of callers with many pieces: nothing to convert or check
     cls = values.__class__

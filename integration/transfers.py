@@ -33,10 +33,20 @@ def read_base_timeout(env: dict) -> Optional[float]:
         return 30
 
 
+SHORT_COLUMNS = 64
+"""Pieces up to which ``nonempty`` gives a flat array's or tensor's lengths back as a list: a dozen entries'
+``tolist`` costs less than one numpy reduction, and the zero check here and the byte count of the timeout are
+then C loops over a list. The addresses stay as given (the engine takes each column as it comes)."""
+
+
 def nonempty(buffers, peers, lengths):
-    """Drop zero-length pieces (Mooncake accepts them and moves nothing). Returns the three lists as given
-    when none is zero-length (keeps the engine's fast path for int64 arrays)."""
+    """Drop zero-length pieces (Mooncake accepts them and moves nothing). Returns the three columns as given
+    when none is zero-length (keeps the engine's fast path for int64 arrays), the lengths of a short batch (up
+    to ``SHORT_COLUMNS`` pieces) as a list: one batch costs about the same whatever the type of its columns."""
     try:
+        if lengths.__class__ not in (list, tuple) and getattr(lengths, "ndim", 0) == 1 and \
+                lengths.shape[0] <= SHORT_COLUMNS:
+            lengths = lengths.tolist()
         if lengths.__class__ in (list, tuple) and 0 not in lengths:
             return buffers, peers, lengths  # a list without a zero (numpy would find none either): as given
         import numpy as np
@@ -48,7 +58,7 @@ def nonempty(buffers, peers, lengths):
             return buffers, peers, lengths  # the engine names the mismatch
         keep = ln != 0
         return b[keep], p[keep], ln[keep]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor that cannot be read here
         return buffers, peers, lengths
 
 
@@ -139,8 +149,11 @@ class TransferCalls:
         if base is None:
             return None
         try:
-            nbytes = int(sum(lengths))  # builtin sum: a C loop, far cheaper than an int() per item
-        except (TypeError, ValueError):
+            # an array's or tensor's own sum; builtin sum for lists (a C loop, far cheaper than an int() per item),
+            # which on an array would make a numpy scalar per entry
+            total = getattr(lengths, "sum", None)
+            nbytes = int(total() if total is not None else sum(lengths))
+        except (TypeError, ValueError, RuntimeError):
             nbytes = 0  # not ints: the engine names the bad entry
         return base + max(nbytes, 0) / 1e9  # Mooncake: MC_TRANSFER_TIMEOUT s + 1 ns per byte
 
@@ -221,12 +234,12 @@ class TransferCalls:
         ERR_ADDRESS_NOT_REGISTERED and ERR_METADATA nothing was written.
         """
         eng = self._engine
-        if eng is not None and self._directory is None and lengths.__class__ is list and 0 not in lengths:
-            # a list without empty pieces in P2P mode (sglang's aux batches): what ``_sync`` passes to the engine,
-            # without its steps for the other cases (a small batch's own Python time is its latency)
+        if eng is not None and self._directory is None:
+            # P2P mode (sglang's): what ``_sync`` passes to the engine, without its steps for the other calls (a
+            # small batch's own Python time is its latency); lists, tuples, arrays and tensors alike
             try:
-                eng.batch_write(normalize_session(target_hostname), buffers, peer_buffer_addresses, lengths,
-                                timeout=self._batch_timeout(lengths))
+                b, p, n = nonempty(buffers, peer_buffer_addresses, lengths)
+                eng.batch_write(normalize_session(target_hostname), b, p, n, timeout=self._batch_timeout(n))
                 return 0
             except BaseException as e:  # noqa: BLE001
                 return self._forget(target_hostname, fail(f"batch_transfer_sync_write to {target_hostname!r} "

@@ -58,7 +58,7 @@ from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, F
 from transport.fabric.base import DEVICE_HOST
 from transport.fills import CREDIT_IDLE_S
 from transport.peers import PeerDirectory, rail_local_gpus
-from transport.pipeline import Pipeline
+from transport.pipeline import ROUTES, Pipeline
 from transport.planner import COALESCED, DIRECT, RELAYED
 from transport.progress import ProgressLoop
 from transport.reads import Reads, batch_read, batch_read_async
@@ -577,6 +577,7 @@ class TransferEngine:
                         "failed": c.get("batches_failed", 0), "items": c.get("items", 0),
                         "bytes": c.get("bytes", 0), "latency": self.latency.summary()},
             "paths": paths,
+            "routes": {k: c.get(f"route_{k}", 0) for k in ROUTES},
             "time_s": time_s,
             "rails": rails,
             "rings": {ring.name: ring.stats() for ring in list(self._pipe._rings.values())},

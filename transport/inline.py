@@ -331,8 +331,8 @@ class InlineRoute:
         and ``nbytes`` bytes; ``times``: (submitted, validated, planned, written) in ns. A batch already placed
         (``wait``) counts as ok and done here; an async one when ``_wait`` finds its copies done."""
         t0, t1, t2, t3 = times
-        counts = [("batches_submitted", 1), ("items", n), ("bytes", nbytes), (f"path_{kind}_units", units),
-                  (f"path_{kind}_bytes", nbytes), ("time_validate_s", (t1 - t0) / 1e9),
+        counts = [("batches_submitted", 1), ("route_inline", 1), ("items", n), ("bytes", nbytes),
+                  (f"path_{kind}_units", units), (f"path_{kind}_bytes", nbytes), ("time_validate_s", (t1 - t0) / 1e9),
                   ("time_plan_s", (t2 - t1) / 1e9), ("time_dispatch_s", (t3 - t2) / 1e9)]
         if wait:
             counts.append(("batches_ok", 1))

@@ -41,6 +41,8 @@ from transport.telemetry import POSTED, now_ns
 log = logging.getLogger("transport.engine")  # one logger for the engine and its data path
 
 NOT_TAKEN = object()  # what a route returns for a batch it does not take (the next route gets it)
+# the routes a submitted batch can take, in the order tried; each counts its batches as ``route_<name>``
+ROUTES = ("rows", "loadstore", "inline", "posted")
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
 
 
@@ -197,8 +199,8 @@ class Pipeline:
     # --- submission ----------------------------------------------------------------------------------------
     def _submit(self, session_id, srcs, dsts, lengths, async_: bool = False) -> Optional[_Batch]:
         self._check_open()
-        if self._rows and lengths.__class__ in (list, tuple):
-            # a few small pieces: transport.smallbatch
+        if self._rows:
+            # a few small pieces, given as lists, tuples, arrays or tensors alike: transport.smallbatch
             batch = submit_rows(self, session_id, srcs, dsts, lengths, read_ack=not async_)
             if batch is not None:
                 return batch
@@ -298,7 +300,7 @@ class Pipeline:
         if pending is None:
             return NOT_TAKEN
         t2 = now_ns()
-        counts = [("batches_submitted", 1), ("items", int(ln.size)), ("bytes", nbytes),
+        counts = [("batches_submitted", 1), ("route_loadstore", 1), ("items", int(ln.size)), ("bytes", nbytes),
                   ("path_loadstore_units", 1), ("path_loadstore_bytes", nbytes),
                   ("time_validate_s", (t1 - t0) / 1e9), ("time_loadstore_s", (t2 - t1) / 1e9)]
         if not async_:  # already complete: account for it here, nothing to wait for
@@ -346,9 +348,9 @@ class Pipeline:
         batch.remaining = len(units)
         self._dispatch(batch, units)
         t3 = now_ns()
-        self.counters.add_many((("batches_submitted", 1), ("items", int(ln.size)), ("bytes", batch.nbytes),
-                                ("time_validate_s", (t1 - t0) / 1e9), ("time_plan_s", (t2 - t1) / 1e9),
-                                ("time_dispatch_s", (t3 - t2) / 1e9)))
+        self.counters.add_many((("batches_submitted", 1), ("route_posted", 1), ("items", int(ln.size)),
+                                ("bytes", batch.nbytes), ("time_validate_s", (t1 - t0) / 1e9),
+                                ("time_plan_s", (t2 - t1) / 1e9), ("time_dispatch_s", (t3 - t2) / 1e9)))
         return batch
 
     @staticmethod

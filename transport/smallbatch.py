@@ -4,7 +4,8 @@ one registered region and every destination in one of the peer's, submitted in a
 What the general path (``Pipeline._submit``) does for such a batch -- argument arrays, reductions, the plan, a
 ``WriteBatch`` of arrays, the fabric's array checks and framing -- is a few dozen numpy calls on arrays of a
 dozen items: more host time than the batch's wire round trip. Here the same checks run
-on the caller's lists of ints, and the batch becomes the plan's own result for it (``Planner.direct_pieces``): one
+on the caller's lists of ints (a short array or tensor is made a list first: one route per batch, whatever the
+types of its arguments), and the batch becomes the plan's own result for it (``Planner.direct_pieces``): one
 DIRECT unit on the least loaded rail, one ``WriteRows`` request, posted by the caller with ``Pipeline._post``'s
 bookkeeping done here in one lock section. Its ack completes the batch straight away (``WriteRows.on_acked``,
 ``Completions.rows_acked``) when nothing posted earlier on the endpoint is still waiting; otherwise it completes
@@ -68,6 +69,22 @@ class Signal:
         return self._set
 
 
+def _short(values, limit: int):
+    """``values`` itself when it is a list or a tuple; the entries of a flat numpy array or tensor of at most
+    ``limit`` entries as a list (``tolist``: about half a microsecond for a dozen, where converting lists to
+    arrays for the general path costs several); else None. So a batch takes this route by its size and
+    values, whatever the type of its arguments."""
+    cls = values.__class__
+    if cls in _LISTS:
+        return values
+    try:
+        if values.ndim != 1 or values.shape[0] > limit:  # shape, not len(): a tensor's len() costs microseconds
+            return None
+        return values.tolist()
+    except (AttributeError, TypeError, RuntimeError):  # not an array, or a tensor that cannot be read here
+        return None
+
+
 def submit_rows(pipe, session_id, srcs: Sequence[int], dsts: Sequence[int], lengths: Sequence[int],
                 read_ack: bool = False):
     """Submit a small batch as one ``WriteRows`` post from this thread. Returns the ``_Batch`` (posted; its
@@ -75,7 +92,9 @@ def submit_rows(pipe, session_id, srcs: Sequence[int], dsts: Sequence[int], leng
     the general path). ``read_ack``: this thread waits for the batch next (``Pipeline._wait``) and may read the
     ack itself when the fabric lets it (``batch.reader`` set: then ``_wait`` must follow)."""
     t0 = now_ns()
-    if srcs.__class__ not in _LISTS or dsts.__class__ not in _LISTS or lengths.__class__ not in _LISTS:
+    limit = pipe.direct_pieces
+    srcs, dsts, lengths = _short(srcs, limit), _short(dsts, limit), _short(lengths, limit)
+    if srcs is None or dsts is None or lengths is None:
         return None
     n = len(lengths)
     if not 0 < n <= pipe.direct_pieces or len(srcs) != n or len(dsts) != n:
@@ -167,6 +186,6 @@ def submit_rows(pipe, session_id, srcs: Sequence[int], dsts: Sequence[int], leng
                                         ("time_post_s", (t2 - t1) / 1e9)))
         if pipe.trace is not None:
             pipe.trace.complete("post", "fabric", f"post/rail{rail}", t1, t2, {"writes": 1, "bytes": nbytes})
-    pipe.counters.add_many((("batches_submitted", 1), ("items", n), ("bytes", nbytes),
+    pipe.counters.add_many((("batches_submitted", 1), ("route_rows", 1), ("items", n), ("bytes", nbytes),
                            ("time_validate_s", (t1 - t0) / 1e9), ("time_dispatch_s", (t2 - t1) / 1e9)))
     return batch

@@ -1,0 +1,196 @@
+"""A batch's arguments as lists, tuples, int64 arrays or CPU tensors: converted alike (``transport.arrays``), every
+bad entry refused by name whatever the container, and the same route taken whatever the type (``stats()["routes"]``),
+through the native API and the Mooncake API.
+
+End-to-end cases write fresh random bytes into a poisoned peer (another process) and compare its whole buffer,
+guards included, with the expected image.
+"""
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from engine_helpers import EnginePeer, Expected, disjoint_offsets
+from transport import InvalidTransfer, TransferEngine
+from transport.arrays import as_array
+
+AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
+MB = 1 << 20
+KINDS = ("list", "tuple", "array", "tensor")
+
+
+def _as(kind: str, values: list):
+    if kind == "list":
+        return list(values)
+    if kind == "tuple":
+        return tuple(values)
+    arr = np.asarray(values, dtype=np.int64)
+    return arr if kind == "array" else torch.from_numpy(arr)
+
+
+@pytest.fixture
+def rng(seed, request):
+    return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
+
+
+# --- conversion -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 11, 63, 64, 65, 4097])
+@pytest.mark.parametrize("kind", KINDS)
+def test_as_array_gives_the_entries_as_int64(kind, n, rng):
+    values = rng.integers(0, 1 << 62, n, dtype=np.int64).tolist()
+    values[rng.integers(n)] = 0
+    values[rng.integers(n)] = (1 << 63) - 1
+    arr = as_array("srcs", _as(kind, values))
+    assert arr.dtype == np.int64 and arr.ndim == 1
+    assert arr.tolist() == values
+
+
+def test_as_array_takes_numpy_ints_in_a_list_and_empty_sequences():
+    assert as_array("x", [np.int64(7), 9, np.int32(-3)]).tolist() == [7, 9, -3]
+    for empty in ([], (), np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.int64)):
+        got = as_array("x", empty)
+        assert got.dtype == np.int64 and got.size == 0
+
+
+# (entry, text of its repr in the message); each put at a random place of a list of good ints
+BAD_ENTRIES = [(2.5, "2.5 is not an int"), (64.0, "64.0 is not an int"), (True, "True is not an int"),
+               (False, "False is not an int"), ("7", "'7' is not an int"), (None, "None is not an int"),
+               ([1], r"\[1\] is not an int"), (np.float64(3.0), r"np.float64\(3.0\) is not an int"),
+               (np.bool_(True), "np.True_ is not an int"), (1 << 64, f"{1 << 64} does not fit 64 bits"),
+               (-(1 << 63) - 1, f"{-(1 << 63) - 1} does not fit 64 bits"),
+               (1 << 63, f"{1 << 63} does not fit a 64-bit address"),
+               (np.uint64(1 << 63), f"{1 << 63} does not fit a 64-bit address")]
+
+
+@pytest.mark.parametrize("n", [3, 11, 100])
+@pytest.mark.parametrize("container", ["list", "tuple"])
+@pytest.mark.parametrize("bad,text", BAD_ENTRIES)
+def test_a_bad_entry_of_a_list_is_named(bad, text, container, n, rng):
+    values = rng.integers(2, 1 << 40, n).tolist()
+    i = int(rng.integers(n))
+    values[i] = bad
+    with pytest.raises(InvalidTransfer) as ei:
+        as_array("dsts", list(values) if container == "list" else tuple(values))
+    assert re.fullmatch(rf"dsts\[{i}\] = {text}", str(ei.value)), str(ei.value)
+
+
+@pytest.mark.parametrize("kind", ["array", "tensor"])
+def test_a_bad_entry_of_an_array_or_tensor_is_named(kind):
+    # an array of floats or bools: its first entry is not an int
+    for arr, text in ((np.asarray([5, 7, 2.5]), r"\[0\] = 5.0 is not an int"),
+                      (np.asarray([True, False]), r"\[0\] = True is not an int")):
+        with pytest.raises(InvalidTransfer, match=r"lengths" + text):
+            as_array("lengths", arr if kind == "array" else torch.from_numpy(arr))
+    big = np.asarray([5, 1 << 63], dtype=np.uint64)
+    with pytest.raises(InvalidTransfer, match=rf"lengths\[1\] = {1 << 63} does not fit"):
+        as_array("lengths", big)
+    with pytest.raises(InvalidTransfer, match=r"flat sequence of ints, got shape \(2, 2\)"):
+        as_array("lengths", np.ones((2, 2), dtype=np.int64) if kind == "array" else torch.ones(2, 2,
+                                                                                             dtype=torch.int64))
+
+
+# --- one route per batch ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def peer():
+    p = EnginePeer(8 * MB, fabric="tcp")
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def src():
+    from conftest import SEED
+    rng = np.random.default_rng([SEED, 51])
+    return np.frombuffer(rng.bytes(8 * MB), dtype=np.uint8).copy()
+
+
+def _batch(rng, src, peer, lengths):
+    """Fresh random source bytes, random disjoint places; (srcs, dsts, expected image)."""
+    src[:] = np.frombuffer(rng.bytes(src.size), dtype=np.uint8)
+    s_offs, d_offs = disjoint_offsets(rng, lengths, 4 * MB), disjoint_offsets(rng, lengths, 4 * MB)
+    exp = Expected(peer.size)
+    exp.apply(src, s_offs, d_offs, lengths)
+    return ([src.ctypes.data + int(o) for o in s_offs], [peer.base + int(o) for o in d_offs], exp)
+
+
+def _routes(eng) -> dict:
+    return dict(eng.stats()["routes"])
+
+
+def _route_of(eng, call) -> dict:
+    """The routes ``call()`` took, by ``stats()["routes"]`` before and after."""
+    before = _routes(eng)
+    call()
+    after = _routes(eng)
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+@pytest.mark.parametrize("lengths", [AUX, [100] * 65, [4096] * 200 + [65536] * 3], ids=["aux11", "65x100B", "mix203"])
+def test_the_route_does_not_depend_on_the_argument_type(peer, src, rng, lengths):
+    taken = {}
+    with TransferEngine(fabric="tcp") as eng:
+        eng.register(src)
+        eng.batch_write(peer.session, [src.ctypes.data], [peer.base], [1])  # the first batch handshakes
+        for kind in KINDS:
+            srcs, dsts, exp = _batch(rng, src, peer, lengths)
+            peer.poison()
+            taken[kind] = _route_of(eng, lambda: eng.batch_write(peer.session, _as(kind, srcs), _as(kind, dsts),
+                                                                 _as(kind, lengths)))
+            peer.check(exp)
+    assert len(set(map(str, taken.values()))) == 1, taken
+    route = taken["list"]
+    assert sum(route.values()) == 1, route
+    if lengths is AUX:
+        assert route == {"rows": 1}  # a few small host pieces on tcp: one framed post
+
+
+def test_the_mooncake_api_takes_one_route_whatever_the_argument_type(peer, src, rng):
+    from integration.mooncake import TransferEngine as MooncakeTransferEngine
+    mc = MooncakeTransferEngine()
+    try:
+        assert mc.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert mc.register_memory(src.ctypes.data, src.size) == 0
+        assert mc.transfer_sync_write(peer.session, src.ctypes.data, peer.base, 1) == 0  # handshakes
+        for lengths, route in ((AUX, {"rows": 1}), (AUX[:5] + [0] + AUX[5:], {"rows": 1}), ([64] * 300, None)):
+            taken = {}
+            for kind in KINDS:
+                srcs, dsts, exp = _batch(rng, src, peer, [max(n, 1) for n in lengths])  # the empty piece: nothing
+                if 0 in lengths:
+                    k = lengths.index(0)
+                    exp = Expected(peer.size)
+                    exp.apply(src, [s - src.ctypes.data for i, s in enumerate(srcs) if i != k],
+                              [d - peer.base for i, d in enumerate(dsts) if i != k], [n for n in lengths if n])
+                peer.poison()
+                args = (_as(kind, srcs), _as(kind, dsts), _as(kind, lengths))
+                taken[kind] = _route_of(mc._engine, lambda: mc.batch_transfer_sync_write(peer.session, *args) == 0
+                                        or pytest.fail(f"{kind}: batch_transfer_sync_write failed"))
+                peer.check(exp)
+            assert len(set(map(str, taken.values()))) == 1, (len(lengths), taken)
+            assert route is None or taken["list"] == route, taken
+    finally:
+        mc.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bad_entry_is_named_and_nothing_written_whatever_the_type(peer, src, rng, kind):
+    srcs, dsts, _ = _batch(rng, src, peer, AUX)
+    with TransferEngine(fabric="tcp") as eng:
+        eng.register(src)
+        eng.batch_write(peer.session, [src.ctypes.data], [peer.base], [1])  # connected: every route is open
+        peer.poison()
+        bad_lengths = list(AUX)
+        bad_lengths[4] = -5
+        with pytest.raises(InvalidTransfer, match=r"lengths\[4\] = -5"):
+            eng.batch_write(peer.session, _as(kind, srcs), _as(kind, dsts), _as(kind, bad_lengths))
+        bad_dsts = list(dsts)
+        bad_dsts[7] = -1
+        with pytest.raises(InvalidTransfer, match=r"dsts\[7\] = -1 is negative"):
+            eng.batch_write(peer.session, _as(kind, srcs), _as(kind, bad_dsts), _as(kind, AUX))
+        if kind in ("array", "tensor"):
+            floats = np.asarray(AUX, dtype=np.float64)
+            with pytest.raises(InvalidTransfer, match=r"lengths\[0\] = 64.0 is not an int"):
+                eng.batch_write(peer.session, _as(kind, srcs), _as(kind, dsts),
+                                floats if kind == "array" else torch.from_numpy(floats))
+        assert eng.stats()["batches"]["submitted"] == 1
+    peer.check(Expected(peer.size))  # poison everywhere: nothing written

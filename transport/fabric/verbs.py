@@ -172,10 +172,11 @@ class VerbsFabric(Fabric):
             raise ValueError(f"device must be -1 (host) or a CUDA index, got {device!r}")
         fd = None
         try:
-            if device == DEVICE_HOST:
-                mr = self.v["MR"](self.pd, length, self.access, address=addr)
-            else:
-                mr, fd = register_gpu(self.v, self.pd, addr, length, device, self.access, self.device)
+            with self._building():  # not while close releases the PD
+                if device == DEVICE_HOST:
+                    mr = self.v["MR"](self.pd, length, self.access, address=addr)
+                else:
+                    mr, fd = register_gpu(self.v, self.pd, addr, length, device, self.access, self.device)
         except FabricError:
             raise
         except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError carries errno text
@@ -209,8 +210,8 @@ class VerbsFabric(Fabric):
     @contextlib.contextmanager
     def _building(self):
         """Held by a thread that makes a QP pair (``_connect``, ``_incoming``) until the endpoint is registered (the
-        progress thread owns it then): ``close`` waits for such threads before it releases the context, so none
-        of them calls into a closed context (SIGSEGV on real pyverbs)."""
+        progress thread owns it then), or registers memory: ``close`` waits for such threads before it releases
+        the context, so none of them calls into a closed context or PD (SIGSEGV on real pyverbs)."""
         with self._lock:
             if self._closed:
                 raise FabricClosed(f"verbs fabric {self._id} is closed")

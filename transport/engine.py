@@ -270,8 +270,8 @@ class TransferEngine:
                                   self._progress, self.counters, self._rail_stats, self.latency, self.trace,
                                   self.engine_id)
             self._progress.every(CREDIT_IDLE_S, self._pipe.fills.return_idle_credits)
-            for rail in range(len(self.fabrics)):
-                self._pipe.ring(DEVICE_HOST, rail)
+            # relay rings (lanes x slots x slot bytes per device and rail, 64 MiB by default) are made by the
+            # first relayed send (``Pipeline.ring``): an engine that only receives never holds one
             self._control = ControlPlane(hostname, port, self._peers, self._regions, self._region_gen, self.fabrics,
                                          self.receiver, self.counters, cfg, self.engine_id,
                                          landing_device=landing_device, rail_gpu=rail_gpu, secret=self._secret,

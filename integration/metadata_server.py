@@ -9,6 +9,12 @@ query string ``?key=<key>``:
 * ``DELETE /metadata?key=K`` removes it (200) or 404;
 * no ``key``: 400.
 
+One name, one owner (pxn's extension; Mooncake's clients send neither header and see its protocol unchanged): a
+PUT carrying ``X-Pxn-Owner: <owner>`` over a key that holds another owner's value (or a value stored without an
+owner) is refused with 409 and that value as the body, unless it also carries ``X-Pxn-Take-Over: 1``; a DELETE
+carrying ``X-Pxn-Owner`` removes the key only when that owner stored it (409 otherwise). pxn engines send their
+engine id as the owner, so an engine never replaces nor removes another's entry unasked.
+
 Values are opaque bytes: pxn engines and Mooncake engines can share one server (pxn keeps its entries under keys
 starting with ``pxn/``). Start it from a shell with ``python -m integration.metadata_server --port 8080`` or in a
 program::
@@ -62,9 +68,11 @@ from transport.errors import MetadataRequestRefused
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MetadataServer", "main", "sign", "AUTH_HEADER"]
+__all__ = ["MetadataServer", "main", "sign", "AUTH_HEADER", "OWNER_HEADER", "TAKE_OVER_HEADER"]
 
 AUTH_HEADER = "X-Pxn-Auth"
+OWNER_HEADER = "X-Pxn-Owner"
+TAKE_OVER_HEADER = "X-Pxn-Take-Over"
 MAX_SKEW = 60.0
 """Seconds a signed request stays valid (clock difference between client and server included)."""
 MAX_KEY = 1024  # bytes of a key
@@ -164,15 +172,28 @@ class _Handler(BaseHTTPRequestHandler):
                 self._room(key, n, old)
             body = self._body(n)
             self._check_auth("PUT", key, body)
+            owner = self.headers.get(OWNER_HEADER)
             with srv.lock:
                 old = srv.store.get(key)
                 if "rpc_meta" in key and old is not None:
                     raise MetadataRequestRefused(400, "Duplicate rpc_meta key not allowed")
-                self._room(key, n, old)
-                srv.store[key] = body
-                srv.total += n - (len(old) if old is not None else 0)
+                if (owner is not None and old is not None and srv.owners.get(key) != owner
+                        and self.headers.get(TAKE_OVER_HEADER) != "1"):
+                    held = old   # another owner's entry: refused, and sent back so the caller can name it
+                else:
+                    held = None
+                    self._room(key, n, old)
+                    srv.store[key] = body
+                    srv.total += n - (len(old) if old is not None else 0)
+                    if owner is None:
+                        srv.owners.pop(key, None)
+                    else:
+                        srv.owners[key] = owner
         except MetadataRequestRefused as e:
             self._refuse(e)
+            return
+        if held is not None:
+            self._reply(409, held)
             return
         self._reply(200, b"metadata updated")
 
@@ -187,11 +208,19 @@ class _Handler(BaseHTTPRequestHandler):
         except MetadataRequestRefused as e:
             self._refuse(e)
             return
-        with self.server.lock:
-            old = self.server.store.pop(key, None)
-            if old is not None:
-                self.server.total -= len(old)
-        self._reply(200 if old is not None else 404, b"metadata deleted" if old is not None else b"metadata not found")
+        owner = self.headers.get(OWNER_HEADER)
+        srv = self.server
+        with srv.lock:
+            if owner is not None and key in srv.store and srv.owners.get(key) != owner:
+                old, status = None, 409   # another owner's entry stays
+            else:
+                old = srv.store.pop(key, None)
+                srv.owners.pop(key, None)
+                status = 200 if old is not None else 404
+                if old is not None:
+                    srv.total -= len(old)
+        self._reply(status, {200: b"metadata deleted", 404: b"metadata not found",
+                             409: b"metadata held by another owner"}[status])
 
     def _room(self, key: str, n: int, old: Optional[bytes]) -> None:
         srv = self.server
@@ -261,6 +290,7 @@ class _Server:
         self.idle_timeout = float(idle_timeout)
         self.max_body, self.max_bytes, self.max_keys, self.max_waiting = max_body, max_bytes, max_keys, max_waiting
         self.store: Dict[str, bytes] = {}
+        self.owners: Dict[str, str] = {}   # key -> the X-Pxn-Owner that stored it (keys stored with one)
         self.total = 0
         self.lock = threading.Lock()
         self._nonces: "collections.OrderedDict[str, float]" = collections.OrderedDict()

@@ -135,6 +135,26 @@ class MetadataRequestRefused(PxnError):
         self.text = text
 
 
+class SegmentNameTaken(UnknownPeer):
+    """A metadata server holds the segment name for another engine that is alive (its entry names a session
+    where an engine answers). ``holder`` is that engine's entry (``session``, ``engine_id``, ``fabric``); the
+    message names it, the server and how to proceed (a name of its own, or taking the name over)."""
+
+    def __init__(self, message: str, holder: Optional[dict] = None):
+        super().__init__(message)
+        self.holder = dict(holder or {})
+
+
+class MetadataUnavailable(UnknownPeer):
+    """The metadata server (etcd) cannot serve a request. ``kind`` says what happened: "unreachable" (nothing
+    accepts a connection at the endpoint), "timed out" (no answer in time: a stopped or overloaded server) or
+    "refused" (it answered with an error); the message names the endpoint(s), the request and the cause."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 class PxnFeatureUnavailable(PxnError, RuntimeError):
     """An sglang feature other than KV disaggregation asked for sglang's shared Mooncake engine while Mooncake is
     not installed: pxn serves only the KV transfer of prefill / decode disaggregation."""

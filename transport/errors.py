@@ -74,6 +74,24 @@ class RefusalCounted(AuthError):
     """A refusal the gate counted already (evicted, or over the per-address cap)."""
 
 
+class OverAddressCap(RefusalCounted):
+    """A listener's cap on authenticated connections from one source address is full (the control port's:
+    ``PXN_MAX_CONNS_PER_ADDR``); raised on the listener's side, where it is counted ``refused_per_addr``."""
+
+
+class AdmissionRefused(AuthError):
+    """The peer's listener did not admit this connection for a cap of its own, not for the secret: ``cap`` is
+    "per_addr" (it proved the secret, but the listener already serves as many connections from this side's
+    address as it allows: ``PXN_MAX_CONNS_PER_ADDR`` on the peer) or "pending" (the listener closed it while it
+    authenticated: the oldest waiting connection goes when ``PXN_MAX_PENDING_PER_ADDR`` from one address or
+    ``PXN_MAX_PENDING`` in all are waiting, or the handshake took longer than ``PXN_HANDSHAKE_TIMEOUT``). The
+    message names the variable to raise on the peer."""
+
+    def __init__(self, message: str, cap: str):
+        super().__init__(message)
+        self.cap = cap
+
+
 class InsecureConfig(ConfigError):
     """A listener would run without a shared secret where that is not allowed, or the secret given is unusable
     (too short, an empty one over a set ``PXN_SECRET``). The message names the setting."""

@@ -284,9 +284,12 @@ class Connections:
             if error is None and host is not None and sum(
                     1 for ep in self._endpoints.values()
                     if ep.alive and getattr(ep, "remote_host", None) == host) >= self.max_peers_per_addr:
-                error = f"{host} already has {self.max_peers_per_addr} endpoints"
+                error = (f"{host} already has {self.max_peers_per_addr} endpoints (max_peers_per_addr; an engine "
+                         f"raises it with PXN_MAX_CONNS_PER_ADDR)")
+                self.gate.count("refused_peers_per_addr")
+            elif error is not None:
+                self.gate.count("refused_claims")
         if error is not None:
-            self.gate.count("refused_claims")
             log.warning("%s: refused connection from %s: %s", self.owner, a.addr, error)
         else:
             for sk in socks:

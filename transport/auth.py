@@ -68,11 +68,12 @@ import weakref
 from typing import Callable, Dict, List, Optional
 
 from transport.config import EngineConfig
-from transport.errors import AdmissionRefused, AuthError, InsecureConfig, OverAddressCap, RefusalCounted, SecretMismatch
+from transport.errors import (AdmissionRefused, AuthError, InsecureConfig, OverAddressCap, RefusalCounted,
+                              SecretMismatch)
 log = logging.getLogger(__name__)
 
-__all__ = ["AuthError", "SecretMismatch", "AdmissionRefused", "InsecureConfig", "Resolved", "Session", "resolve_secret", "session_of",
-           "client_handshake", "server_handshake", "Gate", "Admitted", "secret_file", "MIN_SECRET_BYTES"]
+__all__ = ["AuthError", "SecretMismatch", "AdmissionRefused", "InsecureConfig", "Resolved", "Session", "resolve_secret",
+           "session_of", "client_handshake", "server_handshake", "Gate", "Admitted", "secret_file", "MIN_SECRET_BYTES"]
 
 MAGIC = b"PXNA"
 VERSION = 4
@@ -412,9 +413,10 @@ def client_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str,
 
 def _dropped(purpose: str, when: str) -> AdmissionRefused:
     """The listener closed a connection in the middle of its handshake (``when``): what that means."""
+    caps = ("PXN_MAX_PENDING_PER_ADDR from one address, default 32; PXN_MAX_PENDING in all, default 128"
+            if purpose == "ctrl" else "32 from one address, 128 in all")
     return AdmissionRefused(f"{purpose}: the peer closed the connection {when}: it drops the oldest connection "
-                            f"still authenticating when too many wait (PXN_MAX_PENDING_PER_ADDR from one address, "
-                            f"default 32; PXN_MAX_PENDING in all, default 128: many engines connecting at once), "
+                            f"still authenticating when too many wait ({caps}: many engines connecting at once), "
                             f"or this handshake outlived its PXN_HANDSHAKE_TIMEOUT (a starved host), or it is not a "
                             f"pxn listener", "pending")
 

@@ -18,13 +18,24 @@ from typing import Dict, List, Optional, Tuple
 from integration.codes import log
 from integration.hosts import P2PHANDSHAKE, split_hostname
 from transport.config import EngineConfig
-from transport.errors import (ConfigError, ForeignSegment, ForgedSegment, InvalidTransfer, UnknownPeer,
-                              UnknownSession)
+from transport.errors import (ConfigError, ForeignSegment, ForgedSegment, InvalidTransfer, MetadataUnavailable,
+                              SegmentNameTaken, UnknownPeer, UnknownSession)
 
 # --- http metadata (Mooncake's protocol: GET / PUT / DELETE <url>?key=<key>) ------------------------------------
 def segment_key(name: str) -> str:
     # pxn's own prefix: Mooncake engines sharing the server never read a pxn entry as theirs
     return f"pxn/segment/{name}"
+
+
+def _name_of(key: str) -> str:
+    prefix = segment_key("")
+    return key[len(prefix):] if key.startswith(prefix) else key
+
+
+def held_by(key: str, holder: dict, where: str) -> SegmentNameTaken:
+    """The error for segment ``key`` held by the engine whose entry is ``holder`` at server ``where``."""
+    return SegmentNameTaken(f"segment name {_name_of(key)!r} is held by another engine (session "
+                            f"{holder.get('session')!r}, engine id {holder.get('engine_id')}) at {where}", holder)
 
 
 class HttpMetadata:
@@ -36,6 +47,7 @@ class HttpMetadata:
         # changes are signed with it (``integration.metadata_server.sign``); a server without a secret ignores it
         self.secret = secret
         self._version = 0
+        self._owner: Optional[str] = None   # the engine id this client published its entry as
 
     def _next_version(self) -> int:
         """The version of this client's next PUT: the clock in ns, above every earlier one of this client (the
@@ -52,16 +64,18 @@ class HttpMetadata:
             path=url.path.rstrip("/") + "/challenge", query="")), None, {})
         return body.decode("ascii", "replace") if status == 200 and len(body) <= 200 else None
 
-    def _call(self, method: str, key: str, body: Optional[bytes] = None) -> Tuple[int, bytes]:
+    def _call(self, method: str, key: str, body: Optional[bytes] = None,
+              extra: Optional[Dict[str, str]] = None) -> Tuple[int, bytes]:
         import urllib.parse
         sep = "&" if "?" in self.url else "?"
-        headers = {}
+        headers = dict(extra or {})
         if self.secret and method != "GET":
-            from integration.metadata_server import AUTH_HEADER, sign
+            from integration.metadata_server import AUTH_HEADER, OWNER_HEADER, TAKE_OVER_HEADER, sign
             challenge = self._challenge()
-            if challenge is not None:
+            if challenge is not None:   # the owner headers are signed too: nobody can strip or add them
                 headers[AUTH_HEADER] = sign(self.secret, method, key, body or b"", challenge,
-                                            self._next_version() if method == "PUT" else 0)
+                                            self._next_version() if method == "PUT" else 0,
+                                            headers.get(OWNER_HEADER), headers.get(TAKE_OVER_HEADER) == "1")
         return self._fetch(method, f"{self.url}{sep}key={urllib.parse.quote(key, safe='')}", body, headers)
 
     def _fetch(self, method: str, url: str, body: Optional[bytes], headers: dict) -> Tuple[int, bytes]:
@@ -77,10 +91,46 @@ class HttpMetadata:
             reason = getattr(e, "reason", e)
             raise UnknownPeer(f"metadata server {self.url} unreachable: {reason}") from None
 
-    def put(self, key: str, value: dict) -> None:
-        status, body = self._call("PUT", key, json.dumps(value).encode())
+    def put(self, key: str, value: dict, take_over: bool = False) -> None:
+        """Publish ``value`` (a pxn entry) under ``key`` as its owner (``value["engine_id"]``). Raises
+        SegmentNameTaken when another engine's entry is there, unless ``take_over``.
+
+        pxn's server checks the owner and stores atomically (``X-Pxn-Owner``: a PUT over another owner's entry
+        is refused with 409 and that entry). Mooncake's own server ignores the header, so the entry is also read
+        first: there a race between two engines publishing the same name at once is not caught."""
+        from integration.metadata_server import OWNER_HEADER, TAKE_OVER_HEADER
+        owner = str(value.get("engine_id", ""))
+        if not take_over:
+            held = self._entry(key)
+            if held is not None and str(held.get("engine_id", "")) != owner:
+                raise held_by(key, held, f"metadata server {self.url}")
+        extra = {OWNER_HEADER: owner}
+        if take_over:
+            extra[TAKE_OVER_HEADER] = "1"
+        status, body = self._call("PUT", key, json.dumps(value).encode(), extra)
+        if status == 409 and b"not newer than the stored version" not in body:   # (else: a stale version)
+            raise held_by(key, self._parse(key, body, lenient=True) or {}, f"metadata server {self.url}")
         if status != 200:
             raise UnknownPeer(f"metadata server {self.url} refused PUT {key!r}: {status} {body[:200]!r}")
+        self._owner = owner
+
+    def _entry(self, key: str) -> Optional[dict]:
+        """The entry under ``key`` as far as it tells an owner (None: none, or not pxn's)."""
+        try:
+            return self.get(key)
+        except ForeignSegment:
+            return None
+
+    def _parse(self, key: str, body: bytes, lenient: bool = False) -> Optional[dict]:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict) or not isinstance(value.get("session"), str):
+            if lenient:
+                return None
+            raise ForeignSegment(f"metadata entry {key!r} at {self.url} is not a pxn segment: {body[:200]!r}")
+        return value
 
     def get(self, key: str) -> Optional[dict]:
         status, body = self._call("GET", key)
@@ -88,17 +138,26 @@ class HttpMetadata:
             return None
         if status != 200:
             raise UnknownPeer(f"metadata server {self.url} answered GET {key!r} with {status} {body[:200]!r}")
-        try:
-            value = json.loads(body)
-        except ValueError:
-            value = None
-        if not isinstance(value, dict) or not isinstance(value.get("session"), str):
-            raise ForeignSegment(f"metadata entry {key!r} at {self.url} is not a pxn segment: {body[:200]!r}")
-        return value
+        return self._parse(key, body)
 
     def delete(self, key: str) -> None:
+        """Remove this client's own entry under ``key``: nothing when another engine has published there since
+        (pxn's server checks the owner; with Mooncake's the entry is read first)."""
+        from integration.metadata_server import OWNER_HEADER
+        owner, self._owner = self._owner, None
+        if owner is None:
+            return
         try:
-            self._call("DELETE", key)
+            held = self._entry(key)
+            if held is None or str(held.get("engine_id", "")) != owner:
+                log.info("not removing segment %r from %s: %s", _name_of(key), self.url,
+                         "it is gone already" if held is None else
+                         f"engine {held.get('engine_id')} at {held.get('session')} holds it now")
+                return
+            status, _ = self._call("DELETE", key, None, {OWNER_HEADER: owner})
+            if status == 409:
+                log.info("not removing segment %r from %s: another engine published it meanwhile",
+                         _name_of(key), self.url)
         except UnknownPeer as e:
             log.info("removing %r from the metadata server: %s", key, e)
 
@@ -224,6 +283,7 @@ class EtcdMetadata:
         scheme = "https" if ca_cert or cert else "http"
         self.url = "etcd://" + ",".join(
             f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
+        self.timeout = float(timeout)
         cluster = os.environ.get("MC_METADATA_CLUSTER_ID", "")
         self._root = "mooncake/" + (cluster if not cluster or cluster.endswith("/") else cluster + "/")
         self._clients = [etcd3gw.Etcd3Client(h, p, protocol=scheme, timeout=timeout,
@@ -242,12 +302,15 @@ class EtcdMetadata:
         return self._root + (name if "/" in name else "ram/" + name)
 
     def _call(self, what: str, fn):
-        """``fn(client)`` on the first endpoint that answers; raises UnknownPeer when none does or etcd refuses."""
+        """``fn(client)`` on the first endpoint that answers. Raises MetadataUnavailable naming what happened at
+        each endpoint: "unreachable" (no connection), "timed out" (no answer within the timeout: a stopped or
+        overloaded etcd) or "refused" (etcd answered with an error)."""
         errors = self._errors
         n = len(self._clients)
-        last = None
+        failed = []   # (kind, endpoint, cause) per endpoint tried
         for i in range(n):
             idx = (self._current + i) % n
+            endpoint = self._endpoint_text(idx)
             try:
                 try:
                     out = fn(self._authenticated(idx))
@@ -260,12 +323,21 @@ class EtcdMetadata:
                     out = fn(self._authenticated(idx))
                 self._current = idx
                 return out
-            except (errors.ConnectionFailedError, errors.ConnectionTimeoutError) as e:
-                last = e
+            except errors.ConnectionTimeoutError as e:
+                failed.append(("timed out", endpoint, f"no answer within {self.timeout:g} s ({_cause(e)})"))
+            except errors.ConnectionFailedError as e:
+                failed.append(("unreachable", endpoint, _cause(e)))
             except errors.Etcd3Exception as e:
-                raise UnknownPeer(f"etcd {self.url} refused {what}: {type(e).__name__}: "
-                                  f"{str(e)[:200] or getattr(e, 'detail_text', '')}") from None
-        raise UnknownPeer(f"etcd {self.url} unreachable ({what}): {str(last)[:200]}")
+                raise MetadataUnavailable(f"etcd at {endpoint} refused {what}: {type(e).__name__}: {_cause(e)}",
+                                          "refused") from None
+        kinds = {k for k, _, _ in failed}
+        kind = kinds.pop() if len(kinds) == 1 else "unreachable"
+        text = "; ".join(f"{ep}: {k}, {cause}" for k, ep, cause in failed)
+        raise MetadataUnavailable(f"etcd {kind} ({what}): {text}", kind)
+
+    def _endpoint_text(self, idx: int) -> str:
+        h, p = self.endpoints[idx]
+        return f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
 
     def _authenticated(self, idx: int):
         """The client of endpoint ``idx``, holding an etcd auth token when a user is set (etcd's
@@ -281,7 +353,9 @@ class EtcdMetadata:
     def _lease(self, client):
         return self._etcd3gw.Lease(self._lease_id, client)
 
-    def put(self, key: str, value: dict) -> None:
+    def put(self, key: str, value: dict, take_over: bool = False) -> None:
+        """Publish ``value`` under ``key`` on this client's lease. Raises SegmentNameTaken when the key holds
+        another lease's entry (a live engine's: a dead one's goes with its lease), unless ``take_over``."""
         name = key[len(self._PREFIX):] if key.startswith(self._PREFIX) else key
         etcd_key = self.key(key)
         if self.secret:
@@ -290,18 +364,35 @@ class EtcdMetadata:
         body = json.dumps({"name": name, "protocol": SEGMENT_PROTOCOL, SEGMENT_PROTOCOL: value,
                            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
         with self._lock:
-            self._publish(etcd_key, body)
+            self._publish(etcd_key, body, take_over)
             if self._thread is None:
                 self._stop.clear()
                 self._thread = threading.Thread(target=self._keepalive, name="pxn-etcd-lease", daemon=True)
                 self._thread.start()
 
-    def _publish(self, etcd_key: str, body: str) -> None:
-        """Grant a lease when none is held and put the entry under it (caller holds ``_lock``)."""
+    def _publish(self, etcd_key: str, body: str, take_over: bool = False) -> None:
+        """Grant a lease when none is held and put the entry under it (caller holds ``_lock``): in one etcd
+        transaction that creates the key only when it is absent, else reads it. An entry on this client's own
+        lease is replaced; another lease's entry raises SegmentNameTaken, unless ``take_over``."""
         if self._lease_id is None:
             ttl = max(1, int(-(-self.ttl // 1)))
             self._lease_id = self._call("a lease grant", lambda c: c.lease(ttl)).id
-        self._call(f"PUT {etcd_key!r}", lambda c: c.put(etcd_key, body, lease=self._lease(c)))
+        lease_id = self._lease_id
+        for _ in range(3):   # a key deleted between the transaction's compare and its read: try again
+            if take_over:
+                break
+            created, held = self._call(f"a create of {etcd_key!r}", lambda c: _create(c, etcd_key, body, lease_id))
+            if created:
+                break
+            if held is not None:
+                if int(held.get("lease", 0) or 0) != lease_id:
+                    raise held_by(etcd_key, _holder(held), f"etcd {self.url} (key {etcd_key!r})")
+                take_over = True   # this client's own entry: replace it
+        else:
+            raise MetadataUnavailable(f"etcd {self.url}: key {etcd_key!r} kept changing while it was published",
+                                      "refused")
+        if take_over:
+            self._call(f"PUT {etcd_key!r}", lambda c: c.put(etcd_key, body, lease=self._lease(c)))
         self._published = (etcd_key, body)
 
     def _keepalive(self) -> None:
@@ -321,7 +412,14 @@ class EtcdMetadata:
                                         self._published and self._published[0])
                             self._lease_id = None
                     if self._lease_id is None and self._published is not None:
-                        self._publish(*self._published)
+                        try:
+                            self._publish(*self._published)
+                        except SegmentNameTaken as e:
+                            # while this engine's lease had run out, another engine published the name: it is
+                            # that engine's now, and this one stays unpublished rather than take it back
+                            log.error("etcd: %s, published while this engine's lease had run out; this engine is "
+                                      "no longer reachable by that name", e)
+                            self._published = None
                 if failing:
                     log.info("etcd %s answers keep-alives again", self.url)
                 failing = False
@@ -360,7 +458,8 @@ class EtcdMetadata:
         return inner
 
     def delete(self, key: str) -> None:
-        """Withdraw this engine's entry: revoke its lease (see the class docstring)."""
+        """Withdraw this engine's entry: revoke its lease (see the class docstring). Only keys on this lease go:
+        an entry another engine published since (a take-over) is on that engine's lease and stays."""
         self.close()
 
     def close(self) -> None:
@@ -411,6 +510,56 @@ def _read_password(path: str) -> str:
         os.close(fd)
 
 
+def _cause(e: BaseException) -> str:
+    """What an etcd3gw error says: its ``detail_text`` (its ``str`` is empty), cut to the socket error where
+    the http client wrapped one (``[Errno 111] Connection refused``), and its reason."""
+    import re
+    text = str(getattr(e, "detail_text", "") or e or type(e).__name__)
+    m = re.search(r"\[Errno -?\d+\][^'\")]*", text)
+    if m:
+        text = m.group(0).strip()
+    elif "timed out" in text.lower():
+        text = "read timed out"
+    reason = e.args[0] if e.args and isinstance(e.args[0], str) else ""
+    return (f"{text[:200]} ({reason})" if reason else text[:200]) or type(e).__name__
+
+
+def _create(client, key: str, body: str, lease_id: int) -> Tuple[bool, Optional[dict]]:
+    """One etcd transaction: put ``key`` on lease ``lease_id`` if no such key exists, else read it. Returns
+    (created, the key's record as etcd gives it, with "value" decoded, or None)."""
+    import base64
+    k = base64.b64encode(key.encode()).decode()
+    txn = {"compare": [{"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+           "success": [{"request_put": {"key": k, "value": base64.b64encode(body.encode()).decode(),
+                                        "lease": lease_id}}],
+           "failure": [{"request_range": {"key": k}}]}
+    result = client.transaction(txn)
+    if result.get("succeeded"):
+        return True, None
+    for r in result.get("responses", []):
+        kvs = r.get("response_range", {}).get("kvs") or []
+        if kvs:
+            kv = dict(kvs[0])
+            kv["value"] = base64.b64decode(kv.get("value", "")).decode(errors="replace")
+            return False, kv
+    return False, None   # gone between the compare and the read: the caller tries again or reports
+
+
+def _holder(kv: Optional[dict]) -> dict:
+    """The pxn entry inside an etcd record (``_create``), or what can be said of a foreign one."""
+    if kv is None:
+        return {}
+    try:
+        value = json.loads(kv.get("value", ""))
+    except ValueError:
+        value = None
+    inner = value.get(SEGMENT_PROTOCOL) if isinstance(value, dict) else None
+    if isinstance(inner, dict):
+        return {k: v for k, v in inner.items() if k != "mac"}
+    proto = value.get("protocol") if isinstance(value, dict) else None
+    return {"session": None, "engine_id": f"none: a {proto!r} entry, not pxn's" if proto else "none: not pxn's"}
+
+
 class NotSupported(Exception):
     """A metadata server this layer has no client for (the Mooncake engine answers ERR_NOT_IMPLEMENTED)."""
 
@@ -442,6 +591,24 @@ def choose_server(metadata_server: str, metadata_type: Optional[str],
                        f"integration.metadata_server) or etcd 'etcd://host:port[,host:port]'")
 
 
+def holder_alive(holder: dict, eng) -> bool:
+    """Whether an engine answers at the session of entry ``holder`` (one region query with ``eng``'s
+    credentials, 2 s). Only a refused connection (nothing listens at that port) or an engine of another id
+    answering there counts as dead: a timeout or any other answer may be a live engine on a busy host."""
+    from transport.control import query
+    session = holder.get("session")
+    if not isinstance(session, str) or ":" not in session:
+        return True   # not a pxn engine's entry: never taken over unasked
+    try:
+        rep = query(session, {"op": "regions"}, eng.credentials, 2.0)
+    except ConnectionRefusedError:
+        return False
+    except Exception:  # noqa: BLE001 — unsure: count it as alive, the caller refuses and names the holder
+        return True
+    engine_id = rep.get("engine_id") if isinstance(rep, dict) else None
+    return engine_id is None or str(engine_id) == str(holder.get("engine_id"))
+
+
 class SegmentDirectory:
     """One engine's view of a metadata server: the entry it published under its segment name and the sessions
     of the peers it looked up (cached until a transfer to them fails)."""
@@ -452,11 +619,29 @@ class SegmentDirectory:
         self.segment = segment
         self._sessions: Dict[str, str] = {}   # segment name -> pxn session
 
-    def publish(self, eng) -> None:
-        """Put this engine's entry under its segment name; changes are signed with the engine's secret."""
+    def publish(self, eng, take_over: bool = False) -> None:
+        """Put this engine's entry under its segment name; changes are signed with the engine's secret.
+
+        One name, one owner: when another engine's entry holds the name, its session is asked whether an engine
+        still listens there (``holder_alive``). A dead engine's entry is taken over, with a warning; a live
+        one's raises SegmentNameTaken naming it, unless ``take_over`` (the caller asked to replace it)."""
         self.client.secret = eng.credentials.key
-        self.client.put(segment_key(self.segment), {"session": eng.session_id, "engine_id": eng.engine_id,
-                                                    "fabric": eng.fabric_name})
+        key = segment_key(self.segment)
+        entry = {"session": eng.session_id, "engine_id": eng.engine_id, "fabric": eng.fabric_name}
+        try:
+            self.client.put(key, entry, take_over=take_over)
+            return
+        except SegmentNameTaken as e:
+            holder = e.holder
+            if holder_alive(holder, eng):
+                raise SegmentNameTaken(
+                    f"{e}; it answers there, so this engine is not published under that name. Give each engine "
+                    f"a name of its own (Mooncake names a segment by the local_hostname given to initialize, "
+                    f"'host:port' in its examples: on one host, a distinct port per engine), or construct the "
+                    f"engine with take_over_segment=True to replace the holder", holder) from None
+            log.warning("segment %r: taking the name over from engine %s, whose session %s no longer answers "
+                        "(a dead engine's entry)", self.segment, holder.get("engine_id"), holder.get("session"))
+        self.client.put(key, entry, take_over=True)
 
     def resolve(self, target) -> str:
         """The pxn session of segment ``target``. Raises UnknownSession."""
@@ -469,7 +654,10 @@ class SegmentDirectory:
             except UnknownPeer as e:
                 raise UnknownSession(str(e)) from None
             if entry is None:
-                raise UnknownSession(f"segment {target!r} is not registered at metadata server {self.client.url}")
+                where = (f"etcd {self.client.url} (key {self.client.key(segment_key(target))!r})"
+                         if isinstance(self.client, EtcdMetadata) else f"metadata server {self.client.url}")
+                raise UnknownSession(f"segment {target!r} is not registered at {where}: no engine published that "
+                                     f"name, or its entry expired with its engine")
             session = self._sessions[target] = entry["session"]
         return session
 

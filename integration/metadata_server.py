@@ -9,6 +9,13 @@ query string ``?key=<key>``:
 * ``DELETE /metadata?key=K`` removes it (200) or 404;
 * no ``key``: 400.
 
+One name, one owner (pxn's extension; Mooncake's clients send neither header and see its protocol unchanged): a
+PUT carrying ``X-Pxn-Owner: <owner>`` over a key that holds another owner's value (or a value stored without an
+owner) is refused with 409 and that value as the body, unless it also carries ``X-Pxn-Take-Over: 1``; a DELETE
+carrying ``X-Pxn-Owner`` removes the key only when that owner stored it (409 otherwise). pxn engines send their
+engine id as the owner, so an engine never replaces nor removes another's entry unasked. The owner is checked
+before a signed PUT's version (below), whose 409 says so in text, not with a stored value.
+
 Values are opaque bytes: pxn engines and Mooncake engines can share one server (pxn keeps its entries under keys
 starting with ``pxn/``). Start it from a shell with ``python -m integration.metadata_server --port 8080`` or in a
 program::
@@ -21,13 +28,14 @@ Who may change what. Whoever can write an entry can redirect a new sender's KV w
 to the session it names), so:
 
 * The secret is the engines' one (``transport.auth.resolve_secret``): ``secret=`` / ``PXN_SECRET`` (at least 16
-  bytes), else, on a loopback address, the per-user secret file that engines on loopback use too. Every request
-  that changes state (PUT, POST, DELETE) first fetches a challenge (``GET /metadata/challenge``: the time, a
-  random part and a MAC under a key this server instance drew at its start) and carries ``X-Pxn-Auth:
-  <challenge>:<version>:<hex HMAC-SHA256(secret, "pxn-meta-2|" method "|" key "|" challenge "|" version "|"
-  SHA-256 of the body)>`` (``sign``). A request without it, with a wrong one, with a challenge this instance did
-  not issue (another server with the same secret, or this one before a restart), more than ``MAX_SKEW`` seconds
-  old or used before is refused with 403 before anything is stored, so a captured change is worth nothing
+  bytes), else, on a loopback address, the per-user secret file that engines on loopback use too. Every request that
+  changes state (PUT, POST, DELETE) first fetches a challenge (``GET /metadata/challenge``: the time, a random part
+  and a MAC under a key this server instance drew at its start) and carries ``X-Pxn-Auth: <challenge>:<version>:<hex
+  HMAC-SHA256(secret, "pxn-meta-3|" method "|" key "|" challenge "|" version "|" take-over "|" owner "|" SHA-256 of
+  the body)>`` (``sign``; take-over "1" or "0", owner "=" and the ``X-Pxn-Owner`` value or "-" without one: the
+  owner headers cannot be stripped nor added). A request without it, with a wrong one, with a challenge this
+  instance did not issue (another server with the same secret, or this one before a restart), more than ``MAX_SKEW``
+  seconds old or used before is refused with 403 before anything is stored, so a captured change is worth nothing
   anywhere. A PUT's ``version`` must be above the stored entry's (409 otherwise): an entry never goes back to an
   older one. pxn's Mooncake layer signs with its engine's secret. GETs stay open.
 * Without a secret only when told to be insecure (``insecure=True`` / ``PXN_INSECURE=1`` / ``--insecure``): the
@@ -66,9 +74,11 @@ from transport.errors import MetadataRequestRefused
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MetadataServer", "main", "sign", "AUTH_HEADER", "CHALLENGE_PATH"]
+__all__ = ["MetadataServer", "main", "sign", "AUTH_HEADER", "CHALLENGE_PATH", "OWNER_HEADER", "TAKE_OVER_HEADER"]
 
 AUTH_HEADER = "X-Pxn-Auth"
+OWNER_HEADER = "X-Pxn-Owner"
+TAKE_OVER_HEADER = "X-Pxn-Take-Over"
 MAX_SKEW = 60.0
 """Seconds a signed request stays valid (clock difference between client and server included)."""
 MAX_KEY = 1024  # bytes of a key
@@ -77,17 +87,22 @@ _MAX_HEAD = 64 << 10  # bytes of a request line and headers
 _CONTENT_LENGTH = re.compile(rb"(?im)^content-length:[ \t]*([0-9]{1,12})[ \t]*\r?$")
 
 
-def sign(secret: bytes, method: str, key: str, body: bytes, challenge: str, version: int = 0) -> str:
+def sign(secret: bytes, method: str, key: str, body: bytes, challenge: str, version: int = 0,
+         owner: Optional[str] = None, take_over: bool = False) -> str:
     """The ``X-Pxn-Auth`` value proving ``secret`` for one request (``method`` "PUT" / "DELETE", ``key``, ``body``
     bytes) to the server that issued ``challenge`` (the body of ``GET /metadata/challenge``); ``version``: the
-    entry's version, above the one stored (a PUT; any int for a DELETE)."""
+    entry's version, above the one stored (a PUT; any int for a DELETE); ``owner`` / ``take_over``: the
+    request's ``X-Pxn-Owner`` (None: no such header) and whether it carries ``X-Pxn-Take-Over: 1``."""
     version = int(version)
-    return f"{challenge}:{version}:{_mac(secret, method, key, challenge, version, body)}"
+    return f"{challenge}:{version}:{_mac(secret, method, key, challenge, version, body, owner, take_over)}"
 
 
-def _mac(secret: bytes, method: str, key: str, challenge: str, version: int, body: bytes) -> str:
-    msg = "|".join(("pxn-meta-2", method.upper(), key, challenge, str(version))).encode() + b"|" + \
-        hashlib.sha256(body).digest()
+def _mac(secret: bytes, method: str, key: str, challenge: str, version: int, body: bytes, owner: Optional[str],
+         take_over: bool) -> str:
+    # the owner comes last before the body's fixed-size hash (it may hold any character); "-": no owner header,
+    # "=" + owner: one (so an empty owner differs from none)
+    msg = "|".join(("pxn-meta-3", method.upper(), key, challenge, str(version), "1" if take_over else "0",
+                    "-" if owner is None else "=" + owner)).encode() + b"|" + hashlib.sha256(body).digest()
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
@@ -173,21 +188,34 @@ class _Handler(BaseHTTPRequestHandler):
                 self._room(key, n, old)
             body = self._body(n)
             version = self._check_auth("PUT", key, body)
+            owner = self.headers.get(OWNER_HEADER)
             with srv.lock:
                 old = srv.store.get(key)
                 if "rpc_meta" in key and old is not None:
                     raise MetadataRequestRefused(400, "Duplicate rpc_meta key not allowed")
-                stored = srv.versions.get(key)
-                if version is not None and stored is not None and version <= stored:
-                    raise MetadataRequestRefused(409, f"version {version} of {key!r} is not newer than the stored "
-                                                      f"version {stored}")
-                self._room(key, n, old)
-                srv.store[key] = body
-                srv.total += n - (len(old) if old is not None else 0)
-                if version is not None:
-                    srv.versions[key] = version
+                if (owner is not None and old is not None and srv.owners.get(key) != owner
+                        and self.headers.get(TAKE_OVER_HEADER) != "1"):
+                    held = old   # another owner's entry: refused, and sent back so the caller can name it
+                else:
+                    held = None
+                    stored = srv.versions.get(key)
+                    if version is not None and stored is not None and version <= stored:
+                        raise MetadataRequestRefused(409, f"version {version} of {key!r} is not newer than the "
+                                                          f"stored version {stored}")
+                    self._room(key, n, old)
+                    srv.store[key] = body
+                    srv.total += n - (len(old) if old is not None else 0)
+                    if version is not None:
+                        srv.versions[key] = version
+                    if owner is None:
+                        srv.owners.pop(key, None)
+                    else:
+                        srv.owners[key] = owner
         except MetadataRequestRefused as e:
             self._refuse(e)
+            return
+        if held is not None:
+            self._reply(409, held)
             return
         self._reply(200, b"metadata updated")
 
@@ -202,12 +230,20 @@ class _Handler(BaseHTTPRequestHandler):
         except MetadataRequestRefused as e:
             self._refuse(e)
             return
-        with self.server.lock:
-            old = self.server.store.pop(key, None)
-            self.server.versions.pop(key, None)
-            if old is not None:
-                self.server.total -= len(old)
-        self._reply(200 if old is not None else 404, b"metadata deleted" if old is not None else b"metadata not found")
+        owner = self.headers.get(OWNER_HEADER)
+        srv = self.server
+        with srv.lock:
+            if owner is not None and key in srv.store and srv.owners.get(key) != owner:
+                old, status = None, 409   # another owner's entry stays
+            else:
+                old = srv.store.pop(key, None)
+                srv.owners.pop(key, None)
+                srv.versions.pop(key, None)
+                status = 200 if old is not None else 404
+                if old is not None:
+                    srv.total -= len(old)
+        self._reply(status, {200: b"metadata deleted", 404: b"metadata not found",
+                             409: b"metadata held by another owner"}[status])
 
     def _room(self, key: str, n: int, old: Optional[bytes]) -> None:
         srv = self.server
@@ -232,7 +268,9 @@ class _Handler(BaseHTTPRequestHandler):
             version = int(version)
         except ValueError:
             raise MetadataRequestRefused(403, "wrong or missing secret") from None
-        if not hmac.compare_digest(mac.encode(), _mac(srv.secret, method, key, challenge, version, body).encode()):
+        owner, take_over = self.headers.get(OWNER_HEADER), self.headers.get(TAKE_OVER_HEADER) == "1"
+        if not hmac.compare_digest(mac.encode(), _mac(srv.secret, method, key, challenge, version, body, owner,
+                                                      take_over).encode()):
             raise MetadataRequestRefused(403, "wrong or missing secret")
         why = srv.spend(challenge)
         if why is not None:
@@ -280,6 +318,7 @@ class _Server:
         self.max_body, self.max_bytes, self.max_keys, self.max_waiting = max_body, max_bytes, max_keys, max_waiting
         self.store: Dict[str, bytes] = {}
         self.versions: Dict[str, int] = {}  # key -> version of its signed entry (servers with a secret)
+        self.owners: Dict[str, str] = {}   # key -> the X-Pxn-Owner that stored it (keys stored with one)
         self._instance = os.urandom(32)  # signs this instance's challenges: no other server, nor a restart, has it
         self.total = 0
         self.lock = threading.Lock()

@@ -46,9 +46,10 @@ ERR_ADDRESS_OVERLAPPED   -7   ``register_memory`` of a range overlapping a regis
 ERR_DNS                -101   ``send_probe``: the peer's host name does not resolve
 ERR_SOCKET             -102   ``send_probe``: nothing answers at the peer's control port
 ERR_METADATA           -200   unknown session: malformed "host:port", nobody listens there, handshake refused,
-                              a segment name the metadata server does not know, the metadata server unreachable
-                              (``UnknownSession``), an entry that is not a pxn engine's (``ForeignSegment``: a
-                              Mooncake engine's segment); nothing written
+                              a segment name the metadata server does not know, the metadata server unreachable,
+                              timed out or refusing (``UnknownSession``, ``MetadataUnavailable``), ``initialize``
+                              under a name a live engine holds (``SegmentNameTaken``), an entry that is not a pxn
+                              engine's (``ForeignSegment``: a Mooncake engine's segment); nothing written
 ERR_ENDPOINT           -201   a dead peer (``PeerGone``, on every fabric): every rail to it failed (peer died,
                               connections reset; part may have been written), and every later call while nobody
                               answers at its session (nothing written); also a query such as
@@ -138,6 +139,10 @@ class TransferEngine(TransferCalls):
         timeout: seconds per batch; default Mooncake's rule (``MC_TRANSFER_TIMEOUT`` + 1 ns per byte).
         metadata_ttl: seconds an etcd entry outlives its engine's last keep-alive (etcd metadata mode only);
             default ``PXN_METADATA_TTL``, else 5.
+        take_over_segment: with a metadata server, publish under the segment name even when another live engine
+            holds it (that engine is then no longer found by the name). Default False: ``initialize`` then
+            fails with ERR_METADATA and a log line naming the holder. A dead engine's entry (nothing answers at
+            its session) is taken over either way.
         **engine_options: passed to ``transport.TransferEngine`` at ``initialize`` (``rails``,
             ``coalesce_bytes``, ``topology``, ...; see docs/README-engine.md).
 
@@ -149,9 +154,11 @@ class TransferEngine(TransferCalls):
     an extra call layer.
     """
 
-    def __init__(self, timeout: Optional[float] = None, metadata_ttl: Optional[float] = None, **engine_options):
+    def __init__(self, timeout: Optional[float] = None, metadata_ttl: Optional[float] = None,
+                 take_over_segment: bool = False, **engine_options):
         self._timeout = timeout
         self._metadata_ttl = metadata_ttl   # s; None: PXN_METADATA_TTL, else METADATA_TTL_DEFAULT (etcd mode)
+        self._take_over = bool(take_over_segment)
         self._options = dict(engine_options)
         self._base_timeout: Optional[float] = 30.0  # MC_TRANSFER_TIMEOUT's seconds (None: PXN_TIMEOUT's default)
         self._engine = None
@@ -172,7 +179,10 @@ class TransferEngine(TransferCalls):
             local_hostname: "host", "host:port" or "[v6]:port": the address to listen on and advertise. With
                 P2PHANDSHAKE the control port is picked at bind time (``get_rpc_port()``), inside
                 ``MC_MIN_RPC_PORT``..``MC_MAX_RPC_PORT`` when those are set, as Mooncake does; with a metadata
-                server the whole string is this engine's segment name, published there.
+                server the whole string is this engine's segment name, published there; a name another live
+                engine holds fails with ERR_METADATA naming the holder (two engines initialized as "127.0.0.1"
+                on one host: the second is refused; give each its own "host:port"), unless the constructor's
+                ``take_over_segment``.
             metadata_server: "P2PHANDSHAKE" (peers are named "host:rpc_port"), an http metadata server
                 "http://host:port/metadata" (Mooncake's ``mooncake_http_metadata_server`` or
                 ``integration.metadata_server``), or etcd "etcd://host:port[,host:port...]" (a string without
@@ -251,8 +261,11 @@ class TransferEngine(TransferCalls):
                 return fail(f"initialize({local_hostname!r}, protocol={protocol!r} -> {fabric}, "
                             f"device_name={device_name!r})", e)
             if directory is not None:
+                # this object's previous engine may hold the name: the new one replaces it (Mooncake's second
+                # initialize), as does a caller that asked to take the name over
+                mine = self._directory is not None and (self._directory.url, self._directory.segment) == (url, segment)
                 try:
-                    directory.publish(eng)
+                    directory.publish(eng, take_over=self._take_over or mine)
                 except BaseException as e:  # noqa: BLE001
                     directory.close(withdraw=False)
                     eng.close()

@@ -278,3 +278,95 @@ def test_cluster_id_endpoints_and_bad_settings(etcd, client, monkeypatch):
     with MooncakeEngine(metadata_ttl=0) as e:
         assert e.initialize("127.0.0.1:16", etcd.url, "tcp", "") == mc.ERR_INVALID_ARGUMENT
     assert _keys(client) == []
+
+
+def test_a_live_engines_name_is_refused_and_a_dead_ones_taken_over(etcd, client, caplog, seed):
+    """Two engines initialized as "127.0.0.1" on one host: the second is refused (ERR_METADATA naming the holder),
+    the name keeps leading to the first, whose bytes arrive byte-exact. A caller asking to take the name over gets
+    it; the first engine's close then leaves the new holder's entry. A killed engine's entry, still inside its
+    lease, is taken over by the next engine of that name."""
+    rng = np.random.default_rng(seed)
+    nbytes, target_seed = 100_003, int(rng.integers(1 << 31))
+    proc, base = _start_target(etcd.url, "127.0.0.1", nbytes, target_seed, ttl=30)
+    key = "mooncake/ram/127.0.0.1"
+    try:
+        holder = json.loads(client.get(key)[0])["pxn"]
+        with MooncakeEngine() as second, caplog.at_level(logging.WARNING, logger="integration.mooncake"):
+            assert second.initialize("127.0.0.1", etcd.url, "tcp", "") == mc.ERR_METADATA
+            assert "held by another engine" in caplog.text and holder["session"] in caplog.text
+            assert "take_over_segment" in caplog.text
+        assert json.loads(client.get(key)[0])["pxn"] == holder    # untouched, and the refused close removed nothing
+        with MooncakeEngine() as sender:
+            assert sender.initialize("127.0.0.1:3", etcd.url, "tcp", "") == 0
+            src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+            assert sender.register_memory(src.ctypes.data, nbytes) == 0
+            assert sender.transfer_sync_write("127.0.0.1", src.ctypes.data + 5, base + 9, nbytes - 20) == 0
+            expected = np.random.default_rng(target_seed).integers(0, 256, nbytes, dtype=np.uint8)
+            expected[9:nbytes - 11] = src[5:nbytes - 15]
+            assert _ask_digest(proc) == hashlib.sha256(expected.tobytes()).hexdigest()
+        heir = MooncakeEngine(take_over_segment=True)
+        try:
+            assert heir.initialize("127.0.0.1", etcd.url, "tcp", "") == 0
+            assert json.loads(client.get(key)[0])["pxn"]["session"] == heir.get_session_id()
+            _stop(proc)                                              # the first engine closes: revokes its lease
+            assert proc.returncode == 0
+            assert json.loads(client.get(key)[0])["pxn"]["session"] == heir.get_session_id()
+        finally:
+            heir.close()
+        assert _keys(client) == []
+        # a killed engine's entry outlives it by its lease; nothing answers at its session, so it is taken over
+        proc, _ = _start_target(etcd.url, "127.0.0.1", 4099, target_seed, ttl=30)
+        dead = json.loads(client.get(key)[0])["pxn"]["session"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        caplog.clear()
+        with MooncakeEngine() as eng, caplog.at_level(logging.WARNING, logger="integration.mooncake"):
+            assert eng.initialize("127.0.0.1", etcd.url, "tcp", "") == 0
+            assert "no longer answers" in caplog.text and dead in caplog.text
+            assert json.loads(client.get(key)[0])["pxn"]["session"] == eng.get_session_id()
+        assert _keys(client) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_an_entry_taken_while_the_lease_ran_out_is_left_to_its_new_holder(etcd, client, caplog):
+    with MooncakeEngine(metadata_ttl=TTL) as eng, MooncakeEngine(take_over_segment=True) as heir:
+        assert eng.initialize("127.0.0.1:17", etcd.url, "tcp", "") == 0
+        (_, meta), = client.get("mooncake/ram/127.0.0.1:17", metadata=True)
+        with caplog.at_level(logging.ERROR, logger="integration.mooncake"):
+            etcd3gw.Lease(int(meta["lease"]), client).revoke()       # as if eng stalled past its TTL
+            assert heir.initialize("127.0.0.1:17", etcd.url, "tcp", "") == 0
+            _wait(lambda: "no longer reachable by that name" in caplog.text, timeout=TTL + 3)
+        assert json.loads(client.get("mooncake/ram/127.0.0.1:17")[0])["pxn"]["session"] == heir.get_session_id()
+
+
+def test_etcd_errors_say_what_happened(etcd, client, caplog):
+    """Unreachable, timed out, refused, not registered: each named, with the endpoint."""
+    from transport.errors import MetadataUnavailable
+    dead = _closed_port()
+    meta = metadata.EtcdMetadata(f"etcd://127.0.0.1:{dead}", timeout=1.0)
+    with pytest.raises(MetadataUnavailable, match=rf"unreachable .*127\.0\.0\.1:{dead}.*Connection refused") as e:
+        meta.get(metadata.segment_key("x"))
+    assert e.value.kind == "unreachable"
+    # something accepts connections but never answers (a stopped etcd): timed out
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        port = mute.getsockname()[1]
+        meta = metadata.EtcdMetadata(f"etcd://127.0.0.1:{port}", timeout=0.5)
+        with pytest.raises(MetadataUnavailable, match=rf"timed out .*127\.0\.0\.1:{port}.*no answer within 0.5 s") as e:
+            meta.get(metadata.segment_key("x"))
+        assert e.value.kind == "timed out"
+    meta = metadata.EtcdMetadata(etcd.url)
+    with pytest.raises(MetadataUnavailable, match=rf"etcd at 127\.0\.0\.1:{etcd.port} refused PUT") as e:
+        meta._call("PUT 'k'", lambda c: c.put("mooncake/ram/k", "v", lease=etcd3gw.Lease(424242, c)))
+    assert e.value.kind == "refused" and "lease not found" in str(e.value)
+    with MooncakeEngine() as eng, caplog.at_level(logging.WARNING, logger="integration.mooncake"):
+        assert eng.initialize("127.0.0.1:18", etcd.url, "tcp", "") == 0
+        assert eng.send_probe("nobody") == mc.ERR_METADATA
+        assert "'nobody' is not registered at etcd" in caplog.text and "mooncake/ram/nobody" in caplog.text
+    with MooncakeEngine() as eng, caplog.at_level(logging.WARNING, logger="integration.mooncake"):
+        assert eng.initialize("127.0.0.1:19", f"etcd://127.0.0.1:{dead}", "tcp", "") == mc.ERR_METADATA
+        assert f"127.0.0.1:{dead}: unreachable, [Errno 111] Connection refused" in caplog.text

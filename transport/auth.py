@@ -73,11 +73,12 @@ import weakref
 from typing import Callable, Dict, List, Optional
 
 from transport.config import EngineConfig
-from transport.errors import AuthError, InsecureConfig, RefusalCounted, SecretMismatch
+from transport.errors import (AdmissionRefused, AuthError, InsecureConfig, OverAddressCap, RefusalCounted,
+                              SecretMismatch)
 log = logging.getLogger(__name__)
 
-__all__ = ["AuthError", "SecretMismatch", "InsecureConfig", "Resolved", "Session", "resolve_secret", "session_of",
-           "client_handshake", "server_handshake", "Gate", "Admitted", "secret_file", "MIN_SECRET_BYTES"]
+__all__ = ["AuthError", "SecretMismatch", "AdmissionRefused", "InsecureConfig", "Resolved", "Session", "resolve_secret",
+           "session_of", "client_handshake", "server_handshake", "Gate", "Admitted", "secret_file", "MIN_SECRET_BYTES"]
 
 MAGIC = b"PXNA"
 VERSION = 4
@@ -96,6 +97,7 @@ _ZERO_MAC = bytes(MAC_BYTES)
 _SEQ = struct.Struct("<Q")
 VERDICT_OK = 0
 VERDICT_REFUSED = 1
+VERDICT_OVER_CAP = 2  # the proof checked out, but the listener's per-address cap is full (``OverAddressCap``)
 
 HANDSHAKE_TIMEOUT = 5.0
 """Default seconds an incoming connection has to authenticate (and, on a rail, to say hello)."""
@@ -410,7 +412,11 @@ def client_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str,
     deadline = time.monotonic() + timeout
     nc = _secrets.token_bytes(NONCE_BYTES)
     sock.sendall(_PREAMBLE.pack(MAGIC, VERSION, F_SECRET if secret else 0, nc))
-    magic, version, flags, ns, proof = _CHALLENGE.unpack(recv_exact(sock, _CHALLENGE.size, deadline))
+    try:
+        challenge = recv_exact(sock, _CHALLENGE.size, deadline)
+    except ConnectionError:
+        raise _dropped(purpose, "before its challenge") from None
+    magic, version, flags, ns, proof = _CHALLENGE.unpack(challenge)
     if magic != MAGIC or version != VERSION:
         raise AuthError(f"{purpose}: the peer is not a pxn listener of this version (answered {magic!r} "
                         f"v{version})")
@@ -429,10 +435,27 @@ def client_handshake(sock: socket.socket, secret: Optional[bytes], purpose: str,
                                  f"PXN_SECRET values, or a relayed / translated connection)")
         mine = _mac(secret, b"client", purpose, nc, ns, ends)
     sock.sendall(mine)
-    verdict = recv_exact(sock, 1, deadline)[0]
+    try:
+        verdict = recv_exact(sock, 1, deadline)[0]
+    except ConnectionError:
+        raise _dropped(purpose, "before its verdict") from None
+    if verdict == VERDICT_OVER_CAP:
+        raise AdmissionRefused(f"{purpose}: the peer accepted this side's proof but refused the connection: it "
+                               f"already serves as many connections from this side's address as it allows per "
+                               f"address (PXN_MAX_CONNS_PER_ADDR on the peer, default 64, raises it)", "per_addr")
     if verdict != VERDICT_OK:
         raise SecretMismatch(f"{purpose}: the peer refused this side's proof (different PXN_SECRET values)")
     return _start_session(sock, secret, True, purpose, nc, ns, ends)
+
+
+def _dropped(purpose: str, when: str) -> AdmissionRefused:
+    """The listener closed a connection in the middle of its handshake (``when``): what that means."""
+    caps = ("PXN_MAX_PENDING_PER_ADDR from one address, default 32; PXN_MAX_PENDING in all, default 128"
+            if purpose == "ctrl" else "32 from one address, 128 in all")
+    return AdmissionRefused(f"{purpose}: the peer closed the connection {when}: it drops the oldest connection "
+                            f"still authenticating when too many wait ({caps}: many engines connecting at once), "
+                            f"or this handshake outlived its PXN_HANDSHAKE_TIMEOUT (a starved host), or it is not a "
+                            f"pxn listener", "pending")
 
 
 def _send_quietly(sock: socket.socket, data: bytes) -> None:
@@ -495,8 +518,8 @@ class ServerHandshake:
         if self.admit is not None:
             try:
                 self.admit()
-            except AuthError:
-                sock.sendall(bytes([VERDICT_REFUSED]))
+            except AuthError as e:
+                sock.sendall(bytes([VERDICT_OVER_CAP if isinstance(e, OverAddressCap) else VERDICT_REFUSED]))
                 raise
         sock.sendall(bytes([VERDICT_OK]))
         return sess
@@ -558,6 +581,8 @@ class Gate:
         max_pending, max_pending_per_addr: connections still authenticating, in all and per source address; a
             new one beyond either cap pushes the oldest waiting one (of that address, or in all) out.
         max_per_addr: authenticated connections being served (handler still running) per source address.
+        variables: the ``PXN_*`` variable behind each cap, for the refusals' messages and log lines: keys
+            "max_per_addr", "max_pending", "max_pending_per_addr" (the control port's; a rail's caps have none).
         on_accept: instead of ``handler``: ``on_accept(admitted)`` is called on the accept thread and must not
             wait on any peer (it may wait briefly for its owner to keep pace: accepting no faster than the owner
             looks at what it accepted is what keeps the caps above for slow peers); it takes the connection over
@@ -572,7 +597,8 @@ class Gate:
 
     def __init__(self, name: str, handler: Optional[Callable[[Admitted], None]] = None,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, max_pending: int = 128, max_pending_per_addr: int = 32,
-                 max_per_addr: int = 64, on_accept: Optional[Callable[[Admitted], None]] = None):
+                 max_per_addr: int = 64, on_accept: Optional[Callable[[Admitted], None]] = None,
+                 variables: Optional[Dict[str, str]] = None):
         if (handler is None) == (on_accept is None):
             raise ValueError(f"Gate {name!r}: give exactly one of handler= and on_accept=")
         self.name = name
@@ -582,12 +608,16 @@ class Gate:
         self.max_pending = max_pending
         self.max_pending_per_addr = max_pending_per_addr
         self.max_per_addr = max_per_addr
+        self.variables = dict(variables or {})
         self._lock = threading.Lock()
         self._pending: Dict[int, Admitted] = {}  # id -> waiting connection, oldest first (dict order)
         self._pending_by_host: Dict[str, int] = {}
         self._served_by_host: Dict[str, int] = {}
+        # ``evicted`` sums its causes: the per-address and the total cap on connections still authenticating, and
+        # running out of descriptors
         self._counts = {"accepted": 0, "authenticated": 0, "refused_auth": 0, "handshake_timeouts": 0,
-                        "evicted": 0, "refused_per_addr": 0, "accept_errors": 0}
+                        "evicted": 0, "evicted_pending_per_addr": 0, "evicted_pending": 0, "evicted_out_of_fds": 0,
+                        "refused_per_addr": 0, "accept_errors": 0}
         self._last_warn = 0.0
         self._last_refusal = 0.0
         self._refusals_quiet = 0  # refusals for the proof not logged at WARNING since the last one that was
@@ -606,6 +636,11 @@ class Gate:
             d["served"] = sum(self._served_by_host.values())
         d["refused"] = d["handshake_timeouts"] + d["evicted"] + sum(v for k, v in d.items() if k.startswith("refused"))
         return d
+
+    def cap_text(self, cap: str) -> str:
+        """``cap`` ("max_per_addr", ...) and its value, with the variable that raises it where there is one."""
+        var = self.variables.get(cap)
+        return f"{cap}={getattr(self, cap)}" + (f", raised by {var}" if var else "")
 
     # --- accept loop ----------------------------------------------------------------------------------------
     def serve(self, listener: socket.socket, closed: Callable[[], bool]) -> None:
@@ -658,18 +693,24 @@ class Gate:
     def _admit(self, sock: socket.socket, addr) -> None:
         a = Admitted(self, sock, addr, self.handshake_timeout)
         victims: List[Admitted] = []
+        cap = None
         with self._lock:
             self._counts["accepted"] += 1
             if self._pending_by_host.get(a.host, 0) >= self.max_pending_per_addr:
                 victims.append(next(p for p in self._pending.values() if p.host == a.host))
+                cap = "max_pending_per_addr"
             elif len(self._pending) >= self.max_pending:
                 victims.append(next(iter(self._pending.values())))
+                cap = "max_pending"
             for v in victims:
                 self._unpend_locked(v)
                 self._counts["evicted"] += 1
+                self._counts["evicted_" + cap[len("max_"):]] += 1
             self._pending[id(a)] = a
             self._pending_by_host[a.host] = self._pending_by_host.get(a.host, 0) + 1
         for v in victims:
+            self._warn("%s: dropped %s, the oldest connection still authenticating, for %s (%s)", self.name,
+                       _peer_text(v.addr), _peer_text(addr), self.cap_text(cap))
             _shutdown(v.sock)  # its thread (or its owner's selector) wakes with an error and closes it
         if self.on_accept is not None:
             try:
@@ -703,6 +744,7 @@ class Gate:
                 return True  # gone meanwhile: its descriptor is free or about to be
             g._unpend_locked(best)
             g._counts["evicted"] += 1
+            g._counts["evicted_out_of_fds"] += 1
         v = best
         # only shut down: whoever holds it (its thread, or the owner's selector) closes it. Closing a socket another
         # thread may still be about to use lets the next accept reuse the descriptor number under that thread (it
@@ -727,8 +769,8 @@ class Gate:
             if self._served_by_host.get(a.host, 0) >= self.max_per_addr:
                 self._counts["refused_per_addr"] += 1
                 a.host = None  # not counted as served
-                raise RefusalCounted(f"{self.name}: {a.addr[0] if isinstance(a.addr, tuple) else a.addr} already has "
-                                f"{self.max_per_addr} connections")
+                raise OverAddressCap(f"{self.name}: {a.addr[0] if isinstance(a.addr, tuple) else a.addr} already has "
+                                     f"{self.max_per_addr} connections being served ({self.cap_text('max_per_addr')})")
             self._served_by_host[a.host] = self._served_by_host.get(a.host, 0) + 1
             self._counts["authenticated"] += 1
 
@@ -760,6 +802,8 @@ class Gate:
         try:
             if err is None:
                 pass
+            elif isinstance(err, OverAddressCap):
+                self._warn("%s: refused %s: %s", self.name, _peer_text(a.addr), err)
             elif isinstance(err, RefusalCounted):
                 log.info("%s: refused %s: %s", self.name, a.addr, err)
             elif isinstance(err, SecretMismatch):

@@ -166,6 +166,10 @@ class EngineConfig:
     max_senders: int = _setting(256, "PXN_MAX_SENDERS", OPERATIONAL, int)
     handshake_timeout: float = _setting(5.0, "PXN_HANDSHAKE_TIMEOUT", OPERATIONAL, float)
     max_conns_per_addr: int = _setting(64, "PXN_MAX_CONNS_PER_ADDR", OPERATIONAL, int)
+    max_pending: int = _setting(128, "PXN_MAX_PENDING", OPERATIONAL, int)
+    """Control port: connections still authenticating, in all; a new one beyond drops the oldest waiting."""
+    max_pending_per_addr: int = _setting(32, "PXN_MAX_PENDING_PER_ADDR", OPERATIONAL, int)
+    """Control port: the same, per source address."""
     secret: Optional[str] = _setting(None, "PXN_SECRET", OPERATIONAL, repr=False, compare=False)
     """The shared secret (``transport.auth.resolve_secret`` applies its rules); never in a repr."""
     secret_file: Optional[str] = _setting(None, "PXN_SECRET_FILE", OPERATIONAL)
@@ -289,7 +293,8 @@ class EngineConfig:
         if self.gid_index is not None and (isinstance(self.gid_index, bool) or not isinstance(self.gid_index, int)
                                            or self.gid_index < 0):
             raise _bad("gid_index", f"gid_index must be None or an int >= 0, got {self.gid_index!r}")
-        for name in ("max_senders", "max_conns_per_addr", "handshake_timeout", "timeout", "metadata_ttl"):
+        for name in ("max_senders", "max_conns_per_addr", "max_pending", "max_pending_per_addr", "handshake_timeout",
+                     "timeout", "metadata_ttl"):
             value = getattr(self, name)
             if isinstance(value, bool) or not value > 0:
                 raise _bad(name, f"{name} must be > 0, got {value!r}")

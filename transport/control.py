@@ -198,7 +198,8 @@ class ControlPlane:
         config: the engine's ``EngineConfig`` (landing slots, relay slot bytes, load/store, forward_large).
         engine_id: the engine's id; landing_device: where landing slots go (None: chosen per rail, see
             ``landing_devices``); rail_gpu: per rail, the GPU next to its NIC or None.
-        secret, handshake_timeout, max_conns_per_addr: see ``transport.auth``.
+        secret, handshake_timeout, max_conns_per_addr: see ``transport.auth``; the caps on connections still
+            authenticating are ``config.max_pending`` and ``config.max_pending_per_addr``.
     ``session_id`` is set by the owner once the listener is bound (``port``).
     Raises FabricError when the port cannot be bound.
     """
@@ -237,8 +238,12 @@ class ControlPlane:
         self.port = self.listener.getsockname()[1]
         name = f"ctrl {hostname}:{self.port}"
         self.server = ControlServer(name, None, secret, "ctrl", self._answer, MAX_REQUEST)
-        self.gate = self.server.gate = auth.Gate(name, handshake_timeout=handshake_timeout,
-                                                 max_per_addr=max_conns_per_addr, on_accept=self.server.accept)
+        self.gate = self.server.gate = auth.Gate(
+            name, handshake_timeout=handshake_timeout, max_per_addr=max_conns_per_addr,
+            max_pending=config.max_pending, max_pending_per_addr=config.max_pending_per_addr,
+            on_accept=self.server.accept, variables={"max_per_addr": "PXN_MAX_CONNS_PER_ADDR",
+                                                     "max_pending": "PXN_MAX_PENDING",
+                                                     "max_pending_per_addr": "PXN_MAX_PENDING_PER_ADDR"})
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> threading.Thread:
@@ -437,6 +442,9 @@ class ControlPlane:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sess = auth.client_handshake(sock, self.secret, "ctrl", timeout)
             self.own[sess.binding] = sess
+        except auth.AdmissionRefused as e:
+            sock.close()
+            raise UnknownSession(f"session {session!r} refused this connection: {e}") from e
         except auth.AuthError as e:
             sock.close()
             raise UnknownSession(f"session {session!r} refused authentication: {e}") from e

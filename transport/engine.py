@@ -173,7 +173,12 @@ class TransferEngine:
         handshake_timeout: seconds an incoming control or rail connection has to authenticate
             (``PXN_HANDSHAKE_TIMEOUT``, default 5).
         max_conns_per_addr: authenticated control connections per source address (``PXN_MAX_CONNS_PER_ADDR``,
-            default 64).
+            default 64); a tcp / ipc rail's live endpoints per source address follow it (at least 256). A
+            connection beyond it is refused with ``transport.AdmissionRefused`` naming the variable (counted
+            ``refused_per_addr``).
+        max_pending, max_pending_per_addr: control connections still authenticating, in all and per source
+            address (``PXN_MAX_PENDING``, default 128; ``PXN_MAX_PENDING_PER_ADDR``, default 32); a new one beyond
+            either drops the oldest waiting (counted ``evicted_pending`` / ``evicted_pending_per_addr``).
     """
 
     def __init__(self, hostname: str = "127.0.0.1", fabric: Optional[str] = None, topology=None,
@@ -185,7 +190,8 @@ class TransferEngine:
                  switch_interval: Optional[float] = None, loadstore: Optional[bool] = None, secret=None,
                  max_senders: Optional[int] = None, handshake_timeout: Optional[float] = None,
                  max_conns_per_addr: Optional[int] = None, forward_large: Optional[bool] = None,
-                 direct_pieces: Optional[int] = None, insecure: Optional[bool] = None, landing_bytes=None):
+                 direct_pieces: Optional[int] = None, insecure: Optional[bool] = None, landing_bytes=None,
+                 max_pending: Optional[int] = None, max_pending_per_addr: Optional[int] = None):
         self.hostname = hostname
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
@@ -197,7 +203,8 @@ class TransferEngine:
             stripe_bytes=stripe_bytes,
             relay=relay, timeout=timeout, trace_path=trace_path, switch_interval=switch_interval,
             loadstore=loadstore, forward_large=forward_large, max_senders=max_senders,
-            handshake_timeout=handshake_timeout, max_conns_per_addr=max_conns_per_addr)
+            handshake_timeout=handshake_timeout, max_conns_per_addr=max_conns_per_addr, max_pending=max_pending,
+            max_pending_per_addr=max_pending_per_addr)
         environ = dict(os.environ)  # one reading of the environment for both passes below
         cfg = EngineConfig.from_env(environ, **given)
         from transport.fabric import fabric_class, make_fabric
@@ -252,6 +259,11 @@ class TransferEngine:
             # an incoming rail must have been announced by an authenticated control hello (receiver.accept_sender)
             options.setdefault("handshake_timeout", cfg.handshake_timeout)
             options.setdefault("guard_claims", True)
+        from transport.fabric.socket_fabric import SocketFabric
+        if issubclass(fabric_cls, SocketFabric):
+            # one setting for the connections one address may hold: its engines' rails follow their control
+            # connections (each sender engine holds one of each per rail)
+            options.setdefault("max_peers_per_addr", max(256, cfg.max_conns_per_addr))
         self.fabrics = []
         self._peers = PeerDirectory(threading.RLock(), routes, self._rail_keys)
         try:
@@ -270,8 +282,8 @@ class TransferEngine:
                                   self._progress, self.counters, self._rail_stats, self.latency, self.trace,
                                   self.engine_id)
             self._progress.every(CREDIT_IDLE_S, self._pipe.fills.return_idle_credits)
-            for rail in range(len(self.fabrics)):
-                self._pipe.ring(DEVICE_HOST, rail)
+            # relay rings (lanes x slots x slot bytes per device and rail, 64 MiB by default) are made by the
+            # first relayed send (``Pipeline.ring``): an engine that only receives never holds one
             self._control = ControlPlane(hostname, port, self._peers, self._regions, self._region_gen, self.fabrics,
                                          self.receiver, self.counters, cfg, self.engine_id,
                                          landing_device=landing_device, rail_gpu=rail_gpu, secret=self._secret,

@@ -80,6 +80,24 @@ class RefusalCounted(AuthError):
     """A refusal the gate counted already (evicted, or over the per-address cap)."""
 
 
+class OverAddressCap(RefusalCounted):
+    """A listener's cap on authenticated connections from one source address is full (the control port's:
+    ``PXN_MAX_CONNS_PER_ADDR``); raised on the listener's side, where it is counted ``refused_per_addr``."""
+
+
+class AdmissionRefused(AuthError):
+    """The peer's listener did not admit this connection for a cap of its own, not for the secret: ``cap`` is
+    "per_addr" (it proved the secret, but the listener already serves as many connections from this side's
+    address as it allows: ``PXN_MAX_CONNS_PER_ADDR`` on the peer) or "pending" (the listener closed it while it
+    authenticated: the oldest waiting connection goes when ``PXN_MAX_PENDING_PER_ADDR`` from one address or
+    ``PXN_MAX_PENDING`` in all are waiting, or the handshake took longer than ``PXN_HANDSHAKE_TIMEOUT``). The
+    message names the variable to raise on the peer."""
+
+    def __init__(self, message: str, cap: str):
+        super().__init__(message)
+        self.cap = cap
+
+
 class InsecureConfig(ConfigError):
     """A listener would run without a shared secret where that is not allowed, or the secret given is unusable
     (too short, an empty one over a set ``PXN_SECRET``). The message names the setting."""
@@ -142,6 +160,26 @@ class MetadataRequestRefused(PxnError):
         super().__init__(text)
         self.status = status
         self.text = text
+
+
+class SegmentNameTaken(UnknownPeer):
+    """A metadata server holds the segment name for another engine that is alive (its entry names a session
+    where an engine answers). ``holder`` is that engine's entry (``session``, ``engine_id``, ``fabric``); the
+    message names it, the server and how to proceed (a name of its own, or taking the name over)."""
+
+    def __init__(self, message: str, holder: Optional[dict] = None):
+        super().__init__(message)
+        self.holder = dict(holder or {})
+
+
+class MetadataUnavailable(UnknownPeer):
+    """The metadata server (etcd) cannot serve a request. ``kind`` says what happened: "unreachable" (nothing
+    accepts a connection at the endpoint), "timed out" (no answer in time: a stopped or overloaded server) or
+    "refused" (it answered with an error); the message names the endpoint(s), the request and the cause."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 class PxnFeatureUnavailable(PxnError, RuntimeError):

@@ -248,7 +248,7 @@ class Receiver:
                 if engine_id not in self._senders and len(self._senders) >= self.max_senders:
                     self.counters.add("senders_refused_max")
                     raise ValueError(f"this receiver holds landing slots for max_senders={self.max_senders} "
-                                     f"senders; refused sender {st.session}")
+                                     f"senders (PXN_MAX_SENDERS raises it); refused sender {st.session}")
                 pools = [self._pool_locked(rail, devices[rail]) for rail in range(n)]
                 st.pools = pools
                 st.slots = min(self.landing_slots, credit_slots, min(p.nslots for p in pools))

@@ -62,8 +62,13 @@ def free_port(span: int = 1) -> int:
 PROTOCOLS = ("tcp", "rdma")
 
 
+_SECRET_SETTINGS = ("PXN_SECRET", "PXN_SECRET_FILE", "PXN_INSECURE")
+
+
 def _env(impl: str, extra: dict, protocol: str = "tcp") -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MC_", "PXN_")) and k != "PROTOCOL"}
+    # the secret settings stay: the engines must hold the secret of the metadata server this process starts
+    env = {k: v for k, v in os.environ.items()
+           if (not k.startswith(("MC_", "PXN_")) or k in _SECRET_SETTINGS) and k != "PROTOCOL"}
     path = [ROOT] + ([os.path.join(HERE, "pxn_shim")] if impl == "pxn" else [])
     env["PYTHONPATH"] = os.pathsep.join(path[::-1] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"

@@ -284,9 +284,12 @@ class Connections:
             if error is None and host is not None and sum(
                     1 for ep in self._endpoints.values()
                     if ep.alive and getattr(ep, "remote_host", None) == host) >= self.max_peers_per_addr:
-                error = f"{host} already has {self.max_peers_per_addr} endpoints"
+                error = (f"{host} already has {self.max_peers_per_addr} endpoints (max_peers_per_addr; an engine "
+                         f"raises it with PXN_MAX_CONNS_PER_ADDR)")
+                self.gate.count("refused_peers_per_addr")
+            elif error is not None:
+                self.gate.count("refused_claims")
         if error is not None:
-            self.gate.count("refused_claims")
             log.warning("%s: refused connection from %s: %s", self.owner, a.addr, error)
         else:
             for sk in socks:
@@ -326,13 +329,23 @@ class Connections:
     def _tune(self, s: socket.socket) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # A peer host that vanishes (no FIN/RST) is detected by keepalive when idle and TCP_USER_TIMEOUT when
-        # data is unacknowledged, so pending work fails within a few seconds instead of ~15 minutes.
+        # data is unacknowledged, so pending work fails within ``ack_timeout`` instead of ~15 minutes. The user
+        # timeout is never shorter than ``ack_timeout``: the kernel also counts a zero receive window against it
+        # (a peer process starved of CPU, or stopped, reads nothing while its kernel keeps acknowledging), and a
+        # fixed 5 s killed healthy peers on a loaded box. A process that dies is seen at once (its kernel closes
+        # the sockets), whatever this timeout; a live peer's kernel answers keep-alive probes.
         k = max(1, int(self.keepalive))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for opt, val in (("TCP_KEEPIDLE", k), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3),
-                         ("TCP_USER_TIMEOUT", int(self.keepalive * 1000) + 2000)):
+                         ("TCP_USER_TIMEOUT", user_timeout_ms(self.keepalive, self.ack_timeout))):
             if hasattr(socket, opt):
                 try:
                     s.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
                 except OSError:
                     pass
+
+
+def user_timeout_ms(keepalive: float, ack_timeout: float) -> int:
+    """``TCP_USER_TIMEOUT`` (ms) of a rail socket: the fabric's ``ack_timeout`` (how long a peer may leave a message
+    unacknowledged before the endpoint fails, default 30 s), and at least ``keepalive`` + 2 s."""
+    return int(max(ack_timeout, keepalive + 2.0) * 1000)

@@ -123,9 +123,10 @@ class VerbsFabric(Fabric):
         self.ctx = v["Context"](name=self.device)
         self.pd = v["PD"](self.ctx)
         self.access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-        self._recv_scratch = v["MR"](self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+        # 64 host bytes (LOCAL_WRITE) where receives and the GPUDirect flush READs put their bytes
+        self.scratch_mr = v["MR"](self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
         self._recv_wr = v["RecvWR"](wr_id=_RECV_WR_ID, num_sge=1,
-                                    sg=[v["SGE"](self._recv_scratch.buf, 0, self._recv_scratch.lkey)])
+                                    sg=[v["SGE"](self.scratch_mr.buf, 0, self.scratch_mr.lkey)])
         self._lock = threading.RLock()
         self._built = threading.Condition(self._lock)  # _builders reached 0
         self._builders = 0  # threads inside _building()
@@ -257,8 +258,8 @@ class VerbsFabric(Fabric):
         return qp, cq, granted
 
     def loopback_qp(self, access: int):
-        """An RC QP connected to itself, with its own small CQ and ``qp_access_flags`` ``access``, for the GPUDirect
-        flush READ (``verbs_gpu.GpuFlush``, which owns and closes both)."""
+        """An RC QP connected to itself with a small CQ (``qp_access_flags`` ``access``): the GPUDirect flush READ's,
+        owned and closed by ``verbs_gpu.GpuFlush``."""
         with self._building():
             qp, cq, _ = self._new_qp(max_send_wr=2, max_recv_wr=1, inline=0, access=access)
             try:
@@ -270,15 +271,9 @@ class VerbsFabric(Fabric):
                 raise
         return qp, cq
 
-    @property
-    def scratch_mr(self):
-        """A 64-byte host MR of this fabric's (LOCAL_WRITE): where receives and flush READs put their bytes."""
-        return self._recv_scratch
-
     def flush_gpu_writes(self, device: int) -> str:
-        """Make the writes peers made into cuda:``device`` memory through this NIC, up to the completions seen so
-        far, visible to that GPU's work (capability ``gpu_write_flush``); returns the method (``"cuda"``,
-        ``"read"`` or ``"none"``)."""
+        """Make peers' writes into cuda:``device`` memory, up to the completions seen so far, visible to that GPU
+        (capability ``gpu_write_flush``); returns the method: ``"cuda"``, ``"read"`` or ``"none"``."""
         self._check_open()
         return self.gpu_flush.flush(device)
 
@@ -772,7 +767,7 @@ class VerbsFabric(Fabric):
             if fd is not None:
                 os.close(fd)
         self._regions.clear()
-        for obj in (self._recv_scratch, self.pd, self.ctx):
+        for obj in (self.scratch_mr, self.pd, self.ctx):
             try:
                 obj.close()
             except Exception:  # noqa: BLE001

@@ -29,6 +29,7 @@ The flush QP and its CQ belong to the flushing thread under ``GpuFlush``'s lock,
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -118,6 +119,23 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _primary_context(device: int):
+    """cuda:``device``'s primary context current in this thread for the driver calls inside: a driver API call
+    from a thread where no CUDA runtime call bound one fails with CUDA_ERROR_INVALID_CONTEXT."""
+    drv = _driver()
+    _cu(drv.cuInit(0), "cuInit")
+    ctx = _cu(drv.cuDevicePrimaryCtxRetain(device), f"cuDevicePrimaryCtxRetain({device})")
+    try:
+        _cu(drv.cuCtxPushCurrent(ctx), f"cuCtxPushCurrent (cuda:{device})")
+        try:
+            yield
+        finally:
+            drv.cuCtxPopCurrent()
+    finally:
+        drv.cuDevicePrimaryCtxRelease(device)
+
+
 def register_gpu(v: dict, pd, addr: int, length: int, device: int, access: int, nic: str):
     """(pyverbs MR, dma-buf fd or None) for ``length`` bytes of GPU memory at ``addr`` on cuda:``device``."""
     fd = None
@@ -127,9 +145,10 @@ def register_gpu(v: dict, pd, addr: int, length: int, device: int, access: int, 
         page = os.sysconf("SC_PAGESIZE")
         base = addr & ~(page - 1)
         end = (addr + length + page - 1) & ~(page - 1)
-        fd = int(_cu(drv.cuMemGetHandleForAddressRange(
-            base, end - base, drv.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0),
-            f"cuMemGetHandleForAddressRange(0x{base:x}, {end - base}, DMA_BUF_FD)"))
+        with _primary_context(device):  # the calling thread (a control thread, say) may have none current
+            fd = int(_cu(drv.cuMemGetHandleForAddressRange(
+                base, end - base, drv.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0),
+                f"cuMemGetHandleForAddressRange(0x{base:x}, {end - base}, DMA_BUF_FD)"))
         mr = dmabuf_mr(pd, offset=addr - base, length=length, iova=addr, fd=fd, access=access)
         return mr, fd
     except Exception as ex:  # noqa: BLE001 — no dma-buf module, no export, the NIC refused: try peer memory

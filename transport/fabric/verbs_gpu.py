@@ -175,7 +175,8 @@ class GpuFlush:
         self._lock = threading.Lock()
         self._methods: Dict[int, str] = {}  # device -> "cuda" / "read" / "none"
         self._contexts: Dict[int, object] = {}  # device -> retained primary context (cuda)
-        self._buffers: Dict[int, tuple] = {}  # device -> (tensor, pyverbs MR, fd) read by the READ flush
+        # device -> (tensor, pyverbs MR, dma-buf fd, address, rkey): the buffer the READ flush reads on that GPU
+        self._buffers: Dict[int, tuple] = {}
         self._qp = self._cq = self._wr = None
         self._closed = False
         self.counts = {"cuda": 0, "read": 0, "none": 0}
@@ -237,18 +238,27 @@ class GpuFlush:
                                   e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ, fab.device)
             entry = self._buffers[device] = (tensor, mr, fd, tensor.data_ptr(), mr.rkey)
         self._wr.set_wr_rdma(entry[4], entry[3])
-        self._qp.post_send(self._wr)
-        deadline = time.monotonic() + FLUSH_TIMEOUT_S
-        while True:
-            n, wcs = self._cq.poll(num_entries=1)
-            if n:
-                if wcs[0].status != e.IBV_WC_SUCCESS:
-                    raise FabricError(f"verbs {fab.device}: GPUDirect flush READ of cuda:{device} failed with WC "
-                                      f"status {wcs[0].status}")
-                return
-            if time.monotonic() > deadline:
-                raise FabricError(f"verbs {fab.device}: GPUDirect flush READ of cuda:{device} did not complete "
-                                  f"within {FLUSH_TIMEOUT_S} s")
+        failure = None
+        try:
+            self._qp.post_send(self._wr)
+            deadline = time.monotonic() + FLUSH_TIMEOUT_S
+            while True:
+                n, wcs = self._cq.poll(num_entries=1)
+                if n:
+                    if wcs[0].status != e.IBV_WC_SUCCESS:
+                        failure = f"failed with WC status {wcs[0].status}"
+                    break
+                if time.monotonic() > deadline:
+                    failure = f"did not complete within {FLUSH_TIMEOUT_S} s"
+                    break
+        except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError from post_send or poll
+            failure = f"failed: {ex}"
+        if failure is not None:
+            # the QP is in the error state (or holds a READ that may still complete): the next flush makes a new one
+            for obj in (self._qp, self._cq):
+                obj.close()
+            self._qp = self._cq = None
+            raise FabricError(f"verbs {fab.device}: GPUDirect flush READ of cuda:{device} {failure}")
 
     def close(self) -> None:
         with self._lock:

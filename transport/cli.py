@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import select
 import signal
@@ -94,12 +95,22 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
+def _interrupted(signum, frame):
+    """SIGINT: the run's teardown (peers closed while batches are in flight) is not news after a Ctrl-C, so
+    nothing is logged from here on; the one line is ``main``'s."""
+    logging.disable(logging.CRITICAL)
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((arg for arg in argv if not arg.startswith("-")), None)
     prog = "pxn %s" % chosen if chosen in SUBCOMMANDS else "pxn"
     traceback_wanted = "--traceback" in argv
     try:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupted)
         return _main(argv, chosen)
     except KeyboardInterrupt:  # before a subcommand runs (its import, the parsing): one line too
         print("%s: interrupted" % prog, file=sys.stderr)

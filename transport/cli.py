@@ -103,11 +103,12 @@ def _interrupted(signum, frame):
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
-    prog = "pxn %s" % chosen if chosen in SUBCOMMANDS else "pxn"
-    traceback_wanted = "--traceback" in argv
-    try:
+    prog, traceback_wanted = "pxn", False
+    try:  # from the first line: a Ctrl-C at any moment is one line
+        argv = sys.argv[1:] if argv is None else list(argv)
+        chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+        prog = "pxn %s" % chosen if chosen in SUBCOMMANDS else "pxn"
+        traceback_wanted = "--traceback" in argv
         if threading.current_thread() is threading.main_thread() and \
                 signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, _interrupted)

@@ -553,8 +553,11 @@ def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
             assert np.array_equal(dst, _expect(len(dst), src, so, do))
         spins = [f._ack_spin for f in eng.fabrics]
         assert _own_reads(eng) > AdaptiveSpin.MISSES + 1
-        assert sum(sp.hits for sp in spins) == 0
-        assert sum(sp.spins for sp in spins) == sum(sp.offs for sp in spins) * (AdaptiveSpin.MISSES + 1)
+        # a caller descheduled past the 2 ms delay (a busy machine) may find an ack while it spins: a hit, which
+        # adds a spin without moving the switch-off
+        hits = sum(sp.hits for sp in spins)
+        assert hits <= AdaptiveSpin.MISSES, hits
+        assert sum(sp.spins for sp in spins) == sum(sp.offs for sp in spins) * (AdaptiveSpin.MISSES + 1) + hits
         assert sum(sp.offs for sp in spins) >= 1 and not all(sp.on for sp in spins)
         assert not eng._pipe._inflight
     finally:

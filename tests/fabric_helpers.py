@@ -222,3 +222,21 @@ def wait_completions(fab, n: int, timeout: float = 30.0, sender_only: bool = Tru
             break
         got += [c for c in fab.poll(4096, min(left, 0.5)) if not sender_only or int(c.opcode) != 3]
     return got
+
+
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is stopped (state T in /proc), so that nothing posted afterwards is
+    answered."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue
+        if states and all(st in ("T", "t") for st in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"pid {pid} did not stop within {timeout} s after SIGSTOP")

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from fabric_helpers import Buffer, RemoteError, Target, digest, wait_completions
+from fabric_helpers import Buffer, RemoteError, Target, digest, wait_completions, wait_stopped
 from transport.errors import FabricClosed, FabricUnavailable, PeerLost, RegionError, UnknownPeer
 from transport.fabric import make_fabric
 from transport.fabric.base import Opcode, RegionSpans, WriteBatch, WriteBounds, WriteRequest
@@ -804,24 +804,6 @@ def test_unregistered_target_addresses_never_written_by_huge_stream(case):
     assert t.call("untouched", [(0, 8 << 20)])[1:] == (0, 0)
 
 
-def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
-    """Wait until every thread of ``pid`` is stopped (state T in /proc), so that nothing posted afterwards is
-    answered."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                continue
-        if states and all(st in ("T", "t") for st in states):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"pid {pid} did not stop within {timeout} s after SIGSTOP")
-
-
 def test_hung_peer_fails_after_ack_timeout(case):
     """A peer process that stops answering (SIGSTOP: its kernel keeps TCP up) fails pending work with PeerLost
     after the ack timeout, not never."""
@@ -835,7 +817,7 @@ def test_hung_peer_fails_after_ack_timeout(case):
         mr = fab.register(buf.addr, 4096, case.device)
         ep = fab.connect(hung.desc)
         os.kill(hung.proc.pid, signal.SIGSTOP)
-        _wait_stopped(hung.proc.pid)  # the signal is asynchronous: a loaded box may run the target a while longer
+        wait_stopped(hung.proc.pid, timeout=5.0)  # the signal is asynchronous: a loaded box may run the target a while longer
         fab.post_writes(ep, [WriteRequest(buf.addr, 4096, hung.addr, hung.rkey, mr.lkey, None, 9)])
         t0 = time.monotonic()
         comps = wait_completions(fab, 1, timeout=8)

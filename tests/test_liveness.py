@@ -11,28 +11,12 @@ import numpy as np
 import pytest
 
 from engine_helpers import EnginePeer, Expected, disjoint_offsets
+from fabric_helpers import wait_stopped
 from transport import TransferEngine, TransferError, TransferTimeout
 from transport.fabric.connections import user_timeout_ms
 
 MB = 1 << 20
 PEER_BYTES = 64 * MB
-
-
-def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
-    """Wait until every thread of ``pid`` is stopped (state T in /proc)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                continue
-        if states and all(st in ("T", "t") for st in states):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"pid {pid} did not stop within {timeout} s after SIGSTOP")
 
 
 @pytest.fixture
@@ -81,7 +65,7 @@ def test_stopped_receiver_is_not_declared_dead(rng):
             try:
                 assert first.wait(60)
                 os.kill(peer.proc.pid, signal.SIGSTOP)
-                _wait_stopped(peer.proc.pid)
+                wait_stopped(peer.proc.pid)
                 stopped_at = time.monotonic()
                 time.sleep(6.0)
             finally:
@@ -141,7 +125,7 @@ def test_killed_receiver_fails_the_batch_as_a_lost_peer(rng):
             eng.batch_write(peer.session, srcs, dsts, lengths, timeout=60.0)  # connected, and known good
             # keep the receiver stopped while the batch is posted, so that it is surely in flight when it dies
             os.kill(peer.proc.pid, signal.SIGSTOP)
-            _wait_stopped(peer.proc.pid)
+            wait_stopped(peer.proc.pid)
             batch = eng.batch_write_async(peer.session, srcs, dsts, lengths, timeout=60.0)
             time.sleep(0.5)
             os.kill(peer.proc.pid, signal.SIGKILL)

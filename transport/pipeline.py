@@ -293,9 +293,12 @@ class Pipeline:
                                    length_stats=(nbytes, lmin, lmax))
         except (TransferError, PeerLost) as e:
             self.counters.add_many((("batches_submitted", 1), ("batches_failed", 1)))
-            if isinstance(e, PeerLost) and not isinstance(e, PeerGone):
-                # the same-host peer's process is gone (ESRCH): the one error a dead peer gives on every route
-                raise PeerGone(f"peer {peer.session} is gone: {e}", peer, e) from e
+            if isinstance(e, PeerLost):
+                # the same-host peer's process is gone (ESRCH): forget it now, as a dead rail would, so the next
+                # call (whose handshake nobody answers) names it gone too, whichever thread notices the death first
+                self._fail_peer(peer, e)
+                if not isinstance(e, PeerGone):
+                    raise PeerGone(f"peer {peer.session} is gone: {e}", peer, e) from e
             raise
         if pending is None:
             return NOT_TAKEN

@@ -224,6 +224,17 @@ def wait_completions(fab, n: int, timeout: float = 30.0, sender_only: bool = Tru
     return got
 
 
+def poll_completions(fab, n: int, timeout: float = 20.0):
+    """At least ``n`` completions of ``fab`` (every kind), each poll waiting up to ``timeout`` seconds for one;
+    fails naming how many of ``n`` came when a poll returns none."""
+    out = []
+    while len(out) < n:
+        got = fab.poll(64, timeout=timeout)
+        assert got, f"timed out with {len(out)} of {n} completions"
+        out.extend(got)
+    return out
+
+
 def wait_stopped(pid: int, timeout: float = 10.0) -> None:
     """Wait until every thread of ``pid`` is stopped (state T in /proc), so that nothing posted afterwards is
     answered."""

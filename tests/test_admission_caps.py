@@ -10,18 +10,9 @@ import pytest
 
 from transport import TransferEngine, UnknownSession, auth
 from transport.errors import AdmissionRefused, OverAddressCap, SecretMismatch
+from wait_helpers import wait_equal
 
 SECRET = "admission-caps-test-secret-0123"
-
-
-def _settle(fn, want, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got == want:
-            return got
-        time.sleep(0.02)
-    return fn()
 
 
 def test_the_connection_over_the_per_address_cap_is_told_so():
@@ -108,7 +99,7 @@ def test_evictions_are_counted_by_cap():
         idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
         try:
             ctrl = lambda: rx.stats()["security"]["control"]  # noqa: E731
-            assert _settle(lambda: ctrl()["evicted_pending_per_addr"], 1) == 1
+            wait_equal(lambda: ctrl()["evicted_pending_per_addr"], 1, "the receiver's evicted_pending_per_addr")
             assert ctrl()["evicted_pending"] == 0 and ctrl()["evicted"] == 1
             assert idle[0].recv(1) == b""                  # the oldest was let go
         finally:

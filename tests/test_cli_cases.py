@@ -65,7 +65,7 @@ def test_peer_process_ignores_sigint():
     closes it) instead of dying with a traceback of its own."""
     with PeerProcess(_echo_main, name="pxn-test-echo") as peer:
         os.kill(peer.proc.pid, signal.SIGINT)
-        time.sleep(0.5)
+        time.sleep(0.5)  # the scenario: a window in which a peer that took the SIGINT would die (no event for "not")
         assert peer.proc.is_alive()
         assert peer.call("echo", x=7) == {"x": 7}
     assert not peer.proc.is_alive()

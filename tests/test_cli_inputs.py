@@ -128,7 +128,7 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path, seed, fabric):
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             assert p.stdout.readline() == "started\n"
-            time.sleep(delay)
+            time.sleep(delay)  # the scenario: the SIGINT comes this long after main started
             os.killpg(p.pid, signal.SIGINT)
             _, err = p.communicate(timeout=60)
         finally:

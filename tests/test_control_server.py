@@ -13,6 +13,7 @@ import pytest
 
 from transport import TransferEngine, auth
 from transport.control import recv_msg, send_msg
+from wait_helpers import wait_equal
 
 SECRET = "ctrl-server-" + os.urandom(8).hex()
 
@@ -60,19 +61,15 @@ def test_receiver_threads_do_not_grow_with_senders(rng):
                     i = len(senders) - 1
                     want = _write(tx, rx, landing.ctypes.data + i * 128, rng)
                     assert landing[i * 128:i * 128 + 77].tobytes() == want
-                time.sleep(0.2)
+                wait_equal(lambda: rx.stats()["security"]["control"]["served"], n, "control connections served")
                 counts[n] = _ctrl_threads(rx)
-                assert rx.stats()["security"]["control"]["served"] == n, rx.stats()["security"]["control"]
             assert counts[16] == counts[1], counts
             assert len(counts[1]) <= 6, counts[1]  # the accept loop, the selector, the quick pool
         finally:
             for tx in senders:
                 tx.close()
         # the senders' connections ended: nothing is served any more, and the threads are the same
-        deadline = time.monotonic() + 5
-        while rx.stats()["security"]["control"]["served"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert rx.stats()["security"]["control"]["served"] == 0
+        wait_equal(lambda: rx.stats()["security"]["control"]["served"], 0, "control connections served", timeout=5)
         assert _ctrl_threads(rx) == counts[1]
     assert _ctrl_threads(rx) == []  # close joined them all
 

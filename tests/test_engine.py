@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import GUARD, EnginePeer, Expected, disjoint_offsets, spy_taken, write_and_check
+from wait_helpers import wait_equal, wait_for
 from transport import (InvalidTransfer, PeerGone, RemoteRejected, TransferEngine, TransferError, TransferTimeout,
                        UnknownSession)
 
@@ -159,7 +160,8 @@ def test_destination_outside_registered_memory_writes_nothing(sender, peer, src,
     # entirely outside (in the guard below the region)
     with pytest.raises(InvalidTransfer, match="outside"):
         sender.batch_write(peer.session, [b, b + 64], [peer.base, peer.base - GUARD // 2], [64, 64])
-    time.sleep(0.2)
+    time.sleep(0.2)  # the scenario: a window in which a wrongly sent piece would land (a write that must never
+    # happen has no event to wait on)
     peer.check(Expected(peer.size))  # all poison: not even the batch's valid pieces were written
 
 
@@ -200,7 +202,7 @@ def test_unequal_pieces_ending_at_both_regions_last_byte(peer, ipc_peer, src, rn
         with pytest.raises(InvalidTransfer, match=r"dsts\[2\] = .* \+ lengths\[2\] = 51 is outside"):
             eng.batch_write(target.session, (b + src_offs - 1).tolist(), (target.base + dst_offs).tolist(),
                             [long_, 7, 51])
-    time.sleep(0.1)
+    time.sleep(0.1)  # the scenario: a window in which a wrongly sent piece would land (no event for "never")
     target.check(Expected(target.size))
 
 
@@ -402,12 +404,11 @@ def test_rail_killed_mid_batch_fails_over(peer, src, rng):
         def killer():
             # abort as soon as rail 0 has posted part of this batch (its direct pieces complete together, as one
             # unit, so waiting for a completion could find the batch done): it is mid-batch then
-            deadline = time.time() + 30
-            while time.time() < deadline:
-                if eng.stats()["rails"][0].get("bytes_posted", 0) > before:
-                    break
-                time.sleep(0.0005)
-            ep.abort()
+            try:
+                wait_for(lambda: eng.stats()["rails"][0].get("bytes_posted", 0) > before,
+                         "rail 0 posting part of the batch", timeout=30, interval=0.0005)
+            finally:
+                ep.abort()
 
         engine_kinds = ("pxn-copy-", "pxn-progress", "pxn-poll-", "pxn-receiver", "pxn-ctrl-", "pxn-redispatch",
                         "pxn-submit-")
@@ -437,9 +438,8 @@ def _abort_all_rails_mid_batch(eng, session, rails, src_offs, dsts, lens, base):
     before = eng.stats()["rails"][0].get("bytes_posted", 0)
     eps = [eng.rail_endpoint(session, r) for r in range(rails)]
     h = eng.batch_write_async(session, [base + int(x) for x in src_offs], dsts, lens, timeout=60)
-    deadline = time.time() + 30
-    while time.time() < deadline and eng.stats()["rails"][0].get("bytes_posted", 0) <= before:
-        time.sleep(0.0005)
+    wait_for(lambda: eng.stats()["rails"][0].get("bytes_posted", 0) > before, "rail 0 posting part of the batch",
+             timeout=30, interval=0.0005)
     for ep in eps:
         ep.abort()
     with pytest.raises(TransferError) as info:
@@ -454,7 +454,7 @@ def _wait_until_quiet(peer, timeout: float = 20.0) -> None:
     deadline = time.time() + timeout
     last = peer.call("digest")
     while time.time() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.2)  # the scenario: "quiet" is no change over this window (late bytes have no event)
         now = peer.call("digest")
         if now == last:
             return
@@ -498,12 +498,14 @@ def test_reconnect_survives_receiver_sweep_while_rails_connect(peer, src, rng, m
         eng.batch_write(peer.session, [b], [peer.base], [64])
         for rail in range(2):
             eng.rail_endpoint(peer.session, rail).abort()
-        assert _settle(lambda: eng.stats()["failover"]["peers_lost"], 1) == 1
-        time.sleep(0.2)  # the peer sees its ends of the old rails die
+        wait_equal(lambda: eng.stats()["failover"]["peers_lost"], 1, "peers lost", timeout=5)
+        # the scenario needs the peer to have seen its ends of the old rails die; the receiver exposes no count of
+        # dead endpoints to wait on, so this is a grace period
+        time.sleep(0.2)
         connect = eng.fabrics[0].connect
 
         def slow_connect(desc):
-            time.sleep(2.2 * SWEEP_S)  # at least one sweep of the receiver runs before the rails connect
+            time.sleep(2.2 * SWEEP_S)  # the scenario: at least one sweep of the receiver runs before the rails connect
             return connect(desc)
 
         monkeypatch.setattr(eng.fabrics[0], "connect", slow_connect)
@@ -558,16 +560,6 @@ def _tcp_sockets() -> int:
     return n
 
 
-def _settle(fn, want, timeout=5.0):
-    """Poll ``fn()`` until it equals ``want`` (threads and sockets of a dead peer go away asynchronously)."""
-    deadline = time.time() + timeout
-    got = fn()
-    while got != want and time.time() < deadline:
-        time.sleep(0.05)
-        got = fn()
-    return got
-
-
 def test_restarted_peer_on_same_port_is_reached_again(peer, src, rng):
     """The decode process dies mid-stream and a NEW one starts on the same control port (same session id): in
     between, batches fail with PeerGone naming the loss (again and again, no poisoning); then the same
@@ -611,7 +603,7 @@ def test_restarted_peer_on_same_port_is_reached_again(peer, src, rng):
             dsts = [victim.base + i * BLOCK_1K for i in range(20)] + [victim.base + 50 * MB + i * 4096
                                                                       for i in range(2000)]
             h = eng.batch_write_async(session, srcs, dsts, lens, timeout=60)
-            time.sleep(0.005)
+            time.sleep(0.005)  # the scenario: the peer dies a few ms into the batch (its 8 MB are still under way)
             victim.proc.kill()
             victim.proc.join(10)
             with pytest.raises(TransferError) as info:
@@ -634,9 +626,10 @@ def test_restarted_peer_on_same_port_is_reached_again(peer, src, rng):
             assert st["peers_lost"] == 1 and st["reconnects"] == 1, st
             # the old connection's threads and sockets are gone: same count as with one connected peer before (and
             # one copy thread per relay ring, whichever rings the batches made meanwhile)
-            assert _settle(_pxn_threads_but_copies, threads) == threads
+            # threads and sockets of a dead peer go away asynchronously
+            wait_equal(_pxn_threads_but_copies, threads, "pxn threads but the copy threads", timeout=5)
             assert _copy_threads() - others == len(eng.stats()["rings"]) >= 1
-            assert _settle(_tcp_sockets, socks) == socks
+            wait_equal(_tcp_sockets, socks, "tcp sockets of this process", timeout=5)
     finally:
         stop.set()
         victim.close()
@@ -1242,7 +1235,7 @@ def test_peer_process_killed_mid_batch_fails_with_every_rail_cause(src):
         dsts = [victim.base + i * BLOCK_1K for i in range(78)] + [victim.base + 185 * MB + i * 4096
                                                                    for i in range(3000)]
         h = eng.batch_write_async(victim.session, srcs, dsts, lens, timeout=60)
-        time.sleep(0.005)
+        time.sleep(0.005)  # the scenario: the peer dies a few ms into the batch (its 12 MB are still under way)
         victim.proc.kill()
         t0 = time.time()
         with pytest.raises(PeerGone) as info:
@@ -1282,10 +1275,5 @@ def test_receiver_releases_landing_of_departed_sender(peer, src):
         eng.register(src)
         eng.batch_write(peer.session, [src.ctypes.data], [peer.base], [64])
         assert peer.call("stats")["receiver"]["senders"] >= 1
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        rx = peer.call("stats")["receiver"]
-        if rx.get("senders_released", 0) > before.get("senders_released", 0):
-            break
-        time.sleep(0.2)
-    assert rx.get("senders_released", 0) > before.get("senders_released", 0), rx
+    wait_for(lambda: peer.call("stats")["receiver"].get("senders_released", 0) > before.get("senders_released", 0),
+             "the peer's receiver releasing the departed sender", timeout=10, interval=0.05)

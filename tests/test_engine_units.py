@@ -9,6 +9,7 @@ from pxn_kernels.chunk import chunk_layout
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, chunk_splits
 from transport.credits import ACK_FLAG, ack_imm, chunk_imm, decode_ack
 from transport.regions import Region, RegionTable, locate_inside, span_region
+from wait_helpers import wait_for
 
 KB, MB = 1 << 10, 1 << 20
 
@@ -186,19 +187,22 @@ def test_relay_ring_back_pressure_and_states():
     try:
         atts = [Att() for _ in range(10)]
         ring.enqueue_copy(atts)
-        time.sleep(0.2)
-        assert len(posted) == 4  # 2 lanes x 2 slots, then back-pressure
+        # the ring waits for a slot after 2 lanes x 2 slots (back-pressure), and posts nothing more
+        wait_for(lambda: ring.stats()["waits_for_slot"] >= 1 and len(posted) == 4,
+                 "the ring waiting for a slot with 4 writes posted")
+        assert len(posted) == 4
         # the idle ring's first fill went out alone (nothing was on the wire), then a round of the free slots
         assert rounds == [1, 3], rounds
         assert ring.free_slots() == 0
-        for _ in range(6):  # completions free slots; the ring continues
+        def release_posted():  # completions free slots; the ring continues
             with lock:
                 done = list(release_later)
                 release_later.clear()
             for a in done:
                 ring.release(a.slot)
-            time.sleep(0.05)
-        assert len(posted) == 10
+            return len(posted) == 10
+
+        wait_for(release_posted, "all 10 writes posted as completions freed their slots")
         st = ring.stats()
         assert st["waits_for_slot"] >= 1
         assert sum(lane["counts"]["filling"] for lane in st["lanes"]) == 10
@@ -570,14 +574,14 @@ def test_progress_loop_runs_tasks_in_order_and_duties_between_them(caplog):
         assert done.wait(5.0)
         assert ran == list(range(200)) and threads == {"pxn-test-progress"}
         assert any("task 3 fails" in r.getMessage() or "task 3 fails" in str(r.exc_info) for r in caplog.records)
-        time.sleep(0.2)
-        assert len(ticks) >= 3 and all(b - a >= 0.015 for a, b in zip(ticks, ticks[1:])), ticks
+        wait_for(lambda: len(ticks) >= 3, "3 ticks of the periodic task")
+        assert all(b - a >= 0.015 for a, b in zip(ticks, ticks[1:])), ticks
     finally:
         loop.close()
     assert not loop.thread.is_alive()
     n = len(ticks)
     loop.submit(task, 500)
-    time.sleep(0.1)
+    time.sleep(0.1)  # the scenario: a window in which a task submitted after close would wrongly run (no event)
     assert 500 not in ran and len(ticks) == n
 
 

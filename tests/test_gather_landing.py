@@ -6,16 +6,17 @@ buffer (guards included) is compared with the expected image. Every piece carrie
 include 1 B, 63 B and unaligned addresses, and destinations start poisoned.
 """
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from engine_helpers import EnginePeer, Expected, disjoint_offsets
+from fabric_helpers import poll_completions
 from transport import RemoteRejected, TransferEngine
 from transport.errors import RegionError
 from transport.fabric import make_fabric
 from transport.fabric.base import GatherWrite, Opcode, WriteRequest
+from wait_helpers import wait_for
 
 POISON = 0xA5
 MB = 1 << 20
@@ -36,15 +37,6 @@ def pair():
     finally:
         a.close()
         b.close()
-
-
-def _completions(fab, n, timeout=20.0):
-    out = []
-    while len(out) < n:
-        got = fab.poll(64, timeout=timeout)
-        assert got, f"timed out with {len(out)} of {n} completions"
-        out.extend(got)
-    return out
 
 
 def _gather_layout(rng, total: int, sizes):
@@ -88,8 +80,8 @@ def test_gather_write_is_byte_exact(pair, rng, total):
     w = GatherWrite(slot.ctypes.data, total, dst.ctypes.data + 4097, mr_dst.rkey, mr_slot.lkey, imm=9, wr_id=5,
                     gather=(np.array(srcs), np.array(locs), np.array(lens)))
     a.post_writes(ep, [w])
-    assert [(c.wr_id, c.error) for c in _completions(a, 1)] == [(5, None)]
-    rimm = [c for c in _completions(b, 1) if c.opcode == Opcode.RECV_IMM]
+    assert [(c.wr_id, c.error) for c in poll_completions(a, 1)] == [(5, None)]
+    rimm = [c for c in poll_completions(b, 1) if c.opcode == Opcode.RECV_IMM]
     assert [(c.imm, c.byte_len) for c in rimm] == [(9, total)]
     assert np.array_equal(dst[4097:4097 + total], expected)
     assert (dst[:4097] == POISON).all() and (dst[4097 + total:] == POISON).all()
@@ -122,8 +114,8 @@ def test_gather_write_with_runs_of_adjacent_sources_is_byte_exact(pair, rng):
                     gather=(np.array([s0 + so for _, _, so in pieces]), np.array([l0 + o for o, _, _ in pieces]),
                             np.array([k for _, k, _ in pieces])))
     a.post_writes(ep, [w])
-    assert [(c.wr_id, c.error) for c in _completions(a, 1)] == [(6, None)]
-    assert [(c.imm, c.byte_len) for c in _completions(b, 1)] == [(4, total)]
+    assert [(c.wr_id, c.error) for c in poll_completions(a, 1)] == [(6, None)]
+    assert [(c.imm, c.byte_len) for c in poll_completions(b, 1)] == [(4, total)]
     assert np.array_equal(dst[5:5 + total], expected)
     assert (dst[:5] == POISON).all() and (dst[5 + total:] == POISON).all()
 
@@ -220,8 +212,8 @@ def test_landing_handler(pair, rng, case):
     d0 = data.ctypes.data
     a.post_writes(ep, [GatherWrite(d0, total, landing.ctypes.data + 3, mr_land.rkey, mr_data.lkey, imm=42, wr_id=3,
                                    gather=([d0 + 10], [d0 + 10], [5]))])
-    assert [(c.wr_id, c.error) for c in _completions(a, 1)] == [(3, None)]
-    assert [(c.opcode, c.imm) for c in _completions(b, 1)] == [(Opcode.RECV_IMM, 42)]
+    assert [(c.wr_id, c.error) for c in poll_completions(a, 1)] == [(3, None)]
+    assert [(c.opcode, c.imm) for c in poll_completions(b, 1)] == [(Opcode.RECV_IMM, 42)]
     exp_land = np.full_like(landing, POISON)
     exp_land[3:3 + total] = data
     exp_out = np.full_like(out, POISON)
@@ -271,9 +263,7 @@ def _placed(peer) -> int:
 def _placed_since(peer, before: int) -> int:
     """Chunks the peer placed since it had placed ``before``, waiting up to 5 s for one: the receiver counts a
     placed chunk just after it sent the ack that completed the sender's batch."""
-    deadline = time.monotonic() + 5
-    while _placed(peer) == before and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: _placed(peer) != before, "a chunk placed as it arrived", timeout=5, interval=0.01)
     return _placed(peer) - before
 
 

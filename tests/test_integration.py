@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import GUARD, POISON, Expected, GuardedPeer, _digest, disjoint_offsets, serve
+from wait_helpers import wait_for
 
 from integration import hosts
 from integration import mooncake as mc
@@ -214,11 +215,8 @@ def test_mooncake_single_and_async(mc_sender, mc_peer, src, rng):
     # non-blocking poll: 1 once done (then freed), like Mooncake's transfer_check_status
     bid = mc_sender.transfer_submit_write(mc_peer.session, b, mc_peer.base + 40 * MB, 64)
     exp.apply(src, [0], [40 * MB], [64])
-    deadline = time.monotonic() + 30
-    st = 0
-    while st == 0 and time.monotonic() < deadline:
-        st = mc_sender.transfer_check_status(bid)
-        time.sleep(0.001)
+    st = wait_for(lambda: mc_sender.transfer_check_status(bid), "transfer_check_status leaving 0", timeout=30,
+                  interval=0.001)
     assert st == 1
     assert mc_sender.check_batch_transfer_status(bid) == mc.ERR_INVALID_ARGUMENT
     mc_peer.check(exp)
@@ -407,7 +405,7 @@ def test_destination_outside_peer_memory(api, mc_sender, sgl_sender, mc_peer, sg
     # a zero-length piece moves nothing and is no error, as in Mooncake; with it a bad piece still fails all
     assert call(peer.session, [b], [peer.base], [0]) == 0
     assert call(peer.session, [b, b], [peer.base, peer.base - 4096], [0, 64]) == mc.ERR_ADDRESS_NOT_REGISTERED
-    time.sleep(0.2)
+    time.sleep(0.2)  # the scenario: a window in which a wrongly sent piece would land (no event for "never")
     peer.check(Expected(peer.size))  # all poison: not even the valid pieces were written
 
 
@@ -933,7 +931,7 @@ def test_on_cuda_calls_run_in_stream_order(pair):
     abuf[:16] = 7
     assert a.batch_transfer_write_on_cuda(b.get_session_id(), [abuf.ctypes.data], [bbuf.ctypes.data], [16],
                                           0x1234) is None
-    time.sleep(0.2)
+    time.sleep(0.2)  # the scenario: a window in which a transfer started before the stream says would land
     assert len(queued) == 1 and queued[0][0] == 0x1234 and not bbuf[:16].any()   # not before the stream says
     queued[0][1]()   # the stream reaches the host function: it returns once the write is done
     assert (bbuf[:16] == 7).all()
@@ -965,7 +963,7 @@ def test_on_cuda_waits_for_earlier_stream_work_and_holds_later_work(pair):
     a.transfer_write_on_cuda(b.get_session_id(), abuf.ctypes.data, bbuf.ctypes.data, 64, stream.cuda_stream)
     after = torch.cuda.Event()
     after.record(stream)
-    time.sleep(0.05)
+    time.sleep(0.05)  # the scenario: 50 ms into the GPU's ~0.5 s sleep, the transfer must not have run
     assert not bbuf[:64].any()           # the stream has not reached the transfer yet
     after.synchronize()
     assert (bbuf[:64] == 3).all()        # work after the transfer ran only once the bytes were placed

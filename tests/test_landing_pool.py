@@ -19,6 +19,7 @@ from conftest import SEED
 from transport import TransferEngine
 from transport.control import query
 from transport.peer_process import POISON, PeerProcess, digest
+from wait_helpers import wait_for
 
 MB = 1 << 20
 AUX11 = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
@@ -258,21 +259,13 @@ def test_dead_sender_credits_come_back():
     proc = None
     try:
         proc = PeerProcess(_streamer_main, (rx.session_id, mem.ctypes.data, 2 * MB), name="pxn-streamer")
-        deadline = time.monotonic() + 60
-        held = 0
-        while time.monotonic() < deadline and not held:
-            held = sum(p["slots"] - p["free"] for p in _pool_stats(rx))
-            time.sleep(0.005)
-        assert held, "the streamer never held a credit"
+        wait_for(lambda: sum(p["slots"] - p["free"] for p in _pool_stats(rx)), "the streamer holding a credit",
+                 timeout=60)
         os.kill(proc.ready["pid"], signal.SIGKILL)
         proc.proc.join(10)
-        deadline = time.monotonic() + 10  # the sweep runs every second; a killed peer's sockets end at once
-        while time.monotonic() < deadline:
-            pools = _pool_stats(rx)
-            if all(p["free"] == p["slots"] and not p["waiting"] for p in pools):
-                break
-            time.sleep(0.05)
-        assert all(p["free"] == p["slots"] for p in pools), pools
+        # the sweep runs every second; a killed peer's sockets end at once
+        wait_for(lambda: all(p["free"] == p["slots"] and not p["waiting"] for p in _pool_stats(rx)),
+                 "every landing slot free and nobody waiting after the kill", timeout=10, interval=0.05)
         tx = _engine()
         try:
             src = np.frombuffer(os.urandom(1 * MB), dtype=np.uint8).copy()
@@ -422,10 +415,8 @@ def test_idle_credits_go_back_and_come_again():
         d_l = [mem.ctypes.data + 256 * i + 7 for i in range(4096)]
         lens = [64] * 4096
         tx.batch_write(rx.session_id, s_l, d_l, lens)
-        deadline = time.monotonic() + 20 * CREDIT_IDLE_S + 5
-        while time.monotonic() < deadline and not tx.stats()["credits"]["returned_idle"]:
-            time.sleep(CREDIT_IDLE_S)
-        assert tx.stats()["credits"]["returned_idle"] >= 1
+        wait_for(lambda: tx.stats()["credits"]["returned_idle"], "credits returned for idleness",
+                 timeout=20 * CREDIT_IDLE_S + 5, interval=CREDIT_IDLE_S / 10)
         assert all(p["free"] == p["slots"] for p in _pool_stats(rx)), _pool_stats(rx)
         for round_ in range(2):
             src[:] = np.frombuffer(os.urandom(MB), dtype=np.uint8)

@@ -12,6 +12,7 @@ import pytest
 
 from engine_helpers import EnginePeer, Expected, disjoint_offsets
 from fabric_helpers import wait_stopped
+from wait_helpers import wait_for
 from transport import TransferEngine, TransferError, TransferTimeout
 from transport.fabric.connections import user_timeout_ms
 
@@ -67,13 +68,12 @@ def test_stopped_receiver_is_not_declared_dead(rng):
                 os.kill(peer.proc.pid, signal.SIGSTOP)
                 wait_stopped(peer.proc.pid)
                 stopped_at = time.monotonic()
-                time.sleep(6.0)
+                time.sleep(6.0)  # the scenario: the peer stays stopped for 6 s, longer than any liveness timeout
             finally:
                 os.kill(peer.proc.pid, signal.SIGCONT)
             # batches go on after the stop: two more complete after it ended
-            deadline = time.monotonic() + 60
-            while not errors and sum(d > stopped_at + 6.0 for d in done) < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: errors or sum(d > stopped_at + 6.0 for d in done) >= 2,
+                     "two batches completing after the stop ended (or an error)", timeout=60, interval=0.05)
             stop.set()
             t.join(60)
             assert not errors, errors
@@ -127,7 +127,7 @@ def test_killed_receiver_fails_the_batch_as_a_lost_peer(rng):
             os.kill(peer.proc.pid, signal.SIGSTOP)
             wait_stopped(peer.proc.pid)
             batch = eng.batch_write_async(peer.session, srcs, dsts, lengths, timeout=60.0)
-            time.sleep(0.5)
+            time.sleep(0.5)  # the scenario: the batch is posted to a stopped receiver for 0.5 s before it dies
             os.kill(peer.proc.pid, signal.SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(TransferError) as got:

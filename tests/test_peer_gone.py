@@ -66,7 +66,7 @@ def test_death_mid_batch_is_peer_gone_with_every_rail_cause_and_one_log_line(src
             dsts = [victim.base + i * 4096 for i in range(len(lens))]
             with caplog.at_level(logging.INFO):
                 h = eng.batch_write_async(victim.session, srcs, dsts, lens, timeout=60)
-                time.sleep(0.005)
+                time.sleep(0.005)  # the scenario: the peer dies a few ms into the batch (16 MB still under way)
                 victim.proc.kill()
                 with pytest.raises(TransferError) as info:
                     h.wait(60)

@@ -27,6 +27,7 @@ from transport.control import parse_session, recv_msg, send_msg
 from transport.fabric import tcp as T
 from transport.fabric import wire
 from transport.peer_process import digest, serve
+from wait_helpers import wait_for
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import fuzz_wire  # noqa: E402
@@ -124,14 +125,11 @@ def rng(seed, request):
     return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
 
 
-def _settle(fn, want, timeout: float = 10.0):
-    """Poll ``fn()`` until it reaches ``want`` (the victim counts a refusal in the connection's own thread)."""
-    deadline = time.monotonic() + timeout
-    got = fn()
-    while got < want and time.monotonic() < deadline:
-        time.sleep(0.05)
-        got = fn()
-    return got
+def _settle(fn, want, what: str, timeout: float = 10.0):
+    """``fn()`` once it reached ``want`` (the victim counts a refusal in the connection's own thread); fails naming
+    ``what`` when it does not within ``timeout`` seconds."""
+    wait_for(lambda: fn() >= want, f"{what} reaching {want}", timeout=timeout, interval=0.02)
+    return fn()
 
 
 def _closed_without_answer(s: socket.socket, timeout: float = 10.0) -> bytes:
@@ -184,7 +182,7 @@ def test_stranger_write_is_refused_unanswered(victim, src, what):
             assert _closed_without_answer(s) == b""
         victim.untouched()
         want = before["rails"][0]["refused_auth"] + 1
-        assert _settle(lambda: victim.security()["rails"][0]["refused_auth"], want) == want
+        assert _settle(lambda: victim.security()["rails"][0]["refused_auth"], want, "rail 0's refused_auth") == want
         assert victim.security()["refused"] > before["refused"]
         assert victim.senders() <= senders  # (a sender of an earlier test may leave meanwhile)
 
@@ -206,7 +204,7 @@ def test_stranger_hello_and_region_query_are_refused_unanswered(victim):
             auth.client_handshake(s, None, "ctrl", 5)
     # the short region query is refused at the handshake deadline (it never completes a preamble)
     want = before["control"]["refused"] + 4
-    assert _settle(lambda: victim.security()["control"]["refused"], want) == want
+    assert _settle(lambda: victim.security()["control"]["refused"], want, "control's refused") == want
     assert victim.security()["control"]["handshake_timeouts"] == before["control"]["handshake_timeouts"] + 1
     assert victim.senders() <= senders  # (a sender of an earlier test may leave meanwhile)
     assert victim.call("rss") - rss0 < 64 * MB  # two hellos cost 4 GB before authentication existed
@@ -219,7 +217,7 @@ def test_idle_length_prefix_allocates_nothing(victim):
     try:
         for s in socks:
             s.sendall(struct.pack("<I", 64 << 20) + b"x" * 100)
-        time.sleep(0.5)
+        time.sleep(0.5)  # the scenario: the connections stall 0.5 s with their prefixes read (no event for "allocates")
         assert victim.call("rss") - rss0 < 64 * MB
     finally:
         for s in socks:
@@ -233,7 +231,7 @@ def test_wrong_secret_and_no_secret_are_refused(victim, src):
             eng.register(src)
             with pytest.raises(UnknownSession, match=match):
                 eng.batch_write(victim.session, [src.ctypes.data], [victim.base], [64])
-    assert _settle(lambda: victim.security()["control"]["refused_auth"], before + 2) >= before + 2
+    assert _settle(lambda: victim.security()["control"]["refused_auth"], before + 2, "control's refused_auth") >= before + 2
     # a client that ignores the listener's proof and answers with a proof under another key: the listener refuses
     for port, purpose in [(_addr(victim.session), "ctrl")] + [(_addr(r), "tcp") for r in victim.rails]:
         with socket.create_connection(port, timeout=5) as s:
@@ -260,7 +258,7 @@ def test_replayed_handshake_is_refused(victim):
     with socket.create_connection(_addr(victim.session), timeout=5) as s:
         s.sendall(pre + proof)  # replay
         assert _closed_without_answer(s)[auth._CHALLENGE.size:] == bytes([auth.VERDICT_REFUSED])
-    assert _settle(lambda: victim.security()["control"]["refused_auth"], before + 1) == before + 1
+    assert _settle(lambda: victim.security()["control"]["refused_auth"], before + 1, "control's refused_auth") == before + 1
 
 
 # --- an insider: knows the secret, lies on the wire -----------------------------------------------------------
@@ -590,7 +588,7 @@ def test_slowloris_does_not_lock_out(victim, src):
         for addr in [victim.session] + victim.rails:
             for _ in range(40):
                 idle.append(socket.create_connection(_addr(addr), timeout=5))
-        time.sleep(0.2)
+        time.sleep(0.2)  # the scenario: the idle sockets sit in the victim's listeners (their accept has no event)
         took = _time_first_batch(victim, src)
     finally:
         for s in idle:
@@ -620,7 +618,7 @@ def test_descriptor_exhaustion_does_not_kill_the_listener(src):
         for s in flood:
             s.close()
         flood = []
-        time.sleep(0.5)
+        time.sleep(0.5)  # the scenario: the victim sees the flood's connections end (no event counts closed ones)
         assert _time_first_batch(v, src) < 1.0 + base
         v.check(_expect_64_at_8(v, src))
     finally:
@@ -1109,10 +1107,8 @@ def test_refusing_side_warns_naming_peer_rate_limited(caplog, src):
             for _ in range(5):
                 with pytest.raises(UnknownSession):
                     bad.batch_write(good.session_id, [src.ctypes.data], [4096], [1])
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and not caplog.records:
-                time.sleep(0.05)
-            time.sleep(0.2)
+            wait_for(lambda: caplog.records, "a log record of the refusals", timeout=5, interval=0.02)
+            time.sleep(0.2)  # the scenario: a window in which a second line would wrongly come
         lines = [r for r in caplog.records if "wrong or missing secret" in r.getMessage()]
         assert len(lines) == 1, [r.getMessage() for r in caplog.records]
         assert lines[0].levelno == logging.WARNING and "127.0.0.1:" in lines[0].getMessage()
@@ -1188,7 +1184,7 @@ def test_metadata_idle_sockets_hold_no_thread_and_lock_nobody_out():
         try:
             for s in idle[:100]:
                 s.sendall(b"PUT /meta")  # started and stalled
-            time.sleep(0.5)
+            time.sleep(0.5)  # the scenario: a window in which a thread per stalled connection would start
             assert threading.active_count() - threads0 <= 10, threading.active_count() - threads0
             t0 = time.monotonic()
             assert _http(srv.url, "PUT", "legit", b"{}")[0] == 200

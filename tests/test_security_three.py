@@ -15,6 +15,8 @@ import pytest
 
 import pxn_kernels.chunk as chunk_format
 from transport import TransferEngine, TransferError
+from fabric_helpers import wait_stopped
+from wait_helpers import wait_for
 
 MB = 1 << 20
 SECRET = "test-secret-" + os.urandom(8).hex()
@@ -426,7 +428,7 @@ def _looping_sender(session: str, secret: str, done, stop, errors) -> None:
                 done.value += 1
             except Exception:  # noqa: BLE001 — counted: the test checks that it recovers
                 errors.value += 1
-                time.sleep(0.1)
+                time.sleep(0.1)  # the scenario: a sender that retries at its own pace after a failure
 
 
 def _pool_free(rx) -> int:
@@ -453,18 +455,17 @@ def test_a_stopped_sender_does_not_keep_its_landing_slots(seed):
                            daemon=True)
         proc.start()
         try:
-            deadline = time.monotonic() + 120
-            while done.value < 3 and time.monotonic() < deadline and proc.is_alive():
-                time.sleep(0.05)
+            wait_for(lambda: done.value >= 3 or not proc.is_alive(), "3 batches of the looping sender", timeout=120,
+                     interval=0.05)
             assert done.value >= 3, "the looping sender did not get going"
             nslots = rx.stats()["receiver"]["landing_pools"][0]["slots"]
             for _ in range(200):  # stop it while it holds slots on every rail
                 os.kill(proc.pid, signal.SIGSTOP)
-                time.sleep(0.05)
+                wait_stopped(proc.pid)
                 if _pool_free(rx) <= 1:
                     break
                 os.kill(proc.pid, signal.SIGCONT)
-                time.sleep(0.01 * rng.random())
+                time.sleep(0.01 * rng.random())  # the scenario: it runs a random moment before the next stop
             else:
                 pytest.fail("never caught the sender holding all but one slot of a pool")
             with TransferEngine(fabric="tcp", secret=SECRET, rails=2, relay_slot_bytes=chunk) as other:
@@ -484,10 +485,8 @@ def test_a_stopped_sender_does_not_keep_its_landing_slots(seed):
             assert rx.counters.get("rx_leases_expired") >= 1
             before = done.value
             os.kill(proc.pid, signal.SIGCONT)
-            deadline = time.monotonic() + 60
-            while done.value < before + 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert done.value >= before + 2, "the resumed sender did not complete batches again"
+            wait_for(lambda: done.value >= before + 2, "the resumed sender completing 2 batches again", timeout=60,
+                     interval=0.05)
         finally:
             stop.set()
             try:

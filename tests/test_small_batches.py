@@ -13,6 +13,7 @@ import pytest
 
 from engine_helpers import EnginePeer, Expected, disjoint_offsets, write_and_check
 from fabric_helpers import wait_completions
+from wait_helpers import wait_for
 from transport import InvalidTransfer, TransferEngine
 from transport.errors import RegionError
 from transport.fabric import tcp as T
@@ -209,7 +210,7 @@ def test_signal_is_an_event_set_once():
     waiters = [threading.Thread(target=lambda: got.append(s.wait(5))) for _ in range(4)]
     for w in waiters:
         w.start()
-    time.sleep(0.05)
+    time.sleep(0.05)  # the scenario: the waiters are (most likely) blocked when the setters run; no event says so
     setters = [threading.Thread(target=s.set) for _ in range(4)]  # several setters at once: no error
     for t in setters:
         t.start()
@@ -525,7 +526,7 @@ def _delay_acks(tgt, seconds):
     """Every ack of ``tgt``'s fabrics leaves ``seconds`` late."""
     for f in tgt.fabrics:
         def send(ep, s, payload, orig=f._send_ctrl):
-            time.sleep(seconds)
+            time.sleep(seconds)  # the scenario: a slow acker
             orig(ep, s, payload)
         f._send_ctrl = send
 
@@ -573,7 +574,7 @@ def test_a_receive_thread_stops_spinning_when_messages_come_far_apart(src, rng):
     try:
         base = dst.ctypes.data
         for _ in range(2 * (AdaptiveSpin.MISSES + 1)):
-            time.sleep(0.003)
+            time.sleep(0.003)  # the scenario: an idle gap between batches, so the ack spin misses
             dst[:] = 0xA5
             so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
             eng.batch_write(tgt.session_id, s_l, d_l, AUX)
@@ -648,7 +649,7 @@ def test_small_batches_keep_to_one_socket_until_it_is_busy(src, rng):
             done = threading.Event()
             th = threading.Thread(target=lambda: (batch(wait=False), done.set()))
             th.start()
-            time.sleep(0.2)
+            time.sleep(0.2)  # the scenario: a window in which the batch must stay unsent (no event for "not yet")
             assert not done.is_set()
         finally:
             sock.wire_lock.release()
@@ -722,14 +723,16 @@ def test_a_dead_endpoint_while_the_caller_reads_its_ack_fails_over(src, rng):
         killer_done = threading.Event()
         aborted = []
 
+        def reading_rails():  # the rails whose socket the caller reads, waiting for the held ack
+            return [r for r in range(len(eng.fabrics))
+                    if any(s.reader.locked() for s in eng.rail_endpoint(tgt.session_id, r).socks)]
+
         def kill():
             held.wait(5)
-            time.sleep(0.05)
-            for r in range(len(eng.fabrics)):  # the rail whose socket the waiting caller reads
-                ep = eng.rail_endpoint(tgt.session_id, r)
-                if any(s.reader.locked() for s in ep.socks):
-                    aborted.append(r)
-                    ep.abort()
+            for r in wait_for(reading_rails, "the caller reading a rail's socket for the held ack", timeout=5,
+                              interval=0.002):
+                aborted.append(r)
+                eng.rail_endpoint(tgt.session_id, r).abort()
             killer_done.set()
 
         th = threading.Thread(target=kill)

@@ -15,21 +15,12 @@ from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.tcp import TcpFabric
 from transport.fabric.tcp_io import TcpIo, reader_state
 from transport.fabric.wire import _ROW, HDR, MAGIC, T_ACK, T_WRITE
+from wait_helpers import wait_equal
 
 
 @pytest.fixture
 def rng(seed, request):
     return np.random.default_rng([seed, sum(map(ord, request.node.name))])
-
-
-def _settled_threads(before: int, timeout: float = 5.0) -> int:
-    """The thread count once short-lived threads (a connection's authentication) are gone, or after ``timeout``."""
-    end = time.monotonic() + timeout
-    n = threading.active_count()
-    while n > before and time.monotonic() < end:
-        time.sleep(0.02)
-        n = threading.active_count()
-    return n
 
 
 def test_threads_do_not_grow_with_peers(rng):
@@ -55,7 +46,8 @@ def test_threads_do_not_grow_with_peers(rng):
             while not comps and time.monotonic() < end:
                 comps = f.poll(4, 0.1)
             assert [c.wr_id for c in comps] == [i] and comps[0].ok, comps
-            assert _settled_threads(base) == base, (i, threading.active_count(), base)
+            # short-lived threads (a connection's authentication) go away on their own
+            wait_equal(threading.active_count, base, f"the thread count after peer {i}", timeout=5)
         exp = np.full_like(dst, 0xA5)
         for i in range(6):
             n = 1000 + 7 * i
@@ -87,7 +79,9 @@ def test_a_turn_that_ends_after_a_small_write_leaves_nothing_read_ahead(rng, mon
         fab._io.add(ep)
         one, two = rng.bytes(100), rng.bytes(77)
         a.sendall(_write_frame(0, mem.ctypes.data + 5, one, mr.rkey))
-        time.sleep(0.2)  # the readers took the first message (its ack comes back below)
+        # the scenario: the second message comes after the readers took the first and their turn ended (no event
+        # marks a turn's end; the first's ack comes back below)
+        time.sleep(0.2)
         threading.Timer(0.05, a.sendall, (_write_frame(1, mem.ctypes.data + 300, two, mr.rkey),)).start()
         a.settimeout(5.0)
         acks = bytearray()

@@ -13,7 +13,7 @@ from transport.errors import RegionError
 from transport.fabric import make_fabric
 from transport.fabric import wire
 from transport.fabric.base import GatherWrite, Opcode, WriteRequest
-from test_gather_landing import _completions  # noqa: E402  (the same poll loop)
+from fabric_helpers import poll_completions
 
 POISON = 0xA5
 
@@ -50,13 +50,13 @@ def test_unacked_writes_are_byte_exact_in_order_and_complete_nowhere(pair):
     for r in reqs:
         a.post_writes(ep, [r])
     src[:] = 0  # the bytes were taken at the post
-    got = _completions(b, len(sizes))
+    got = poll_completions(b, len(sizes))
     assert [(c.opcode, c.imm, c.byte_len) for c in got] == [(Opcode.RECV_IMM, 100 + i, k) for i, k in enumerate(sizes)]
     assert np.array_equal(dst, exp)
     # an acknowledged write after them completes alone; nothing of the unacked ones is pending or reported
     src[:4] = 9
     a.post_writes(ep, [WriteRequest(src.ctypes.data, 4, dst.ctypes.data, mr_dst.rkey, mr_src.lkey, wr_id=77)])
-    assert [(c.wr_id, c.error) for c in _completions(a, 1)] == [(77, None)]
+    assert [(c.wr_id, c.error) for c in poll_completions(a, 1)] == [(77, None)]
     assert a.poll(8, timeout=0.2) == []
     assert not ep._pending
 
@@ -73,8 +73,8 @@ def test_refused_unacked_write_writes_nothing_and_keeps_the_link(pair, caplog):
                              (d, mr_dst.rkey ^ 0x5A5A)]:  # a key the target never gave out
             a.post_writes(ep, [_unacked(src.ctypes.data, 64, remote, rkey, mr_src.lkey, imm=5)])
         a.post_writes(ep, [WriteRequest(src.ctypes.data, 16, d, mr_dst.rkey, mr_src.lkey, imm=6, wr_id=1)])
-        assert [(c.wr_id, c.error) for c in _completions(a, 1)] == [(1, None)]
-        assert [(c.opcode, c.imm) for c in _completions(b, 1)] == [(Opcode.RECV_IMM, 6)]
+        assert [(c.wr_id, c.error) for c in poll_completions(a, 1)] == [(1, None)]
+        assert [(c.opcode, c.imm) for c in poll_completions(b, 1)] == [(Opcode.RECV_IMM, 6)]
     exp = np.full(1024, POISON, dtype=np.uint8)
     exp[:16] = src[:16]
     assert np.array_equal(dst, exp)
@@ -107,7 +107,7 @@ def test_unacked_write_above_the_limit_goes_acknowledged(pair):
     dst = np.full(n + 8, POISON, dtype=np.uint8)
     mr_src, mr_dst = a.register(src.ctypes.data, src.nbytes), b.register(dst.ctypes.data, dst.nbytes)
     a.post_writes(ep, [_unacked(src.ctypes.data, n, dst.ctypes.data + 8, mr_dst.rkey, mr_src.lkey, imm=3)])
-    assert [(c.opcode, c.imm) for c in _completions(b, 1)] == [(Opcode.RECV_IMM, 3)]
+    assert [(c.opcode, c.imm) for c in poll_completions(b, 1)] == [(Opcode.RECV_IMM, 3)]
     assert np.array_equal(dst[8:], src) and (dst[:8] == POISON).all()
     for _ in range(100):  # its ack arrives and releases it
         if not ep._pending:
@@ -160,7 +160,7 @@ def test_landed_write_ack_leaves_with_the_reply_its_handler_posts(pair, monkeypa
     d0 = data.ctypes.data
     a.post_writes(ep, [GatherWrite(d0, total, landing.ctypes.data, mr_land.rkey, mr_data.lkey, imm=42, wr_id=3,
                                    gather=([d0 + 10], [d0 + 10], [5]))])
-    got = _completions(a, 2)
+    got = poll_completions(a, 2)
     assert sorted((c.opcode.name, c.wr_id, c.imm) for c in got) == [("RECV_IMM", 0, 7), ("WRITE_WITH_IMM", 3, 42)]
     assert np.array_equal(out[1:total - 199], data[100:total - 100])
     assert (out[0] == POISON) and (out[total - 199:] == POISON).all()

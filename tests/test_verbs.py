@@ -17,6 +17,7 @@ import pytest
 
 from engine_helpers import Expected, EnginePeer, disjoint_offsets, write_and_check
 from fabric_helpers import verbs_unavailable
+from wait_helpers import wait_for
 from transport import RemoteRejected, TransferEngine, TransferError
 from transport.errors import FabricUnavailable
 
@@ -141,9 +142,8 @@ def test_failover_between_two_rails(peer, src, rng):
         before = eng.stats()["rails"][0].get("bytes_posted", 0)
         h = eng.batch_write_async(peer.session, [b + int(x) for x in s], [peer.base + int(x) for x in d], lens,
                                   timeout=60)
-        deadline = time.time() + 30
-        while time.time() < deadline and eng.stats()["rails"][0].get("bytes_posted", 0) <= before:
-            time.sleep(0.0005)
+        wait_for(lambda: eng.stats()["rails"][0].get("bytes_posted", 0) > before, "rail 0 posting part of the batch",
+                 timeout=30, interval=0.0005)
         eng.rail_endpoint(peer.session, 0).abort()
         h.wait(60)
         st = eng.stats()
@@ -172,7 +172,7 @@ def test_peer_killed_mid_batch_fails_in_bounded_time_then_a_new_peer_works(src, 
             dsts = [victim.base + i * 2359296 for i in range(20)] + [victim.base + 50 * MB + i * 4096
                                                                      for i in range(2000)]
             h = eng.batch_write_async(session, srcs, dsts, lens, timeout=60)
-            time.sleep(0.005)
+            time.sleep(0.005)  # the scenario: the peer dies a few ms into the batch (its 55 MB are still under way)
             t0 = time.monotonic()
             victim.proc.kill()
             victim.proc.join(10)
@@ -341,10 +341,8 @@ def test_threads_do_not_grow_with_endpoints():
         finally:
             for p in peers:
                 p.close()
-        deadline = time.time() + 10
-        while time.time() < deadline and any(hub.endpoint(p.local_id).alive for p in peers):
-            time.sleep(0.05)
-        assert not any(hub.endpoint(p.local_id).alive for p in peers), "closed peers still look alive"
+        wait_for(lambda: not any(hub.endpoint(p.local_id).alive for p in peers), "the closed peers reading dead",
+                 timeout=10, interval=0.05)
 
 
 def test_guarded_listener_takes_only_announced_rail_ids():
@@ -413,8 +411,6 @@ def test_a_failed_qp_hands_over_its_completions_before_its_endpoint_reads_dead(s
         assert not dst.any(), "the refused write placed bytes"
         a.post_writes(new, [WriteRequest(src.ctypes.data, src.nbytes, dst.ctypes.data, dmr.rkey, smr.lkey,
                                          wr_id=43)])
-        deadline = time.time() + 30
-        while time.time() < deadline and len(got) < 2:
-            time.sleep(0.01)
+        wait_for(lambda: len(got) >= 2, "the second write's completion", timeout=30, interval=0.01)
         assert [c.wr_id for c in got[1:]] == [43] and got[1].error is None, got
         assert bytes(dst) == bytes(src)

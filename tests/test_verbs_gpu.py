@@ -23,6 +23,7 @@ import pytest
 
 from engine_helpers import EnginePeer, Expected, disjoint_offsets, write_and_check
 from fabric_helpers import verbs_unavailable
+from wait_helpers import wait_for
 from transport import TransferEngine, TransferError
 
 MB = 1 << 20
@@ -114,8 +115,6 @@ def test_the_mooncake_api_over_rdma(mode, seed):
     """The Mooncake API with protocol "rdma", GPU buffers on both sides, as sglang calls it: one batch of aux and
     page pieces and a large layer block, with a notify; the target reads its buffer after ``get_notifies``
     returned the notify (which flushes the NIC's writes into its GPU first)."""
-    import time
-
     import torch
     from engine_helpers import GUARD
     from integration.mooncake import TransferEngine as Mooncake
@@ -140,10 +139,7 @@ def test_the_mooncake_api_over_rdma(mode, seed):
                                    [dst.data_ptr() + GUARD + int(o) for o in do], lengths, TransferOpcode.Write,
                                    notify=TransferNotify("kv", "layer0"))
         assert rc == 0
-        deadline, notes = time.monotonic() + 30, []
-        while not notes and time.monotonic() < deadline:
-            notes = b.get_notifies()
-            time.sleep(0.01)
+        notes = wait_for(b.get_notifies, "the batch's notify at the peer", timeout=30, interval=0.01)
         assert [(x.name, x.msg) for x in notes] == [("kv", "layer0")]
         exp = np.full(GUARD + n + GUARD, 0x5C, dtype=np.uint8)
         src_host = src.cpu().numpy()

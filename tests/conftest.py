@@ -11,17 +11,12 @@ set): a GID-less RoCE port first, as on machines where only some ports carry an 
 """
 import importlib.util
 import os
-import secrets
 import sys
 import tempfile
 
 import pytest
 
-try:
-    import torch
-    HAS_CUDA = torch.cuda.is_available()
-except ImportError:  # pragma: no cover - torch is a hard dependency
-    HAS_CUDA = False
+from suite_env import HAS_CUDA, SEED
 
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -51,9 +46,7 @@ VERBS = _use_softverbs()
 if not os.environ.get("PXN_SECRET_FILE"):
     os.environ["PXN_SECRET_FILE"] = os.path.join(tempfile.mkdtemp(prefix="pxn-test-secret-"), "secret")
 
-# Fresh random data every run; the seed is printed so a failure can be replayed with PXN_TEST_SEED.
-SEED = int(os.environ.get("PXN_TEST_SEED", secrets.randbits(31)))
-
+# Fresh random data every run (suite_env.SEED); the seed is printed so a failure can be replayed with PXN_TEST_SEED.
 
 def _seed_line() -> str:
     return f"pxn test seed: {SEED} (replay with PXN_TEST_SEED={SEED})"

@@ -100,7 +100,7 @@ def peer():
 
 @pytest.fixture(scope="module")
 def src():
-    from conftest import SEED
+    from suite_env import SEED
     rng = np.random.default_rng([SEED, 51])
     return np.frombuffer(rng.bytes(8 * MB), dtype=np.uint8).copy()
 

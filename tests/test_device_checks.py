@@ -9,8 +9,7 @@ import torch
 
 import pxn_kernels
 from pxn_kernels import _checks, _device_checks
-from test_kernel_checks import _batch
-from test_kernels import DEVICE, HAS_CUDA, _random_bytes
+from kernel_helpers import DEVICE, HAS_CUDA, random_bytes, valid_batch
 
 INT64_MAX = (1 << 63) - 1
 
@@ -67,7 +66,7 @@ def test_summary_kernel_agrees_with_its_torch_reference(rng, n):
     for kind in ("sorted", "rows", "sorted_rows", "mixed"):
         for how in ("none", "negative_length", "zero_address", "overflow", "negative_offset", "past_limit",
                     "overlap"):
-            lengths, addresses, starts, limit = _batch(rng, n, kind)
+            lengths, addresses, starts, limit = valid_batch(rng, n, kind)
             if not lengths.any():
                 lengths[0] = 1
             for written_offsets in (True, False):
@@ -95,7 +94,7 @@ def test_summary_reference_finds_what_the_host_checks_find(rng):
         for kind in ("sorted", "rows", "mixed"):
             for how in ("none", "negative_length", "zero_address", "overflow", "negative_offset", "past_limit",
                         "overlap"):
-                lengths, addresses, starts, limit = _batch(rng, n, kind)
+                lengths, addresses, starts, limit = valid_batch(rng, n, kind)
                 lens, a, b = _spoil(rng, lengths, addresses, starts, None, limit, how)
                 words = _device_checks.summary_torch(torch.from_numpy(lens), torch.from_numpy(a),
                                                      torch.from_numpy(b), 0, limit, False, True)
@@ -112,15 +111,15 @@ def test_summary_reference_finds_what_the_host_checks_find(rng):
 
 def _case(rng, op, n, kind):
     """Buffers and host index arrays of one valid ``op`` call of ``n`` pieces laid out as ``kind`` (see
-    ``test_kernel_checks._batch``): random bytes in the sources, poisoned destinations."""
-    lengths, _, starts, limit = _batch(rng, n, kind)
+    ``kernel_helpers.valid_batch``): random bytes in the sources, poisoned destinations."""
+    lengths, _, starts, limit = valid_batch(rng, n, kind)
     if not lengths.any():
         lengths[0] = 1
     misalign = rng.integers(0, 16, n)
     packed = np.cumsum(np.concatenate(([0], lengths[:-1] + misalign[:-1]))).astype(np.int64) + int(misalign[0])
     packed_size = int(packed[-1] + lengths[-1]) + 16
-    other = _random_bytes(rng, packed_size)  # the side whose pieces are packed (gather's sources, ...)
-    laid = _random_bytes(rng, limit + 16)  # the side laid out as ``starts`` (gather's chunk, ...)
+    other = random_bytes(rng, packed_size)  # the side whose pieces are packed (gather's sources, ...)
+    laid = random_bytes(rng, limit + 16)  # the side laid out as ``starts`` (gather's chunk, ...)
     if op == "gather":
         arrays = {"src_ptrs": other.data_ptr() + packed, "lengths": lengths, "out_offsets": starts}
         target, limits = laid, ("src_ptrs", None, "out_offsets", limit + 16)

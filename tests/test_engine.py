@@ -1,6 +1,6 @@
 """End-to-end engine tests: two processes, tcp fabric, host memory (the CI acceptance cases).
 
-Every case writes fresh random data (seeded by conftest's SEED) into a poisoned peer buffer and compares the
+Every case writes fresh random data (seeded by suite_env.SEED) into a poisoned peer buffer and compares the
 peer's WHOLE buffer (guards included) with the expected image, so stray writes anywhere are caught.
 """
 import collections
@@ -43,7 +43,7 @@ def sender():
 
 @pytest.fixture(scope="module")
 def src(sender):
-    from conftest import SEED
+    from suite_env import SEED
     rng = np.random.default_rng(SEED)
     buf = np.frombuffer(rng.bytes(SRC_BYTES), dtype=np.uint8).copy()
     sender.register(buf)

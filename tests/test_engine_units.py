@@ -252,7 +252,7 @@ def test_whole_batch_rail_agrees_with_plan():
     ``direct_runs_all`` holds, ``plan`` makes DIRECT runs whose arrays, joined in order, are the batch's. Random
     batches over coalescing, relay policy, rails, locality, host or GPU sources, loads and sizes around the
     thresholds (1 B pieces, pieces at the stripe size and one byte over)."""
-    from conftest import SEED
+    from suite_env import SEED
     rng = np.random.default_rng(SEED)
     runs_all = 0  # batches ``direct_runs_all`` named
     for trial in range(400):

@@ -3,7 +3,7 @@
 The receiving side runs in a spawned process with the SAME API as the sender (a Mooncake-shim receiver for the
 Mooncake tests, an sglang-adapter receiver registering a KV region and an aux region through ``batch_register``
 for the sglang tests). Its buffer is ``GUARD + size + GUARD`` bytes, poisoned, only the middle registered; every
-case writes fresh random data (conftest's SEED) and compares the peer's WHOLE buffer, guards included, with the
+case writes fresh random data (suite_env.SEED) and compares the peer's WHOLE buffer, guards included, with the
 expected image, so a missing, misplaced or stray byte anywhere fails the case.
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def sgl_peer():
 
 @pytest.fixture(scope="module")
 def src():
-    from conftest import SEED
+    from suite_env import SEED
     rng = np.random.default_rng([SEED, 7])
     return np.frombuffer(rng.bytes(SRC_BYTES), dtype=np.uint8).copy()
 

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pxn_kernels
 from pxn_kernels import _checks, policy
-from test_kernels import DEVICE, HAS_CUDA, _bad_call_leaves_out_untouched, _packed_offsets, _pieces, _random_bytes, _t
+from kernel_helpers import (DEVICE, HAS_CUDA, bad_call_leaves_out_untouched, i64, packed_offsets, piece_sources,
+                            random_bytes, valid_batch)
 
 INT64_MAX = (1 << 63) - 1
 
@@ -38,30 +39,6 @@ def _outcome(op, lengths, checks, written, tensors=None):
         return str(exc)
     assert (stats.lmin, stats.lmax, stats.total) == (int(lengths.min()), int(lengths.max()), int(lengths.sum()))
     return None
-
-
-def _batch(rng, n, kind):
-    """(lengths, addresses, offsets, limit) of a valid batch: "sorted" chunk offsets, "rows" unordered rows of
-    one length, "sorted_rows" rows of one length in ascending order with gaps (a gather of rows into a chunk),
-    "mixed" unordered pieces of any length, some of them 0."""
-    if kind == "rows":
-        length = int(rng.integers(1, 300))
-        lengths = np.full(n, length, dtype=np.int64)
-        starts = rng.permutation(3 * n)[:n].astype(np.int64) * length
-    elif kind == "sorted_rows":
-        length = int(rng.integers(1, 300))
-        lengths = np.full(n, length, dtype=np.int64)
-        starts = np.cumsum(rng.integers(0, 3, n) + length).astype(np.int64) - length
-    else:
-        lengths = rng.integers(0 if kind == "mixed" else 1, 500, n).astype(np.int64)
-        gaps = rng.integers(0, 9, n).astype(np.int64)
-        starts = np.cumsum(np.concatenate(([0], lengths[:-1] + gaps[:-1]))).astype(np.int64)
-        if kind == "mixed":
-            order = rng.permutation(n)
-            lengths, starts = lengths[order], starts[order]
-    limit = int((starts + lengths).max()) + int(rng.integers(0, 3))
-    addresses = rng.integers(1, 1 << 46, n).astype(np.int64)
-    return lengths, addresses, starts, limit
 
 
 def _break(rng, lengths, addresses, starts, limit, how):
@@ -97,7 +74,7 @@ def test_fast_checks_agree_with_the_per_piece_checks(seed, n, kind, how, case_se
     """Python-int path (<= 64 pieces), numpy path, sorted and unordered written ranges, zero lengths: the
     fast checks reject exactly what the per-piece checks reject, with the same message (the first bad piece)."""
     rng = np.random.default_rng([seed, case_seed])
-    lengths, addresses, starts, limit = _batch(rng, n, kind)
+    lengths, addresses, starts, limit = valid_batch(rng, n, kind)
     if how != "none" and np.count_nonzero(lengths):
         lengths, addresses, starts = _break(rng, lengths, addresses, starts, limit, how)
     for op, checks, written in [
@@ -147,11 +124,11 @@ def test_public_calls_reject_an_overlap_among_unordered_rows(rng, op):
     """Rows written to random places (a scatter into a paged pool), one of them onto its neighbour: refused,
     nothing written; the same rows without the clash are copied byte-exact."""
     length, n = 48, 300
-    pool = _random_bytes(rng, length * 3 * n + 64)
+    pool = random_bytes(rng, length * 3 * n + 64)
     slots = rng.permutation(3 * n)[:n]
     dst = pool.data_ptr() + slots.astype(np.int64) * length
-    src_buf, src = _pieces(rng, [length] * n, [0])
-    chunk = _random_bytes(rng, n * length)
+    src_buf, src = piece_sources(rng, [length] * n, [0])
+    chunk = random_bytes(rng, n * length)
     offsets = np.arange(n, dtype=np.int64) * length
     bad = dst.copy()
     bad[n // 2] = bad[n // 3] + 8
@@ -159,13 +136,13 @@ def test_public_calls_reject_an_overlap_among_unordered_rows(rng, op):
 
     def call(d):
         if op == "scatter":
-            pxn_kernels.scatter(chunk, _t(offsets), _t(d), _t([length] * n), backend="triton")
+            pxn_kernels.scatter(chunk, i64(offsets), i64(d), i64([length] * n), backend="triton")
         elif op == "copy":
-            pxn_kernels.copy(_t(src), _t(d), _t([length] * n), backend="triton")
+            pxn_kernels.copy(i64(src), i64(d), i64([length] * n), backend="triton")
         else:  # gather writes its chunk: the clash is in out_offsets
             o = offsets.copy()
             o[n // 2] = o[n // 3] + 8
-            pxn_kernels.gather(_t(src), _t([length] * n), pool, _t(o if d is bad else offsets), backend="triton")
+            pxn_kernels.gather(i64(src), i64([length] * n), pool, i64(o if d is bad else offsets), backend="triton")
     with pytest.raises(ValueError, match="overlaps"):
         call(bad)
     if DEVICE.type == "cuda":
@@ -182,13 +159,13 @@ def test_public_calls_reject_an_overlap_among_unordered_rows(rng, op):
 def test_host_index_arrays_are_accepted(rng):
     """numpy int64 arrays as index arguments (converted without a copy on the CPU; one upload on a GPU)."""
     lengths = [5, 64, 1, 300]
-    src_buf, src = _pieces(rng, lengths, [0, 3])
-    out = _random_bytes(rng, 512)
+    src_buf, src = piece_sources(rng, lengths, [0, 3])
+    out = random_bytes(rng, 512)
     ref = out.clone()
     offsets = [0, 16, 100, 200]
     as_np = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
     pxn_kernels.gather(as_np(src), as_np(lengths), out, as_np(offsets), backend="triton")
-    pxn_kernels.gather_torch(_t(src), _t(lengths), ref, _t(offsets))
+    pxn_kernels.gather_torch(i64(src), i64(lengths), ref, i64(offsets))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -201,12 +178,12 @@ def test_host_index_arrays_for_a_gpu_copy(rng):
     """Host arrays (numpy and CPU tensors) with a GPU output: checked on the host, uploaded once, byte-exact;
     rows of one length take the row kernel from the host lengths."""
     for lengths in ([5, 64, 1, 300, 4097], [256] * 33):
-        src_buf, src = _pieces(rng, lengths, [0, 3])
+        src_buf, src = piece_sources(rng, lengths, [0, 3])
         offsets = np.cumsum([0] + [x + 16 for x in lengths[:-1]]).astype(np.int64)
-        out = _random_bytes(rng, int(offsets[-1]) + lengths[-1] + 16)
+        out = random_bytes(rng, int(offsets[-1]) + lengths[-1] + 16)
         ref = out.clone()
         pxn_kernels.gather(np.asarray(src, dtype=np.int64), torch.tensor(lengths), out, offsets)
-        pxn_kernels.gather_torch(_t(src), _t(lengths), ref, _t(offsets.tolist()))
+        pxn_kernels.gather_torch(i64(src), i64(lengths), ref, i64(offsets.tolist()))
         torch.cuda.synchronize()
         assert torch.equal(out, ref)
 
@@ -328,10 +305,10 @@ def test_large_unordered_scatter_checked_on_the_gpu(rng, length):
     twice) is refused with the usual message and nothing written; the batch without it is scattered
     byte-exact."""
     n = 5000
-    pool = _random_bytes(rng, length * 2 * n)
+    pool = random_bytes(rng, length * 2 * n)
     slots = torch.randperm(2 * n, device=DEVICE)[:n]
     dst = pool.data_ptr() + slots * length
-    chunk = _random_bytes(rng, n * length)
+    chunk = random_bytes(rng, n * length)
     offsets = torch.arange(n, dtype=torch.int64, device=DEVICE) * length
     lengths = torch.full((n,), length, dtype=torch.int64, device=DEVICE)
     before = pool.clone()
@@ -491,7 +468,7 @@ def _np(values):
 def _distinct_pieces(rng, lengths, misalign):
     """A source buffer whose pieces (at the given misalignments) each hold values no other piece holds in the
     same position (piece i, byte j: (i + 7 j) mod 256 xor a random byte shared by all), and the addresses."""
-    buf, addrs = _pieces(rng, lengths, misalign)
+    buf, addrs = piece_sources(rng, lengths, misalign)
     salt = int(rng.integers(0, 256))
     for i, (addr, length) in enumerate(zip(addrs, lengths)):
         s = addr - buf.data_ptr()
@@ -510,35 +487,35 @@ def test_host_index_arrays_byte_exact_for_every_entry(rng, lengths):
     against the torch references; scatter's destinations in random order."""
     n = len(lengths)
     src_buf, src = _distinct_pieces(rng, lengths, [1, 3, 0, 7, 9])
-    offsets, size = _packed_offsets(lengths, misalign=5, gap=3)
-    out = _random_bytes(rng, size + 16)
+    offsets, size = packed_offsets(lengths, misalign=5, gap=3)
+    out = random_bytes(rng, size + 16)
     ref = out.clone()
     pxn_kernels.gather(_np(src), _np(lengths), out, _np(offsets), backend="triton")
-    pxn_kernels.gather_torch(_t(src), _t(lengths), ref, _t(offsets))
+    pxn_kernels.gather_torch(i64(src), i64(lengths), ref, i64(offsets))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
 
     order = rng.permutation(n)
-    back = _random_bytes(rng, src_buf.numel())
+    back = random_bytes(rng, src_buf.numel())
     expect = back.clone()
     rel = [src[i] - src_buf.data_ptr() for i in order]
     pxn_kernels.scatter(out, _np([offsets[i] for i in order]), _np([back.data_ptr() + r for r in rel]),
                         _np([lengths[i] for i in order]), backend="triton")
-    pxn_kernels.scatter_torch(ref, _t([offsets[i] for i in order]), _t([expect.data_ptr() + r for r in rel]),
-                              _t([lengths[i] for i in order]))
+    pxn_kernels.scatter_torch(ref, i64([offsets[i] for i in order]), i64([expect.data_ptr() + r for r in rel]),
+                              i64([lengths[i] for i in order]))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(back, expect)
     for i, r in zip(order, rel):  # the references moved the pieces themselves
         assert torch.equal(expect[r:r + lengths[i]], src_buf[r:r + lengths[i]])
 
-    again = _random_bytes(rng, src_buf.numel())
+    again = random_bytes(rng, src_buf.numel())
     expect_again = again.clone()
     pxn_kernels.copy(_np(src), _np([again.data_ptr() + a - src_buf.data_ptr() for a in src]), _np(lengths),
                      backend="triton", device=DEVICE)
-    pxn_kernels.copy_torch(_t(src), _t([expect_again.data_ptr() + a - src_buf.data_ptr() for a in src]),
-                           _t(lengths))
+    pxn_kernels.copy_torch(i64(src), i64([expect_again.data_ptr() + a - src_buf.data_ptr() for a in src]),
+                           i64(lengths))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(again, expect_again)
@@ -547,7 +524,7 @@ def test_host_index_arrays_byte_exact_for_every_entry(rng, lengths):
 def test_host_index_arrays_refused_with_the_value_and_nothing_written(rng):
     """Every bad host argument is refused with a ValueError naming the argument and value, before anything
     is uploaded or launched: the output and the destinations keep their poison."""
-    src = _random_bytes(rng, 256)
+    src = random_bytes(rng, 256)
     p = src.data_ptr()
     as32 = lambda v: np.asarray([x & 0x7fffffff for x in v], dtype=np.int32)  # noqa: E731
     g, s, c = pxn_kernels.gather, pxn_kernels.scatter, pxn_kernels.copy
@@ -578,7 +555,7 @@ def test_host_index_arrays_refused_with_the_value_and_nothing_written(rng):
          r"dst_ptrs\[98\] = \d+ \(length 3\) overlaps dst_ptrs\[99\]"),
     ]
     for call, match in cases:
-        _bad_call_leaves_out_untouched(rng, call, match)
+        bad_call_leaves_out_untouched(rng, call, match)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -726,8 +703,8 @@ def test_gather_of_host_arrays_captured_in_a_cuda_graph_replays_its_own_descript
     read) and the call stages its descriptors in buffers of its own: a replay after other host-array calls
     still copies the captured pieces, byte for byte."""
     lengths = rng.integers(1, 700, 37).astype(np.int64)
-    src_buf, src_addrs = _pieces(rng, lengths.tolist(), [3, 0, 61])
-    offsets, size = _packed_offsets(lengths.tolist(), 5, 0)
+    src_buf, src_addrs = piece_sources(rng, lengths.tolist(), [3, 0, 61])
+    offsets, size = packed_offsets(lengths.tolist(), 5, 0)
     out = torch.zeros(size + 64, dtype=torch.uint8, device=DEVICE)
     ptrs, lens, offs = np.asarray(src_addrs, dtype=np.int64), lengths, np.asarray(offsets, dtype=np.int64)
     pxn_kernels.gather(ptrs, lens, out, offs)  # compiled and planned before the capture
@@ -738,12 +715,12 @@ def test_gather_of_host_arrays_captured_in_a_cuda_graph_replays_its_own_descript
             pxn_kernels.gather(ptrs, lens, out, offs)
     # other host-array calls reuse every pool slot meanwhile
     other_lens = np.roll(lens, 1)
-    other_offs = np.asarray(_packed_offsets(other_lens.tolist(), 5, 0)[0], dtype=np.int64)
+    other_offs = np.asarray(packed_offsets(other_lens.tolist(), 5, 0)[0], dtype=np.int64)
     scratch = torch.empty_like(out)
     for _ in range(40):
         pxn_kernels.gather(np.roll(ptrs, 1), other_lens, scratch, other_offs)
-    src_buf.copy_(_random_bytes(rng, src_buf.numel()))  # fresh source bytes: the replay must read them
-    poison = _random_bytes(rng, out.numel())
+    src_buf.copy_(random_bytes(rng, src_buf.numel()))  # fresh source bytes: the replay must read them
+    poison = random_bytes(rng, out.numel())
     out.copy_(poison)
     graph.replay()
     torch.cuda.synchronize()
@@ -764,9 +741,9 @@ def test_host_array_calls_queued_behind_a_busy_stream_each_read_their_own_descri
         calls = []
         for _ in range(12):  # buffers made first: a pageable copy onto the busy stream would wait for it
             lengths = local.integers(1, 300, int(local.integers(1, 60))).astype(np.int64)
-            src_buf, src_addrs = _pieces(local, lengths.tolist(), [1, 0, 7])
-            offsets, size = _packed_offsets(lengths.tolist(), 3, 1)
-            out = _random_bytes(local, size + 16)
+            src_buf, src_addrs = piece_sources(local, lengths.tolist(), [1, 0, 7])
+            offsets, size = packed_offsets(lengths.tolist(), 3, 1)
+            out = random_bytes(local, size + 16)
             ptrs, offs = np.asarray(src_addrs, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
             calls.append((src_buf, ptrs, lengths, offs, out, out.clone()))
         for _, ptrs, lengths, offs, out, _ in calls:  # each kernel variant compiled and each plan made before
@@ -978,26 +955,26 @@ def test_staged_launch_through_the_pool_is_byte_exact(rng, lengths):
     pool = _staging.UploadPool(fake)
     n = len(lengths)
     src_buf, src = _distinct_pieces(rng, lengths, [1, 2, 0])
-    offsets, size = _packed_offsets(lengths, misalign=3, gap=1)
-    out = _random_bytes(rng, size + 8)
+    offsets, size = packed_offsets(lengths, misalign=3, gap=1)
+    out = random_bytes(rng, size + 8)
     ref = out.clone()
     cpu = torch.device("cpu")
     args = _checks.IndexArgs(n, True, {"src_ptrs": _np(src), "lengths": _np(lengths), "out_offsets": _np(offsets)})
     _batched_copy.run_batch("gather", args, "src_ptrs", "out_offsets", 0, out.data_ptr(), cpu, None, None, pool)
-    pxn_kernels.gather_torch(_t(src), _t(lengths), ref, _t(offsets))
+    pxn_kernels.gather_torch(i64(src), i64(lengths), ref, i64(offsets))
     assert torch.equal(out, ref)
     words = fake.copies[-1][1] // 8
     assert words == (2 * n if len(set(lengths)) == 1 else 3 * n)
     (slot,) = list(pool._free)
     assert fake.pending == {slot.event}
-    back = _random_bytes(rng, src_buf.numel())
+    back = random_bytes(rng, src_buf.numel())
     expect = back.clone()
     dst = [back.data_ptr() + a - src_buf.data_ptr() for a in src]
     args = _checks.IndexArgs(n, True, {"src_offsets": _np(offsets), "dst_ptrs": _np(dst), "lengths": _np(lengths)})
     _batched_copy.run_batch("scatter", args, "src_offsets", "dst_ptrs", out.data_ptr(), 0, cpu, None, None, pool)
     assert fake.copies[-1][0] != slot.dev_ptr  # the pending slot was not rewritten
-    pxn_kernels.scatter_torch(ref, _t(offsets), _t([expect.data_ptr() + a - src_buf.data_ptr() for a in src]),
-                              _t(lengths))
+    pxn_kernels.scatter_torch(ref, i64(offsets), i64([expect.data_ptr() + a - src_buf.data_ptr() for a in src]),
+                              i64(lengths))
     assert torch.equal(back, expect)
 
 
@@ -1007,7 +984,7 @@ def test_host_array_uploads_queued_behind_a_busy_gpu_stay_apart(rng):
     pieces. A staging buffer rewritten before the copy that read it ran would send a later call's descriptors
     to an earlier call's launch."""
     calls, length = 40, 192
-    src_buf = _random_bytes(rng, calls * 8 * length + 64)
+    src_buf = random_bytes(rng, calls * 8 * length + 64)
     streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
     outs, expects = [], []
     torch.cuda.synchronize()
@@ -1019,12 +996,12 @@ def test_host_array_uploads_queued_behind_a_busy_gpu_stay_apart(rng):
         picks = rng.choice(calls * 8, n, replace=False)
         lengths = [length - (i % 5)] * n if i % 2 else [int(x) for x in rng.integers(1, length, n)]
         src = [src_buf.data_ptr() + int(p) * length + (i % 3) for p in picks]
-        offsets, size = _packed_offsets(lengths, misalign=i % 4, gap=1)
+        offsets, size = packed_offsets(lengths, misalign=i % 4, gap=1)
         out = torch.zeros(size + 8, dtype=torch.uint8, device=DEVICE)
         with torch.cuda.stream(streams[i % 2]):
             pxn_kernels.gather(_np(src), _np(lengths), out, _np(offsets))
         expect = torch.zeros_like(out)
-        pxn_kernels.gather_torch(_t(src), _t(lengths), expect, _t(offsets))
+        pxn_kernels.gather_torch(i64(src), i64(lengths), expect, i64(offsets))
         outs.append(out)
         expects.append(expect)
     torch.cuda.synchronize()
@@ -1038,24 +1015,24 @@ def test_device_index_tensors_read_through_the_pinned_buffer(rng):
     value, found by the summary kernel, is then read through the thread's pinned buffer and named."""
     lengths = [5, 64, 1, 300, 63]
     src_buf, src = _distinct_pieces(rng, lengths, [1, 0, 3])
-    offsets, size = _packed_offsets(lengths, misalign=1, gap=2)
+    offsets, size = packed_offsets(lengths, misalign=1, gap=2)
     for strided in (False, True):
-        out = _random_bytes(rng, size + 8)
+        out = random_bytes(rng, size + 8)
         ref = out.clone()
-        s = _t(src)
+        s = i64(src)
         if strided:
             s = torch.stack([s, s], 1).reshape(-1)[::2]
             assert not s.is_contiguous()
-        pxn_kernels.gather(s, _t(lengths), out, _t(offsets))
-        pxn_kernels.gather_torch(_t(src), _t(lengths), ref, _t(offsets))
+        pxn_kernels.gather(s, i64(lengths), out, i64(offsets))
+        pxn_kernels.gather_torch(i64(src), i64(lengths), ref, i64(offsets))
         torch.cuda.synchronize()
         assert torch.equal(out, ref)
     bad = list(offsets)
     bad[3] = size + 100
-    out = _random_bytes(rng, size + 8)
+    out = random_bytes(rng, size + 8)
     before = out.clone()
     with pytest.raises(ValueError, match=rf"out_offsets\[3\] = {size + 100} \+ lengths\[3\] = 300 runs past out"):
-        pxn_kernels.gather(_t(src), _t(lengths), out, _t(bad))
+        pxn_kernels.gather(i64(src), i64(lengths), out, i64(bad))
     torch.cuda.synchronize()
     assert torch.equal(out, before)
 
@@ -1104,10 +1081,10 @@ def test_device_index_tensors_read_in_one_copy_or_one_each_byte_exact(rng):
             got = _staging.read_to_host(layout, 0)
             for g, e in zip(got, expect):
                 assert np.array_equal(g, e)
-    pool = _random_bytes(rng, 512 * 64)
+    pool = random_bytes(rng, 512 * 64)
     rows = torch.from_numpy(rng.permutation(512)[:40].astype(np.int64) * 64)
     idx = torch.stack([rows + pool.data_ptr(), torch.full((40,), 63), torch.arange(40) * 64]).cuda()
-    out = _random_bytes(rng, 40 * 64)
+    out = random_bytes(rng, 40 * 64)
     ref = out.clone()
     pxn_kernels.gather(idx[0], idx[1], out, idx[2])
     pxn_kernels.gather_torch(idx[0].cpu(), idx[1].cpu(), ref, idx[2].cpu())

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pxn_kernels
-from test_kernels import DEVICE, _VARIANT_LENGTHS, _packed_offsets, _pieces, _random_bytes, _t
+from kernel_helpers import DEVICE, VARIANT_LENGTHS, i64, packed_offsets, piece_sources, pool_with_rows, random_bytes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import kernel_variants  # noqa: E402
@@ -53,41 +53,41 @@ def _sync():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_variant_gather_copy_scatter(rng, mode):
-    lengths = list(_VARIANT_LENGTHS)
+    lengths = list(VARIANT_LENGTHS)
     rng.shuffle(lengths)
-    plan = pxn_kernels.plan_batched_copy(_t(lengths), _settings(lengths, mode))
+    plan = pxn_kernels.plan_batched_copy(i64(lengths), _settings(lengths, mode))
     # gather: sources misaligned by 0/1/3/8, chunk offsets aligned except for a few pieces
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 1, 0, 3, 8])
-    offsets, size = _packed_offsets(lengths, misalign=0, gap=16)
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 1, 0, 3, 8])
+    offsets, size = packed_offsets(lengths, misalign=0, gap=16)
     offsets = [o + (5 if i % 4 == 3 else 0) for i, o in enumerate(offsets)]
-    out = _random_bytes(rng, size + 64)
+    out = random_bytes(rng, size + 64)
     ref = out.clone()
-    kernel_variants.VariantCopy(_t(src_addrs), _t(offsets), _t(lengths), 0, out.data_ptr(), plan)()
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    kernel_variants.VariantCopy(i64(src_addrs), i64(offsets), i64(lengths), 0, out.data_ptr(), plan)()
+    pxn_kernels.gather_torch(i64(src_addrs), i64(lengths), ref, i64(offsets))
     _sync()
     assert torch.equal(out, ref)
     for addr, length, offset in zip(src_addrs, lengths, offsets):
         start = addr - src_buf.data_ptr()
         assert torch.equal(ref[offset:offset + length], src_buf[start:start + length])
     # copy with fresh data, odd destination alignment
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 2])
-    out = _random_bytes(rng, sum(lengths) + 80 * len(lengths))
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 2])
+    out = random_bytes(rng, sum(lengths) + 80 * len(lengths))
     ref = out.clone()
-    dst_offsets, _ = _packed_offsets(lengths, misalign=3, gap=13)
-    kernel_variants.VariantCopy(_t(src_addrs), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths), 0, 0,
+    dst_offsets, _ = packed_offsets(lengths, misalign=3, gap=13)
+    kernel_variants.VariantCopy(i64(src_addrs), i64([out.data_ptr() + o for o in dst_offsets]), i64(lengths), 0, 0,
                                 plan)()
-    pxn_kernels.copy_torch(_t(src_addrs), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    pxn_kernels.copy_torch(i64(src_addrs), i64([ref.data_ptr() + o for o in dst_offsets]), i64(lengths))
     _sync()
     assert torch.equal(out, ref)
     # scatter from a packed chunk
-    chunk_offsets, chunk_size = _packed_offsets(lengths, misalign=0, gap=16)
-    chunk = _random_bytes(rng, chunk_size)
-    dst_offsets, dst_size = _packed_offsets(lengths, misalign=16, gap=32)
-    out = _random_bytes(rng, dst_size + 64)
+    chunk_offsets, chunk_size = packed_offsets(lengths, misalign=0, gap=16)
+    chunk = random_bytes(rng, chunk_size)
+    dst_offsets, dst_size = packed_offsets(lengths, misalign=16, gap=32)
+    out = random_bytes(rng, dst_size + 64)
     ref = out.clone()
-    kernel_variants.VariantCopy(_t(chunk_offsets), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths),
+    kernel_variants.VariantCopy(i64(chunk_offsets), i64([out.data_ptr() + o for o in dst_offsets]), i64(lengths),
                                 chunk.data_ptr(), 0, plan)()
-    pxn_kernels.scatter_torch(chunk, _t(chunk_offsets), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    pxn_kernels.scatter_torch(chunk, i64(chunk_offsets), i64([ref.data_ptr() + o for o in dst_offsets]), i64(lengths))
     _sync()
     assert torch.equal(out, ref)
 
@@ -95,16 +95,16 @@ def test_variant_gather_copy_scatter(rng, mode):
 @pytest.mark.parametrize("mode", ["aligned_np_eager", "prefetch2"])
 def test_variant_zero_length_tail_and_empty_batch(rng, mode):
     lengths = [0, 0, 40, 1, 0, 0]
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 1])
-    out = _random_bytes(rng, 128)
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 1])
+    out = random_bytes(rng, 128)
     ref = out.clone()
     offsets = [0, 0, 16, 96, 100, 100]
-    plan = pxn_kernels.plan_batched_copy(_t(lengths), _settings(lengths, mode))
-    kernel_variants.VariantCopy(_t(src_addrs), _t(offsets), _t(lengths), 0, out.data_ptr(), plan)()
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    plan = pxn_kernels.plan_batched_copy(i64(lengths), _settings(lengths, mode))
+    kernel_variants.VariantCopy(i64(src_addrs), i64(offsets), i64(lengths), 0, out.data_ptr(), plan)()
+    pxn_kernels.gather_torch(i64(src_addrs), i64(lengths), ref, i64(offsets))
     zeros = [0, 0, 0]
-    empty_plan = pxn_kernels.plan_batched_copy(_t(zeros), _settings(zeros, mode))
-    kernel_variants.VariantCopy(_t(src_addrs[:3]), _t([0, 0, 0]), _t(zeros), 0, out.data_ptr(), empty_plan)()
+    empty_plan = pxn_kernels.plan_batched_copy(i64(zeros), _settings(zeros, mode))
+    kernel_variants.VariantCopy(i64(src_addrs[:3]), i64([0, 0, 0]), i64(zeros), 0, out.data_ptr(), empty_plan)()
     _sync()
     assert torch.equal(out, ref)
 
@@ -122,7 +122,6 @@ def test_variant_settings_follow_the_library_rule():
 # --- the flat-mapped row kernel of benchmarks/row_sweep.py ------------------------------------------------------
 
 import row_sweep  # noqa: E402
-from test_kernels import _pool_rows  # noqa: E402
 
 
 @pytest.mark.parametrize("length", [1, 3, 64, 100, 520])
@@ -131,21 +130,21 @@ def test_flat_row_copy_gathers_and_scatters_rows_byte_exact(rng, length, persist
     """Rows picked at random from a pool (one misaligned by 1 byte, so its tile moves bytes) into a poisoned
     packed buffer and back into other rows of a second pool; byte-exact against the references."""
     n = 13
-    pool, src = _pool_rows(rng, length, n, 3 * n)
+    pool, src = pool_with_rows(rng, length, n, 3 * n)
     src[5] += 1 if length > 1 else 0  # the pool has 16 spare bytes at its end
-    out = _random_bytes(rng, n * length + 16)
+    out = random_bytes(rng, n * length + 16)
     ref = out.clone()
-    offsets = _t([i * length for i in range(n)])
-    copy = row_sweep.flat_row_copy(_t([a - pool.data_ptr() for a in src]), offsets, pool.data_ptr(),
+    offsets = i64([i * length for i in range(n)])
+    copy = row_sweep.flat_row_copy(i64([a - pool.data_ptr() for a in src]), offsets, pool.data_ptr(),
                                    out.data_ptr(), length, 256 if length <= 256 else 1024, 1, persistent, 2)
     copy()
-    pxn_kernels.gather_torch(_t(src), _t([length] * n), ref, offsets)
-    back, dst = _pool_rows(rng, length, n, 3 * n)
+    pxn_kernels.gather_torch(i64(src), i64([length] * n), ref, offsets)
+    back, dst = pool_with_rows(rng, length, n, 3 * n)
     expect = back.clone()
-    row_sweep.flat_row_copy(offsets, _t([d - back.data_ptr() for d in dst]), out.data_ptr(), back.data_ptr(),
+    row_sweep.flat_row_copy(offsets, i64([d - back.data_ptr() for d in dst]), out.data_ptr(), back.data_ptr(),
                             length, 512 if length <= 512 else 2048, 2, persistent, 3)()
-    pxn_kernels.scatter_torch(ref, offsets, _t([d - back.data_ptr() + expect.data_ptr() for d in dst]),
-                              _t([length] * n))
+    pxn_kernels.scatter_torch(ref, offsets, i64([d - back.data_ptr() + expect.data_ptr() for d in dst]),
+                              i64([length] * n))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref) and torch.equal(back, expect)

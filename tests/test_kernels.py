@@ -12,9 +12,9 @@ import pxn_kernels
 from pxn_kernels import chunk as chunk_mod
 from transport.errors import ChunkFormatError
 
-from conftest import HAS_CUDA
+from kernel_helpers import (DEVICE, HAS_CUDA, VARIANT_LENGTHS, bad_call_leaves_out_untouched, i64, packed_offsets,
+                            piece_sources, pool_with_rows, random_bytes)
 
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # On the CPU, "triton" runs the real kernel in the interpreter; "auto" would pick the memmove path.
 BACKENDS = ["triton", "host"] if not HAS_CUDA else ["triton"]
 
@@ -24,42 +24,13 @@ def rng(seed, request):
     return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
 
 
-def _random_bytes(rng, n, device=DEVICE):
-    return torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)).to(device)
-
-
-def _pieces(rng, lengths, src_misalign, device=DEVICE):
-    """One source buffer with each piece at a chosen misalignment; returns (buffer, addresses)."""
-    starts, cursor = [], 0
-    for i, length in enumerate(lengths):
-        cursor += 64 + (src_misalign[i % len(src_misalign)] if src_misalign else 0)
-        starts.append(cursor)
-        cursor += length
-    buf = _random_bytes(rng, cursor + 64, device)
-    base = buf.data_ptr()
-    assert base % 16 == 0
-    return buf, [base + s for s in starts]
-
-
-def _packed_offsets(lengths, misalign=0, gap=0):
-    offsets, cursor = [], misalign
-    for length in lengths:
-        offsets.append(cursor)
-        cursor += length + gap
-    return offsets, cursor
-
-
-def _t(values, device=DEVICE):
-    return torch.tensor(list(values), dtype=torch.int64, device=device)
-
-
 def _run_gather(rng, lengths, src_misalign=(0,), out_misalign=0, gap=0, backend="triton"):
-    src_buf, src_addrs = _pieces(rng, lengths, list(src_misalign))
-    offsets, size = _packed_offsets(lengths, out_misalign, gap)
-    poison = _random_bytes(rng, size + 32)
+    src_buf, src_addrs = piece_sources(rng, lengths, list(src_misalign))
+    offsets, size = packed_offsets(lengths, out_misalign, gap)
+    poison = random_bytes(rng, size + 32)
     out, ref = poison.clone(), poison.clone()
-    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), backend=backend)
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    pxn_kernels.gather(i64(src_addrs), i64(lengths), out, i64(offsets), backend=backend)
+    pxn_kernels.gather_torch(i64(src_addrs), i64(lengths), ref, i64(offsets))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -89,15 +60,15 @@ def test_gather_aligned_fast_path(rng, backend):
 
 def test_gather_zero_items():
     out = torch.full((16,), 7, dtype=torch.uint8, device=DEVICE)
-    empty = _t([])
+    empty = i64([])
     pxn_kernels.gather(empty, empty, out, empty, backend="triton")
     assert torch.equal(out, torch.full_like(out, 7))
 
 
 def test_gather_all_zero_lengths(rng):
-    out = _random_bytes(rng, 64)
+    out = random_bytes(rng, 64)
     before = out.clone()
-    pxn_kernels.gather(_t([out.data_ptr(), 0]), _t([0, 0]), out, _t([0, 5]), backend="triton")
+    pxn_kernels.gather(i64([out.data_ptr(), 0]), i64([0, 0]), out, i64([0, 5]), backend="triton")
     assert torch.equal(out, before)
 
 
@@ -117,14 +88,14 @@ def test_gather_mixed_small_and_large(rng):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_scatter_inverse_of_gather(rng, backend):
     lengths = ODD_LENGTHS
-    offsets, size = _packed_offsets(lengths, misalign=1, gap=2)
-    src = _random_bytes(rng, size)
-    dst_poison = _random_bytes(rng, size * 2 + 256)
+    offsets, size = packed_offsets(lengths, misalign=1, gap=2)
+    src = random_bytes(rng, size)
+    dst_poison = random_bytes(rng, size * 2 + 256)
     out, ref = dst_poison.clone(), dst_poison.clone()
-    dst_offsets, _ = _packed_offsets(lengths, misalign=5, gap=7)
-    pxn_kernels.scatter(src, _t(offsets), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths),
+    dst_offsets, _ = packed_offsets(lengths, misalign=5, gap=7)
+    pxn_kernels.scatter(src, i64(offsets), i64([out.data_ptr() + o for o in dst_offsets]), i64(lengths),
                         backend=backend)
-    pxn_kernels.scatter_torch(src, _t(offsets), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    pxn_kernels.scatter_torch(src, i64(offsets), i64([ref.data_ptr() + o for o in dst_offsets]), i64(lengths))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -135,13 +106,13 @@ def test_scatter_inverse_of_gather(rng, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_copy_batched(rng, backend):
     lengths = [1, 3, 63, 65, 4096, 0, 33, 160]
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 1, 2, 0])
-    poison = _random_bytes(rng, sum(lengths) + 64 * len(lengths))
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 1, 2, 0])
+    poison = random_bytes(rng, sum(lengths) + 64 * len(lengths))
     out, ref = poison.clone(), poison.clone()
-    dst_offsets, _ = _packed_offsets(lengths, misalign=3, gap=5)
-    pxn_kernels.copy(_t(src_addrs), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths),
+    dst_offsets, _ = packed_offsets(lengths, misalign=3, gap=5)
+    pxn_kernels.copy(i64(src_addrs), i64([out.data_ptr() + o for o in dst_offsets]), i64(lengths),
                      backend=backend)
-    pxn_kernels.copy_torch(_t(src_addrs), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    pxn_kernels.copy_torch(i64(src_addrs), i64([ref.data_ptr() + o for o in dst_offsets]), i64(lengths))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -150,13 +121,13 @@ def test_copy_batched(rng, backend):
 def test_kernel_runs_with_more_programs_than_bytes(rng):
     # Many programs whose byte range is empty must exit without touching anything.
     lengths = [1, 2]
-    src_buf, src_addrs = _pieces(rng, lengths, [0])
-    out = _random_bytes(rng, 32)
+    src_buf, src_addrs = piece_sources(rng, lengths, [0])
+    out = random_bytes(rng, 32)
     ref = out.clone()
     plan = pxn_kernels.plan_batched_copy(
-        _t(lengths), pxn_kernels.LaunchSettings(256, 16, 1, 9))
-    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t([0, 5]), plan=plan, backend="triton")
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t([0, 5]))
+        i64(lengths), pxn_kernels.LaunchSettings(256, 16, 1, 9))
+    pxn_kernels.gather(i64(src_addrs), i64(lengths), out, i64([0, 5]), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(i64(src_addrs), i64(lengths), ref, i64([0, 5]))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -167,9 +138,9 @@ def test_kernel_runs_with_more_programs_than_bytes(rng):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pack_chunk_round_trip(rng, backend):
     lengths = [64, 64, 1, 512, 63, 8192, 17]
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 3])
     dst_addrs = [int(x) for x in rng.integers(1 << 20, 1 << 40, len(lengths))]
-    slot = _random_bytes(rng, chunk_mod.chunk_bytes_for(lengths) + 100)
+    slot = random_bytes(rng, chunk_mod.chunk_bytes_for(lengths) + 100)
     before = slot.clone()
     nbytes = pxn_kernels.pack_chunk(src_addrs, lengths, dst_addrs, slot, seq=42, sender_id=7,
                                     backend="host" if backend == "host" else "auto")
@@ -200,10 +171,10 @@ def test_pack_chunk_zero_length_pieces_are_no_ops(rng, backend):
     """A piece of length 0 gets no table entry and no payload; the other pieces are packed as without it, and
     a batch of only zero-length pieces is a chunk of no items (header only)."""
     lengths = [0, 64, 0, 17, 0]
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 3])
     dst_addrs = [int(x) for x in rng.integers(1 << 20, 1 << 40, len(lengths))]
     kept = [i for i, n in enumerate(lengths) if n]
-    slot = _random_bytes(rng, 512)
+    slot = random_bytes(rng, 512)
     expect = chunk_mod.chunk_bytes_for([lengths[i] for i in kept])
     nbytes = pxn_kernels.pack_chunk(src_addrs, lengths, dst_addrs, slot, seq=3, sender_id=4,
                                     backend="host" if backend == "host" else "auto")
@@ -217,7 +188,7 @@ def test_pack_chunk_zero_length_pieces_are_no_ops(rng, backend):
     for j, i in enumerate(kept):
         start, off = src_addrs[i] - src_buf.data_ptr(), int(table.offsets[j])
         assert np.array_equal(host[off:off + lengths[i]], src_buf[start:start + lengths[i]].cpu().numpy())
-    before = _random_bytes(rng, 512)
+    before = random_bytes(rng, 512)
     slot.copy_(before)
     nbytes = pxn_kernels.pack_chunk(src_addrs[:1], [0], dst_addrs[:1], slot, seq=5, sender_id=4)
     if DEVICE.type == "cuda":
@@ -381,57 +352,46 @@ def test_parse_chunk_checksum_and_truncation(rng):
 
 # --- bad input: a clear ValueError naming the argument, and nothing written ---------------------------------
 
-def _bad_call_leaves_out_untouched(rng, call, match):
-    """``call(out)`` on 256 poisoned bytes raises a ValueError matching ``match`` and writes nothing to them."""
-    out = _random_bytes(rng, 256)
-    before = out.clone()
-    with pytest.raises(ValueError, match=match):
-        call(out)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    assert torch.equal(out, before), match
-
-
 def test_gather_rejects_bad_input(rng):
-    src = _random_bytes(rng, 256)
+    src = random_bytes(rng, 256)
     p = src.data_ptr()
     g = pxn_kernels.gather
     cases = [
-        (lambda o: g(_t([p, p]), _t([4]), o, _t([0, 8])), "lengths has 1 items but src_ptrs has 2"),
-        (lambda o: g(_t([p, p]), _t([4, -1]), o, _t([0, 8])), r"lengths\[1\] = -1 is negative"),
-        (lambda o: g(_t([p, p]), _t([8, 8]), o, _t([0, 4])), r"out_offsets\[0\] = 0 \(length 8\) overlaps"),
-        (lambda o: g(_t([p, p]), _t([8, 8]), o, _t([0, 250])), r"out_offsets\[1\] = 250 \+ lengths\[1\] = 8 "
+        (lambda o: g(i64([p, p]), i64([4]), o, i64([0, 8])), "lengths has 1 items but src_ptrs has 2"),
+        (lambda o: g(i64([p, p]), i64([4, -1]), o, i64([0, 8])), r"lengths\[1\] = -1 is negative"),
+        (lambda o: g(i64([p, p]), i64([8, 8]), o, i64([0, 4])), r"out_offsets\[0\] = 0 \(length 8\) overlaps"),
+        (lambda o: g(i64([p, p]), i64([8, 8]), o, i64([0, 250])), r"out_offsets\[1\] = 250 \+ lengths\[1\] = 8 "
                                                                r"runs past out \(256 bytes\)"),
-        (lambda o: g(_t([p]), _t([8]), o, _t([-3])), r"out_offsets\[0\] = -3 is negative"),
-        (lambda o: g(_t([0]), _t([8]), o, _t([0])), r"src_ptrs\[0\] = 0 is not a valid address"),
-        (lambda o: g(_t([p]).to(torch.int32), _t([8]), o, _t([0])), "src_ptrs must be int64, got torch.int32"),
-        (lambda o: g(_t([p]), _t([8]), o.to(torch.int16), _t([0])), "out must be uint8"),
-        (lambda o: g(_t([p]).to("meta"), _t([8]), o, _t([0])), r"src_ptrs is on meta"),
-        (lambda o: g([p], _t([8]), o, _t([0])), "src_ptrs must be an int64 torch.Tensor, got list"),
-        (lambda o: g(_t([p]), _t([8]), o, _t([0]), backend="gpu"), "backend must be"),
+        (lambda o: g(i64([p]), i64([8]), o, i64([-3])), r"out_offsets\[0\] = -3 is negative"),
+        (lambda o: g(i64([0]), i64([8]), o, i64([0])), r"src_ptrs\[0\] = 0 is not a valid address"),
+        (lambda o: g(i64([p]).to(torch.int32), i64([8]), o, i64([0])), "src_ptrs must be int64, got torch.int32"),
+        (lambda o: g(i64([p]), i64([8]), o.to(torch.int16), i64([0])), "out must be uint8"),
+        (lambda o: g(i64([p]).to("meta"), i64([8]), o, i64([0])), r"src_ptrs is on meta"),
+        (lambda o: g([p], i64([8]), o, i64([0])), "src_ptrs must be an int64 torch.Tensor, got list"),
+        (lambda o: g(i64([p]), i64([8]), o, i64([0]), backend="gpu"), "backend must be"),
     ]
     for call, match in cases:
-        _bad_call_leaves_out_untouched(rng, call, match)
+        bad_call_leaves_out_untouched(rng, call, match)
 
 
 def test_scatter_and_copy_reject_bad_input(rng):
-    src = _random_bytes(rng, 256)
+    src = random_bytes(rng, 256)
     cases = [
-        (lambda o: pxn_kernels.scatter(src, _t([0, 8]), _t([o.data_ptr(), o.data_ptr() + 4]), _t([8, 8])),
+        (lambda o: pxn_kernels.scatter(src, i64([0, 8]), i64([o.data_ptr(), o.data_ptr() + 4]), i64([8, 8])),
          r"dst_ptrs\[0\] = \d+ \(length 8\) overlaps"),
-        (lambda o: pxn_kernels.scatter(src, _t([250]), _t([o.data_ptr()]), _t([8])),
+        (lambda o: pxn_kernels.scatter(src, i64([250]), i64([o.data_ptr()]), i64([8])),
          r"src_offsets\[0\] = 250 \+ lengths\[0\] = 8 runs past src"),
-        (lambda o: pxn_kernels.copy(_t([src.data_ptr()]), _t([o.data_ptr()]), _t([-2])),
+        (lambda o: pxn_kernels.copy(i64([src.data_ptr()]), i64([o.data_ptr()]), i64([-2])),
          r"lengths\[0\] = -2 is negative"),
-        (lambda o: pxn_kernels.copy(_t([src.data_ptr()]), _t([(1 << 63) - 4]), _t([8])),
+        (lambda o: pxn_kernels.copy(i64([src.data_ptr()]), i64([(1 << 63) - 4]), i64([8])),
          r"dst_ptrs\[0\] = 0x7ffffffffffffffc \+ 8 overflows"),
     ]
     for call, match in cases:
-        _bad_call_leaves_out_untouched(rng, call, match)
+        bad_call_leaves_out_untouched(rng, call, match)
 
 
 def test_pack_chunk_rejects_bad_input(rng):
-    slot = _random_bytes(rng, 128)
+    slot = random_bytes(rng, 128)
     with pytest.raises(ValueError, match="must have the same number of items"):
         pxn_kernels.pack_chunk([1, 2], [4], [5, 6], slot, 0, 0)
     with pytest.raises(ValueError, match=r"lengths\[1\] = -1 is negative"):
@@ -451,11 +411,11 @@ def test_gather_from_pinned_host_memory(rng):
         cursor += int(rng.integers(0, 16))
         addrs.append(host.data_ptr() + cursor)
         cursor += length
-    offsets, size = _packed_offsets(lengths, 0, 16)
-    out = _random_bytes(rng, size)
+    offsets, size = packed_offsets(lengths, 0, 16)
+    out = random_bytes(rng, size)
     ref = out.clone()
-    pxn_kernels.gather(_t(addrs), _t(lengths), out, _t(offsets))
-    pxn_kernels.gather_torch(_t(addrs), _t(lengths), ref, _t(offsets))
+    pxn_kernels.gather(i64(addrs), i64(lengths), out, i64(offsets))
+    pxn_kernels.gather_torch(i64(addrs), i64(lengths), ref, i64(offsets))
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
 
@@ -473,27 +433,27 @@ def test_gather_scatter_copy_at_benchmark_sizes(rng, lengths, kernel):
     elif lengths == "mixed_odd":
         lengths = [int(x) for x in rng.integers(1, 8193, 1024)]
         lengths[63::64] = [(2 << 20) + int(x) for x in rng.integers(0, 16, 16)]
-    plan = pxn_kernels.plan_batched_copy(_t(lengths)) if kernel == "range" else None
-    src_buf, src_addrs = _pieces(rng, lengths, [0] if len(set(lengths)) == 1 else [0, 1, 5, 8, 15])
-    offsets, size = _packed_offsets(lengths)
-    out = _random_bytes(rng, size)
+    plan = pxn_kernels.plan_batched_copy(i64(lengths)) if kernel == "range" else None
+    src_buf, src_addrs = piece_sources(rng, lengths, [0] if len(set(lengths)) == 1 else [0, 1, 5, 8, 15])
+    offsets, size = packed_offsets(lengths)
+    out = random_bytes(rng, size)
     ref = out.clone()
-    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan)
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    pxn_kernels.gather(i64(src_addrs), i64(lengths), out, i64(offsets), plan=plan)
+    pxn_kernels.gather_torch(i64(src_addrs), i64(lengths), ref, i64(offsets))
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
-    back = _random_bytes(rng, src_buf.numel())
+    back = random_bytes(rng, src_buf.numel())
     expect = back.clone()
-    dst = _t([back.data_ptr() + a - src_buf.data_ptr() for a in src_addrs])
-    pxn_kernels.scatter(out, _t(offsets), dst, _t(lengths), plan=plan)
-    pxn_kernels.scatter_torch(ref, _t(offsets), _t([expect.data_ptr() + a - src_buf.data_ptr()
-                                                    for a in src_addrs]), _t(lengths))
+    dst = i64([back.data_ptr() + a - src_buf.data_ptr() for a in src_addrs])
+    pxn_kernels.scatter(out, i64(offsets), dst, i64(lengths), plan=plan)
+    pxn_kernels.scatter_torch(ref, i64(offsets), i64([expect.data_ptr() + a - src_buf.data_ptr()
+                                                    for a in src_addrs]), i64(lengths))
     torch.cuda.synchronize()
     assert torch.equal(back, expect)
-    expect_again = _random_bytes(rng, src_buf.numel())
+    expect_again = random_bytes(rng, src_buf.numel())
     again = expect_again.clone()
-    pxn_kernels.copy(_t(src_addrs), _t([again.data_ptr() + a - src_buf.data_ptr() for a in src_addrs]),
-                     _t(lengths), plan=plan)
+    pxn_kernels.copy(i64(src_addrs), i64([again.data_ptr() + a - src_buf.data_ptr() for a in src_addrs]),
+                     i64(lengths), plan=plan)
     for a, length in zip(src_addrs, lengths):  # the expected image: poison outside the pieces
         s = a - src_buf.data_ptr()
         expect_again[s:s + length] = src_buf[s:s + length]
@@ -505,7 +465,7 @@ def test_host_plan_matches_device_plan(rng):
     lengths = [int(x) for x in rng.integers(0, 5000, 37)] + [0, 1, 70000]
     for programs in (1, 7, 64, 300):
         settings = pxn_kernels.LaunchSettings(256, 16, 1, programs)
-        device_plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+        device_plan = pxn_kernels.plan_batched_copy(i64(lengths), settings)
         pad_ends, bounds, first = pxn_kernels.plan_host(np.asarray(lengths, dtype=np.int64), programs)
         assert device_plan.pad_ends.cpu().tolist() == pad_ends.tolist()
         assert device_plan.bounds.cpu().tolist() == bounds.tolist()
@@ -514,15 +474,15 @@ def test_host_plan_matches_device_plan(rng):
 
 def test_device_batch_copy(rng):
     lengths = np.asarray([5, 64, 0, 300, 17, 4096], dtype=np.int64)
-    src_buf, src_addrs = _pieces(rng, lengths.tolist(), [0, 1])
-    out = _random_bytes(rng, 8192)
+    src_buf, src_addrs = piece_sources(rng, lengths.tolist(), [0, 1])
+    out = random_bytes(rng, 8192)
     ref = out.clone()
-    dst_offsets, _ = _packed_offsets(lengths.tolist(), misalign=2, gap=1)
+    dst_offsets, _ = packed_offsets(lengths.tolist(), misalign=2, gap=1)
     dst = out.data_ptr() + np.asarray(dst_offsets, dtype=np.int64)
     batch = pxn_kernels.DeviceBatch(np.asarray(src_addrs, dtype=np.int64), dst, lengths, DEVICE,
                                     pxn_kernels.LaunchSettings(256, 16, 1, 5) if not HAS_CUDA else None)
     pxn_kernels.launch_batched_copy(batch.src, batch.dst, batch.lengths, 0, 0, batch.plan)
-    pxn_kernels.copy_torch(_t(src_addrs), _t(ref.data_ptr() + np.asarray(dst_offsets)), _t(lengths.tolist()))
+    pxn_kernels.copy_torch(i64(src_addrs), i64(ref.data_ptr() + np.asarray(dst_offsets)), i64(lengths.tolist()))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -541,15 +501,15 @@ def test_prepared_copy_relaunches_with_rewritten_descriptors(rng, graph):
 def _check_prepared_gather_relaunch(rng, lengths, misalign, gap, settings, graph=False):
     """A PreparedCopy gather relaunched after its source descriptors were rewritten in place (twice, each time
     to fresh random pieces) copies the new pieces, compared with the torch reference."""
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 3])
-    out = _random_bytes(rng, 1024)
-    offsets, _ = _packed_offsets(lengths, misalign=misalign, gap=gap)
-    src_t, len_t, off_t = _t(src_addrs), _t(lengths), _t(offsets)
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 3])
+    out = random_bytes(rng, 1024)
+    offsets, _ = packed_offsets(lengths, misalign=misalign, gap=gap)
+    src_t, len_t, off_t = i64(src_addrs), i64(lengths), i64(offsets)
     plan = pxn_kernels.plan_batched_copy(len_t, settings)
     launch = pxn_kernels.PreparedCopy(src_t, off_t, len_t, 0, out.data_ptr(), plan, graph=graph)
     for _ in range(2):
-        fresh = _random_bytes(rng, src_buf.numel())
-        src_t.copy_(_t([fresh.data_ptr() + a - src_buf.data_ptr() for a in src_addrs]))
+        fresh = random_bytes(rng, src_buf.numel())
+        src_t.copy_(i64([fresh.data_ptr() + a - src_buf.data_ptr() for a in src_addrs]))
         ref = out.clone()
         pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
         launch()
@@ -559,10 +519,6 @@ def _check_prepared_gather_relaunch(rng, lengths, misalign, gap, settings, graph
 
 
 # --- range-kernel options: aligned ranges, one range per program, shifted words for unaligned pieces ---------
-
-# Interpreter-sized: 64-byte tiles, 128-byte aligned ranges, so ranges hold several tiles and pieces span ranges.
-_VARIANT_LENGTHS = [1, 3, 63, 65, 0, 700, 16, 333, 17, 48, 5, 0, 129, 64]
-
 
 def _mode_settings(lengths, mode):
     """LaunchSettings for one range-kernel mode over ``lengths`` (interpreter sizes)."""
@@ -587,18 +543,18 @@ _MODES = ["aligned_persistent", "aligned_np", "aligned_np_extra_ranges", "aligne
 
 @pytest.mark.parametrize("mode", _MODES)
 def test_kernel_modes_gather_and_copy(rng, mode):
-    lengths = list(_VARIANT_LENGTHS)
+    lengths = list(VARIANT_LENGTHS)
     rng.shuffle(lengths)
     settings = _mode_settings(lengths, mode)
-    plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+    plan = pxn_kernels.plan_batched_copy(i64(lengths), settings)
     # gather: sources misaligned by 0/1/3/8, chunk offsets aligned except for a few pieces
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 1, 0, 3, 8])
-    offsets, size = _packed_offsets(lengths, misalign=0, gap=16)
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 1, 0, 3, 8])
+    offsets, size = packed_offsets(lengths, misalign=0, gap=16)
     offsets = [o + (5 if i % 4 == 3 else 0) for i, o in enumerate(offsets)]
-    poison = _random_bytes(rng, size + 64)
+    poison = random_bytes(rng, size + 64)
     out, ref = poison.clone(), poison.clone()
-    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    pxn_kernels.gather(i64(src_addrs), i64(lengths), out, i64(offsets), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(i64(src_addrs), i64(lengths), ref, i64(offsets))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -606,13 +562,13 @@ def test_kernel_modes_gather_and_copy(rng, mode):
         start = addr - src_buf.data_ptr()
         assert torch.equal(ref[offset:offset + length], src_buf[start:start + length])
     # copy with fresh data, odd destination alignment
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 2])
-    poison = _random_bytes(rng, sum(lengths) + 80 * len(lengths))
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 2])
+    poison = random_bytes(rng, sum(lengths) + 80 * len(lengths))
     out, ref = poison.clone(), poison.clone()
-    dst_offsets, _ = _packed_offsets(lengths, misalign=3, gap=13)
-    pxn_kernels.copy(_t(src_addrs), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths), plan=plan,
+    dst_offsets, _ = packed_offsets(lengths, misalign=3, gap=13)
+    pxn_kernels.copy(i64(src_addrs), i64([out.data_ptr() + o for o in dst_offsets]), i64(lengths), plan=plan,
                      backend="triton")
-    pxn_kernels.copy_torch(_t(src_addrs), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    pxn_kernels.copy_torch(i64(src_addrs), i64([ref.data_ptr() + o for o in dst_offsets]), i64(lengths))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -620,17 +576,17 @@ def test_kernel_modes_gather_and_copy(rng, mode):
 
 @pytest.mark.parametrize("mode", ["aligned_np", "aligned_np_shift"])
 def test_kernel_modes_scatter(rng, mode):
-    lengths = list(_VARIANT_LENGTHS)
+    lengths = list(VARIANT_LENGTHS)
     settings = _mode_settings(lengths, mode)
-    offsets, size = _packed_offsets(lengths, misalign=0, gap=16)
-    src = _random_bytes(rng, size)
-    dst_offsets, dst_size = _packed_offsets(lengths, misalign=7, gap=32)
-    poison = _random_bytes(rng, dst_size + 64)
+    offsets, size = packed_offsets(lengths, misalign=0, gap=16)
+    src = random_bytes(rng, size)
+    dst_offsets, dst_size = packed_offsets(lengths, misalign=7, gap=32)
+    poison = random_bytes(rng, dst_size + 64)
     out, ref = poison.clone(), poison.clone()
-    plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
-    pxn_kernels.scatter(src, _t(offsets), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths), plan=plan,
+    plan = pxn_kernels.plan_batched_copy(i64(lengths), settings)
+    pxn_kernels.scatter(src, i64(offsets), i64([out.data_ptr() + o for o in dst_offsets]), i64(lengths), plan=plan,
                         backend="triton")
-    pxn_kernels.scatter_torch(src, _t(offsets), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    pxn_kernels.scatter_torch(src, i64(offsets), i64([ref.data_ptr() + o for o in dst_offsets]), i64(lengths))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -641,16 +597,16 @@ def test_kernel_modes_zero_length_tail_and_empty_batch(rng, mode):
     # Zero-length items at both ends, and a batch that is all zero lengths.
     lengths = [0, 0, 40, 1, 0, 0]
     settings = _mode_settings(lengths, mode)
-    src_buf, src_addrs = _pieces(rng, lengths, [0, 1])
-    out = _random_bytes(rng, 128)
+    src_buf, src_addrs = piece_sources(rng, lengths, [0, 1])
+    out = random_bytes(rng, 128)
     ref = out.clone()
     offsets = [0, 0, 16, 96, 100, 100]
-    plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
-    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
+    plan = pxn_kernels.plan_batched_copy(i64(lengths), settings)
+    pxn_kernels.gather(i64(src_addrs), i64(lengths), out, i64(offsets), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(i64(src_addrs), i64(lengths), ref, i64(offsets))
     zeros = [0, 0, 0]
-    empty_plan = pxn_kernels.plan_batched_copy(_t(zeros), settings)
-    pxn_kernels.gather(_t(src_addrs[:3]), _t(zeros), out, _t([0, 0, 0]), plan=empty_plan, backend="triton")
+    empty_plan = pxn_kernels.plan_batched_copy(i64(zeros), settings)
+    pxn_kernels.gather(i64(src_addrs[:3]), i64(zeros), out, i64([0, 0, 0]), plan=empty_plan, backend="triton")
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -666,18 +622,18 @@ def test_shifted_words_every_alignment_pair(rng, length):
     rng.shuffle(pairs)
     pairs = pairs[:24] if length > 1000 else pairs[:64]  # interpreter time
     lengths = [length] * len(pairs)
-    src_buf, src_addrs = _pieces(rng, lengths, [s for s, _ in pairs])
+    src_buf, src_addrs = piece_sources(rng, lengths, [s for s, _ in pairs])
     dst_offsets, cursor = [], 0
     for _, d in pairs:
         cursor = (cursor + 32 + 15) // 16 * 16 + d
         dst_offsets.append(cursor)
         cursor += length
-    out = _random_bytes(rng, cursor + 64)
+    out = random_bytes(rng, cursor + 64)
     ref = out.clone()
-    plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
-    pxn_kernels.copy(_t(src_addrs), _t([out.data_ptr() + o for o in dst_offsets]), _t(lengths), plan=plan,
+    plan = pxn_kernels.plan_batched_copy(i64(lengths), settings)
+    pxn_kernels.copy(i64(src_addrs), i64([out.data_ptr() + o for o in dst_offsets]), i64(lengths), plan=plan,
                      backend="triton")
-    pxn_kernels.copy_torch(_t(src_addrs), _t([ref.data_ptr() + o for o in dst_offsets]), _t(lengths))
+    pxn_kernels.copy_torch(i64(src_addrs), i64([ref.data_ptr() + o for o in dst_offsets]), i64(lengths))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -690,7 +646,7 @@ def test_aligned_host_plan_matches_device_plan(rng, range_bytes):
     exact = -(-padded // range_bytes)
     for ranges in (1, max(1, exact - 3), exact, exact + 5):
         settings = pxn_kernels.LaunchSettings(256, 16, 1, ranges, range_bytes=range_bytes, persistent=False)
-        device_plan = pxn_kernels.plan_batched_copy(_t(lengths), settings)
+        device_plan = pxn_kernels.plan_batched_copy(i64(lengths), settings)
         pad_ends, bounds, first = pxn_kernels.plan_host(np.asarray(lengths, dtype=np.int64), ranges, range_bytes)
         assert device_plan.pad_ends.cpu().tolist() == pad_ends.tolist()
         assert device_plan.bounds.cpu().tolist() == bounds.tolist()
@@ -701,17 +657,17 @@ def test_aligned_host_plan_matches_device_plan(rng, range_bytes):
 
 def test_device_batch_aligned_non_persistent(rng):
     lengths = np.asarray([5, 64, 0, 300, 17, 4096, 1], dtype=np.int64)
-    src_buf, src_addrs = _pieces(rng, lengths.tolist(), [0, 1])
-    out = _random_bytes(rng, 8192)
+    src_buf, src_addrs = piece_sources(rng, lengths.tolist(), [0, 1])
+    out = random_bytes(rng, 8192)
     ref = out.clone()
-    dst_offsets, _ = _packed_offsets(lengths.tolist(), misalign=0, gap=16)
+    dst_offsets, _ = packed_offsets(lengths.tolist(), misalign=0, gap=16)
     dst = out.data_ptr() + np.asarray(dst_offsets, dtype=np.int64)
     padded = int(((lengths + 15) // 16 * 16).sum())
     settings = pxn_kernels.LaunchSettings(256, 16, 1, -(-padded // 512), range_bytes=512, persistent=False)
     batch = pxn_kernels.DeviceBatch(np.asarray(src_addrs, dtype=np.int64), dst, lengths, DEVICE, settings)
     assert batch.plan.bounds.cpu().tolist()[:-1] == [512 * r for r in range(settings.ranges)]
     pxn_kernels.launch_batched_copy(batch.src, batch.dst, batch.lengths, 0, 0, batch.plan)
-    pxn_kernels.copy_torch(_t(src_addrs), _t(ref.data_ptr() + np.asarray(dst_offsets)), _t(lengths.tolist()))
+    pxn_kernels.copy_torch(i64(src_addrs), i64(ref.data_ptr() + np.asarray(dst_offsets)), i64(lengths.tolist()))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -768,28 +724,28 @@ def _gather_scatter_copy_exact(rng, plan, lengths, src_misalign, out_misalign, p
     """gather, scatter and copy of ``lengths`` through ``plan`` against the torch references: pieces at the given
     misalignments, fresh random data, poisoned outputs compared whole; the copy through the public call, or
     through a ``PreparedCopy`` of the plan (``prepared``)."""
-    src_buf, src_addrs = _pieces(rng, lengths, list(src_misalign))
-    offsets, size = _packed_offsets(lengths, out_misalign, 5)
-    out = _random_bytes(rng, size + 32)
+    src_buf, src_addrs = piece_sources(rng, lengths, list(src_misalign))
+    offsets, size = packed_offsets(lengths, out_misalign, 5)
+    out = random_bytes(rng, size + 32)
     ref = out.clone()
-    pxn_kernels.gather(_t(src_addrs), _t(lengths), out, _t(offsets), plan=plan, backend="triton")
-    pxn_kernels.gather_torch(_t(src_addrs), _t(lengths), ref, _t(offsets))
-    back = _random_bytes(rng, src_buf.numel())
+    pxn_kernels.gather(i64(src_addrs), i64(lengths), out, i64(offsets), plan=plan, backend="triton")
+    pxn_kernels.gather_torch(i64(src_addrs), i64(lengths), ref, i64(offsets))
+    back = random_bytes(rng, src_buf.numel())
     expect = back.clone()
     shift = back.data_ptr() - src_buf.data_ptr()
-    pxn_kernels.scatter(out, _t(offsets), _t([a + shift for a in src_addrs]), _t(lengths), plan=plan,
+    pxn_kernels.scatter(out, i64(offsets), i64([a + shift for a in src_addrs]), i64(lengths), plan=plan,
                         backend="triton")
-    pxn_kernels.scatter_torch(ref, _t(offsets), _t([a + expect.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
-                              _t(lengths))
-    copied = _random_bytes(rng, src_buf.numel())
+    pxn_kernels.scatter_torch(ref, i64(offsets), i64([a + expect.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
+                              i64(lengths))
+    copied = random_bytes(rng, src_buf.numel())
     copied_ref = copied.clone()
-    copy_dst = _t([a + copied.data_ptr() - src_buf.data_ptr() for a in src_addrs])
+    copy_dst = i64([a + copied.data_ptr() - src_buf.data_ptr() for a in src_addrs])
     if prepared:
-        pxn_kernels.PreparedCopy(_t(src_addrs), copy_dst, _t(lengths), 0, 0, plan)()
+        pxn_kernels.PreparedCopy(i64(src_addrs), copy_dst, i64(lengths), 0, 0, plan)()
     else:
-        pxn_kernels.copy(_t(src_addrs), copy_dst, _t(lengths), plan=plan, backend="triton")
-    pxn_kernels.copy_torch(_t(src_addrs), _t([a + copied_ref.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
-                           _t(lengths))
+        pxn_kernels.copy(i64(src_addrs), copy_dst, i64(lengths), plan=plan, backend="triton")
+    pxn_kernels.copy_torch(i64(src_addrs), i64([a + copied_ref.data_ptr() - src_buf.data_ptr() for a in src_addrs]),
+                           i64(lengths))
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -808,7 +764,7 @@ def test_grid_and_range_kernels_byte_exact(rng, kernel, lengths, src_misalign, o
     """gather, scatter and copy through each kernel on pieces the grid kernel takes: odd sizes (one byte short
     of, or past, a segment), unaligned sources and outputs, fresh random data, poisoned outputs."""
     plan = (pxn_kernels.plan_for_lengths(np.asarray(lengths), DEVICE) if kernel == "grid"
-            else pxn_kernels.plan_batched_copy(_t(lengths)))
+            else pxn_kernels.plan_batched_copy(i64(lengths)))
     assert (plan.grid is not None) == (kernel == "grid")
     _gather_scatter_copy_exact(rng, plan, lengths, src_misalign, out_misalign)
 
@@ -817,12 +773,12 @@ def test_prepared_copy_through_the_grid_kernel(rng):
     lengths = [4100] * 3
     plan = pxn_kernels.plan_for_lengths(np.asarray(lengths), DEVICE)
     assert plan.grid is not None
-    src_buf, src_addrs = _pieces(rng, lengths, [0])
-    dst = _random_bytes(rng, src_buf.numel())
-    dsts = _t([a + dst.data_ptr() - src_buf.data_ptr() for a in src_addrs])
-    launch = pxn_kernels.PreparedCopy(_t(src_addrs), dsts, _t(lengths), 0, 0, plan)
+    src_buf, src_addrs = piece_sources(rng, lengths, [0])
+    dst = random_bytes(rng, src_buf.numel())
+    dsts = i64([a + dst.data_ptr() - src_buf.data_ptr() for a in src_addrs])
+    launch = pxn_kernels.PreparedCopy(i64(src_addrs), dsts, i64(lengths), 0, 0, plan)
     for _ in range(2):  # relaunch after the source changed: the launch reads the descriptors again
-        src_buf.copy_(_random_bytes(rng, src_buf.numel()))
+        src_buf.copy_(random_bytes(rng, src_buf.numel()))
         launch()
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
@@ -855,18 +811,10 @@ def test_plan_for_lengths_picks_the_kernel():
         got = plan([1, seg, seg + 1, 0])
         assert got.segments.cpu().tolist() == [0, 1 << 32, 2 << 32, (2 << 32) | 1]
     with pytest.raises(ValueError, match="seg_bytes 1000 must be a multiple of block_bytes 512"):
-        pxn_kernels.GridCopy(_t([0]), _t([0]), _t([1]), 0, 0, 1, seg_bytes=1000, block_bytes=512)
+        pxn_kernels.GridCopy(i64([0]), i64([0]), i64([1]), 0, 0, 1, seg_bytes=1000, block_bytes=512)
 
 
 # --- the row kernel: pieces of one length (rows of a paged pool picked at random) ------------------------------
-
-def _pool_rows(rng, length, n, pool_rows, misalign=0):
-    """A pool of ``pool_rows`` rows of ``length`` bytes (fresh random bytes, starting ``misalign`` bytes past a
-    16-byte boundary) and the addresses of ``n`` distinct rows picked at random, unsorted."""
-    pool = _random_bytes(rng, pool_rows * length + misalign + 16)
-    picks = rng.choice(pool_rows, n, replace=False)
-    return pool, [pool.data_ptr() + misalign + int(k) * length for k in picks]
-
 
 ROW_LENGTHS = [1, 3, 16, 64, 100, 520, 576, 1500, 2048]
 
@@ -878,25 +826,25 @@ def test_row_kernel_gather_scatter_copy_paged_rows(rng, length, misalign):
     the torch references on poisoned outputs, rows picked at random from a pool at every alignment."""
     n = 37  # not a multiple of any tile's row count: the last tile is partly empty
     assert pxn_kernels.plan_for_lengths(np.full(n, length), DEVICE).kernel == "row"
-    pool, src = _pool_rows(rng, length, n, 3 * n, misalign)
-    lengths = _t([length] * n)
+    pool, src = pool_with_rows(rng, length, n, 3 * n, misalign)
+    lengths = i64([length] * n)
     # gather into a packed chunk starting at an offset that differs from the sources' alignment
-    out = _random_bytes(rng, n * length + 64)
+    out = random_bytes(rng, n * length + 64)
     ref = out.clone()
-    offsets = _t([3 * (misalign % 2) + i * length for i in range(n)])
-    pxn_kernels.gather(_t(src), lengths, out, offsets, backend="triton")
-    pxn_kernels.gather_torch(_t(src), lengths, ref, offsets)
+    offsets = i64([3 * (misalign % 2) + i * length for i in range(n)])
+    pxn_kernels.gather(i64(src), lengths, out, offsets, backend="triton")
+    pxn_kernels.gather_torch(i64(src), lengths, ref, offsets)
     # scatter the chunk back to other random rows of a second (poisoned) pool
-    back_pool, dst = _pool_rows(rng, length, n, 3 * n, misalign)
+    back_pool, dst = pool_with_rows(rng, length, n, 3 * n, misalign)
     expect = back_pool.clone()
-    pxn_kernels.scatter(out, offsets, _t(dst), lengths, backend="triton")
-    pxn_kernels.scatter_torch(ref, offsets, _t([d - back_pool.data_ptr() + expect.data_ptr() for d in dst]), lengths)
+    pxn_kernels.scatter(out, offsets, i64(dst), lengths, backend="triton")
+    pxn_kernels.scatter_torch(ref, offsets, i64([d - back_pool.data_ptr() + expect.data_ptr() for d in dst]), lengths)
     # copy pool rows to pool rows
-    copied = _random_bytes(rng, back_pool.numel())
+    copied = random_bytes(rng, back_pool.numel())
     copied_ref = copied.clone()
     shift, shift_ref = copied.data_ptr() - back_pool.data_ptr(), copied_ref.data_ptr() - back_pool.data_ptr()
-    pxn_kernels.copy(_t(src), _t([d + shift for d in dst]), lengths, backend="triton")
-    pxn_kernels.copy_torch(_t(src), _t([d + shift_ref for d in dst]), lengths)
+    pxn_kernels.copy(i64(src), i64([d + shift for d in dst]), lengths, backend="triton")
+    pxn_kernels.copy_torch(i64(src), i64([d + shift_ref for d in dst]), lengths)
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -916,15 +864,15 @@ def test_row_kernel_tiles_and_mixed_alignment(rng, rows, cols, tail, misaligned_
     program, rows as a head and a tail tile, and one misaligned row in a tile of aligned ones (the whole tile
     takes a narrower vector)."""
     length, n = 200, 13
-    pool, src = _pool_rows(rng, length, n, 2 * n + 1, 0)
+    pool, src = pool_with_rows(rng, length, n, 2 * n + 1, 0)
     src = [a + (1 if i in misaligned_rows else 0) for i, a in enumerate(src)]
     settings = pxn_kernels.RowSettings(length, rows, cols, 1, tail)
     plan = pxn_kernels.CopyPlan(None, None, None, None, row=settings)
-    out = _random_bytes(rng, n * 208 + 16)
+    out = random_bytes(rng, n * 208 + 16)
     ref = out.clone()
-    offsets = _t([i * 208 for i in range(n)])  # 16-byte aligned chunk offsets
-    pxn_kernels.gather(_t(src), _t([length] * n), out, offsets, plan=plan, backend="triton")
-    pxn_kernels.gather_torch(_t(src), _t([length] * n), ref, offsets)
+    offsets = i64([i * 208 for i in range(n)])  # 16-byte aligned chunk offsets
+    pxn_kernels.gather(i64(src), i64([length] * n), out, offsets, plan=plan, backend="triton")
+    pxn_kernels.gather_torch(i64(src), i64([length] * n), ref, offsets)
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -932,15 +880,15 @@ def test_row_kernel_tiles_and_mixed_alignment(rng, rows, cols, tail, misaligned_
 
 def test_prepared_copy_through_the_row_kernel(rng):
     length, n = 96, 9
-    pool, src = _pool_rows(rng, length, n, 20)
+    pool, src = pool_with_rows(rng, length, n, 20)
     plan = pxn_kernels.plan_for_lengths(np.full(n, length), DEVICE)
     assert plan.kernel == "row" and plan.row.length == length
-    out = _random_bytes(rng, n * length)
-    src_t, off_t, len_t = _t(src), _t([i * length for i in range(n)]), _t([length] * n)
+    out = random_bytes(rng, n * length)
+    src_t, off_t, len_t = i64(src), i64([i * length for i in range(n)]), i64([length] * n)
     launch = pxn_kernels.PreparedCopy(src_t, off_t, len_t, 0, out.data_ptr(), plan)
     for _ in range(2):  # relaunch after the descriptors were rewritten in place
-        pool, fresh = _pool_rows(rng, length, n, 20)  # the new pool stays alive until the next round
-        src_t.copy_(_t(fresh))
+        pool, fresh = pool_with_rows(rng, length, n, 20)  # the new pool stays alive until the next round
+        src_t.copy_(i64(fresh))
         ref = out.clone()
         pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
         launch()
@@ -1024,7 +972,7 @@ def _plan_of_kind(kind, lengths):
     """A plan for ``lengths`` that runs ``kind``'s kernel on any device: the range plan built on the device, the
     segment kernel over 64-byte segments, else what the policy picks (row, grid)."""
     if kind == "range":
-        plan = pxn_kernels.plan_batched_copy(_t(lengths))
+        plan = pxn_kernels.plan_batched_copy(i64(lengths))
     elif kind == "segment":
         plan = _segment_plan(lengths, 64, 32)
     else:
@@ -1045,39 +993,39 @@ def test_unchecked_calls_with_a_plan_follow_their_arguments(rng, kind):
     lengths = [length] * 7 if length else [1, 63, 300, 17, 5, 90, 2]
     n = len(lengths)
     plan = _plan_of_kind(kind, lengths)
-    len_t = _t(lengths)
-    offsets, size = _packed_offsets(lengths, misalign=3, gap=5)
-    off_t = _t(offsets)
+    len_t = i64(lengths)
+    offsets, size = packed_offsets(lengths, misalign=3, gap=5)
+    off_t = i64(offsets)
 
-    out_main = _random_bytes(rng, size + 16)
+    out_main = random_bytes(rng, size + 16)
 
     def gather_and_compare(src_t, out=out_main, lens=len_t, offs=off_t, times=1):
         for _ in range(times):
-            out.copy_(_random_bytes(rng, out.numel()))  # poisoned afresh, in place: the same out object each call
+            out.copy_(random_bytes(rng, out.numel()))  # poisoned afresh, in place: the same out object each call
             _unchecked_gather_exact(src_t, lens, out, offs, plan)
 
-    src_buf, src = _pieces(rng, lengths, [1, 0, 7])
-    src_t = _t(src)
+    src_buf, src = piece_sources(rng, lengths, [1, 0, 7])
+    src_t = i64(src)
     for _ in range(3):  # remembered from the first call (on a GPU from the second, once the launch is bound)
-        src_buf.copy_(_random_bytes(rng, src_buf.numel()))
+        src_buf.copy_(random_bytes(rng, src_buf.numel()))
         gather_and_compare(src_t)
     assert plan._recent is not None and plan._recent[0]() is src_t
-    other_buf, other = _pieces(rng, lengths, [5, 2])
-    src_t.copy_(_t(other))  # the same tensor rewritten in place: the remembered launch reads it
+    other_buf, other = piece_sources(rng, lengths, [5, 2])
+    src_t.copy_(i64(other))  # the same tensor rewritten in place: the remembered launch reads it
     gather_and_compare(src_t)
-    gather_and_compare(_t(src))  # another tensor object (elsewhere) holding the first addresses
-    kept = _random_bytes(rng, size + 32)
+    gather_and_compare(i64(src))  # another tensor object (elsewhere) holding the first addresses
+    kept = random_bytes(rng, size + 32)
     gather_and_compare(src_t, out=kept)  # another out
     gather_and_compare(src_t, out=kept[16:])  # another out at another address
-    moved = _t(src)
+    moved = i64(src)
     src_t.set_(moved.untyped_storage(), 0, (n,), (1,))  # the same object onto another buffer
     gather_and_compare(src_t, times=2)  # on a GPU the second call binds and is remembered
     assert plan._recent[4] == moved.data_ptr()
-    moved_out = _random_bytes(rng, size + 16)
+    moved_out = random_bytes(rng, size + 16)
     out_main.set_(moved_out.untyped_storage(), 0, (size + 16,), (1,))  # the same out object, another address
     gather_and_compare(src_t)
-    shorter = _t(src[:-1])
-    short_lens, short_offs = _t(lengths[:-1]), _t(offsets[:-1])
+    shorter = i64(src[:-1])
+    short_lens, short_offs = i64(lengths[:-1]), i64(offsets[:-1])
     if kind in ("row", "grid"):  # the range and segment plans are for n pieces; these hold for any count
         gather_and_compare(shorter, lens=short_lens, offs=short_offs)
         short_lens.resize_(n - 2)  # the same objects, one piece fewer each, same addresses
@@ -1085,30 +1033,30 @@ def test_unchecked_calls_with_a_plan_follow_their_arguments(rng, kind):
         shorter.resize_(n - 2)
         gather_and_compare(shorter, lens=short_lens, offs=short_offs)  # piece n - 2 stays poisoned
     # host arrays with check=False: the full path (checked types, uploaded or viewed)
-    out = _random_bytes(rng, size + 16)
+    out = random_bytes(rng, size + 16)
     ref = out.clone()
     pxn_kernels.gather(np.asarray(src, dtype=np.int64), np.asarray(lengths, dtype=np.int64), out,
                        np.asarray(offsets, dtype=np.int64), check=False, plan=plan, backend="triton")
-    pxn_kernels.gather_torch(_t(src), len_t, ref, off_t)
+    pxn_kernels.gather_torch(i64(src), len_t, ref, off_t)
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)
     # scatter and copy over the same plan, each twice (the second remembered), then gather again
-    chunk = _random_bytes(rng, size + 16)
+    chunk = random_bytes(rng, size + 16)
     for _ in range(2):
-        back = _random_bytes(rng, src_buf.numel())
+        back = random_bytes(rng, src_buf.numel())
         expect = back.clone()
-        dst_t = _t([back.data_ptr() + a - src_buf.data_ptr() for a in src])
+        dst_t = i64([back.data_ptr() + a - src_buf.data_ptr() for a in src])
         pxn_kernels.scatter(chunk, off_t, dst_t, len_t, check=False, plan=plan, backend="triton")
-        ref_t = _t([expect.data_ptr() + a - src_buf.data_ptr() for a in src])
+        ref_t = i64([expect.data_ptr() + a - src_buf.data_ptr() for a in src])
         pxn_kernels.scatter_torch(chunk, off_t, ref_t, len_t)
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
         assert torch.equal(back, expect)
-        copy_dst = _random_bytes(rng, src_buf.numel())
+        copy_dst = random_bytes(rng, src_buf.numel())
         copy_ref = copy_dst.clone()
-        cd_t = _t([copy_dst.data_ptr() + a - src_buf.data_ptr() for a in src])
-        cr_t = _t([copy_ref.data_ptr() + a - src_buf.data_ptr() for a in src])
+        cd_t = i64([copy_dst.data_ptr() + a - src_buf.data_ptr() for a in src])
+        cr_t = i64([copy_ref.data_ptr() + a - src_buf.data_ptr() for a in src])
         pxn_kernels.copy(src_t, cd_t, len_t, check=False, plan=plan, backend="triton")
         pxn_kernels.copy_torch(src_t, cr_t, len_t)
         if DEVICE.type == "cuda":
@@ -1127,18 +1075,18 @@ def test_plan_reused_over_other_descriptors(rng, kind):
     length = {"row": 100, "grid": 4100}.get(kind)
     lengths = [length] * 6 if length else [5, 64, 300, 17, 1, 90]
     plan = _plan_of_kind(kind, lengths)
-    len_t = _t(lengths)
-    offsets, size = _packed_offsets(lengths, 0, 16)
+    len_t = i64(lengths)
+    offsets, size = packed_offsets(lengths, 0, 16)
     runs = []
     for _ in range(2):
-        src_buf, src = _pieces(rng, lengths, [0, 3])
-        runs.append((src_buf, _t(src), _t(offsets)))
+        src_buf, src = piece_sources(rng, lengths, [0, 3])
+        runs.append((src_buf, i64(src), i64(offsets)))
     for src_buf, src_t, off_t in runs + [runs[0]]:
-        src_buf.copy_(_random_bytes(rng, src_buf.numel()))  # fresh bytes at the same addresses
-        _unchecked_gather_exact(src_t, len_t, _random_bytes(rng, size + 16), off_t, plan)
+        src_buf.copy_(random_bytes(rng, src_buf.numel()))  # fresh bytes at the same addresses
+        _unchecked_gather_exact(src_t, len_t, random_bytes(rng, size + 16), off_t, plan)
     import pxn_kernels._batched_copy as bc
     src_buf, src_t, off_t = runs[1]
-    out = _random_bytes(rng, size + 16)
+    out = random_bytes(rng, size + 16)
     ref = out.clone()
     bc._bind(src_t, off_t, len_t, 0, out.data_ptr(), plan)()  # the bound launch itself, on any device
     pxn_kernels.gather_torch(src_t, len_t, ref, off_t)
@@ -1194,7 +1142,7 @@ def test_row_kernel_persistent_programs(rng, rows, programs_per_sm, cols):
     row lands once, rows past the last tile are not touched (13 rows, not a multiple of a tile)."""
     import pxn_kernels._row_copy as rc
     length, n = 200, 13
-    pool, src = _pool_rows(rng, length, n, 2 * n + 1, 0)
+    pool, src = pool_with_rows(rng, length, n, 2 * n + 1, 0)
     src = [a + (1 if i == 6 else 0) for i, a in enumerate(src)]  # one misaligned row: that tile narrows
     settings = pxn_kernels.RowSettings(length, rows, cols, 1, 0, programs_per_sm)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE.type == "cuda" else 1
@@ -1202,11 +1150,11 @@ def test_row_kernel_persistent_programs(rng, rows, programs_per_sm, cols):
     assert settings.grid(n, sms)[0] == min(tiles, programs_per_sm * sms)
     assert settings.grid(n) == (tiles, -(-length // cols))
     plan = pxn_kernels.CopyPlan(None, None, None, None, row=settings)
-    out = _random_bytes(rng, n * 208 + 16)
+    out = random_bytes(rng, n * 208 + 16)
     ref = out.clone()
-    offsets = _t([i * 208 for i in range(n)])
-    pxn_kernels.gather(_t(src), _t([length] * n), out, offsets, plan=plan, backend="triton")
-    pxn_kernels.gather_torch(_t(src), _t([length] * n), ref, offsets)
+    offsets = i64([i * 208 for i in range(n)])
+    pxn_kernels.gather(i64(src), i64([length] * n), out, offsets, plan=plan, backend="triton")
+    pxn_kernels.gather_torch(i64(src), i64([length] * n), ref, offsets)
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(out, ref)

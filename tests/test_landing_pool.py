@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SEED
+from suite_env import SEED
 from transport import TransferEngine
 from transport.control import query
 from transport.peer_process import POISON, PeerProcess, digest

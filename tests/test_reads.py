@@ -55,7 +55,7 @@ def local(reader):
 @pytest.fixture(scope="module")
 def truth(reader, local, peer):
     """The peer's registered bytes: random, written from here, then read back out of the peer process."""
-    from conftest import SEED
+    from suite_env import SEED
     rng = np.random.default_rng([SEED, 7])
     local[:] = np.frombuffer(rng.bytes(PEER_BYTES), dtype=np.uint8)
     reader.batch_write(peer.session, [local.ctypes.data], [peer.base], [PEER_BYTES])

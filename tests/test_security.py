@@ -101,7 +101,7 @@ def victim():
 
 @pytest.fixture(scope="module")
 def src():
-    from conftest import SEED
+    from suite_env import SEED
     buf = np.frombuffer(np.random.default_rng(SEED).bytes(8 * MB), dtype=np.uint8).copy()
     return buf
 

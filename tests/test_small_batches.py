@@ -36,7 +36,7 @@ def peer():
 
 @pytest.fixture(scope="module")
 def src():
-    from conftest import SEED
+    from suite_env import SEED
     rng = np.random.default_rng([SEED, 11])
     return np.frombuffer(rng.bytes(8 * MB), dtype=np.uint8).copy()
 

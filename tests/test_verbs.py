@@ -46,7 +46,7 @@ def sender():
 
 @pytest.fixture(scope="module")
 def src(sender):
-    from conftest import SEED
+    from suite_env import SEED
     buf = np.frombuffer(np.random.default_rng([SEED, 33]).bytes(PEER_BYTES), dtype=np.uint8).copy()
     sender.register(buf)
     return buf

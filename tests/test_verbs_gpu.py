@@ -70,7 +70,7 @@ def mode(request):
 @pytest.fixture(scope="module")
 def pair(mode):
     import torch
-    from conftest import SEED
+    from suite_env import SEED
     opts = {"gdr_flush": FLUSH[mode]}
     peer = EnginePeer(SIZE, device=0, fabric="verbs", rails=2, secret=SECRET, fabric_options=opts)
     eng = TransferEngine(fabric="verbs", rails=2, secret=SECRET, fabric_options=opts)

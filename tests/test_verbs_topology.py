@@ -174,7 +174,7 @@ def pair(h800):
 
 @pytest.fixture(scope="module")
 def src(pair):
-    from conftest import SEED
+    from suite_env import SEED
     sender, _ = pair
     rng = np.random.default_rng([SEED, 24])
     buf = np.frombuffer(rng.bytes(SRC_BYTES), dtype=np.uint8).copy()

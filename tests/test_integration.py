@@ -468,6 +468,7 @@ def test_peer_death_is_an_endpoint_error(mc_sender, src):
         victim.close()
 
 
+@pytest.mark.slow
 def test_sglang_recovers_when_decode_restarts_on_same_port(sgl_sender, src):
     """sglang's recovery flow: a transfer to a decode process that died fails (< 0) and keeps failing while
     nothing listens (send_probe < 0 too); a NEW decode process comes up on the same port, i.e. the same session

@@ -33,6 +33,7 @@ def test_user_timeout_follows_the_ack_timeout():
     assert user_timeout_ms(10.0, 4.0) == 12000
 
 
+@pytest.mark.slow
 def test_stopped_receiver_is_not_declared_dead(rng):
     """SIGSTOP the receiver for 6 s while 64 MiB batches stream to it (its window closes, as on a CPU-starved box),
     then SIGCONT: under a 30 s batch timeout no batch fails, and the last one lands byte-exact."""
@@ -109,6 +110,7 @@ def test_stopped_receiver_is_not_declared_dead(rng):
         peer.close()
 
 
+@pytest.mark.slow
 def test_killed_receiver_fails_the_batch_as_a_lost_peer(rng):
     """SIGKILL the receiver while a batch streams to it: the batch fails with the connection's end (its kernel
     closed the sockets), not by running out its 60 s timeout."""

@@ -597,6 +597,7 @@ def test_slowloris_does_not_lock_out(victim, src):
     assert victim.security()["control"]["evicted"] > 0
 
 
+@pytest.mark.slow
 def test_descriptor_exhaustion_does_not_kill_the_listener(src):
     """The victim runs out of file descriptors under a connection flood: its listeners keep listening, shed
     unauthenticated connections, and a legitimate sender gets in within 1 s; later, with the flood gone, too."""
@@ -765,11 +766,13 @@ def test_bools_are_refused_as_addresses_and_lengths(victim, src):
 
 
 # --- fuzz -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_fuzz_parse_chunk(seed):
     counts = fuzz_wire.fuzz_chunks(2000, seed)
     assert counts["cases"] == 2000 and counts["refused"] > 0 and counts["accepted"] > 0, counts
 
 
+@pytest.mark.slow
 def test_fuzz_tcp_frames(seed):
     counts = fuzz_wire.fuzz_frames(1000, seed)
     assert counts["cases"] == 1000 and counts["acked"] > 0 and counts["unacked"] > 0, counts

@@ -436,6 +436,7 @@ def _pool_free(rx) -> int:
     return min(p["free"] for p in rx.stats()["receiver"]["landing_pools"])
 
 
+@pytest.mark.slow
 def test_a_stopped_sender_does_not_keep_its_landing_slots(seed):
     """A sender stopped (SIGSTOP) while it holds most of a receiver's landing slots on both rails: another sender's
     batches still all complete (the stopped one's leases run out while it waits, its rails to the receiver are

@@ -418,6 +418,7 @@ def test_ack_completes_a_rows_message_by_its_callback_only_in_order():
         sb.close()
 
 
+@pytest.mark.slow
 def test_small_batches_counted_when_they_complete_by_their_ack(peer, src, rng):
     """Batches completed straight from their ack (``Completions.rows_acked``) are counted as the completion path
     counts them: batch, path, latency and rail counters, nothing left in flight; every byte lands."""
@@ -465,6 +466,7 @@ def _expect(dst_len, src, s_offs, d_offs, lengths=AUX):
     return img
 
 
+@pytest.mark.slow
 def test_waiting_callers_read_their_own_acks(peer, src, rng):
     """After the first batch on a socket (whose ack its receive thread still reads), sync small batches are
     completed by their callers reading the ack themselves, byte-exact; with ``own_acks`` off, never."""

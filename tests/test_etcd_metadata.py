@@ -127,6 +127,7 @@ def _stop(proc) -> None:
             proc.wait(10)
 
 
+@pytest.mark.slow
 def test_two_processes_find_each_other_by_segment_name(etcd, client, seed):
     """Publish / lookup through etcd between two processes; writes and reads byte-exact, by segment name."""
     rng = np.random.default_rng(seed)
@@ -168,6 +169,7 @@ def test_two_processes_find_each_other_by_segment_name(etcd, client, seed):
     assert _keys(client) == []   # both withdrew their entries at close
 
 
+@pytest.mark.slow
 def test_killed_engine_disappears_within_its_ttl(etcd, client, seed):
     proc, _ = _start_target(etcd.url, "127.0.0.1:1", 4099, seed, ttl=TTL)
     try:
@@ -280,6 +282,7 @@ def test_cluster_id_endpoints_and_bad_settings(etcd, client, monkeypatch):
     assert _keys(client) == []
 
 
+@pytest.mark.slow
 def test_a_live_engines_name_is_refused_and_a_dead_ones_taken_over(etcd, client, caplog, seed):
     """Two engines initialized as "127.0.0.1" on one host: the second is refused (ERR_METADATA naming the holder),
     the name keeps leading to the first, whose bytes arrive byte-exact. A caller asking to take the name over gets

@@ -136,6 +136,7 @@ def _pool_stats(eng):
     return eng.receiver.stats()["landing_pools"]
 
 
+@pytest.mark.slow
 def test_fan_in_64_senders_in_8_processes():
     """64 sender engines in 8 processes write mixed batches into one receiver whose pool has 4 slots: every
     byte lands where it belongs (poison between and around), the receiver's landing memory is what it was with one
@@ -195,6 +196,7 @@ def test_fan_in_64_senders_in_8_processes():
         rx.close()
 
 
+@pytest.mark.slow
 def test_fan_out_one_sender_into_32_receivers():
     """One sender writes the mixed batches into 32 receivers (one region each), byte-exact."""
     n = 32
@@ -250,6 +252,7 @@ def _streamer_main(conn, session: str, base: int, nbytes: int):
     serve(conn, start, lambda cmd, kw: None, lambda: None)
 
 
+@pytest.mark.slow
 def test_dead_sender_credits_come_back():
     """A sender killed while it streams chunks held credits; within the liveness sweep they are all back in the
     pool, and a new sender writes byte-exact."""

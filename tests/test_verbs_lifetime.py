@@ -141,7 +141,7 @@ def test_peers_killed_with_writes_in_flight(seed):
                 wait_for(lambda: not ep.alive, f"cycle {cycle}: the endpoint reading dead after its peer died",
                          timeout=30)
                 # every write posted completes (four per post, each signalled): ok, or failed with a named error
-                seen, want = 0, 4 * len(posted)
+                seen, want, deadline = 0, 4 * len(posted), time.monotonic() + 30
                 while seen < want and time.monotonic() < deadline:
                     for c in fab.poll(64, timeout=0.2):
                         assert c.peer_id == ep.peer_id and c.wr_id >= 2, (cycle, c)

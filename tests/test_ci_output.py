@@ -37,3 +37,20 @@ def test_pyverbs_hint_once():
     skipped = [line for line in out.splitlines() if line.startswith("SKIPPED") and "pyverbs" in line]
     assert len(skipped) == 1 and "install hint at the end" in skipped[0], out
     assert int(re.match(r"SKIPPED \[(\d+)\]", skipped[0]).group(1)) > 1, skipped[0]  # many cases, one line
+
+
+def test_ci_runs_the_slow_cases_too():
+    """CI (``.ci/run``) runs ``make test``, whose pytest selects no marker, and pytest.ini's options deselect
+    nothing: the ``slow`` cases run there; only a developer's ``-m "not slow"`` leaves them out."""
+    import configparser
+    assert re.search(r"^make test$", (REPO / ".ci" / "run").read_text(), re.M)
+    recipe = re.search(r"^test:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.M)
+    assert recipe and "pytest" in recipe.group(1), "no pytest in make test's recipe"
+    args = recipe.group(1).split("pytest", 1)[1].split()
+    assert "-m" not in args and "-k" not in args, recipe.group(1)
+    ini = configparser.ConfigParser()
+    ini.read(REPO / "pytest.ini")
+    addopts = ini.get("pytest", "addopts", fallback="")
+    assert "-m" not in addopts.split() and "-k" not in addopts.split(), addopts
+    used = sum(p.read_text().count("@pytest.mark.slow") for p in (REPO / "tests").glob("test_*.py"))
+    assert used > 0, "the slow marker is declared in pytest.ini and used by no test"

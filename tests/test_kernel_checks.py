@@ -408,6 +408,7 @@ def test_driver_error_without_a_driver_keeps_the_code(monkeypatch):
         _libcuda.check(700, "cuStreamSynchronize")
 
 
+@pytest.mark.slow
 def test_importing_pxn_does_not_load_libcuda():
     """The driver is loaded on first use, never at import: pxn imports on machines without a GPU driver (CI).
     A fresh interpreter, since this one may have loaded it for earlier tests."""

@@ -87,6 +87,7 @@ def _digest_of(peer: dict) -> str:
     return out.decode()
 
 
+@pytest.mark.slow
 def test_peers_killed_with_writes_in_flight(seed):
     """100 cycles: connect to a fresh peer, write a batch and check it byte-exact on the peer, then keep batches
     of chained writes in flight from another thread and SIGKILL the peer at a random moment. Every completion is
@@ -165,6 +166,7 @@ only when a chain grows, so a flat count over a few hundred batches is flat for 
 benchmarks/NOTES.md was taken with this raised."""
 
 
+@pytest.mark.slow
 def test_work_request_objects_are_reused():
     """Once a QP's chain has grown to a batch's size, writes build no SGE, SendWR or RecvWR object (softverbs
     counts them as real pyverbs leaks them): flat over ``WR_BATCHES`` small batches and a tenth as many large

@@ -72,6 +72,7 @@ def test_peer_process_ignores_sigint():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's own handler is back
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_bench_is_one_line(small_shapes):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PXN_")}
     env["PYTHONPATH"] = str(REPO)
@@ -114,6 +115,7 @@ def test_bench_refuses_unknown_pxn_fabric(value):
     assert "starting the peer" not in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fabric", ["ipc", "tcp"])
 def test_bench_runs_the_fabric_pxn_fabric_names(fabric, small_shapes, tmp_path):
     out_json = tmp_path / "run.json"
@@ -198,6 +200,7 @@ def test_shapes_bad_count_is_refused(tmp_path, count):
     assert "starting the peer" not in out
 
 
+@pytest.mark.slow
 def test_shapes_huge_length_is_refused_naming_the_entry(tmp_path):
     path = tmp_path / "s.json"
     path.write_text(json.dumps({"calls": {"aux_metadata": {"lengths": [64]},

@@ -72,6 +72,7 @@ def test_bench_verbs_without_rdma_one_line_no_peer_traceback():
     assert "FabricUnavailable" not in err and "unexpected" not in err
 
 
+@pytest.mark.slow
 def test_bench_missing_or_bad_shapes_file(tmp_path):
     rc, _, err = pxn("bench", "--shapes", tmp_path / "absent.json")
     assert_one_line_error(rc, err, "absent.json")

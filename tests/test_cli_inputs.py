@@ -111,6 +111,7 @@ def test_kernels_still_load_on_first_use():
     assert set(pxn_kernels.__all__) <= set(dir(pxn_kernels))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fabric", ["tcp", "auto"])  # auto imports torch (seconds, partly in C++) to look for CUDA
 def test_ctrl_c_at_any_moment_is_one_line(tmp_path, seed, fabric):
     """SIGINT to the whole group at moments from ``main``'s start on (the subcommand's import, the parsing, the

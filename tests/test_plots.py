@@ -53,6 +53,7 @@ def matplotlib_or_skip():
     return pytest.importorskip("matplotlib")
 
 
+@pytest.mark.slow
 def test_default_run_writes_to_a_temporary_folder_and_covers_every_figure(matplotlib_or_skip, tmp_path,
                                                                           monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

@@ -6,10 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "tag_cost.py"
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_a_byte_exact_row_with_one_tag_op_per_aux_call(tmp_path, seed):
     out = tmp_path / "tags.json"
     p = subprocess.run([sys.executable, str(SCRIPT), "--fabric", "tcp", "--shapes", "aux_metadata", "--pairs", "4",

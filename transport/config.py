@@ -261,10 +261,25 @@ class EngineConfig:
 
     def check(self) -> None:
         """Raise ``ConfigError`` (a ``ValueError``) naming the first setting out of its range."""
-        if self.fabric not in ("auto", "tcp", "ipc", "verbs"):
-            raise _bad("fabric", f"fabric must be 'auto', 'tcp', 'ipc' or 'verbs', got {self.fabric!r}")
+        self._check_names()
+        self._check_counts()
+        self._check_times()
+        self._check_ids()
+
+    def _check_names(self) -> None:
+        """The settings that name one of a set: ``fabric`` one of ``transport.fabric.FABRICS`` (built-in,
+        registered or by entry point) or "auto"; ``relay``."""
+        if self.fabric != "auto":
+            from transport.fabric import FABRICS
+            if not isinstance(self.fabric, str) or self.fabric not in FABRICS:
+                names = ", ".join(repr(n) for n in ("auto", *FABRICS))
+                raise _bad("fabric", f"fabric must be one of {names}, got {self.fabric!r}")
         if self.relay not in ("auto", "always", "never"):
             raise _bad("relay", f"relay must be 'auto', 'always' or 'never', got {self.relay!r}")
+
+    def _check_counts(self) -> None:
+        """Counts and sizes: ints at least their least value and at most their most (``MAX_RAILS``, ``_MOST``,
+        16 bits of landing slots)."""
         for name, lo in (("rails", 1), ("relay_slots", 1), ("lanes", 1), ("landing_slots", 1),
                          ("relay_slot_bytes", 4096), ("stripe_bytes", 4096), ("coalesce_bytes", 0),
                          ("landing_bytes", 4096), ("direct_pieces", 0)):
@@ -276,28 +291,38 @@ class EngineConfig:
         for name, most in _MOST.items():
             if getattr(self, name) > most:
                 raise _bad(name, f"{name} must be at most {most}, got {getattr(self, name)}")
+        if self.landing_slots > 0xFFFF:
+            raise _bad("landing_slots", f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
+        for name in ("max_senders", "max_conns_per_addr", "max_pending", "max_pending_per_addr"):
+            _positive(name, getattr(self, name))
+
+    def _check_times(self) -> None:
+        """Seconds: the GIL switch interval in (0, 1], the spins in [0, 1], the timeouts above 0."""
         if self.switch_interval is not None and (isinstance(self.switch_interval, bool)
                                                  or not 0.0 < self.switch_interval <= 1.0):
             raise _bad("switch_interval", f"switch_interval must be None or seconds in (0, 1], "
                                           f"got {self.switch_interval!r}")
-        if self.trace_path:
-            why = unwritable(self.trace_path)
-            if why:
-                raise _bad("trace_path", f"trace_path {self.trace_path}: cannot write a trace there: {why}")
-        if self.landing_slots > 0xFFFF:
-            raise _bad("landing_slots", f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
         for name in ("ack_spin", "recv_spin"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not 0.0 <= value <= 1.0):
                 raise _bad(name, f"{name} must be None or seconds in [0, 1], got {value!r}")
+        for name in ("handshake_timeout", "timeout", "metadata_ttl"):
+            _positive(name, getattr(self, name))
+
+    def _check_ids(self) -> None:
+        """What names a place: the trace file must be writable, the GID index an int >= 0."""
+        if self.trace_path:
+            why = unwritable(self.trace_path)
+            if why:
+                raise _bad("trace_path", f"trace_path {self.trace_path}: cannot write a trace there: {why}")
         if self.gid_index is not None and (isinstance(self.gid_index, bool) or not isinstance(self.gid_index, int)
                                            or self.gid_index < 0):
             raise _bad("gid_index", f"gid_index must be None or an int >= 0, got {self.gid_index!r}")
-        for name in ("max_senders", "max_conns_per_addr", "max_pending", "max_pending_per_addr", "handshake_timeout",
-                     "timeout", "metadata_ttl"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not value > 0:
-                raise _bad(name, f"{name} must be > 0, got {value!r}")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not value > 0:
+        raise _bad(name, f"{name} must be > 0, got {value!r}")
 
 
 def _bad(setting: str, message: str) -> ConfigError:

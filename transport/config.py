@@ -1,11 +1,20 @@
 """The engine's configuration: one frozen ``EngineConfig``, built once from constructor arguments, then the
 ``PXN_*`` environment variables, then defaults (``EngineConfig.from_env``), and checked as a whole.
 
-Every ``PXN_*`` variable the library reads is a field here, marked operational (what a deployment sets: fabric,
-rails, secrets, timeouts) or tuning (one cost against another, with measured defaults); the README's configuration
-table lists them. Parts that run without an engine read theirs through ``EngineConfig.read``. Sizes take
-``65536``, ``64K``, ``1M``, ``8MiB``. A malformed or out-of-range variable raises ``ConfigError`` (a
+Every ``PXN_*`` variable an engine or its parts read is a field here, marked operational (what a deployment sets:
+fabric, rails, secrets, timeouts) or tuning (one cost against another, with measured defaults); the README's
+configuration table lists them. Parts that run without an engine read theirs through ``EngineConfig.read``. Sizes
+take ``65536``, ``64K``, ``1M``, ``8MiB``. A malformed or out-of-range variable raises ``ConfigError`` (a
 ``ValueError``) naming the variable and its value; an out-of-range argument names the setting.
+
+Three variables are not fields, because no engine reads them (``OTHER_VARIABLES`` lists them too):
+
+* ``PXN_KERNEL_POLICY`` is read by ``pxn_kernels.policy`` at the first kernel launch: a launch-policy file from a
+  sweep. The kernels are the layer below ``transport`` and run without an engine, so they cannot import this module.
+* ``PXN_SGLANG_PLUGIN`` is read by ``integration.sglang.register_sglang_plugin`` (through ``parse_flag``) when sglang
+  loads its plugins, before any engine exists: whether pxn patches sglang at all.
+* ``PXN_SHAPES`` is read by ``pxn bench`` (``transport.bench_cli.shapes_path``): the CLI's input file, beside
+  ``--shapes``; an engine never sees it.
 """
 from __future__ import annotations
 
@@ -16,7 +25,17 @@ from typing import Dict, Mapping, Optional, Tuple
 
 from transport.errors import ConfigError
 
-__all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "parse_size", "parse_flag", "unwritable", "MAX_RAILS"]
+__all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "OTHER_VARIABLES", "parse_size", "parse_flag", "unwritable",
+           "MAX_RAILS"]
+
+OTHER_VARIABLES = {
+    "PXN_KERNEL_POLICY": "pxn_kernels.policy: the kernels' launch-policy file, read at the first launch, below "
+                         "transport and without an engine",
+    "PXN_SGLANG_PLUGIN": "integration.sglang: whether the sglang plugin patches sglang, read before any engine exists",
+    "PXN_SHAPES": "transport.bench_cli: pxn bench's shapes file (beside --shapes), never an engine's",
+}
+"""The ``PXN_*`` variables the library reads that are not ``EngineConfig`` fields: variable -> where it is read
+and why it is no engine setting."""
 
 MAX_RAILS = 64
 """Most rails one engine runs: each holds sockets, threads, a landing pool (``landing_bytes``) and relay rings,
@@ -153,7 +172,7 @@ def _setting(default, variable: str, kind: str, parse=str, **field_options):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """What a ``TransferEngine`` and its fabrics run with: every ``PXN_*`` variable of the library, one field each
+    """What a ``TransferEngine`` and its fabrics run with: every ``PXN_*`` variable of an engine, one field each
     (``transport.engine.TransferEngine`` documents the engine's settings; ``EngineConfig.variables()`` lists them
     with their kind). Sizes in bytes, times in seconds."""
 

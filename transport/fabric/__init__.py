@@ -65,7 +65,7 @@ class FabricRegistry:
             if held is not None and held != cls_or_path and not self._is_entry_point(name):
                 raise ValueError(f"fabric name {name!r} is taken ({self._origin[name]})")
             self._table[name] = cls_or_path
-            self._origin[name] = origin
+            self._origin[name] = f"{origin} {cls_or_path}" if isinstance(cls_or_path, str) else origin
 
     def _is_entry_point(self, name: str) -> bool:
         return self._origin.get(name, "").startswith("entry point")

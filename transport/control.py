@@ -544,8 +544,7 @@ class ControlPlane:
         if chunk_bytes >= cfg.relay_slot_bytes:
             return None
         from transport.planner import Planner
-        return Planner(cfg.coalesce_bytes, chunk_bytes, cfg.stripe_bytes, cfg.relay_slot_bytes, cfg.relay,
-                       cfg.direct_pieces)
+        return Planner(cfg, chunk_bytes)
 
     def _loadstore_writer(self, peer, rep: dict):
         """The rail-0 fabric's local writer for a same-host peer (``Fabric.local_writer``: the ipc fabric's

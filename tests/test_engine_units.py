@@ -104,6 +104,22 @@ def test_planner_rejects_bad_config():
         Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=MB), chunk_bytes=32 * KB)
 
 
+def test_planner_turn_moves_with_each_plan_and_rewind_takes_it_back():
+    """``Planner.turn`` (the tie rotation a caller choosing a rail alone follows) moves once per ``plan`` call and
+    ``rewind`` takes the last move back; with equal loads the plan's unit starts on the rail of that turn."""
+    p = Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=16 * MB))
+    lengths = np.asarray([3 * KB + 5], dtype=np.int64)
+    srcs, dsts = lengths + 4096, lengths + (1 << 40)
+    choices = [RailChoice(r, True, -1) for r in range(3)]
+    start = p.turn
+    for k in range(1, 5):
+        units = p.plan(srcs, dsts, lengths, None, {-1: choices}, {}, [-1])
+        assert p.turn == start + k
+        assert units[0].rail == p.turn % 3
+    p.rewind()
+    assert p.turn == start + 3
+
+
 def test_region_table_lookups():
     t = RegionTable()
     t.add(Region(1000, 100))

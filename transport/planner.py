@@ -291,6 +291,12 @@ class Planner:
                 and not (self.coalesce_bytes and lmin < self.coalesce_bytes)
                 and (self.relay == "never" or (self.relay == "auto" and all(c.local for c in choices))))
 
+    @property
+    def turn(self) -> int:
+        """The tie rotation's current turn (``plan`` starts its rail choices at this index modulo their count):
+        a caller picking a rail alone breaks ties the same way without moving it."""
+        return self._rotate
+
     def rewind(self) -> None:
         """Take back the last call's tie rotation: a caller that asked ``whole_batch_rail`` but did not use the
         rail, and now plans the same batch, gets the same rail from ``plan``."""

@@ -144,6 +144,15 @@ def _fabric_for(protocol, env: dict):
     return proto, PROTOCOLS.get(proto)
 
 
+def _close_previous(old, old_directory, directory, segment: str) -> None:
+    """Close the engine a second ``initialize`` replaced (``old``, None if none) and its directory entry, which
+    stays when the new engine published under the same name."""
+    if old is not None:
+        if old_directory is not None:
+            old_directory.close(withdraw=directory is None or old_directory.segment != segment)
+        old.close()
+
+
 class TransferEngine(TransferCalls):
     """Mooncake's ``TransferEngine`` Python API over ``transport.TransferEngine`` (see the module docstring).
 
@@ -275,11 +284,7 @@ class TransferEngine(TransferCalls):
             self._engine, self._directory, self._base_timeout = eng, directory, base_timeout
             self._names = tuple(n for n in {eng.session_id, segment, normalize_session(segment)} if n)
             managed = self._buffers.reset(eng)
-        if old is not None:
-            if old_directory is not None:
-                # the entry stays when the new engine published under the same name
-                old_directory.close(withdraw=directory is None or old_directory.segment != segment)
-            old.close()
+        _close_previous(old, old_directory, directory, segment)
         free_all(managed)
         log.info("pxn Mooncake shim: session %s over %s (protocol %r%s)", eng.session_id, eng.fabric_name,
                  protocol, f", segment {segment!r} at {url}" if url else "")

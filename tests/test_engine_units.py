@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pxn_kernels.chunk import chunk_layout
+from transport.config import EngineConfig
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, chunk_splits
 from transport.credits import ACK_FLAG, ack_imm, chunk_imm, decode_ack
 from transport.regions import Region, RegionTable, locate_inside, span_region
@@ -21,7 +22,7 @@ def _plan(lengths, devices=None, rails=2, local=True, relay="auto", coalesce=64 
     dsts = srcs + (1 << 40)
     devices = np.full(n, -1, dtype=np.int64) if devices is None else np.asarray(devices, dtype=np.int64)
     rails_of = {d: [RailChoice(r, local, d if local else 7) for r in range(rails)] for d in np.unique(devices).tolist()}
-    p = Planner(coalesce, slot, stripe, slot, relay)
+    p = Planner(EngineConfig(coalesce_bytes=coalesce, relay_slot_bytes=slot, stripe_bytes=stripe, relay=relay))
     load = {} if load is None else load
     return p.plan(srcs, dsts, lengths, devices, rails_of, load), srcs, dsts, load
 
@@ -98,9 +99,25 @@ def test_planner_stripes_large_blocks_and_relays_on_remote_rails():
 
 def test_planner_rejects_bad_config():
     with pytest.raises(ValueError, match="relay"):
-        Planner(64 * KB, MB, MB, MB, "sometimes")
+        Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=MB, relay="sometimes"))
     with pytest.raises(ValueError, match="cannot hold"):
-        Planner(64 * KB, 32 * KB, MB, MB)
+        Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=MB), chunk_bytes=32 * KB)
+
+
+def test_planner_turn_moves_with_each_plan_and_rewind_takes_it_back():
+    """``Planner.turn`` (the tie rotation a caller choosing a rail alone follows) moves once per ``plan`` call and
+    ``rewind`` takes the last move back; with equal loads the plan's unit starts on the rail of that turn."""
+    p = Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=16 * MB))
+    lengths = np.asarray([3 * KB + 5], dtype=np.int64)
+    srcs, dsts = lengths + 4096, lengths + (1 << 40)
+    choices = [RailChoice(r, True, -1) for r in range(3)]
+    start = p.turn
+    for k in range(1, 5):
+        units = p.plan(srcs, dsts, lengths, None, {-1: choices}, {}, [-1])
+        assert p.turn == start + k
+        assert units[0].rail == p.turn % 3
+    p.rewind()
+    assert p.turn == start + 3
 
 
 def test_region_table_lookups():
@@ -266,10 +283,11 @@ def test_whole_batch_rail_agrees_with_plan():
         choices = [RailChoice(r, local, dev if local else 7) for r in range(rails)]
         load = {r: int(rng.integers(0, 3 * MB)) for r in range(rails)} if rng.integers(2) else {}
         stats = (int(lengths.sum()), int(lengths.max()), int(lengths.min()))
-        kw = dict(relay=relay, direct_pieces=64)
-        reference = Planner(coalesce, 2 * MB, stripe, 2 * MB, **kw)
+        cfg = EngineConfig(coalesce_bytes=coalesce, relay_slot_bytes=2 * MB, stripe_bytes=stripe, relay=relay,
+                           direct_pieces=64)
+        reference = Planner(cfg)
         units = reference.plan(srcs, dsts, lengths, None, {dev: choices}, dict(load), [dev], None, None, stats[:2])
-        probe = Planner(coalesce, 2 * MB, stripe, 2 * MB, **kw)
+        probe = Planner(cfg)
         got = probe.whole_batch_rail(dev, choices, dict(load), n, stats[0], stats[2], stats[1])
         whole = (len(units) == 1 and units[0].kind == DIRECT and units[0].nbytes == stats[0]
                  and [tuple(x) for x in units[0].segments()] == list(zip(srcs.tolist(), dsts.tolist(),
@@ -280,8 +298,8 @@ def test_whole_batch_rail_agrees_with_plan():
             (case, got, [(u.kind, u.rail, u.nbytes) for u in units])
         if got is not None:
             assert got.rail == units[0].rail, case
-            short = Planner(coalesce, 2 * MB, stripe, 2 * MB, **kw).plan(srcs, dsts, lengths, None, {dev: choices},
-                                                                         dict(load), [dev], None, None, stats)
+            short = Planner(cfg).plan(srcs, dsts, lengths, None, {dev: choices}, dict(load), [dev], None, None,
+                                      stats)
             assert [(u.kind, u.rail, u.nbytes) for u in short] == [(DIRECT, got.rail, stats[0])], case
             assert [tuple(x) for x in short[0].segments()] == [tuple(x) for x in units[0].segments()], case
         assert probe.relays_all(choices, stats[2]) == all(u.kind == RELAYED for u in units), case
@@ -430,7 +448,7 @@ def test_planner_forwards_large_pieces_through_landing_slots():
     lengths = np.asarray([3 * MB, 2 * MB + 5, 100], dtype=np.int64)
     srcs = np.cumsum(np.concatenate(([0], lengths[:-1]))) + 4096
     dsts = srcs + (1 << 40)
-    p = Planner(64 * KB, 4 * MB, 16 * MB, 4 * MB, "auto")
+    p = Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=4 * MB, stripe_bytes=16 * MB, relay="auto"))
     rails_of = {0: [RailChoice(0, True, 0)]}
     units = p.plan(srcs, dsts, lengths, np.zeros(3, dtype=np.int64), rails_of, {}, [0],
                    dst_devices=np.asarray([1, 0, 1]), forward={0: 0})

@@ -143,7 +143,7 @@ def secret_file(environ=None) -> str:
     return os.path.join(base, "pxn", "secret")
 
 
-def _open_secret_file(path: str) -> int:
+def open_secret_file(path: str) -> int:
     """A descriptor of the secret file ``path``, checked before a byte is read: opened with ``O_NOFOLLOW |
     O_NONBLOCK`` (a symlink is refused, and a FIFO or device opens at once instead of hanging the start), then
     ``fstat``: anything but a regular file of this user with mode 0600 raises InsecureConfig at once."""
@@ -174,7 +174,7 @@ def _open_secret_file(path: str) -> int:
 def _load_secret_file(path: str) -> bytes:
     """The secret in ``path``, created (32 random bytes, hex, mode 0600, directory 0700) when missing. Raises
     InsecureConfig at once when it is a symlink, not a regular file (a FIFO must not hang the start), not this
-    user's, not of mode 0600, or too short (``_open_secret_file``)."""
+    user's, not of mode 0600, or too short (``open_secret_file``)."""
     with _FILE_LOCK:
         got = _FILE_SECRETS.get(path)
         if got is not None:
@@ -192,7 +192,7 @@ def _load_secret_file(path: str) -> bytes:
                 f.write(_secrets.token_hex(32) + "\n")
         deadline = time.monotonic() + 2.0
         while True:
-            fd = _open_secret_file(path)
+            fd = open_secret_file(path)
             try:
                 data = os.read(fd, 4096).strip()
             finally:

@@ -117,8 +117,7 @@ class Pipeline:
         self.control = None  # the engine's ControlPlane, once made (handshakes and region refreshes)
         self._closed = False
         self.coalesce_bytes = config.coalesce_bytes  # read on every batch: one attribute, not two
-        self.planner = Planner(config.coalesce_bytes, config.relay_slot_bytes, config.stripe_bytes,
-                               config.relay_slot_bytes, config.relay, config.direct_pieces)
+        self.planner = Planner(config)
         self._wr_ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._inflight: Dict[int, _Attempt] = {}

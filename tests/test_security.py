@@ -395,7 +395,7 @@ def test_an_engine_proves_itself_once_on_a_reopened_control_connection(victim, s
         _legit_write(eng, victim, src, rng)
         before = victim.security()["refused_unproven"]
         peer = eng._peers.peers[victim.session]
-        pr, ask = peer.rails[0], eng._pipe.fills.ask_credits
+        pr, ask = peer.rails[0], eng.data_path.fills.ask_credits
         ask(pr, 0, [])
         assert proofs == []
         hello_ctrl = peer.ctrl

@@ -179,6 +179,9 @@ class Pipeline:
     def peer(self, session_id: str) -> Peer:
         """The connected peer of ``session_id``, handshaking first when there is none. Raises UnknownSession
         naming why the handshake failed."""
+        peer = self.directory.peers.get(session_id) if session_id.__class__ is str else None
+        if peer is not None and peer.ready and not peer.retired and peer.connected():
+            return peer  # the common case, as ``ControlPlane.peer`` finds it, without the call
         while True:
             try:
                 return self.control.peer(session_id)
@@ -482,10 +485,12 @@ class Pipeline:
         parts = [a.unit.arrays() for a in atts]
         lsnap, rsnap = self.regions.snapshot(), peer.regions.snapshot()
         batch = atts[0].batch
-        local, remote = batch.local_region(lsnap), batch.peer_region(rsnap)
-        if self._batches and local is not None and remote is not None and all(a.batch is batch for a in atts):
+        spans = batch.spans  # ``Batch.local_region`` / ``peer_region``, written out: this runs once per post
+        if self._batches and spans is not None and spans[0] is lsnap and spans[2] is rsnap \
+                and all(a.batch is batch for a in atts):
             # one region on each side holds the whole batch: one key each, no lookup per piece
-            _one_region_requests(atts, parts, batch, local.keys[rail].lkey, remote.keys[rail])
+            _one_region_requests(atts, parts, batch, lsnap.regions[spans[1]].keys[rail].lkey,
+                                 rsnap.regions[spans[3]].keys[rail])
             return
         if len(parts) == 1:
             src, dst, n = parts[0]
@@ -550,7 +555,7 @@ class Pipeline:
         inflight = self.inflight
         with inflight.lock:
             for a in atts:
-                if a.cancelled or a.batch.failed:
+                if a.cancelled or a.batch.error is not None:
                     inflight.drop(a)
                     continue
                 inflight.post_locked(a)

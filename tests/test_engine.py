@@ -1267,7 +1267,7 @@ def test_topology_rails_and_relay_choice(src, rng):
             lengths = [64] * 100 + [3 * MB]
             run_case(eng, peer, src, disjoint_offsets(rng, lengths, 32 * MB), disjoint_offsets(rng, lengths, 16 * MB),
                      lengths)
-            p = eng._peer(peer.session)
+            p = eng.data_path.peer(peer.session)
             assert eng._peers.rail_choices(0, p)[0].local and eng._peers.rail_choices(0, p)[0].relay_device == 0
             c1 = eng._peers.rail_choices(1, p)[0]
             assert not c1.local and c1.relay_device == 0 and c1.rail == 0

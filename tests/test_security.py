@@ -169,7 +169,7 @@ def test_stranger_write_is_refused_unanswered(victim, src, what):
     with TransferEngine(fabric="tcp", secret=SECRET) as eng:
         eng.register(src)
         eng.batch_write(victim.session, [src.ctypes.data], [victim.base], [64])
-        peer = eng._peer(victim.session)
+        peer = eng.data_path.peer(victim.session)
         region = peer.regions.regions()[0]
         pr = peer.rails[0]
         victim.poison()

@@ -351,11 +351,6 @@ class TransferEngine:
         return self._pipe.peer(session_id)
 
     @property
-    def _inflight(self) -> list:
-        """The data path's attempts in flight: diagnostics and tests (``stats()["inflight"]`` counts them)."""
-        return self._pipe.inflight.attempts()
-
-    @property
     def reads(self) -> Reads:
         """The engine's reads and notifies (``transport.reads``: the pooled control connections for reads, the
         async executor, the queue of notifies peers sent)."""

@@ -482,7 +482,7 @@ class Pipeline:
         more host time than the post itself): one ``WriteBatch`` per attempt on fabrics with ``write_batches``,
         else one ``WriteRequest`` per piece, of which, with selective signaling, only each attempt's last
         completes on success."""
-        parts = [a.unit.arrays() for a in atts]
+        parts = [a.unit.runs if a.unit.runs is not None else a.unit.arrays() for a in atts]  # runs: no call
         lsnap, rsnap = self.regions.snapshot(), peer.regions.snapshot()
         batch = atts[0].batch
         spans = batch.spans  # ``Batch.local_region`` / ``peer_region``, written out: this runs once per post

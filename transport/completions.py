@@ -53,7 +53,6 @@ class Completions:
         self.rail_stats = rail_stats
         self.counters = counters
         self.closed = False
-        self._lock = inflight.lock  # a completion takes it once or twice: one attribute, not two
         self._deferring = [0] * len(fabrics)  # per rail: lists queued in the progress loop, not handled yet
         self._defer_lock = threading.Lock()
 
@@ -160,7 +159,7 @@ class Completions:
                 return False
         req = a.reqs[0]
         inflight = self.inflight
-        with self._lock:
+        with self.inflight.lock:
             if inflight.pop_locked(req.wr_id) is None:
                 return True
             a.pending = 0
@@ -185,7 +184,7 @@ class Completions:
                 self.counters.add("rx_ack_errors")
                 log.info("ack write on rail %d failed: %s", rail, c.error)
             return
-        with self._lock:
+        with self.inflight.lock:
             a = self.inflight.pop_locked(c.wr_id)
             if a is not None:
                 a.pending -= 1
@@ -202,7 +201,7 @@ class Completions:
             if more:
                 return
             if a.unit.kind == COALESCED and not a.cancelled:
-                with self._lock:
+                with self.inflight.lock:
                     a.write_done = True
                     done = a.acked
                 if done:
@@ -220,7 +219,7 @@ class Completions:
             self.fail(a, RemoteRejected(f"{a.batch.peer.session} refused a write on rail {rail}: {c.error}",
                                         [c.error]))
             return
-        with self._lock:
+        with self.inflight.lock:
             a.write_done = True
         self.failover.rail_failed(a.prail, c.error)
 
@@ -255,7 +254,7 @@ class Completions:
             self.fail(a, RemoteRejected(f"{peer.session} rejected a chunk of batch {a.batch.id}: {reason}"))
             return
         silent = not a.reqs[0].signaled  # a silent chunk write: this ack completes it (see ``SlotFills.fill``)
-        with self._lock:
+        with self.inflight.lock:
             a.acked = True
             done = a.write_done or silent
         if silent:
@@ -268,7 +267,7 @@ class Completions:
         # one lock section decides between success and failover: rail_failed only takes attempts that are
         # neither finished nor cancelled, so a unit is never counted done twice
         inflight = self.inflight
-        with self._lock:
+        with self.inflight.lock:
             claimed = not a.finished and not a.cancelled
             _, slot, landing = inflight.retire_locked(a)
         inflight.release(a, slot, landing)

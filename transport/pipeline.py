@@ -108,7 +108,6 @@ class Pipeline:
         self.regions = regions
         self.directory = directory
         self.inflight = InFlight(directory.lock, caps.selective_signaling)  # attempt state, ids, open or closed
-        self._lock = directory.lock  # attempt state and peers
         self._progress = progress
         self.counters = counters
         self.rail_stats = rail_stats
@@ -166,7 +165,7 @@ class Pipeline:
         key = (device, rail)
         ring = self._rings.get(key)
         if ring is None:
-            with self._lock:
+            with self.inflight.lock:
                 ring = self._rings.get(key)
                 if ring is None:
                     cfg = self.config
@@ -426,7 +425,7 @@ class Pipeline:
         """Create attempts for units and hand them to rings (chunks, relayed pieces) or post them (direct)."""
         direct: Dict[int, List[Attempt]] = {}
         to_copy: Dict[Tuple[int, int], List[Attempt]] = {}
-        with self._lock:
+        with self.inflight.lock:
             attempts = []
             for u in units:
                 pr = batch.peer.rails[u.rail]

@@ -624,10 +624,12 @@ def test_redispatch_waits_for_a_dead_rails_queued_completion():
                              cause=PeerLost("rail 0: connection reset by peer") if rail == 0 else None))
     failed, labelled, forgotten = [], [], []
     batch = NS(peer=peer, failed=False, id=7)
-    pipe = NS(completions=Comps(), counters=None, _fail_batch=lambda b, e: (failed.append(e),
-                                                                            setattr(b, "failed", True)))
+    comps = Comps()
+    accounts = NS(fail=lambda b, e: (failed.append(e), setattr(b, "failed", True)))
     directory = NS(rail_choices=lambda device, p: [])
-    fo = Failover(pipe, directory, [])
+    fo = Failover(NS(closed=False), accounts, directory, [], None, None)
+    fo.connect(comps, None)
+    pipe = NS(completions=comps)
 
     def rail_failed(pr, cause):
         labelled.append((pr.rail, str(cause)))

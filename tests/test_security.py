@@ -169,7 +169,7 @@ def test_stranger_write_is_refused_unanswered(victim, src, what):
     with TransferEngine(fabric="tcp", secret=SECRET) as eng:
         eng.register(src)
         eng.batch_write(victim.session, [src.ctypes.data], [victim.base], [64])
-        peer = eng._peer(victim.session)
+        peer = eng.data_path.peer(victim.session)
         region = peer.regions.regions()[0]
         pr = peer.rails[0]
         victim.poison()
@@ -395,7 +395,7 @@ def test_an_engine_proves_itself_once_on_a_reopened_control_connection(victim, s
         _legit_write(eng, victim, src, rng)
         before = victim.security()["refused_unproven"]
         peer = eng._peers.peers[victim.session]
-        pr, ask = peer.rails[0], eng._pipe.fills.ask_credits
+        pr, ask = peer.rails[0], eng.data_path.fills.ask_credits
         ask(pr, 0, [])
         assert proofs == []
         hello_ctrl = peer.ctrl

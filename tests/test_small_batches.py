@@ -170,7 +170,7 @@ def test_async_small_batches_complete_in_order(peer, src, rng):
         peer.check(exp)
         # batches completed by their ack and those completed after an earlier one, counted alike
         st = eng.stats()
-        assert st["batches"]["ok"] == 20 and st["paths"]["direct"]["units"] == 20 and not eng._pipe._inflight
+        assert st["batches"]["ok"] == 20 and st["paths"]["direct"]["units"] == 20 and not st["inflight"]
 
 
 def test_small_batches_survive_a_dead_rail(peer, src, rng):
@@ -198,7 +198,7 @@ def test_small_batches_from_threads(peer, src):
 
         assert not _run_threads(run, jobs, 60)
         peer.check(exp)
-        assert eng.stats()["batches"]["ok"] == 8 * 30 and not eng._pipe._inflight
+        assert eng.stats()["batches"]["ok"] == 8 * 30 and not eng.stats()["inflight"]
 
 
 # --- units ------------------------------------------------------------------------------------------------------
@@ -432,8 +432,8 @@ def test_small_batches_counted_when_they_complete_by_their_ack(peer, src, rng):
         assert sum(r.get("completions", 0) for r in st["rails"]) == n
         assert sum(r.get("bytes_completed", 0) for r in st["rails"]) == n * sum(AUX)
         assert sum(r.get("post_calls", 0) for r in st["rails"]) == n
-        assert not eng._pipe._inflight and all(not pr.inflight and pr.bytes_in_flight == 0
-                                         for p in eng._peers.values() for pr in p.rails)
+        assert not st["inflight"] and all(not pr.inflight and pr.bytes_in_flight == 0
+                                       for p in eng._peers.values() for pr in p.rails)
 
 
 # --- a waiting caller reads its own ack ---------------------------------------------------------------------------
@@ -473,7 +473,7 @@ def test_waiting_callers_read_their_own_acks(peer, src, rng):
                             disjoint_offsets(rng, AUX, 4 * MB), AUX)
         assert _own_reads(eng) >= 12 - 2 * len(eng.fabrics) * eng.fabrics[0].connections_per_peer
         assert not any(s.reader.locked() for f in eng.fabrics for ep in f._all_eps for s in ep.socks)
-        assert eng.stats()["batches"]["ok"] == 12 and not eng._pipe._inflight
+        assert eng.stats()["batches"]["ok"] == 12 and not eng.stats()["inflight"]
     from transport.fabric.tcp import TcpFabric
     orig = TcpFabric.__init__
 
@@ -559,7 +559,7 @@ def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
         assert hits <= AdaptiveSpin.MISSES, hits
         assert sum(sp.spins for sp in spins) == sum(sp.offs for sp in spins) * (AdaptiveSpin.MISSES + 1) + hits
         assert sum(sp.offs for sp in spins) >= 1 and not all(sp.on for sp in spins)
-        assert not eng._pipe._inflight
+        assert not eng.stats()["inflight"]
     finally:
         eng.close()
         tgt.close()
@@ -656,7 +656,7 @@ def test_small_batches_keep_to_one_socket_until_it_is_busy(src, rng):
         assert done.is_set() and ep._small == (first + 1) % len(ep.socks)
         for _ in range(3):
             batch()
-        assert not eng._pipe._inflight
+        assert not eng.stats()["inflight"]
     finally:
         eng.close()
         tgt.close()
@@ -741,7 +741,7 @@ def test_a_dead_endpoint_while_the_caller_reads_its_ack_fails_over(src, rng):
         assert killer_done.is_set() and aborted
         assert took < 10, took
         assert np.array_equal(dst, _expect(len(dst), src, so, do))
-        assert not eng._pipe._inflight
+        assert not eng.stats()["inflight"]
         # and the engine goes on: more batches, byte-exact
         for _ in range(4):
             dst[:] = 0xA5
@@ -774,5 +774,5 @@ def test_sync_and_async_small_batches_from_threads(peer, src):
         assert not _run_threads(run, jobs, 120)
         peer.check(exp)
         n = 6 * (40 + 13 * 3)
-        assert eng.stats()["batches"]["ok"] == n and not eng._pipe._inflight
+        assert eng.stats()["batches"]["ok"] == n and not eng.stats()["inflight"]
         assert _own_reads(eng) > 0

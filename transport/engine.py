@@ -50,7 +50,7 @@ import sys
 import threading
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from transport.batches import BatchHandle, _Batch, batch_timeout
+from transport.batches import BatchHandle, Batch, batch_timeout
 from transport.completions import WATCHDOG_S
 from transport.config import EngineConfig
 from transport.control import ControlPlane
@@ -238,7 +238,7 @@ class TransferEngine:
         self.port = self._control.port
         self.session_id = self._control.session_id = self._pipe.session_id = f"{hostname}:{self.port}"
         self._pipe.control = self._control
-        self._reads = Reads(self, self._control)
+        self._reads = Reads(self, self._control, self._regions, self._check_open)
         self._threads.append(self._control.start())
         self._start_completions(caps)
         self._log_start(cfg)
@@ -395,12 +395,19 @@ class TransferEngine:
 
     def _peer(self, session_id: str):
         """The connected peer record of ``session_id`` (handshaking first): diagnostics and tests."""
-        return self._pipe._peer(session_id)
+        return self._pipe.peer(session_id)
 
     @property
-    def _inflight(self) -> dict:
-        """The data path's attempts in flight, by write id: diagnostics and tests."""
-        return self._pipe._inflight
+    def reads(self) -> Reads:
+        """The engine's reads and notifies (``transport.reads``: the pooled control connections for reads, the
+        async executor, the queue of notifies peers sent)."""
+        return self._reads
+
+    @property
+    def data_path(self):
+        """The engine's data path (``transport.pipeline.Pipeline``): its parts (``planner``, ``fills``,
+        ``completions``, ``inflight``, ``rings()``) for diagnostics and tests."""
+        return self._pipe
 
     def _check_open(self) -> None:
         if self._closed:
@@ -548,9 +555,9 @@ class TransferEngine:
         """
         timeout = batch_timeout(timeout, self.config.timeout)
         pipe = self._pipe
-        batch = pipe._submit(session_id, srcs, dsts, lengths)
+        batch = pipe.submit(session_id, srcs, dsts, lengths)
         if batch is not None:
-            pipe._wait(batch, timeout)
+            pipe.wait(batch, timeout)
 
     def batch_write_async(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
                           lengths: Sequence[int], timeout: Optional[float] = None) -> BatchHandle:
@@ -559,9 +566,9 @@ class TransferEngine:
         paths queue their copies behind this thread's work on the sources' current stream and return; the posted
         path (chunks, posted relays, fabrics that read from other threads) first waits for that work."""
         timeout = batch_timeout(timeout, self.config.timeout)
-        batch = self._pipe._submit(session_id, srcs, dsts, lengths, async_=True)
+        batch = self._pipe.submit(session_id, srcs, dsts, lengths, async_=True)
         if batch is None:
-            batch = _Batch(0, None, None, None, [], 0)
+            batch = Batch(0, None, None, None, [], 0)
             batch.event.set()
         return BatchHandle(self._pipe, batch, timeout)
 
@@ -639,7 +646,8 @@ class TransferEngine:
             "routes": {k: c.get(f"route_{k}", 0) for k in ROUTES},
             "time_s": time_s,
             "rails": rails,
-            "rings": {ring.name: ring.stats() for ring in list(self._pipe._rings.values())},
+            "rings": {ring.name: ring.stats() for ring in self._pipe.rings()},
+            "inflight": len(self._pipe.inflight),
             "receiver": receiver,
             "failover": {"rail_failures": c.get("rail_failures", 0), "redispatched_units": c.get("failovers", 0),
                          "peers_lost": c.get("peers_lost", 0), "reconnects": c.get("reconnects", 0),

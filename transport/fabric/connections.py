@@ -16,8 +16,8 @@ from transport import auth
 from transport.errors import FabricClosed, FabricError, PeerLost, UnknownPeer
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.sockets import recv_exact
-from transport.fabric.wire import (HDR, MAGIC, MAX_HELLO, MAX_MESSAGE_BYTES, T_HELLO, T_HELLO_ACK, _frame_check, _keyed,
-                                   _seal)
+from transport.fabric.wire import (HDR, MAGIC, MAX_HELLO, MAX_MESSAGE_BYTES, T_HELLO, T_HELLO_ACK, frame_check, keyed,
+                                   seal)
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Connections:
                 for t in s.threads:
                     if t is not threading.current_thread():
                         t.join(timeout=2.0)
-        self.fabric._stop_io()  # before the sockets close: no thread is left that reads or sends on them
+        self.fabric.stop_io()  # before the sockets close: no thread is left that reads or sends on them
         for ep in eps:
             ep.close_sockets()
         self._listen_thread.join(timeout=2.0)
@@ -107,7 +107,7 @@ class Connections:
     def connect(self, peer_descriptor: bytes) -> SocketEndpoint:
         """The endpoint to the peer of ``peer_descriptor`` (its fabric's ``descriptor()``): the live one, else a new
         connection of ``connections_per_peer`` sockets. PeerLost when it cannot be made."""
-        self.fabric._check_open()
+        self.fabric.check_open()
         try:
             d = json.loads(bytes(peer_descriptor))
             peer_id, host, port = d["id"], d["host"], int(d["port"])
@@ -115,7 +115,7 @@ class Connections:
             raise ValueError(f"connect: malformed peer descriptor {bytes(peer_descriptor)[:100]!r}: {e}") from e
         if d.get("fabric") != self.fabric.name:
             raise ValueError(f"connect: descriptor is for fabric {d.get('fabric')!r}, this is {self.fabric.name!r}")
-        self.fabric._check_peer(d)
+        self.fabric.check_peer(d)
         with self._lock:
             ep = self._endpoints.get(peer_id)
             if ep is not None and ep.alive:
@@ -131,7 +131,7 @@ class Connections:
                 auth.client_handshake(s, self._secret, self.fabric.name, self.connect_timeout)
                 hello = json.dumps({"id": self.owner, "conn": conn_id, "index": i, "n": n,
                                     "desc": json.loads(self.fabric.descriptor())}).encode()
-                s.sendall(_seal(_keyed(s), HDR.pack(MAGIC, T_HELLO, 0, 0, 0, 0, len(hello)) + hello))
+                s.sendall(seal(keyed(s), HDR.pack(MAGIC, T_HELLO, 0, 0, 0, 0, len(hello)) + hello))
             for s in socks:
                 hdr = bytearray(HDR.size)
                 recv_exact(s, memoryview(hdr))
@@ -140,7 +140,7 @@ class Connections:
                     raise FabricError(f"connect to {peer_id}: HELLO_ACK of {blen} B is implausible")
                 body = bytearray(blen)
                 recv_exact(s, memoryview(body))
-                _frame_check(_keyed(s), hdr, body)
+                frame_check(keyed(s), hdr, body)
                 if magic != MAGIC or typ != T_HELLO_ACK or status != 0:
                     raise FabricError(f"connect to {peer_id}: handshake refused: {bytes(body)[:200]!r}")
                 s.settimeout(None)
@@ -215,7 +215,7 @@ class Connections:
     def _refuse(self, s: socket.socket, why: str) -> None:
         try:
             msg = why.encode()[:1024]
-            s.sendall(_seal(_keyed(s), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 1, 0, len(msg)) + msg))
+            s.sendall(seal(keyed(s), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 1, 0, len(msg)) + msg))
         except OSError:
             pass
 
@@ -231,7 +231,7 @@ class Connections:
             if magic != MAGIC or typ != T_HELLO or blen > MAX_HELLO:
                 raise ValueError(f"bad hello header {hdr!r}")
             body = auth.recv_exact(s, blen, a.deadline)
-            _frame_check(_keyed(s), hdr, body)  # before the hello is parsed or acted on
+            frame_check(keyed(s), hdr, body)  # before the hello is parsed or acted on
             hello = json.loads(body)
             conn, idx, n = str(hello["conn"]), int(hello["index"]), int(hello["n"])
             peer_id, desc = hello["id"], hello["desc"]
@@ -239,7 +239,7 @@ class Connections:
                 raise ValueError(f"bad hello fields id={peer_id!r}")
             if not 1 <= n <= 64 or not 0 <= idx < n:
                 raise ValueError(f"bad hello index {idx} of {n}")
-            self.fabric._check_peer(desc)
+            self.fabric.check_peer(desc)
         except Exception as e:  # noqa: BLE001 — a broken client must not kill anything
             log.warning("%s: refused connection from %s: %s", self.owner, a.addr, e)
             self.gate.count("refused_hello")
@@ -304,7 +304,7 @@ class Connections:
                 ep.remote_host = host
                 for sk in socks:
                     try:
-                        sk.sendall(_seal(_keyed(sk), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0)))
+                        sk.sendall(seal(keyed(sk), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0)))
                     except OSError as e:
                         ep.fail(f"handshake: {e}")
                         break
@@ -321,8 +321,7 @@ class Connections:
             with self._lock:
                 eps = list(self._all_eps)
             for ep in eps:
-                with ep._lock:
-                    oldest = next(iter(ep._pending.values()), None) if ep._alive else None
+                oldest = ep.oldest_pending()
                 if oldest is not None and now - oldest.posted_at > self.ack_timeout:
                     ep.fail(f"message {oldest.seq} unacknowledged for {self.ack_timeout:g} s")
 

@@ -18,7 +18,7 @@ from transport.arrays import distinct
 from transport.errors import RegionError
 from transport.fabric.base import DEVICE_HOST, IMM_MAX, MemoryRegion, WriteBatch, WriteRequest, check_range
 from transport.fabric.memory import check_device, raw_view
-from transport.fabric.wire import _I64, ST_BAD_RKEY, ST_BOUNDS
+from transport.fabric.wire import I64, ST_BAD_RKEY, ST_BOUNDS
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,8 @@ class RegionBook:
         """``(write, "value", what is wrong)`` for the first write with a bad value, in the order of the checks;
         None when every value is good."""
         checks = [(ln <= 0, "length must be positive"), (la < 0, "local address is negative"),
-                  (ra < 0, "remote address is negative"), (la > _I64 - ln, "local range overflows"),
-                  (ra > _I64 - ln, "remote range overflows"),
+                  (ra < 0, "remote address is negative"), (la > I64 - ln, "local range overflows"),
+                  (ra > I64 - ln, "remote range overflows"),
                   ((rk < 0) | (rk > 0xFFFFFFFF), "rkey is not a 32-bit unsigned int")]
         if imm is not None:
             checks.append(((imm < 0) | (imm > IMM_MAX), "imm is not a 32-bit unsigned int"))
@@ -153,8 +153,8 @@ class RegionBook:
             return int(np.flatnonzero(mask)[0])
 
         lmax, la_min = int(ln.max()), int(la.min())
-        if not (int(ln.min()) > 0 and la_min >= 0 and int(ra.min()) >= 0 and int(la.max()) + lmax <= _I64
-                and int(ra.max()) + lmax <= _I64 and int(rk.min()) >= 0 and int(rk.max()) <= 0xFFFFFFFF
+        if not (int(ln.min()) > 0 and la_min >= 0 and int(ra.min()) >= 0 and int(la.max()) + lmax <= I64
+                and int(ra.max()) + lmax <= I64 and int(rk.min()) >= 0 and int(rk.max()) <= 0xFFFFFFFF
                 and (imm is None or (int(imm.min()) >= 0 and int(imm.max()) <= IMM_MAX))):
             # some value may be bad (these extremes, fewer numpy calls than the masks, pass every good post):
             # the first write at fault, in the order of the checks

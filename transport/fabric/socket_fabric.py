@@ -3,10 +3,10 @@ the connection set (``Connections``), the checks of a post and its cutting into 
 receive loop that reads and checks every frame, and the in-order release of acks and RECV_IMM events.
 
 What a message does at the target is each fabric's own (``_on_message``: tcp places payload, ipc grants and
-copies), and so is how a queued message goes out (``_transmit``).
+copies), and so is how a queued message goes out (``transmit``).
 
 Threads: one listener and one watchdog per fabric (one short-lived thread per connection while it authenticates),
-and what serves the sockets (``_start_endpoint``): by default (ipc) per socket one receiver thread (never blocks on
+and what serves the sockets (``start_endpoint``): by default (ipc) per socket one receiver thread (never blocks on
 sending) and one sender thread (owns all sends on the socket, control messages first), which rules out the
 cross-peer deadlock where both sides block sending while nobody drains; the tcp fabric instead serves every socket
 with a fixed number of I/O threads per fabric (``transport.fabric.tcp_io``), under the same rules.
@@ -30,12 +30,12 @@ from transport.fabric.base import (
 )
 from transport.fabric.connections import Connections
 from transport.fabric.endpoint import SocketEndpoint
-from transport.fabric.messages import _OutMsg, batch_messages, write_messages
+from transport.fabric.messages import OutMsg, batch_messages, write_messages
 from transport.fabric.region_book import RegionBook
-from transport.fabric.sockets import _Sock, recv_exact, send_ctrl_frames, send_now
+from transport.fabric.sockets import Sock, recv_exact, send_ctrl_frames, send_now
 from transport.fabric.wire import (
-    _TAIL, _VECTOR_MIN, F_IMM, H_NOACK, H_TOKEN, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
-    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, _rx_head, ack_frame, check_token,
+    TAIL, VECTOR_MIN, F_IMM, H_NOACK, H_TOKEN, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
+    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, rx_head, ack_frame, check_token,
 )
 
 log = logging.getLogger(__name__)
@@ -110,12 +110,17 @@ class SocketFabric(Fabric):
     def local_id(self) -> str:
         return self._id
 
-    def _check_open(self) -> None:
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` began."""
+        return self._closed
+
+    def check_open(self) -> None:
         if self._closed:
             raise FabricClosed(f"{self.name} fabric {self._id} is closed")
 
     def register(self, addr: int, length: int, device: int = DEVICE_HOST) -> MemoryRegion:
-        self._check_open()
+        self.check_open()
         mr = self._book.register(addr, length, device)
         self._on_register(mr)
         return mr
@@ -124,11 +129,11 @@ class SocketFabric(Fabric):
         """Hook: ipc exports GPU regions."""
 
     def deregister(self, mr: MemoryRegion) -> None:
-        self._check_open()
+        self.check_open()
         self._book.deregister(mr)
 
     def descriptor(self) -> bytes:
-        self._check_open()
+        self.check_open()
         return json.dumps({"fabric": self.name, "id": self._id, "host": self.hostname, "port": self.port,
                            "message_bytes": self.message_bytes, **self._descriptor_extra()}).encode()
 
@@ -138,11 +143,11 @@ class SocketFabric(Fabric):
     def connect(self, peer_descriptor: bytes) -> Endpoint:
         return self._conns.connect(peer_descriptor)
 
-    def _check_peer(self, desc: dict) -> None:
+    def check_peer(self, desc: dict) -> None:
         """Hook: ipc refuses peers on another host."""
 
     def endpoint(self, peer_id: str) -> Endpoint:
-        self._check_open()
+        self.check_open()
         return self._conns.endpoint(peer_id)
 
     def expect_peer(self, peer_id: str, ttl: float = 60.0) -> None:
@@ -166,11 +171,11 @@ class SocketFabric(Fabric):
         return self._conns.endpoints()
 
     def _validate(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> List[MemoryRegion]:
-        self._check_open()
+        self.check_open()
         if not isinstance(ep, SocketEndpoint) or ep.fabric is not self:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {self.name} fabric {self._id}")
         ep.check_alive()
-        if len(requests) > _VECTOR_MIN:
+        if len(requests) > VECTOR_MIN:
             mrs = self._book.validate_many(requests)
             if mrs is not None:
                 return mrs
@@ -208,16 +213,16 @@ class SocketFabric(Fabric):
         streams its messages in parallel), at most ``message_bytes``."""
         return max(64 << 10, min(self.message_bytes, -(-total // nsocks)))
 
-    def _send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
+    def _send(self, ep: SocketEndpoint, msgs: List[OutMsg]) -> None:
         """Hand checked messages to the sockets' sender threads."""
         ep.enqueue(msgs)
 
-    def _transmit(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg) -> None:
+    def transmit(self, ep: SocketEndpoint, s: Sock, msg: OutMsg) -> None:
         """Send one queued message on socket ``s`` (the sender thread of ``s``)."""
         raise NotImplementedError
 
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
-        self._check_open()
+        self.check_open()
         return self._cq.take(max_n, timeout)
 
     def set_completion_handler(self, handler) -> None:
@@ -235,11 +240,11 @@ class SocketFabric(Fabric):
     def _on_close(self) -> None:
         """Hook for subclasses."""
 
-    def _push(self, comps: List[Completion]) -> None:
+    def push_completions(self, comps: List[Completion]) -> None:
         if comps:
             self._cq.push(comps)
 
-    def _start_endpoint(self, ep: SocketEndpoint) -> None:
+    def start_endpoint(self, ep: SocketEndpoint) -> None:
         """Serve the sockets of a new endpoint: here a receiver and a sender thread per socket."""
         for s in ep.socks:
             for fn, role in ((self._recv_loop, "recv"), (self._send_loop, "send")):
@@ -248,11 +253,11 @@ class SocketFabric(Fabric):
                 s.threads.append(t)
                 t.start()
 
-    def _stop_io(self) -> None:
+    def stop_io(self) -> None:
         """Stop the threads that serve sockets beyond each socket's own (``Connections.close``, once every endpoint
         failed and before the sockets close); none here."""
 
-    def _send_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
+    def _send_loop(self, ep: SocketEndpoint, s: Sock) -> None:
         try:
             while True:
                 with s.cv:
@@ -270,45 +275,45 @@ class SocketFabric(Fabric):
                     if ctrl:
                         send_ctrl_frames(s, ctrl)
                     if msg is not None:
-                        self._transmit(ep, s, msg)
+                        self.transmit(ep, s, msg)
         except Exception as e:  # noqa: BLE001 — any send failure means the link is gone
             if ep.alive and not self._closed:
                 log.debug("send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"send failed: {e}")
 
-    def _recv_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
+    def _recv_loop(self, ep: SocketEndpoint, s: Sock) -> None:
         """The receive thread of socket ``s``: one message after the other until the link fails."""
         st = self._receive_state(s)
         rx = st["rx"] = s.sock
         try:
             while True:
-                self._read_one(ep, s, rx, st)
+                self.read_one(ep, s, rx, st)
         except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
             if ep.alive and not self._closed:
                 log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"receive failed: {e}")
 
     @staticmethod
-    def _receive_state(s: _Sock) -> dict:
+    def _receive_state(s: Sock) -> dict:
         """A receive thread's buffers: piece tables, payload staging, the header."""
         hdr = bytearray(HDR.size)
         return {"table": bytearray(64 * 48), "stage": bytearray(1 << 20), "hdr": hdr, "hview": memoryview(hdr)}
 
-    def _read_one(self, ep: SocketEndpoint, s: _Sock, rx, st: dict) -> None:
+    def read_one(self, ep: SocketEndpoint, s: Sock, rx, st: dict) -> None:
         """Read and handle one message from socket ``s`` (through ``rx``, its look-ahead reader or the bare socket);
         blocks until the whole message is read. Raises on EOF, a reset or a malformed stream."""
         sess = s.sess
         if rx is not s.sock:
             magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
             if sess is not None:  # the header is checked with what its tag covers, before anything acts on it
-                p = rx.pos - 48  # wire._rx_head, inline: this runs once per frame
+                p = rx.pos - 48  # wire.rx_head, inline: this runs once per frame
                 tag = rx.buf[p + 32:p + 48]
                 if hflags & H_TOKEN and typ == T_ACK:  # an ack token: no hash, no sequence number
                     mac = None
                 else:
-                    _TAIL.pack_into(rx.buf, p + 32, sess.rx_n)  # consumed bytes: the tag's place, as when sealed
+                    TAIL.pack_into(rx.buf, p + 32, sess.rx_n)  # consumed bytes: the tag's place, as when sealed
                     sess.rx_n += 1
-                    mac = sess._rx.copy()
+                    mac = sess.rx_hash.copy()
                     mac.update(rx.view[p:p + 48])
         else:
             recv_exact(rx, st["hview"])
@@ -317,7 +322,7 @@ class SocketFabric(Fabric):
                 if hflags & H_TOKEN and typ == T_ACK:
                     mac, tag = None, bytes(st["hview"][32:48])
                 else:
-                    mac, tag = _rx_head(sess, st["hdr"])
+                    mac, tag = rx_head(sess, st["hdr"])
         if magic != MAGIC:
             raise ValueError(f"bad magic {magic!r}")
         if typ == T_ACK:
@@ -381,22 +386,22 @@ class SocketFabric(Fabric):
 
     _OTHER_TYPES: tuple = ()  # message types besides WRITE / REQ / ACK this fabric receives (ipc: GRANT, DONE)
 
-    def _on_other(self, ep: SocketEndpoint, s: _Sock, typ: int, count: int, seq: int, body: bytes) -> None:
+    def _on_other(self, ep: SocketEndpoint, s: Sock, typ: int, count: int, seq: int, body: bytes) -> None:
         raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
 
-    def _send_ctrl(self, ep: SocketEndpoint, s: _Sock, payload: bytes) -> None:
+    def send_ctrl(self, ep: SocketEndpoint, s: Sock, payload: bytes) -> None:
         """Send a small control message (ack): at once when the socket is idle, else through its sender thread
         (the receiving thread that calls this never waits on a send)."""
         if not send_now(s, [payload]):
             ep.send_ctrl(s, payload)
 
-    def _on_message(self, ep: SocketEndpoint, s: _Sock, typ: int, seq: int, table: np.ndarray, payload: int,
+    def _on_message(self, ep: SocketEndpoint, s: Sock, typ: int, seq: int, table: np.ndarray, payload: int,
                     st: dict, ack: bool = True) -> None:
-        """Handle one WRITE / REQ / NOTIFY message whose table ``_read_one`` read and checked (its ``payload``
+        """Handle one WRITE / REQ / NOTIFY message whose table ``read_one`` read and checked (its ``payload``
         bytes still on the socket)."""
         raise NotImplementedError
 
-    def _finish_message(self, ep: SocketEndpoint, s: _Sock, seq: int, table: np.ndarray, statuses,
+    def finish_message(self, ep: SocketEndpoint, s: Sock, seq: int, table: np.ndarray, statuses,
                         ack: bool = True, hold: bool = False, token: Optional[bytes] = None) -> None:
         """Ack the sender (unless ``ack`` is False: it completed the message itself; with the WRITE's ack token
         ``token`` when every piece was placed, ``wire.ack_frame``), then release this message's RECV_IMM events
@@ -423,7 +428,7 @@ class SocketFabric(Fabric):
                     ep.deliver_in_order(seq, events)
                 finally:
                     if held.pop("ack", None) is not None:
-                        self._send_ctrl(ep, s, payload)
+                        self.send_ctrl(ep, s, payload)
                 return
-            self._send_ctrl(ep, s, payload)
+            self.send_ctrl(ep, s, payload)
         ep.deliver_in_order(seq, events)

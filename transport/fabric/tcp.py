@@ -22,7 +22,7 @@ from transport import auth
 from transport.config import EngineConfig
 from transport.fabric.base import Capabilities, Endpoint, WriteRequest, WriteRows
 from transport.fabric.endpoint import SocketEndpoint
-from transport.fabric.sockets import _Rx, _Sock, send_now
+from transport.fabric.sockets import Rx, Sock, send_now
 from transport.fabric.socket_fabric import SocketFabric, log
 from transport.fabric.tcp_io import TcpIo, reader_state
 from transport.fabric.tcp_landing import TcpLanding
@@ -57,7 +57,7 @@ class TcpFabric(TcpLanding, SocketFabric):
     Its parts: the shared socket-message layer it builds on (``SocketFabric``: regions, connections, the reading
     of a message), its I/O threads (``TcpIo``, owned), its sender side (``TcpPoster``, owned), and its target side
     (``TcpLanding``, mixed in: it runs once per message on the reading thread and acknowledges through
-    ``_send_ctrl``, which a hop to another object would lengthen by a step per message).
+    ``send_ctrl``, which a hop to another object would lengthen by a step per message).
     """
 
     name = "tcp"
@@ -110,7 +110,7 @@ class TcpFabric(TcpLanding, SocketFabric):
         self.post_writes = poster.post_writes
         self.await_rows = poster.await_rows
         self._send = poster.send
-        self._transmit = poster.transmit
+        self.transmit = poster.transmit
         self._ack_spin = poster.ack_spin
         self._io = TcpIo(self, io_threads, self.ack_timeout, self._recv_spin)
         self._io.start(str(self.port))
@@ -125,14 +125,14 @@ class TcpFabric(TcpLanding, SocketFabric):
         """For the thread that posted ``b`` with ``read_ack``: read its ack itself (``TcpPoster.await_rows``)."""
         self._poster.await_rows(b, deadline)
 
-    def _start_endpoint(self, ep: SocketEndpoint) -> None:
+    def start_endpoint(self, ep: SocketEndpoint) -> None:
         """Serve a new endpoint's sockets with the fabric's I/O threads (``TcpIo.add``)."""
         self._io.add(ep)
 
-    def _stop_io(self) -> None:
+    def stop_io(self) -> None:
         self._io.stop()
 
-    def _caller_state(self, s: _Sock) -> dict:
+    def _caller_state(self, s: Sock) -> dict:
         """The reading state of this thread (not a reader thread: a caller that reads its own ack), set up for
         socket ``s``: its look-ahead reader with this thread's buffer."""
         st = self._caller.__dict__.get("st")
@@ -140,18 +140,18 @@ class TcpFabric(TcpLanding, SocketFabric):
             st = self._caller.st = reader_state(SMALL_MESSAGE)
         rx = s.rx
         if rx is None:
-            rx = s.rx = _Rx(s.sock, 0)
+            rx = s.rx = Rx(s.sock, 0)
         rx.attach(st["rxbuf"], st["rxview"])
         st["rx"] = rx
         return st
 
-    def _recv_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
+    def _recv_loop(self, ep: SocketEndpoint, s: Sock) -> None:
         """Read socket ``s`` on this thread, one message after the other, until the link fails (a test's or a
         fuzzer's stand-in for the reader threads, on an endpoint they do not serve)."""
         st = self._caller_state(s)
         try:
             while True:
-                self._read_one(ep, s, st["rx"], st)
+                self.read_one(ep, s, st["rx"], st)
         except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
             if ep.alive and not self._closed:
                 log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)

@@ -25,8 +25,8 @@ from transport.fabric.base import DEVICE_HOST, Completion, MemoryRegion, Opcode
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
-from transport.fabric.sockets import _Sock, recv_exact, recv_views
-from transport.fabric.wire import (_STATUS_TEXT, F_IMM, H_NOACK, SMALL_PIECE, ST_FAILED, ST_OK, T_WRITE, _table_struct,
+from transport.fabric.sockets import Sock, recv_exact, recv_views
+from transport.fabric.wire import (STATUS_TEXT, F_IMM, H_NOACK, SMALL_PIECE, ST_FAILED, ST_OK, T_WRITE, table_struct,
                                    ack_frame)
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class TcpLanding:
     """The target-side methods of ``TcpFabric``, on the reading threads (a part of that class, not a fabric of its
     own: it runs once per message on the receiving thread, where reaching another object's methods and tables
     would add a step per message). It reads the fabric's region tables (``SocketFabric._book`` and their aliases)
-    and acknowledges through ``_send_ctrl`` / ``_finish_message``."""
+    and acknowledges through ``send_ctrl`` / ``finish_message``."""
 
     def set_landing_handler(self, mr: MemoryRegion, handler) -> None:
         """Capability ``landing_handlers``: let ``handler`` place writes with an immediate into the host region
@@ -52,7 +52,7 @@ class TcpLanding:
         of the write outside the plan land in ``mr``. The RECV_IMM of the write follows as for any write."""
         self._book.set_landing_handler(mr, handler)
 
-    def _on_message(self, ep: SocketEndpoint, s: _Sock, typ: int, seq: int, table: np.ndarray, payload: int,
+    def _on_message(self, ep: SocketEndpoint, s: Sock, typ: int, seq: int, table: np.ndarray, payload: int,
                     st: dict, ack: bool = True) -> None:
         """Receive one WRITE message (table read, payload still on the socket) and put its accepted pieces in
         place; ``ack`` False for an unacked write (header flag ``H_NOACK``), whose sender waits for no ACK."""
@@ -75,7 +75,7 @@ class TcpLanding:
                 self._place(st.get("rx", s.sock), table, lens, statuses, regions, st)
         finally:
             self._unpin(pinned)
-        self._finish_message(ep, s, seq, table, statuses, ack=ack, hold=landed and ack, token=st.pop("token", None))
+        self.finish_message(ep, s, seq, table, statuses, ack=ack, hold=landed and ack, token=st.pop("token", None))
 
     def _place_landed(self, ep: SocketEndpoint, sock, handler, mr: MemoryRegion, addr: int, length: int, imm: int,
                       st: dict) -> None:
@@ -148,7 +148,7 @@ class TcpLanding:
         if plan is not None:
             plan.done()
 
-    def _on_small_write(self, ep: SocketEndpoint, s: _Sock, seq: int, count: int, tb: int, blen: int,
+    def _on_small_write(self, ep: SocketEndpoint, s: Sock, seq: int, count: int, tb: int, blen: int,
                         st: dict, hflags: int = 0, mac=None) -> None:
         """``_on_message`` for a WRITE message of at most ``SMALL_MESSAGE`` bytes: table and payload taken in one
         receive, the table read by one ``struct`` call, every accepted piece copied to its place from there. The
@@ -162,7 +162,7 @@ class TcpLanding:
             if not compare_digest(d[:16], mac[1]):
                 s.sess.rx_end(*mac)
             token = d[16:]
-        cols = _table_struct(count).unpack_from(view)
+        cols = table_struct(count).unpack_from(view)
         addrs, lens, waddrs, wlens = cols[0::8], cols[1::8], cols[2::8], cols[3::8]
         rkeys, flags = cols[4::8], cols[5::8]
         payload = blen - tb
@@ -219,12 +219,12 @@ class TcpLanding:
                 if f & F_IMM and statuses[i] == ST_OK:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))
         if not hflags & H_NOACK:
-            self._send_ctrl(ep, s, ack_frame(seq, statuses, token))
+            self.send_ctrl(ep, s, ack_frame(seq, statuses, token))
             st["small"] = True  # the reader may spin for the next one (``recv_spin``)
         elif statuses.count(0) != count:
             i = next(i for i, v in enumerate(statuses) if v)
             log.warning("%s: refused an unacked write from %s: %d B at 0x%x rkey 0x%x: %s", self._id, ep.peer_id,
-                        wlens[i], waddrs[i], rkeys[i], _STATUS_TEXT.get(statuses[i], statuses[i]))
+                        wlens[i], waddrs[i], rkeys[i], STATUS_TEXT.get(statuses[i], statuses[i]))
         ep.deliver_in_order(seq, events)
 
     def _place(self, sock: socket.socket, table, lens, statuses, regions, st: dict) -> None:

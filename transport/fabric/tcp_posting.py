@@ -21,11 +21,11 @@ from transport.fabric.base import DEVICE_HOST, Endpoint, GatherWrite, MemoryRegi
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
-from transport.fabric.messages import _BatchRecord, _OutMsg, _WrRecord, batch_messages, write_messages
-from transport.fabric.sockets import _Sock, send_buffers, send_now
+from transport.fabric.messages import BatchRecord, OutMsg, WrRecord, batch_messages, write_messages
+from transport.fabric.sockets import Sock, send_buffers, send_now
 from transport.fabric.spin import AdaptiveSpin
-from transport.fabric.wire import (_I64, _ROW, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_TABLE, PIECE_DT, T_WRITE,
-                                   UNACKED_MAX, _seal)
+from transport.fabric.wire import (I64, ROW, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_TABLE, PIECE_DT, T_WRITE,
+                                   UNACKED_MAX, seal)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class TcpPoster:
         self._validate = fabric._validate
         self._validate_batch = fabric._validate_batch
         self._message_target = fabric._message_target
-        self._read_one = fabric._read_one
+        self.read_one = fabric.read_one
         self._caller_state = fabric._caller_state
         # unacked writes need the receiving side of ``TcpLanding._on_small_write``, which every tcp peer has
         self._unacked = fabric.capabilities.unacked_writes
@@ -107,7 +107,7 @@ class TcpPoster:
     def _post_unacked(self, ep: Endpoint, r: WriteRequest) -> bool:
         """Post one unacked write (``WriteRequest.acked`` False) as a message with ``H_NOACK``: its bytes copied
         into the message now, a sequence number but no pending record, sent by this thread when the socket is idle
-        (else queued as a control message). With the ACK of a landed write held by this thread (``_finish_message``)
+        (else queued as a control message). With the ACK of a landed write held by this thread (``finish_message``)
         and ``ep`` that write's endpoint, both leave in one send on its socket. False: not posted (larger than
         ``UNACKED_MAX`` or not host memory); post it as an acknowledged write."""
         if not isinstance(r.length, int) or r.length > UNACKED_MAX:
@@ -115,11 +115,11 @@ class TcpPoster:
         mr, = self._validate(ep, [r])
         if mr.device != DEVICE_HOST:
             return False
-        body = _ROW.pack(r.remote_addr, r.length, r.remote_addr, r.length, r.rkey,
+        body = ROW.pack(r.remote_addr, r.length, r.remote_addr, r.length, r.rkey,
                          0 if r.imm is None else F_IMM, r.imm or 0, 0) + raw_view(r.local_addr, r.length).tobytes()
         held = self._held.__dict__.pop("ack", None)
         if held is not None and held[0] is not ep:  # another endpoint's ACK: it goes out on its own, first
-            self._fab._send_ctrl(*held)
+            self._fab.send_ctrl(*held)
             held = None
         s, seq = ep.reserve(held[1] if held is not None else None)
         wire = HDR.pack(MAGIC, T_WRITE, H_NOACK, 0, 1, seq, len(body)) + body
@@ -152,7 +152,7 @@ class TcpPoster:
             raise ValueError(f"wr_id={r.wr_id}: gather arrays of sizes {src.size}, {loc.size}, {n}: need one size >= 1")
         ends = loc + ln
         if int(ln.min()) < 1 or int(loc[0]) < r.local_addr or int(ends[-1]) > r.local_addr + r.length or \
-                int(src.min()) < 0 or int(src.max()) > _I64 - int(ln.max()) or \
+                int(src.min()) < 0 or int(src.max()) > I64 - int(ln.max()) or \
                 (n > 1 and bool((loc[1:] < ends[:-1]).any())):
             raise ValueError(f"wr_id={r.wr_id}: gather ranges must have lengths >= 1 and lie in ascending order, "
                              f"without overlap, inside the write's local range 0x{r.local_addr:x}+{r.length}")
@@ -169,15 +169,15 @@ class TcpPoster:
                                   f"registered with {self._id}")
         return src, loc, ln, None
 
-    def _build_gather(self, r: GatherWrite, mr: MemoryRegion, checked: tuple) -> _OutMsg:
+    def _build_gather(self, r: GatherWrite, mr: MemoryRegion, checked: tuple) -> OutMsg:
         """One message for a checked ``GatherWrite``: one whole-write row, the payload as buffers in order (the
         write's own bytes between the gathered ranges, each gathered range from its source)."""
         src, loc, ln, region = checked
         flags = F_IMM if r.imm is not None else 0
-        m = _OutMsg(0)
+        m = OutMsg(0)
         m.table = np.array([(r.remote_addr, r.length, r.remote_addr, r.length, r.rkey, flags, r.imm or 0, 0)],
                            dtype=PIECE_DT)
-        m.recs = [_WrRecord(r)]
+        m.recs = [WrRecord(r)]
         m.last = [True]
         m.whole = True
         own = self._host_views[mr.rkey][1]
@@ -217,8 +217,8 @@ class TcpPoster:
         small enough for an inline send is registered, framed and sent here in one step (what ``send``,
         ``enqueue``, ``_wire_buffers`` and ``send_now`` do for it), since its Python steps are its latency."""
         fab = self._fab
-        if fab._closed:
-            fab._check_open()
+        if fab.closed:
+            fab.check_open()
         if not isinstance(ep, SocketEndpoint) or ep.fabric is not fab:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {fab.name} fabric {self._id}")
         la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
@@ -229,7 +229,7 @@ class TcpPoster:
             self.post_writes(ep, [WriteBatch(*arrays, np.full(n, rk, dtype=np.int64), np.full(n, lk, dtype=np.int64),
                                              wr_id=b.wr_id)])
             return
-        if not ep._alive:
+        if not ep.alive:
             ep.check_alive()
         if rk.__class__ is not int or lk.__class__ is not int or not (0 <= rk <= 0xFFFFFFFF and 0 <= lk <= 0xFFFFFFFF):
             for name, v in (("rkey", rk), ("lkey", lk)):
@@ -244,11 +244,11 @@ class TcpPoster:
             i = next(i for i, (a, k) in enumerate(zip(la, ln)) if a < mr.addr or a + k > mr.addr + mr.length)
             raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{la[i]:x}+{ln[i]} lies outside the "
                               f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
-        pack = _ROW.pack
-        m = _OutMsg(0)
+        pack = ROW.pack
+        m = OutMsg(0)
         rows = m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
         m.pieces = n
-        m.batch = _BatchRecord(b)
+        m.batch = BatchRecord(b)
         m.final = True
         m.on_acked = b.on_acked
         if mr.device != DEVICE_HOST:  # GPU sources: staged through pinned memory by the sender (``_source_buffers``)
@@ -318,7 +318,7 @@ class TcpPoster:
             spin = self.ack_spin
             spin_until = spin.until(time.monotonic())
             spun = spin_until > 0.0  # reported to ``spin`` once: a hit when the ack is in before the spin ends
-            while not m.done and ep._alive:
+            while not m.done and ep.alive:
                 if rx.pos == rx.end:
                     now = time.monotonic()
                     if now < spin_until:
@@ -333,17 +333,17 @@ class TcpPoster:
                             break
                         if not wait.poll(left * 1000.0 + 1.0) or not rx.ready():
                             continue
-                self._read_one(ep, s, rx, st)
+                self.read_one(ep, s, rx, st)
             if spun:
                 spin.done(m.done)
             if m.done:
                 s.own_reads += 1
             # what the last receive took beyond the ack (another message, whole or in part) is read here: the
             # reader threads are woken by bytes still in the socket, never by bytes already in the buffer
-            while ep._alive and rx.pos < rx.end:
-                self._read_one(ep, s, rx, st)
+            while ep.alive and rx.pos < rx.end:
+                self.read_one(ep, s, rx, st)
         except Exception as e:  # noqa: BLE001 — as in the reader threads: the link is unusable
-            if ep.alive and not self._fab._closed:
+            if ep.alive and not self._fab.closed:
                 log.debug("receive on %s/%d by a waiting caller ended", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"receive failed: {e}")
         finally:
@@ -354,7 +354,7 @@ class TcpPoster:
             if poller is not None:
                 poller.rearm(ep, s)
 
-    def send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
+    def send(self, ep: SocketEndpoint, msgs: List[OutMsg]) -> None:
         """Hand checked messages over: to the sockets' sender threads, except a post of one small message, which
         this thread sends itself when its socket is idle (``send_now``)."""
         m = msgs[0] if len(msgs) == 1 else None
@@ -366,7 +366,7 @@ class TcpPoster:
         s, = ep.enqueue(msgs, queue=False)
         self._send_inline(ep, s, m, self._wire_buffers(s, m))
 
-    def _send_inline(self, ep: SocketEndpoint, s: _Sock, m: _OutMsg, buffers, write_seq: int = -1) -> None:
+    def _send_inline(self, ep: SocketEndpoint, s: Sock, m: OutMsg, buffers, write_seq: int = -1) -> None:
         """Send message ``m`` (already numbered on socket ``s``) from the posting thread when the socket is free,
         else hand it to the socket's sender thread, behind what it holds. ``write_seq``: as ``send_now``'s."""
         try:
@@ -381,7 +381,7 @@ class TcpPoster:
             s.data.append(m)
             s.wake()
 
-    def _wire_buffers(self, s: _Sock, msg: _OutMsg) -> List:
+    def _wire_buffers(self, s: Sock, msg: OutMsg) -> List:
         """A WRITE message as buffers to send in order: header and table (one bytearray, which ``transmit`` seals
         in place), then each piece's source bytes."""
         if msg.rows is not None:
@@ -401,7 +401,7 @@ class TcpPoster:
         HDR.pack_into(head, 0, MAGIC, T_WRITE, 0, 0, len(table), msg.seq, table.nbytes + int(table["len"].sum()))
         return [head] + self._source_buffers(s, msg)
 
-    def _source_buffers(self, s: _Sock, msg: _OutMsg) -> List:
+    def _source_buffers(self, s: Sock, msg: OutMsg) -> List:
         srcs = msg.sources()
         gpu = [(i, a, n, d) for i, (a, n, d) in enumerate(srcs) if d != DEVICE_HOST]
         if not gpu:
@@ -436,9 +436,9 @@ class TcpPoster:
         return [raw_view(hbase + where[i], n) if d != DEVICE_HOST else raw_view(a, n)
                 for i, (a, n, d) in enumerate(srcs)]
 
-    def transmit(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg) -> None:
+    def transmit(self, ep: SocketEndpoint, s: Sock, msg: OutMsg) -> None:
         """Send queued message ``msg`` on socket ``s`` (its sender thread), its first frame tagged now."""
         bufs = self._wire_buffers(s, msg)
         if s.sess is not None:
-            bufs[0] = _seal(s.sess, bufs[0], own=True)
+            bufs[0] = seal(s.sess, bufs[0], own=True)
         send_buffers(s.sock, bufs)

@@ -162,12 +162,12 @@ class VerbsFabric(Fabric):
     def local_id(self) -> str:
         return self._id
 
-    def _check_open(self):
+    def check_open(self):
         if self._closed:
             raise FabricClosed(f"verbs fabric {self._id} is closed")
 
     def register(self, addr: int, length: int, device: int = DEVICE_HOST) -> MemoryRegion:
-        self._check_open()
+        self.check_open()
         check_range(addr, length, "register")
         if isinstance(device, bool) or not isinstance(device, int) or device < DEVICE_HOST:
             raise ValueError(f"device must be -1 (host) or a CUDA index, got {device!r}")
@@ -191,7 +191,7 @@ class VerbsFabric(Fabric):
         return region
 
     def deregister(self, mr: MemoryRegion) -> None:
-        self._check_open()
+        self.check_open()
         with self._lock:
             entry = self._regions.get(getattr(mr, "lkey", None))
             if entry is None or entry[0] != mr:
@@ -204,7 +204,7 @@ class VerbsFabric(Fabric):
 
     # --- connection -----------------------------------------------------------------------------------------
     def descriptor(self) -> bytes:
-        self._check_open()
+        self.check_open()
         return json.dumps({"fabric": "verbs", "id": self._id, "host": self.hostname, "port": self.port,
                            "gid": self.gid}).encode()
 
@@ -274,7 +274,7 @@ class VerbsFabric(Fabric):
     def flush_gpu_writes(self, device: int) -> str:
         """Make peers' writes into cuda:``device`` memory, up to the completions seen so far, visible to that GPU
         (capability ``gpu_write_flush``); returns the method: ``"cuda"``, ``"read"`` or ``"none"``."""
-        self._check_open()
+        self.check_open()
         return self.gpu_flush.flush(device)
 
     def _local_info(self, qp, psn):
@@ -326,12 +326,12 @@ class VerbsFabric(Fabric):
             self._eps[peer_id] = ep
             self._live.append(ep)
         if old is not None and old.alive:
-            self._fail(old, "replaced by a new connection from the same peer")
+            self.fail_endpoint(old, "replaced by a new connection from the same peer")
         self._channels.register(sock, selectors.EVENT_READ, ep)
         return ep
 
     def connect(self, peer_descriptor: bytes) -> Endpoint:
-        self._check_open()
+        self.check_open()
         try:
             d = json.loads(bytes(peer_descriptor))
             peer_id, host, port = d["id"], d["host"], int(d["port"])
@@ -444,7 +444,7 @@ class VerbsFabric(Fabric):
                     cause = f"its channel to the peer failed ({ex})"
                 if cause is not None:
                     self._unwatch(ep)
-                    self._fail(ep, cause, flush_after=self.ack_timeout_s)
+                    self.fail_endpoint(ep, cause, flush_after=self.ack_timeout_s)
 
     def _unwatch(self, ep: VerbsEndpoint) -> None:
         try:
@@ -452,13 +452,13 @@ class VerbsFabric(Fabric):
         except (KeyError, ValueError, OSError):
             pass
 
-    def _fail(self, ep: VerbsEndpoint, cause: str, flush_after: float = 0.0) -> None:
+    def fail_endpoint(self, ep: VerbsEndpoint, cause: str, flush_after: float = 0.0) -> None:
         """Mark ``ep`` dead and close its channel, so the peer fails its end too; move its QP to ERR now or after
         ``flush_after`` seconds (what it had posted flushes and the progress thread completes it from there)."""
         with ep.lock:
-            if not ep._alive:
+            if not ep.alive:
                 return
-            ep._alive, ep.cause = False, cause
+            ep.alive, ep.cause = False, cause
             ep.room.notify_all()
         # a peer that closed with nothing in flight is routine; lost work is worth a warning
         log.log(logging.WARNING if ep.pending and not self._closed else logging.INFO,
@@ -490,7 +490,7 @@ class VerbsFabric(Fabric):
         timer.start()
 
     def endpoint(self, peer_id: str) -> Endpoint:
-        self._check_open()
+        self.check_open()
         with self._lock:
             ep = self._eps.get(peer_id)
         if ep is None:
@@ -506,7 +506,7 @@ class VerbsFabric(Fabric):
         """Post ``requests`` (``WriteRequest`` and ``WriteBatch`` items) as one chain of work requests, only its
         last one signalled; a chain longer than the send queue has room for is posted in parts as room frees.
         Every item is checked before anything is posted (see ``Fabric.post_writes``)."""
-        self._check_open()
+        self.check_open()
         if not isinstance(ep, VerbsEndpoint) or ep.fabric is not self:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of verbs fabric {self._id}")
         if not ep.alive:
@@ -550,9 +550,9 @@ class VerbsFabric(Fabric):
         queued = 0  # records[:queued] are in ep.pending
         while done < writes:
             with ep.lock:
-                while ep._alive and ep.next_seq - 1 - ep.retired >= self.max_send_wr:
+                while ep.alive and ep.next_seq - 1 - ep.retired >= self.max_send_wr:
                     ep.room.wait(0.5)
-                if not ep._alive or ep.settled:
+                if not ep.alive or ep.settled:
                     raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause or 'its QP failed'})")
                 room = self.max_send_wr - (ep.next_seq - 1 - ep.retired)
             part = flat[done:done + room]
@@ -580,7 +580,7 @@ class VerbsFabric(Fabric):
                     n_imm += 1
             failure = None
             with ep.lock:
-                if not ep._alive or ep.settled:  # settled: nothing posted now would ever complete
+                if not ep.alive or ep.settled:  # settled: nothing posted now would ever complete
                     raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause or 'its QP failed'})")
                 # the records go in before the post: the progress thread may see the completion at once
                 while queued < len(records) and records[queued].first <= last:
@@ -595,7 +595,7 @@ class VerbsFabric(Fabric):
                 # a failed chain may be posted in part (up to the bad work request): the endpoint is failed and
                 # what it holds completes from the flush, so that nothing is reported twice or never
                 cause = f"ibv_post_send to {ep.peer_id} failed: {failure}"
-                self._fail(ep, cause)
+                self.fail_endpoint(ep, cause)
                 raise FabricError(cause) from failure
             self.counts["post_send"] += 1
             self.counts["work_requests"] += len(part)
@@ -618,7 +618,7 @@ class VerbsFabric(Fabric):
                     n, wcs = ep.cq.poll(num_entries=self.cq_batch)
                 except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError: a CQ overrun (EIO) fails the endpoint
                     if ep.alive:
-                        self._fail(ep, f"polling its CQ failed: {ex}")
+                        self.fail_endpoint(ep, f"polling its CQ failed: {ex}")
                     continue
                 if n:
                     busy = True
@@ -636,7 +636,7 @@ class VerbsFabric(Fabric):
             if wc.wr_id == _RECV_WR_ID:
                 if wc.status != e.IBV_WC_SUCCESS:
                     if ep.alive:  # a flushed receive: the QP went to error (the peer wrote outside our regions)
-                        self._fail(ep, f"its QP went to error (receive WC status {wc.status})")
+                        self.fail_endpoint(ep, f"its QP went to error (receive WC status {wc.status})")
                     continue
                 if wc.opcode == e.IBV_WC_RECV_RDMA_WITH_IMM:
                     out.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wc.byte_len, socket.ntohl(wc.imm_data)))
@@ -696,7 +696,7 @@ class VerbsFabric(Fabric):
         if settled:
             return
         if ep.alive:
-            self._fail(ep, str(first_error) if first_error is not None else f"WC status {status}")
+            self.fail_endpoint(ep, str(first_error) if first_error is not None else f"WC status {status}")
         self._unwatch(ep)
         with self._lock:
             if ep in self._live:
@@ -718,7 +718,7 @@ class VerbsFabric(Fabric):
         self._cq_out.set_handler(handler)
 
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
-        self._check_open()
+        self.check_open()
         return self._cq_out.take(max_n, timeout)
 
     def wire_counts(self) -> dict:
@@ -741,7 +741,7 @@ class VerbsFabric(Fabric):
         except OSError:
             pass
         for ep in eps:
-            self._fail(ep, "fabric closed")
+            self.fail_endpoint(ep, "fabric closed")
         for t in self._threads:
             t.join(timeout=10.0)
         for ep in eps:

@@ -101,10 +101,13 @@ class VerbsEndpoint(Endpoint):
     ``lock`` and only while ``destroyed`` is false. So no pyverbs object is used after its ``close()``: on real
     pyverbs that dereferences a NULL handle (SIGSEGV)."""
 
+    alive: bool = True  # ``Endpoint.alive`` as a plain attribute (set in ``__init__``, cleared on failure)
+
     def __init__(self, fabric: Fabric, peer_id: str, qp, cq, sock: socket.socket):
         self.fabric, self.peer_id, self.qp, self.cq, self.sock = fabric, peer_id, qp, cq, sock
         self.qp_num = qp.qp_num
-        self._alive = True
+        # True until the QP failed (``VerbsFabric.fail_endpoint``): a plain attribute, read per post and completion
+        self.alive = True
         self.cause: Optional[str] = None
         self.lock = threading.Lock()  # the fields below
         self.post_lock = threading.Lock()  # one poster at a time: sequence order is posting order
@@ -117,13 +120,9 @@ class VerbsEndpoint(Endpoint):
         self.chain = SendChain(fabric.v)
         self.max_inline = 0
 
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
     def abort(self) -> None:
         """Move the QP to the error state (its posted work flushes as ``PeerLost``) and drop the TCP channel."""
-        self.fabric._fail(self, "aborted locally")
+        self.fabric.fail_endpoint(self, "aborted locally")
 
     def destroy(self) -> None:
         """Close the QP, CQ and channel (the progress thread, or ``close`` once that thread has ended)."""
@@ -138,4 +137,4 @@ class VerbsEndpoint(Endpoint):
                     pass
 
     def __repr__(self):
-        return f"VerbsEndpoint({self.peer_id}, qp {self.qp_num}, {'alive' if self._alive else self.cause})"
+        return f"VerbsEndpoint({self.peer_id}, qp {self.qp_num}, {'alive' if self.alive else self.cause})"

@@ -271,16 +271,16 @@ def test_write_rows_on_the_fabric(fabric_pair):
 
 
 def test_inline_send_of_a_full_socket_leaves_the_rest_first_in_line():
-    """``_send_now``: what the kernel does not take goes to the head of the control queue, and no later inline
+    """``send_now``: what the kernel does not take goes to the head of the control queue, and no later inline
     send overtakes it; the receiving end gets every byte in order."""
     a, b = socket.socketpair()
     try:
         a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
         s = sockets.Sock(a, 0)
         big = np.random.default_rng(1).bytes(1 << 20)
-        assert T.TcpFabric._send_now(s, [b"head", memoryview(big)])
+        assert sockets.send_now(s, [b"head", memoryview(big)])
         assert s.ctrl  # the kernel took part of it
-        assert not T.TcpFabric._send_now(s, [b"later"])  # must not overtake the rest
+        assert not sockets.send_now(s, [b"later"])  # must not overtake the rest
         s.ctrl.append(b"later")
         got = bytearray()
 
@@ -543,7 +543,7 @@ def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
     eng, tgt, dst = _local_pair(src)
     try:
         base = dst.ctypes.data
-        assert all(f._ack_spin.on and f._ack_spin.budget == T.SPIN for f in eng.fabrics)
+        assert all(f.ack_spin.on and f.ack_spin.budget == T.SPIN for f in eng.fabrics)
         _delay_acks(tgt, 0.002)
         n = 30  # fewer than a window's misses plus the shortest pause: off until the end
         for _ in range(n):
@@ -551,7 +551,7 @@ def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
             so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
             eng.batch_write(tgt.session_id, s_l, d_l, AUX)
             assert np.array_equal(dst, _expect(len(dst), src, so, do))
-        spins = [f._ack_spin for f in eng.fabrics]
+        spins = [f.ack_spin for f in eng.fabrics]
         assert _own_reads(eng) > AdaptiveSpin.MISSES + 1
         # a caller descheduled past the 2 ms delay (a busy machine) may find an ack while it spins: a hit, which
         # adds a spin without moving the switch-off

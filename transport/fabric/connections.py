@@ -225,6 +225,24 @@ class Connections:
         s = a.sock
         self._tune(s)
         auth.server_handshake(s, self._secret, self.fabric.name, a.deadline, a.established)
+        hello = self._read_hello(a)
+        if hello is None:
+            return
+        conn, idx, n, peer_id, desc = hello
+        entry = self._join_group(a, conn, idx, n, peer_id)
+        if entry is None:  # refused, or another socket of the group built (or gave up on) the endpoint
+            return
+        error = self._build_endpoint(a, peer_id, [entry["socks"][i] for i in range(n)], desc)
+        with self._group_cv:
+            entry["done"], entry["error"] = True, error
+            self._group_cv.notify_all()
+        if error is not None:
+            self._refuse(s, error)
+
+    def _read_hello(self, a: "auth.Admitted") -> Optional[tuple]:
+        """The HELLO of an authenticated incoming socket, checked: (connection, index, sockets, peer id,
+        descriptor); None when it was refused (counted, answered, logged)."""
+        s = a.sock
         hdr = auth.recv_exact(s, HDR.size, a.deadline)
         magic, typ, _, _, _, _, blen = HDR.unpack(hdr)
         try:
@@ -244,40 +262,49 @@ class Connections:
             log.warning("%s: refused connection from %s: %s", self.owner, a.addr, e)
             self.gate.count("refused_hello")
             self._refuse(s, str(e))
-            return
+            return None
+        return conn, idx, n, peer_id, desc
+
+    def _join_group(self, a: "auth.Admitted", conn: str, idx: int, n: int, peer_id: str) -> Optional[dict]:
+        """Add socket ``idx`` of connection ``conn`` to its group. Returns the group when this socket is the last
+        to arrive (its thread builds the endpoint); else None once the group is done (this socket went to the
+        endpoint, or was refused with the group's error) or this socket was refused outright."""
+        s = a.sock
         with self._group_cv:
             entry = self._groups.get(conn)
             if entry is None:
                 if len(self._groups) >= 4 * self.gate.max_pending:
                     self.gate.count("refused_hello")
                     self._refuse(s, "too many connections gathering")
-                    return
+                    return None
                 entry = self._groups[conn] = {"socks": {}, "id": peer_id, "n": n, "done": False, "error": None}
             if entry["id"] != peer_id or entry["n"] != n or idx in entry["socks"]:
                 self.gate.count("refused_hello")
                 self._refuse(s, f"hello does not match connection {conn}")
-                return
+                return None
             entry["socks"][idx] = s
-            last = len(entry["socks"]) == n
-            if last:
+            if len(entry["socks"]) == n:
                 del self._groups[conn]
+                return entry
+            while not entry["done"] and not self.closed:
+                left = a.deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._group_cv.wait(left)
+            if not entry["done"]:  # the other sockets never came: give up on the whole endpoint
+                self._groups.pop(conn, None)
+                entry["done"], entry["error"] = True, "not every socket of the connection arrived in time"
+                self._group_cv.notify_all()
+            if entry["error"] is None:
+                a.sock = None  # the endpoint owns it now
             else:
-                while not entry["done"] and not self.closed:
-                    left = a.deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._group_cv.wait(left)
-                if not entry["done"]:  # the other sockets never came: give up on the whole endpoint
-                    self._groups.pop(conn, None)
-                    entry["done"], entry["error"] = True, "not every socket of the connection arrived in time"
-                    self._group_cv.notify_all()
-                if entry["error"] is None:
-                    a.sock = None  # the endpoint owns it now
-                else:
-                    self._refuse(s, entry["error"])
-                return
-        error = None
-        socks = [entry["socks"][i] for i in range(n)]
+                self._refuse(s, entry["error"])
+            return None
+
+    def _build_endpoint(self, a: "auth.Admitted", peer_id: str, socks: List[socket.socket],
+                        desc: dict) -> Optional[str]:
+        """Admit the endpoint of a complete group of sockets: its claim to ``peer_id`` and its source address's
+        count checked, the endpoint made and every socket's HELLO_ACK sent. Returns why it was refused, or None."""
         host = a.host
         with self._lock:
             error = self._claim_locked(peer_id)
@@ -291,29 +318,24 @@ class Connections:
                 self.gate.count("refused_claims")
         if error is not None:
             log.warning("%s: refused connection from %s: %s", self.owner, a.addr, error)
-        else:
-            for sk in socks:
-                # Blocking before the endpoint's receive threads start: a recv entered while the handshake
-                # timeout was still set kept it, and an idle rail then died after the timeout
-                sk.settimeout(None)
+            return error
+        for sk in socks:
+            # Blocking before the endpoint's receive threads start: a recv entered while the handshake
+            # timeout was still set kept it, and an idle rail then died after the timeout
+            sk.settimeout(None)
+        try:
+            ep = self._make_endpoint(peer_id, socks, desc)
+        except FabricClosed as e:
+            return str(e)
+        ep.remote_host = host
+        for sk in socks:
             try:
-                ep = self._make_endpoint(peer_id, socks, desc)
-            except FabricClosed as e:
-                error = str(e)
-            else:
-                ep.remote_host = host
-                for sk in socks:
-                    try:
-                        sk.sendall(seal(keyed(sk), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0)))
-                    except OSError as e:
-                        ep.fail(f"handshake: {e}")
-                        break
-                a.sock = None
-        with self._group_cv:
-            entry["done"], entry["error"] = True, error
-            self._group_cv.notify_all()
-        if error is not None:
-            self._refuse(s, error)
+                sk.sendall(seal(keyed(sk), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0)))
+            except OSError as e:
+                ep.fail(f"handshake: {e}")
+                break
+        a.sock = None
+        return None
 
     def _watchdog_loop(self) -> None:
         while not self._stop.wait(0.5):

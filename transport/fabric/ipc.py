@@ -314,10 +314,10 @@ class IpcFabric(SocketFabric):
         if not requests or not all(isinstance(r, WriteBatch) for r in requests):
             super().post_writes(ep, requests)
             return
-        self._validate(ep, [])
-        self._post_checked_batches(ep, requests, [self._validate_batch(b) for b in requests])
+        self.validate(ep, [])
+        self._post_checked_batches(ep, requests, [self.validate_batch(b) for b in requests])
 
-    def _validate_batch(self, b: WriteBatch) -> np.ndarray:
+    def validate_batch(self, b: WriteBatch) -> np.ndarray:
         """tcp's checks of a ``WriteBatch``. A batch that carries ``bounds`` (the engine's extremes of these same
         arrays, and its one key on each side) gets the same checks on those extremes, without reducing its arrays
         again; when they do not pass, the batch loses its bounds (nothing later relies on them) and tcp's checks
@@ -328,7 +328,7 @@ class IpcFabric(SocketFabric):
             if mr is not None:
                 return np.full(b.count, mr.device, dtype=np.int64)
             b.bounds = None
-        return super()._validate_batch(b)
+        return super().validate_batch(b)
 
     def _bounded_local(self, bd: WriteBounds) -> Optional[MemoryRegion]:
         """The local region of ``bd.lkey`` when the extremes ``bd`` pass tcp's checks of a batch's arrays (lengths
@@ -414,12 +414,12 @@ class IpcFabric(SocketFabric):
                              wait=wait, stream=stream)
 
     def _post_checked_batches(self, ep: SocketEndpoint, batches, devices) -> None:
-        """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``_validate_batch``) batch
+        """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``validate_batch``) batch
         by batch through ``_post_batch_direct`` while they qualify, the rest as messages."""
         for i, (b, dev) in enumerate(zip(batches, devices)):
             if not self._post_batch_direct(ep, b, dev):
                 self._send(ep, [m for b_, d_ in zip(batches[i:], devices[i:])
-                                for m in batch_messages(b_, d_, self._message_target, len(ep.socks))])
+                                for m in batch_messages(b_, d_, self.message_target, len(ep.socks))])
                 return
 
     def post_writes_after(self, ep: SocketEndpoint, requests, after):
@@ -433,8 +433,8 @@ class IpcFabric(SocketFabric):
         requests = list(requests)
         if not requests or not all(isinstance(r, WriteBatch) for r in requests):
             return super().post_writes_after(ep, requests, after)
-        self._validate(ep, [])
-        devices = [self._validate_batch(b) for b in requests]
+        self.validate(ep, [])
+        devices = [self.validate_batch(b) for b in requests]
         target = self._direct_target(ep, requests, devices)
         if target is not None and target[0] != DEVICE_HOST:  # host memory: no GPU stream to order on
             return self._ordered.post(ep, requests, target[0], target[1], after)
@@ -447,7 +447,7 @@ class IpcFabric(SocketFabric):
         """(source device, the peer's region description) when every write of ``batches`` goes from one local
         GPU into one peer GPU region, or from host memory into one peer host region, whose description is current
         and contains it; else None."""
-        # one batch with bounds (checked by ``_validate_batch``): its one rkey, source device and remote extremes
+        # one batch with bounds (checked by ``validate_batch``): its one rkey, source device and remote extremes
         # without reducing its arrays
         bd = getattr(batches[0], "bounds", None) if len(batches) == 1 else None
         if bd is not None:
@@ -476,7 +476,7 @@ class IpcFabric(SocketFabric):
         of the checked batch ``b`` goes from one local device into peer regions on the same side (host or GPU)
         whose descriptions are current and each contains its pieces; else None. For one region the position and
         the cache are None, and for host memory the cache. ``devices``: each write's source device
-        (``_validate_batch``)."""
+        (``validate_batch``)."""
         src_devs = distinct(devices)
         if len(src_devs) != 1:
             return None
@@ -582,7 +582,7 @@ class IpcFabric(SocketFabric):
                 ep.fail(f"send failed: {e}")
                 return
 
-    def _message_target(self, total: int, nsocks: int) -> int:
+    def message_target(self, total: int, nsocks: int) -> int:
         # Once the peer's regions are described, every message of a post is copied by the posting thread, one
         # after the other: cutting a post per socket would only add a launch and a synchronise per message.
         return max(64 << 10, self.message_bytes)

@@ -111,7 +111,7 @@ class RegionBook:
         return mr
 
     def validate_many(self, requests: Sequence[WriteRequest]) -> Optional[List[MemoryRegion]]:
-        """The checks of ``SocketFabric._validate`` for many requests in a few numpy calls (a Python step per request
+        """The checks of ``SocketFabric.validate`` for many requests in a few numpy calls (a Python step per request
         is most of a post of many writes). None when any request fails a check: the per-request loop then raises
         the error that names it."""
         cols = [(r.local_addr, r.length, r.remote_addr, r.rkey, r.lkey, 0 if r.imm is None else r.imm)
@@ -213,7 +213,7 @@ class RegionBook:
         return layout
 
     def validate_batch(self, b: WriteBatch) -> np.ndarray:
-        """The checks of ``SocketFabric._validate`` for a ``WriteBatch``, in whole-array numpy. Returns each write's
+        """The checks of ``SocketFabric.validate`` for a ``WriteBatch``, in whole-array numpy. Returns each write's
         source device. Raises ``ValueError`` / ``RegionError`` naming the first bad write."""
         la, ln, ra, rk = b.local_addr, b.length, b.remote_addr, b.rkey
         regions, k, problem = self.check_write_arrays(la, ln, ra, rk, b.lkey)

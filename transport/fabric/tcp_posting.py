@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import select
+import threading
 import time
 from typing import Dict, List, Sequence
 
@@ -22,10 +23,12 @@ from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
 from transport.fabric.messages import BatchRecord, OutMsg, WrRecord, batch_messages, write_messages
-from transport.fabric.sockets import Sock, send_buffers, send_now
+from transport.fabric.region_book import RegionBook
+from transport.fabric.sockets import Rx, Sock, send_buffers, send_now
 from transport.fabric.spin import AdaptiveSpin
-from transport.fabric.wire import (I64, ROW, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_TABLE, PIECE_DT, T_WRITE,
-                                   UNACKED_MAX, seal)
+from transport.fabric.tcp_io import reader_state
+from transport.fabric.wire import (F_IMM, H_NOACK, H_WHOLE, HDR, I64, MAGIC, MAX_TABLE, PIECE_DT, ROW, SMALL_MESSAGE,
+                                   T_WRITE, UNACKED_MAX, seal)
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ INLINE_BYTES = 64 << 10
 
 
 class TcpPoster:
-    """The sender side of one ``TcpFabric``: it checks posts against the fabric's regions (``SocketFabric._validate``,
+    """The sender side of one ``TcpFabric``: it checks posts against the fabric's regions (``SocketFabric.validate``,
     its ``RegionBook``), makes their messages, sends a small one itself or queues them on the endpoint
     (``SocketEndpoint.enqueue``) for the sender threads, whose sends it also frames (``transmit``), and reads the
     ack of a small batch for the thread that waits for it (``await_rows``). It owns the spin of those waits.
@@ -47,25 +50,34 @@ class TcpPoster:
     sleeping, at most (see ``TcpFabric``). The fabric's tables and checks are bound here once: a post reaches them
     without a hop through the fabric."""
 
-    def __init__(self, fabric, own_acks: bool, ack_spin: float):
+    def __init__(self, fabric, book: RegionBook, own_acks: bool, ack_spin: float):
         self._fab = fabric
-        self._id = fabric._id
+        self._id = fabric.local_id
         self.message_bytes = fabric.message_bytes
-        self._book = fabric._book
-        self._regions = fabric._regions
-        self._host_views = fabric._host_views
-        self._held = fabric._held
-        self._validate = fabric._validate
-        self._validate_batch = fabric._validate_batch
-        self._message_target = fabric._message_target
-        self.read_one = fabric.read_one
-        self._caller_state = fabric._caller_state
-        # unacked writes need the receiving side of ``TcpLanding._on_small_write``, which every tcp peer has
+        # the region tables a post reads, bound once: no hop through the fabric per post
+        self._book = book
+        self._regions = book.regions
+        self._host_views = book.host_views
+        # unacked writes need the receiving side of ``TcpLanding.on_small_write``, which every tcp peer has
         self._unacked = fabric.capabilities.unacked_writes
         self._own_acks = own_acks
         # one for every caller of this fabric: the acks come from peers whose pace is the host's and the network's,
         # the same for each caller
         self.ack_spin = AdaptiveSpin(ack_spin)
+        self._caller = threading.local()  # a caller's reading state (``caller_state``)
+
+    def caller_state(self, s: Sock) -> dict:
+        """The reading state of this thread (not a reader thread: a caller that reads its own ack), set up for
+        socket ``s``: its look-ahead reader with this thread's buffer."""
+        st = self._caller.__dict__.get("st")
+        if st is None:
+            st = self._caller.st = reader_state(SMALL_MESSAGE)
+        rx = s.rx
+        if rx is None:
+            rx = s.rx = Rx(s.sock, 0)
+        rx.attach(st["rxbuf"], st["rxview"])
+        st["rx"] = rx
+        return st
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
         if len(requests) == 1:
@@ -80,8 +92,9 @@ class TcpPoster:
         batches = [r for r in requests if isinstance(r, WriteBatch)]
         if batches:
             requests = [r for r in requests if not isinstance(r, WriteBatch)]
-        mrs = self._validate(ep, requests)
-        devices = [self._validate_batch(b) for b in batches]  # every check before anything is posted
+        fab = self._fab
+        mrs = fab.validate(ep, requests)
+        devices = [fab.validate_batch(b) for b in batches]  # every check before anything is posted
         gathers = [self._check_gather(r, mr) for r, mr in zip(requests, mrs) if type(r) is GatherWrite]
         if gathers:
             msgs = []
@@ -89,18 +102,18 @@ class TcpPoster:
             for r, mr in zip(requests, mrs):  # posting order kept: plain runs between the gather writes
                 if type(r) is GatherWrite:
                     if plain:
-                        msgs.extend(write_messages(plain, plain_mrs, self._message_target, len(ep.socks)))
+                        msgs.extend(write_messages(plain, plain_mrs, fab.message_target, len(ep.socks)))
                         plain, plain_mrs = [], []
                     msgs.append(self._build_gather(r, mr, gathers.pop(0)))
                 else:
                     plain.append(r)
                     plain_mrs.append(mr)
             if plain:
-                msgs.extend(write_messages(plain, plain_mrs, self._message_target, len(ep.socks)))
+                msgs.extend(write_messages(plain, plain_mrs, fab.message_target, len(ep.socks)))
         else:
-            msgs = write_messages(requests, mrs, self._message_target, len(ep.socks)) if requests else []
+            msgs = write_messages(requests, mrs, fab.message_target, len(ep.socks)) if requests else []
         for b, dev in zip(batches, devices):
-            msgs.extend(batch_messages(b, dev, self._message_target, len(ep.socks)))
+            msgs.extend(batch_messages(b, dev, fab.message_target, len(ep.socks)))
         if msgs:
             self.send(ep, msgs)
 
@@ -112,12 +125,12 @@ class TcpPoster:
         ``UNACKED_MAX`` or not host memory); post it as an acknowledged write."""
         if not isinstance(r.length, int) or r.length > UNACKED_MAX:
             return False
-        mr, = self._validate(ep, [r])
+        mr, = self._fab.validate(ep, [r])
         if mr.device != DEVICE_HOST:
             return False
         body = ROW.pack(r.remote_addr, r.length, r.remote_addr, r.length, r.rkey,
                          0 if r.imm is None else F_IMM, r.imm or 0, 0) + raw_view(r.local_addr, r.length).tobytes()
-        held = self._held.__dict__.pop("ack", None)
+        held = self._fab.take_held_ack()
         if held is not None and held[0] is not ep:  # another endpoint's ACK: it goes out on its own, first
             self._fab.send_ctrl(*held)
             held = None
@@ -136,7 +149,7 @@ class TcpPoster:
         return True
 
     def _check_gather(self, r: GatherWrite, mr: MemoryRegion) -> tuple:
-        """The local checks of a ``GatherWrite`` beyond ``_validate``'s (which checked its own range): the gather
+        """The local checks of a ``GatherWrite`` beyond ``validate``'s (which checked its own range): the gather
         arrays well formed, the replaced ranges ascending, without overlap and inside the write, every source inside
         a host region registered here. Returns (sources, replaced addresses, lengths) as lists and the source
         region's view when one region holds every source (else None)."""
@@ -212,8 +225,8 @@ class TcpPoster:
         return m
 
     def _post_rows(self, ep: Endpoint, b: WriteRows) -> None:
-        """Post a ``WriteRows``: the checks of ``_validate_batch`` in Python, then one message (up to
-        ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path). A message of host sources
+        """Post a ``WriteRows``: the checks of ``validate_batch`` in Python (``_rows_region``), then one message (up
+        to ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path). A message of host sources
         small enough for an inline send is registered, framed and sent here in one step (what ``send``,
         ``enqueue``, ``_wire_buffers`` and ``send_now`` do for it), since its Python steps are its latency."""
         fab = self._fab
@@ -221,29 +234,15 @@ class TcpPoster:
             fab.check_open()
         if not isinstance(ep, SocketEndpoint) or ep.fabric is not fab:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {fab.name} fabric {self._id}")
-        la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
+        ln, ra, rk = b.length, b.remote_addr, b.rkey
         n = len(ln)
         nbytes = b.nbytes
         if n > MAX_TABLE or nbytes > self.message_bytes:
-            arrays = [np.asarray(v, dtype=np.int64) for v in (la, ln, ra)]
-            self.post_writes(ep, [WriteBatch(*arrays, np.full(n, rk, dtype=np.int64), np.full(n, lk, dtype=np.int64),
-                                             wr_id=b.wr_id)])
+            arrays = [np.asarray(v, dtype=np.int64) for v in (b.local_addr, ln, ra)]
+            self.post_writes(ep, [WriteBatch(*arrays, np.full(n, rk, dtype=np.int64),
+                                             np.full(n, b.lkey, dtype=np.int64), wr_id=b.wr_id)])
             return
-        if not ep.alive:
-            ep.check_alive()
-        if rk.__class__ is not int or lk.__class__ is not int or not (0 <= rk <= 0xFFFFFFFF and 0 <= lk <= 0xFFFFFFFF):
-            for name, v in (("rkey", rk), ("lkey", lk)):
-                if v.__class__ is not int or not 0 <= v <= 0xFFFFFFFF:
-                    raise ValueError(f"batch wr_id={b.wr_id}: {name} {v!r} is not a 32-bit unsigned int")
-        mr = self._regions.get(lk)
-        if mr is None:
-            raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
-        first, end = b.local_span  # the writes' own checks: WriteRows
-        base = mr.addr
-        if first < base or end > base + mr.length:
-            i = next(i for i, (a, k) in enumerate(zip(la, ln)) if a < mr.addr or a + k > mr.addr + mr.length)
-            raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{la[i]:x}+{ln[i]} lies outside the "
-                              f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
+        mr = self._rows_region(ep, b)
         pack = ROW.pack
         m = OutMsg(0)
         rows = m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
@@ -254,26 +253,10 @@ class TcpPoster:
         if mr.device != DEVICE_HOST:  # GPU sources: staged through pinned memory by the sender (``_source_buffers``)
             m.table = np.frombuffer(m.rows, dtype=PIECE_DT)
             m.rows = None
-            m.src = [(a, k, mr.device) for a, k in zip(la, ln)]
+            m.src = [(a, k, mr.device) for a, k in zip(b.local_addr, ln)]
             self.send(ep, [m])
             return
-        # the sources as slices of one view of the region (the one kept since registration, else one of the
-        # span: a view per piece costs a ctypes call each), pieces that follow each other in memory as one buffer
-        ent = self._host_views.get(lk)
-        if ent is not None and ent[0] is mr:
-            span = ent[1]
-        else:
-            span, base = raw_view(first, end - first), first
-        bufs = []
-        start = end = -1
-        for a, k in zip(la, ln):
-            if a != end:
-                if end > start:
-                    bufs.append(span[start - base:end - base])
-                start = a
-            end = a + k
-        bufs.append(span[start - base:end - base])
-        m.bufs = bufs
+        bufs = m.bufs = self._rows_sources(b, mr)
         if n > INLINE_PIECES or nbytes > INLINE_BYTES:
             ep.enqueue([m])
             return
@@ -295,6 +278,48 @@ class TcpPoster:
             self.await_rows(b, 0.0)
             raise
 
+    def _rows_region(self, ep: SocketEndpoint, b: WriteRows) -> MemoryRegion:
+        """The local checks of a ``WriteRows`` of one message: a live endpoint, 32-bit keys, every source inside
+        the region of ``lkey`` (by the writes' extremes); returns that region."""
+        if not ep.alive:
+            ep.check_alive()
+        rk, lk = b.rkey, b.lkey
+        if rk.__class__ is not int or lk.__class__ is not int or not (0 <= rk <= 0xFFFFFFFF and 0 <= lk <= 0xFFFFFFFF):
+            for name, v in (("rkey", rk), ("lkey", lk)):
+                if v.__class__ is not int or not 0 <= v <= 0xFFFFFFFF:
+                    raise ValueError(f"batch wr_id={b.wr_id}: {name} {v!r} is not a 32-bit unsigned int")
+        mr = self._regions.get(lk)
+        if mr is None:
+            raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
+        first, end = b.local_span  # the writes' own checks: WriteRows
+        if first < mr.addr or end > mr.addr + mr.length:
+            la, ln = b.local_addr, b.length
+            i = next(i for i, (a, k) in enumerate(zip(la, ln)) if a < mr.addr or a + k > mr.addr + mr.length)
+            raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{la[i]:x}+{ln[i]} lies outside the "
+                              f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
+        return mr
+
+    def _rows_sources(self, b: WriteRows, mr: MemoryRegion) -> list:
+        """The host sources of a checked ``WriteRows`` as slices of one view of the region (the one kept since
+        registration, else one of the span: a view per piece costs a ctypes call each), pieces that follow each
+        other in memory as one buffer."""
+        first, end = b.local_span
+        ent = self._host_views.get(b.lkey)
+        if ent is not None and ent[0] is mr:
+            span, base = ent[1], mr.addr
+        else:
+            span, base = raw_view(first, end - first), first
+        bufs = []
+        start = end = -1
+        for a, k in zip(b.local_addr, b.length):
+            if a != end:
+                if end > start:
+                    bufs.append(span[start - base:end - base])
+                start = a
+            end = a + k
+        bufs.append(span[start - base:end - base])
+        return bufs
+
     def await_rows(self, b: WriteRows, deadline: float) -> None:
         """For the thread that posted ``b`` with ``read_ack`` and got its socket (``b.reader`` set): read that
         socket -- every message on it, whoever it is for -- until ``b``'s ack is handled, the endpoint failed or
@@ -308,7 +333,8 @@ class TcpPoster:
         ep, s, m = held
         st = {}
         try:
-            st = self._caller_state(s)
+            st = self.caller_state(s)
+            read_one = self._fab.read_one
             rx = st["rx"]
             wait = st.get("wait")
             if wait is None or st.get("wait_fd") != s.fd:
@@ -333,7 +359,7 @@ class TcpPoster:
                             break
                         if not wait.poll(left * 1000.0 + 1.0) or not rx.ready():
                             continue
-                self.read_one(ep, s, rx, st)
+                read_one(ep, s, rx, st)
             if spun:
                 spin.done(m.done)
             if m.done:
@@ -341,7 +367,7 @@ class TcpPoster:
             # what the last receive took beyond the ack (another message, whole or in part) is read here: the
             # reader threads are woken by bytes still in the socket, never by bytes already in the buffer
             while ep.alive and rx.pos < rx.end:
-                self.read_one(ep, s, rx, st)
+                read_one(ep, s, rx, st)
         except Exception as e:  # noqa: BLE001 — as in the reader threads: the link is unusable
             if ep.alive and not self._fab.closed:
                 log.debug("receive on %s/%d by a waiting caller ended", ep.peer_id, s.index, exc_info=True)

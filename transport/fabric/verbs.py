@@ -147,7 +147,7 @@ class VerbsFabric(Fabric):
         self.gate = auth.Gate(f"verbs {self._id}", self._incoming, handshake_timeout=handshake_timeout)
         self._threads = [threading.Thread(target=self._accept_loop, daemon=True, name="pxn-verbs-accept"),
                          threading.Thread(target=self._progress_loop, daemon=True, name="pxn-verbs-progress"),
-                         threading.Thread(target=self._watch.run, daemon=True, name="pxn-verbs-watch")]
+                         threading.Thread(target=self._watch_loop, daemon=True, name="pxn-verbs-watch")]
         for t in self._threads:
             t.start()
         log.info("verbs %s: %s port %d, GID index %d (%s), %s", self._id, self.device, self.port_num,
@@ -317,6 +317,10 @@ class VerbsFabric(Fabric):
             self._register_ep(peer["id"], qp, cq, inline, sock)  # registered before "ready": symmetric connect
             a.sock = None  # the endpoint owns it now (the watch thread reads it)
         send_json(sock, {"ready": True}, session)
+
+    def _watch_loop(self) -> None:
+        """The watch thread: every endpoint's channel (``ChannelWatch.run``)."""
+        self._watch.run()
 
     def _channel_lost(self, ep: VerbsEndpoint, cause: str) -> None:
         """The watch thread found ``ep``'s channel closed or failed (``ChannelWatch``): the QP is flushed only after

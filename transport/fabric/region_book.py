@@ -92,7 +92,7 @@ class RegionBook:
                     break
 
     def set_landing_handler(self, mr: MemoryRegion, handler) -> None:
-        """Register ``handler`` for the host region ``mr`` (the contract: ``TcpLanding.set_landing_handler``)."""
+        """Register ``handler`` for the host region ``mr`` (the contract: ``TcpFabric.set_landing_handler``)."""
         with self.lock:
             if self.regions.get(mr.rkey) is not mr or mr.device != DEVICE_HOST:
                 raise RegionError(f"set_landing_handler: {mr!r} is not a host region registered with {self.owner}")

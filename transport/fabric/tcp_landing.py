@@ -153,7 +153,7 @@ class TcpLanding:
         """``on_message`` for a WRITE message of at most ``SMALL_MESSAGE`` bytes: table and payload taken in one
         receive, the table read by one ``struct`` call, every accepted piece copied to its place from there. The
         checks are ``_validate_pieces``'s, before anything is placed; a table of whole writes into one host region
-        (what a ``WriteRows`` post sends) is checked by its extremes (``_place_rows``), any other piece by piece
+        (what a ``WriteRows`` post sends) is checked by its extremes and placed here, any other piece by piece
         (``_place_pieces``). ``mac``: (the hash begun on the header, the tag it must give), or None."""
         view = st["rx"].take(blen, memoryview(st["stage"]))
         token = None
@@ -170,7 +170,23 @@ class TcpLanding:
             raise ValueError(f"payload {blen - tb} B does not match the table's {sum(lens)} B")
         statuses = None
         if count and addrs == waddrs and lens == wlens and rkeys.count(rkeys[0]) == count and min(lens) > 0:
-            statuses = self._place_rows(view, tb, addrs, lens, rkeys[0])
+            rk = rkeys[0]
+            lo, hi = min(addrs), max(map(add, addrs, lens))
+            with self._region_lock:
+                ent = self._host_views.get(rk)
+                mr = self._regions.get(rk)
+                if ent is not None and ent[0] is mr and lo >= mr.addr and hi <= mr.addr + mr.length:
+                    # placed while holding the lock instead of pinning the region: ``deregister`` waits for this
+                    # lock before it returns, and the copies of at most SMALL_MESSAGE bytes never block
+                    statuses = bytearray(count)
+                    dst, base = ent[1], mr.addr
+                    off = tb
+                    for a, k in zip(addrs, lens):
+                        a -= base
+                        dst[a:a + k] = view[off:off + k]
+                        off += k
+            if statuses is not None:
+                view.release()
         if statuses is None:
             statuses = self._place_pieces(view, tb, blen, addrs, lens, waddrs, wlens, rkeys, st)
         events = []
@@ -187,27 +203,6 @@ class TcpLanding:
             log.warning("%s: refused an unacked write from %s: %d B at 0x%x rkey 0x%x: %s", self._id, ep.peer_id,
                         wlens[i], waddrs[i], rkeys[i], STATUS_TEXT.get(statuses[i], statuses[i]))
         ep.deliver_in_order(seq, events)
-
-    def _place_rows(self, view: memoryview, tb: int, addrs, lens, rk: int):
-        """Whole writes into one region (``rk``), each of at least a byte: placed from ``view`` (the table, then
-        the payload) when that region is a host region holding every one, checked by the writes' extremes. Returns
-        the statuses (all OK) and releases ``view``, or None (nothing placed: check them piece by piece)."""
-        lo, hi = min(addrs), max(map(add, addrs, lens))
-        with self._region_lock:
-            ent = self._host_views.get(rk)
-            mr = self._regions.get(rk)
-            if ent is None or ent[0] is not mr or lo < mr.addr or hi > mr.addr + mr.length:
-                return None
-            # placed while holding the lock instead of pinning the region: ``deregister`` waits for this lock
-            # before it returns, and the copies of at most SMALL_MESSAGE bytes never block
-            dst, base = ent[1], mr.addr
-            off = tb
-            for a, k in zip(addrs, lens):
-                a -= base
-                dst[a:a + k] = view[off:off + k]
-                off += k
-        view.release()
-        return bytearray(len(lens))
 
     def _place_pieces(self, view: memoryview, tb: int, blen: int, addrs, lens, waddrs, wlens, rkeys,
                       st: dict) -> bytearray:

@@ -225,14 +225,13 @@ class TcpPoster:
         return m
 
     def _post_rows(self, ep: Endpoint, b: WriteRows) -> None:
-        """Post a ``WriteRows``: the checks of ``validate_batch`` in Python (``_rows_region``), then one message (up
+        """Post a ``WriteRows``: the checks of ``validate_batch`` in Python (``_rows_sources``), then one message (up
         to ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path). A message of host sources
         small enough for an inline send is registered, framed and sent here in one step (what ``send``,
         ``enqueue``, ``_wire_buffers`` and ``send_now`` do for it), since its Python steps are its latency."""
         fab = self._fab
-        if fab.closed:
-            fab.check_open()
         if not isinstance(ep, SocketEndpoint) or ep.fabric is not fab:
+            fab.check_open()
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {fab.name} fabric {self._id}")
         ln, ra, rk = b.length, b.remote_addr, b.rkey
         n = len(ln)
@@ -242,7 +241,7 @@ class TcpPoster:
             self.post_writes(ep, [WriteBatch(*arrays, np.full(n, rk, dtype=np.int64),
                                              np.full(n, b.lkey, dtype=np.int64), wr_id=b.wr_id)])
             return
-        mr = self._rows_region(ep, b)
+        mr, bufs = self._rows_sources(ep, b)
         pack = ROW.pack
         m = OutMsg(0)
         rows = m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
@@ -256,7 +255,7 @@ class TcpPoster:
             m.src = [(a, k, mr.device) for a, k in zip(b.local_addr, ln)]
             self.send(ep, [m])
             return
-        bufs = m.bufs = self._rows_sources(b, mr)
+        m.bufs = bufs
         if n > INLINE_PIECES or nbytes > INLINE_BYTES:
             ep.enqueue([m])
             return
@@ -278,10 +277,14 @@ class TcpPoster:
             self.await_rows(b, 0.0)
             raise
 
-    def _rows_region(self, ep: SocketEndpoint, b: WriteRows) -> MemoryRegion:
-        """The local checks of a ``WriteRows`` of one message: a live endpoint, 32-bit keys, every source inside
-        the region of ``lkey`` (by the writes' extremes); returns that region."""
-        if not ep.alive:
+    def _rows_sources(self, ep: SocketEndpoint, b: WriteRows) -> tuple:
+        """The local side of a ``WriteRows`` of one message, checked: a live endpoint of an open fabric, 32-bit
+        keys, every source inside the region of ``lkey`` (by the writes' extremes). Returns that region and, for a
+        host region, the sources as slices of one view of it (the one kept since registration, else one of the
+        span: a view per piece costs a ctypes call each), pieces that follow each other in memory as one buffer
+        (None for a GPU region)."""
+        if not ep.alive:  # a closed fabric failed every endpoint: its error first
+            self._fab.check_open()
             ep.check_alive()
         rk, lk = b.rkey, b.lkey
         if rk.__class__ is not int or lk.__class__ is not int or not (0 <= rk <= 0xFFFFFFFF and 0 <= lk <= 0xFFFFFFFF):
@@ -291,34 +294,30 @@ class TcpPoster:
         mr = self._regions.get(lk)
         if mr is None:
             raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
+        la, ln = b.local_addr, b.length
         first, end = b.local_span  # the writes' own checks: WriteRows
-        if first < mr.addr or end > mr.addr + mr.length:
-            la, ln = b.local_addr, b.length
+        base = mr.addr
+        if first < base or end > base + mr.length:
             i = next(i for i, (a, k) in enumerate(zip(la, ln)) if a < mr.addr or a + k > mr.addr + mr.length)
             raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{la[i]:x}+{ln[i]} lies outside the "
                               f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
-        return mr
-
-    def _rows_sources(self, b: WriteRows, mr: MemoryRegion) -> list:
-        """The host sources of a checked ``WriteRows`` as slices of one view of the region (the one kept since
-        registration, else one of the span: a view per piece costs a ctypes call each), pieces that follow each
-        other in memory as one buffer."""
-        first, end = b.local_span
-        ent = self._host_views.get(b.lkey)
+        if mr.device != DEVICE_HOST:
+            return mr, None
+        ent = self._host_views.get(lk)
         if ent is not None and ent[0] is mr:
-            span, base = ent[1], mr.addr
+            span = ent[1]
         else:
             span, base = raw_view(first, end - first), first
         bufs = []
         start = end = -1
-        for a, k in zip(b.local_addr, b.length):
+        for a, k in zip(la, ln):
             if a != end:
                 if end > start:
                     bufs.append(span[start - base:end - base])
                 start = a
             end = a + k
         bufs.append(span[start - base:end - base])
-        return bufs
+        return mr, bufs
 
     def await_rows(self, b: WriteRows, deadline: float) -> None:
         """For the thread that posted ``b`` with ``read_ack`` and got its socket (``b.reader`` set): read that

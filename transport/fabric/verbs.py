@@ -20,7 +20,8 @@ GPU memory runs on the model's GPUDirect mode (dma-buf MRs over CUDA memory); it
 * **Work requests** are built once per QP and reused (``SendChain``): real pyverbs never frees them.
 * **Connection.** One RC QP (and its own CQ) per peer. QP number, PSN, GID, LID and MTU travel over a TCP
   socket that first proves the shared secret (``transport.auth``) and then stays open as a liveness channel:
-  its EOF fails the endpoint at once instead of after the QP's retries.
+  its EOF fails the endpoint at once instead of after the QP's retries. The QPs are made, brought up and
+  exchanged by ``verbs_qp.QpSetup``; one thread watches every channel (``verbs_endpoint.ChannelWatch``).
 * **Posting.** One ``post_send`` chain per ``post_writes`` call (split only where the send queue is full), with
   selective signalling: only the last work request of a chain is signalled, and the completions of the others
   are derived from it, since an RC send queue completes in order. Writes up to the QP's ``max_inline_data``

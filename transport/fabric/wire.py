@@ -184,7 +184,7 @@ STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range outs
 # one syscall per 64 B piece.
 SMALL_PIECE = 32 << 10
 # A WRITE message of at most this many bytes (table and payload) is received in one piece into the staging buffer
-# and placed from there (``_on_small_write``): one receive and no numpy call, where the bytes copied once more
+# and placed from there (``TcpLanding.on_small_write``): one receive and no numpy call, where the bytes copied once more
 # cost less than the steps saved.
 SMALL_MESSAGE = 64 << 10
 MAX_TABLE = 1 << 16  # pieces per message; a peer claiming more is broken or hostile

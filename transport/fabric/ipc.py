@@ -63,8 +63,8 @@ from transport.fabric.procmem import allow_peer_writes, process_vm_read, process
 from transport.fabric.region_counter import GenerationCounter
 from transport.fabric.socket_fabric import SocketFabric
 from transport.fabric.sockets import Sock, recv_exact
-from transport.fabric.wire import (I64, VECTOR_MIN, HDR, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT,
-                                   T_NOTIFY, T_REQ, seal)
+from transport.fabric.wire import (HDR, I64, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ,
+                                   VECTOR_MIN, seal)
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from transport.errors import RegionError
 from transport.fabric.base import Completion, Opcode, WriteBatch, WriteRequest
-from transport.fabric.wire import STATUS_TEXT, VECTOR_MIN, F_IMM, MAX_TABLE, PIECE_DT
+from transport.fabric.wire import F_IMM, MAX_TABLE, PIECE_DT, STATUS_TEXT, VECTOR_MIN
 
 
 class WrRecord:

@@ -34,8 +34,8 @@ from transport.fabric.messages import OutMsg, batch_messages, write_messages
 from transport.fabric.region_book import RegionBook
 from transport.fabric.sockets import Sock, recv_exact, send_ctrl_frames, send_now
 from transport.fabric.wire import (
-    TAIL, VECTOR_MIN, F_IMM, H_NOACK, H_TOKEN, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
-    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, rx_head, ack_frame, check_token,
+    F_IMM, H_NOACK, H_TOKEN, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE, MAX_WHOLE, PIECE_DT,
+    SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, TAIL, VECTOR_MIN, ack_frame, check_token, rx_head,
 )
 
 log = logging.getLogger(__name__)

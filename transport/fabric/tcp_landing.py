@@ -26,8 +26,8 @@ from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
 from transport.fabric.sockets import Sock, recv_exact, recv_views
-from transport.fabric.wire import (STATUS_TEXT, F_IMM, H_NOACK, SMALL_PIECE, ST_FAILED, ST_OK, T_WRITE, table_struct,
-                                   ack_frame)
+from transport.fabric.wire import (F_IMM, H_NOACK, SMALL_PIECE, ST_FAILED, ST_OK, STATUS_TEXT, T_WRITE, ack_frame,
+                                   table_struct)
 
 log = logging.getLogger(__name__)
 

@@ -141,7 +141,7 @@ class SocketEndpoint(Endpoint):
 
     def enqueue_one(self, m: OutMsg, reader: bool = False) -> Sock:
         """``enqueue([m], queue=False)``: register one message as pending and return the socket to send it on
-        (the poster's inline send of a small message, ``TcpPoster._post_rows``). Small messages keep to one socket
+        (the poster's inline send of a small message, ``TcpPoster.post_rows``). Small messages keep to one socket
         (``_small``) while it serves: a sender of one small batch after another then meets the same receive thread
         at the peer, still awake from the last one (``recv_spin``), and the same caches. ``reader``: the poster
         will wait for the ack and read it itself, so a socket whose reader token another waiting caller holds is

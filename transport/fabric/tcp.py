@@ -106,8 +106,12 @@ class TcpFabric(SocketFabric):
         self._start()
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
-        """Check every request and batch, then send or queue their messages (``TcpPoster.post_writes``)."""
-        self._poster.post_writes(ep, requests)
+        """Check every request and batch, then send or queue their messages (``TcpPoster.post_writes``; a lone
+        ``WriteRows``, the small batch whose Python steps are its latency, straight to ``TcpPoster.post_rows``)."""
+        if len(requests) == 1 and type(requests[0]) is WriteRows:
+            self._poster.post_rows(ep, requests[0])
+        else:
+            self._poster.post_writes(ep, requests)
 
     def await_rows(self, b: WriteRows, deadline: float) -> None:
         """For the thread that posted ``b`` with ``read_ack``: read its ack itself (``TcpPoster.await_rows``)."""

@@ -32,7 +32,7 @@ from transport.fabric.wire import (F_IMM, H_NOACK, H_WHOLE, HDR, I64, MAGIC, MAX
 
 log = logging.getLogger(__name__)
 
-_HEAD = bytearray(48)  # a WRITE header's place: ``_post_rows`` frames into ``_HEAD + rows``, a new bytearray
+_HEAD = bytearray(48)  # a WRITE header's place: ``post_rows`` frames into ``_HEAD + rows``, a new bytearray
 
 # A post of one message at most this large (pieces, bytes on the wire) is sent by the posting thread itself when
 # its socket is idle; larger ones go to the sender threads, which stream them over every socket in parallel.
@@ -83,7 +83,7 @@ class TcpPoster:
         if len(requests) == 1:
             r = requests[0]
             if type(r) is WriteRows:
-                self._post_rows(ep, r)
+                self.post_rows(ep, r)
                 return
             if type(r) is WriteRequest and not r.acked and not r.signaled and self._unacked \
                     and self._post_unacked(ep, r):
@@ -224,7 +224,7 @@ class TcpPoster:
         m.bufs = bufs
         return m
 
-    def _post_rows(self, ep: Endpoint, b: WriteRows) -> None:
+    def post_rows(self, ep: Endpoint, b: WriteRows) -> None:
         """Post a ``WriteRows``: the checks of ``validate_batch`` in Python (``_rows_sources``), then one message (up
         to ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path). A message of host sources
         small enough for an inline send is registered, framed and sent here in one step (what ``send``,

@@ -97,7 +97,7 @@ def seal_frame(sess, frame, ack_seq: int) -> None:
     """Tag one frame in place: ``frame`` is its header and what its tag covers (a bytearray built for this one send, or
     a writable view of one); its tag takes the next sequence number. ``ack_seq`` >= 0: the frame is the acknowledged
     WRITE numbered so, whose ack token goes to ``sess.acks``. ``seal`` calls it once it knows what the buffer holds;
-    a small batch sent by its caller (``TcpPoster._post_rows``) calls it directly, without those steps: they were a
+    a small batch sent by its caller (``TcpPoster.post_rows``) calls it directly, without those steps: they were a
     fifth of the smallest call's tag cost (``benchmarks/NOTES.md``)."""
     TAIL.pack_into(frame, 32, sess.tx_n)
     sess.tx_n += 1

@@ -545,12 +545,12 @@ def test_endpoint_failure_completes_a_pending_batch_message_without_a_table():
     from transport.errors import PeerLost
     from transport.fabric import make_fabric
     from transport.fabric.base import WriteBatch
-    from transport.fabric.messages import _BatchRecord, _OutMsg
+    from transport.fabric.messages import BatchRecord, OutMsg
     a, b = make_fabric("tcp"), make_fabric("tcp")
     try:
         ep = a.connect(b.descriptor())
-        m = _OutMsg(0)
-        m.batch, m.final, m.pieces = _BatchRecord(WriteBatch([4096, 8192], [8, 24], [0, 64], [3, 3], [4, 4],
+        m = OutMsg(0)
+        m.batch, m.final, m.pieces = BatchRecord(WriteBatch([4096, 8192], [8, 24], [0, 64], [3, 3], [4, 4],
                                                              wr_id=77)), True, 2
         ep.enqueue([m], queue=False, local=[True])
         ep.fail("test")

@@ -46,5 +46,7 @@ setup(
         "console_scripts": ["pxn=transport.cli:main"],
         # sglang loads this at start-up; it swaps its MooncakeTransferEngine for pxn's (PXN_SGLANG_PLUGIN=0: off)
         "sglang.srt.plugins": ["pxn = integration.sglang:register_sglang_plugin"],
+        # pxn reads the group "pxn.fabrics" (name = "module:FabricClass") for fabrics other packages add
+        # (transport.fabric.FABRICS); its own tcp, ipc and verbs are built in and declared nowhere else
     },
 )

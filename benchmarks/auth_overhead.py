@@ -7,7 +7,7 @@ and the per-message price of the tags.
 2. Small batches, where a per-message cost shows most: a sender engine and a receiver in a spawned process (tcp,
    host memory), 11 pieces of sglang's aux sizes per ``batch_write`` and a 256 x 4 KiB batch, median of
    ``--batches`` calls, each tree in its own interpreter, alternating like the bench.
-3. The price of one tag: sealing a frame header with its piece table (``transport.fabric.wire._seal``) and checking
+3. The price of one tag: sealing a frame header with its piece table (``transport.fabric.wire.seal``) and checking
    it, for tables of 1, 16 and 256 rows; and a control message's tag.
 4. What payload integrity on tcp (not built: the tag covers headers and tables only) would cost: keyed BLAKE2b
    over a payload, GB/s, against the tcp fabric's own loopback rate from the bench.
@@ -111,10 +111,10 @@ def tag_costs(n: int = 20000) -> dict:
         frame = wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, rows, 7, len(table) + 4096) + table
         k = n if rows < 256 else n // 10
         t0 = time.perf_counter()
-        sealed = [wire._seal(tx, frame) for _ in range(k)]
+        sealed = [wire.seal(tx, frame) for _ in range(k)]
         t1 = time.perf_counter()
         for f in sealed:  # checked in the order sealed, as a receiver does (in its own buffer)
-            h, tag = wire._rx_head(rx, f)
+            h, tag = wire.rx_head(rx, f)
             h.update(memoryview(f)[48:48 + len(table)])
             rx.rx_end(h, tag)
         t2 = time.perf_counter()

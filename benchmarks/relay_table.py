@@ -45,6 +45,7 @@ if ROOT not in sys.path:
 
 from transport.bench_cli import LocalPeer, measure  # noqa: E402
 from transport.config import parse_size  # noqa: E402
+from transport.fabric import FABRICS  # noqa: E402
 from transport.peer_process import Buffer  # noqa: E402
 from transport.engine import TransferEngine  # noqa: E402
 
@@ -77,7 +78,7 @@ def _label(n: int) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--fabric", default="tcp", choices=["tcp", "ipc", "verbs"])
+    ap.add_argument("--fabric", default="tcp", choices=FABRICS.names())
     ap.add_argument("--total-mb", type=int, default=128, help="MB written per call (default 128)")
     ap.add_argument("--repeat", type=int, default=5, help="timed calls per cell (median reported)")
     ap.add_argument("--rails", type=int, default=2)

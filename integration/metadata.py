@@ -502,8 +502,8 @@ def _tls_session(ca_cert: Optional[str], cert: Optional[str], key: Optional[str]
 
 def _read_password(path: str) -> str:
     """The etcd password in ``path``, checked as the secret file is (a regular file of this user, mode 0600)."""
-    from transport.auth import _open_secret_file
-    fd = _open_secret_file(path)
+    from transport.auth import open_secret_file
+    fd = open_secret_file(path)
     try:
         return os.read(fd, 4096).decode().strip()
     finally:

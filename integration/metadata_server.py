@@ -608,8 +608,8 @@ def main(argv=None) -> int:
     try:
         secret = None
         if args.secret_file:
-            from transport.auth import _open_secret_file
-            fd = _open_secret_file(args.secret_file)  # a symlink, FIFO, or a file others may read: refused
+            from transport.auth import open_secret_file
+            fd = open_secret_file(args.secret_file)  # a symlink, FIFO, or a file others may read: refused
             try:
                 secret = os.read(fd, 4096).strip()
             finally:

@@ -132,6 +132,27 @@ spinning in ``while True: pass``, as Mooncake's own test target does) makes each
 wait up to 5 ms (benchmarks/NOTES.md, "A caller that keeps running Python")."""
 
 
+def _fabric_for(protocol, env: dict):
+    """(the protocol asked for, the pxn fabric for it or None): Mooncake's ``protocol``, unless ``MC_FORCE_TCP``
+    or ``PXN_FABRIC`` (``env``) says otherwise."""
+    proto = (protocol or "").strip().lower()
+    if force_tcp():
+        proto = "tcp"
+    override = str(env.get("fabric", "")).strip().lower()
+    if override:
+        proto = override
+    return proto, PROTOCOLS.get(proto)
+
+
+def _close_previous(old, old_directory, directory, segment: str) -> None:
+    """Close the engine a second ``initialize`` replaced (``old``, None if none) and its directory entry, which
+    stays when the new engine published under the same name."""
+    if old is not None:
+        if old_directory is not None:
+            old_directory.close(withdraw=directory is None or old_directory.segment != segment)
+        old.close()
+
+
 class TransferEngine(TransferCalls):
     """Mooncake's ``TransferEngine`` Python API over ``transport.TransferEngine`` (see the module docstring).
 
@@ -218,9 +239,6 @@ class TransferEngine(TransferCalls):
         except InvalidTransfer as e:
             log.error("initialize: %s", e)
             return ERR_INVALID_ARGUMENT
-        proto = (protocol or "").strip().lower()
-        if force_tcp():
-            proto = "tcp"
         try:
             # the PXN_* settings the engine itself will read, parsed and checked the same way (EngineConfig)
             env = EngineConfig.environment()
@@ -228,10 +246,7 @@ class TransferEngine(TransferCalls):
         except ValueError as e:
             log.error("initialize: %s", e)
             return ERR_INVALID_ARGUMENT
-        override = str(env.get("fabric", "")).strip().lower()
-        if override:
-            proto = override
-        fabric = PROTOCOLS.get(proto)
+        proto, fabric = _fabric_for(protocol, env)
         if fabric is None:
             log.error("initialize: protocol %r has no pxn fabric (have %s)", protocol, sorted(PROTOCOLS))
             return ERR_NOT_IMPLEMENTED
@@ -248,15 +263,7 @@ class TransferEngine(TransferCalls):
         with self._lock:
             try:
                 directory = SegmentDirectory(url, ttl, segment) if url else None
-                options = dict(self._options)
-                if fabric in ("verbs", "auto") and "topology" not in options:
-                    options["topology"] = rails_topology(fabric, names)
-                from transport.engine import TransferEngine as PxnEngine
-                if "switch_interval" not in options and "switch_interval" not in env:
-                    options["switch_interval"] = SWITCH_INTERVAL
-                if "port" not in options:
-                    options["port"] = rpc_port()
-                eng = PxnEngine(hostname=host, fabric=fabric, **options)
+                eng = self._new_engine(host, fabric, names, env)
             except BaseException as e:  # noqa: BLE001 — mapped to a code and logged
                 return fail(f"initialize({local_hostname!r}, protocol={protocol!r} -> {fabric}, "
                             f"device_name={device_name!r})", e)
@@ -277,15 +284,24 @@ class TransferEngine(TransferCalls):
             self._engine, self._directory, self._base_timeout = eng, directory, base_timeout
             self._names = tuple(n for n in {eng.session_id, segment, normalize_session(segment)} if n)
             managed = self._buffers.reset(eng)
-        if old is not None:
-            if old_directory is not None:
-                # the entry stays when the new engine published under the same name
-                old_directory.close(withdraw=directory is None or old_directory.segment != segment)
-            old.close()
+        _close_previous(old, old_directory, directory, segment)
         free_all(managed)
         log.info("pxn Mooncake shim: session %s over %s (protocol %r%s)", eng.session_id, eng.fabric_name,
                  protocol, f", segment {segment!r} at {url}" if url else "")
         return 0
+
+    def _new_engine(self, host: str, fabric: str, names: List[str], env: dict):
+        """A pxn engine on ``fabric`` with this object's options, and the rails of the NICs ``names`` (verbs),
+        Mooncake's switch interval and RPC port unless set otherwise."""
+        options = dict(self._options)
+        if fabric in ("verbs", "auto") and "topology" not in options:
+            options["topology"] = rails_topology(fabric, names)
+        from transport.engine import TransferEngine as PxnEngine
+        if "switch_interval" not in options and "switch_interval" not in env:
+            options["switch_interval"] = SWITCH_INTERVAL
+        if "port" not in options:
+            options["port"] = rpc_port()
+        return PxnEngine(hostname=host, fabric=fabric, **options)
 
     # ======================================================================================================
     # the engine and the machine

@@ -234,27 +234,47 @@ def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written
             lo, hi = int(values.min()), int(values.max())
         extremes[name] = (lo, hi)
         if kind == "address":
-            if lo < 1:
+            if not _address_fits(name, values, lengths, lo, hi, lmax, ends):
                 return None
-            if hi > _INT64_MAX - lmax:  # some start + length may pass 2**63: the exact test
-                end = ends.get(name)
-                if end is None:
-                    end = ends[name] = values + lengths
-                if int(end.min()) < 1:
-                    return None
             spans[name] = (lo, hi)
-        else:
-            limit = check[3]
-            if lmax > limit or lo < 0 or hi > limit:
-                return None
-            if hi + lmax > limit:  # the extremes do not settle it: the largest end (no overflow: each <= limit)
-                end = ends.get(name)
-                if end is None:
-                    end = ends[name] = values + lengths
-                if int(end[-1] if in_order else end.max()) > limit:
-                    return None
+        elif not _bounded_fits(name, values, lengths, lo, hi, lmax, check[3], in_order, ends):
+            return None
     if written is None or n < 2 or ordered:
         return spans
+    return spans if _written_disjoint(written, lengths, lmin, lmax, extremes, ends, written_device) else None
+
+
+def _address_fits(name, values, lengths, lo: int, hi: int, lmax: int, ends: dict) -> bool:
+    """``_fast_ok``'s address check of ``values`` (extremes ``lo``, ``hi``): positive, and no start + length past
+    2**63, formed (and kept in ``ends``) only when the extremes cannot rule that out."""
+    if lo < 1:
+        return False
+    if hi > _INT64_MAX - lmax:  # some start + length may pass 2**63: the exact test
+        end = ends.get(name)
+        if end is None:
+            end = ends[name] = values + lengths
+        if int(end.min()) < 1:
+            return False
+    return True
+
+
+def _bounded_fits(name, values, lengths, lo: int, hi: int, lmax: int, limit: int, in_order: bool, ends: dict) -> bool:
+    """``_fast_ok``'s check of offsets ``values`` (extremes ``lo``, ``hi``) into a buffer of ``limit`` bytes, the
+    largest end formed (and kept in ``ends``) only when the extremes do not settle it."""
+    if lmax > limit or lo < 0 or hi > limit:
+        return False
+    if hi + lmax > limit:  # the extremes do not settle it: the largest end (no overflow: each <= limit)
+        end = ends.get(name)
+        if end is None:
+            end = ends[name] = values + lengths
+        if int(end[-1] if in_order else end.max()) > limit:
+            return False
+    return True
+
+
+def _written_disjoint(written, lengths, lmin: int, lmax: int, extremes: dict, ends: dict, written_device) -> bool:
+    """Whether the written ranges, not in ascending order, are disjoint: rows of one length by a bitmap of
+    slots, else on the device when the caller has them there, else sorted on the host."""
     name, starts = written
     equal = lmin if lmin == lmax else 0
     if equal:
@@ -263,15 +283,15 @@ def _fast_ok(lengths: np.ndarray, lmin: int, lmax: int, checks, written, written
         lo, hi = extremes.get(name) or (int(starts.min()), int(starts.max()))
         ok = _distinct_slots(starts, lo, hi, equal)
         if ok is not None:
-            return spans if ok else None
+            return ok
     if written_device is not None:
-        return spans if _disjoint_on_device(*written_device, equal) else None
+        return _disjoint_on_device(*written_device, equal)
     if equal:
-        return spans if _disjoint_sorted(starts, None, equal, lo, hi) else None
+        return _disjoint_sorted(starts, None, equal, lo, hi)
     end = ends.get(name)
     if end is None:
         end = starts + lengths
-    return spans if _disjoint_sorted(starts, end, 0, (extremes.get(name) or (None,))[0]) else None
+    return _disjoint_sorted(starts, end, 0, (extremes.get(name) or (None,))[0])
 
 
 # Up to this many pieces the checks run on Python lists: a numpy call's fixed cost exceeds the work below it.
@@ -295,30 +315,9 @@ def _small_ok(lengths: list, lmin: int, lmax: int, checks, written) -> Optional[
         pick = lambda values: [values[i] for i in live]  # noqa: E731
     known = None
     if written is not None and len(lengths) >= 2:
-        starts = written[1].tolist()
-        if pick is not None:
-            starts = pick(starts)
-        # one length: neighbours at least that far apart; else each end at most the next start. Unordered: the
-        # i-th smallest end must not pass the (i+1)-th smallest start (see _disjoint_sorted); with one length
-        # the ends of the sorted starts are in order already
-        if lmin == lmax:
-            # a batch whose two first or two last starts are not in order skips the pass that would find it out
-            if starts[1] - starts[0] >= lmin and starts[-1] - starts[-2] >= lmin \
-                    and min(map(operator.sub, starts[1:], starts)) >= lmin:
-                lo, hi = starts[0], starts[-1]
-            else:
-                ordered = sorted(starts)
-                if min(map(operator.sub, ordered[1:], ordered)) < lmin:
-                    return None
-                lo, hi = ordered[0], ordered[-1]
-        elif all(map(operator.le, map(operator.add, starts, lengths), starts[1:])):
-            lo, hi = starts[0], starts[-1]
-        else:
-            ordered = sorted(starts)
-            if not all(map(operator.le, sorted(map(operator.add, starts, lengths)), ordered[1:])):
-                return None
-            lo, hi = ordered[0], ordered[-1]
-        known = (written[0], starts, lo, hi)
+        known = _small_written(written, lengths, lmin, lmax, pick)
+        if known is None:
+            return None
     for check in checks:
         if known is not None and check[1] == known[0]:
             _, values, lo, hi = known
@@ -334,6 +333,31 @@ def _small_ok(lengths: list, lmin: int, lmax: int, checks, written) -> Optional[
         elif lo < 0 or (hi + lmax > check[3] and max(map(operator.add, values, lengths)) > check[3]):
             return None
     return spans
+
+
+def _small_written(written, lengths: list, lmin: int, lmax: int, pick):
+    """``_small_ok``'s overlap check of the written ranges: (their argument's name, starts, lowest, highest), or
+    None when two overlap. One length: neighbours at least that far apart; else each end at most the next start.
+    Unordered: the i-th smallest end must not pass the (i+1)-th smallest start (see _disjoint_sorted); with one
+    length the ends of the sorted starts are in order already."""
+    starts = written[1].tolist()
+    if pick is not None:
+        starts = pick(starts)
+    if lmin == lmax:
+        # a batch whose two first or two last starts are not in order skips the pass that would find it out
+        if starts[1] - starts[0] >= lmin and starts[-1] - starts[-2] >= lmin \
+                and min(map(operator.sub, starts[1:], starts)) >= lmin:
+            return written[0], starts, starts[0], starts[-1]
+        ordered = sorted(starts)
+        if min(map(operator.sub, ordered[1:], ordered)) < lmin:
+            return None
+        return written[0], starts, ordered[0], ordered[-1]
+    if all(map(operator.le, map(operator.add, starts, lengths), starts[1:])):
+        return written[0], starts, starts[0], starts[-1]
+    ordered = sorted(starts)
+    if not all(map(operator.le, sorted(map(operator.add, starts, lengths)), ordered[1:])):
+        return None
+    return written[0], starts, ordered[0], ordered[-1]
 
 
 def address(name: str, addrs: np.ndarray):

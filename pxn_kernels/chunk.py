@@ -218,21 +218,7 @@ def parse_chunk(data: BufferLike, available_bytes: Optional[int] = None, key: Op
         raise ChunkFormatError(f"chunk of {view.size} bytes is shorter than its {HEADER_BYTES}-byte header")
     (magic, version, flags, seq, count, table_offset, payload_offset, chunk_bytes, sender_id,
      checksum) = _HEADER.unpack(view[:HEADER_BYTES].tobytes())
-    if magic != MAGIC:
-        raise ChunkFormatError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise ChunkFormatError(f"unsupported chunk version {version}, expected {VERSION}")
-    if table_offset != HEADER_BYTES:
-        raise ChunkFormatError(f"table_offset {table_offset}, expected {HEADER_BYTES}")
-    table_end = HEADER_BYTES + ENTRY_BYTES * count
-    if payload_offset != align_up(table_end):
-        raise ChunkFormatError(f"payload_offset {payload_offset} does not match item_count {count} "
-                               f"(expected {align_up(table_end)})")
-    if chunk_bytes < payload_offset or chunk_bytes > landed:
-        raise ChunkFormatError(f"chunk_bytes {chunk_bytes} outside [{payload_offset}, {landed}] "
-                               f"(header+table .. bytes that landed)")
-    if view.size < table_end:
-        raise ChunkFormatError(f"item table needs {table_end} bytes, only {view.size} given")
+    table_end = _check_header(magic, version, table_offset, payload_offset, chunk_bytes, count, landed, view.size)
     if key is not None or flags & F_KEYED:
         _check_mac(key, flags, memoryview(view[:table_end]))
     else:
@@ -246,38 +232,66 @@ def parse_chunk(data: BufferLike, available_bytes: Optional[int] = None, key: Op
     offsets = table["offset"].astype(np.int64)
     dst = table["dst_addr"].copy()
     if count:
-        if int(lengths.min()) < 1:
-            bad = int(np.argmin(lengths))
-            raise ChunkFormatError(f"item {bad}: length {int(lengths[bad])} < 1")
-        misaligned = np.nonzero(offsets % PAYLOAD_ALIGN)[0]
-        if misaligned.size:
-            bad = int(misaligned[0])
-            raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} not 16-byte aligned")
-        ends = offsets + lengths
-        below = np.nonzero(offsets < payload_offset)[0]
-        if below.size:
-            bad = int(below[0])
-            raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} inside header/table "
-                                   f"(payload starts at {payload_offset})")
-        beyond = np.nonzero(ends > chunk_bytes)[0]
-        if beyond.size:
-            bad = int(beyond[0])
-            raise ChunkFormatError(f"item {bad}: payload [{int(offsets[bad])}, {int(ends[bad])}) runs past "
-                                   f"chunk_bytes {chunk_bytes}")
-        overflow = np.nonzero(dst > np.uint64((1 << 64) - 1) - lengths.astype(np.uint64))[0]
-        if overflow.size:
-            bad = int(overflow[0])
-            raise ChunkFormatError(f"item {bad}: dst 0x{int(dst[bad]):x} + length {int(lengths[bad])} "
-                                   f"overflows 64 bits")
-        # items in payload order (what every sender writes) need no sort to show that none overlaps
-        if count > 1 and not bool((offsets[1:] >= ends[:-1]).all()):
-            order = np.argsort(offsets, kind="stable")
-            overlap = np.nonzero(ends[order][:-1] > offsets[order][1:])[0]
-            if overlap.size:
-                bad = int(order[overlap[0] + 1])
-                raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} overlaps the previous item")
+        _check_items(lengths, offsets, dst, payload_offset, chunk_bytes)
     return ChunkTable(seq=seq, sender_id=sender_id, flags=flags, chunk_bytes=chunk_bytes,
                       payload_offset=payload_offset, dst_addrs=dst, lengths=lengths, offsets=offsets)
+
+
+def _check_header(magic, version, table_offset, payload_offset, chunk_bytes, count, landed, size) -> int:
+    """``parse_chunk``'s checks of the header's fields against each other and the ``landed`` bytes (``size`` of
+    them given); returns where the item table ends."""
+    if magic != MAGIC:
+        raise ChunkFormatError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ChunkFormatError(f"unsupported chunk version {version}, expected {VERSION}")
+    if table_offset != HEADER_BYTES:
+        raise ChunkFormatError(f"table_offset {table_offset}, expected {HEADER_BYTES}")
+    table_end = HEADER_BYTES + ENTRY_BYTES * count
+    if payload_offset != align_up(table_end):
+        raise ChunkFormatError(f"payload_offset {payload_offset} does not match item_count {count} "
+                               f"(expected {align_up(table_end)})")
+    if chunk_bytes < payload_offset or chunk_bytes > landed:
+        raise ChunkFormatError(f"chunk_bytes {chunk_bytes} outside [{payload_offset}, {landed}] "
+                               f"(header+table .. bytes that landed)")
+    if size < table_end:
+        raise ChunkFormatError(f"item table needs {table_end} bytes, only {size} given")
+    return table_end
+
+
+def _check_items(lengths: np.ndarray, offsets: np.ndarray, dst: np.ndarray, payload_offset: int,
+                 chunk_bytes: int) -> None:
+    """``parse_chunk``'s checks of a non-empty item table: positive lengths, aligned payloads inside the chunk,
+    destinations that do not wrap, payloads that do not overlap."""
+    if int(lengths.min()) < 1:
+        bad = int(np.argmin(lengths))
+        raise ChunkFormatError(f"item {bad}: length {int(lengths[bad])} < 1")
+    misaligned = np.nonzero(offsets % PAYLOAD_ALIGN)[0]
+    if misaligned.size:
+        bad = int(misaligned[0])
+        raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} not 16-byte aligned")
+    ends = offsets + lengths
+    below = np.nonzero(offsets < payload_offset)[0]
+    if below.size:
+        bad = int(below[0])
+        raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} inside header/table "
+                               f"(payload starts at {payload_offset})")
+    beyond = np.nonzero(ends > chunk_bytes)[0]
+    if beyond.size:
+        bad = int(beyond[0])
+        raise ChunkFormatError(f"item {bad}: payload [{int(offsets[bad])}, {int(ends[bad])}) runs past "
+                               f"chunk_bytes {chunk_bytes}")
+    overflow = np.nonzero(dst > np.uint64((1 << 64) - 1) - lengths.astype(np.uint64))[0]
+    if overflow.size:
+        bad = int(overflow[0])
+        raise ChunkFormatError(f"item {bad}: dst 0x{int(dst[bad]):x} + length {int(lengths[bad])} "
+                               f"overflows 64 bits")
+    # items in payload order (what every sender writes) need no sort to show that none overlaps
+    if lengths.size > 1 and not bool((offsets[1:] >= ends[:-1]).all()):
+        order = np.argsort(offsets, kind="stable")
+        overlap = np.nonzero(ends[order][:-1] > offsets[order][1:])[0]
+        if overlap.size:
+            bad = int(order[overlap[0] + 1])
+            raise ChunkFormatError(f"item {bad}: payload offset {int(offsets[bad])} overlaps the previous item")
 
 
 _U64_MAX = (1 << 64) - 1

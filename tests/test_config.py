@@ -5,17 +5,14 @@ import re
 
 import pytest
 
-from transport.config import OPERATIONAL, TUNING, EngineConfig
+import transport.config
+from transport.config import OPERATIONAL, OTHER_VARIABLES, TUNING, EngineConfig
 from transport.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIBRARY = ("transport", "integration", "pxn_kernels")
-# Variables that are not an engine's setting, and why each is read where it is:
-NOT_ENGINE = {
-    "PXN_SGLANG_PLUGIN": "sglang's entry point, before any engine exists: whether the plugin patches sglang at all",
-    "PXN_SHAPES": "the pxn bench CLI's input file",
-    "PXN_KERNEL_POLICY": "the kernel layer (below transport): a sweep's launch-policy file, read at the first launch",
-}
+# Variables that are not an engine's setting, and why each is read where it is (config.py says so too)
+NOT_ENGINE = OTHER_VARIABLES
 # a read of the environment naming a PXN_ variable: os.environ.get("PXN_..."), environ["PXN_..."], getenv(...)
 ENV_READ = re.compile(r"""(?:environ(?:\.get)?|getenv)\s*[\(\[]\s*["'](PXN_[A-Z0-9_]+)""")
 
@@ -32,6 +29,13 @@ def test_every_library_variable_is_an_engine_config_field():
         named |= set(re.findall(r"\bPXN_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
     missing = sorted(named - declared - set(NOT_ENGINE))
     assert not missing, f"PXN_* variables named in the library but not EngineConfig fields: {missing}"
+
+
+def test_the_module_docstring_names_each_variable_that_is_not_a_field():
+    assert set(NOT_ENGINE) == {"PXN_KERNEL_POLICY", "PXN_SGLANG_PLUGIN", "PXN_SHAPES"}
+    for var, where in NOT_ENGINE.items():
+        module = where.split(":")[0]
+        assert f"``{var}`` is read by" in transport.config.__doc__ and module in transport.config.__doc__, var
 
 
 def test_variables_are_read_in_config_only():

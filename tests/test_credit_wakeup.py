@@ -3,7 +3,7 @@ word that one is coming must not leave the rail waiting ``CREDIT_ASK_S`` for a g
 import types
 
 from transport import completions, fills
-from transport.peers import _Peer, _PeerRail
+from transport.peers import Peer, PeerRail
 from transport.credits import F_QUEUED, F_RETURNED, ST_OK
 
 
@@ -13,14 +13,14 @@ class _Counters:
 
 
 def _rail():
-    peer = _Peer("h:1")
-    pr = _PeerRail(0, types.SimpleNamespace(alive=True), "r", 0, 0, 4, 1 << 20, peer)
+    peer = Peer("h:1")
+    pr = PeerRail(0, types.SimpleNamespace(alive=True), "r", 0, 0, 4, 1 << 20, peer)
     peer.rails = [pr]
     return peer, pr
 
 
 def _fills():
-    return types.SimpleNamespace(pipe=types.SimpleNamespace(control=None), engine_id=7, counters=_Counters())
+    return types.SimpleNamespace(control=None, engine_id=7, counters=_Counters())
 
 
 def test_queued_reply_overtaken_by_a_grant_lets_the_rail_ask_again(monkeypatch):

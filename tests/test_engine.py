@@ -253,14 +253,14 @@ def test_source_deregistered_between_validation_and_post_fails_and_writes_nothin
         eng.register(own)
         eng.batch_write(peer.session, [own.ctypes.data], [peer.base], [64])  # handshake first
         peer.poison()
-        real_plan = eng._pipe.planner.plan
+        real_plan = eng.data_path.planner.plan
 
         def plan_then_deregister(*args, **kwargs):
             units = real_plan(*args, **kwargs)
             eng.deregister(own.ctypes.data)
             return units
 
-        monkeypatch.setattr(eng._pipe.planner, "plan", plan_then_deregister)
+        monkeypatch.setattr(eng.data_path.planner, "plan", plan_then_deregister)
         with pytest.raises(InvalidTransfer, match="deregistered during the transfer"):
             eng.batch_write(peer.session, [own.ctypes.data + i * 65536 for i in range(3)],
                             [peer.base + i * 65536 for i in range(3)], [65536, 1, 4097])
@@ -1260,7 +1260,7 @@ def test_topology_rails_and_relay_choice(src, rng):
             lengths = [64] * 100 + [3 * MB]
             run_case(eng, peer, src, disjoint_offsets(rng, lengths, 32 * MB), disjoint_offsets(rng, lengths, 16 * MB),
                      lengths)
-            p = eng._peer(peer.session)
+            p = eng.data_path.peer(peer.session)
             assert eng._peers.rail_choices(0, p)[0].local and eng._peers.rail_choices(0, p)[0].relay_device == 0
             c1 = eng._peers.rail_choices(1, p)[0]
             assert not c1.local and c1.relay_device == 0 and c1.rail == 0

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pxn_kernels.chunk import chunk_layout
+from transport.config import EngineConfig
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, chunk_splits
 from transport.credits import ACK_FLAG, ack_imm, chunk_imm, decode_ack
 from transport.regions import Region, RegionTable, locate_inside, span_region
@@ -22,7 +23,7 @@ def _plan(lengths, devices=None, rails=2, local=True, relay="auto", coalesce=64 
     dsts = srcs + (1 << 40)
     devices = np.full(n, -1, dtype=np.int64) if devices is None else np.asarray(devices, dtype=np.int64)
     rails_of = {d: [RailChoice(r, local, d if local else 7) for r in range(rails)] for d in np.unique(devices).tolist()}
-    p = Planner(coalesce, slot, stripe, slot, relay)
+    p = Planner(EngineConfig(coalesce_bytes=coalesce, relay_slot_bytes=slot, stripe_bytes=stripe, relay=relay))
     load = {} if load is None else load
     return p.plan(srcs, dsts, lengths, devices, rails_of, load), srcs, dsts, load
 
@@ -99,9 +100,25 @@ def test_planner_stripes_large_blocks_and_relays_on_remote_rails():
 
 def test_planner_rejects_bad_config():
     with pytest.raises(ValueError, match="relay"):
-        Planner(64 * KB, MB, MB, MB, "sometimes")
+        Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=MB, relay="sometimes"))
     with pytest.raises(ValueError, match="cannot hold"):
-        Planner(64 * KB, 32 * KB, MB, MB)
+        Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=MB), chunk_bytes=32 * KB)
+
+
+def test_planner_turn_moves_with_each_plan_and_rewind_takes_it_back():
+    """``Planner.turn`` (the tie rotation a caller choosing a rail alone follows) moves once per ``plan`` call and
+    ``rewind`` takes the last move back; with equal loads the plan's unit starts on the rail of that turn."""
+    p = Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=16 * MB))
+    lengths = np.asarray([3 * KB + 5], dtype=np.int64)
+    srcs, dsts = lengths + 4096, lengths + (1 << 40)
+    choices = [RailChoice(r, True, -1) for r in range(3)]
+    start = p.turn
+    for k in range(1, 5):
+        units = p.plan(srcs, dsts, lengths, None, {-1: choices}, {}, [-1])
+        assert p.turn == start + k
+        assert units[0].rail == p.turn % 3
+    p.rewind()
+    assert p.turn == start + 3
 
 
 def test_region_table_lookups():
@@ -270,10 +287,11 @@ def test_whole_batch_rail_agrees_with_plan():
         choices = [RailChoice(r, local, dev if local else 7) for r in range(rails)]
         load = {r: int(rng.integers(0, 3 * MB)) for r in range(rails)} if rng.integers(2) else {}
         stats = (int(lengths.sum()), int(lengths.max()), int(lengths.min()))
-        kw = dict(relay=relay, direct_pieces=64)
-        reference = Planner(coalesce, 2 * MB, stripe, 2 * MB, **kw)
+        cfg = EngineConfig(coalesce_bytes=coalesce, relay_slot_bytes=2 * MB, stripe_bytes=stripe, relay=relay,
+                           direct_pieces=64)
+        reference = Planner(cfg)
         units = reference.plan(srcs, dsts, lengths, None, {dev: choices}, dict(load), [dev], None, None, stats[:2])
-        probe = Planner(coalesce, 2 * MB, stripe, 2 * MB, **kw)
+        probe = Planner(cfg)
         got = probe.whole_batch_rail(dev, choices, dict(load), n, stats[0], stats[2], stats[1])
         whole = (len(units) == 1 and units[0].kind == DIRECT and units[0].nbytes == stats[0]
                  and [tuple(x) for x in units[0].segments()] == list(zip(srcs.tolist(), dsts.tolist(),
@@ -284,8 +302,8 @@ def test_whole_batch_rail_agrees_with_plan():
             (case, got, [(u.kind, u.rail, u.nbytes) for u in units])
         if got is not None:
             assert got.rail == units[0].rail, case
-            short = Planner(coalesce, 2 * MB, stripe, 2 * MB, **kw).plan(srcs, dsts, lengths, None, {dev: choices},
-                                                                         dict(load), [dev], None, None, stats)
+            short = Planner(cfg).plan(srcs, dsts, lengths, None, {dev: choices}, dict(load), [dev], None, None,
+                                      stats)
             assert [(u.kind, u.rail, u.nbytes) for u in short] == [(DIRECT, got.rail, stats[0])], case
             assert [tuple(x) for x in short[0].segments()] == [tuple(x) for x in units[0].segments()], case
         assert probe.relays_all(choices, stats[2]) == all(u.kind == RELAYED for u in units), case
@@ -434,7 +452,7 @@ def test_planner_forwards_large_pieces_through_landing_slots():
     lengths = np.asarray([3 * MB, 2 * MB + 5, 100], dtype=np.int64)
     srcs = np.cumsum(np.concatenate(([0], lengths[:-1]))) + 4096
     dsts = srcs + (1 << 40)
-    p = Planner(64 * KB, 4 * MB, 16 * MB, 4 * MB, "auto")
+    p = Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=4 * MB, stripe_bytes=16 * MB, relay="auto"))
     rails_of = {0: [RailChoice(0, True, 0)]}
     units = p.plan(srcs, dsts, lengths, np.zeros(3, dtype=np.int64), rails_of, {}, [0],
                    dst_devices=np.asarray([1, 0, 1]), forward={0: 0})
@@ -531,12 +549,12 @@ def test_endpoint_failure_completes_a_pending_batch_message_without_a_table():
     from transport.errors import PeerLost
     from transport.fabric import make_fabric
     from transport.fabric.base import WriteBatch
-    from transport.fabric.messages import _BatchRecord, _OutMsg
+    from transport.fabric.messages import BatchRecord, OutMsg
     a, b = make_fabric("tcp"), make_fabric("tcp")
     try:
         ep = a.connect(b.descriptor())
-        m = _OutMsg(0)
-        m.batch, m.final, m.pieces = _BatchRecord(WriteBatch([4096, 8192], [8, 24], [0, 64], [3, 3], [4, 4],
+        m = OutMsg(0)
+        m.batch, m.final, m.pieces = BatchRecord(WriteBatch([4096, 8192], [8, 24], [0, 64], [3, 3], [4, 4],
                                                              wr_id=77)), True, 2
         ep.enqueue([m], queue=False, local=[True])
         ep.fail("test")
@@ -610,10 +628,12 @@ def test_redispatch_waits_for_a_dead_rails_queued_completion():
                              cause=PeerLost("rail 0: connection reset by peer") if rail == 0 else None))
     failed, labelled, forgotten = [], [], []
     batch = NS(peer=peer, failed=False, id=7)
-    pipe = NS(completions=Comps(), counters=None, _fail_batch=lambda b, e: (failed.append(e),
-                                                                            setattr(b, "failed", True)))
+    comps = Comps()
+    accounts = NS(fail=lambda b, e: (failed.append(e), setattr(b, "failed", True)))
     directory = NS(rail_choices=lambda device, p: [])
-    fo = Failover(pipe, directory, [])
+    fo = Failover(NS(closed=False), accounts, directory, [], None, None)
+    fo.connect(comps, None)
+    pipe = NS(completions=comps)
 
     def rail_failed(pr, cause):
         labelled.append((pr.rail, str(cause)))

@@ -297,7 +297,7 @@ def test_coalesced_chunks_are_placed_as_they_arrive_byte_exact(sender, peer, src
     assert n == len(sizes)
     # a gather chunk's write is silent on tcp (its ack completes it): nothing of it is left in flight, and its
     # bytes are counted as completed all the same
-    assert not sender._inflight
+    assert not sender.stats()["inflight"]
     rails = sender.stats()["rails"]
     assert sum(r.get("bytes_completed", 0) for r in rails) >= sum(sizes)
 

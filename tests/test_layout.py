@@ -96,3 +96,85 @@ def test_no_file_or_class_over_the_limits():
                     over.append(f"{path.relative_to(ROOT)}:{node.name}: {n_lines} lines, {methods} methods")
     assert not over, f"over {MAX_FILE_LINES} lines a file / {MAX_CLASS_LINES} lines or {MAX_METHODS} methods a " \
                      f"class: {over}"
+
+
+MAX_FUNCTION_LINES, MAX_COMPLEXITY = 80, 25
+
+
+def _complexity(fn) -> int:
+    """McCabe's count of one function: 1 + its decisions (branches, loops, handlers, each extra operand of
+    ``and``/``or``, each comprehension and its conditions, each ``case``); nested functions count on their own."""
+    n = 1
+    stack = list(ast.iter_child_nodes(fn))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.If, ast.For, ast.While, ast.AsyncFor, ast.ExceptHandler, ast.IfExp,
+                             ast.match_case)):
+            n += 1
+        elif isinstance(node, ast.BoolOp):
+            n += len(node.values) - 1
+        elif isinstance(node, ast.comprehension):
+            n += 1 + len(node.ifs)
+        stack.extend(ast.iter_child_nodes(node))
+    return n
+
+
+def test_no_function_over_the_limits():
+    """A function over 80 lines or McCabe complexity 25 is split by decision (one function per message type,
+    unit kind or case), which keeps each readable and testable alone."""
+    over = []
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n_lines, cx = node.end_lineno - node.lineno + 1, _complexity(node)
+                if n_lines > MAX_FUNCTION_LINES or cx > MAX_COMPLEXITY:
+                    over.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {n_lines} lines, "
+                                f"complexity {cx}")
+    assert not over, f"over {MAX_FUNCTION_LINES} lines or complexity {MAX_COMPLEXITY} a function: {over}"
+
+
+# private names of other code that the library may read, each for a reason
+PRIVATE_ALLOWED = {
+    "_getframe": "sys._getframe: the stdlib's way to find the caller's frame (the sglang plug-in's import hook)",
+    "_replace": "namedtuple._replace is public API despite its underscore (urllib's SplitResult)",
+    "_C": "torch._C: the current raw CUDA stream, which torch exposes nowhere else",
+    "_cuda_getCurrentRawStream": "torch._C: the current raw CUDA stream, which torch exposes nowhere else",
+}
+
+
+def _own_private_names(tree) -> set:
+    """The private names a module defines: its functions, classes and module names, and every ``self._x`` or
+    ``cls._x`` it assigns."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def test_no_module_reads_another_modules_private_members():
+    """A part reads another part through its public methods: ``obj._x`` is allowed only where the reading module
+    defines ``_x`` itself (its own classes' members), and no module imports another's ``_private`` name."""
+    found = []
+    for layer in ("transport", "integration"):
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            own = _own_private_names(tree)
+            where = path.relative_to(ROOT)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                        and not node.attr.startswith("__") and node.attr not in own \
+                        and node.attr not in PRIVATE_ALLOWED \
+                        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    found.append(f"{where}:{node.lineno} {ast.unparse(node)[:60]}")
+                elif isinstance(node, ast.ImportFrom):
+                    found += [f"{where}:{node.lineno} from {node.module} import {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, f"{len(found)} read(s) of another module's private members: {found}"

@@ -167,7 +167,7 @@ def test_stranger_write_is_refused_unanswered(victim, src, what):
     with TransferEngine(fabric="tcp", secret=SECRET) as eng:
         eng.register(src)
         eng.batch_write(victim.session, [src.ctypes.data], [victim.base], [64])
-        peer = eng._peer(victim.session)
+        peer = eng.data_path.peer(victim.session)
         region = peer.regions.regions()[0]
         pr = peer.rails[0]
         victim.poison()
@@ -277,7 +277,7 @@ def _insider_control(victim, hello_overrides=None):
 def _insider_rail(victim, rail_id: str, rail: int = 0) -> socket.socket:
     s = socket.create_connection(_addr(victim.rails[rail]), timeout=10)
     auth.client_handshake(s, SECRET.encode(), "tcp", 10)
-    s.sendall(wire._seal(wire._keyed(s), _hello_frame(rail_id)))  # an insider tags its frames as an engine does
+    s.sendall(wire.seal(wire.keyed(s), _hello_frame(rail_id)))  # an insider tags its frames as an engine does
     hdr = auth.recv_exact(s, wire.HDR.size, time.monotonic() + 10)
     _, typ, _, _, status, _, blen = wire.HDR.unpack(hdr)
     body = auth.recv_exact(s, blen, time.monotonic() + 10)
@@ -393,7 +393,7 @@ def test_an_engine_proves_itself_once_on_a_reopened_control_connection(victim, s
         _legit_write(eng, victim, src, rng)
         before = victim.security()["refused_unproven"]
         peer = eng._peers.peers[victim.session]
-        pr, ask = peer.rails[0], eng._pipe.fills.ask_credits
+        pr, ask = peer.rails[0], eng.data_path.fills.ask_credits
         ask(pr, 0, [])
         assert proofs == []
         hello_ctrl = peer.ctrl
@@ -920,13 +920,13 @@ def _session_pair():
 def _sealed_write(sess, seq: int, pieces: int = 3) -> bytes:
     """A WRITE frame's header and table (no payload) for message ``seq``, sealed by ``sess`` as a sender does."""
     table = bytes(range(48)) * pieces
-    return bytes(wire._seal(sess, wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, pieces, seq, len(table) + pieces)
+    return bytes(wire.seal(sess, wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, pieces, seq, len(table) + pieces)
                             + table))
 
 
 def _token_of(sess, frame: bytes) -> bytes:
     """What the receiver of ``frame`` computes when it checks the tag: its ack token (the tag must check out)."""
-    mac, tag = wire._rx_head(sess, bytearray(frame[:48]))
+    mac, tag = wire.rx_head(sess, bytearray(frame[:48]))
     mac.update(frame[48:])
     d = mac.digest()
     assert d[:auth.TAG_BYTES] == bytes(tag)
@@ -945,7 +945,7 @@ def test_ack_token_answers_only_its_own_write():
     assert t1 != t2 and t1 != w1[32:48]
     ack = wire.ack_frame(7, bytearray(3), t1)
     assert ack[5] & wire.H_TOKEN and ack[32:48] == t1
-    assert wire._seal(s, ack) is ack and s.tx_n == 0  # carried as is: no tag, no sequence number
+    assert wire.seal(s, ack) is ack and s.tx_n == 0  # carried as is: no tag, no sequence number
     for bad in (bytes([t1[0] ^ 1]) + t1[1:], w1[32:48], t2):
         with pytest.raises(auth.SecretMismatch, match="wrong ack token"):
             wire.check_token(c, 7, bad, bytes(3))
@@ -959,33 +959,33 @@ def test_ack_token_answers_only_its_own_write():
         wire.check_token(c, 7, t1, bytes(3))
     refused = wire.ack_frame(8, bytearray(b"\x00\x01\x00"), t2)
     assert not refused[5] & wire.H_TOKEN and refused[32:48] == bytes(16)
-    sealed = wire._seal(s, refused)
+    sealed = wire.seal(s, refused)
     assert s.tx_n == 1 and sealed[32:48] != bytes(16)
     unacked = wire.HDR.pack(wire.MAGIC, wire.T_WRITE, wire.H_NOACK, 0, 1, 9, 48 + 1) + bytes(48)
-    wire._seal(c, unacked)
+    wire.seal(c, unacked)
     assert 9 not in c.acks  # nobody acks it: nothing kept
 
 
 def test_a_frame_built_for_one_send_is_sealed_in_place_as_a_copy_would_be():
-    """``_seal(..., own=True)`` (the sender thread's framing of a many-piece table) and ``seal_frame`` (a small
+    """``seal(..., own=True)`` (the sender thread's framing of a many-piece table) and ``seal_frame`` (a small
     batch sent by its caller) write the tags into the bytearray they are given, the same bytes a copy gets,
-    keeping the same ack token; given bytes ``_seal`` still copies, and without ``own`` the caller's bytearray is
+    keeping the same ack token; given bytes ``seal`` still copies, and without ``own`` the caller's bytearray is
     left as it was."""
     c1, s1 = _session_pair()
     c2, c3 = auth.Session(b"", True, b"", "tcp"), auth.Session(b"", True, b"", "tcp")
-    c2._tx = c3._tx = c1._tx  # more senders with the same key and sequence: the same tags
+    c2.tx_hash = c3.tx_hash = c1.tx_hash  # more senders with the same key and sequence: the same tags
     pieces = 3
     table = os.urandom(48 * pieces)
     frame = wire.HDR.pack(wire.MAGIC, wire.T_WRITE, 0, 0, pieces, 5, len(table) + pieces) + table
-    copied = wire._seal(c1, frame)
+    copied = wire.seal(c1, frame)
     mine = bytearray(frame)
-    assert wire._seal(c2, mine, own=True) is mine and mine == copied and c2.acks == c1.acks
+    assert wire.seal(c2, mine, own=True) is mine and mine == copied and c2.acks == c1.acks
     assert _token_of(s1, bytes(mine)) == c1.acks[5]
     small = bytearray(frame)
     assert wire.seal_frame(c3, small, 5) is None and small == copied and c3.acks == c1.acks and c3.tx_n == 1
     kept = bytearray(frame)
-    assert wire._seal(c1, kept) is not kept and kept == frame  # not owned: the caller's buffer is untouched
-    assert wire._seal(c1, frame, own=True) is not frame  # bytes cannot be sealed in place
+    assert wire.seal(c1, kept) is not kept and kept == frame  # not owned: the caller's buffer is untouched
+    assert wire.seal(c1, frame, own=True) is not frame  # bytes cannot be sealed in place
 
 
 def test_forged_ack_token_fails_the_write(monkeypatch):

@@ -171,7 +171,7 @@ def test_async_small_batches_complete_in_order(peer, src, rng):
         peer.check(exp)
         # batches completed by their ack and those completed after an earlier one, counted alike
         st = eng.stats()
-        assert st["batches"]["ok"] == 20 and st["paths"]["direct"]["units"] == 20 and not eng._pipe._inflight
+        assert st["batches"]["ok"] == 20 and st["paths"]["direct"]["units"] == 20 and not st["inflight"]
 
 
 def test_small_batches_survive_a_dead_rail(peer, src, rng):
@@ -199,7 +199,7 @@ def test_small_batches_from_threads(peer, src):
 
         assert not _run_threads(run, jobs, 60)
         peer.check(exp)
-        assert eng.stats()["batches"]["ok"] == 8 * 30 and not eng._pipe._inflight
+        assert eng.stats()["batches"]["ok"] == 8 * 30 and not eng.stats()["inflight"]
 
 
 # --- units ------------------------------------------------------------------------------------------------------
@@ -272,16 +272,16 @@ def test_write_rows_on_the_fabric(fabric_pair):
 
 
 def test_inline_send_of_a_full_socket_leaves_the_rest_first_in_line():
-    """``_send_now``: what the kernel does not take goes to the head of the control queue, and no later inline
+    """``send_now``: what the kernel does not take goes to the head of the control queue, and no later inline
     send overtakes it; the receiving end gets every byte in order."""
     a, b = socket.socketpair()
     try:
         a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        s = sockets._Sock(a, 0)
+        s = sockets.Sock(a, 0)
         big = np.random.default_rng(1).bytes(1 << 20)
-        assert T.TcpFabric._send_now(s, [b"head", memoryview(big)])
+        assert sockets.send_now(s, [b"head", memoryview(big)])
         assert s.ctrl  # the kernel took part of it
-        assert not T.TcpFabric._send_now(s, [b"later"])  # must not overtake the rest
+        assert not sockets.send_now(s, [b"later"])  # must not overtake the rest
         s.ctrl.append(b"later")
         got = bytearray()
 
@@ -309,7 +309,7 @@ def test_look_ahead_receive_returns_the_stream_in_order():
         data = np.random.default_rng(2).bytes(sum(sizes) + 50 * len(sizes))
         t = threading.Thread(target=lambda: [a.sendall(data[i:i + 777]) for i in range(0, len(data), 777)])
         t.start()
-        rx = sockets._Rx(b, 4096)
+        rx = sockets.Rx(b, 4096)
         out = bytearray()
         stage = memoryview(bytearray(1 << 16))
         for n in sizes:
@@ -325,7 +325,7 @@ def test_look_ahead_receive_returns_the_stream_in_order():
 
 
 def test_look_ahead_header_unpack_across_partial_receives(rng):
-    """``_Rx.unpack``: headers split over receives (down to one byte at a time), left partly in the buffer by the
+    """``Rx.unpack``: headers split over receives (down to one byte at a time), left partly in the buffer by the
     read before, and followed by bodies read through ``take`` and ``recv_exact``, all come back whole and in
     order."""
     a, b = socket.socketpair()
@@ -344,7 +344,7 @@ def test_look_ahead_header_unpack_across_partial_receives(rng):
                 pos = c
         t = threading.Thread(target=send)
         t.start()
-        rx = sockets._Rx(b, wire.HDR.size + 4096)
+        rx = sockets.Rx(b, wire.HDR.size + 4096)
         stage = memoryview(bytearray(1 << 16))
         for i, (f, body) in enumerate(zip(fields, bodies)):
             assert rx.unpack(wire.HDR) == f, f"header {i}"
@@ -366,15 +366,15 @@ class _Pushed:
     def __init__(self):
         self.pushed = []
 
-    def _push(self, comps):
+    def push_completions(self, comps):
         self.pushed.extend(comps)
 
 
-def _rows_message(wr_id: int, on_acked=None) -> "messages._OutMsg":
+def _rows_message(wr_id: int, on_acked=None) -> "messages.OutMsg":
     req = fabric_base.WriteRows([0, 8], [8, 8], [100, 200], 5, 6, wr_id=wr_id)
-    m = messages._OutMsg(0)
-    m.rows = b"".join(wire._ROW.pack(r, k, r, k, 5, 0, 0, 0) for r, k in zip(req.remote_addr, req.length))
-    m.pieces, m.batch, m.final, m.on_acked = 2, messages._BatchRecord(req), True, on_acked
+    m = messages.OutMsg(0)
+    m.rows = b"".join(wire.ROW.pack(r, k, r, k, 5, 0, 0, 0) for r, k in zip(req.remote_addr, req.length))
+    m.pieces, m.batch, m.final, m.on_acked = 2, messages.BatchRecord(req), True, on_acked
     return m
 
 
@@ -434,8 +434,8 @@ def test_small_batches_counted_when_they_complete_by_their_ack(peer, src, rng):
         assert sum(r.get("completions", 0) for r in st["rails"]) == n
         assert sum(r.get("bytes_completed", 0) for r in st["rails"]) == n * sum(AUX)
         assert sum(r.get("post_calls", 0) for r in st["rails"]) == n
-        assert not eng._pipe._inflight and all(not pr.inflight and pr.bytes_in_flight == 0
-                                         for p in eng._peers.values() for pr in p.rails)
+        assert not st["inflight"] and all(not pr.inflight and pr.bytes_in_flight == 0
+                                       for p in eng._peers.values() for pr in p.rails)
 
 
 # --- a waiting caller reads its own ack ---------------------------------------------------------------------------
@@ -476,7 +476,7 @@ def test_waiting_callers_read_their_own_acks(peer, src, rng):
                             disjoint_offsets(rng, AUX, 4 * MB), AUX)
         assert _own_reads(eng) >= 12 - 2 * len(eng.fabrics) * eng.fabrics[0].connections_per_peer
         assert not any(s.reader.locked() for f in eng.fabrics for ep in f._all_eps for s in ep.socks)
-        assert eng.stats()["batches"]["ok"] == 12 and not eng._pipe._inflight
+        assert eng.stats()["batches"]["ok"] == 12 and not eng.stats()["inflight"]
     from transport.fabric.tcp import TcpFabric
     orig = TcpFabric.__init__
 
@@ -527,10 +527,10 @@ def test_a_spinning_caller_reads_its_acks_byte_exact(peer, src, rng, monkeypatch
 def _delay_acks(tgt, seconds):
     """Every ack of ``tgt``'s fabrics leaves ``seconds`` late."""
     for f in tgt.fabrics:
-        def send(ep, s, payload, orig=f._send_ctrl):
+        def send(ep, s, payload, orig=f.send_ctrl):
             time.sleep(seconds)  # the scenario: a slow acker
             orig(ep, s, payload)
-        f._send_ctrl = send
+        f.send_ctrl = send
 
 
 def _spins(socks):
@@ -546,7 +546,7 @@ def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
     eng, tgt, dst = _local_pair(src)
     try:
         base = dst.ctypes.data
-        assert all(f._ack_spin.on and f._ack_spin.budget == T.SPIN for f in eng.fabrics)
+        assert all(f.ack_spin.on and f.ack_spin.budget == T.SPIN for f in eng.fabrics)
         _delay_acks(tgt, 0.002)
         n = 30  # fewer than a window's misses plus the shortest pause: off until the end
         for _ in range(n):
@@ -554,7 +554,7 @@ def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
             so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
             eng.batch_write(tgt.session_id, s_l, d_l, AUX)
             assert np.array_equal(dst, _expect(len(dst), src, so, do))
-        spins = [f._ack_spin for f in eng.fabrics]
+        spins = [f.ack_spin for f in eng.fabrics]
         assert _own_reads(eng) > AdaptiveSpin.MISSES + 1
         # a caller descheduled past the 2 ms delay (a busy machine) may find an ack while it spins: a hit, which
         # adds a spin without moving the switch-off
@@ -562,7 +562,7 @@ def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
         assert hits <= AdaptiveSpin.MISSES, hits
         assert sum(sp.spins for sp in spins) == sum(sp.offs for sp in spins) * (AdaptiveSpin.MISSES + 1) + hits
         assert sum(sp.offs for sp in spins) >= 1 and not all(sp.on for sp in spins)
-        assert not eng._pipe._inflight
+        assert not eng.stats()["inflight"]
     finally:
         eng.close()
         tgt.close()
@@ -659,7 +659,7 @@ def test_small_batches_keep_to_one_socket_until_it_is_busy(src, rng):
         assert done.is_set() and ep._small == (first + 1) % len(ep.socks)
         for _ in range(3):
             batch()
-        assert not eng._pipe._inflight
+        assert not eng.stats()["inflight"]
     finally:
         eng.close()
         tgt.close()
@@ -679,7 +679,7 @@ def test_a_caller_waiting_for_its_ack_times_out_and_gives_the_socket_back(src, r
         assert before > 0
         dropped = []
         for f in tgt.fabrics:
-            f._send_ctrl = lambda ep, s, payload: dropped.append(payload)  # acks never leave the target
+            f.send_ctrl = lambda ep, s, payload: dropped.append(payload)  # acks never leave the target
         so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
@@ -708,7 +708,7 @@ def test_a_dead_endpoint_while_the_caller_reads_its_ack_fails_over(src, rng):
             eng.batch_write(tgt.session_id, s_l, d_l, AUX)
         assert _own_reads(eng) > 0
         held = threading.Event()
-        originals = [f._send_ctrl for f in tgt.fabrics]
+        originals = [f.send_ctrl for f in tgt.fabrics]
 
         def slow_ack(orig):
             def send(ep, s, payload):
@@ -719,7 +719,7 @@ def test_a_dead_endpoint_while_the_caller_reads_its_ack_fails_over(src, rng):
             return send
 
         for f, orig in zip(tgt.fabrics, originals):
-            f._send_ctrl = slow_ack(orig)
+            f.send_ctrl = slow_ack(orig)
         dst[:] = 0xA5
         so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
         killer_done = threading.Event()
@@ -746,7 +746,7 @@ def test_a_dead_endpoint_while_the_caller_reads_its_ack_fails_over(src, rng):
         assert killer_done.is_set() and aborted
         assert took < 10, took
         assert np.array_equal(dst, _expect(len(dst), src, so, do))
-        assert not eng._pipe._inflight
+        assert not eng.stats()["inflight"]
         # and the engine goes on: more batches, byte-exact
         for _ in range(4):
             dst[:] = 0xA5
@@ -779,5 +779,5 @@ def test_sync_and_async_small_batches_from_threads(peer, src):
         assert not _run_threads(run, jobs, 120)
         peer.check(exp)
         n = 6 * (40 + 13 * 3)
-        assert eng.stats()["batches"]["ok"] == n and not eng._pipe._inflight
+        assert eng.stats()["batches"]["ok"] == n and not eng.stats()["inflight"]
         assert _own_reads(eng) > 0

@@ -14,7 +14,7 @@ from transport.fabric.base import WriteRequest
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.tcp import TcpFabric
 from transport.fabric.tcp_io import TcpIo, reader_state
-from transport.fabric.wire import _ROW, HDR, MAGIC, T_ACK, T_WRITE
+from transport.fabric.wire import ROW, HDR, MAGIC, T_ACK, T_WRITE
 from wait_helpers import wait_equal
 
 
@@ -61,7 +61,7 @@ def test_threads_do_not_grow_with_peers(rng):
 
 def _write_frame(seq: int, addr: int, payload: bytes, rkey: int) -> bytes:
     n = len(payload)
-    return HDR.pack(MAGIC, T_WRITE, 0, 0, 1, seq, _ROW.size + n) + _ROW.pack(addr, n, addr, n, rkey, 0, 0, 0) + payload
+    return HDR.pack(MAGIC, T_WRITE, 0, 0, 1, seq, ROW.size + n) + ROW.pack(addr, n, addr, n, rkey, 0, 0, 0) + payload
 
 
 def test_a_turn_that_ends_after_a_small_write_leaves_nothing_read_ahead(rng, monkeypatch):

@@ -141,14 +141,14 @@ def test_landed_write_ack_leaves_with_the_reply_its_handler_posts(pair, monkeypa
     b.set_landing_handler(mr_land, lambda peer_id, addr, length, imm, read: (read(100), Plan())[1])
     back = b.endpoint(a.local_id)
     alone = []
-    real = type(b)._send_ctrl
+    real = type(b).send_ctrl
 
     def send_ctrl(self, ep_, s, payload):
         if self is b and payload[4] == wire.T_ACK:
             alone.append(payload)
         return real(self, ep_, s, payload)
 
-    monkeypatch.setattr(type(b), "_send_ctrl", send_ctrl)
+    monkeypatch.setattr(type(b), "send_ctrl", send_ctrl)
 
     def on_b(comps):
         for c in comps:

@@ -178,7 +178,7 @@ def test_a_write_waits_for_the_kernel_that_fills_its_slot(pair, mode, seed, monk
     lengths = [64] * 2048
     write_and_check(eng, peer, src.data_ptr(), src_host, disjoint_offsets(rng, lengths, SIZE),
                     disjoint_offsets(rng, lengths, SIZE), lengths)  # the rings exist now
-    for ring in list(eng._pipe._rings.values()):
+    for ring in eng.data_path.rings():
         slow_fills(ring)
     assert real_fill, "no GPU relay ring"
     try:

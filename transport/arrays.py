@@ -68,23 +68,39 @@ def as_array(name: str, values) -> np.ndarray:
         return values  # the common case of callers with many pieces: nothing to convert or check
     cls = values.__class__
     if cls is list or cls is tuple:
-        if not values:
-            return np.zeros(0, dtype=np.int64)
-        try:
-            arr = _packed(values)
-        except (struct.error, TypeError, OverflowError):
-            raise _first_bad(name, values) from None
-        # bools pass as ints: only a 0 or 1 can be one, and where the batch has none, no entry needs a look
-        if (True in values or False in values) if len(values) <= _BOOL_SCAN else int(arr.min()) <= 1:
-            for i, v in enumerate(values):
-                if v.__class__ is bool:
-                    raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
-        return arr
-    elif hasattr(values, "tolist") and not isinstance(values, np.ndarray):  # torch tensor
+        return _from_list(name, values)
+    if hasattr(values, "tolist") and not isinstance(values, np.ndarray):  # torch tensor
         try:
             return as_array(name, values.numpy())  # a CPU tensor's own memory: no list in between
         except (TypeError, RuntimeError, AttributeError):
             values = values.tolist()  # a GPU tensor or one that needs grad
+    return _from_other(name, values)
+
+
+def _from_list(name: str, values) -> np.ndarray:
+    """``as_array`` of a list or tuple: packed in one C pass, then any bool among the entries named."""
+    if not values:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        arr = _packed(values)
+    except (struct.error, TypeError, OverflowError):
+        raise _first_bad(name, values) from None
+    # bools pass as ints: only a 0 or 1 can be one, and where the batch has none, no entry needs a look
+    if (True in values or False in values) if len(values) <= _BOOL_SCAN else int(arr.min()) <= 1:
+        _refuse_bools(name, values)
+    return arr
+
+
+def _refuse_bools(name: str, values) -> None:
+    """InvalidTransfer naming the first bool among ``values`` (a list or tuple), if any."""
+    for i, v in enumerate(values):
+        if v.__class__ is bool:
+            raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
+
+
+def _from_other(name: str, values) -> np.ndarray:
+    """``as_array`` of anything but a list, a tuple or a tensor (numpy arrays of other types or shapes, other
+    sequences): through ``np.asarray``, whose inferred type tells an entry that is not an int."""
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError) as e:
@@ -101,9 +117,7 @@ def as_array(name: str, values) -> np.ndarray:
         raise InvalidTransfer(f"{name}: entries do not fit 64 bits")
     if arr.dtype.kind == "i" and isinstance(values, (list, tuple)) and int(arr.min()) <= 1:
         # numpy turns [4096, True] into ints: only a 0 or 1 can be a bool in disguise, so only then look
-        for i, v in enumerate(values):
-            if v.__class__ is bool:
-                raise InvalidTransfer(f"{name}[{i}] = {v!r} is not an int")
+        _refuse_bools(name, values)
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 1 << 63:
         i = int(np.argmax(arr))
         raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} does not fit a 64-bit address")

@@ -143,7 +143,7 @@ def secret_file(environ=None) -> str:
     return os.path.join(base, "pxn", "secret")
 
 
-def _open_secret_file(path: str) -> int:
+def open_secret_file(path: str) -> int:
     """A descriptor of the secret file ``path``, checked before a byte is read: opened with ``O_NOFOLLOW |
     O_NONBLOCK`` (a symlink is refused, and a FIFO or device opens at once instead of hanging the start), then
     ``fstat``: anything but a regular file of this user with mode 0600 raises InsecureConfig at once."""
@@ -174,7 +174,7 @@ def _open_secret_file(path: str) -> int:
 def _load_secret_file(path: str) -> bytes:
     """The secret in ``path``, created (32 random bytes, hex, mode 0600, directory 0700) when missing. Raises
     InsecureConfig at once when it is a symlink, not a regular file (a FIFO must not hang the start), not this
-    user's, not of mode 0600, or too short (``_open_secret_file``)."""
+    user's, not of mode 0600, or too short (``open_secret_file``)."""
     with _FILE_LOCK:
         got = _FILE_SECRETS.get(path)
         if got is not None:
@@ -192,7 +192,7 @@ def _load_secret_file(path: str) -> bytes:
                 f.write(_secrets.token_hex(32) + "\n")
         deadline = time.monotonic() + 2.0
         while True:
-            fd = _open_secret_file(path)
+            fd = open_secret_file(path)
             try:
                 data = os.read(fd, 4096).strip()
             finally:
@@ -287,9 +287,14 @@ class Session:
     receives); ``acks``, the ack tokens of the WRITEs this side sent and the peer has not acknowledged yet
     (message sequence number -> 16 bytes, kept by ``transport.fabric.wire``); and ``binding``, a value both ends
     of this connection (and nobody else's) share, by which an engine can ask a peer whether it opened a given
-    connection (``transport.reads``)."""
+    connection (``transport.reads``).
 
-    __slots__ = ("_tx", "_rx", "tx_n", "rx_n", "acks", "binding", "purpose", "__weakref__")
+    ``tx_hash`` / ``rx_hash``: the keyed BLAKE2b states of each direction (None without a secret), for a framing
+    that numbers and tags its frames itself (``transport.fabric.wire``: one contiguous hash update per frame, where
+    ``tag`` / ``rx_begin`` would add a step). Read them, ``copy()`` and update the copy; never update them in
+    place, and take ``tx_n`` / ``rx_n`` for each frame as ``tag`` / ``rx_begin`` do."""
+
+    __slots__ = ("tx_hash", "rx_hash", "tx_n", "rx_n", "acks", "binding", "purpose", "__weakref__")
 
     def __init__(self, key: Optional[bytes], client: bool, binding: bytes, purpose: str):
         self.binding = binding
@@ -298,21 +303,21 @@ class Session:
         self.rx_n = 0
         self.acks: Dict[int, bytes] = {}
         if key is None:
-            self._tx = self._rx = None
+            self.tx_hash = self.rx_hash = None
             return
         c2s = hashlib.blake2b(b"c2s", key=key, digest_size=32).digest()
         s2c = hashlib.blake2b(b"s2c", key=key, digest_size=32).digest()
-        self._tx = hashlib.blake2b(key=c2s if client else s2c, digest_size=DIGEST_BYTES)
-        self._rx = hashlib.blake2b(key=s2c if client else c2s, digest_size=DIGEST_BYTES)
+        self.tx_hash = hashlib.blake2b(key=c2s if client else s2c, digest_size=DIGEST_BYTES)
+        self.rx_hash = hashlib.blake2b(key=s2c if client else c2s, digest_size=DIGEST_BYTES)
 
     @property
     def keyed(self) -> bool:
         """False without a secret: nothing is tagged (``tag`` returns zeros, checks pass)."""
-        return self._tx is not None
+        return self.tx_hash is not None
 
     def tag(self, *parts) -> bytes:
         """The tag of the next message this side sends (its sequence number is taken now: send in this order)."""
-        h = self._tx
+        h = self.tx_hash
         if h is None:
             return bytes(TAG_BYTES)
         h = h.copy()
@@ -325,7 +330,7 @@ class Session:
     def rx_begin(self, *parts):
         """Start checking the next received message: returns a hash to ``update`` with the rest and hand to
         ``rx_end`` (None without a secret)."""
-        h = self._rx
+        h = self.rx_hash
         if h is None:
             return None
         h = h.copy()

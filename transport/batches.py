@@ -1,7 +1,8 @@
 """Batch and attempt records, and their accounting.
 
-* ``_Batch``: one call's pieces, how many units are left, its error and its completion event;
-* ``_Attempt``: one try of one unit on one rail (a failed-over unit gets a fresh attempt on another rail);
+* ``Batch``: one call's pieces, how many units are left, its error and its completion event;
+* ``Attempt``: one try of one unit on one rail (a failed-over unit gets a fresh attempt on another rail);
+* ``Validated``: one batch's arguments once checked, with its regions and extremes: what every route takes;
 * ``BatchHandle``: what ``batch_write_async`` returns;
 * ``Accounts``: the one place a batch or a unit is counted done or failed (counters, latency window, trace).
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 import math
 import numbers
 import threading
-from typing import TYPE_CHECKING, List, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from transport.errors import InvalidTransfer, TransferError
 from transport.planner import COALESCED, DIRECT, RELAYED, Unit
@@ -18,8 +20,10 @@ from transport.telemetry import now_ns
 
 if TYPE_CHECKING:  # annotations only
     from transport.fabric.base import WriteRequest
-    from transport.peers import _Peer, _PeerRail
+    from transport.peers import Peer, PeerRail
     from transport.relay import RelayRing
+
+NOT_TAKEN = object()  # what a route returns for a batch it does not take (the next route gets it)
 
 # a finished unit's two counters, by unit kind
 PATH_COUNTERS = {kind: (f"path_{kind}_units", f"path_{kind}_bytes") for kind in (DIRECT, RELAYED, COALESCED)}
@@ -40,11 +44,41 @@ def batch_timeout(timeout, default: float, poll: bool = False) -> float:
     return float(timeout)
 
 
+@dataclass(slots=True)
+class Validated:
+    """A batch as ``Pipeline.submit`` checked it, once, for every route to decide on: its arrays (int64), the
+    source devices (one int, or one per piece), each side's region table and the index of the region holding
+    each piece (one index when one region holds them all), its extremes (smallest and largest length, the
+    sources' and destinations' lowest address and highest end), its timings (ns: submitted, validated) and
+    whether the caller waits for it (``async_`` False)."""
+
+    peer: "Peer"
+    src: Any
+    dst: Any
+    ln: Any
+    devices: Any
+    lsnap: Any
+    idx: Any
+    rsnap: Any
+    ridx: Any
+    nbytes: int
+    lmin: int
+    lmax: int
+    smin: int
+    send: int
+    dmin: int
+    dend: int
+    one_region: bool  # one region on each side holds every piece (``idx`` and ``ridx`` are ints)
+    t0: int
+    t1: int
+    async_: bool
+
+
 class BatchHandle:
     """What ``batch_write_async`` returns: ``wait(timeout)`` raises the batch's error, ``done()`` polls."""
 
-    def __init__(self, pipe, batch: "_Batch", timeout: Optional[float]):
-        self._pipe = pipe  # the data path that waits for the batch (``Pipeline._wait``)
+    def __init__(self, pipe, batch: "Batch", timeout: Optional[float]):
+        self._pipe = pipe  # the data path that waits for the batch (``Pipeline.wait``)
         self._batch = batch
         self._timeout = timeout
 
@@ -59,18 +93,18 @@ class BatchHandle:
         """Wait for the batch. Arguments: timeout in seconds >= 0 (default: the one given at submission; 0: look
         without waiting).
         Raises the batch's ``TransferError`` (``TransferTimeout`` when it did not finish in time)."""
-        self._pipe._wait(self._batch, batch_timeout(timeout, self._timeout, poll=True))
+        self._pipe.wait(self._batch, batch_timeout(timeout, self._timeout, poll=True))
 
     @property
     def nbytes(self) -> int:
         return self._batch.nbytes
 
 
-class _Batch:
+class Batch:
     __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
-                 "peer", "n_items", "pending", "path", "spans", "extremes", "reader")
+                 "peer", "n_items", "pending", "path", "spans", "checked", "reader")
 
-    def __init__(self, bid: int, peer: "_Peer", srcs, dsts, lengths, nbytes: int, event=None):
+    def __init__(self, bid: int, peer: "Peer", srcs, dsts, lengths, nbytes: int, event=None):
         self.id = bid
         self.peer = peer
         self.srcs, self.dsts, self.lengths = srcs, dsts, lengths
@@ -85,8 +119,8 @@ class _Batch:
         self.path = "loadstore"  # the path of ``pending``: "loadstore" or "inline" (``transport.inline``)
         self.spans = None  # (local snapshot, region index, peer snapshot, region index) when one region on each
         # side holds every piece (the validation's finding, reused for the write keys)
-        self.extremes = None  # the validation's (smallest length, largest, smallest source, largest source end,
-        # smallest destination, largest destination end): a WriteBatch of these same arrays carries them
+        self.checked: Optional[Validated] = None  # the validation's record when one region on each side holds
+        # every piece: a WriteBatch of these same arrays carries its extremes
         self.reader = None  # (fabric, WriteRows) whose ack the submitting thread reads itself in ``_wait``
 
     @property
@@ -106,15 +140,15 @@ class _Batch:
         return rsnap.regions[spans[3]] if spans is not None and spans[2] is rsnap else None
 
 
-class _Attempt:
+class Attempt:
     """One try of one work unit on one rail. A failed-over unit gets a fresh attempt on another rail; the old
     one is marked cancelled and only gives its resources back when the fabric is done with them."""
 
     __slots__ = ("unit", "batch", "prail", "ring", "slot", "landing", "wr_id", "cancelled", "posted",
-                 "write_done", "acked", "finished", "reqs", "pipe", "pending", "demand", "landing_at")
+                 "write_done", "acked", "finished", "reqs", "completions", "pending", "demand", "landing_at")
 
-    def __init__(self, pipe, unit: Unit, batch: _Batch, prail: "_PeerRail"):
-        self.pipe = pipe  # the data path that owns the attempt (``transport.pipeline.Pipeline``)
+    def __init__(self, completions, unit: Unit, batch: Batch, prail: "PeerRail"):
+        self.completions = completions  # where the attempt ends (``transport.completions.Completions``)
         self.unit = unit
         self.batch = batch
         self.prail = prail
@@ -134,13 +168,12 @@ class _Attempt:
 
     def rows_acked(self) -> bool:
         """The fabric's ``on_acked`` of this attempt's ``WriteRows``: see ``Completions.rows_acked``."""
-        return self.pipe._rows_acked(self)
+        return self.completions.rows_acked(self)
 
     def fail_local(self, exc: BaseException) -> None:
         """A copy into a slot failed (the ring gives the slot back): fail the batch, retire the attempt."""
-        self.pipe._fail_batch(self.batch, exc if isinstance(exc, TransferError)
+        self.completions.fail(self, exc if isinstance(exc, TransferError)
                               else TransferError(f"local copy failed: {exc}", [exc]))
-        self.pipe._drop(self)
 
 
 class Accounts:
@@ -165,7 +198,7 @@ class Accounts:
                 args["path"] = path
             self.trace.complete(name, "batch", "batches", t0, t, args)
 
-    def unit_done(self, b: _Batch, u: Unit) -> None:
+    def unit_done(self, b: Batch, u: Unit) -> None:
         """One unit of ``b`` succeeded (claimed once by its caller): count it, and the batch when it was the last."""
         if u.kind == COALESCED:
             self.counters.add_many((("chunks", 1), ("chunk_items", len(u.segs) if u.items is None
@@ -186,7 +219,7 @@ class Accounts:
             self.trace.complete(f"batch {b.id}", "batch", "batches", b.t0, t, {"items": b.n_items, "bytes": b.nbytes})
         b.event.set()
 
-    def fail(self, b: _Batch, exc: BaseException) -> None:
+    def fail(self, b: Batch, exc: BaseException) -> None:
         """Fail ``b`` with ``exc`` unless it finished already; wakes its waiter."""
         with b.lock:
             if b.event.is_set():

@@ -24,6 +24,7 @@ import numpy as np
 
 from transport.config import MAX_RAILS, EngineConfig, unwritable
 from transport.errors import ConfigError, PxnError, ShapesError
+from transport.fabric import FABRICS
 from transport.peer_process import POISON, Buffer, PeerProcess, digest, serve
 
 log = logging.getLogger(__name__)
@@ -212,12 +213,25 @@ def measure(engine, session: str, src_addr: int, dst_addr: int, shape: dict, rep
 
 
 # --- CLI ----------------------------------------------------------------------------------------------------
-FABRICS = ("auto", "tcp", "ipc", "verbs")
+class FabricChoices:
+    """``--fabric``'s choices: "auto" and every name of ``transport.fabric.FABRICS``. A value is checked against
+    the table when it is given (a built-in name never reads the entry points); the list is made only for an
+    error message."""
+
+    def __contains__(self, name) -> bool:
+        return name == "auto" or (isinstance(name, str) and name in FABRICS)
+
+    def __iter__(self):
+        return iter(("auto", *FABRICS))
+
+    def __repr__(self) -> str:
+        return ", ".join(self)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--fabric", default=None, choices=FABRICS,
-                        help="auto: ipc + GPU memory when CUDA is available, else tcp + host memory "
+    parser.add_argument("--fabric", default=None, choices=FabricChoices(), metavar="NAME",
+                        help="auto, tcp, ipc, verbs or a fabric registered through the pxn.fabrics entry points; "
+                             "auto: ipc + GPU memory when CUDA is available, else tcp + host memory "
                              "(default: $PXN_FABRIC, else auto)")
     parser.add_argument("--layers", type=int, default=None,
                         help=f"layers per MLA call, 1 to {MAX_COUNT} (default: each call's count in the shapes "
@@ -321,8 +335,8 @@ def _fabric_choice(args) -> str:
     text = EngineConfig.read(("fabric",)).get("fabric", "")
     if text.strip() == "":
         return "auto"
-    if text.strip() not in FABRICS:
-        raise ConfigError(f"environment variable PXN_FABRIC={text!r}: not a fabric ({', '.join(FABRICS)})")
+    if text.strip() not in FabricChoices():
+        raise ConfigError(f"environment variable PXN_FABRIC={text!r}: not a fabric ({', '.join(FabricChoices())})")
     return text.strip()
 
 
@@ -361,78 +375,84 @@ def _memory_check(shapes: List[dict], need: Dict[str, int], device: int) -> Opti
     return None
 
 
-def run(args) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Every input is checked before any work: a run of minutes must not end in a refusal of its output path.
+def _check_arguments(args) -> Optional[str]:
+    """Why the command line cannot run (None when it can): counts out of range, an output path that cannot be
+    written. Checked before any work: a run of minutes must not end in a refusal of its output path."""
     for name, most in (("repeat", MAX_REPEAT), ("layers", MAX_COUNT), ("rails", MAX_RAILS)):
         value = getattr(args, name)
         if value is not None and not 1 <= value <= most:
-            return _fail(f"--{name} {value}: must be from 1 to {most}")
-    plot_path = args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
-    for option, path in (("--json", args.json), ("--plot", plot_path)):
+            return f"--{name} {value}: must be from 1 to {most}"
+    for option, path in (("--json", args.json), ("--plot", _plot_path(args))):
         why = unwritable(path) if path else None
         if why:
             via = "" if option == "--json" or args.plot else f" (beside --json {args.json})"
-            return _fail(f"{option} {path}{via}: cannot write there: {why}")
-    try:
-        fabric = _fabric_choice(args)
-        EngineConfig.from_env(fabric=None if fabric == "auto" else fabric, rails=args.rails)  # every PXN_* value
-    except ConfigError as e:
-        return _fail(str(e))
-    torch = _import_torch() if fabric != "tcp" else None  # tcp moves host memory: torch is not needed
-    cuda = torch is not None and torch.cuda.is_available()
-    if fabric == "auto":
-        fabric = "ipc" if cuda else "tcp"
-    device = 0 if (cuda and fabric in ("ipc", "verbs")) else -1
-    kw = {"fabric": fabric}
-    if args.rails:
-        kw["rails"] = args.rails
-    try:
-        shapes = sglang_shapes(args.layers, device, args.quick, path=args.shapes)
-    except PxnError as e:
-        return _fail(str(e))
-    need = buffer_sizes(shapes)
-    devs = {s["buffer"]: s["device"] for s in shapes}
-    why = _memory_check(shapes, need, device)
-    if why:
-        return _fail(why)
-    source = " (PXN_FABRIC)" if args.fabric is None and EngineConfig.read(("fabric",)).get("fabric", "").strip() \
-        else ""
-    _print(f"pxn bench: fabric {fabric}{source}, {'GPU cuda:0' if device >= 0 else 'host'} memory, "
-           f"{len(shapes)} shapes x {args.repeat} calls; starting the peer process...")
+            return f"{option} {path}{via}: cannot write there: {why}"
+    return None
+
+
+def _plot_path(args) -> Optional[str]:
+    """``--plot``, else beside ``--json``, else None (no plots)."""
+    return args.plot or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+
+
+class _Setup:
+    """What a run moves and where: the fabric (auto resolved), the memory kind, the shapes and their buffers."""
+
+    def __init__(self, args, fabric: str):
+        self.torch = _import_torch() if fabric != "tcp" else None  # tcp moves host memory: torch is not needed
+        cuda = self.torch is not None and self.torch.cuda.is_available()
+        if fabric == "auto":
+            fabric = "ipc" if cuda else "tcp"
+        self.fabric = fabric
+        self.device = 0 if (cuda and fabric in ("ipc", "verbs")) else -1
+        self.engine_kwargs = {"fabric": fabric, **({"rails": args.rails} if args.rails else {})}
+        self.shapes = sglang_shapes(args.layers, self.device, args.quick, path=args.shapes)
+        self.need = buffer_sizes(self.shapes)
+        self.devs = {s["buffer"]: s["device"] for s in self.shapes}
+
+    def sync(self):
+        """What runs before each timed call: a CUDA synchronize for GPU memory."""
+        torch = self.torch
+        return (lambda: torch.cuda.synchronize()) if self.device >= 0 else None
+
+
+def _run_shapes(setup: _Setup, args, progress: Progress) -> tuple:
+    """Every shape through a sender engine here and a ``LocalPeer``: (rows, sender stats, peer stats). The
+    first call of each shape is checked byte for byte unless ``--no-verify``."""
     from transport.engine import TransferEngine
+    need, devs, kw = setup.need, setup.devs, setup.engine_kwargs
     rows = []
-    progress = Progress()
-    try:
-        # This process's engine first: a fabric this machine cannot run fails here, in one line, before a
-        # peer process is spawned.
-        with TransferEngine(**kw) as eng, LocalPeer({k: (v, devs[k]) for k, v in need.items()}, **kw) as peer:
-            srcs = {k: Buffer(v, devs[k], random_seed=7 + i) for i, (k, v) in enumerate(sorted(need.items()))}
-            for m in srcs.values():
-                eng.register(m.addr, m.nbytes, device=m.device)
-            sync = (lambda: torch.cuda.synchronize()) if device >= 0 else None
-            for i, shape in enumerate(shapes):
-                progress.note(f"shape {i + 1} of {len(shapes)}: {shape['name']}")
-                buf = shape["buffer"]
-                verified = "skipped"
-                if not args.no_verify:
-                    peer.call("poison")
-                    eng.batch_write(peer.session, (srcs[buf].addr + shape["src"]).tolist(),
-                                    (peer.addrs[buf] + shape["dst"]).tolist(), shape["len"].tolist())
-                    ok = peer.call("digest", name=buf) == expecteddigest(srcs[buf].host(), need[buf], shape)
-                    verified = "byte-exact" if ok else "MISMATCH"
-                r = measure(eng, peer.session, srcs[buf].addr, peer.addrs[buf], shape, args.repeat,
-                            warmup=0 if not args.no_verify else 1, sync=sync)
-                r.update({"shape": shape["name"], "verified": verified})
-                rows.append(r)
-                _print(f"  [{i + 1}/{len(shapes)}] {shape['name']:<32} {r['gbps']:8.3f} GB/s  "
-                       f"{r['median_s'] * 1e3:9.2f} ms/call  {verified}")
-            stats = eng.stats()
-            peer_stats = peer.call("stats")
-    except BrokenPipeError:
-        raise  # the reader of stdout is gone: the CLI stops quietly
-    except (PxnError, RuntimeError, OSError) as e:
-        return _fail(_one_line(e))
+    # This process's engine first: a fabric this machine cannot run fails here, in one line, before a
+    # peer process is spawned.
+    with TransferEngine(**kw) as eng, LocalPeer({k: (v, devs[k]) for k, v in need.items()}, **kw) as peer:
+        srcs = {k: Buffer(v, devs[k], random_seed=7 + i) for i, (k, v) in enumerate(sorted(need.items()))}
+        for m in srcs.values():
+            eng.register(m.addr, m.nbytes, device=m.device)
+        for i, shape in enumerate(setup.shapes):
+            progress.note(f"shape {i + 1} of {len(setup.shapes)}: {shape['name']}")
+            buf = shape["buffer"]
+            verified = "skipped" if args.no_verify else _verify(eng, peer, srcs[buf], shape, need[buf])
+            r = measure(eng, peer.session, srcs[buf].addr, peer.addrs[buf], shape, args.repeat,
+                        warmup=0 if not args.no_verify else 1, sync=setup.sync())
+            r.update({"shape": shape["name"], "verified": verified})
+            rows.append(r)
+            _print(f"  [{i + 1}/{len(setup.shapes)}] {shape['name']:<32} {r['gbps']:8.3f} GB/s  "
+                   f"{r['median_s'] * 1e3:9.2f} ms/call  {verified}")
+        return rows, eng.stats(), peer.call("stats")
+
+
+def _verify(eng, peer, src: Buffer, shape: dict, size: int) -> str:
+    """One call of ``shape`` into the poisoned peer, its whole buffer compared by digest with the expected image."""
+    buf = shape["buffer"]
+    peer.call("poison")
+    eng.batch_write(peer.session, (src.addr + shape["src"]).tolist(), (peer.addrs[buf] + shape["dst"]).tolist(),
+                    shape["len"].tolist())
+    ok = peer.call("digest", name=buf) == expecteddigest(src.host(), size, shape)
+    return "byte-exact" if ok else "MISMATCH"
+
+
+def _print_report(rows: List[dict], stats: dict, peer_stats: dict, progress: Progress) -> None:
+    """The table of shapes and where the time went, on stdout."""
     _print()
     _print(f"{'shape':<34}{'pieces':>8}{'MB':>10}{'ms/call':>10}{'GB/s':>9}  check")
     for r in rows:
@@ -453,19 +473,56 @@ def run(args) -> int:
     _print(f"receiver: {rx.get('chunks', 0)} chunks, validate {rx.get('validate_s', 0):.3f} s, scatter "
            f"{rx.get('scatter_s', 0):.3f} s, rejected {rx.get('rejected', 0)}")
     _print(f"total {progress.elapsed():.1f} s")
-    doc = {"fabric": fabric, "memory": "gpu" if device >= 0 else "host",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           **_versions(), "shapes_file": os.path.basename(shapes_path(args.shapes)),
-           "rows": rows, "stats": stats, "peer_stats": peer_stats}
+
+
+def _write_outputs(doc: dict, args) -> Optional[str]:
+    """``--json`` and the plots; why the JSON could not be written, else None."""
     if args.json:
         try:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=1)
         except OSError as e:
-            return _fail(f"cannot write {args.json}: {e.strerror or e}")
+            return f"cannot write {args.json}: {e.strerror or e}"
         _print(f"wrote {args.json}")
+    plot_path = _plot_path(args)
     if plot_path:
         from transport import plots
         for written in plots.plot_bench(doc, plot_path):
             _print(f"wrote {written}")
+    return None
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    why = _check_arguments(args)
+    if why:
+        return _fail(why)
+    try:
+        fabric = _fabric_choice(args)
+        EngineConfig.from_env(fabric=None if fabric == "auto" else fabric, rails=args.rails)  # every PXN_* value
+        setup = _Setup(args, fabric)
+    except PxnError as e:  # ConfigError, ShapesError
+        return _fail(str(e))
+    why = _memory_check(setup.shapes, setup.need, setup.device)
+    if why:
+        return _fail(why)
+    source = " (PXN_FABRIC)" if args.fabric is None and EngineConfig.read(("fabric",)).get("fabric", "").strip() \
+        else ""
+    _print(f"pxn bench: fabric {setup.fabric}{source}, {'GPU cuda:0' if setup.device >= 0 else 'host'} memory, "
+           f"{len(setup.shapes)} shapes x {args.repeat} calls; starting the peer process...")
+    progress = Progress()
+    try:
+        rows, stats, peer_stats = _run_shapes(setup, args, progress)
+    except BrokenPipeError:
+        raise  # the reader of stdout is gone: the CLI stops quietly
+    except (PxnError, RuntimeError, OSError) as e:
+        return _fail(_one_line(e))
+    _print_report(rows, stats, peer_stats, progress)
+    doc = {"fabric": setup.fabric, "memory": "gpu" if setup.device >= 0 else "host",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           **_versions(), "shapes_file": os.path.basename(shapes_path(args.shapes)),
+           "rows": rows, "stats": stats, "peer_stats": peer_stats}
+    why = _write_outputs(doc, args)
+    if why:
+        return _fail(why)
     return 0 if all(r["verified"] != "MISMATCH" for r in rows) else 1

@@ -103,7 +103,7 @@ def _interrupted(signum, frame):
 
 
 def main(argv=None) -> int:
-    prog, traceback_wanted = "pxn", False
+    prog, traceback_wanted, installed = "pxn", False, False
     try:  # from the first line: a Ctrl-C at any moment is one line
         argv = sys.argv[1:] if argv is None else list(argv)
         chosen = next((arg for arg in argv if not arg.startswith("-")), None)
@@ -112,6 +112,7 @@ def main(argv=None) -> int:
         if threading.current_thread() is threading.main_thread() and \
                 signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, _interrupted)
+            installed = True
         return _main(argv, chosen)
     except KeyboardInterrupt:  # before a subcommand runs (its import, the parsing): one line too
         print("%s: interrupted" % prog, file=sys.stderr)
@@ -122,6 +123,9 @@ def main(argv=None) -> int:
         print("%s: unexpected %s: %s (pxn --traceback ... shows where)" % (prog, type(e).__name__, _first_line(e)),
               file=sys.stderr)
         return 2
+    finally:
+        if installed:  # main called in-process (a program or a test) leaves Python's own Ctrl-C behind it
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _main(argv, chosen) -> int:

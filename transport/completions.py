@@ -25,7 +25,7 @@ from transport.planner import COALESCED
 from transport.telemetry import WAITING
 
 if TYPE_CHECKING:  # annotations only
-    from transport.batches import _Attempt
+    from transport.batches import Attempt
 
 log = logging.getLogger("transport.engine")  # one logger for the engine and its parts
 
@@ -35,26 +35,25 @@ WATCHDOG_S = 0.1  # seconds between two runs of a rail's watchdog
 class Completions:
     """The completion side of one engine's data path (see the module docstring).
 
-    Arguments: pipe: the data path (``transport.pipeline.Pipeline``), whose attempt table, lock, rail counters,
-    accounts, drops and failover this uses; directory: the ``transport.peers.PeerDirectory`` (acks name the
-    peer's rail); receiver: the engine's ``transport.receiver.Receiver`` (incoming chunks); progress: the
-    engine's progress loop."""
+    Arguments: inflight: the ``transport.inflight.InFlight`` whose attempts complete here; accounts: the
+    ``transport.batches.Accounts`` that counts units and batches done or failed; failover: the
+    ``transport.peers.Failover`` that takes a failed rail's work; directory: the ``transport.peers.PeerDirectory``
+    (acks name the peer's rail); receiver: the engine's ``transport.receiver.Receiver`` (incoming chunks);
+    progress: the engine's progress loop; fabrics, rail_stats: one per rail; counters: the engine's."""
 
-    def __init__(self, pipe, directory, receiver, progress, n_rails: int):
-        self.pipe = pipe
-        self.fabrics = pipe.fabrics
+    def __init__(self, inflight, accounts, failover, directory, receiver, progress, fabrics: list, rail_stats: list,
+                 counters):
+        self.inflight = inflight
+        self.accounts = accounts
+        self.failover = failover
         self.directory = directory
         self.receiver = receiver
         self.progress = progress
+        self.fabrics = fabrics
+        self.rail_stats = rail_stats
+        self.counters = counters
         self.closed = False
-        # the shared state, bound once: a completion touches each of these
-        self._lock = pipe._lock
-        self._inflight = pipe._inflight
-        self._rail_stats = pipe._rail_stats
-        self._selective = pipe._selective
-        self.counters = pipe.counters
-        self.accounts = pipe.accounts
-        self._deferring = [0] * n_rails  # per rail: lists queued in the progress loop, not handled yet
+        self._deferring = [0] * len(fabrics)  # per rail: lists queued in the progress loop, not handled yet
         self._defer_lock = threading.Lock()
 
     def poll_loop(self, rail: int) -> None:
@@ -110,7 +109,7 @@ class Completions:
             if peer.ready and rail < len(peer.rails):
                 pr = peer.rails[rail]
                 if pr.alive and not pr.ep.alive:
-                    self.pipe._rail_failed(pr, PeerLost(f"rail {rail} endpoint to {peer.session} died"))
+                    self.failover.rail_failed(pr, PeerLost(f"rail {rail} endpoint to {peer.session} died"))
 
     def deferring(self, rail: int) -> bool:
         """Whether completions of ``rail`` wait in the progress loop (a failed one among them carries the rail's
@@ -147,7 +146,7 @@ class Completions:
             except Exception:  # noqa: BLE001 — one bad completion must not break the fabric's thread
                 log.exception("rail %d: handling completion %r failed", rail, c)
 
-    def rows_acked(self, a: "_Attempt") -> bool:
+    def rows_acked(self, a: "Attempt") -> bool:
         """A posted ``WriteRows`` (``transport.smallbatch``) was placed by the peer, in order on its endpoint: its
         completion without a ``Completion`` object, then ``finish``'s counting. False when completions of the
         rail go through the progress loop meanwhile (an earlier failure is being handled there): the fabric then
@@ -159,16 +158,16 @@ class Completions:
             if self._deferring[rail]:
                 return False
         req = a.reqs[0]
-        pipe = self.pipe
-        with self._lock:
-            if self._inflight.pop(req.wr_id, None) is None:
+        inflight = self.inflight
+        with self.inflight.lock:
+            if inflight.pop_locked(req.wr_id) is None:
                 return True
             a.pending = 0
             claimed = not a.finished and not a.cancelled
-            _, slot, landing = pipe._retire_locked(a)
-        self._rail_stats[rail].add_many((("completions", 1), ("bytes_completed", req.nbytes)))
+            _, slot, landing = inflight.retire_locked(a)
+        self.rail_stats[rail].add_many((("completions", 1), ("bytes_completed", req.nbytes)))
         if slot is not None or landing is not None:
-            pipe._release(a, slot, landing)
+            inflight.release(a, slot, landing)
         if claimed:
             self.accounts.unit_done(a.batch, a.unit)
         return True
@@ -185,24 +184,24 @@ class Completions:
                 self.counters.add("rx_ack_errors")
                 log.info("ack write on rail %d failed: %s", rail, c.error)
             return
-        with self._lock:
-            a = self._inflight.pop(c.wr_id, None)
+        with self.inflight.lock:
+            a = self.inflight.pop_locked(c.wr_id)
             if a is not None:
                 a.pending -= 1
                 more = a.pending > 0
         if a is None:
             return
-        stats = self._rail_stats[rail]
+        stats = self.rail_stats[rail]
         if c.error is None:
             done_bytes = c.byte_len
-            if not more and self._selective and (len(a.reqs) > 1 or not a.reqs[0].signaled):
+            if not more and self.inflight.selective and (len(a.reqs) > 1 or not a.reqs[0].signaled):
                 # the silent writes before it are done too (posting order)
                 done_bytes += sum(r.length for r in a.reqs if not r.signaled)
             stats.add_many((("completions", 1), ("bytes_completed", done_bytes)))
             if more:
                 return
             if a.unit.kind == COALESCED and not a.cancelled:
-                with self._lock:
+                with self.inflight.lock:
                     a.write_done = True
                     done = a.acked
                 if done:
@@ -213,18 +212,16 @@ class Completions:
             self.finish(a)
             return
         stats.add("completion_errors")
-        pipe = self.pipe
         if a.cancelled:
-            pipe._drop(a)
+            self.inflight.drop(a)
             return
         if isinstance(c.error, RegionError):
-            pipe._drop(a)
-            pipe._fail_batch(a.batch, RemoteRejected(f"{a.batch.peer.session} refused a write on rail {rail}: "
-                                                     f"{c.error}", [c.error]))
+            self.fail(a, RemoteRejected(f"{a.batch.peer.session} refused a write on rail {rail}: {c.error}",
+                                        [c.error]))
             return
-        with self._lock:
+        with self.inflight.lock:
             a.write_done = True
-        pipe._rail_failed(a.prail, c.error)
+        self.failover.rail_failed(a.prail, c.error)
 
     def on_ack(self, rail: int, c) -> None:
         entry = self.directory.by_remote_rail.get(c.peer_id)
@@ -254,27 +251,30 @@ class Completions:
             return
         if status != ST_OK:
             reason = decode_ack_payload(peer.credit.array[off:off + ACK_BYTES])
-            self.pipe._drop(a)
-            self.pipe._fail_batch(a.batch, RemoteRejected(f"{peer.session} rejected a chunk of batch {a.batch.id}: "
-                                                          f"{reason}"))
+            self.fail(a, RemoteRejected(f"{peer.session} rejected a chunk of batch {a.batch.id}: {reason}"))
             return
         silent = not a.reqs[0].signaled  # a silent chunk write: this ack completes it (see ``SlotFills.fill``)
-        with self._lock:
+        with self.inflight.lock:
             a.acked = True
             done = a.write_done or silent
         if silent:
-            self._rail_stats[a.prail.rail].add("bytes_completed", a.reqs[0].length)
+            self.rail_stats[a.prail.rail].add("bytes_completed", a.reqs[0].length)
         if done:
             self.finish(a)
 
-    def finish(self, a: "_Attempt") -> None:
+    def finish(self, a: "Attempt") -> None:
         """An attempt succeeded: give back its resources and count its unit done."""
         # one lock section decides between success and failover: rail_failed only takes attempts that are
         # neither finished nor cancelled, so a unit is never counted done twice
-        pipe = self.pipe
-        with self._lock:
+        inflight = self.inflight
+        with self.inflight.lock:
             claimed = not a.finished and not a.cancelled
-            _, slot, landing = pipe._retire_locked(a)
-        pipe._release(a, slot, landing)
+            _, slot, landing = inflight.retire_locked(a)
+        inflight.release(a, slot, landing)
         if claimed:
             self.accounts.unit_done(a.batch, a.unit)
+
+    def fail(self, a: "Attempt", exc: BaseException) -> None:
+        """Attempt ``a`` cannot succeed: give back its resources, fail its batch with ``exc``."""
+        self.inflight.drop(a)
+        self.accounts.fail(a.batch, exc)

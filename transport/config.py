@@ -1,11 +1,20 @@
 """The engine's configuration: one frozen ``EngineConfig``, built once from constructor arguments, then the
 ``PXN_*`` environment variables, then defaults (``EngineConfig.from_env``), and checked as a whole.
 
-Every ``PXN_*`` variable the library reads is a field here, marked operational (what a deployment sets: fabric,
-rails, secrets, timeouts) or tuning (one cost against another, with measured defaults); the README's configuration
-table lists them. Parts that run without an engine read theirs through ``EngineConfig.read``. Sizes take
-``65536``, ``64K``, ``1M``, ``8MiB``. A malformed or out-of-range variable raises ``ConfigError`` (a
+Every ``PXN_*`` variable an engine or its parts read is a field here, marked operational (what a deployment sets:
+fabric, rails, secrets, timeouts) or tuning (one cost against another, with measured defaults); the README's
+configuration table lists them. Parts that run without an engine read theirs through ``EngineConfig.read``. Sizes
+take ``65536``, ``64K``, ``1M``, ``8MiB``. A malformed or out-of-range variable raises ``ConfigError`` (a
 ``ValueError``) naming the variable and its value; an out-of-range argument names the setting.
+
+Three variables are not fields, because no engine reads them (``OTHER_VARIABLES`` lists them too):
+
+* ``PXN_KERNEL_POLICY`` is read by ``pxn_kernels.policy`` at the first kernel launch: a launch-policy file from a
+  sweep. The kernels are the layer below ``transport`` and run without an engine, so they cannot import this module.
+* ``PXN_SGLANG_PLUGIN`` is read by ``integration.sglang.register_sglang_plugin`` (through ``parse_flag``) when sglang
+  loads its plugins, before any engine exists: whether pxn patches sglang at all.
+* ``PXN_SHAPES`` is read by ``pxn bench`` (``transport.bench_cli.shapes_path``): the CLI's input file, beside
+  ``--shapes``; an engine never sees it.
 """
 from __future__ import annotations
 
@@ -16,7 +25,17 @@ from typing import Dict, Mapping, Optional, Tuple
 
 from transport.errors import ConfigError
 
-__all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "parse_size", "parse_flag", "unwritable", "MAX_RAILS"]
+__all__ = ["EngineConfig", "OPERATIONAL", "TUNING", "OTHER_VARIABLES", "parse_size", "parse_flag", "unwritable",
+           "MAX_RAILS"]
+
+OTHER_VARIABLES = {
+    "PXN_KERNEL_POLICY": "pxn_kernels.policy: the kernels' launch-policy file, read at the first launch, below "
+                         "transport and without an engine",
+    "PXN_SGLANG_PLUGIN": "integration.sglang: whether the sglang plugin patches sglang, read before any engine exists",
+    "PXN_SHAPES": "transport.bench_cli: pxn bench's shapes file (beside --shapes), never an engine's",
+}
+"""The ``PXN_*`` variables the library reads that are not ``EngineConfig`` fields: variable -> where it is read
+and why it is no engine setting."""
 
 MAX_RAILS = 64
 """Most rails one engine runs: each holds sockets, threads, a landing pool (``landing_bytes``) and relay rings,
@@ -153,7 +172,7 @@ def _setting(default, variable: str, kind: str, parse=str, **field_options):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """What a ``TransferEngine`` and its fabrics run with: every ``PXN_*`` variable of the library, one field each
+    """What a ``TransferEngine`` and its fabrics run with: every ``PXN_*`` variable of an engine, one field each
     (``transport.engine.TransferEngine`` documents the engine's settings; ``EngineConfig.variables()`` lists them
     with their kind). Sizes in bytes, times in seconds."""
 
@@ -261,10 +280,25 @@ class EngineConfig:
 
     def check(self) -> None:
         """Raise ``ConfigError`` (a ``ValueError``) naming the first setting out of its range."""
-        if self.fabric not in ("auto", "tcp", "ipc", "verbs"):
-            raise _bad("fabric", f"fabric must be 'auto', 'tcp', 'ipc' or 'verbs', got {self.fabric!r}")
+        self._check_names()
+        self._check_counts()
+        self._check_times()
+        self._check_ids()
+
+    def _check_names(self) -> None:
+        """The settings that name one of a set: ``fabric`` one of ``transport.fabric.FABRICS`` (built-in,
+        registered or by entry point) or "auto"; ``relay``."""
+        if self.fabric != "auto":
+            from transport.fabric import FABRICS
+            if not isinstance(self.fabric, str) or self.fabric not in FABRICS:
+                names = ", ".join(repr(n) for n in ("auto", *FABRICS))
+                raise _bad("fabric", f"fabric must be one of {names}, got {self.fabric!r}")
         if self.relay not in ("auto", "always", "never"):
             raise _bad("relay", f"relay must be 'auto', 'always' or 'never', got {self.relay!r}")
+
+    def _check_counts(self) -> None:
+        """Counts and sizes: ints at least their least value and at most their most (``MAX_RAILS``, ``_MOST``,
+        16 bits of landing slots)."""
         for name, lo in (("rails", 1), ("relay_slots", 1), ("lanes", 1), ("landing_slots", 1),
                          ("relay_slot_bytes", 4096), ("stripe_bytes", 4096), ("coalesce_bytes", 0),
                          ("landing_bytes", 4096), ("direct_pieces", 0)):
@@ -276,28 +310,38 @@ class EngineConfig:
         for name, most in _MOST.items():
             if getattr(self, name) > most:
                 raise _bad(name, f"{name} must be at most {most}, got {getattr(self, name)}")
+        if self.landing_slots > 0xFFFF:
+            raise _bad("landing_slots", f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
+        for name in ("max_senders", "max_conns_per_addr", "max_pending", "max_pending_per_addr"):
+            _positive(name, getattr(self, name))
+
+    def _check_times(self) -> None:
+        """Seconds: the GIL switch interval in (0, 1], the spins in [0, 1], the timeouts above 0."""
         if self.switch_interval is not None and (isinstance(self.switch_interval, bool)
                                                  or not 0.0 < self.switch_interval <= 1.0):
             raise _bad("switch_interval", f"switch_interval must be None or seconds in (0, 1], "
                                           f"got {self.switch_interval!r}")
-        if self.trace_path:
-            why = unwritable(self.trace_path)
-            if why:
-                raise _bad("trace_path", f"trace_path {self.trace_path}: cannot write a trace there: {why}")
-        if self.landing_slots > 0xFFFF:
-            raise _bad("landing_slots", f"landing_slots must be <= 65535 (16 bits of imm), got {self.landing_slots}")
         for name in ("ack_spin", "recv_spin"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not 0.0 <= value <= 1.0):
                 raise _bad(name, f"{name} must be None or seconds in [0, 1], got {value!r}")
+        for name in ("handshake_timeout", "timeout", "metadata_ttl"):
+            _positive(name, getattr(self, name))
+
+    def _check_ids(self) -> None:
+        """What names a place: the trace file must be writable, the GID index an int >= 0."""
+        if self.trace_path:
+            why = unwritable(self.trace_path)
+            if why:
+                raise _bad("trace_path", f"trace_path {self.trace_path}: cannot write a trace there: {why}")
         if self.gid_index is not None and (isinstance(self.gid_index, bool) or not isinstance(self.gid_index, int)
                                            or self.gid_index < 0):
             raise _bad("gid_index", f"gid_index must be None or an int >= 0, got {self.gid_index!r}")
-        for name in ("max_senders", "max_conns_per_addr", "max_pending", "max_pending_per_addr", "handshake_timeout",
-                     "timeout", "metadata_ttl"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not value > 0:
-                raise _bad(name, f"{name} must be > 0, got {value!r}")
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not value > 0:
+        raise _bad(name, f"{name} must be > 0, got {value!r}")
 
 
 def _bad(setting: str, message: str) -> ConfigError:

@@ -461,41 +461,12 @@ class ControlPlane:
         n = len(fabrics)
         credit = HostBuffer(n * cfg.landing_slots * ACK_BYTES)
         mrs = []
-        rails = []
         try:
             for fab in fabrics:
                 mrs.append(fab.register(credit.addr, credit.nbytes, DEVICE_HOST))
-            hello = {"op": "hello", "engine_id": self.engine_id, "session": self.session_id,
-                     "rail_ids": [f.local_id for f in fabrics],
-                     "credit_addr": credit.addr, "credit_rkeys": [m.rkey for m in mrs],
-                     "credit_slots": cfg.landing_slots, "slot_bytes": cfg.relay_slot_bytes}
-            key = self.directory.claim_keys.get(peer.session)
-            if key is not None:  # the peer may still hold this engine as a live sender: prove it is us
-                hello["proof"] = proof_on(sock, key)
-            send_msg(sock, hello)
-            rep = recv_msg(sock)
-            if not rep.get("ok"):
-                raise UnknownSession(f"session {peer.session!r} refused the handshake: {rep.get('error')}")
+            rep = self._hello(sock, peer, credit, mrs)
             key = bytes.fromhex(rep["sender_key"])
-            if len(rep["rail_ids"]) != n:
-                raise UnknownSession(f"session {peer.session!r} has {len(rep['rail_ids'])} rails, this engine {n}")
-            slots = min(int(rep["landing_slots"]), cfg.landing_slots)
-            # the receiver decides the largest chunk (its landing pool's slot size, at most ours): a smaller one
-            # cuts this engine's chunks to this peer
-            chunk = int(rep["landing_slot_bytes"])
-            if not 4096 <= chunk <= cfg.relay_slot_bytes:
-                raise UnknownSession(f"session {peer.session!r} offers {chunk} B landing slots: need 4096 .. "
-                                     f"{cfg.relay_slot_bytes} B (this engine's chunks)")
-            stride = int(rep.get("landing_stride", chunk))
-            grants = rep.get("landing_grants") or [[] for _ in range(n)]
-            peer.planner = self._planner_for(chunk)
-            for i, fab in enumerate(fabrics):
-                ep = fab.connect(base64.b64decode(rep["rail_descs"][i]))
-                pr = self.directory.make_rail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
-                                              int(rep["landing_rkeys"][i]), slots, chunk, peer)
-                pr.stride = stride
-                pr.grant([(int(k), int(p)) for k, p in grants[i]])
-                rails.append(pr)
+            rails = self._connect_rails(peer, rep)
         except (OSError, ConnectionError, ValueError, KeyError, FabricError) as e:
             sock.close()
             for fab, mr in zip(fabrics, mrs):
@@ -521,6 +492,60 @@ class ControlPlane:
         peer.forward = {i: int(devices[i]) for i, f in enumerate(fwd) if f and i < len(devices)} or None
         peer.regions.replace_all(Region.from_wire(d) for d in rep["regions"])
         peer.loadstore = self._loadstore_writer(peer, rep)
+        again = self._remember(peer, rails, key)
+        peer.ready = True
+        if again:
+            self.counters.add("reconnects")
+        log.log(logging.WARNING if again else logging.INFO, "engine %s %sconnected to %s over %d rail(s)",
+                self.session_id, "re" if again else "", peer.session, n)
+
+    def _hello(self, sock, peer, credit: HostBuffer, mrs) -> dict:
+        """Send the peer this engine's hello (its rails, credit buffer, slots; the proof that it is the sender the
+        peer may still hold) and return the peer's answer; UnknownSession when the peer refuses."""
+        cfg = self.config
+        hello = {"op": "hello", "engine_id": self.engine_id, "session": self.session_id,
+                 "rail_ids": [f.local_id for f in self.fabrics],
+                 "credit_addr": credit.addr, "credit_rkeys": [m.rkey for m in mrs],
+                 "credit_slots": cfg.landing_slots, "slot_bytes": cfg.relay_slot_bytes}
+        key = self.directory.claim_keys.get(peer.session)
+        if key is not None:  # the peer may still hold this engine as a live sender: prove it is us
+            hello["proof"] = proof_on(sock, key)
+        send_msg(sock, hello)
+        rep = recv_msg(sock)
+        if not rep.get("ok"):
+            raise UnknownSession(f"session {peer.session!r} refused the handshake: {rep.get('error')}")
+        return rep
+
+    def _connect_rails(self, peer, rep: dict) -> list:
+        """Connect every rail to the peer as its answer ``rep`` describes (endpoints, landing slots, first grants)
+        and give the peer a planner for its chunk size; returns the rails."""
+        cfg = self.config
+        n = len(self.fabrics)
+        if len(rep["rail_ids"]) != n:
+            raise UnknownSession(f"session {peer.session!r} has {len(rep['rail_ids'])} rails, this engine {n}")
+        slots = min(int(rep["landing_slots"]), cfg.landing_slots)
+        # the receiver decides the largest chunk (its landing pool's slot size, at most ours): a smaller one
+        # cuts this engine's chunks to this peer
+        chunk = int(rep["landing_slot_bytes"])
+        if not 4096 <= chunk <= cfg.relay_slot_bytes:
+            raise UnknownSession(f"session {peer.session!r} offers {chunk} B landing slots: need 4096 .. "
+                                 f"{cfg.relay_slot_bytes} B (this engine's chunks)")
+        stride = int(rep.get("landing_stride", chunk))
+        grants = rep.get("landing_grants") or [[] for _ in range(n)]
+        peer.planner = self._planner_for(chunk)
+        rails = []
+        for i, fab in enumerate(self.fabrics):
+            ep = fab.connect(base64.b64decode(rep["rail_descs"][i]))
+            pr = self.directory.make_rail(i, ep, rep["rail_ids"][i], int(rep["landing_addrs"][i]),
+                                          int(rep["landing_rkeys"][i]), slots, chunk, peer)
+            pr.stride = stride
+            pr.grant([(int(k), int(p)) for k, p in grants[i]])
+            rails.append(pr)
+        return rails
+
+    def _remember(self, peer, rails, key: bytes) -> bool:
+        """Enter the connected peer's rails and claim key in the directory; True when it had been lost (a
+        reconnect)."""
         d = self.directory
         with d.lock:
             for pr in rails:
@@ -530,11 +555,7 @@ class ControlPlane:
             d.claim_keys[peer.session] = key
             while len(d.claim_keys) > 4096:  # the oldest peers' keys: a hello without proof then waits for rails
                 d.claim_keys.pop(next(iter(d.claim_keys)))  # to die at the peer, as before it knew us
-        peer.ready = True
-        if again:
-            self.counters.add("reconnects")
-        log.log(logging.WARNING if again else logging.INFO, "engine %s %sconnected to %s over %d rail(s)",
-                self.session_id, "re" if again else "", peer.session, n)
+        return again
 
     def _planner_for(self, chunk_bytes: int):
         """A planner for a peer whose landing slots take chunks of at most ``chunk_bytes`` (its pool's slot size,
@@ -544,8 +565,7 @@ class ControlPlane:
         if chunk_bytes >= cfg.relay_slot_bytes:
             return None
         from transport.planner import Planner
-        return Planner(cfg.coalesce_bytes, chunk_bytes, cfg.stripe_bytes, cfg.relay_slot_bytes, cfg.relay,
-                       cfg.direct_pieces)
+        return Planner(cfg, chunk_bytes)
 
     def _loadstore_writer(self, peer, rep: dict):
         """The rail-0 fabric's local writer for a same-host peer (``Fabric.local_writer``: the ipc fabric's

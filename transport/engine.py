@@ -41,6 +41,7 @@ thread-safe.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -49,7 +50,7 @@ import sys
 import threading
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from transport.batches import BatchHandle, _Batch, batch_timeout
+from transport.batches import BatchHandle, Batch, batch_timeout
 from transport.completions import WATCHDOG_S
 from transport.config import EngineConfig
 from transport.control import ControlPlane
@@ -116,12 +117,12 @@ class TransferEngine:
     """Moves batches of pieces into a peer engine's registered memory (see the module docstring).
 
     Arguments (each falls back to a ``PXN_*`` environment variable, then to a default; read once into the frozen
-    ``self.config``, a ``transport.config.EngineConfig``):
+    ``self.config``, a ``transport.config.EngineConfig``, which ``config=`` may also give whole):
         hostname: address to listen on and to advertise (default "127.0.0.1").
         port: TCP port of the control listener, i.e. the port in ``session_id`` (default 0: any free port). A
             fixed port lets a restarted process come back under the same session id, which senders reconnect to.
-        fabric: "auto" (verbs when an RDMA device is usable, else tcp) | "tcp" | "ipc" | "verbs"
-            (``PXN_FABRIC``).
+        fabric: "auto" (verbs when an RDMA device is usable, else tcp) | "tcp" | "ipc" | "verbs" | a name added
+            through ``transport.fabric.register_fabric`` or a ``pxn.fabrics`` entry point (``PXN_FABRIC``).
         topology: a ``transport.topology.Topology`` (e.g. ``transport.topology.discover()``); its usable NIC
             ports become the rails and ``transport.routing.plan_routes`` says which rail is local to which GPU.
             None: a trivial topology, ``rails`` fabric instances, local to every device.
@@ -179,6 +180,11 @@ class TransferEngine:
         max_pending, max_pending_per_addr: control connections still authenticating, in all and per source
             address (``PXN_MAX_PENDING``, default 128; ``PXN_MAX_PENDING_PER_ADDR``, default 32); a new one beyond
             either drops the oldest waiting (counted ``evicted_pending`` / ``evicted_pending_per_addr``).
+        config: the settings as one ``EngineConfig`` instead of the keywords above: used as it is (no ``PXN_*``
+            variable and no ``Fabric.config_defaults`` is read into it; ``EngineConfig.from_env(...)`` builds one
+            that reads them). A setting keyword given beside it replaces that field (``config=base, rails=1``);
+            its ``secret`` and ``insecure`` stand for ``secret=`` and ``insecure=``. ``hostname``, ``port``,
+            ``topology``, ``landing_device`` and ``fabric_options`` are not settings and stay keywords.
     """
 
     def __init__(self, hostname: str = "127.0.0.1", fabric: Optional[str] = None, topology=None,
@@ -191,32 +197,82 @@ class TransferEngine:
                  max_senders: Optional[int] = None, handshake_timeout: Optional[float] = None,
                  max_conns_per_addr: Optional[int] = None, forward_large: Optional[bool] = None,
                  direct_pieces: Optional[int] = None, insecure: Optional[bool] = None, landing_bytes=None,
-                 max_pending: Optional[int] = None, max_pending_per_addr: Optional[int] = None):
+                 max_pending: Optional[int] = None, max_pending_per_addr: Optional[int] = None,
+                 config: Optional[EngineConfig] = None):
         self.hostname = hostname
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535 (0: any free port), got {port!r}")
-        # arguments first, then PXN_* variables, then defaults: read once, checked as a whole (transport.config)
         given = dict(
             fabric=fabric, rails=rails, coalesce_bytes=coalesce_bytes, direct_pieces=direct_pieces,
-            relay_slot_bytes=relay_slot_bytes,
-            relay_slots=relay_slots, lanes=lanes, landing_slots=landing_slots, landing_bytes=landing_bytes,
-            stripe_bytes=stripe_bytes,
-            relay=relay, timeout=timeout, trace_path=trace_path, switch_interval=switch_interval,
-            loadstore=loadstore, forward_large=forward_large, max_senders=max_senders,
-            handshake_timeout=handshake_timeout, max_conns_per_addr=max_conns_per_addr, max_pending=max_pending,
-            max_pending_per_addr=max_pending_per_addr)
-        environ = dict(os.environ)  # one reading of the environment for both passes below
-        cfg = EngineConfig.from_env(environ, **given)
-        from transport.fabric import fabric_class, make_fabric
-        self.fabric_name = self._pick_fabric(cfg.fabric)
-        fabric_cls = fabric_class(self.fabric_name)
-        if fabric_cls.config_defaults:
-            # the fabric's own defaults (ipc: no coalescing, large relay slots); arguments and PXN_* variables
-            # still win
-            cfg = EngineConfig.from_env(environ, defaults=fabric_cls.config_defaults, **given)
+            relay_slot_bytes=relay_slot_bytes, relay_slots=relay_slots, lanes=lanes, landing_slots=landing_slots,
+            landing_bytes=landing_bytes, stripe_bytes=stripe_bytes, relay=relay, timeout=timeout,
+            trace_path=trace_path, switch_interval=switch_interval, loadstore=loadstore, forward_large=forward_large,
+            max_senders=max_senders, handshake_timeout=handshake_timeout, max_conns_per_addr=max_conns_per_addr,
+            max_pending=max_pending, max_pending_per_addr=max_pending_per_addr)
+        environ = dict(os.environ)  # one reading of the environment for the settings and the secret
+        cfg, fabric_cls = self._settings(config, given, environ)
         self.config = cfg
-        from transport.auth import Resolved, resolve_secret
+        if config is not None:  # the record's secret settings stand for the variables it replaces
+            secret = cfg.secret if secret is None else secret
+            insecure = cfg.insecure if insecure is None else insecure
+        from transport.auth import resolve_secret
         self._secret = resolve_secret(secret, hostname, insecure, environ)
+        self._init_state(cfg)
+        routes, rail_specs, rail_gpu = self._plan_rails(topology, cfg)
+        caps = fabric_cls.capabilities
+        options = self._rail_options(fabric_cls, fabric_options, cfg)
+        self.fabrics = []
+        self._peers = PeerDirectory(threading.RLock(), routes, self._rail_keys)
+        try:
+            self._build_parts(caps, rail_specs, options, cfg)
+            # relay rings (lanes x slots x slot bytes per device and rail, 64 MiB by default) are made by the
+            # first relayed send (``Pipeline.ring``): an engine that only receives never holds one
+            self._control = ControlPlane(hostname, port, self._peers, self._regions, self._region_gen, self.fabrics,
+                                         self.receiver, self.counters, cfg, self.engine_id,
+                                         landing_device=landing_device, rail_gpu=rail_gpu, secret=self._secret,
+                                         handshake_timeout=cfg.handshake_timeout,
+                                         max_conns_per_addr=cfg.max_conns_per_addr)
+        except BaseException:
+            self._teardown()
+            raise
+        self.port = self._control.port
+        self.session_id = self._control.session_id = self._pipe.session_id = f"{hostname}:{self.port}"
+        self._pipe.control = self._control
+        self._reads = Reads(self, self._control, self._regions, self._check_open)
+        self._threads.append(self._control.start())
+        self._start_completions(caps)
+        self._log_start(cfg)
+
+    # ========================================================================================================
+    # construction, by step
+    # ========================================================================================================
+    def _settings(self, config: Optional[EngineConfig], given: dict, environ: dict):
+        """(the checked ``EngineConfig``, the fabric class); sets ``fabric_name`` ("auto" resolved).
+
+        Without ``config``: the arguments in ``given`` (None: not given), then the ``PXN_*`` variables of
+        ``environ``, then the fabric's ``config_defaults``, then the defaults. With ``config``: that record as
+        it is (no variable and no fabric default is read into it), each argument given beside it replacing its
+        field; the result is checked as a whole."""
+        from transport.fabric import fabric_class
+        if config is None:
+            cfg = EngineConfig.from_env(environ, **given)
+            self.fabric_name = self._pick_fabric(cfg.fabric)
+            fabric_cls = fabric_class(self.fabric_name)
+            if fabric_cls.config_defaults:
+                # the fabric's own defaults (ipc: no coalescing, large relay slots); arguments and PXN_* variables
+                # still win
+                cfg = EngineConfig.from_env(environ, defaults=fabric_cls.config_defaults, **given)
+            return cfg, fabric_cls
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be a transport.config.EngineConfig, got {type(config).__name__}")
+        overrides = {name: value for name, value in given.items() if value is not None}
+        cfg = dataclasses.replace(config, **overrides) if overrides else config
+        cfg.check()
+        self.fabric_name = self._pick_fabric(cfg.fabric)
+        return cfg, fabric_class(self.fabric_name)
+
+    def _init_state(self, cfg: EngineConfig) -> None:
+        """The process setting ``switch_interval`` and the engine's own records, before any part is built."""
         if cfg.switch_interval:
             # process-wide: how long a thread that released the GIL (socket / CUDA wait) may wait to get it
             # back while another thread runs Python; the default 5 ms stalls every hand-off of the pipeline
@@ -233,29 +289,30 @@ class TransferEngine:
         self._rail_stats = []
         self._threads: List[threading.Thread] = []
 
-        # --- rails -------------------------------------------------------------------------------------------
-        options = dict(fabric_options or {})
-        routes = None
-        rail_specs: List[dict] = []
-        if topology is not None:
-            from transport.routing import plan_routes
-            routes = plan_routes(topology)
-            ports = list(topology.usable_ports())
-            if not ports:
-                raise FabricUnavailable("topology has no usable NIC port; pass topology=None for loopback rails")
-            self._rail_keys = [p.key for p in ports]
-            rail_specs = [{"device": p.name, "port_num": p.port} for p in ports]
-            rail_gpu = rail_local_gpus(routes, self._rail_keys)
-            _check_topology_gpus(routes)
-        else:
-            n = cfg.rails
-            self._rail_keys = [f"rail{i}" for i in range(n)]
-            rail_gpu = [None] * n
-            rail_specs = [{} for _ in range(n)]
-        caps = fabric_cls.capabilities
-        options = {**fabric_cls.engine_options, **options}
+    def _plan_rails(self, topology, cfg: EngineConfig):
+        """(routes, one fabric spec per rail, each rail's local GPU); sets ``_rail_keys``. A topology gives a rail
+        per usable NIC port, routed by ``transport.routing.plan_routes``; None gives ``cfg.rails`` loopback rails,
+        local to every device."""
+        if topology is None:
+            self._rail_keys = [f"rail{i}" for i in range(cfg.rails)]
+            return None, [{} for _ in range(cfg.rails)], [None] * cfg.rails
+        from transport.routing import plan_routes
+        routes = plan_routes(topology)
+        ports = list(topology.usable_ports())
+        if not ports:
+            raise FabricUnavailable("topology has no usable NIC port; pass topology=None for loopback rails")
+        self._rail_keys = [p.key for p in ports]
+        rail_gpu = rail_local_gpus(routes, self._rail_keys)
+        _check_topology_gpus(routes)
+        return routes, [{"device": p.name, "port_num": p.port} for p in ports], rail_gpu
+
+    def _rail_options(self, fabric_cls, fabric_options: Optional[dict], cfg: EngineConfig) -> dict:
+        """The keyword arguments every rail's fabric is built with: the class's ``engine_options`` under the
+        caller's ``fabric_options``, the resolved secret, and what the class's capabilities ask for."""
+        from transport.auth import Resolved
+        options = {**fabric_cls.engine_options, **(fabric_options or {})}
         options["secret"] = Resolved(self._secret)  # resolved once here: the fabrics do not read PXN_SECRET again
-        if caps.authenticated_rails:
+        if fabric_cls.capabilities.authenticated_rails:
             # an incoming rail must have been announced by an authenticated control hello (receiver.accept_sender)
             options.setdefault("handshake_timeout", cfg.handshake_timeout)
             options.setdefault("guard_claims", True)
@@ -264,58 +321,50 @@ class TransferEngine:
             # one setting for the connections one address may hold: its engines' rails follow their control
             # connections (each sender engine holds one of each per rail)
             options.setdefault("max_peers_per_addr", max(256, cfg.max_conns_per_addr))
-        self.fabrics = []
-        self._peers = PeerDirectory(threading.RLock(), routes, self._rail_keys)
-        try:
-            for spec in rail_specs:
-                opts = dict(options)
-                if caps.nic_ports:
-                    opts.update(spec)  # the rail's NIC device and port
-                self.fabrics.append(make_fabric(self.fabric_name, hostname=hostname, **opts))
-            self._rail_stats = [Counters() for _ in self.fabrics]
-            # the engine's one progress thread: landed chunks, failed completions, re-dispatched posts, watchdogs
-            self._progress = ProgressLoop("pxn-progress")
-            self.receiver = Receiver(self.fabrics, self._regions, cfg.landing_slots, cfg.relay_slot_bytes,
-                                     self.counters, self.trace, max_senders=cfg.max_senders, progress=self._progress,
-                                     landing_bytes=cfg.landing_bytes, secret=self._secret)
-            self._pipe = Pipeline(cfg, caps, self.fabrics, self._regions, self._peers, self.receiver,
-                                  self._progress, self.counters, self._rail_stats, self.latency, self.trace,
-                                  self.engine_id)
-            self._progress.every(CREDIT_IDLE_S, self._pipe.fills.return_idle_credits)
-            # relay rings (lanes x slots x slot bytes per device and rail, 64 MiB by default) are made by the
-            # first relayed send (``Pipeline.ring``): an engine that only receives never holds one
-            self._control = ControlPlane(hostname, port, self._peers, self._regions, self._region_gen, self.fabrics,
-                                         self.receiver, self.counters, cfg, self.engine_id,
-                                         landing_device=landing_device, rail_gpu=rail_gpu, secret=self._secret,
-                                         handshake_timeout=cfg.handshake_timeout,
-                                         max_conns_per_addr=cfg.max_conns_per_addr)
-        except BaseException:
-            self._teardown()
-            raise
-        self.port = self._control.port
-        self.session_id = self._control.session_id = self._pipe.session_id = f"{hostname}:{self.port}"
-        self._pipe.control = self._control
-        self._reads = Reads(self, self._control)
-        self._threads.append(self._control.start())
-        # completions handled in the fabric thread that sees them (one thread hand-off fewer per write and per
-        # chunk), failed ones in the progress loop, which also runs the watchdogs; else a poll loop per rail
+        return options
+
+    def _build_parts(self, caps, rail_specs: List[dict], options: dict, cfg: EngineConfig) -> None:
+        """The rails' fabrics, the progress loop, the receiver and the data path (``_teardown`` closes what was
+        made when one fails)."""
+        from transport.fabric import make_fabric
+        for spec in rail_specs:
+            opts = dict(options)
+            if caps.nic_ports:
+                opts.update(spec)  # the rail's NIC device and port
+            self.fabrics.append(make_fabric(self.fabric_name, hostname=self.hostname, **opts))
+        self._rail_stats = [Counters() for _ in self.fabrics]
+        # the engine's one progress thread: landed chunks, failed completions, re-dispatched posts, watchdogs
+        self._progress = ProgressLoop("pxn-progress")
+        self.receiver = Receiver(self.fabrics, self._regions, cfg.landing_slots, cfg.relay_slot_bytes,
+                                 self.counters, self.trace, max_senders=cfg.max_senders, progress=self._progress,
+                                 landing_bytes=cfg.landing_bytes, secret=self._secret)
+        self._pipe = Pipeline(cfg, caps, self.fabrics, self._regions, self._peers, self.receiver,
+                              self._progress, self.counters, self._rail_stats, self.latency, self.trace,
+                              self.engine_id)
+        self._progress.every(CREDIT_IDLE_S, self._pipe.fills.return_idle_credits)
+
+    def _start_completions(self, caps) -> None:
+        """Completions handled in the fabric thread that sees them (one thread hand-off fewer per write and per
+        chunk), failed ones in the progress loop, which also runs the watchdogs; else a poll loop per rail."""
         completions = self._pipe.completions
         if caps.completion_callback:
             for rail, fab in enumerate(self.fabrics):
                 fab.set_completion_handler(functools.partial(completions.on_completions, rail))
             self._progress.every(WATCHDOG_S, completions.watchdogs)
-        else:
-            for rail in range(len(self.fabrics)):
-                t = threading.Thread(target=completions.poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}",
-                                     daemon=True)
-                t.start()
-                self._threads.append(t)
+            return
+        for rail in range(len(self.fabrics)):
+            t = threading.Thread(target=completions.poll_loop, args=(rail,), name=f"pxn-poll-rail{rail}",
+                                 daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _log_start(self, cfg: EngineConfig) -> None:
         if self._secret is None:
             # insecure=True / PXN_INSECURE=1: transport.auth warned once for the process; the ports go to INFO
             ports = [str(getattr(f, "port", "?")) for f in self.fabrics]
             log.info("pxn engine %s: no shared secret (insecure): any process that can reach %s may write into "
                      "this engine's registered memory through control port %d and %s rail port(s) %s",
-                     self.session_id, hostname, self.port, self.fabric_name, ", ".join(ports))
+                     self.session_id, self.hostname, self.port, self.fabric_name, ", ".join(ports))
         log.info("pxn engine %s: fabric %s, %d rail(s), coalesce < %d B, slots %d x %d x %d B",
                  self.session_id, self.fabric_name, len(self.fabrics), cfg.coalesce_bytes, cfg.lanes,
                  cfg.relay_slots, cfg.relay_slot_bytes)
@@ -325,10 +374,8 @@ class TransferEngine:
     # ========================================================================================================
     @staticmethod
     def _pick_fabric(name: str) -> str:
-        if name not in ("auto", "tcp", "ipc", "verbs"):
-            raise ValueError(f"fabric must be 'auto', 'tcp', 'ipc' or 'verbs', got {name!r}")
         if name != "auto":
-            return name
+            return name  # EngineConfig.check took it from transport.fabric.FABRICS
         from transport.fabric.verbs import usable_port
         try:
             usable_port()
@@ -348,12 +395,19 @@ class TransferEngine:
 
     def _peer(self, session_id: str):
         """The connected peer record of ``session_id`` (handshaking first): diagnostics and tests."""
-        return self._pipe._peer(session_id)
+        return self._pipe.peer(session_id)
 
     @property
-    def _inflight(self) -> dict:
-        """The data path's attempts in flight, by write id: diagnostics and tests."""
-        return self._pipe._inflight
+    def reads(self) -> Reads:
+        """The engine's reads and notifies (``transport.reads``: the pooled control connections for reads, the
+        async executor, the queue of notifies peers sent)."""
+        return self._reads
+
+    @property
+    def data_path(self):
+        """The engine's data path (``transport.pipeline.Pipeline``): its parts (``planner``, ``fills``,
+        ``completions``, ``inflight``, ``rings()``) for diagnostics and tests."""
+        return self._pipe
 
     def _check_open(self) -> None:
         if self._closed:
@@ -501,9 +555,9 @@ class TransferEngine:
         """
         timeout = batch_timeout(timeout, self.config.timeout)
         pipe = self._pipe
-        batch = pipe._submit(session_id, srcs, dsts, lengths)
+        batch = pipe.submit(session_id, srcs, dsts, lengths)
         if batch is not None:
-            pipe._wait(batch, timeout)
+            pipe.wait(batch, timeout)
 
     def batch_write_async(self, session_id: str, srcs: Sequence[int], dsts: Sequence[int],
                           lengths: Sequence[int], timeout: Optional[float] = None) -> BatchHandle:
@@ -512,9 +566,9 @@ class TransferEngine:
         paths queue their copies behind this thread's work on the sources' current stream and return; the posted
         path (chunks, posted relays, fabrics that read from other threads) first waits for that work."""
         timeout = batch_timeout(timeout, self.config.timeout)
-        batch = self._pipe._submit(session_id, srcs, dsts, lengths, async_=True)
+        batch = self._pipe.submit(session_id, srcs, dsts, lengths, async_=True)
         if batch is None:
-            batch = _Batch(0, None, None, None, [], 0)
+            batch = Batch(0, None, None, None, [], 0)
             batch.event.set()
         return BatchHandle(self._pipe, batch, timeout)
 
@@ -592,7 +646,8 @@ class TransferEngine:
             "routes": {k: c.get(f"route_{k}", 0) for k in ROUTES},
             "time_s": time_s,
             "rails": rails,
-            "rings": {ring.name: ring.stats() for ring in list(self._pipe._rings.values())},
+            "rings": {ring.name: ring.stats() for ring in self._pipe.rings()},
+            "inflight": len(self._pipe.inflight),
             "receiver": receiver,
             "failover": {"rail_failures": c.get("rail_failures", 0), "redispatched_units": c.get("failovers", 0),
                          "peers_lost": c.get("peers_lost", 0), "reconnects": c.get("reconnects", 0),

@@ -6,7 +6,7 @@ kernel) bound for one of the peer's landing slots, whose credit it waits for; a 
 into the slot and written from there to their destinations.
 
 Landing credits (the receiver's side: ``transport.receiver``): a rail holds the credits the peer lent it out of
-its shared landing pool (``_PeerRail.credit_slot``: credit index -> pool slot). A chunk takes a free one; a rail
+its shared landing pool (``PeerRail.credit_slot``: credit index -> pool slot). A chunk takes a free one; a rail
 holding none asks the peer for some (the ``credits`` control op, again every ``CREDIT_ASK_S`` while none
 comes), and grants come in the reply, with acks, or as grant writes into the credit region
 (``transport.completions``). Credits a rail has not used for ``CREDIT_IDLE_S`` go back to the pool
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import numpy as np
 
@@ -24,15 +24,15 @@ from transport.control import proof_on
 from transport.credits import chunk_imm
 from transport.errors import AddressNotRegistered, FabricError, PeerLost, TransferError
 from transport.fabric.base import GatherWrite, WriteBatch, WriteRequest
-from transport.fabric.memory import MEMCPY_MAX, memcpy_async
+from transport.fabric.memory import MEMCPY_MAX, memcpy_async, raw_view
 from transport.planner import COALESCED
 from transport.regions import locate_inside
 from transport.packing import gpu_pack, gpu_pack_large, host_memmove
 from transport.telemetry import now_ns
 
 if TYPE_CHECKING:  # annotations only
-    from transport.batches import _Attempt
-    from transport.peers import _PeerRail
+    from transport.batches import Attempt
+    from transport.peers import PeerRail
 
 log = logging.getLogger("transport.engine")  # one logger for the engine and its parts
 
@@ -59,26 +59,45 @@ def _request(control, peer, msg: dict, timeout: Optional[float]) -> dict:
             peer.ctrl.settimeout(30.0)
 
 
+def write_keys(regions, a: Attempt, src: int, dst: int, n: int) -> Tuple[int, int]:
+    """(lkey, rkey) on attempt ``a``'s rail of a write of ``n`` bytes from ``src`` (in ``regions``, this engine's
+    ``RegionTable``) to ``dst`` at the peer. Raises AddressNotRegistered when a region went away since the
+    batch's validation."""
+    rail = a.prail.rail
+    r = regions.find(src, n)
+    if r is None:
+        raise AddressNotRegistered(f"source 0x{src:x}+{n} was deregistered during the transfer")
+    remote = a.batch.peer.regions.find(dst, n)
+    if remote is None:
+        raise AddressNotRegistered(f"destination 0x{dst:x}+{n} is no longer advertised by {a.batch.peer.session}")
+    return r.keys[rail].lkey, remote.keys[rail]
+
+
 class SlotFills:
     """Fills relay slots for one engine's data path (see the module docstring).
 
-    Arguments: pipe: the data path (``transport.pipeline.Pipeline``), whose fabrics, counters, trace, relay copy
-    plans, lock, write keys and failover this uses."""
+    Arguments: inflight: the ``transport.inflight.InFlight`` (its lock guards an attempt's slot and credit);
+    failover: the ``transport.peers.Failover`` (a rail found dead while a chunk waits for a credit); directory:
+    the ``PeerDirectory``; regions: this engine's ``RegionTable`` (write keys); fabrics: one per rail;
+    counters, trace: the engine's telemetry; engine_id: the id chunks carry; relay_copies: the GPU relay fills'
+    ``BoundCopies``; write_batches: the fabric's capability of that name. ``control``: the engine's
+    ``ControlPlane`` (credit requests), set once made."""
 
-    def __init__(self, pipe):
-        self.pipe = pipe
-        self.fabrics = pipe.fabrics
-        self.counters = pipe.counters
-        self.trace = pipe.trace
-        self.engine_id = pipe.engine_id
-        self._relay_copies = pipe._relay_copies
-        self._lock = pipe._lock
-        self._selective = pipe._selective
-        self._batches = pipe._batches
-        self._keys = pipe._keys
-        self._rail_failed = pipe._rail_failed
+    def __init__(self, inflight, failover, directory, regions, fabrics: list, counters, trace, engine_id: int,
+                 relay_copies, write_batches: bool):
+        self.inflight = inflight
+        self.failover = failover
+        self.directory = directory
+        self.regions = regions
+        self.fabrics = fabrics
+        self.counters = counters
+        self.trace = trace
+        self.engine_id = engine_id
+        self.relay_copies = relay_copies
+        self.write_batches = write_batches
+        self.control = None
 
-    def fill(self, a: _Attempt, slot) -> bool:
+    def fill(self, a: Attempt, slot) -> bool:
         """Fill ``slot`` for attempt ``a`` (runs in the ring's copy thread). False: cancelled, slot unused. GPU
         copies are only enqueued on the slot's lane stream: the ring synchronises its streams once per round."""
         if a.cancelled or a.batch.failed:
@@ -86,119 +105,20 @@ class SlotFills:
         u = a.unit
         t0 = now_ns()
         if u.kind == COALESCED:
-            landing = self._acquire_landing(a)
-            if landing == DEFER:
-                # the credits this chunk waits for are held by chunks of this very round, posted only at its end:
-                # behind them in the ring's queue, not blocking the round
-                a.ring.enqueue_copy([a])
-                self.counters.add("credit_defers")
+            if not self._fill_chunk(a, slot):
                 return False
-            if landing is None:
-                if not (a.cancelled or a.batch.failed):
-                    # the rail died while we waited for a credit: fail it over (this attempt included)
-                    self._rail_failed(a.prail, a.prail.cause or PeerLost(
-                        f"rail {a.prail.rail} endpoint to {a.batch.peer.session} died"))
-                return False
-            b = a.batch
-            if u.items is not None:
-                items = u.items
-                srcs, dsts, lens = b.srcs[items], b.dsts[items], b.lengths[items]
-            else:  # large pieces sent through the peer's landing slots (receive-side PXN)
-                srcs, dsts, lens = (np.array(col, dtype=np.int64) for col in zip(*u.segs))
-            seq = next(b.peer.seq)
-            gather = None
-            if slot.tensor is None:
-                from pxn_kernels.chunk import build_header_table
-                view = slot.ring._buf.array[slot.addr - slot.ring._buf.addr:][:slot.nbytes]
-                _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view,
-                                                             key=b.peer.chunk_key)
-                fab = self.fabrics[a.prail.rail]
-                if fab.capabilities.gather_writes and int(lens.sum()) >= fab.gather_min_bytes * lens.size:
-                    gather = (srcs, slot.addr + offsets, lens)  # the fabric sends each piece from its source
-                else:
-                    host_memmove(srcs, slot.addr + offsets, lens)
-            elif u.items is None:  # large pieces for the peer to forward: the copy engine moves them
-                chunk_bytes = gpu_pack_large(slot, srcs, lens, dsts, seq, self.engine_id, sync=False,
-                                             key=b.peer.chunk_key)
-            else:
-                chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id, sync=False, key=b.peer.chunk_key)
-            pr = a.prail
-            pool_slot, more = a.landing_at
-            a.reqs = [(WriteRequest if gather is None else GatherWrite)(
-                slot.addr, chunk_bytes, pr.landing_addr + pool_slot * pr.stride, pr.landing_rkey, slot.ring.lkey,
-                imm=chunk_imm(landing, seq, more))]
-            if gather is not None:
-                a.reqs[0].gather = gather
-                # the receiver acks a chunk only once every byte of it has arrived, so the ack also completes the
-                # write: where the fabric keeps successes silent, the chunk costs one completion, not two
-                a.reqs[0].signaled = not self._selective
         elif (u.runs is None or u.runs[2].size <= MEMCPY_MAX) and not (slot.ring.ordered and u.device >= 0):
-            # RELAYED, a few pieces: copy them into the slot, then one write per piece to its final address
-            # (scalar steps: a few numpy calls per piece would cost more than the copies' host time)
-            segs = u.segments()
-            offs = [0]
-            for _, _, n in segs[:-1]:
-                offs.append(offs[-1] + n)
-            if slot.tensor is None:
-                host_memmove([sg[0] for sg in segs], [slot.addr + o for o in offs], [sg[2] for sg in segs])
-            elif u.device < 0:
-                from pxn_kernels import host_view
-                for (s_addr, _, n), o in zip(segs, offs):
-                    slot.tensor[o:o + n].copy_(host_view(s_addr, n))
-            else:
-                # large pieces: the copy engine (cudaMemcpyAsync, over NVLink from a peer GPU) runs at link speed
-                # and needs no descriptor upload
-                stream = slot.ring.stream(slot.lane)
-                for (s_addr, _, n), o in zip(segs, offs):
-                    memcpy_async(slot.addr + o, s_addr, n, stream)  # the ring waits for the stream once
-            a.reqs = []
-            for (s_addr, d_addr, n), o in zip(segs, offs):
-                _, rkey = self._keys(a, s_addr, d_addr, n)
-                a.reqs.append(WriteRequest(slot.addr + o, n, d_addr, rkey, slot.ring.lkey))
-        else:  # RELAYED, many pieces (or GPU pieces to an event-ordered fabric): one gather into the slot, its writes
-            s_arr, d_arr, n_arr = u.arrays()
-            offs = np.cumsum(n_arr) - n_arr
-            local = slot.addr + offs
-            if slot.tensor is None:
-                host_memmove(s_arr, local, n_arr)
-            elif u.device < 0:
-                from pxn_kernels import host_view
-                for s_addr, o, n in zip(s_arr.tolist(), offs.tolist(), n_arr.tolist()):
-                    slot.tensor[o:o + n].copy_(host_view(s_addr, n))
-            else:
-                # one bound batched-copy launch (replayed for lengths seen before), where a call per piece costs
-                # host time for every piece; on the lane's stream, ordered after the lane's earlier work, which the ring
-                # waits for or orders after
-                stream = slot.ring.stream(slot.lane)
-                self._relay_copies.finish([self._relay_copies.copy(slot.ring.device, s_arr, local, n_arr,
-                                                                   stream=stream)], wait=False, stream=stream)
-            rail = a.prail.rail
-            rsnap = a.batch.peer.regions.snapshot()
-            remote = a.batch.peer_region(rsnap)
-            if remote is not None:  # one peer region holds the whole batch: its key for every piece
-                rkeys = np.full(n_arr.size, remote.keys[rail], dtype=np.int64)
-            else:
-                ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
-                if ri is None:  # a region went away since validation: name it
-                    for s_addr, d_addr, n in zip(s_arr.tolist(), d_arr.tolist(), n_arr.tolist()):
-                        self._keys(a, s_addr, d_addr, n)
-                    raise AddressNotRegistered(f"a destination of batch {a.batch.id} is no longer advertised by "
-                                          f"{a.batch.peer.session}")
-                rkeys = np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)[ri]
-            lkeys = np.full(n_arr.size, slot.ring.lkey, dtype=np.int64)
-            if self._batches:
-                a.reqs = [WriteBatch(local, n_arr, d_arr, rkeys, lkeys)]  # one completion, no object per piece
-            else:
-                a.reqs = [WriteRequest(lo, n, d, rk, slot.ring.lkey)
-                          for lo, n, d, rk in zip(local.tolist(), n_arr.tolist(), d_arr.tolist(), rkeys.tolist())]
-        with self._lock:
+            self._fill_relayed_few(a, slot)
+        else:  # RELAYED, many pieces (or GPU pieces to an event-ordered fabric)
+            self._fill_relayed_many(a, slot)
+        with self.inflight.lock:
             if a.cancelled or a.finished:
                 landing, a.landing = a.landing, None
             else:
                 a.slot = slot
                 landing = None
         if landing is not None:
-            self.release_landing(a.prail, landing, a)
+            a.prail.release_landing(landing, a)
             return False  # the ring gives the slot back
         t1 = now_ns()
         self.counters.add("time_fill_s", (t1 - t0) / 1e9)
@@ -207,7 +127,130 @@ class SlotFills:
                                 t0, t1, {"bytes": u.nbytes, "batch": a.batch.id})
         return True
 
-    def _acquire_landing(self, a: _Attempt) -> Optional[int]:
+    def _fill_chunk(self, a: Attempt, slot) -> bool:
+        """A COALESCED unit: a landing credit at the peer, then its pieces gathered into the slot as one chunk
+        (header table and payload), one write to the credit's landing slot. False: no credit (deferred behind
+        this round, or the rail died: failed over), slot unused."""
+        u = a.unit
+        landing = self._acquire_landing(a)
+        if landing == DEFER:
+            # the credits this chunk waits for are held by chunks of this very round, posted only at its end:
+            # behind them in the ring's queue, not blocking the round
+            a.ring.enqueue_copy([a])
+            self.counters.add("credit_defers")
+            return False
+        if landing is None:
+            if not (a.cancelled or a.batch.failed):
+                # the rail died while we waited for a credit: fail it over (this attempt included)
+                self.failover.rail_failed(a.prail, a.prail.cause or PeerLost(
+                    f"rail {a.prail.rail} endpoint to {a.batch.peer.session} died"))
+            return False
+        b = a.batch
+        if u.items is not None:
+            items = u.items
+            srcs, dsts, lens = b.srcs[items], b.dsts[items], b.lengths[items]
+        else:  # large pieces sent through the peer's landing slots (receive-side PXN)
+            srcs, dsts, lens = (np.array(col, dtype=np.int64) for col in zip(*u.segs))
+        seq = next(b.peer.seq)
+        gather = None
+        if slot.tensor is None:
+            from pxn_kernels.chunk import build_header_table
+            view = np.frombuffer(raw_view(slot.addr, slot.nbytes, writable=True), dtype=np.uint8)
+            _, offsets, chunk_bytes = build_header_table(dsts, lens, seq, self.engine_id, out=view,
+                                                         key=b.peer.chunk_key)
+            fab = self.fabrics[a.prail.rail]
+            if fab.capabilities.gather_writes and int(lens.sum()) >= fab.gather_min_bytes * lens.size:
+                gather = (srcs, slot.addr + offsets, lens)  # the fabric sends each piece from its source
+            else:
+                host_memmove(srcs, slot.addr + offsets, lens)
+        elif u.items is None:  # large pieces for the peer to forward: the copy engine moves them
+            chunk_bytes = gpu_pack_large(slot, srcs, lens, dsts, seq, self.engine_id, sync=False,
+                                         key=b.peer.chunk_key)
+        else:
+            chunk_bytes = gpu_pack(slot, srcs, lens, dsts, seq, self.engine_id, sync=False, key=b.peer.chunk_key)
+        pr = a.prail
+        pool_slot, more = a.landing_at
+        a.reqs = [(WriteRequest if gather is None else GatherWrite)(
+            slot.addr, chunk_bytes, pr.landing_addr + pool_slot * pr.stride, pr.landing_rkey, slot.ring.lkey,
+            imm=chunk_imm(landing, seq, more))]
+        if gather is not None:
+            a.reqs[0].gather = gather
+            # the receiver acks a chunk only once every byte of it has arrived, so the ack also completes the
+            # write: where the fabric keeps successes silent, the chunk costs one completion, not two
+            a.reqs[0].signaled = not self.inflight.selective
+        return True
+
+    def _fill_relayed_few(self, a: Attempt, slot) -> None:
+        """A RELAYED unit of a few pieces: copy them into the slot, then one write per piece to its final address
+        (scalar steps: a few numpy calls per piece would cost more than the copies' host time)."""
+        u = a.unit
+        segs = u.segments()
+        offs = [0]
+        for _, _, n in segs[:-1]:
+            offs.append(offs[-1] + n)
+        if slot.tensor is None:
+            host_memmove([sg[0] for sg in segs], [slot.addr + o for o in offs], [sg[2] for sg in segs])
+        elif u.device < 0:
+            from pxn_kernels import host_view
+            for (s_addr, _, n), o in zip(segs, offs):
+                slot.tensor[o:o + n].copy_(host_view(s_addr, n))
+        else:
+            # large pieces: the copy engine (cudaMemcpyAsync, over NVLink from a peer GPU) runs at link speed
+            # and needs no descriptor upload
+            stream = slot.ring.stream(slot.lane)
+            for (s_addr, _, n), o in zip(segs, offs):
+                memcpy_async(slot.addr + o, s_addr, n, stream)  # the ring waits for the stream once
+        a.reqs = []
+        for (s_addr, d_addr, n), o in zip(segs, offs):
+            _, rkey = write_keys(self.regions, a, s_addr, d_addr, n)
+            a.reqs.append(WriteRequest(slot.addr + o, n, d_addr, rkey, slot.ring.lkey))
+
+    def _fill_relayed_many(self, a: Attempt, slot) -> None:
+        """A RELAYED unit of many pieces (or GPU pieces to an event-ordered fabric): one gather into the slot,
+        then its writes (one ``WriteBatch`` where the fabric takes them)."""
+        u = a.unit
+        s_arr, d_arr, n_arr = u.arrays()
+        offs = np.cumsum(n_arr) - n_arr
+        local = slot.addr + offs
+        if slot.tensor is None:
+            host_memmove(s_arr, local, n_arr)
+        elif u.device < 0:
+            from pxn_kernels import host_view
+            for s_addr, o, n in zip(s_arr.tolist(), offs.tolist(), n_arr.tolist()):
+                slot.tensor[o:o + n].copy_(host_view(s_addr, n))
+        else:
+            # one bound batched-copy launch (replayed for lengths seen before), where a call per piece costs
+            # host time for every piece; on the lane's stream, ordered after the lane's earlier work, which the ring
+            # waits for or orders after
+            stream = slot.ring.stream(slot.lane)
+            copies = self.relay_copies
+            copies.finish([copies.copy(slot.ring.device, s_arr, local, n_arr, stream=stream)], wait=False,
+                          stream=stream)
+        rkeys = self._remote_keys(a, s_arr, d_arr, n_arr)
+        lkeys = np.full(n_arr.size, slot.ring.lkey, dtype=np.int64)
+        if self.write_batches:
+            a.reqs = [WriteBatch(local, n_arr, d_arr, rkeys, lkeys)]  # one completion, no object per piece
+        else:
+            a.reqs = [WriteRequest(lo, n, d, rk, slot.ring.lkey)
+                      for lo, n, d, rk in zip(local.tolist(), n_arr.tolist(), d_arr.tolist(), rkeys.tolist())]
+
+    def _remote_keys(self, a: Attempt, s_arr, d_arr, n_arr) -> np.ndarray:
+        """The rkey of each write of a relayed unit on its rail. Raises AddressNotRegistered naming a destination
+        that a region no longer holds."""
+        rail = a.prail.rail
+        rsnap = a.batch.peer.regions.snapshot()
+        remote = a.batch.peer_region(rsnap)
+        if remote is not None:  # one peer region holds the whole batch: its key for every piece
+            return np.full(n_arr.size, remote.keys[rail], dtype=np.int64)
+        ri = locate_inside(rsnap, d_arr, d_arr + n_arr)
+        if ri is None:  # a region went away since validation: name it
+            for s_addr, d_addr, n in zip(s_arr.tolist(), d_arr.tolist(), n_arr.tolist()):
+                write_keys(self.regions, a, s_addr, d_addr, n)
+            raise AddressNotRegistered(f"a destination of batch {a.batch.id} is no longer advertised by "
+                                       f"{a.batch.peer.session}")
+        return np.array([r.keys[rail] for r in rsnap.regions], dtype=np.int64)[ri]
+
+    def _acquire_landing(self, a: Attempt) -> Optional[int]:
         """A free credit (landing slot) at the peer on the attempt's rail; waits (back-pressure). A rail holding
         no credit asks the peer for some (``ask_credits``), again every ``CREDIT_ASK_S`` while none comes. None
         when the rail died or the attempt was cancelled meanwhile; ``DEFER`` when the credits it would wait for
@@ -247,7 +290,7 @@ class SlotFills:
                     pr.cv.wait(0.25)
             self.ask_credits(pr, want, [])
 
-    def ask_credits(self, pr: _PeerRail, want: int, release: List[int]) -> None:
+    def ask_credits(self, pr: PeerRail, want: int, release: List[int]) -> None:
         """One ``credits`` request to the peer for rail ``pr`` (the copy thread of a chunk that waits): return the
         credits ``release``, ask for ``want`` more. Grants in the reply are free at once; the rest come as grant
         writes (``Completions.on_ack``). A failure is logged: the rail's own failure, if any, shows on its
@@ -257,13 +300,13 @@ class SlotFills:
             if not peer.retired:
                 self._request_credits_locked(pr, want, release, None)
 
-    def _request_credits_locked(self, pr: _PeerRail, want: int, release: List[int], timeout: Optional[float]) -> bool:
+    def _request_credits_locked(self, pr: PeerRail, want: int, release: List[int], timeout: Optional[float]) -> bool:
         """The ``credits`` request of ``ask_credits`` with ``peer.lock`` held, once more on a new control connection
         when that one dropped. ``timeout``: seconds for the connect and the reply (the progress loop's idle returns
         must not stall it); None: the control connection's own. False when it failed (the control connection is
         then closed: a late reply must not answer the next request)."""
         peer = pr.peer
-        control = self.pipe.control
+        control = self.control
         msg = {"op": "credits", "engine_id": self.engine_id, "rail": pr.rail, "want": want, "release": release}
         grants_before = pr.grants_in
         try:
@@ -297,11 +340,11 @@ class SlotFills:
         chunk waiting for one, go back to the peer's pool, where other senders may wait for them. A peer whose
         control connection is busy (a handshake, a region refresh, a chunk asking) is left for the next round; a
         return that fails keeps the credits here (they are used or returned later)."""
-        if self.pipe._closed:
+        if self.inflight.closed:
             return
         now = time.monotonic()
-        with self._lock:
-            peers = [p for p in self.pipe.directory.values() if p.ready and not p.retired]
+        with self.inflight.lock:
+            peers = [p for p in self.directory.values() if p.ready and not p.retired]
         for peer in peers:
             if not any(pr.free_landing and pr.alive for pr in peer.rails) or not peer.lock.acquire(blocking=False):
                 continue
@@ -321,13 +364,3 @@ class SlotFills:
                         pr.grant(held)
             finally:
                 peer.lock.release()
-
-    def release_landing(self, pr: _PeerRail, slot: int, a: Optional[_Attempt] = None) -> None:
-        """Credit ``slot`` of attempt ``a`` is free again (unless the peer took it back meanwhile)."""
-        with pr.cv:
-            owner = pr.landing_owner.get(slot)
-            if owner is not None and (a is None or owner is a):
-                del pr.landing_owner[slot]
-                if slot in pr.credit_slot:
-                    pr.free_landing.append(slot)
-            pr.cv.notify()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from transport.batches import _Batch
+from transport.batches import Batch
 from transport.errors import FabricError, TransferError
 from transport.fabric.base import DEVICE_HOST, RegionSpans, WriteBounds
 from transport.fabric.gpu_copy import Pending
@@ -24,7 +24,8 @@ from transport.packing import host_memmove
 from transport.telemetry import now_ns
 
 if TYPE_CHECKING:  # annotations only
-    from transport.peers import _Peer
+    from transport.batches import Validated
+    from transport.peers import Peer
 
 log = logging.getLogger("transport.engine")  # one logger for the engine and its parts
 
@@ -34,90 +35,94 @@ _SPANS_MEMO = 64  # batch layouts over several regions remembered per engine (In
 class InlineRoute:
     """Writes batches from the caller's thread (see the module docstring).
 
-    Arguments: pipe: the data path (``transport.pipeline.Pipeline``), whose fabrics, planner, relay rings, rail
-    counters and accounts this uses; directory: the ``transport.peers.PeerDirectory`` (usable rails)."""
+    Arguments: inflight: the ``transport.inflight.InFlight`` (batch ids); accounts: the
+    ``transport.batches.Accounts`` (batches done); planner: the engine's ``Planner`` (a peer may have its own);
+    fabrics, rail_stats: one per rail; counters: the engine's; ring: ``ring(device, rail)``, the relay ring of
+    a device on a rail (``Pipeline.ring``); relay_copies: the GPU relay fills' ``BoundCopies``; directory: the
+    ``transport.peers.PeerDirectory`` (usable rails); not_taken: what ``submit`` returns for a batch it does
+    not take."""
 
-    def __init__(self, pipe, directory, not_taken):
-        self.not_taken = not_taken  # what ``submit`` returns for a batch it does not take
-        self.fabrics = pipe.fabrics
-        self.planner = pipe.planner
-        self.counters = pipe.counters
-        self.accounts = pipe.accounts
-        self._rail_stats = pipe._rail_stats
-        self._batch_ids = pipe._batch_ids
-        self._ring = pipe.ring
-        self._relay_copies = pipe._relay_copies
-        self._rail_choices = directory.rail_choices
+    def __init__(self, inflight, accounts, planner, fabrics: list, counters, rail_stats: list, ring, relay_copies,
+                 directory, not_taken):
+        self.not_taken = not_taken
+        self.inflight = inflight
+        self.accounts = accounts
+        self.planner = planner
+        self.fabrics = fabrics
+        self.counters = counters
+        self.rail_stats = rail_stats
+        self.ring = ring
+        self.relay_copies = relay_copies
+        self.directory = directory
         self._spans_memo = {}  # _region_spans: the regions of batches over several regions, by layout
         self._spans_lock = threading.Lock()
 
-    def _planner(self, peer: "_Peer"):
+    def _planner(self, peer: "Peer"):
         """The planner of ``peer``'s routes (its own when its landing slots are smaller than our chunks): the
         inline route asks the one the posted route plans with, so that both pick the same rails."""
         return peer.planner or self.planner
 
-    def submit(self, peer: "_Peer", src, dst, ln, devices, lsnap, idx, rsnap, ridx, one_region: bool,
-               extremes: tuple, nbytes: int, t0: int, t1: int, async_: bool):
-        """The route's entry for a validated batch (``Pipeline._submit``): None when written (and counted) while
-        the caller waited, a ``_Batch`` holding the writes still running (``async_``), or ``not_taken`` (the batch
+    def submit(self, v: "Validated"):
+        """The route's entry for a validated batch (``Pipeline.submit``): None when written (and counted) while
+        the caller waited, a ``Batch`` holding the writes still running (``async_``), or ``not_taken`` (the batch
         does not qualify, or the fabric declined: nothing counted, the posted route takes it)."""
-        if one_region:
-            pending = self.write(peer, src, dst, ln, int(devices), lsnap.regions[idx], rsnap.regions[ridx], extremes,
-                                 nbytes, t0, t1, not async_)
+        if v.one_region:
+            pending = self.write(v, int(v.devices), v.lsnap.regions[v.idx], v.rsnap.regions[v.ridx])
         else:
-            pending = self.write_regions(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, extremes, nbytes, t0,
-                                         t1, not async_)
+            pending = self.write_regions(v)
         if pending is None:
             return self.not_taken
-        if not async_:
+        if not v.async_:
             return None
-        batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
+        batch = Batch(self.inflight.new_batch_id(), v.peer, v.src, v.dst, v.ln, v.nbytes)
         batch.pending, batch.path = pending, "inline"
         return batch
 
-    def write(self, peer: "_Peer", src, dst, ln, dev: int, local, remote, extremes: tuple, nbytes: int,
-                      t0: int, t1: int, wait: bool):
-        """Write a batch from the calling thread (fabrics with ``inline_writes``) when the planner would send it
-        whole, in order, as one direct unit: the same rail and the same writes as the planned path, without its
-        unit, attempt, request, post and completion (each a few function calls of host time per batch, which on
-        the message path cost more than the copy of most batches).
-        ``local`` and ``remote``: the one region on each side holding every piece; ``extremes``: (lmin, lmax, smin,
-        send, dmin, dend) from the validation; ``wait``: return only once every byte is placed. Returns the
-        fabric's ``Pending`` (already waited for when ``wait``; the batch counted, and done when ``wait``), or
-        None with nothing counted when the batch does not qualify or the fabric did not take or make the writes:
-        the caller then plans and posts it, and that path reports any failure (a batch written in part is written
-        again: the writes are idempotent)."""
-        choices, load, c = self._whole_batch_rail(dev, peer, int(ln.size), nbytes, extremes)
-        if c is None:
-            if self._planner(peer).relays_all(choices, extremes[0], peer.forward):
-                return self._relay_inline(peer, src, dst, ln, dev, remote, extremes, nbytes, choices, load, t0, t1,
-                                          wait)
-            if self._planner(peer).direct_runs_all(choices, int(ln.size), extremes[0], extremes[1], peer.forward):
-                def write_run(fab, ep, rail, a, b, s, d, n, run_bytes, lmin, lmax):
-                    # the run's own lengths; the batch's address spans hold every one of its pieces
-                    bd = WriteBounds(lmin, lmax, *extremes[2:], remote.keys[rail], local.keys[rail].lkey)
-                    return fab.write_inline(ep, s, d, n, bd, run_bytes, wait=False)
-                return self._direct_runs_inline(peer, src, dst, ln, dev, extremes, nbytes, choices, load, t0, t1,
-                                                wait, write_run)
+    def write(self, v: "Validated", dev: int, local, remote):
+        """Write batch ``v`` from the calling thread (fabrics with ``inline_writes``) when the planner would send
+        it whole, in order, as one direct unit: the same rail and the same writes as the planned path, without
+        its unit, attempt, request, post and completion (each a few function calls of host time per batch, which
+        on the message path cost more than the copy of most batches).
+        ``dev``: the sources' device; ``local`` and ``remote``: the one region on each side holding every piece.
+        Waits until every byte is placed unless ``v.async_``. Returns the fabric's ``Pending`` (already waited
+        for when waiting; the batch counted, and done when waited for), or None with nothing counted when the
+        batch does not qualify or the fabric did not take or make the writes: the caller then plans and posts it,
+        and that path reports any failure (a batch written in part is written again: the writes are
+        idempotent)."""
+        peer = v.peer
+        choices, load, c = self._whole_batch_rail(dev, v)
+        if c is not None:
+            rail = c.rail
+            bounds = WriteBounds(v.lmin, v.lmax, v.smin, v.send, v.dmin, v.dend, remote.keys[rail],
+                                 local.keys[rail].lkey)
+            src, dst, ln, nbytes, wait = v.src, v.dst, v.ln, v.nbytes, not v.async_
+            return self._inline_on_rail(v, rail, lambda fab, ep: fab.write_inline(ep, src, dst, ln, bounds, nbytes,
+                                                                                     wait))
+        if self._planner(peer).relays_all(choices, v.lmin, peer.forward):
+            return self._relay_inline(v, dev, remote, choices, load)
+        if not self._planner(peer).direct_runs_all(choices, int(v.ln.size), v.lmin, v.lmax, peer.forward):
             return None
-        rail = c.rail
-        bounds = WriteBounds(*extremes, remote.keys[rail], local.keys[rail].lkey)
-        return self._inline_on_rail(peer, rail, lambda fab, ep: fab.write_inline(ep, src, dst, ln, bounds, nbytes,
-                                                                                  wait),
-                                    int(ln.size), nbytes, t0, t1, wait)
 
-    def _whole_batch_rail(self, dev: int, peer: "_Peer", n: int, nbytes: int, extremes: tuple):
-        """(the usable rails of ``dev`` to ``peer``, their load, ``Planner.whole_batch_rail``'s choice or None) for a
-        batch of ``n`` pieces and ``nbytes`` bytes with the validation's ``extremes``."""
-        choices = self._rail_choices(dev, peer)
+        def write_run(fab, ep, rail, a, b, s, d, n, run_bytes, lmin, lmax):
+            # the run's own lengths; the batch's address spans hold every one of its pieces
+            bd = WriteBounds(lmin, lmax, v.smin, v.send, v.dmin, v.dend, remote.keys[rail], local.keys[rail].lkey)
+            return fab.write_inline(ep, s, d, n, bd, run_bytes, wait=False)
+        return self._direct_runs_inline(v, dev, choices, load, write_run)
+
+    def _whole_batch_rail(self, dev: int, v: "Validated"):
+        """(the usable rails of ``dev`` to the batch's peer, their load, ``Planner.whole_batch_rail``'s choice or
+        None) for batch ``v``."""
+        peer = v.peer
+        choices = self.directory.rail_choices(dev, peer)
         load = {pr.rail: pr.bytes_in_flight for pr in peer.rails} if len(choices) > 1 else {}
         planner = self._planner(peer)
-        return choices, load, planner.whole_batch_rail(dev, choices, load, n, nbytes, extremes[0], extremes[1],
+        return choices, load, planner.whole_batch_rail(dev, choices, load, int(v.ln.size), v.nbytes, v.lmin, v.lmax,
                                                        peer.forward)
 
-    def _inline_on_rail(self, peer: "_Peer", rail: int, write, n: int, nbytes: int, t0: int, t1: int, wait: bool):
-        """Make an inline write (``write(fabric, endpoint)`` of rail ``rail``) and count it as one direct unit of
-        ``n`` pieces; the fabric's ``Pending``, or None with nothing counted when it declined or failed (logged)."""
+    def _inline_on_rail(self, v: "Validated", rail: int, write):
+        """Make an inline write of batch ``v`` (``write(fabric, endpoint)`` of rail ``rail``) and count it as one
+        direct unit; the fabric's ``Pending``, or None with nothing counted when it declined or failed (logged)."""
+        peer, n, nbytes = v.peer, int(v.ln.size), v.nbytes
         t2 = now_ns()
         try:
             pending = write(self.fabrics[rail], peer.rails[rail].ep)
@@ -131,46 +136,46 @@ class InlineRoute:
             self._planner(peer).rewind()
             return None
         t3 = now_ns()
-        # the rail's view: one post of n writes, complete once placed (``_wait`` for an async batch)
-        self._rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
-                                         ("time_post_s", (t3 - t2) / 1e9), ("completions", 1),
-                                         ("bytes_completed", nbytes)))
-        self._count_inline(DIRECT, 1, n, nbytes, (t0, t1, t2, t3), wait)
+        # the rail's view: one post of n writes, complete once placed (``wait`` for an async batch)
+        self.rail_stats[rail].add_many((("post_calls", 1), ("writes_posted", n), ("bytes_posted", nbytes),
+                                        ("time_post_s", (t3 - t2) / 1e9), ("completions", 1),
+                                        ("bytes_completed", nbytes)))
+        self._count_inline(DIRECT, 1, n, nbytes, (v.t0, v.t1, t2, t3), not v.async_)
         return pending
 
-    def write_regions(self, peer: "_Peer", src, dst, ln, devices, lsnap, idx, rsnap, ridx, extremes: tuple,
-                              nbytes: int, t0: int, t1: int, wait: bool):
-        """``write`` for a batch whose pieces lie in several registered regions on either side (``idx`` /
-        ``ridx``: each piece's region in ``lsnap`` / ``rsnap``, or one index for all), as sglang's calls do: it
-        registers each layer's KV buffer and each aux buffer apart, so one call names a region per layer or per
-        aux buffer on each side. Taken when every source is on one device and the planner would send the batch
-        whole as one direct unit; the fabric gets each side's regions (``RegionSpans``) instead of one key. The
-        same returns as ``write``."""
+    def write_regions(self, v: "Validated"):
+        """``write`` for a batch whose pieces lie in several registered regions on either side (``v.idx`` /
+        ``v.ridx``: each piece's region in ``v.lsnap`` / ``v.rsnap``, or one index for all), as sglang's calls do:
+        it registers each layer's KV buffer and each aux buffer apart, so one call names a region per layer or
+        per aux buffer on each side. Taken when every source is on one device and the planner would send the
+        batch whole as one direct unit; the fabric gets each side's regions (``RegionSpans``) instead of one key.
+        The same returns as ``write``."""
+        devices, lsnap, idx, rsnap, ridx = v.devices, v.lsnap, v.idx, v.rsnap, v.ridx
         if getattr(devices, "ndim", 0):
             dev = int(devices[0])
             if int(devices.min()) != dev or int(devices.max()) != dev:
                 return None  # sources on several devices: one unit per device, posted
         else:
             dev = int(devices)
-        choices, load, c = self._whole_batch_rail(dev, peer, int(ln.size), nbytes, extremes)
-        if c is None:
-            if not self._planner(peer).direct_runs_all(choices, int(ln.size), extremes[0], extremes[1], peer.forward):
-                return None
-            many_local, many_remote = getattr(idx, "ndim", 0), getattr(ridx, "ndim", 0)
+        choices, load, c = self._whole_batch_rail(dev, v)
+        if c is not None:
+            rail = c.rail
+            spans = RegionSpans(v.lmin, v.lmax, v.smin, v.send, v.dmin, v.dend,
+                                *self._region_spans(rail, lsnap, idx, rsnap, ridx))
+            src, dst, ln, nbytes, wait = v.src, v.dst, v.ln, v.nbytes, not v.async_
+            return self._inline_on_rail(v, rail, lambda fab, ep: fab.write_inline_regions(ep, src, dst, ln, spans,
+                                                                                            nbytes, wait))
+        if not self._planner(v.peer).direct_runs_all(choices, int(v.ln.size), v.lmin, v.lmax, v.peer.forward):
+            return None
+        many_local, many_remote = getattr(idx, "ndim", 0), getattr(ridx, "ndim", 0)
 
-            def write_run(fab, ep, rail, a, b, s, d, n, run_bytes, lmin, lmax):
-                # the run's regions (remembered per run as per batch: the planner cuts a layout the same way
-                # while the rails' loads are the same), its own lengths, the batch's address spans
-                sp = RegionSpans(lmin, lmax, *extremes[2:], *self._region_spans(
-                    rail, lsnap, idx[a:b] if many_local else idx, rsnap, ridx[a:b] if many_remote else ridx))
-                return fab.write_inline_regions(ep, s, d, n, sp, run_bytes, wait=False)
-            return self._direct_runs_inline(peer, src, dst, ln, dev, extremes, nbytes, choices, load, t0, t1, wait,
-                                            write_run)
-        rail = c.rail
-        spans = RegionSpans(*extremes, *self._region_spans(rail, lsnap, idx, rsnap, ridx))
-        return self._inline_on_rail(peer, rail, lambda fab, ep: fab.write_inline_regions(ep, src, dst, ln, spans,
-                                                                                          nbytes, wait),
-                                    int(ln.size), nbytes, t0, t1, wait)
+        def write_run(fab, ep, rail, a, b, s, d, n, run_bytes, lmin, lmax):
+            # the run's regions (remembered per run as per batch: the planner cuts a layout the same way
+            # while the rails' loads are the same), its own lengths, the batch's address spans
+            sp = RegionSpans(lmin, lmax, v.smin, v.send, v.dmin, v.dend, *self._region_spans(
+                rail, lsnap, idx[a:b] if many_local else idx, rsnap, ridx[a:b] if many_remote else ridx))
+            return fab.write_inline_regions(ep, s, d, n, sp, run_bytes, wait=False)
+        return self._direct_runs_inline(v, dev, choices, load, write_run)
 
     def _region_spans(self, rail: int, lsnap, idx, rsnap, ridx) -> tuple:
         """``RegionSpans``' (local, remote, remote_index) on ``rail`` for pieces in regions ``idx`` of ``lsnap`` and
@@ -209,8 +214,7 @@ class InlineRoute:
             memo[key] = (lsnap, rsnap, value)
         return value
 
-    def _direct_runs_inline(self, peer: "_Peer", src, dst, ln, dev: int, extremes: tuple, nbytes: int, choices,
-                            load: dict, t0: int, t1: int, wait: bool, write_run):
+    def _direct_runs_inline(self, v: "Validated", dev: int, choices, load: dict, write_run):
         """``write`` for a batch the planner cuts into DIRECT runs of whole pieces on several rails (a
         batch of at least twice ``MIN_RUN_BYTES`` with two rails or more): the same runs on the same rails, each
         written by the calling thread through its rail's fabric (``write_run(fabric, endpoint, rail, first, end,
@@ -219,8 +223,9 @@ class InlineRoute:
         Returns the runs' joined ``Pending``, or None with nothing counted when a fabric declined or failed a run
         (on ipc: a rail that has not yet had the peer's region described): the runs already written are waited
         for, and the caller posts the whole batch (the writes are idempotent)."""
-        units = self._planner(peer).plan(src, dst, ln, None, {dev: choices}, load, [dev], None, None,
-                                  (nbytes, extremes[1], extremes[0]))
+        peer, ln, nbytes, wait = v.peer, v.ln, v.nbytes, not v.async_
+        units = self._planner(peer).plan(v.src, v.dst, ln, None, {dev: choices}, load, [dev], None, None,
+                                         (nbytes, v.lmax, v.lmin))
         t2 = now_ns()
         pendings, per_rail, first = [], {}, 0
         got = None
@@ -250,10 +255,9 @@ class InlineRoute:
                      peer.session, e)
             got = None
         return self._settle_inline(peer, "runs", got, pendings, per_rail, DIRECT, len(units), int(ln.size), nbytes,
-                                   (t0, t1, t2), wait)
+                                   (v.t0, v.t1, t2), wait)
 
-    def _relay_inline(self, peer: "_Peer", src, dst, ln, dev: int, remote, extremes: tuple, nbytes: int, choices,
-                      load: dict, t0: int, t1: int, wait: bool):
+    def _relay_inline(self, v: "Validated", dev: int, remote, choices, load: dict):
         """``write`` for a batch the planner relays whole (every piece a RELAYED unit): for each unit the
         caller takes a slot of the unit's relay ring, fills it on the slot's lane stream, has the fabric write it
         from there on the same stream (``write_inline``, not waited for) and gives the slot back at once: its
@@ -262,15 +266,16 @@ class InlineRoute:
         Returns the units' joined ``Pending`` (waited for when ``wait``), or None with nothing counted when a
         fabric declined or failed a unit: the writes already made are waited for, and the caller posts the
         whole batch (the writes are idempotent)."""
-        units = self._planner(peer).plan(src, dst, ln, None, {dev: choices}, load, [dev], None, None,
-                                  (nbytes, extremes[1], extremes[0]))
+        peer, ln, nbytes, wait = v.peer, v.ln, v.nbytes, not v.async_
+        units = self._planner(peer).plan(v.src, v.dst, ln, None, {dev: choices}, load, [dev], None, None,
+                                         (nbytes, v.lmax, v.lmin))
         t2 = now_ns()
         pendings = []
         per_rail: Dict[int, List[int]] = {}
         # the fills run on the rings' lane streams: each lane waits once for what the caller queued on the data
         # GPU's current stream (the sources' producers) before its first fill of this batch
         after, waited = None, set()
-        dspan = (extremes[4], extremes[5])  # (dmin, dend) of the batch
+        dspan = (v.dmin, v.dend)  # of the batch
         try:
             if dev >= 0:
                 import torch
@@ -293,7 +298,7 @@ class InlineRoute:
                      e)
             got = None
         return self._settle_inline(peer, "relay", got, pendings, per_rail, RELAYED, len(units), int(ln.size),
-                                   nbytes, (t0, t1, t2), wait)
+                                   nbytes, (v.t0, v.t1, t2), wait)
 
     @staticmethod
     def _tally(per_rail: Dict[int, List[int]], rail: int, writes: int, nbytes: int) -> None:
@@ -304,7 +309,7 @@ class InlineRoute:
         counts[1] += writes
         counts[2] += nbytes
 
-    def _settle_inline(self, peer: "_Peer", what: str, got, pendings: list, per_rail: Dict[int, List[int]],
+    def _settle_inline(self, peer: "Peer", what: str, got, pendings: list, per_rail: Dict[int, List[int]],
                        kind: str, units: int, n: int, nbytes: int, times: tuple, wait: bool):
         """The end of an inline batch written unit by unit (``_direct_runs_inline``, ``_relay_inline``): ``got``,
         the units' joined ``Pending``, counted (``per_rail``: rail -> [posts, writes, bytes]; ``times``:
@@ -320,7 +325,7 @@ class InlineRoute:
             return None
         t3 = now_ns()
         for rail, (posts, writes, rail_bytes) in per_rail.items():
-            self._rail_stats[rail].add_many((("post_calls", posts), ("writes_posted", writes),
+            self.rail_stats[rail].add_many((("post_calls", posts), ("writes_posted", writes),
                                              ("bytes_posted", rail_bytes), ("completions", posts),
                                              ("bytes_completed", rail_bytes)))
         self._count_inline(kind, units, n, nbytes, (*times, t3), wait)
@@ -338,9 +343,9 @@ class InlineRoute:
             counts.append(("batches_ok", 1))
         self.counters.add_many(counts)
         if wait:
-            self.accounts.done(f"batch {next(self._batch_ids)}", t0, t3, n, nbytes, True, kind, counted=True)
+            self.accounts.done(f"batch {self.inflight.new_batch_id()}", t0, t3, n, nbytes, True, kind, counted=True)
 
-    def _relay_unit_inline(self, peer: "_Peer", u: Unit, remote, k: int, dspan: Tuple[int, int], after=None,
+    def _relay_unit_inline(self, peer: "Peer", u: Unit, remote, k: int, dspan: Tuple[int, int], after=None,
                            waited: Optional[set] = None):
         """The ``k``-th RELAYED unit of ``_relay_inline``: slot (of lane ``k``: consecutive units on alternating
         streams), fill, inline write on the slot's lane; the fabric's ``Pending``, or None (declined, or the ring
@@ -350,7 +355,7 @@ class InlineRoute:
         if relay >= 0 and u.device != relay:
             from pxn_kernels.peer_access import ensure_peer_access
             ensure_peer_access(relay, {u.device})  # the relay GPU's fill reads the sources' GPU
-        ring = self._ring(relay, u.rail)
+        ring = self.ring(relay, u.rail)
         slot = ring.take(k)
         if slot is None:
             return None
@@ -367,7 +372,7 @@ class InlineRoute:
                 if after is not None and (ring, slot.lane) not in waited:
                     stream.wait_event(after)
                     waited.add((ring, slot.lane))
-                copies = self._relay_copies
+                copies = self.relay_copies
                 copies.finish([copies.copy(ring.device, s_arr, local, n_arr, stream=stream)], wait=False,
                               stream=stream)
             # the unit's own lengths (a piece larger than a slot is split, so the batch's extremes may not hold);

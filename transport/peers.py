@@ -1,8 +1,8 @@
 """Peers, rails and failover: who this engine is connected to, over which rails, and what happens when a rail
 fails.
 
-* ``_PeerRail``: one rail to one peer (endpoint, the landing credits it holds at the peer, attempts in flight);
-* ``_Peer``: one incarnation of a connection to a session, made at the handshake, forgotten when every rail failed;
+* ``PeerRail``: one rail to one peer (endpoint, the landing credits it holds at the peer, attempts in flight);
+* ``Peer``: one incarnation of a connection to a session, made at the handshake, forgotten when every rail failed;
 * ``PeerDirectory``: the sessions this engine is connected to, the rails by the peer's rail id (for acks), why a
   session was last forgotten, and the usable rails for data on a device (``rail_choices``);
 * ``Failover``: a rail that fails has its unfinished attempts re-dispatched on the device's other rails; a batch
@@ -35,11 +35,11 @@ REDISPATCH_WAITS = 3
 "endpoint died" (each wait lasts until the completions queued in the progress loop by then are handled)."""
 
 
-class _PeerRail:
+class PeerRail:
     """This engine's view of one rail to one peer: endpoint, landing-slot credits, work in flight."""
 
     def __init__(self, rail: int, ep, remote_id: str, landing_addr: int, landing_rkey: int, slots: int,
-                 slot_bytes: int, peer: Optional["_Peer"] = None):
+                 slot_bytes: int, peer: Optional["Peer"] = None):
         self.rail = rail
         self.peer = peer  # the peer incarnation this rail belongs to (the one to forget when every rail is dead)
         self.ep = ep
@@ -78,10 +78,20 @@ class _PeerRail:
                     self.free_landing.append(k)
             self.cv.notify_all()
 
+    def release_landing(self, slot: int, a=None) -> None:
+        """Credit ``slot`` of attempt ``a`` is free again (unless the peer took it back meanwhile)."""
+        with self.cv:
+            owner = self.landing_owner.get(slot)
+            if owner is not None and (a is None or owner is a):
+                del self.landing_owner[slot]
+                if slot in self.credit_slot:
+                    self.free_landing.append(slot)
+            self.cv.notify()
 
-class _Peer:
+
+class Peer:
     """One incarnation of a connection to a session: made at the handshake, forgotten (``retired``) when every
-    rail failed. A later batch to the same session builds a new ``_Peer``; batches still holding this one fail
+    rail failed. A later batch to the same session builds a new ``Peer``; batches still holding this one fail
     with its rails' causes."""
 
     def __init__(self, session: str):
@@ -97,7 +107,7 @@ class _Peer:
         # the control socket the peer knows this engine on (its hello's, or one a credits request was answered
         # on): requests there carry no proof of ``claim_key``
         self.proven_ctrl: Optional[socket.socket] = None
-        self.rails: List[_PeerRail] = []
+        self.rails: List[PeerRail] = []
         self.regions = RegionTable()
         self.ctrl: Optional[socket.socket] = None
         self.credit: Optional["HostBuffer"] = None
@@ -118,7 +128,7 @@ class _Peer:
         return False
 
 
-def close_ctrl_locked(peer: _Peer) -> None:
+def close_ctrl_locked(peer: Peer) -> None:
     """Close the peer's control socket (``peer.lock`` held, or the peer forgotten)."""
     sock, peer.ctrl = peer.ctrl, None
     if sock is not None:
@@ -146,31 +156,31 @@ class PeerDirectory:
     Arguments: lock: the data path's lock; routes: ``transport.routing`` routes of the topology, or None (every
     rail is local to every device); rail_keys: the NIC port key of each rail."""
 
-    make_peer = _Peer
-    make_rail = _PeerRail
+    make_peer = Peer
+    make_rail = PeerRail
 
     def __init__(self, lock, routes=None, rail_keys: Optional[List[str]] = None):
         self.lock = lock
         self.routes = routes
         self.rail_keys = list(rail_keys or [])
-        self.peers: Dict[str, _Peer] = {}
-        self.by_remote_rail: Dict[str, Tuple[_Peer, _PeerRail]] = {}
+        self.peers: Dict[str, Peer] = {}
+        self.by_remote_rail: Dict[str, Tuple[Peer, PeerRail]] = {}
         self.lost: Dict[str, str] = {}
         # per session, the key its engine gave this one at the last hello (kept after a forget: the next hello
         # proves with it that this engine is the sender the peer may still hold; ``transport.control``)
         self.claim_keys: Dict[str, bytes] = {}
 
-    def __getitem__(self, session: str) -> _Peer:
+    def __getitem__(self, session: str) -> Peer:
         return self.peers[session]
 
-    def get(self, session: str) -> Optional[_Peer]:
+    def get(self, session: str) -> Optional[Peer]:
         return self.peers.get(session)
 
-    def values(self) -> List[_Peer]:
+    def values(self) -> List[Peer]:
         """The peers, as a list (a snapshot: handshakes and failovers change the directory)."""
         return list(self.peers.values())
 
-    def rail_choices(self, device: int, peer: _Peer) -> List[RailChoice]:
+    def rail_choices(self, device: int, peer: Peer) -> List[RailChoice]:
         """Usable rails for data on ``device`` to ``peer``, best first."""
         out = []
         if self.routes is not None and device >= 0:
@@ -197,7 +207,7 @@ class PeerDirectory:
                     pass
 
 
-def all_rails_failed(peer: _Peer, what: str) -> PeerGone:
+def all_rails_failed(peer: Peer, what: str) -> PeerGone:
     """The error of a batch to ``peer`` that has no usable rail left: ``PeerGone`` with every rail's cause."""
     causes = [pr.cause or PeerLost(f"rail {pr.rail}: endpoint dead") for pr in peer.rails]
     text = "; ".join(f"rail {pr.rail}: {c}" for pr, c in zip(peer.rails, causes))
@@ -207,18 +217,30 @@ def all_rails_failed(peer: _Peer, what: str) -> PeerGone:
 class Failover:
     """Failing rails and peers, and re-sending a failed rail's work (see the module docstring).
 
-    Arguments: pipe: the data path (``transport.pipeline.Pipeline``: its attempts, drops, dispatch and batch
-    failures); directory: the ``PeerDirectory``; fabrics: the rails' fabrics (credit regions are deregistered
-    from them when a peer is forgotten)."""
+    Arguments: inflight: the ``transport.inflight.InFlight`` (attempts dropped, whether the engine closed);
+    accounts: the ``transport.batches.Accounts`` (batches failed); directory: the ``PeerDirectory``; fabrics:
+    the rails' fabrics (credit regions are deregistered from them when a peer is forgotten); counters: the
+    engine's; config: its ``EngineConfig`` (relay mode and slot size of a re-sent unit). ``connect`` gives it
+    the completions (whose queued failures a re-send may wait for) and the dispatch of re-sent units."""
 
-    def __init__(self, pipe, directory: PeerDirectory, fabrics: list):
-        self.pipe = pipe
+    def __init__(self, inflight, accounts, directory: PeerDirectory, fabrics: list, counters, config):
+        self.inflight = inflight
+        self.accounts = accounts
         self.directory = directory
         self.fabrics = fabrics
+        self.counters = counters
+        self.config = config
+        self.completions = None
+        self.dispatch = None
 
-    def rail_failed(self, pr: _PeerRail, cause: BaseException) -> None:
+    def connect(self, completions, dispatch) -> None:
+        """``completions``: the ``transport.completions.Completions``; ``dispatch(batch, units, from_engine)``:
+        creates and sends attempts of re-sent units (``Pipeline.dispatch``)."""
+        self.completions = completions
+        self.dispatch = dispatch
+
+    def rail_failed(self, pr: PeerRail, cause: BaseException) -> None:
         """Mark a rail to a peer dead and re-send its unfinished work on the device's other rails."""
-        pipe = self.pipe
         with self.directory.lock:
             if pr.alive:
                 pr.alive = False
@@ -227,7 +249,7 @@ class Failover:
                 # last rail goes, forgetting the peer logs the one line of its death, a warning if work was lost
                 log.info("rail %d to %s failed (%s); re-dispatching %d unit(s)", pr.rail, pr.remote_id, cause,
                          len(pr.inflight))
-                pipe.counters.add("rail_failures")
+                self.counters.add("rail_failures")
             victims = [a for a in pr.inflight if not a.cancelled and not a.finished]
             for a in victims:
                 a.cancelled = True
@@ -244,7 +266,7 @@ class Failover:
             # the fabric may still read a slot of a posted write whose completion has not come: that slot is
             # given back by the completion; everything else now
             if not a.posted or a.write_done:
-                pipe._drop(a)
+                self.inflight.drop(a)
             if a.batch.failed:
                 continue
             self.redispatch(a)
@@ -253,19 +275,19 @@ class Failover:
         if not old.batch.failed:
             self.redispatch(old, waits)
 
-    def fail_peer(self, peer: _Peer, cause: Optional[BaseException]) -> None:
+    def fail_peer(self, peer: Peer, cause: Optional[BaseException]) -> None:
         """Fail every rail of ``peer`` (``cause``, or each rail's own: its endpoint died), which forgets it."""
         for pr in list(peer.rails):
             self.rail_failed(pr, cause or pr.cause or PeerLost(f"rail {pr.rail} endpoint to {peer.session} died"))
         self.forget_peer(peer)  # a peer without rails (cannot happen after a handshake) is forgotten too
 
-    def forget_peer(self, peer: _Peer) -> None:
+    def forget_peer(self, peer: Peer) -> None:
         """Every rail to ``peer`` failed: drop what this engine holds for it (session entry, rails, credit region,
         control socket), so that the next batch to its session handshakes from scratch -- with the same process
         back after a network blip, or a new one at the same host:port. Batches still holding this peer keep
         its dead rails and fail with their causes; other peers are not touched. Idempotent."""
         d = self.directory
-        closed = self.pipe._closed
+        closed = self.inflight.closed
         with d.lock:
             if peer.retired:
                 return
@@ -274,7 +296,7 @@ class Failover:
             if not closed:
                 # counted with the flag, under the lock: a batch failed by another thread that found the peer
                 # retired must already see it in stats()
-                self.pipe.counters.add("peers_lost")
+                self.counters.add("peers_lost")
                 d.lost[peer.session] = why[:500]
                 while len(d.lost) > 1024:  # only for error messages: keep the newest
                     d.lost.pop(next(iter(d.lost)))
@@ -310,19 +332,18 @@ class Failover:
         # a peer that closed while idle is routine; one that took batches down with it is worth a warning
         log.log(logging.WARNING if peer.lost_work else logging.INFO,
                 "engine %s: every rail to %s failed (%s); forgot the peer, the next batch to it handshakes again",
-                self.pipe.session_id, peer.session, why)
+                self.inflight.session_id, peer.session, why)
 
     def redispatch(self, old, waits: int = 0) -> None:
         """Send a failed attempt's unit again on another usable rail of its device (relayed or direct as that
         rail's locality says), or fail its batch with every rail's cause when none is left. ``waits``: how often
         this unit already waited for another rail's queued completions (below)."""
-        pipe = self.pipe
         b = old.batch
         u = old.unit
         choices = self.directory.rail_choices(u.device, b.peer)
         if not choices:
             dead = [pr for pr in b.peer.rails if pr.alive and not pr.ep.alive]
-            comps = pipe.completions
+            comps = self.completions
             if waits < REDISPATCH_WAITS and any(comps.deferring(pr.rail) for pr in dead):
                 # such a rail's completions wait in the progress loop: a failed one among them names the rail's
                 # real cause (and fails it), which "endpoint died" would hide; decide after them
@@ -336,13 +357,13 @@ class Failover:
                 # the thread that failed the last rail may not have forgotten the peer yet; the caller woken by
                 # the failure below must find it forgotten (stats, and a fresh handshake on its next batch)
                 self.forget_peer(b.peer)
-            pipe._fail_batch(b, all_rails_failed(b.peer, f"batch {b.id} to {b.peer.session}"))
+            self.accounts.fail(b, all_rails_failed(b.peer, f"batch {b.id} to {b.peer.session}"))
             return
         load = {pr.rail: pr.bytes_in_flight for pr in b.peer.rails}
         c = min(choices, key=lambda ch: load.get(ch.rail, 0))
-        pipe.counters.add("failovers")
-        relay_mode = pipe.config.relay
-        slot_bytes = pipe.config.relay_slot_bytes
+        self.counters.add("failovers")
+        relay_mode = self.config.relay
+        slot_bytes = self.config.relay_slot_bytes
         relay_now = relay_mode == "always" or (relay_mode == "auto" and not c.local)
         if u.kind == COALESCED or (u.kind == RELAYED) == relay_now:
             units = [dataclasses.replace(u, rail=c.rail, relay_device=c.relay_device)]
@@ -361,4 +382,4 @@ class Failover:
         if len(units) > 1:
             with b.lock:
                 b.remaining += len(units) - 1
-        pipe._dispatch(b, units, from_engine=True)
+        self.dispatch(b, units, from_engine=True)

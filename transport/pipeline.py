@@ -1,10 +1,12 @@
 """The data path of ``TransferEngine``: a batch's lifecycle from validation to its posts.
 
-``Pipeline`` owns the state that moves batches (the attempt table and its lock, the relay rings, the planner)
-and composes the parts of the data path:
+``Pipeline`` composes the parts of the data path, each given the collaborators it uses (no part reaches back into
+``Pipeline``): the in-flight state (``transport.inflight.InFlight``: the attempt table, its lock, the ids), the
+relay rings, the planner, and
 
-* submission (``_submit``): argument checks, region lookups and the route a batch takes to the fabric: the
-  load/store writer of a same-host peer, small rows (``transport.smallbatch``), the inline route
+* submission (``submit``): the route a batch takes to the fabric, tried in order: small rows
+  (``transport.smallbatch``, on the caller's lists), then, on the batch's ``Validated`` record (argument checks,
+  region lookups and extremes, made once): the load/store writer of a same-host peer, the inline route
   (``transport.inline``), or the posted route: the plan (``transport.planner``), attempts per unit, direct
   units posted by the caller, chunks and relayed pieces to the relay rings;
 * the copy thread's fill of a slot (gather into a chunk, or relayed pieces into the slot) and landing credits;
@@ -15,7 +17,6 @@ and composes the parts of the data path:
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from typing import Dict, List, Optional, Tuple
@@ -23,24 +24,24 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from transport.arrays import as_arrays, distinct
-from transport.batches import Accounts, _Attempt, _Batch
+from transport.batches import NOT_TAKEN, Accounts, Attempt, Batch, Validated
 from transport.completions import Completions
-from transport.fills import SlotFills
+from transport.fills import SlotFills, write_keys
 from transport.errors import (AddressNotRegistered, FabricClosed, FabricError, InvalidTransfer, PeerGone, PeerLost,
                               RegionError, RemoteRejected, TransferError, TransferTimeout)
 from transport.fabric.base import DEVICE_HOST, WriteBatch, WriteBounds, WriteRequest
 from transport.fabric.gpu_copy import BoundCopies
+from transport.inflight import InFlight
 from transport.inline import InlineRoute
-from transport.peers import Failover, PeerDirectory, _Peer, all_rails_failed
+from transport.peers import Failover, PeerDirectory, Peer, all_rails_failed
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, Unit
 from transport.regions import first_bad, locate_inside, span_region
 from transport.relay import RelayRing
-from transport.smallbatch import submit_rows
+from transport.smallbatch import RowsRoute
 from transport.telemetry import POSTED, now_ns
 
 log = logging.getLogger("transport.engine")  # one logger for the engine and its data path
 
-NOT_TAKEN = object()  # what a route returns for a batch it does not take (the next route gets it)
 # the routes a submitted batch can take, in the order tried; each counts its batches as ``route_<name>``
 ROUTES = ("rows", "loadstore", "inline", "posted")
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
@@ -79,7 +80,7 @@ def _merge_direct(units: List[Unit]) -> Unit:
                 wire_bytes=sum(u.wire_bytes or u.nbytes for u in units), runs=runs)
 
 
-def _split_inline(atts: List[_Attempt], ring: RelayRing, from_engine: bool) -> Tuple[List[_Attempt], List[_Attempt]]:
+def _split_inline(atts: List[Attempt], ring: RelayRing, from_engine: bool) -> Tuple[List[Attempt], List[Attempt]]:
     """(inline, queued), each in the order of ``atts``: on an ordered ring relayed pieces are filled and posted in
     the calling thread (it only enqueues GPU work), except when the engine redispatches them (a poller must keep
     polling); everything else goes to the ring's copy thread (chunks wait for the peer's landing credits, and
@@ -104,52 +105,66 @@ class Pipeline:
                  counters, rail_stats: list, latency, trace, engine_id: int):
         self.config = config
         self.fabrics = fabrics
-        self._regions = regions
+        self.regions = regions
         self.directory = directory
-        self._peers = directory.peers
-        self._lock = directory.lock  # attempt state and peers
+        self.inflight = InFlight(directory.lock, caps.selective_signaling)  # attempt state, ids, open or closed
         self._progress = progress
         self.counters = counters
-        self._rail_stats = rail_stats
+        self.rail_stats = rail_stats
         self.trace = trace
         self.engine_id = engine_id
-        self.session_id = "?"  # the engine's, once its control listener is bound
-        self.control = None  # the engine's ControlPlane, once made (handshakes and region refreshes)
-        self._closed = False
         self.coalesce_bytes = config.coalesce_bytes  # read on every batch: one attribute, not two
-        self.planner = Planner(config.coalesce_bytes, config.relay_slot_bytes, config.stripe_bytes,
-                               config.relay_slot_bytes, config.relay, config.direct_pieces)
-        self._wr_ids = itertools.count(1)
-        self._batch_ids = itertools.count(1)
-        self._inflight: Dict[int, _Attempt] = {}
+        self.planner = Planner(config)
         self._rings: Dict[Tuple[int, int], RelayRing] = {}
         self._relay_copies = BoundCopies()  # GPU relay fills: plans by lengths, bound launches, per ring thread
         self._selective = caps.selective_signaling
         self._batches = caps.write_batches
-        # small batches as one WriteRows post, checked in Python (transport.smallbatch)
-        self._rows = caps.write_rows and config.direct_pieces > 0
         self.direct_pieces = config.direct_pieces
-        self._by_callback = caps.completion_callback
         self.accounts = Accounts(counters, latency, trace)
-        self._fail_batch = self.accounts.fail
-        self._account_done = self.accounts.done
-        self.failover = Failover(self, directory, fabrics)
-        self._rail_failed = self.failover.rail_failed
-        self._fail_peer = self.failover.fail_peer
-        self._rail_choices = directory.rail_choices
-        self.fills = SlotFills(self)
-        self.completions = Completions(self, directory, receiver, progress, len(fabrics))
-        self._finish = self.completions.finish
-        self._rows_acked = self.completions.rows_acked
+        self.failover = Failover(self.inflight, self.accounts, directory, fabrics, counters, config)
+        self.completions = Completions(self.inflight, self.accounts, self.failover, directory, receiver, progress,
+                                       fabrics, rail_stats, counters)
+        self.failover.connect(self.completions, self.dispatch)
+        self.fills = SlotFills(self.inflight, self.failover, directory, regions, fabrics, counters, trace, engine_id,
+                               self._relay_copies, caps.write_batches)
+        # the routes a batch may take, in the order tried (``ROUTES``)
+        # small batches as one WriteRows post, checked in Python (transport.smallbatch)
+        self._rows = RowsRoute(self.inflight, self.completions, self.failover, regions, directory, fabrics,
+                               rail_stats, counters, trace, config, caps.completion_callback) \
+            if caps.write_rows and config.direct_pieces > 0 else None
         # a batch that goes whole as one direct unit, or relayed whole, is written by the caller's thread
-        self._inline = InlineRoute(self, directory, NOT_TAKEN) if caps.inline_writes else None
+        self._inline = InlineRoute(self.inflight, self.accounts, self.planner, fabrics, counters, rail_stats,
+                                   self.ring, self._relay_copies, directory, NOT_TAKEN) \
+            if caps.inline_writes else None
+
+    @property
+    def session_id(self) -> str:
+        """The engine's session id (messages), once its control listener is bound."""
+        return self.inflight.session_id
+
+    @session_id.setter
+    def session_id(self, value: str) -> None:
+        self.inflight.session_id = value
+
+    @property
+    def control(self):
+        """The engine's ``ControlPlane`` (handshakes, region refreshes, credit requests), once made."""
+        return self.fills.control
+
+    @control.setter
+    def control(self, value) -> None:
+        self.fills.control = value
+
+    def rings(self) -> list:
+        """The relay rings made so far."""
+        return list(self._rings.values())
 
     def ring(self, device: int, rail: int) -> RelayRing:
         """The relay ring of ``device`` (-1: host) on ``rail``, made at first use."""
         key = (device, rail)
         ring = self._rings.get(key)
         if ring is None:
-            with self._lock:
+            with self.inflight.lock:
                 ring = self._rings.get(key)
                 if ring is None:
                     cfg = self.config
@@ -159,9 +174,12 @@ class Pipeline:
                     self._rings[key] = ring
         return ring
 
-    def _peer(self, session_id: str) -> _Peer:
+    def peer(self, session_id: str) -> Peer:
         """The connected peer of ``session_id``, handshaking first when there is none. Raises UnknownSession
         naming why the handshake failed."""
+        peer = self.directory.peers.get(session_id) if session_id.__class__ is str else None
+        if peer is not None and peer.ready and not peer.retired and peer.connected():
+            return peer  # the common case, as ``ControlPlane.peer`` finds it, without the call
         while True:
             try:
                 return self.control.peer(session_id)
@@ -170,44 +188,64 @@ class Pipeline:
                     raise  # forgotten already, and nobody answers at its session: the caller's error
                 # every endpoint died while nothing was in flight to notice (the peer restarted while idle): fail
                 # the rails now so the peer is forgotten, then handshake again
-                self._fail_peer(e.peer, None)
+                self.failover.fail_peer(e.peer, None)
 
-    def _refresh_regions(self, peer: _Peer) -> None:
+    def _refresh_regions(self, peer: Peer) -> None:
         """Fetch the peer's region list again; when nobody (or a different engine) answers at its session any
         more the peer is forgotten. Raises TransferError naming the cause."""
         try:
             self.control.refresh_regions(peer)
         except PeerGone as e:
             gone = e.cause or e
-            self._fail_peer(peer, PeerLost(f"control connection to {peer.session}: {gone}"))
+            self.failover.fail_peer(peer, PeerLost(f"control connection to {peer.session}: {gone}"))
             raise PeerGone(f"cannot refresh the region list of {peer.session}: {gone}; forgot the peer, the "
                            f"next batch to it handshakes again", None, gone) from None
 
     def close(self) -> None:
         """Fail the batches in flight, stop the completions and the relay rings."""
-        self._closed = True
+        self.inflight.closed = True
         self.completions.closed = True
-        with self._lock:
-            pending = list(self._inflight.values())
-        for a in pending:
-            self._fail_batch(a.batch, TransferError(f"engine {self.session_id} closed"))
+        for a in self.inflight.attempts():
+            self.accounts.fail(a.batch, TransferError(f"engine {self.session_id} closed"))
 
     def close_rings(self) -> None:
         for ring in list(self._rings.values()):
             ring.close()
 
     # --- submission ----------------------------------------------------------------------------------------
-    def _submit(self, session_id, srcs, dsts, lengths, async_: bool = False) -> Optional[_Batch]:
-        self._check_open()
-        if self._rows:
-            # a few small pieces, given as lists, tuples, arrays or tensors alike: transport.smallbatch
-            batch = submit_rows(self, session_id, srcs, dsts, lengths, read_ack=not async_)
-            if batch is not None:
-                return batch
+    def submit(self, session_id, srcs, dsts, lengths, async_: bool = False) -> Optional[Batch]:
+        """Check a batch and hand it to the first route that takes it (``ROUTES``): small rows, load/store, inline,
+        posted. Returns the ``Batch`` to wait for (``wait``), or None when nothing is left to wait for (written
+        while the caller waited, or nothing to write)."""
+        self.check_open()
+        rows = self._rows
+        if rows is not None:
+            # a few small pieces, given as lists, tuples, arrays or tensors alike: declined at once on a large one
+            got = rows.submit(session_id, srcs, dsts, lengths, not async_)
+            if got is not NOT_TAKEN:
+                return got
+        v = self._validate(session_id, srcs, dsts, lengths, async_)
+        if v.__class__ is not Validated:
+            return v  # nothing to write, or the batch of the pieces left once zero-length ones were dropped
+        if v.peer.loadstore is not None:
+            got = self._write_loadstore(v)
+            if got is not NOT_TAKEN:
+                return got
+        if self._inline is not None:
+            got = self._inline.submit(v)
+            if got is not NOT_TAKEN:
+                return got
+        return self._submit_posted(v)
+
+    def _validate(self, session_id, srcs, dsts, lengths, async_: bool):
+        """The batch's ``Validated`` record: its arrays, checked; the regions holding its pieces on each side;
+        its extremes. None for an empty batch (its session checked); for a batch with zero-length pieces, what
+        ``submit`` returns for the rest. Raises InvalidTransfer / AddressNotRegistered naming the bad entry."""
         t0 = now_ns()
         src, dst, ln = as_arrays(("srcs", srcs), ("dsts", dsts), ("lengths", lengths))
-        if ln.size == 0:
-            self._peer(session_id)  # an unknown session is an error even for an empty batch
+        n = ln.size
+        if n == 0:
+            self.peer(session_id)  # an unknown session is an error even for an empty batch
             return None
         # One pass of reductions serves the argument checks and the common case of the region lookups below
         # (every source in one registered buffer, every destination in one of the peer's): per-call host time
@@ -216,41 +254,53 @@ class Pipeline:
         # [smallest start, largest start + longest length): a span holding all of them, the exact one when the
         # lengths are equal, which is what the one-region lookups below need; the ends themselves are summed only
         # when that span is not inside one region (two passes over the batch fewer in the common case).
-        n = ln.size
         rows = np.empty((3, n), dtype=np.int64)
         rows[0], rows[1], rows[2] = src, dst, ln
         smin, dmin, lmin = rows.min(axis=1).tolist()
         smax, dmax, lmax = rows.max(axis=1).tolist()
-        send, dend = smax + lmax, dmax + lmax
         if lmin < 1:
             i = int(np.argmin(ln))
             if lmin < 0:
                 raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 0")
             # zero-length pieces are done by definition, as in Mooncake: dropped unchecked, the rest goes on
             keep = ln != 0
-            return self._submit(session_id, src[keep], dst[keep], ln[keep], async_)
+            return self.submit(session_id, src[keep], dst[keep], ln[keep], async_)
         for name, arr, lo in (("srcs", src, smin), ("dsts", dst, dmin)):
             if lo < 0:
                 i = int(np.argmin(arr))
                 raise InvalidTransfer(f"{name}[{i}] = {int(arr[i])} is negative")
-        peer = self._peer(session_id)
+        peer = self.peer(session_id)
         writer = peer.loadstore
         if writer is not None and writer.stale():
             self._refresh_regions(peer)  # the peer deregistered something: never write by a stale list
-        # sources: every piece inside one local region
-        lsnap = self._regions.snapshot()
+        lsnap = self.regions.snapshot()
+        idx, send = self._local_regions(lsnap, src, ln, smin, smax, lmin, lmax)
+        rsnap, ridx, dend = self._peer_regions(peer, dst, ln, dmin, dmax, lmin, lmax)
+        devices = lsnap.devices[idx]  # a scalar when one region holds every source
+        return Validated(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx,
+                         lmin * n if lmin == lmax else int(ln.sum()), lmin, lmax, smin, send, dmin, dend,
+                         getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0, t0, now_ns(), async_)
+
+    def _local_regions(self, lsnap, src, ln, smin: int, smax: int, lmin: int, lmax: int) -> tuple:
+        """(region index, or one per piece; the sources' largest end) of a batch whose every source must lie in a
+        region of ``lsnap``, this engine's table. Raises AddressNotRegistered naming the first that does not."""
+        send = smax + lmax
         idx = span_region(lsnap, smin, smax, send, lmax)
         if idx is None and send < 1 << 63:  # no end wraps in int64: src + ln holds every true end
             idx, send = self._locate_ends(lsnap, src, ln, smin, smax, lmin, lmax, send)
         if idx is None:
-            idx, ok = self._regions.locate(src, ln, lsnap)
+            idx, ok = self.regions.locate(src, ln, lsnap)
             if not ok.all():
                 i = first_bad(ok)
-                raise AddressNotRegistered(f"srcs[{i}] = 0x{int(src[i]):x} + lengths[{i}] = {int(ln[i])} is not inside "
-                                      f"a region registered with this engine")
-        devices = lsnap.devices[idx]  # a scalar when one region holds every source
-        # destinations: every piece inside a region the peer advertised (refresh once: it may have registered
-        # more since the handshake)
+                raise AddressNotRegistered(f"srcs[{i}] = 0x{int(src[i]):x} + lengths[{i}] = {int(ln[i])} is not "
+                                           f"inside a region registered with this engine")
+        return idx, send
+
+    def _peer_regions(self, peer: Peer, dst, ln, dmin: int, dmax: int, lmin: int, lmax: int) -> tuple:
+        """(the peer's table, region index or one per piece, the destinations' largest end) of a batch whose
+        every destination must lie in a region the peer advertised (refreshed once: it may have registered
+        more since the handshake). Raises AddressNotRegistered naming the first that does not."""
+        dend = dmax + lmax
         rsnap = peer.regions.snapshot()
         ridx = span_region(rsnap, dmin, dmax, dend, lmax)
         if ridx is None and dend < 1 << 63:
@@ -264,68 +314,54 @@ class Pipeline:
                 if not ok.all():
                     i = first_bad(ok)
                     raise AddressNotRegistered(f"dsts[{i}] = 0x{int(dst[i]):x} + lengths[{i}] = {int(ln[i])} is "
-                                          f"outside every region session {session_id} registered; nothing was "
-                                          f"written")
-        t1 = now_ns()
-        nbytes = lmin * n if lmin == lmax else int(ln.sum())
-        if writer is not None and peer.connected():
-            got = self._write_loadstore(writer, peer, src, dst, ln, devices, ridx, rsnap, nbytes, lmin, lmax, t0, t1,
-                                        async_)
-            if got is not NOT_TAKEN:
-                return got
-        one_region = getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0
-        extremes = (lmin, lmax, smin, send, dmin, dend)
-        if self._inline is not None:
-            got = self._inline.submit(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, one_region, extremes,
-                                      nbytes, t0, t1, async_)
-            if got is not NOT_TAKEN:
-                return got
-        return self._submit_posted(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, one_region, extremes, nbytes,
-                                   t0, t1)
+                                               f"outside every region session {peer.session} registered; nothing "
+                                               f"was written")
+        return rsnap, ridx, dend
 
-    def _write_loadstore(self, writer, peer: _Peer, src, dst, ln, devices, ridx, rsnap, nbytes: int, lmin: int,
-                         lmax: int, t0: int, t1: int, async_: bool):
-        """The load/store route (a same-host peer on a fabric with ``loadstore``): the peer's ``writer`` moves the
-        validated batch from this thread. Returns None (written and counted), a ``_Batch`` holding the copies
-        still running (``async_``), or ``NOT_TAKEN`` (the writer declined: nothing counted)."""
+    def _write_loadstore(self, v: Validated):
+        """The load/store route (a same-host peer on a fabric with ``loadstore``): the peer's writer moves the
+        validated batch from this thread. Returns None (written and counted), a ``Batch`` holding the copies
+        still running (``async_``), or ``NOT_TAKEN`` (not connected, or the writer declined: nothing counted)."""
+        peer = v.peer
+        if not peer.connected():
+            return NOT_TAKEN
         try:
-            pending = writer.write(src, dst, ln, devices, ridx, rsnap, wait=not async_,
-                                   length_stats=(nbytes, lmin, lmax))
+            pending = peer.loadstore.write(v.src, v.dst, v.ln, v.devices, v.ridx, v.rsnap, wait=not v.async_,
+                                           length_stats=(v.nbytes, v.lmin, v.lmax))
         except (TransferError, PeerLost) as e:
             self.counters.add_many((("batches_submitted", 1), ("batches_failed", 1)))
             if isinstance(e, PeerLost):
                 # the same-host peer's process is gone (ESRCH): forget it now, as a dead rail would, so the next
                 # call (whose handshake nobody answers) names it gone too, whichever thread notices the death first
-                self._fail_peer(peer, e)
+                self.failover.fail_peer(peer, e)
                 if not isinstance(e, PeerGone):
                     raise PeerGone(f"peer {peer.session} is gone: {e}", peer, e) from e
             raise
         if pending is None:
             return NOT_TAKEN
-        t2 = now_ns()
-        counts = [("batches_submitted", 1), ("route_loadstore", 1), ("items", int(ln.size)), ("bytes", nbytes),
+        t0, t1, t2, n, nbytes = v.t0, v.t1, now_ns(), int(v.ln.size), v.nbytes
+        counts = [("batches_submitted", 1), ("route_loadstore", 1), ("items", n), ("bytes", nbytes),
                   ("path_loadstore_units", 1), ("path_loadstore_bytes", nbytes),
                   ("time_validate_s", (t1 - t0) / 1e9), ("time_loadstore_s", (t2 - t1) / 1e9)]
-        if not async_:  # already complete: account for it here, nothing to wait for
+        if not v.async_:  # already complete: account for it here, nothing to wait for
             counts.append(("batches_ok", 1))
             self.counters.add_many(counts)
-            self._account_done("batch", t0, t2, int(ln.size), nbytes, True, "loadstore", counted=True)
+            self.accounts.done("batch", t0, t2, n, nbytes, True, "loadstore", counted=True)
             return None
         self.counters.add_many(counts)
-        batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
+        batch = Batch(self.inflight.new_batch_id(), peer, v.src, v.dst, v.ln, nbytes)
         batch.pending = pending
         return batch
 
-    def _submit_posted(self, peer: _Peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx, one_region: bool,
-                       extremes: tuple, nbytes: int, t0: int, t1: int) -> _Batch:
+    def _submit_posted(self, v: Validated) -> Batch:
         """The posted route, which takes any validated batch: plan its units (``transport.planner``), dispatch
         them (direct units posted by this thread, chunks and relayed pieces through the relay rings); returns
-        the ``_Batch`` its completions finish."""
-        lmin, lmax = extremes[0], extremes[1]
-        batch = _Batch(next(self._batch_ids), peer, src, dst, ln, nbytes)
-        if one_region:
-            batch.spans = (lsnap, int(idx), rsnap, int(ridx))
-            batch.extremes = extremes
+        the ``Batch`` its completions finish."""
+        peer, devices, ln = v.peer, v.devices, v.ln
+        batch = Batch(self.inflight.new_batch_id(), peer, v.src, v.dst, ln, v.nbytes)
+        if v.one_region:
+            batch.spans = (v.lsnap, int(v.idx), v.rsnap, int(v.ridx))
+            batch.checked = v
         if getattr(devices, "ndim", 0) == 0:
             device_list = [int(devices)]
             devices = None  # the planner reads one device from device_list
@@ -334,26 +370,26 @@ class Pipeline:
         self._await_sources(device_list)
         rails_of = {}
         for dev in device_list:
-            rails_of[dev] = self._rail_choices(dev, peer)
+            rails_of[dev] = self.directory.rail_choices(dev, peer)
             if not rails_of[dev]:
                 raise all_rails_failed(peer, f"no usable rail to {peer.session} for device {dev}")
         load = {pr.rail: pr.bytes_in_flight for pr in peer.rails}
         dst_devices = None
-        if peer.forward is not None and lmax >= self.coalesce_bytes:
-            dst_devices = rsnap.devices[ridx]
+        if peer.forward is not None and v.lmax >= self.coalesce_bytes:
+            dst_devices = v.rsnap.devices[v.ridx]
             if getattr(dst_devices, "ndim", 0) == 0:
                 dst_devices = np.full(ln.size, int(dst_devices), dtype=np.int64)
         # a peer whose landing slots are smaller than our chunks has its own planner, which cuts them to fit
         planner = peer.planner or self.planner
-        units = _group_direct(planner.plan(src, dst, ln, devices, rails_of, load, device_list, dst_devices,
-                                           peer.forward, (nbytes, lmax, lmin)))
+        units = _group_direct(planner.plan(v.src, v.dst, ln, devices, rails_of, load, device_list, dst_devices,
+                                           peer.forward, (v.nbytes, v.lmax, v.lmin)))
         t2 = now_ns()
         batch.remaining = len(units)
-        self._dispatch(batch, units)
+        self.dispatch(batch, units)
         t3 = now_ns()
         self.counters.add_many((("batches_submitted", 1), ("route_posted", 1), ("items", int(ln.size)),
-                                ("bytes", batch.nbytes), ("time_validate_s", (t1 - t0) / 1e9),
-                                ("time_plan_s", (t2 - t1) / 1e9), ("time_dispatch_s", (t3 - t2) / 1e9)))
+                                ("bytes", batch.nbytes), ("time_validate_s", (v.t1 - v.t0) / 1e9),
+                                ("time_plan_s", (t2 - v.t1) / 1e9), ("time_dispatch_s", (t3 - t2) / 1e9)))
         return batch
 
     @staticmethod
@@ -384,15 +420,15 @@ class Pipeline:
             for dev in gpus:
                 torch.cuda.current_stream(dev).synchronize()
 
-    def _dispatch(self, batch: _Batch, units: List[Unit], from_engine: bool = False) -> None:
+    def dispatch(self, batch: Batch, units: List[Unit], from_engine: bool = False) -> None:
         """Create attempts for units and hand them to rings (chunks, relayed pieces) or post them (direct)."""
-        direct: Dict[int, List[_Attempt]] = {}
-        to_copy: Dict[Tuple[int, int], List[_Attempt]] = {}
-        with self._lock:
+        direct: Dict[int, List[Attempt]] = {}
+        to_copy: Dict[Tuple[int, int], List[Attempt]] = {}
+        with self.inflight.lock:
             attempts = []
             for u in units:
                 pr = batch.peer.rails[u.rail]
-                a = _Attempt(self, u, batch, pr)
+                a = Attempt(self.completions, u, batch, pr)
                 if u.kind == COALESCED:
                     with pr.cv:
                         pr.chunk_demand += 1
@@ -424,59 +460,35 @@ class Pipeline:
             try:
                 self._direct_requests(atts, batch.peer, rail)
             except InvalidTransfer as e:  # a region was deregistered while the batch was being planned
-                self._fail_batch(batch, e)
+                self.accounts.fail(batch, e)
                 for a in atts:
-                    self._drop(a)
+                    self.inflight.drop(a)
                 continue
             if from_engine:
                 self._post_later(atts)  # redispatch from a poller: it keeps polling
             else:
                 self._post(atts)  # the caller posts zero-copy writes itself: no thread hand-off
 
-    def _ensure_peers(self, relay: int, atts: List[_Attempt]) -> None:
+    def _ensure_peers(self, relay: int, atts: List[Attempt]) -> None:
         sources = {a.unit.device for a in atts if a.unit.device >= 0 and a.unit.device != relay}
         if sources:
             from pxn_kernels.peer_access import ensure_peer_access
             ensure_peer_access(relay, sources)
 
-    def _keys(self, a: _Attempt, src: int, dst: int, n: int) -> Tuple[int, int]:
-        rail = a.prail.rail
-        r = self._regions.find(src, n)
-        if r is None:
-            raise AddressNotRegistered(f"source 0x{src:x}+{n} was deregistered during the transfer")
-        remote = a.batch.peer.regions.find(dst, n)
-        if remote is None:
-            raise AddressNotRegistered(f"destination 0x{dst:x}+{n} is no longer advertised by {a.batch.peer.session}")
-        return r.keys[rail].lkey, remote.keys[rail]
-
-    def _direct_requests(self, atts: List[_Attempt], peer: _Peer, rail: int) -> None:
+    def _direct_requests(self, atts: List[Attempt], peer: Peer, rail: int) -> None:
         """Write requests of direct attempts on one rail, their keys looked up for all at once (scalar lookups cost
         more host time than the post itself): one ``WriteBatch`` per attempt on fabrics with ``write_batches``,
         else one ``WriteRequest`` per piece, of which, with selective signaling, only each attempt's last
         completes on success."""
-        parts = [a.unit.arrays() for a in atts]
-        lsnap, rsnap = self._regions.snapshot(), peer.regions.snapshot()
+        parts = [a.unit.runs if a.unit.runs is not None else a.unit.arrays() for a in atts]  # runs: no call
+        lsnap, rsnap = self.regions.snapshot(), peer.regions.snapshot()
         batch = atts[0].batch
-        local, remote = batch.local_region(lsnap), batch.peer_region(rsnap)
-        if self._batches and local is not None and remote is not None and all(a.batch is batch for a in atts):
+        spans = batch.spans  # ``Batch.local_region`` / ``peer_region``, written out: this runs once per post
+        if self._batches and spans is not None and spans[0] is lsnap and spans[2] is rsnap \
+                and all(a.batch is batch for a in atts):
             # one region on each side holds the whole batch: one key each, no lookup per piece
-            lkey, rkey = local.keys[rail].lkey, remote.keys[rail]
-            for a, p in zip(atts, parts):
-                m = p[2].size
-                if batch.extremes is None:
-                    nbytes = bounds = None
-                elif p[2] is batch.lengths and p[0] is batch.srcs and p[1] is batch.dsts:
-                    # the unit is the whole batch, whose arrays the validation reduced: the fabric checks those
-                    # extremes instead of reducing the same arrays again
-                    nbytes, bounds = batch.nbytes, WriteBounds(*batch.extremes, rkey, lkey)
-                else:
-                    # a part of the batch (a run of its pieces on one rail, or parts of pieces): its lengths'
-                    # extremes are its own, and every write lies inside a piece of the batch, so the batch's
-                    # address spans hold its writes; the fabric's checks against these spans cover each write
-                    nbytes = a.unit.nbytes
-                    bounds = WriteBounds(int(p[2].min()), int(p[2].max()), *batch.extremes[2:], rkey, lkey)
-                a.reqs = [WriteBatch(p[0], p[2], p[1], np.full(m, rkey, dtype=np.int64),
-                                     np.full(m, lkey, dtype=np.int64), nbytes=nbytes, bounds=bounds)]
+            _one_region_requests(atts, parts, batch, lsnap.regions[spans[1]].keys[rail].lkey,
+                                 rsnap.regions[spans[3]].keys[rail])
             return
         if len(parts) == 1:
             src, dst, n = parts[0]
@@ -486,7 +498,7 @@ class Pipeline:
         li, ri = locate_inside(lsnap, src, src + n), locate_inside(rsnap, dst, dst + n)
         if li is None or ri is None:  # a region went away since validation: name it
             for a in atts:
-                a.reqs = [WriteRequest(s_, n_, d_, *reversed(self._keys(a, s_, d_, n_)))
+                a.reqs = [WriteRequest(s_, n_, d_, *reversed(write_keys(self.regions, a, s_, d_, n_)))
                           for s_, d_, n_ in a.unit.segments()]
             return
         if self._batches:
@@ -501,6 +513,12 @@ class Pipeline:
                 a.reqs = [WriteBatch(src[sl], n[sl], dst[sl], rkeys[ri[sl]], lkeys[li[sl]])]
                 k += m
             return
+        self._piece_requests(atts, src, dst, n, li, ri, lsnap, rsnap, rail)
+
+    def _piece_requests(self, atts: List[Attempt], src, dst, n, li, ri, lsnap, rsnap, rail: int) -> None:
+        """``_direct_requests`` on fabrics without ``write_batches``: one ``WriteRequest`` per piece (``li``, ``ri``:
+        each piece's region on each side), of which, with selective signaling, only each attempt's last completes
+        on success."""
         segs = list(zip(src.tolist(), dst.tolist(), n.tolist()))
         lkeys = [r.keys[rail].lkey for r in lsnap.regions]
         rkeys = [r.keys[rail] for r in rsnap.regions]
@@ -514,149 +532,107 @@ class Pipeline:
             a.reqs[-1].signaled = True
             k += m
 
-    # --- submit --------------------------------------------------------------------------------------------
-    def _post(self, attempts: List[_Attempt], after=None) -> None:
+    # --- posts ---------------------------------------------------------------------------------------------
+    def _post(self, attempts: List[Attempt], after=None) -> None:
         """Post attempts (one doorbell per rail endpoint). Runs in a ring's copy thread, the progress loop
         (``_post_later``) or the caller.
         ``after``: CUDA events the writes must follow (a round of relay fills), for fabrics with
         ``event_ordered_writes``; their slots go back to the ring as soon as the writes are queued, to be
         refilled after the writes' own event."""
-        groups: Dict[int, List[_Attempt]] = {}
+        groups: Dict[int, List[Attempt]] = {}
         for a in attempts:
             groups.setdefault(id(a.prail), []).append(a)
         for atts in groups.values():
-            pr = atts[0].prail
-            live = []
-            with self._lock:
-                for a in atts:
-                    if a.cancelled or a.batch.failed:
-                        self._drop(a)
-                        continue
-                    for r in a.reqs:
-                        r.wr_id = next(self._wr_ids)
-                        self._inflight[r.wr_id] = a
-                    # completions to wait for: every write, or only the signaled ones where the fabric is silent
-                    # about the others' success (an error on any of them still completes)
-                    a.pending = sum(1 for r in a.reqs if r.signaled) if self._selective else len(a.reqs)
-                    a.posted = True
-                    live.append(a)
-            if not live:
-                continue
-            for a in live:
-                if a.slot is not None:
-                    a.slot.enter(POSTED)
-            t0 = now_ns()
-            try:
-                if not pr.ep.alive:
-                    raise PeerLost(f"rail {pr.rail} endpoint to {pr.remote_id} is dead")
-                reqs = [r for a in live for r in a.reqs]
-                if after is None:
-                    self.fabrics[pr.rail].post_writes(pr.ep, reqs)
-                    reusable = None
-                else:
-                    reusable = self.fabrics[pr.rail].post_writes_after(pr.ep, reqs, after)
-            except (FabricError, OSError, ValueError) as e:
-                with self._lock:
-                    for a in live:
-                        self._unpost(a)
-                if isinstance(e, (FabricError, OSError)) and not isinstance(e, RegionError):
-                    self._rail_failed(pr, e)  # the rail is gone: its work fails over
+            live = self._in_flight(atts)
+            if live:
+                self._post_rail(atts[0].prail, live, after)
+
+    def _in_flight(self, atts: List[Attempt]) -> List[Attempt]:
+        """The attempts of ``atts`` still wanted, their writes now in flight (the others dropped)."""
+        live = []
+        inflight = self.inflight
+        with inflight.lock:
+            for a in atts:
+                if a.cancelled or a.batch.error is not None:
+                    inflight.drop(a)
                     continue
-                for a in live:
-                    # the peer refused a region, or a local check failed (a bug or a racing deregister)
-                    self._fail_batch(a.batch, RemoteRejected(f"post refused: {e}", [e]) if isinstance(e, RegionError)
-                                     else InvalidTransfer(f"post refused locally: {e}", [e]))
-                    self._drop(a)
-                continue
-            if reusable is not None:
-                for a in live:
-                    with self._lock:
-                        slot, a.slot = a.slot, None  # unless a completion already released it
-                    if slot is not None:
-                        slot.ring.release(slot, after=reusable)
-            t1 = now_ns()
-            nbytes = writes = 0  # one loop, not two generator sums: this runs once per post
+                inflight.post_locked(a)
+                live.append(a)
+        for a in live:
+            if a.slot is not None:
+                a.slot.enter(POSTED)
+        return live
+
+    def _post_rail(self, pr, live: List[Attempt], after) -> None:
+        """Post the writes of ``live`` (attempts in flight on rail endpoint ``pr``) with one doorbell, and count
+        the post; a failed post fails the rail over, or the batches when the peer or a local check refused it."""
+        t0 = now_ns()
+        try:
+            if not pr.ep.alive:
+                raise PeerLost(f"rail {pr.rail} endpoint to {pr.remote_id} is dead")
+            reqs = [r for a in live for r in a.reqs]
+            if after is None:
+                self.fabrics[pr.rail].post_writes(pr.ep, reqs)
+                reusable = None
+            else:
+                reusable = self.fabrics[pr.rail].post_writes_after(pr.ep, reqs, after)
+        except (FabricError, OSError, ValueError) as e:
+            self._post_failed(pr, live, e)
+            return
+        if reusable is not None:
             for a in live:
-                for r in a.reqs:
-                    if isinstance(r, WriteBatch):
-                        nbytes += r.nbytes
-                        writes += r.count
-                    else:
-                        nbytes += r.length
-                        writes += 1
-            self._rail_stats[pr.rail].add_many((("post_calls", 1), ("writes_posted", writes),
-                                                ("bytes_posted", nbytes), ("time_post_s", (t1 - t0) / 1e9)))
-            if self.trace is not None:
-                self.trace.complete("post", "fabric", f"post/rail{pr.rail}", t0, t1,
-                                    {"writes": len(live), "bytes": nbytes})
+                with self.inflight.lock:
+                    slot, a.slot = a.slot, None  # unless a completion already released it
+                if slot is not None:
+                    slot.ring.release(slot, after=reusable)
+        t1 = now_ns()
+        nbytes = writes = 0  # one loop, not two generator sums: this runs once per post
+        for a in live:
+            for r in a.reqs:
+                if isinstance(r, WriteBatch):
+                    nbytes += r.nbytes
+                    writes += r.count
+                else:
+                    nbytes += r.length
+                    writes += 1
+        self.rail_stats[pr.rail].add_many((("post_calls", 1), ("writes_posted", writes),
+                                           ("bytes_posted", nbytes), ("time_post_s", (t1 - t0) / 1e9)))
+        if self.trace is not None:
+            self.trace.complete("post", "fabric", f"post/rail{pr.rail}", t0, t1, {"writes": len(live), "bytes": nbytes})
 
-    def _unpost(self, a: _Attempt) -> None:
-        """Called with the lock held when a post failed: the attempt's writes are not in flight."""
-        for r in a.reqs:
-            self._inflight.pop(r.wr_id, None)
-        a.posted = False
-        a.pending = 0
+    def _post_failed(self, pr, live: List[Attempt], e: BaseException) -> None:
+        """A post of ``live`` on ``pr`` raised ``e``: their writes are not in flight; a dead rail fails over, a
+        refused post fails the batches."""
+        inflight = self.inflight
+        with inflight.lock:
+            for a in live:
+                inflight.unpost_locked(a)
+        if isinstance(e, (FabricError, OSError)) and not isinstance(e, RegionError):
+            self.failover.rail_failed(pr, e)  # the rail is gone: its work fails over
+            return
+        for a in live:
+            # the peer refused a region, or a local check failed (a bug or a racing deregister)
+            self.accounts.fail(a.batch, RemoteRejected(f"post refused: {e}", [e]) if isinstance(e, RegionError)
+                               else InvalidTransfer(f"post refused locally: {e}", [e]))
+            inflight.drop(a)
 
-    def _retire_locked(self, a: _Attempt):
-        """With ``self._lock`` held: take the attempt out of flight (once) and hand back (slot, landing) for the
-        caller to release outside the lock. Returns whether this call retired it."""
-        first = not a.finished
-        if first:
-            a.finished = True
-            a.prail.inflight.discard(a)
-            a.prail.bytes_in_flight -= a.unit.wire_bytes or a.unit.nbytes
-            if self._selective and (len(a.reqs) > 1 or (a.reqs and not a.reqs[0].signaled)):
-                for r in a.reqs:  # silent writes never complete: forget their ids here
-                    self._inflight.pop(r.wr_id, None)
-        slot, a.slot = a.slot, None
-        landing, a.landing = a.landing, None
-        if a.demand:
-            a.demand = False
-            pr = a.prail
-            with pr.cv:
-                pr.chunk_demand -= 1
-        return first, slot, landing
-
-    def _release(self, a: _Attempt, slot, landing) -> None:
-        if slot is not None:
-            slot.ring.release(slot)
-        if landing is not None:
-            self.fills.release_landing(a.prail, landing, a)
-
-    def _drop(self, a: _Attempt) -> None:
-        """Give back an attempt's resources when it will not be (or is no longer) in flight. Idempotent."""
-        with self._lock:
-            _, slot, landing = self._retire_locked(a)
-        self._release(a, slot, landing)
-
-    def _post_later(self, attempts: List[_Attempt]) -> None:
+    def _post_later(self, attempts: List[Attempt]) -> None:
         """Post re-dispatched attempts from the progress loop, after the task that re-dispatched them, so that a
         poller that found the failure keeps polling."""
         self._progress.submit(self._post_if_open, attempts)
 
-    def _post_if_open(self, attempts: List[_Attempt]) -> None:
+    def _post_if_open(self, attempts: List[Attempt]) -> None:
         # _post handles its own failures; the progress loop logs anything else
-        if not self._closed:
+        if not self.inflight.closed:
             self._post(attempts)
 
-    def _wait(self, b: _Batch, timeout: Optional[float]) -> None:
-        t0 = now_ns()
+    # --- waiting -------------------------------------------------------------------------------------------
+    def wait(self, b: Batch, timeout: Optional[float]) -> None:
+        """Wait for batch ``b`` (``timeout`` seconds, None: without limit). Raises its error, or TransferTimeout."""
         if b.pending is not None:
-            if not b.event.is_set():
-                try:
-                    b.pending.wait()
-                except RuntimeError as e:  # a CUDA error reported at the synchronise
-                    b.error = TransferError(f"batch {b.id}: {b.path} copy failed: {e}", [e])
-                t = now_ns()
-                with b.lock:
-                    first = not b.event.is_set()
-                    b.event.set()
-                if first:
-                    self.counters.add("time_wait_s", (t - t0) / 1e9)
-                    self._account_done(f"batch {b.id}", b.t0, t, b.n_items, b.nbytes, b.error is None, b.path)
-            if b.error is not None:
-                raise b.error
+            self._wait_pending(b)
             return
+        t0 = now_ns()
         reader = b.reader
         if reader is not None:  # a small batch whose ack this thread reads itself (``transport.smallbatch``)
             b.reader = None
@@ -665,13 +641,54 @@ class Pipeline:
             if timeout is not None:
                 timeout = max(0.0, timeout - (time.monotonic() - start))
         if not b.event.wait(timeout):
-            self._fail_batch(b, TransferTimeout(f"batch {b.id} ({b.n_items} pieces, {b.nbytes} B) to "
-                                                f"{b.peer.session} did not finish within {timeout} s"))
+            self.accounts.fail(b, TransferTimeout(f"batch {b.id} ({b.n_items} pieces, {b.nbytes} B) to "
+                                                  f"{b.peer.session} did not finish within {timeout} s"))
         self.counters.add("time_wait_s", (now_ns() - t0) / 1e9)
         if b.error is not None:
             # cancel what is still queued so the rings do not work for a dead batch
             raise b.error
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise FabricClosed(f"engine {getattr(self, 'session_id', '?')} is closed")
+    def _wait_pending(self, b: Batch) -> None:
+        """``wait`` for a batch of the load/store or inline route whose device work is still running."""
+        t0 = now_ns()
+        if not b.event.is_set():
+            try:
+                b.pending.wait()
+            except RuntimeError as e:  # a CUDA error reported at the synchronise
+                b.error = TransferError(f"batch {b.id}: {b.path} copy failed: {e}", [e])
+            t = now_ns()
+            with b.lock:
+                first = not b.event.is_set()
+                b.event.set()
+            if first:
+                self.counters.add("time_wait_s", (t - t0) / 1e9)
+                self.accounts.done(f"batch {b.id}", b.t0, t, b.n_items, b.nbytes, b.error is None, b.path)
+        if b.error is not None:
+            raise b.error
+
+    def check_open(self) -> None:
+        """Raises FabricClosed once the engine is closed."""
+        if self.inflight.closed:
+            raise FabricClosed(f"engine {self.session_id} is closed")
+
+
+def _one_region_requests(atts: List[Attempt], parts: list, batch: Batch, lkey: int, rkey: int) -> None:
+    """One ``WriteBatch`` per direct attempt of a batch that one region on each side holds (keys ``lkey`` and
+    ``rkey`` for every write), carrying the validation's extremes (``WriteBounds``) when it has them."""
+    v = batch.checked
+    for a, p in zip(atts, parts):
+        m = p[2].size
+        if v is None:
+            nbytes = bounds = None
+        elif p[2] is batch.lengths and p[0] is batch.srcs and p[1] is batch.dsts:
+            # the unit is the whole batch, whose arrays the validation reduced: the fabric checks those
+            # extremes instead of reducing the same arrays again
+            nbytes, bounds = batch.nbytes, WriteBounds(v.lmin, v.lmax, v.smin, v.send, v.dmin, v.dend, rkey, lkey)
+        else:
+            # a part of the batch (a run of its pieces on one rail, or parts of pieces): its lengths'
+            # extremes are its own, and every write lies inside a piece of the batch, so the batch's
+            # address spans hold its writes; the fabric's checks against these spans cover each write
+            nbytes = a.unit.nbytes
+            bounds = WriteBounds(int(p[2].min()), int(p[2].max()), v.smin, v.send, v.dmin, v.dend, rkey, lkey)
+        a.reqs = [WriteBatch(p[0], p[2], p[1], np.full(m, rkey, dtype=np.int64),
+                             np.full(m, lkey, dtype=np.int64), nbytes=nbytes, bounds=bounds)]

@@ -105,20 +105,22 @@ def chunk_wire_bytes(lengths: np.ndarray) -> int:
 
 
 class Planner:
-    """Plans batches for one engine. Arguments (all bytes):
+    """Plans batches for one engine, with the settings of its ``EngineConfig`` ``cfg`` (all bytes):
 
     coalesce_bytes: pieces strictly below this are coalesced into chunks.
-    chunk_bytes: largest chunk (= relay slot size = landing slot size).
+    chunk_bytes: largest chunk (= landing slot size): ``cfg.relay_slot_bytes`` unless given (a peer whose landing
+        slots are smaller).
     stripe_bytes: direct pieces above this are cut into pieces of this size to spread over rails.
-    relay_bytes: size of one relayed piece (= relay slot size).
+    relay_slot_bytes: size of one relayed piece (= relay slot size).
     relay: "auto" (relay only where the rail is not local), "always" (every large piece through a slot; the
         benchmark's 'relayed' column), "never" (every large piece direct).
     direct_pieces: a device's small pieces go direct, not into chunks, when they are host memory, at most this
         many, and every rail of the device is local (0: small pieces are always coalesced).
     """
 
-    def __init__(self, coalesce_bytes: int, chunk_bytes: int, stripe_bytes: int, relay_bytes: int,
-                 relay: str = "auto", direct_pieces: int = 0):
+    def __init__(self, cfg, chunk_bytes: Optional[int] = None):
+        coalesce_bytes, relay, direct_pieces = cfg.coalesce_bytes, cfg.relay, cfg.direct_pieces
+        chunk_bytes = cfg.relay_slot_bytes if chunk_bytes is None else chunk_bytes
         if relay not in ("auto", "always", "never"):
             raise ValueError(f"relay must be 'auto', 'always' or 'never', got {relay!r}")
         if coalesce_bytes < 0:
@@ -131,8 +133,8 @@ class Planner:
                              f"{coalesce_bytes} B; need >= {min_chunk}")
         self.coalesce_bytes = int(coalesce_bytes)
         self.chunk_bytes = int(chunk_bytes)
-        self.stripe_bytes = int(stripe_bytes)
-        self.relay_bytes = int(relay_bytes)
+        self.stripe_bytes = int(cfg.stripe_bytes)
+        self.relay_bytes = int(cfg.relay_slot_bytes)
         self.relay = relay
         self.direct_pieces = direct_pieces
         self._rotate = 0
@@ -180,60 +182,71 @@ class Planner:
             choices = choices[r:] + choices[:r]
             on_dev = devices == dev if len(device_list) > 1 else True  # one device: every piece is on it
             idx_small = np.nonzero(on_dev & small)[0] if small is not None else ()
-            direct_small = (0 < len(idx_small) <= self.direct_pieces and dev < 0 and forward is None
-                            and self.relay != "always" and all(c.local for c in choices))
-            if len(idx_small) and not direct_small:
-                lens_small = lengths[idx_small]
-                start = 0
-                for end in chunk_splits(lens_small, self.chunk_bytes):
-                    sel = idx_small[start:end]
-                    nbytes = int(lens_small[start:end].sum())
-                    wire = chunk_wire_bytes(lens_small[start:end])
-                    c = self._least_loaded(choices, load)
-                    load[c.rail] = load.get(c.rail, 0) + wire
-                    units.append(Unit(COALESCED, dev, c.rail, c.relay_device, nbytes, items=sel, wire_bytes=wire))
-                    start = end
-            open_relay: Dict[int, Unit] = {}
-            open_fwd: Dict[int, Unit] = {}
-            if small is not None and not direct_small:
+            if len(idx_small) and not (len(idx_small) <= self.direct_pieces and dev < 0 and forward is None
+                                       and self.relay != "always" and all(c.local for c in choices)):
+                self._plan_coalesced(units, dev, lengths, idx_small, choices, load)
                 idx_large = np.nonzero(on_dev & ~small)[0]
             else:  # nothing coalesced, or the small pieces go with the large ones: every piece of the device
                 idx_large = np.arange(lengths.size) if on_dev is True else np.nonzero(on_dev)[0]
-            if idx_large.size > 1 and forward is None and (
-                    self.relay == "never" or (self.relay == "auto" and all(c.local for c in choices))):
-                # every large piece goes direct: runs of whole pieces per rail, balanced by bytes, in a few numpy
-                # calls (a Python step per piece is a large share of a call of many pieces); pieces to stripe go
-                # below
-                every = idx_large.size == lengths.size
-                if every and length_stats is not None and length_stats[1] <= self.stripe_bytes:
-                    # no piece to stripe, by the caller's largest length: one comparison instead of an array's
-                    self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large, choices, load, length_stats[0])
-                    idx_large = idx_large[:0]
-                    continue
-                whole = (lengths if every else lengths[idx_large]) <= self.stripe_bytes
-                if whole.all():
-                    self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large, choices, load)
-                    idx_large = idx_large[:0]
-                else:
-                    self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large[whole], choices, load)
-                    idx_large = idx_large[~whole]
-            if idx_large.size > 1 and forward is None and (
-                    self.relay == "always" or (self.relay == "auto" and not any(c.local for c in choices))):
-                # every rail relays: slot-sized runs of whole pieces in a few numpy calls
-                fit = lengths[idx_large] <= self.relay_bytes
-                self._plan_relayed_runs(units, dev, srcs, dsts, lengths, idx_large[fit], choices, load)
-                idx_large = idx_large[~fit]
-            for i in idx_large.tolist():
-                src, dst, length = int(srcs[i]), int(dsts[i]), int(lengths[i])
-                if forward is not None and dst_devices is not None:
-                    c = self._least_loaded(choices, load)
-                    land = forward.get(c.rail)
-                    dd = int(dst_devices[i])
-                    if land is not None and dd >= 0 and dd != land:
-                        self._plan_forwarded(units, dev, src, dst, length, c, load, open_fwd)
-                        continue
-                self._plan_large(units, dev, src, dst, length, choices, load, open_relay)
+            if idx_large.size > 1 and forward is None:
+                idx_large = self._plan_runs(units, dev, srcs, dsts, lengths, idx_large, choices, load, length_stats)
+            if idx_large.size:
+                self._plan_pieces(units, dev, srcs, dsts, lengths, idx_large, choices, load, dst_devices, forward)
         return units
+
+    def _plan_coalesced(self, units, dev, lengths, idx_small, choices, load) -> None:
+        """COALESCED units of the small pieces ``idx_small``: in order, as many as fit one chunk, each chunk to the
+        least loaded rail."""
+        lens_small = lengths[idx_small]
+        start = 0
+        for end in chunk_splits(lens_small, self.chunk_bytes):
+            sel = idx_small[start:end]
+            nbytes = int(lens_small[start:end].sum())
+            wire = chunk_wire_bytes(lens_small[start:end])
+            c = self._least_loaded(choices, load)
+            load[c.rail] = load.get(c.rail, 0) + wire
+            units.append(Unit(COALESCED, dev, c.rail, c.relay_device, nbytes, items=sel, wire_bytes=wire))
+            start = end
+
+    def _plan_runs(self, units, dev, srcs, dsts, lengths, idx_large, choices, load, length_stats) -> np.ndarray:
+        """Where every rail of the device takes the large pieces ``idx_large`` the same way (all direct, or all
+        relayed), runs of whole pieces in a few numpy calls (a Python step per piece is a large share of a call of
+        many pieces). Returns the pieces left for ``_plan_pieces``: those to stripe, or to cut into slots."""
+        if self.relay == "never" or (self.relay == "auto" and all(c.local for c in choices)):
+            # every large piece goes direct: runs per rail, balanced by bytes; pieces to stripe are left
+            every = idx_large.size == lengths.size
+            if every and length_stats is not None and length_stats[1] <= self.stripe_bytes:
+                # no piece to stripe, by the caller's largest length: one comparison instead of an array's
+                self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large, choices, load, length_stats[0])
+                return idx_large[:0]
+            whole = (lengths if every else lengths[idx_large]) <= self.stripe_bytes
+            if whole.all():
+                self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large, choices, load)
+                return idx_large[:0]
+            self._plan_direct_runs(units, dev, srcs, dsts, lengths, idx_large[whole], choices, load)
+            return idx_large[~whole]
+        if self.relay == "always" or (self.relay == "auto" and not any(c.local for c in choices)):
+            # every rail relays: slot-sized runs of whole pieces
+            fit = lengths[idx_large] <= self.relay_bytes
+            self._plan_relayed_runs(units, dev, srcs, dsts, lengths, idx_large[fit], choices, load)
+            return idx_large[~fit]
+        return idx_large
+
+    def _plan_pieces(self, units, dev, srcs, dsts, lengths, idx_large, choices, load, dst_devices, forward) -> None:
+        """The large pieces ``idx_large`` one at a time: forwarded by the peer (receive-side PXN) where the rail
+        lands next to another GPU than the piece's destination, else direct or relayed, striped."""
+        open_relay: Dict[int, Unit] = {}
+        open_fwd: Dict[int, Unit] = {}
+        for i in idx_large.tolist():
+            src, dst, length = int(srcs[i]), int(dsts[i]), int(lengths[i])
+            if forward is not None and dst_devices is not None:
+                c = self._least_loaded(choices, load)
+                land = forward.get(c.rail)
+                dd = int(dst_devices[i])
+                if land is not None and dd >= 0 and dd != land:
+                    self._plan_forwarded(units, dev, src, dst, length, c, load, open_fwd)
+                    continue
+            self._plan_large(units, dev, src, dst, length, choices, load, open_relay)
 
     def whole_batch_rail(self, device: int, choices: Sequence[RailChoice], load: Dict[int, int], count: int,
                          nbytes: int, lmin: int, lmax: int, forward: Optional[Dict[int, int]] = None
@@ -277,6 +290,12 @@ class Planner:
         return (bool(choices) and count > 1 and forward is None and lmax <= self.stripe_bytes
                 and not (self.coalesce_bytes and lmin < self.coalesce_bytes)
                 and (self.relay == "never" or (self.relay == "auto" and all(c.local for c in choices))))
+
+    @property
+    def turn(self) -> int:
+        """The tie rotation's current turn (``plan`` starts its rail choices at this index modulo their count):
+        a caller picking a rail alone breaks ties the same way without moving it."""
+        return self._rotate
 
     def rewind(self) -> None:
         """Take back the last call's tie rotation: a caller that asked ``whole_batch_rail`` but did not use the

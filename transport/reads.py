@@ -87,11 +87,15 @@ class Reads:
     it; it serves the ops ``CONTROL_OPS`` on the engine's control plane (``ControlPlane.ops``).
 
     Arguments: engine: the owning ``TransferEngine`` (a read is served by its ``batch_write``); control: its
-    ``ControlPlane`` (connections to peers, the connection a request came in on)."""
+    ``ControlPlane`` (connections to peers, the connection a request came in on); regions: its ``RegionTable``
+    (the local side of a read, the sources of one served); check_open: raises ``FabricClosed`` once the engine
+    closed."""
 
-    def __init__(self, engine, control):
+    def __init__(self, engine, control, regions, check_open):
         self.engine = engine
         self.control = control
+        self.regions = regions
+        self.check_open = check_open
         self.lock = threading.Lock()
         self.idle: Dict[str, List[socket.socket]] = {}
         self.executor: Optional[ThreadPoolExecutor] = None
@@ -182,7 +186,7 @@ class ReadHandle:
 
 def _validate(engine, session_id, local_dsts, remote_srcs, lengths):
     """Argument and local-destination checks (all-or-nothing). Returns (dst, src, ln) int64 arrays."""
-    engine._check_open()
+    engine.reads.check_open()
     dst, src, ln = as_arrays(("local_dsts", local_dsts), ("remote_srcs", remote_srcs), ("lengths", lengths))
     if not isinstance(session_id, str) or session_id.count(":") < 1:
         raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
@@ -207,7 +211,7 @@ def _check_inside(engine, name: str, addrs: np.ndarray, ln: np.ndarray, outside:
         if int(arr.min()) < 0:
             i = int(np.argmin(arr))
             raise InvalidTransfer(f"{label}[{i}] = {int(arr[i])} is negative")
-    _, ok = engine._regions.locate(addrs, ln)
+    _, ok = engine.reads.regions.locate(addrs, ln)
     if not ok.all():
         i = first_bad(ok)
         raise AddressNotRegistered(f"{name}[{i}] = 0x{int(addrs[i]):x} + lengths[{i}] = {int(ln[i])} {outside}")
@@ -217,7 +221,7 @@ def _request(engine, session_id: str, msg: dict, timeout: float) -> dict:
     """One request / reply on a pooled control connection to ``session_id``; a dead pooled connection is
     replaced once. Raises UnknownSession when nobody answers, TransferTimeout, PeerGone (the connection broke, or
     nobody answers where a peer was connected)."""
-    st = engine._reads
+    st = engine.reads
     for attempt in (0, 1):
         sock, pooled = st.take(session_id)
         try:
@@ -281,13 +285,13 @@ def batch_read_async(engine, session_id: str, local_dsts: Sequence[int], remote_
     if ln.size == 0:
         _request(engine, session_id, {"op": "regions"}, limit)
         return ReadHandle(None, limit, 0)
-    return ReadHandle(engine._reads.submit(_run, engine, session_id, dst, src, ln, limit), limit, int(ln.sum()))
+    return ReadHandle(engine.reads.submit(_run, engine, session_id, dst, src, ln, limit), limit, int(ln.sum()))
 
 
 def send_notify(engine, session_id: str, name: str, msg: str, timeout: float = 10.0) -> None:
     """Append (``name``, ``msg``) to the notify queue of the engine at ``session_id`` (Mooncake's
     ``TransferNotify``); returns once the peer queued it. Raises UnknownSession / PeerLost / TransferError."""
-    engine._check_open()
+    engine.reads.check_open()
     if not isinstance(session_id, str) or session_id.count(":") < 1:
         raise UnknownSession(f"session id must be 'host:port', got {session_id!r}")
     rep = _request(engine, session_id, {"op": "notify", "name": str(name), "msg": str(msg)}, timeout)
@@ -298,7 +302,7 @@ def send_notify(engine, session_id: str, name: str, msg: str, timeout: float = 1
 def take_notifies(engine) -> List[Tuple[str, str]]:
     """The (name, msg) pairs peers sent to this engine since the last call, oldest first; where there are any,
     after ``engine.flush_gpu_writes()``, so that GPU memory the peer wrote is visible to what reads it next."""
-    st = engine._reads
+    st = engine.reads
     with st.lock:
         out, st.notifies = st.notifies, []
         st.notify_bytes = 0
@@ -322,7 +326,7 @@ def serve_op(engine, req: dict) -> dict:
     op = req.get("op")
     try:
         if op == "notify":
-            st = engine._reads
+            st = engine.reads
             with st.lock:
                 item = (str(req.get("name", "")), str(req.get("msg", "")))
                 st.notifies.append(item)
@@ -368,7 +372,7 @@ def _check_asker(engine, session: str, timeout: Optional[float]) -> None:
     connection (its ``Session.binding``, which only the two ends of the connection know). Once it said yes, the
     connection's later reads naming the same session need no question. Raises ``RemoteRejected`` (nothing
     written, nothing connected beyond that question) when it says no or cannot be asked."""
-    conn = engine._reads.control.current()
+    conn = engine.reads.control.current()
     if conn is None:
         raise RemoteRejected("read request outside a control connection")
     if conn["owner"] == session:

@@ -94,6 +94,7 @@ MAX_LANDING_SLOT = 64 << 20
 LANDING_BYTES = 32 << 20  # default landing pool per rail (docs/README-engine.md, "Landing pool")
 BIG_PIECE = 256 << 10  # landed pieces of at least this many bytes are placed by the copy engine, not the kernel
 SWEEP_S = 1.0  # how often the progress thread looks for departed senders
+_BY_TABLE = object()  # ``_placed_rows`` cannot place the chunk from its rows: its parsed table decides
 # A new sender whose rail id (host:port) is still held by the live-looking endpoint of a sender that just closed
 # (the OS gave the port again before this side read the old connection's end) waits this long for that endpoint
 # to die before its claim is refused: a closed peer's sockets reach end-of-file within milliseconds, a live
@@ -218,6 +219,48 @@ class Receiver:
         devices = list(device) if isinstance(device, (list, tuple)) else [device] * len(self.fabrics)
         if len(devices) != len(self.fabrics):
             raise ValueError(f"{len(devices)} landing devices for {len(self.fabrics)} rails")
+        st, credit_slots = self._sender_of(hello, devices)
+        n = len(self.fabrics)
+        old = None
+        grants: List[List[List[int]]] = []
+        self._wait_for_departing_holders(st)
+        try:
+            with self._lock:
+                # a second claim of a rail id held by another live sender is refused; the holder is not touched
+                self._check_claims_locked(st)
+                if st.engine_id not in self._senders and len(self._senders) >= self.max_senders:
+                    self.counters.add("senders_refused_max")
+                    raise ValueError(f"this receiver holds landing slots for max_senders={self.max_senders} "
+                                     f"senders (PXN_MAX_SENDERS raises it); refused sender {st.session}")
+                pools = [self._pool_locked(rail, devices[rail]) for rail in range(n)]
+                st.pools = pools
+                st.slots = min(self.landing_slots, credit_slots, min(p.nslots for p in pools))
+                st.lent = [{} for _ in range(n)]
+                st.want = [0] * n
+                st.queued = [False] * n
+                st.returning = [set() for _ in range(n)]
+                st.leased = [{} for _ in range(n)]
+                old = self._retire_locked(st.engine_id)
+                self._attach_rails_locked(st)
+                if old is not None:  # its credits are free for the new connection's first grant
+                    for pool in old.pools:
+                        pool.forget(old)
+                # no first grant: credits lent before the rails connect would stay with a sender that dies
+                # meanwhile for the whole connect grace; the first chunk asks (one control round trip)
+                grants = [[] for _ in range(n)]
+        finally:
+            if old is not None:
+                self._free(old)
+                self.counters.add("rx_senders_replaced")
+                log.info("receiver: sender %s handshook again; replaced its landing credits", old.session)
+        return {"landing_addrs": [p.buf.addr for p in st.pools],
+                "landing_rkeys": [p.mr.rkey for p in st.pools],
+                "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes,
+                "landing_stride": self.stride, "landing_grants": grants,
+                "landing_device": devices[0], "landing_devices": devices, "sender_key": st.key.hex()}
+
+    def _sender_of(self, hello: dict, devices: list) -> Tuple[SenderState, int]:
+        """(the new sender's state, the credit slots it asks for) from its ``hello``, every field checked."""
         engine_id = int_field(hello, "engine_id", 1, (1 << 63) - 1)
         # the sender's chunk size (its relay slot size) capped by the pool's stride: the sender cuts its chunks to
         # what we answer, so a hello announcing huge slots costs what any other does
@@ -238,64 +281,38 @@ class Receiver:
                          credit_rkeys=list(rkeys), slots=0, slot_bytes=slot_bytes, devices=devices,
                          hello_at=time.monotonic())
         st.chunk_key = auth.chunk_key(self._secret, st.key)
-        old = None
-        grants: List[List[List[int]]] = []
-        self._wait_for_departing_holders(st)
-        try:
-            with self._lock:
-                # a second claim of a rail id held by another live sender is refused; the holder is not touched
-                self._check_claims_locked(st)
-                if engine_id not in self._senders and len(self._senders) >= self.max_senders:
-                    self.counters.add("senders_refused_max")
-                    raise ValueError(f"this receiver holds landing slots for max_senders={self.max_senders} "
-                                     f"senders (PXN_MAX_SENDERS raises it); refused sender {st.session}")
-                pools = [self._pool_locked(rail, devices[rail]) for rail in range(n)]
-                st.pools = pools
-                st.slots = min(self.landing_slots, credit_slots, min(p.nslots for p in pools))
-                st.lent = [{} for _ in range(n)]
-                st.want = [0] * n
-                st.queued = [False] * n
-                st.returning = [set() for _ in range(n)]
-                st.leased = [{} for _ in range(n)]
-                # a sender says hello again only after it forgot this engine (every rail failed): retire what it
-                # had, so that stale chunks and acks of the old connection cannot touch the new one's slots
-                old = self._senders.pop(engine_id, None)
-                if old is not None:
-                    old.retired = True
-                    for rid in old.rail_ids:
-                        if self._by_rail_id.get(rid, (None, 0))[0] is old:
-                            del self._by_rail_id[rid]
-                for rail, fab in enumerate(self.fabrics):
-                    try:
-                        st.stale_eps[rail] = fab.endpoint(st.rail_ids[rail])  # replaced when the rail connects
-                    except Exception:  # noqa: BLE001 — never connected: nothing stale
-                        pass
-                for rail, fab in enumerate(self.fabrics):
-                    ack = HostBuffer(st.slots * ACK_BYTES)
-                    st.acks.append((ack, fab.register(ack.addr, ack.nbytes, DEVICE_HOST)))
-                self._senders[engine_id] = st
-                for rail, rid in enumerate(st.rail_ids):
-                    self._by_rail_id[rid] = (st, rail)
-                for fab, rid in zip(self.fabrics, st.rail_ids):
-                    expect = getattr(fab, "expect_peer", None)
-                    if expect is not None:
-                        expect(rid, CONNECT_GRACE_S)
-                if old is not None:  # its credits are free for the new connection's first grant
-                    for pool in old.pools:
-                        pool.forget(old)
-                # no first grant: credits lent before the rails connect would stay with a sender that dies
-                # meanwhile for the whole connect grace; the first chunk asks (one control round trip)
-                grants = [[] for _ in range(n)]
-        finally:
-            if old is not None:
-                self._free(old)
-                self.counters.add("rx_senders_replaced")
-                log.info("receiver: sender %s handshook again; replaced its landing credits", old.session)
-        return {"landing_addrs": [p.buf.addr for p in st.pools],
-                "landing_rkeys": [p.mr.rkey for p in st.pools],
-                "landing_slots": st.slots, "landing_slot_bytes": st.slot_bytes,
-                "landing_stride": self.stride, "landing_grants": grants,
-                "landing_device": devices[0], "landing_devices": devices, "sender_key": st.key.hex()}
+        return st, credit_slots
+
+    def _retire_locked(self, engine_id: int) -> Optional[SenderState]:
+        """The sender ``engine_id`` had before, retired, or None. A sender says hello again only after it forgot
+        this engine (every rail failed): what it had is retired, so that stale chunks and acks of the old
+        connection cannot touch the new one's slots."""
+        old = self._senders.pop(engine_id, None)
+        if old is not None:
+            old.retired = True
+            for rid in old.rail_ids:
+                if self._by_rail_id.get(rid, (None, 0))[0] is old:
+                    del self._by_rail_id[rid]
+        return old
+
+    def _attach_rails_locked(self, st: SenderState) -> None:
+        """Make ``st`` the sender of its rail ids: the endpoints a reconnect replaces, one ack buffer per rail, and
+        each fabric told to expect the rail's connection."""
+        for rail, fab in enumerate(self.fabrics):
+            try:
+                st.stale_eps[rail] = fab.endpoint(st.rail_ids[rail])  # replaced when the rail connects
+            except Exception:  # noqa: BLE001 — never connected: nothing stale
+                pass
+        for rail, fab in enumerate(self.fabrics):
+            ack = HostBuffer(st.slots * ACK_BYTES)
+            st.acks.append((ack, fab.register(ack.addr, ack.nbytes, DEVICE_HOST)))
+        self._senders[st.engine_id] = st
+        for rail, rid in enumerate(st.rail_ids):
+            self._by_rail_id[rid] = (st, rail)
+        for fab, rid in zip(self.fabrics, st.rail_ids):
+            expect = getattr(fab, "expect_peer", None)
+            if expect is not None:
+                expect(rid, CONNECT_GRACE_S)
 
     def claim_key(self, engine_id) -> Optional[Tuple[bytes, bool]]:
         """For the live sender with ``engine_id``: (its key, whether it has departed: a rail it connected is dead),
@@ -371,19 +388,12 @@ class Receiver:
         destination inside a host region this receiver registered). Returns where each item goes, or None (the
         chunk lands whole and ``_handle`` takes it, rejecting it with the reason when it is bad). Nothing is
         written outside the slot before every check passed."""
-        entry = self._by_rail_id.get(peer_id)
-        if entry is None:
+        # torch-free; lazy as in _handle
+        from pxn_kernels.chunk import HEADER_BYTES, parse_chunk_rows, payload_offset_for
+        found = self._lent_slot(pool, peer_id, addr, length, imm, HEADER_BYTES)
+        if found is None:
             return None
-        st, rail = entry
-        if st.retired or rail != pool.rail or st.pools[rail] is not pool:
-            return None
-        from pxn_kernels.chunk import (HEADER_BYTES, parse_chunk, parse_chunk_rows,  # torch-free; lazy as in
-                                       payload_offset_for)  # _handle
-        slot = st.lent[rail].get(imm & 0xFFFF)
-        buf = pool.buf
-        if imm & ACK_FLAG or slot is None or length > st.slot_bytes or length < HEADER_BYTES \
-                or addr != buf.addr + slot * pool.stride:
-            return None
+        st, rail, slot = found
         st.leased[rail].pop(imm & 0xFFFF, None)  # written: its lease is kept
         t0 = now_ns()
         head = read(HEADER_BYTES)
@@ -393,20 +403,49 @@ class Receiver:
             return None
         read(need - HEADER_BYTES)
         off = slot * pool.stride
-        rows = parse_chunk_rows(buf.array[off:off + need], length, st.chunk_key)
+        rows = parse_chunk_rows(pool.buf.array[off:off + need], length, st.chunk_key)
         if rows is not None:
-            # the usual chunk (items in payload order), checked in builtin steps: the same checks as below
-            seq, sender_id, _, dsts, lens, offs, lo, hi = rows
-            if sender_id != st.engine_id or sum(lens) < getattr(self.fabrics[rail], "gather_min_bytes", 0) * count:
-                return None
-            snap = self.exposed.snapshot()
-            i = span_region(snap, lo, hi - 1, hi, hi - lo)
-            if i is not None and snap.regions[i].device < 0 and st.fresh(seq):  # one host region holds them all
-                return _Placed(self, st, rail, imm, length, dsts, lens, offs, t0)
-            if i is not None and snap.regions[i].device < 0:
-                return None  # a replayed sequence number: _handle refuses it
+            placed = self._placed_rows(st, rail, imm, length, count, rows, t0)
+            if placed is not _BY_TABLE:
+                return placed
+        return self._placed_table(st, rail, imm, length, count, pool.buf.array[off:off + need], t0)
+
+    def _lent_slot(self, pool: LandingPool, peer_id: str, addr: int, length: int, imm: int, header_bytes: int):
+        """(sender, rail, slot) of a write into ``pool`` when it is a chunk into a slot lent to the sender of
+        ``peer_id`` on this rail, at that slot's address, of a size a chunk may have; else None."""
+        entry = self._by_rail_id.get(peer_id)
+        if entry is None:
+            return None
+        st, rail = entry
+        if st.retired or rail != pool.rail or st.pools[rail] is not pool:
+            return None
+        slot = st.lent[rail].get(imm & 0xFFFF)
+        if imm & ACK_FLAG or slot is None or length > st.slot_bytes or length < header_bytes \
+                or addr != pool.buf.addr + slot * pool.stride:
+            return None
+        return st, rail, slot
+
+    def _placed_rows(self, st: SenderState, rail: int, imm: int, length: int, count: int, rows, t0: int):
+        """The usual chunk (items in payload order, ``parse_chunk_rows``), checked in builtin steps: where its
+        items go, None (``_handle`` takes it whole), or ``_BY_TABLE`` when its destinations are not all in one
+        host region (the table's checks decide)."""
+        seq, sender_id, _, dsts, lens, offs, lo, hi = rows
+        if sender_id != st.engine_id or sum(lens) < getattr(self.fabrics[rail], "gather_min_bytes", 0) * count:
+            return None
+        snap = self.exposed.snapshot()
+        i = span_region(snap, lo, hi - 1, hi, hi - lo)
+        if i is None or snap.regions[i].device >= 0:
+            return _BY_TABLE
+        if st.fresh(seq):  # one host region holds them all
+            return _Placed(self, st, rail, imm, length, dsts, lens, offs, t0)
+        return None  # a replayed sequence number: _handle refuses it
+
+    def _placed_table(self, st: SenderState, rail: int, imm: int, length: int, count: int, head, t0: int):
+        """Any chunk, from its parsed table (``head``: the slot's header and table): where its items go, in
+        payload order, or None (``_handle`` takes it whole, rejecting it with the reason when it is bad)."""
+        from pxn_kernels.chunk import parse_chunk  # torch-free; lazy as in _handle
         try:
-            table = parse_chunk(buf.array[off:off + need], available_bytes=length, key=st.chunk_key)
+            table = parse_chunk(head, available_bytes=length, key=st.chunk_key)
         except ChunkFormatError:
             return None
         if table.sender_id != st.engine_id or not count:

@@ -254,13 +254,7 @@ def plan_routes(topology: Topology, hot_gpus: Iterable[int] = ()) -> Routes:
         return Routes(topo, {}, 0, ["no GPU: nothing to route"])
     ports = topo.usable_ports()
     if not ports:
-        why: Dict[str, List[str]] = {}
-        for p in topo.ports:
-            why.setdefault(p.reason or "?", []).append(topo.label(p))
-        summary = "; ".join("%s: %s" % (r, ", ".join(ks) if len(ks) <= 4 else "%s ... (%d ports)"
-                                        % (", ".join(ks[:3]), len(ks))) for r, ks in sorted(why.items()))
-        raise RoutingError("no usable NIC port for %d GPU(s): %s" % (
-            n, summary if topo.ports else "no RDMA NIC found"))
+        raise _no_port_error(topo, n)
     cap = math.ceil(n / len(ports))
     feeders = {(g.index, p.key): _best_feeder(topo, g.index, p) for g in topo.gpus for p in ports}
     # Columns: slot k (0-based) of every port; slot k beyond the cap costs more, so load spreads out.
@@ -271,38 +265,11 @@ def plan_routes(topology: Topology, hot_gpus: Iterable[int] = ()) -> Routes:
     notes: List[str] = []
     rails: Dict[int, List[Rail]] = {}
     for g in topo.gpus:
-        pi, _ = cols[assign[g.index]]
-        first_port = ports[pi]
-        _, feeder, dist, kind = feeders[(g.index, first_port.key)]
-        first = Rail(first_port.name, first_port.port, feeder, dist, kind)
-        out = [first]
-        if kind == FALLBACK:
-            # Only ports as good as the first: striping onto a worse PCIe class would slow every transfer.
-            for p in ports:
-                c, f, d, k = feeders[(g.index, p.key)]
-                if p is not first_port and d == dist:
-                    out.append(Rail(p.name, p.port, f, d, k))
-            msg = ("GPU%d has no PIX/PXB NIC port and no NVLink peer with one: falling back to a %s PCIe "
-                   "path to %s" % (g.index, dist, topo.label(first_port)))
-            log.warning(msg)
-            notes.append(msg)
+        first_port = ports[cols[assign[g.index]][0]]
+        if feeders[(g.index, first_port.key)][3] == FALLBACK:
+            rails[g.index] = _fallback_rails(topo, g.index, first_port, ports, feeders, notes)
         else:
-            # A relayed GPU's own local ports come last as direct rails, never twice.
-            local = sorted((p for p in ports if p is not first_port and _local(topo, feeder, p)
-                            and (kind == DIRECT or not _local(topo, g.index, p))),
-                           key=lambda p: (CLASS_RANK[topo.distances[(feeder, p.key)]], port_sort_key(p)))
-            for p in local:
-                out.append(Rail(p.name, p.port, feeder, topo.distances[(feeder, p.key)], kind))
-            if kind == RELAY:
-                own = sorted((p for p in ports if _local(topo, g.index, p)),
-                             key=lambda p: (CLASS_RANK[topo.distances[(g.index, p.key)]], port_sort_key(p)))
-                if own:
-                    notes.append("GPU%d relays through GPU%d to %s to balance ports (its own: %s)"
-                                 % (g.index, feeder, topo.label(first_port),
-                                    ", ".join(topo.label(p) for p in own)))
-                for p in own:
-                    out.append(Rail(p.name, p.port, g.index, topo.distances[(g.index, p.key)], DIRECT))
-        rails[g.index] = out
+            rails[g.index] = _local_rails(topo, g.index, first_port, ports, feeders, notes)
     load: Dict[str, int] = {p.key: 0 for p in ports}
     for g in rails:
         load[rails[g][0].key] += 1
@@ -311,21 +278,74 @@ def plan_routes(topology: Topology, hot_gpus: Iterable[int] = ()) -> Routes:
             notes.append("%s is the first rail of %d GPUs (more than ceil(%d GPUs / %d ports) = %d): no "
                          "other PIX/PXB-local port is in NVLink reach of them"
                          % (topo.label(p), load[p.key], n, len(ports), cap))
-    gpus_by = {x.index: x for x in topo.gpus}
     for h in sorted(set(hot)):
-        have = {r.key for r in rails[h]}
-        extra = []
-        for p in ports:
-            if p.key in have:
-                continue
-            c, f, d, k = feeders[(h, p.key)]
-            if k == FALLBACK:
-                continue
-            numa_h, numa_f = gpus_by[h].numa, gpus_by[f].numa
-            cross = numa_h >= 0 and numa_f >= 0 and numa_h != numa_f
-            extra.append(((cross, load[p.key], c, port_sort_key(p)), Rail(p.name, p.port, f, d, k)))
-        rails[h].extend(r for _, r in sorted(extra, key=lambda t: t[0]))
+        extra = _hot_rails(topo, h, rails[h], ports, feeders, load)
+        rails[h].extend(extra)
         log.info("hot GPU%d: %d rails (%d extra relayed)", h, len(rails[h]), len(extra))
     routes = Routes(topo, rails, cap, notes, hot)
     log.info("routes: %r", routes)
     return routes
+
+
+def _no_port_error(topo: Topology, n: int) -> RoutingError:
+    """The error for a machine with ``n`` GPUs and no usable port: each reason with the ports it rules out."""
+    why: Dict[str, List[str]] = {}
+    for p in topo.ports:
+        why.setdefault(p.reason or "?", []).append(topo.label(p))
+    summary = "; ".join("%s: %s" % (r, ", ".join(ks) if len(ks) <= 4 else "%s ... (%d ports)"
+                                    % (", ".join(ks[:3]), len(ks))) for r, ks in sorted(why.items()))
+    return RoutingError("no usable NIC port for %d GPU(s): %s" % (n, summary if topo.ports else "no RDMA NIC found"))
+
+
+def _fallback_rails(topo: Topology, g: int, first_port: NicPort, ports, feeders, notes: List[str]) -> List[Rail]:
+    """Rails of GPU ``g`` whose first rail is a PCIe fallback: only ports as good as the first, since striping
+    onto a worse PCIe class would slow every transfer."""
+    _, feeder, dist, kind = feeders[(g, first_port.key)]
+    out = [Rail(first_port.name, first_port.port, feeder, dist, kind)]
+    for p in ports:
+        c, f, d, k = feeders[(g, p.key)]
+        if p is not first_port and d == dist:
+            out.append(Rail(p.name, p.port, f, d, k))
+    msg = ("GPU%d has no PIX/PXB NIC port and no NVLink peer with one: falling back to a %s PCIe "
+           "path to %s" % (g, dist, topo.label(first_port)))
+    log.warning(msg)
+    notes.append(msg)
+    return out
+
+
+def _local_rails(topo: Topology, g: int, first_port: NicPort, ports, feeders, notes: List[str]) -> List[Rail]:
+    """Rails of GPU ``g`` whose first rail is direct or relayed: the feeding GPU's other local ports, then, for a
+    relayed GPU, its own local ports last as direct rails, never twice."""
+    _, feeder, dist, kind = feeders[(g, first_port.key)]
+    out = [Rail(first_port.name, first_port.port, feeder, dist, kind)]
+    local = sorted((p for p in ports if p is not first_port and _local(topo, feeder, p)
+                    and (kind == DIRECT or not _local(topo, g, p))),
+                   key=lambda p: (CLASS_RANK[topo.distances[(feeder, p.key)]], port_sort_key(p)))
+    for p in local:
+        out.append(Rail(p.name, p.port, feeder, topo.distances[(feeder, p.key)], kind))
+    if kind == RELAY:
+        own = sorted((p for p in ports if _local(topo, g, p)),
+                     key=lambda p: (CLASS_RANK[topo.distances[(g, p.key)]], port_sort_key(p)))
+        if own:
+            notes.append("GPU%d relays through GPU%d to %s to balance ports (its own: %s)"
+                         % (g, feeder, topo.label(first_port), ", ".join(topo.label(p) for p in own)))
+        for p in own:
+            out.append(Rail(p.name, p.port, g, topo.distances[(g, p.key)], DIRECT))
+    return out
+
+
+def _hot_rails(topo: Topology, h: int, rails: List[Rail], ports, feeders, load: Dict[str, int]) -> List[Rail]:
+    """The extra rails of hot GPU ``h`` (PXN spreading): every other port it reaches without a PCIe fallback,
+    relay GPUs on its NUMA node first, then the least loaded ports, then the cheapest ways."""
+    numa = {x.index: x.numa for x in topo.gpus}
+    have = {r.key for r in rails}
+    extra = []
+    for p in ports:
+        if p.key in have:
+            continue
+        c, f, d, k = feeders[(h, p.key)]
+        if k == FALLBACK:
+            continue
+        cross = numa[h] >= 0 and numa[f] >= 0 and numa[h] != numa[f]
+        extra.append(((cross, load[p.key], c, port_sort_key(p)), Rail(p.name, p.port, f, d, k)))
+    return [r for _, r in sorted(extra, key=lambda t: t[0])]

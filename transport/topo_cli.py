@@ -60,62 +60,75 @@ def _screen(topo: Topology, routes: Optional[Routes], root: str) -> str:
                    "PCIe bridges, PHB = PCIe host bridge, NODE = across host bridges in a NUMA node, "
                    "SYS = across NUMA nodes")
     if topo.ports:
-        out.append("")
-        out.append("NIC ports:")
-        rows = [["", "name", "port", "pci", "numa", "state", "phys_state", "link", "rate", "GID", "netdev",
-                 "usable"]]
-        for i, p in enumerate(topo.ports):
-            rows.append(["NIC%d" % i, p.name, str(p.port), p.pci, str(p.numa) if p.numa >= 0 else "?",
-                         _word(p.state), _word(p.phys_state), p.link_layer or "?",
-                         "%gG" % p.rate_gbps if p.rate_gbps else "?", "yes" if p.gid else "no",
-                         p.netdev or "-", "yes" if p.usable else "NO: " + (p.reason or "?")])
-        width = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        out.extend("  " + "  ".join(c.ljust(width[k]) for k, c in enumerate(r)).rstrip() for r in rows)
-        out.append("")
-        out.append("Usable: %s" % (", ".join(topo.label(p) for p in usable) if usable else "none"))
-        active = [p for p in topo.ports if not p.usable and p.reason != "down"]
-        for p in active:
-            out.append("Unusable: %s: %s (%s)" % (topo.label(p), p.reason, p.detail))
-        down = [topo.label(p) for p in topo.ports if p.reason == "down"]
-        if down:
-            out.append("Down (state not ACTIVE or phys_state not LinkUp): %d port(s): %s"
-                       % (len(down), _short(down)))
+        out.extend(_ports_lines(topo, usable))
     if topo.gpus and topo.ports:
-        out.append("")
-        out.append("GPU memory for RDMA (GPUDirect: how each GPU's memory can be registered with each NIC):")
-        said = {}  # the answer -> GPUs it holds for (GPUs alike are printed once)
-        for g, rows in _gpu_rdma(topo, root):
-            ok = sorted({how for _, can, how in rows if can})
-            no = sorted({how for _, can, how in rows if not can})
-            answer = "; ".join(
-                ["%s with %s" % (how, _short([n for n, can, h in rows if can and h == how])) for how in ok]
-                + ["NO with %s: %s" % (_short([n for n, can, h in rows if not can and h == why]), why)
-                   for why in no])
-            said.setdefault(answer, []).append("GPU%d" % g.index)
-        out.extend("  %s: %s" % (_short(gpus), answer) for answer, gpus in said.items())
+        out.extend(_gpu_rdma_lines(topo, root))
     if routes is not None and routes.gpus:
-        out.append("")
-        out.append("Routes (first rail first; at most %d GPU(s) per port as first rail where possible):"
-                   % routes.cap)
-        for g in routes.gpus:
-            parts = []
-            for r in routes.rails(g):
-                label = topo.label(topo.port(r.nic, r.port))
-                if r.kind == DIRECT:
-                    parts.append("%s direct (%s)" % (label, r.distance))
-                elif r.kind == RELAY:
-                    parts.append("%s via GPU%d over NVLink (%s)" % (label, r.relay_gpu, r.distance))
-                else:
-                    parts.append("%s FALLBACK %s%s" % (label, r.distance,
-                                                       "" if r.relay_gpu == g else " via GPU%d" % r.relay_gpu))
-            out.append("  GPU%d -> %s" % (g, "; ".join(parts)))
-        load = routes.load()
-        out.append("First-rail load: %s" % ", ".join("%s=%d" % (topo.label(topo.port(k)), v)
-                                                     for k, v in load.items() if v))
+        out.extend(_routes_lines(topo, routes))
     notes = list(topo.notes) + (list(routes.notes) if routes is not None else [])
     for n in notes:
         out.append("Note: %s" % n)
     return "\n".join(out)
+
+
+def _ports_lines(topo: Topology, usable) -> List[str]:
+    """The screen's NIC port table, then which ports are usable and why the others are not."""
+    out = ["", "NIC ports:"]
+    rows = [["", "name", "port", "pci", "numa", "state", "phys_state", "link", "rate", "GID", "netdev",
+             "usable"]]
+    for i, p in enumerate(topo.ports):
+        rows.append(["NIC%d" % i, p.name, str(p.port), p.pci, str(p.numa) if p.numa >= 0 else "?",
+                     _word(p.state), _word(p.phys_state), p.link_layer or "?",
+                     "%gG" % p.rate_gbps if p.rate_gbps else "?", "yes" if p.gid else "no",
+                     p.netdev or "-", "yes" if p.usable else "NO: " + (p.reason or "?")])
+    width = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    out.extend("  " + "  ".join(c.ljust(width[k]) for k, c in enumerate(r)).rstrip() for r in rows)
+    out.append("")
+    out.append("Usable: %s" % (", ".join(topo.label(p) for p in usable) if usable else "none"))
+    active = [p for p in topo.ports if not p.usable and p.reason != "down"]
+    for p in active:
+        out.append("Unusable: %s: %s (%s)" % (topo.label(p), p.reason, p.detail))
+    down = [topo.label(p) for p in topo.ports if p.reason == "down"]
+    if down:
+        out.append("Down (state not ACTIVE or phys_state not LinkUp): %d port(s): %s" % (len(down), _short(down)))
+    return out
+
+
+def _gpu_rdma_lines(topo: Topology, root: str) -> List[str]:
+    """The screen's GPUDirect section: one line per answer, with the GPUs it holds for."""
+    out = ["", "GPU memory for RDMA (GPUDirect: how each GPU's memory can be registered with each NIC):"]
+    said = {}  # the answer -> GPUs it holds for (GPUs alike are printed once)
+    for g, rows in _gpu_rdma(topo, root):
+        ok = sorted({how for _, can, how in rows if can})
+        no = sorted({how for _, can, how in rows if not can})
+        answer = "; ".join(
+            ["%s with %s" % (how, _short([n for n, can, h in rows if can and h == how])) for how in ok]
+            + ["NO with %s: %s" % (_short([n for n, can, h in rows if not can and h == why]), why)
+               for why in no])
+        said.setdefault(answer, []).append("GPU%d" % g.index)
+    out.extend("  %s: %s" % (_short(gpus), answer) for answer, gpus in said.items())
+    return out
+
+
+def _routes_lines(topo: Topology, routes: Routes) -> List[str]:
+    """The screen's routes: each GPU's rails, then the first-rail load."""
+    out = ["", "Routes (first rail first; at most %d GPU(s) per port as first rail where possible):" % routes.cap]
+    for g in routes.gpus:
+        out.append("  GPU%d -> %s" % (g, "; ".join(_rail_text(topo, g, r) for r in routes.rails(g))))
+    load = routes.load()
+    out.append("First-rail load: %s" % ", ".join("%s=%d" % (topo.label(topo.port(k)), v)
+                                                 for k, v in load.items() if v))
+    return out
+
+
+def _rail_text(topo: Topology, g: int, r) -> str:
+    """One rail of GPU ``g`` as the screen says it, by its kind."""
+    label = topo.label(topo.port(r.nic, r.port))
+    if r.kind == DIRECT:
+        return "%s direct (%s)" % (label, r.distance)
+    if r.kind == RELAY:
+        return "%s via GPU%d over NVLink (%s)" % (label, r.relay_gpu, r.distance)
+    return "%s FALLBACK %s%s" % (label, r.distance, "" if r.relay_gpu == g else " via GPU%d" % r.relay_gpu)
 
 
 def _gpu_rdma(topo: Topology, root: str):
@@ -178,20 +191,7 @@ def run(args: argparse.Namespace) -> int:
     except RoutingError as e:
         error = str(e)
     if as_json:
-        doc = topo.to_json()
-        if topo.ports:
-            doc["gpu_rdma"] = [{"gpu": g.index, "nics": [{"nic": label, "registrable": can, "how": how}
-                                                        for label, can, how in rows]}
-                               for g, rows in _gpu_rdma(topo, root)]
-        if routes is not None:
-            doc.update(routes.to_json())
-            doc["notes"] = list(topo.notes) + list(routes.notes)
-        else:
-            doc["routes"] = []
-            doc["error"] = error
-        if not topo.gpus:
-            doc["message"] = "no GPU: nothing to route"
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(_json_doc(topo, routes, error, root), indent=2))
     else:
         print(_screen(topo, routes, root))
         if not topo.gpus:
@@ -200,6 +200,24 @@ def run(args: argparse.Namespace) -> int:
         print("pxn topo: error: %s" % error, file=sys.stderr)
         return 2
     return 0
+
+
+def _json_doc(topo: Topology, routes: Optional[Routes], error: Optional[str], root: str) -> dict:
+    """``--json``'s document: the machine, GPUDirect per GPU and NIC, then the routes or the error."""
+    doc = topo.to_json()
+    if topo.ports:
+        doc["gpu_rdma"] = [{"gpu": g.index, "nics": [{"nic": label, "registrable": can, "how": how}
+                                                    for label, can, how in rows]}
+                           for g, rows in _gpu_rdma(topo, root)]
+    if routes is not None:
+        doc.update(routes.to_json())
+        doc["notes"] = list(topo.notes) + list(routes.notes)
+    else:
+        doc["routes"] = []
+        doc["error"] = error
+    if not topo.gpus:
+        doc["message"] = "no GPU: nothing to route"
+    return doc
 
 
 def main(argv=None) -> int:

@@ -435,6 +435,15 @@ def read_sysfs(root: str = "/") -> Tuple[List[Gpu], List[NicPort], List[str]]:
         raise TopologyError("%s is not a sysfs tree: neither sys/bus/pci/devices nor sys/class/infiniband "
                             "exists under it" % root)
     finder = _DeviceFinder(root)
+    gpus = _read_gpus(root, pci_dir, finder)
+    ports: List[NicPort] = []
+    for ibdev in _listdir(ib_dir, "InfiniBand class directory"):
+        ports.extend(_read_ib_ports(root, ib_dir, ibdev, finder, notes))
+    return gpus, ports, notes
+
+
+def _read_gpus(root: str, pci_dir: str, finder: _DeviceFinder) -> List[Gpu]:
+    """The NVIDIA GPUs among the PCI functions under ``pci_dir``, indexed in PCI address order."""
     gpu_found = []
     for bdf in _listdir(pci_dir, "PCI device directory"):
         if not _BDF_RE.match(bdf):
@@ -451,44 +460,45 @@ def read_sysfs(root: str = "/") -> Tuple[List[Gpu], List[NicPort], List[str]]:
             host, bridges = _pci_location(root, dev)
         gpu_found.append((bdf.lower(), -1 if numa is None else numa, host, bridges))
     gpu_found.sort(key=lambda t: _pci_key(t[0]))
-    gpus = [Gpu(i, pci, numa, host, bridges) for i, (pci, numa, host, bridges) in enumerate(gpu_found)]
+    return [Gpu(i, pci, numa, host, bridges) for i, (pci, numa, host, bridges) in enumerate(gpu_found)]
 
-    ports: List[NicPort] = []
-    for ibdev in _listdir(ib_dir, "InfiniBand class directory"):
-        ibdir = _resolve(root, os.path.join(ib_dir, ibdev))
-        devlink = os.path.join(ibdir, "device")
-        if not os.path.exists(devlink) and not os.path.islink(devlink):
-            notes.append("%s has no PCI device (virtual RDMA device): skipped" % ibdev)
-            continue
-        dev = _resolve(root, devlink)
+
+def _read_ib_ports(root: str, ib_dir: str, ibdev: str, finder: _DeviceFinder, notes: List[str]) -> List[NicPort]:
+    """The ports of RDMA device ``ibdev``; none (and a note) for a device that is not a PCI function."""
+    ibdir = _resolve(root, os.path.join(ib_dir, ibdev))
+    devlink = os.path.join(ibdir, "device")
+    if not os.path.exists(devlink) and not os.path.islink(devlink):
+        notes.append("%s has no PCI device (virtual RDMA device): skipped" % ibdev)
+        return []
+    dev = _resolve(root, devlink)
+    pci = os.path.basename(dev).lower()
+    if not _BDF_RE.match(pci) or _pci_location(root, dev)[0] is None:
+        # Not a symlink into sys/devices (a hand-made tree): find the function that holds this ibdev.
+        dev = finder.ib_parent(ibdev) or dev
         pci = os.path.basename(dev).lower()
-        if not _BDF_RE.match(pci) or _pci_location(root, dev)[0] is None:
-            # Not a symlink into sys/devices (a hand-made tree): find the function that holds this ibdev.
-            dev = finder.ib_parent(ibdev) or dev
-            pci = os.path.basename(dev).lower()
-        if not _BDF_RE.match(pci):
-            notes.append("%s: device %s is not a PCI function: skipped" % (ibdev, pci))
-            continue
-        numa = _read_int(os.path.join(dev, "numa_node"))
-        host, bridges = _pci_location(root, dev)
-        port_nums = sorted(int(p) for p in _listdir(os.path.join(ibdir, "ports"), "ports directory")
-                           if p.isdigit())
-        if not port_nums:
-            notes.append("%s has no ports directory: skipped" % ibdev)
-        for n in port_nums:
-            pdir = os.path.join(ibdir, "ports", str(n))
-            state = _read(os.path.join(pdir, "state")) or ""
-            phys = _read(os.path.join(pdir, "phys_state")) or ""
-            ll = _read(os.path.join(pdir, "link_layer")) or ""
-            rate = _read(os.path.join(pdir, "rate")) or ""
-            gid = _gid_present(os.path.join(pdir, "gids", "0"))
-            reason, detail = port_verdict(state, phys, ll, gid)
-            ports.append(NicPort(
-                name=ibdev, port=n, pci=pci, numa=-1 if numa is None else numa, state=state,
-                phys_state=phys, link_layer=ll, rate=rate, rate_gbps=_parse_rate(rate), gid=gid,
-                netdev=_port_netdev(root, ibdir, n, len(port_nums)), host_bridge=host, bridges=bridges,
-                usable=reason is None, reason=reason, detail=detail))
-    return gpus, ports, notes
+    if not _BDF_RE.match(pci):
+        notes.append("%s: device %s is not a PCI function: skipped" % (ibdev, pci))
+        return []
+    numa = _read_int(os.path.join(dev, "numa_node"))
+    host, bridges = _pci_location(root, dev)
+    port_nums = sorted(int(p) for p in _listdir(os.path.join(ibdir, "ports"), "ports directory") if p.isdigit())
+    if not port_nums:
+        notes.append("%s has no ports directory: skipped" % ibdev)
+    ports = []
+    for n in port_nums:
+        pdir = os.path.join(ibdir, "ports", str(n))
+        state = _read(os.path.join(pdir, "state")) or ""
+        phys = _read(os.path.join(pdir, "phys_state")) or ""
+        ll = _read(os.path.join(pdir, "link_layer")) or ""
+        rate = _read(os.path.join(pdir, "rate")) or ""
+        gid = _gid_present(os.path.join(pdir, "gids", "0"))
+        reason, detail = port_verdict(state, phys, ll, gid)
+        ports.append(NicPort(
+            name=ibdev, port=n, pci=pci, numa=-1 if numa is None else numa, state=state,
+            phys_state=phys, link_layer=ll, rate=rate, rate_gbps=_parse_rate(rate), gid=gid,
+            netdev=_port_netdev(root, ibdir, n, len(port_nums)), host_bridge=host, bridges=bridges,
+            usable=reason is None, reason=reason, detail=detail))
+    return ports
 
 
 def compute_distances(gpus: Sequence[Gpu], ports: Sequence[NicPort]) -> Dict[Tuple[int, str], str]:
@@ -643,49 +653,7 @@ def validate_override(data, source: str = "<dict>") -> Override:
     if unknown:
         _fail(src, "top level", "unknown key(s) %s; allowed: %s" % (sorted(unknown), sorted(_TOP_FIELDS)))
     describe = "gpus" in data
-    ngpus = None
-    if describe:
-        gpus = data["gpus"]
-        _check_type(src, "gpus", gpus, list)
-        ngpus = len(gpus)
-        seen = set()
-        for i, g in enumerate(gpus):
-            where = "gpus[%d]" % i
-            _check_fields(src, where, g, _GPU_FIELDS, "unknown key")
-            if "pci" not in g:
-                _fail(src, where, "missing \"pci\" (the GPU's PCI address, DDDD:BB:DD.F)")
-            if not _BDF_RE.match(g["pci"]):
-                _fail(src, where + ".pci", "not a PCI address DDDD:BB:DD.F: %r" % g["pci"])
-            if g["pci"].lower() in seen:
-                _fail(src, where + ".pci", "duplicate GPU PCI address %r" % g["pci"])
-            seen.add(g["pci"].lower())
-            for nic, cls in g.get("distances", {}).items():
-                _check_class(src, "%s.distances.%s" % (where, nic), cls)
-        order = sorted(range(ngpus), key=lambda i: _pci_key(gpus[i]["pci"]))
-        for rank, i in enumerate(order):
-            if "index" in gpus[i] and gpus[i]["index"] != rank:
-                _fail(src, "gpus[%d].index" % i, "GPU index is the rank of its PCI address (%s -> %d), got %r"
-                      % (gpus[i]["pci"], rank, gpus[i]["index"]))
-        nics = data.get("nics", [])
-        _check_type(src, "nics", nics, list)
-        for i, n in enumerate(nics):
-            where = "nics[%d]" % i
-            _check_fields(src, where, n, _NIC_FIELDS, "unknown key")
-            for req in ("name", "pci"):
-                if req not in n:
-                    _fail(src, where, "missing %r" % req)
-            if not _BDF_RE.match(n["pci"]):
-                _fail(src, where + ".pci", "not a PCI address DDDD:BB:DD.F: %r" % n["pci"])
-    else:
-        nics = data.get("nics", {})
-        if isinstance(nics, list):
-            _fail(src, "nics", "a list of NICs describes a whole machine and needs a \"gpus\" list too; to "
-                               "patch discovered ports use an object {\"mlx5_0\": {\"usable\": false}}")
-        _check_type(src, "nics", nics, dict)
-        for name, patch in nics.items():
-            where = "nics.%s" % name
-            overridable = {k: t for k, t in _NIC_FIELDS.items() if k not in ("name", "port", "pci")}
-            _check_fields(src, where, patch, overridable, "cannot override this key")
+    ngpus = _check_description(src, data) if describe else _check_nic_patches(src, data)
     dist = data.get("distances", {})
     _check_type(src, "distances", dist, dict)
     for g, row in dist.items():
@@ -699,6 +667,55 @@ def validate_override(data, source: str = "<dict>") -> Override:
     if "nvlink" in data:
         _check_nvlink(src, data["nvlink"], ngpus)
     return Override(source=src, describe=describe, data=data)
+
+
+def _check_description(src: str, data: dict) -> int:
+    """Check the ``gpus`` and ``nics`` lists of an override that describes a whole machine; returns the GPUs."""
+    gpus = data["gpus"]
+    _check_type(src, "gpus", gpus, list)
+    ngpus = len(gpus)
+    seen = set()
+    for i, g in enumerate(gpus):
+        where = "gpus[%d]" % i
+        _check_fields(src, where, g, _GPU_FIELDS, "unknown key")
+        if "pci" not in g:
+            _fail(src, where, "missing \"pci\" (the GPU's PCI address, DDDD:BB:DD.F)")
+        if not _BDF_RE.match(g["pci"]):
+            _fail(src, where + ".pci", "not a PCI address DDDD:BB:DD.F: %r" % g["pci"])
+        if g["pci"].lower() in seen:
+            _fail(src, where + ".pci", "duplicate GPU PCI address %r" % g["pci"])
+        seen.add(g["pci"].lower())
+        for nic, cls in g.get("distances", {}).items():
+            _check_class(src, "%s.distances.%s" % (where, nic), cls)
+    order = sorted(range(ngpus), key=lambda i: _pci_key(gpus[i]["pci"]))
+    for rank, i in enumerate(order):
+        if "index" in gpus[i] and gpus[i]["index"] != rank:
+            _fail(src, "gpus[%d].index" % i, "GPU index is the rank of its PCI address (%s -> %d), got %r"
+                  % (gpus[i]["pci"], rank, gpus[i]["index"]))
+    nics = data.get("nics", [])
+    _check_type(src, "nics", nics, list)
+    for i, n in enumerate(nics):
+        where = "nics[%d]" % i
+        _check_fields(src, where, n, _NIC_FIELDS, "unknown key")
+        for req in ("name", "pci"):
+            if req not in n:
+                _fail(src, where, "missing %r" % req)
+        if not _BDF_RE.match(n["pci"]):
+            _fail(src, where + ".pci", "not a PCI address DDDD:BB:DD.F: %r" % n["pci"])
+    return ngpus
+
+
+def _check_nic_patches(src: str, data: dict) -> None:
+    """Check the ``nics`` object of an override that patches discovered ports (GPUs come from sysfs: None)."""
+    nics = data.get("nics", {})
+    if isinstance(nics, list):
+        _fail(src, "nics", "a list of NICs describes a whole machine and needs a \"gpus\" list too; to "
+                           "patch discovered ports use an object {\"mlx5_0\": {\"usable\": false}}")
+    _check_type(src, "nics", nics, dict)
+    for name, patch in nics.items():
+        where = "nics.%s" % name
+        overridable = {k: t for k, t in _NIC_FIELDS.items() if k not in ("name", "port", "pci")}
+        _check_fields(src, where, patch, overridable, "cannot override this key")
 
 
 def load_override(path) -> Override:
@@ -793,14 +810,8 @@ def discover(root="/", override=None, live: Optional[bool] = None) -> Topology:
     NVML / torch for NVLink; otherwise NVLink is assumed all-to-all unless the override says otherwise.
     Raises :class:`TopologyError` (one line) for a missing / unreadable root or a bad override.
     """
-    ov = None
-    if override is not None:
-        if isinstance(override, Override):
-            ov = override
-        elif isinstance(override, dict):
-            ov = validate_override(override)
-        else:
-            ov = load_override(override)
+    ov = override if override is None or isinstance(override, Override) else (
+        validate_override(override) if isinstance(override, dict) else load_override(override))
     if ov is not None and ov.describe:
         topo = _describe(ov)
         log.info("topology from %s: %r", ov.source, topo)
@@ -808,16 +819,7 @@ def discover(root="/", override=None, live: Optional[bool] = None) -> Topology:
     root = _check_root(root)
     gpus, ports, notes = read_sysfs(root)
     if ov is not None:
-        # GPUs are fixed by the tree; patches address NIC ports by name ("mlx5_0") or "mlx5_0:2".
-        for name, patch in ov.data.get("nics", {}).items():
-            matched = _match_ports(ports, name)
-            if not matched:
-                _fail(ov.source, "nics.%s" % name, "no such NIC port on this machine (have %s)"
-                      % ", ".join(p.key for p in ports) if ports else "no such NIC port: no NIC found")
-            for p in matched:
-                ports[ports.index(p)] = _apply_nic_fields(p, patch, ov.source)
-        if "nvlink" in ov.data:
-            _check_nvlink(ov.source, ov.data["nvlink"], len(gpus))
+        _patch_ports(ov, ports, len(gpus))
     dist = compute_distances(gpus, ports)
     if ov is not None:
         for g in ov.data.get("distances", {}):
@@ -830,18 +832,37 @@ def discover(root="/", override=None, live: Optional[bool] = None) -> Topology:
     if ov is not None and "nvlink" in ov.data:
         nv, source = _nvlink_pairs(ov.data["nvlink"], n), "override"
     else:
-        found = _live_nvlink(gpus) if (live and n > 1) else None
-        if found is not None:
-            nv, source = found
-        else:
-            nv, source = {(a, b) for a in range(n) for b in range(a + 1, n)}, "assumed"
-            if live and n > 1:
-                notes.append("NVLink could not be queried (no NVML / CUDA): assumed all-to-all; "
-                             "set \"nvlink\" in an override if that is wrong")
+        nv, source = _found_nvlink(gpus, live, notes)
     topo = Topology(gpus, ports, dist, nv, nvlink_source=source, root=root,
                     name=(ov.data.get("name") if ov else None), notes=notes)
     log.info("topology under %s: %r", root, topo)
     return topo
+
+
+def _patch_ports(ov: Override, ports: List[NicPort], ngpus: int) -> None:
+    """Apply an override's NIC patches to the discovered ``ports`` (in place) and check its NVLink pairs."""
+    # GPUs are fixed by the tree; patches address NIC ports by name ("mlx5_0") or "mlx5_0:2".
+    for name, patch in ov.data.get("nics", {}).items():
+        matched = _match_ports(ports, name)
+        if not matched:
+            _fail(ov.source, "nics.%s" % name, "no such NIC port on this machine (have %s)"
+                  % ", ".join(p.key for p in ports) if ports else "no such NIC port: no NIC found")
+        for p in matched:
+            ports[ports.index(p)] = _apply_nic_fields(p, patch, ov.source)
+    if "nvlink" in ov.data:
+        _check_nvlink(ov.source, ov.data["nvlink"], ngpus)
+
+
+def _found_nvlink(gpus: Sequence[Gpu], live: bool, notes: List[str]) -> Tuple[set, str]:
+    """(NVLink pairs, their source) without an override's: asked of NVML / torch when ``live``, else assumed."""
+    n = len(gpus)
+    found = _live_nvlink(gpus) if (live and n > 1) else None
+    if found is not None:
+        return found
+    if live and n > 1:
+        notes.append("NVLink could not be queried (no NVML / CUDA): assumed all-to-all; "
+                     "set \"nvlink\" in an override if that is wrong")
+    return {(a, b) for a in range(n) for b in range(a + 1, n)}, "assumed"
 
 
 def synthetic(gpus: int, nic_gpus: Optional[Mapping[int, Union[str, Sequence[str]]]] = None,

@@ -16,8 +16,8 @@ from transport import auth
 from transport.errors import FabricClosed, FabricError, PeerLost, UnknownPeer
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.sockets import recv_exact
-from transport.fabric.wire import (HDR, MAGIC, MAX_HELLO, MAX_MESSAGE_BYTES, T_HELLO, T_HELLO_ACK, _frame_check, _keyed,
-                                   _seal)
+from transport.fabric.wire import (HDR, MAGIC, MAX_HELLO, MAX_MESSAGE_BYTES, T_HELLO, T_HELLO_ACK, frame_check, keyed,
+                                   seal)
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Connections:
                 for t in s.threads:
                     if t is not threading.current_thread():
                         t.join(timeout=2.0)
-        self.fabric._stop_io()  # before the sockets close: no thread is left that reads or sends on them
+        self.fabric.stop_io()  # before the sockets close: no thread is left that reads or sends on them
         for ep in eps:
             ep.close_sockets()
         self._listen_thread.join(timeout=2.0)
@@ -107,7 +107,7 @@ class Connections:
     def connect(self, peer_descriptor: bytes) -> SocketEndpoint:
         """The endpoint to the peer of ``peer_descriptor`` (its fabric's ``descriptor()``): the live one, else a new
         connection of ``connections_per_peer`` sockets. PeerLost when it cannot be made."""
-        self.fabric._check_open()
+        self.fabric.check_open()
         try:
             d = json.loads(bytes(peer_descriptor))
             peer_id, host, port = d["id"], d["host"], int(d["port"])
@@ -115,7 +115,7 @@ class Connections:
             raise ValueError(f"connect: malformed peer descriptor {bytes(peer_descriptor)[:100]!r}: {e}") from e
         if d.get("fabric") != self.fabric.name:
             raise ValueError(f"connect: descriptor is for fabric {d.get('fabric')!r}, this is {self.fabric.name!r}")
-        self.fabric._check_peer(d)
+        self.fabric.check_peer(d)
         with self._lock:
             ep = self._endpoints.get(peer_id)
             if ep is not None and ep.alive:
@@ -131,7 +131,7 @@ class Connections:
                 auth.client_handshake(s, self._secret, self.fabric.name, self.connect_timeout)
                 hello = json.dumps({"id": self.owner, "conn": conn_id, "index": i, "n": n,
                                     "desc": json.loads(self.fabric.descriptor())}).encode()
-                s.sendall(_seal(_keyed(s), HDR.pack(MAGIC, T_HELLO, 0, 0, 0, 0, len(hello)) + hello))
+                s.sendall(seal(keyed(s), HDR.pack(MAGIC, T_HELLO, 0, 0, 0, 0, len(hello)) + hello))
             for s in socks:
                 hdr = bytearray(HDR.size)
                 recv_exact(s, memoryview(hdr))
@@ -140,7 +140,7 @@ class Connections:
                     raise FabricError(f"connect to {peer_id}: HELLO_ACK of {blen} B is implausible")
                 body = bytearray(blen)
                 recv_exact(s, memoryview(body))
-                _frame_check(_keyed(s), hdr, body)
+                frame_check(keyed(s), hdr, body)
                 if magic != MAGIC or typ != T_HELLO_ACK or status != 0:
                     raise FabricError(f"connect to {peer_id}: handshake refused: {bytes(body)[:200]!r}")
                 s.settimeout(None)
@@ -215,7 +215,7 @@ class Connections:
     def _refuse(self, s: socket.socket, why: str) -> None:
         try:
             msg = why.encode()[:1024]
-            s.sendall(_seal(_keyed(s), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 1, 0, len(msg)) + msg))
+            s.sendall(seal(keyed(s), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 1, 0, len(msg)) + msg))
         except OSError:
             pass
 
@@ -225,13 +225,31 @@ class Connections:
         s = a.sock
         self._tune(s)
         auth.server_handshake(s, self._secret, self.fabric.name, a.deadline, a.established)
+        hello = self._read_hello(a)
+        if hello is None:
+            return
+        conn, idx, n, peer_id, desc = hello
+        entry = self._join_group(a, conn, idx, n, peer_id)
+        if entry is None:  # refused, or another socket of the group built (or gave up on) the endpoint
+            return
+        error = self._build_endpoint(a, peer_id, [entry["socks"][i] for i in range(n)], desc)
+        with self._group_cv:
+            entry["done"], entry["error"] = True, error
+            self._group_cv.notify_all()
+        if error is not None:
+            self._refuse(s, error)
+
+    def _read_hello(self, a: "auth.Admitted") -> Optional[tuple]:
+        """The HELLO of an authenticated incoming socket, checked: (connection, index, sockets, peer id,
+        descriptor); None when it was refused (counted, answered, logged)."""
+        s = a.sock
         hdr = auth.recv_exact(s, HDR.size, a.deadline)
         magic, typ, _, _, _, _, blen = HDR.unpack(hdr)
         try:
             if magic != MAGIC or typ != T_HELLO or blen > MAX_HELLO:
                 raise ValueError(f"bad hello header {hdr!r}")
             body = auth.recv_exact(s, blen, a.deadline)
-            _frame_check(_keyed(s), hdr, body)  # before the hello is parsed or acted on
+            frame_check(keyed(s), hdr, body)  # before the hello is parsed or acted on
             hello = json.loads(body)
             conn, idx, n = str(hello["conn"]), int(hello["index"]), int(hello["n"])
             peer_id, desc = hello["id"], hello["desc"]
@@ -239,45 +257,54 @@ class Connections:
                 raise ValueError(f"bad hello fields id={peer_id!r}")
             if not 1 <= n <= 64 or not 0 <= idx < n:
                 raise ValueError(f"bad hello index {idx} of {n}")
-            self.fabric._check_peer(desc)
+            self.fabric.check_peer(desc)
         except Exception as e:  # noqa: BLE001 — a broken client must not kill anything
             log.warning("%s: refused connection from %s: %s", self.owner, a.addr, e)
             self.gate.count("refused_hello")
             self._refuse(s, str(e))
-            return
+            return None
+        return conn, idx, n, peer_id, desc
+
+    def _join_group(self, a: "auth.Admitted", conn: str, idx: int, n: int, peer_id: str) -> Optional[dict]:
+        """Add socket ``idx`` of connection ``conn`` to its group. Returns the group when this socket is the last
+        to arrive (its thread builds the endpoint); else None once the group is done (this socket went to the
+        endpoint, or was refused with the group's error) or this socket was refused outright."""
+        s = a.sock
         with self._group_cv:
             entry = self._groups.get(conn)
             if entry is None:
                 if len(self._groups) >= 4 * self.gate.max_pending:
                     self.gate.count("refused_hello")
                     self._refuse(s, "too many connections gathering")
-                    return
+                    return None
                 entry = self._groups[conn] = {"socks": {}, "id": peer_id, "n": n, "done": False, "error": None}
             if entry["id"] != peer_id or entry["n"] != n or idx in entry["socks"]:
                 self.gate.count("refused_hello")
                 self._refuse(s, f"hello does not match connection {conn}")
-                return
+                return None
             entry["socks"][idx] = s
-            last = len(entry["socks"]) == n
-            if last:
+            if len(entry["socks"]) == n:
                 del self._groups[conn]
+                return entry
+            while not entry["done"] and not self.closed:
+                left = a.deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._group_cv.wait(left)
+            if not entry["done"]:  # the other sockets never came: give up on the whole endpoint
+                self._groups.pop(conn, None)
+                entry["done"], entry["error"] = True, "not every socket of the connection arrived in time"
+                self._group_cv.notify_all()
+            if entry["error"] is None:
+                a.sock = None  # the endpoint owns it now
             else:
-                while not entry["done"] and not self.closed:
-                    left = a.deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._group_cv.wait(left)
-                if not entry["done"]:  # the other sockets never came: give up on the whole endpoint
-                    self._groups.pop(conn, None)
-                    entry["done"], entry["error"] = True, "not every socket of the connection arrived in time"
-                    self._group_cv.notify_all()
-                if entry["error"] is None:
-                    a.sock = None  # the endpoint owns it now
-                else:
-                    self._refuse(s, entry["error"])
-                return
-        error = None
-        socks = [entry["socks"][i] for i in range(n)]
+                self._refuse(s, entry["error"])
+            return None
+
+    def _build_endpoint(self, a: "auth.Admitted", peer_id: str, socks: List[socket.socket],
+                        desc: dict) -> Optional[str]:
+        """Admit the endpoint of a complete group of sockets: its claim to ``peer_id`` and its source address's
+        count checked, the endpoint made and every socket's HELLO_ACK sent. Returns why it was refused, or None."""
         host = a.host
         with self._lock:
             error = self._claim_locked(peer_id)
@@ -291,29 +318,24 @@ class Connections:
                 self.gate.count("refused_claims")
         if error is not None:
             log.warning("%s: refused connection from %s: %s", self.owner, a.addr, error)
-        else:
-            for sk in socks:
-                # Blocking before the endpoint's receive threads start: a recv entered while the handshake
-                # timeout was still set kept it, and an idle rail then died after the timeout
-                sk.settimeout(None)
+            return error
+        for sk in socks:
+            # Blocking before the endpoint's receive threads start: a recv entered while the handshake
+            # timeout was still set kept it, and an idle rail then died after the timeout
+            sk.settimeout(None)
+        try:
+            ep = self._make_endpoint(peer_id, socks, desc)
+        except FabricClosed as e:
+            return str(e)
+        ep.remote_host = host
+        for sk in socks:
             try:
-                ep = self._make_endpoint(peer_id, socks, desc)
-            except FabricClosed as e:
-                error = str(e)
-            else:
-                ep.remote_host = host
-                for sk in socks:
-                    try:
-                        sk.sendall(_seal(_keyed(sk), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0)))
-                    except OSError as e:
-                        ep.fail(f"handshake: {e}")
-                        break
-                a.sock = None
-        with self._group_cv:
-            entry["done"], entry["error"] = True, error
-            self._group_cv.notify_all()
-        if error is not None:
-            self._refuse(s, error)
+                sk.sendall(seal(keyed(sk), HDR.pack(MAGIC, T_HELLO_ACK, 0, 0, 0, 0, 0)))
+            except OSError as e:
+                ep.fail(f"handshake: {e}")
+                break
+        a.sock = None
+        return None
 
     def _watchdog_loop(self) -> None:
         while not self._stop.wait(0.5):
@@ -321,8 +343,7 @@ class Connections:
             with self._lock:
                 eps = list(self._all_eps)
             for ep in eps:
-                with ep._lock:
-                    oldest = next(iter(ep._pending.values()), None) if ep._alive else None
+                oldest = ep.oldest_pending()
                 if oldest is not None and now - oldest.posted_at > self.ack_timeout:
                     ep.fail(f"message {oldest.seq} unacknowledged for {self.ack_timeout:g} s")
 

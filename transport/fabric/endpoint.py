@@ -13,8 +13,8 @@ from typing import Dict, List, Optional
 
 from transport.errors import PeerLost
 from transport.fabric.base import Completion, Endpoint
-from transport.fabric.messages import _OutMsg
-from transport.fabric.sockets import _Sock
+from transport.fabric.messages import OutMsg
+from transport.fabric.sockets import Sock
 from transport.fabric.wire import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -23,37 +23,36 @@ log = logging.getLogger(__name__)
 class SocketEndpoint(Endpoint):
     """A connection to one peer: ``n`` sockets striped, one sequence space per direction."""
 
+    alive: bool = True  # ``Endpoint.alive`` as a plain attribute (set in ``__init__``, cleared on failure)
+
     def __init__(self, fabric, peer_id: str, socks: List[socket.socket]):
         self.fabric = fabric
         self.peer_id = peer_id
-        self.socks = [_Sock(s, i) for i, s in enumerate(socks)]
+        self.socks = [Sock(s, i) for i, s in enumerate(socks)]
         self._lock = threading.Lock()
         self._out_seq = 0
         self._out_local = 0  # keys of messages completed without the peer: -1, -2, ...
-        self._pending: "collections.OrderedDict[int, _OutMsg]" = collections.OrderedDict()
+        self._pending: "collections.OrderedDict[int, OutMsg]" = collections.OrderedDict()
         self._rr = 0
         self._small = 0  # index of the socket small messages go to (``enqueue_one``)
         self._in_lock = threading.Lock()
         self._in_next = 0
         self._in_done: Dict[int, List[Completion]] = {}
-        self._alive = True
+        # True until the link failed (``fail``): a plain attribute, read once per message; only ``fail`` clears it
+        self.alive = True
         self._cause: Optional[str] = None
         self.max_payload = MAX_MESSAGE_BYTES  # payload bytes of one incoming message (the peer's message_bytes)
 
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
     def __repr__(self):
-        return f"{type(self).__name__}({self.peer_id!r}, sockets={len(self.socks)}, alive={self._alive})"
+        return f"{type(self).__name__}({self.peer_id!r}, sockets={len(self.socks)}, alive={self.alive})"
 
     def start(self) -> None:
-        """Start serving the sockets (``SocketFabric._start_endpoint``: threads of their own, or the tcp fabric's
+        """Start serving the sockets (``SocketFabric.start_endpoint``: threads of their own, or the tcp fabric's
         I/O threads)."""
-        self.fabric._start_endpoint(self)
+        self.fabric.start_endpoint(self)
 
     def busy(self) -> bool:
-        """A thread may still use one of the sockets (``_Sock.busy``): they must stay open."""
+        """A thread may still use one of the sockets (``Sock.busy``): they must stay open."""
         return any(s.busy() for s in self.socks)
 
     def abort(self) -> None:
@@ -68,9 +67,9 @@ class SocketEndpoint(Endpoint):
     def fail(self, cause: str) -> None:
         """Mark the endpoint dead, wake its threads, and fail every pending write with ``PeerLost``."""
         with self._lock:
-            if not self._alive:
+            if not self.alive:
                 return
-            self._alive = False
+            self.alive = False
             self._cause = cause
             pending = list(self._pending.values())
             self._pending.clear()
@@ -92,7 +91,7 @@ class SocketEndpoint(Endpoint):
             out.extend(m.completions(self.peer_id, PeerLost(
                 f"peer {self.peer_id} lost ({cause}) before message {m.seq} ({len(m)} piece(s), {m.nbytes} B) was "
                 f"acknowledged")))
-        self.fabric._push(out)
+        self.fabric.push_completions(out)
 
     def close_sockets(self) -> None:
         for s in self.socks:
@@ -101,12 +100,18 @@ class SocketEndpoint(Endpoint):
             except OSError:
                 pass
 
+    def oldest_pending(self):
+        """The oldest message still waiting for its ack (the watchdog's ``ack_timeout`` check), or None: none
+        pending, or the endpoint failed."""
+        with self._lock:
+            return next(iter(self._pending.values()), None) if self.alive else None
+
     def check_alive(self) -> None:
-        if not self._alive:
+        if not self.alive:
             raise PeerLost(f"endpoint {self.peer_id} is dead ({self._cause}); reconnect first")
 
     # --- sender side ----------------------------------------------------------------------------------------
-    def enqueue(self, msgs: List[_OutMsg], queue: bool = True, local: Optional[List[bool]] = None) -> List[_Sock]:
+    def enqueue(self, msgs: List[OutMsg], queue: bool = True, local: Optional[List[bool]] = None) -> List[Sock]:
         """Register ``msgs`` as pending and hand them to the sockets round-robin (under one lock: seq order).
         ``queue=False``: only register them; the caller transmits each on the socket returned for it.
         ``local[i]``: message i never reaches the peer (the caller completes it with ``on_ack``): it gets a negative
@@ -134,15 +139,15 @@ class SocketEndpoint(Endpoint):
                         s.wake()
         return out
 
-    def enqueue_one(self, m: _OutMsg, reader: bool = False) -> _Sock:
+    def enqueue_one(self, m: OutMsg, reader: bool = False) -> Sock:
         """``enqueue([m], queue=False)``: register one message as pending and return the socket to send it on
-        (the poster's inline send of a small message, ``TcpPoster._post_rows``). Small messages keep to one socket
+        (the poster's inline send of a small message, ``TcpPoster.post_rows``). Small messages keep to one socket
         (``_small``) while it serves: a sender of one small batch after another then meets the same receive thread
         at the peer, still awake from the last one (``recv_spin``), and the same caches. ``reader``: the poster
         will wait for the ack and read it itself, so a socket whose reader token another waiting caller holds is
         passed over when another's is free. ``small_busy`` moves the choice on when the socket was busy."""
         with self._lock:
-            if not self._alive:
+            if not self.alive:
                 self.check_alive()
             m.seq = seq = self._out_seq
             self._out_seq = seq + 1
@@ -157,14 +162,14 @@ class SocketEndpoint(Endpoint):
                         break
         return s
 
-    def small_busy(self, s: _Sock) -> None:
+    def small_busy(self, s: Sock) -> None:
         """The small message just given socket ``s`` had to wait for it (its sender thread was sending): the next
         small message tries the next socket."""
         socks = self.socks
         if socks[self._small] is s:
             self._small = (s.index + 1) % len(socks)
 
-    def reserve(self, sock: Optional[_Sock] = None) -> tuple:
+    def reserve(self, sock: Optional[Sock] = None) -> tuple:
         """(socket, sequence number) for a message that gets no pending record (an unacked write): the peer
         delivers its RECV_IMM in sequence order like any message's. ``sock``: send it there (else round-robin)."""
         with self._lock:
@@ -206,7 +211,7 @@ class SocketEndpoint(Endpoint):
             if m.on_acked():
                 return
             out = m.completions(self.peer_id)
-        self.fabric._push(out)
+        self.fabric.push_completions(out)
 
     # --- target side ----------------------------------------------------------------------------------------
     def deliver_in_order(self, seq: int, events: List[Completion]) -> None:
@@ -222,9 +227,9 @@ class SocketEndpoint(Endpoint):
                     out.extend(self._in_done.pop(self._in_next))
                     self._in_next += 1
         if out:
-            self.fabric._push(out)
+            self.fabric.push_completions(out)
 
-    def send_ctrl(self, s: _Sock, payload: bytes) -> None:
+    def send_ctrl(self, s: Sock, payload: bytes) -> None:
         with s.cv:
             if s.closed:
                 return

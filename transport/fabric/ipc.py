@@ -58,13 +58,13 @@ from transport.fabric.memory import cuda_stream, cuda_tensor, raw_view
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.ipc_ordered import OrderedPosts, batch_message, failed_statuses
 from transport.fabric.ipc_peers import PeerRegions
-from transport.fabric.messages import _OutMsg, batch_messages
+from transport.fabric.messages import OutMsg, batch_messages
 from transport.fabric.procmem import allow_peer_writes, process_vm_read, process_vm_write
 from transport.fabric.region_counter import GenerationCounter
 from transport.fabric.socket_fabric import SocketFabric
-from transport.fabric.sockets import _Sock, recv_exact
-from transport.fabric.wire import (_I64, _VECTOR_MIN, HDR, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT,
-                                   T_NOTIFY, T_REQ, _seal)
+from transport.fabric.sockets import Sock, recv_exact
+from transport.fabric.wire import (HDR, I64, MAGIC, ST_BOUNDS, ST_FAILED, ST_OK, T_DONE, T_GRANT, T_NOTIFY, T_REQ,
+                                   VECTOR_MIN, seal)
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class IpcFabric(SocketFabric):
         return {"pid": self._pid, "boot": _boot_id(), "pidns": _pid_ns(), "probe": ctypes.addressof(self._probe),
                 "token": self._probe_token.hex(), "gen_addr": gen["region_gen_addr"], "gen_fd": gen["region_gen_fd"]}
 
-    def _check_peer(self, d: dict) -> None:
+    def check_peer(self, d: dict) -> None:
         try:
             pid, boot, pidns, probe = int(d["pid"]), d["boot"], int(d["pidns"]), int(d["probe"])
             token = bytes.fromhex(d["token"])
@@ -226,11 +226,11 @@ class IpcFabric(SocketFabric):
         return d
 
     # --- target side ----------------------------------------------------------------------------------------
-    def _send_ctrl(self, ep: SocketEndpoint, s: _Sock, payload: bytes) -> None:
+    def send_ctrl(self, ep: SocketEndpoint, s: Sock, payload: bytes) -> None:
         # Sent from the receiver thread itself: ipc messages are small, and a sender thread may be parked
         # waiting for a grant, so queueing behind it could deadlock two peers writing to each other.
         with s.send_lock:
-            s.sock.sendall(_seal(s.sess, payload))
+            s.sock.sendall(seal(s.sess, payload))
 
     def _on_message(self, ep, s, typ, seq, table, payload, st, ack: bool = True) -> None:
         if typ == T_NOTIFY:
@@ -246,7 +246,7 @@ class IpcFabric(SocketFabric):
         s.granted[seq] = (table, statuses, pinned)
         body = bytes(statuses) + json.dumps({str(k): v for k, v in info.items()}).encode()
         try:
-            self._send_ctrl(ep, s, HDR.pack(MAGIC, T_GRANT, 0, 0, len(statuses), seq, len(body)) + body)
+            self.send_ctrl(ep, s, HDR.pack(MAGIC, T_GRANT, 0, 0, len(statuses), seq, len(body)) + body)
         except OSError:
             self._release(s, seq)
             raise
@@ -268,9 +268,9 @@ class IpcFabric(SocketFabric):
                 # cannot happen unless the writer's descriptions were stale: name it loudly
                 log.error("ipc: writer %s copied piece %d (0x%x+%d) outside every region registered here",
                           ep.peer_id, i, int(table["addr"][i]), int(table["len"][i]))
-        self._finish_message(ep, s, seq, table, statuses, ack=False)
+        self.finish_message(ep, s, seq, table, statuses, ack=False)
 
-    def _release(self, s: _Sock, seq: int):
+    def _release(self, s: Sock, seq: int):
         g = s.granted.pop(seq, None)
         if g is not None:
             self._unpin(g[2])
@@ -293,7 +293,7 @@ class IpcFabric(SocketFabric):
             for i, b in enumerate(body):
                 if b and not statuses[i]:
                     statuses[i] = b
-            self._finish_message(ep, s, seq, table, statuses)
+            self.finish_message(ep, s, seq, table, statuses)
         else:
             raise ValueError(f"ipc fabric got unexpected message type {typ}")
 
@@ -314,10 +314,10 @@ class IpcFabric(SocketFabric):
         if not requests or not all(isinstance(r, WriteBatch) for r in requests):
             super().post_writes(ep, requests)
             return
-        self._validate(ep, [])
-        self._post_checked_batches(ep, requests, [self._validate_batch(b) for b in requests])
+        self.validate(ep, [])
+        self._post_checked_batches(ep, requests, [self.validate_batch(b) for b in requests])
 
-    def _validate_batch(self, b: WriteBatch) -> np.ndarray:
+    def validate_batch(self, b: WriteBatch) -> np.ndarray:
         """tcp's checks of a ``WriteBatch``. A batch that carries ``bounds`` (the engine's extremes of these same
         arrays, and its one key on each side) gets the same checks on those extremes, without reducing its arrays
         again; when they do not pass, the batch loses its bounds (nothing later relies on them) and tcp's checks
@@ -328,14 +328,14 @@ class IpcFabric(SocketFabric):
             if mr is not None:
                 return np.full(b.count, mr.device, dtype=np.int64)
             b.bounds = None
-        return super()._validate_batch(b)
+        return super().validate_batch(b)
 
     def _bounded_local(self, bd: WriteBounds) -> Optional[MemoryRegion]:
         """The local region of ``bd.lkey`` when the extremes ``bd`` pass tcp's checks of a batch's arrays (lengths
         >= 1, addresses and ends inside 63 bits, a 32-bit rkey, every source inside that region); else None."""
         mr = self._regions.get(bd.lkey)
         if (mr is not None and bd.len_min > 0 and bd.local_min >= 0 and bd.remote_min >= 0
-                and bd.local_end <= _I64 and bd.remote_end <= _I64 and 0 <= bd.rkey <= 0xFFFFFFFF
+                and bd.local_end <= I64 and bd.remote_end <= I64 and 0 <= bd.rkey <= 0xFFFFFFFF
                 and mr.addr <= bd.local_min and bd.local_end <= mr.addr + mr.length):
             return mr
         return None
@@ -372,8 +372,8 @@ class IpcFabric(SocketFabric):
         its span. A GPU copy maps each piece into its peer region's mapping here: one launch for the batch."""
         if self._closed or not isinstance(ep, SocketEndpoint) or ep.fabric is not self or not ep.alive:
             return None
-        if not (spans.len_min > 0 and spans.local_min >= 0 and spans.remote_min >= 0 and spans.local_end <= _I64
-                and spans.remote_end <= _I64):
+        if not (spans.len_min > 0 and spans.local_min >= 0 and spans.remote_min >= 0 and spans.local_end <= I64
+                and spans.remote_end <= I64):
             return None
         checked = self._checked_spans(ep, spans)
         if checked is None:
@@ -414,12 +414,12 @@ class IpcFabric(SocketFabric):
                              wait=wait, stream=stream)
 
     def _post_checked_batches(self, ep: SocketEndpoint, batches, devices) -> None:
-        """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``_validate_batch``) batch
+        """Post checked ``WriteBatch``es (``devices``: each write's source device, from ``validate_batch``) batch
         by batch through ``_post_batch_direct`` while they qualify, the rest as messages."""
         for i, (b, dev) in enumerate(zip(batches, devices)):
             if not self._post_batch_direct(ep, b, dev):
                 self._send(ep, [m for b_, d_ in zip(batches[i:], devices[i:])
-                                for m in batch_messages(b_, d_, self._message_target, len(ep.socks))])
+                                for m in batch_messages(b_, d_, self.message_target, len(ep.socks))])
                 return
 
     def post_writes_after(self, ep: SocketEndpoint, requests, after):
@@ -433,8 +433,8 @@ class IpcFabric(SocketFabric):
         requests = list(requests)
         if not requests or not all(isinstance(r, WriteBatch) for r in requests):
             return super().post_writes_after(ep, requests, after)
-        self._validate(ep, [])
-        devices = [self._validate_batch(b) for b in requests]
+        self.validate(ep, [])
+        devices = [self.validate_batch(b) for b in requests]
         target = self._direct_target(ep, requests, devices)
         if target is not None and target[0] != DEVICE_HOST:  # host memory: no GPU stream to order on
             return self._ordered.post(ep, requests, target[0], target[1], after)
@@ -447,7 +447,7 @@ class IpcFabric(SocketFabric):
         """(source device, the peer's region description) when every write of ``batches`` goes from one local
         GPU into one peer GPU region, or from host memory into one peer host region, whose description is current
         and contains it; else None."""
-        # one batch with bounds (checked by ``_validate_batch``): its one rkey, source device and remote extremes
+        # one batch with bounds (checked by ``validate_batch``): its one rkey, source device and remote extremes
         # without reducing its arrays
         bd = getattr(batches[0], "bounds", None) if len(batches) == 1 else None
         if bd is not None:
@@ -476,7 +476,7 @@ class IpcFabric(SocketFabric):
         of the checked batch ``b`` goes from one local device into peer regions on the same side (host or GPU)
         whose descriptions are current and each contains its pieces; else None. For one region the position and
         the cache are None, and for host memory the cache. ``devices``: each write's source device
-        (``_validate_batch``)."""
+        (``validate_batch``)."""
         src_devs = distinct(devices)
         if len(src_devs) != 1:
             return None
@@ -563,7 +563,7 @@ class IpcFabric(SocketFabric):
         ep.on_ack(m.seq, statuses)
         return True
 
-    def _send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
+    def _send(self, ep: SocketEndpoint, msgs: List[OutMsg]) -> None:
         """When the peer's descriptions of every region involved are current, the copies and their NOTIFYs run in
         the posting thread (no hand-off to a socket's sender thread, no GRANT round trip); else the messages
         queue for the sender threads as on tcp."""
@@ -582,12 +582,12 @@ class IpcFabric(SocketFabric):
                 ep.fail(f"send failed: {e}")
                 return
 
-    def _message_target(self, total: int, nsocks: int) -> int:
+    def message_target(self, total: int, nsocks: int) -> int:
         # Once the peer's regions are described, every message of a post is copied by the posting thread, one
         # after the other: cutting a post per socket would only add a launch and a synchronise per message.
         return max(64 << 10, self.message_bytes)
 
-    def _notify(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg, info: dict) -> None:
+    def _notify(self, ep: SocketEndpoint, s: Sock, msg: OutMsg, info: dict) -> None:
         """One message instead of REQ / GRANT / DONE: copy now (the same bounds checks against the peer's own
         descriptions, ``info``, as after a GRANT), then tell the peer what landed."""
         table = msg.table
@@ -601,11 +601,11 @@ class IpcFabric(SocketFabric):
         if msg.seq >= 0:
             tb = table.tobytes()
             with s.send_lock:
-                s.sock.sendall(_seal(s.sess, HDR.pack(MAGIC, T_NOTIFY, 0, 0, len(table), msg.seq,
+                s.sock.sendall(seal(s.sess, HDR.pack(MAGIC, T_NOTIFY, 0, 0, len(table), msg.seq,
                                                       len(tb) + len(statuses)) + tb + bytes(statuses)))
         ep.on_ack(msg.seq, bytes(statuses))
 
-    def _transmit(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg) -> None:
+    def transmit(self, ep: SocketEndpoint, s: Sock, msg: OutMsg) -> None:
         table = msg.table
         info, gen = self._current_info(ep, table)
         if info is not None:
@@ -613,7 +613,7 @@ class IpcFabric(SocketFabric):
             return
         tb = table.tobytes()
         with s.send_lock:
-            s.sock.sendall(_seal(s.sess, HDR.pack(MAGIC, T_REQ, 0, 0, len(table), msg.seq, len(tb)) + tb))
+            s.sock.sendall(seal(s.sess, HDR.pack(MAGIC, T_REQ, 0, 0, len(table), msg.seq, len(tb)) + tb))
         deadline = time.monotonic() + self.grant_timeout
         with s.grant_cv:
             while msg.seq not in s.grants:
@@ -630,10 +630,10 @@ class IpcFabric(SocketFabric):
             self._peers.record_grant(ep, info, gen)
         self._copy_checked(ep, s, msg, statuses, info)
         with s.send_lock:
-            s.sock.sendall(_seal(s.sess, HDR.pack(MAGIC, T_DONE, 0, 0, len(statuses), msg.seq, len(statuses))
+            s.sock.sendall(seal(s.sess, HDR.pack(MAGIC, T_DONE, 0, 0, len(statuses), msg.seq, len(statuses))
                                  + bytes(statuses)))
 
-    def _copy_checked(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
+    def _copy_checked(self, ep: SocketEndpoint, s: Sock, msg: OutMsg, statuses: bytearray, info: dict) -> None:
         try:
             self._copy(ep, s, msg, statuses, info)
         except OSError as e:
@@ -641,14 +641,14 @@ class IpcFabric(SocketFabric):
                 raise ConnectionError(f"peer process gone: {e}") from e
             raise
 
-    def _copy(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict) -> None:
+    def _copy(self, ep: SocketEndpoint, s: Sock, msg: OutMsg, statuses: bytearray, info: dict) -> None:
         """Copy the pieces of ``msg`` that are ``ST_OK`` in ``statuses``, after checking each against the region
         the target described for its rkey (``info``); a piece outside it becomes ``ST_BOUNDS``. Whole-array numpy:
         a Python step per piece would be a large share of a post of many pieces."""
         t = msg.table
         n = len(t)
         pid = int(ep.peer_desc["pid"])  # verified at connect (token read back), not taken from the GRANT
-        if n <= _VECTOR_MIN:
+        if n <= VECTOR_MIN:
             self._copy_few(ep, s, msg, statuses, info, pid)
             return
         st = np.frombuffer(statuses, dtype=np.uint8)  # a writable view: updates land in ``statuses``
@@ -681,7 +681,7 @@ class IpcFabric(SocketFabric):
                 log.error("ipc GPU copy of %d piece(s) to %s failed: %s", int(to_gpu.sum()), ep.peer_id, e)
                 st[to_gpu] = ST_FAILED
 
-    def _copy_few(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg, statuses: bytearray, info: dict, pid: int) -> None:
+    def _copy_few(self, ep: SocketEndpoint, s: Sock, msg: OutMsg, statuses: bytearray, info: dict, pid: int) -> None:
         """``_copy`` for a message of a few pieces (an ack, a chunk): one Python step per piece costs less than the
         two dozen numpy calls of the whole-array path."""
         t = msg.table
@@ -721,7 +721,7 @@ class IpcFabric(SocketFabric):
                 for i in gpu:
                     statuses[i] = ST_FAILED
 
-    def _copy_gpu(self, s: _Sock, idx: np.ndarray, s_addr, s_dev, addr, ln, k, regs) -> None:
+    def _copy_gpu(self, s: Sock, idx: np.ndarray, s_addr, s_dev, addr, ln, k, regs) -> None:
         """Copy pieces ``idx`` into the target's GPU memory through its IPC-mapped allocations (``k``: each piece's
         index into ``regs``, the target's descriptions): per source GPU, on the posting thread's current stream
         (from the caller's thread: after whatever the caller queued there), one batched-copy launch for every

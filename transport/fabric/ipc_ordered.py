@@ -12,20 +12,20 @@ import numpy as np
 
 from transport.fabric.base import WriteBatch
 from transport.fabric.endpoint import SocketEndpoint
-from transport.fabric.messages import _BatchRecord, _OutMsg
+from transport.fabric.messages import BatchRecord, OutMsg
 from transport.fabric.wire import PIECE_DT, ST_FAILED
 
 log = logging.getLogger(__name__)
 
 
-def batch_message(b: WriteBatch) -> _OutMsg:
+def batch_message(b: WriteBatch) -> OutMsg:
     """A message without a table for batch ``b``, which the writer completes itself."""
-    m = _OutMsg(0)
-    m.batch, m.final, m.pieces = _BatchRecord(b), True, b.count
+    m = OutMsg(0)
+    m.batch, m.final, m.pieces = BatchRecord(b), True, b.count
     return m
 
 
-def failed_statuses(m: _OutMsg, b: WriteBatch) -> bytes:
+def failed_statuses(m: OutMsg, b: WriteBatch) -> bytes:
     """Give a table-less batch message the piece table its failed completion names a piece from."""
     m.table = np.zeros(b.count, dtype=PIECE_DT)
     ra, ln = b.remote_addr, b.length

@@ -244,23 +244,13 @@ class PeerRegions:
         if memo is not None and memo[0] is spans.local and memo[1] is spans.remote and memo[2] is ep \
                 and memo[3] == own and memo[4] == reader.read() and memo[5] == one:
             return memo[6]
-        dev = None
-        for lkey, lo, hi in spans.local:
-            mr = self._regions.get(lkey)
-            if mr is None or not (mr.addr <= lo and hi <= mr.addr + mr.length) or dev not in (None, mr.device):
-                return None
-            dev = mr.device
-        keys = [k for k, _, _ in spans.remote]
-        if dev is None or not keys or not all(0 <= k <= 0xFFFFFFFF for k in keys):
+        dev = self._local_device(spans.local)
+        if dev is None:
             return None
-        info, gen = self.current_info(ep, None, keys)
-        if info is None:
+        checked = self._remote_regions(ep, spans.remote, dev)
+        if checked is None:
             return None
-        regs = [info[k] for k in keys]
-        for reg, (_, lo, hi) in zip(regs, spans.remote):
-            if (dev == DEVICE_HOST) != (reg["device"] == DEVICE_HOST) or \
-                    not (reg["addr"] <= lo and hi <= reg["addr"] + reg["length"]):
-                return None
+        regs, gen = checked
         if dev == DEVICE_HOST:
             shift = None
         elif one:
@@ -272,3 +262,31 @@ class PeerRegions:
                 self._spans.pop(next(iter(self._spans)))
             self._spans[id(spans.remote)] = (spans.local, spans.remote, ep, own, gen, one, (dev, shift))
         return dev, shift
+
+    def _local_device(self, local) -> Optional[int]:
+        """The one device of the local regions of ``local`` ((lkey, low, high) spans) when each is registered here
+        and covers its span; else None."""
+        dev = None
+        for lkey, lo, hi in local:
+            mr = self._regions.get(lkey)
+            if mr is None or not (mr.addr <= lo and hi <= mr.addr + mr.length) or dev not in (None, mr.device):
+                return None
+            dev = mr.device
+        return dev
+
+    def _remote_regions(self, ep: SocketEndpoint, remote, dev: int) -> Optional[tuple]:
+        """(the peer's current description of each region of ``remote`` ((rkey, low, high) spans), the generation
+        it was read at) when every one is on the same side (host or GPU) as ``dev`` and covers its span; else
+        None."""
+        keys = [k for k, _, _ in remote]
+        if not keys or not all(0 <= k <= 0xFFFFFFFF for k in keys):
+            return None
+        info, gen = self.current_info(ep, None, keys)
+        if info is None:
+            return None
+        regs = [info[k] for k in keys]
+        for reg, (_, lo, hi) in zip(regs, remote):
+            if (dev == DEVICE_HOST) != (reg["device"] == DEVICE_HOST) or \
+                    not (reg["addr"] <= lo and hi <= reg["addr"] + reg["length"]):
+                return None
+        return regs, gen

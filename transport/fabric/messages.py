@@ -1,5 +1,5 @@
 """What the sender of a socket fabric keeps of its posts: one record per posted write, per posted batch, and per
-message on the wire (``_OutMsg``), and the cutting of posts into messages of about the fabric's message size.
+message on the wire (``OutMsg``), and the cutting of posts into messages of about the fabric's message size.
 """
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 
 from transport.errors import RegionError
 from transport.fabric.base import Completion, Opcode, WriteBatch, WriteRequest
-from transport.fabric.wire import _STATUS_TEXT, _VECTOR_MIN, F_IMM, MAX_TABLE, PIECE_DT
+from transport.fabric.wire import F_IMM, MAX_TABLE, PIECE_DT, STATUS_TEXT, VECTOR_MIN
 
 
-class _WrRecord:
+class WrRecord:
     """Sender-side state of one posted write (possibly cut into several pieces)."""
 
     __slots__ = ("wr_id", "opcode", "length", "imm", "remote_addr", "rkey", "error", "signaled")
@@ -28,7 +28,7 @@ class _WrRecord:
         self.error: Optional[BaseException] = None
 
 
-class _OutMsg:
+class OutMsg:
     """One WRITE message on the wire: its pieces and where each piece's bytes come from."""
 
     __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at", "batch", "final", "src_arr",
@@ -38,12 +38,12 @@ class _OutMsg:
         self.seq = seq
         self.posted_at = 0.0
         self.table: Optional[np.ndarray] = None
-        self.recs: List[_WrRecord] = []  # per piece
+        self.recs: List[WrRecord] = []  # per piece
         self.last: List[bool] = []  # per piece: is this the write's final piece
         self.src: List[tuple] = []  # per piece: (local_addr, length, device)
         self.statuses: Optional[bytes] = None
         self.done = False
-        self.batch: Optional[_BatchRecord] = None  # a message carrying (part of) a WriteBatch: recs/last unused
+        self.batch: Optional[BatchRecord] = None  # a message carrying (part of) a WriteBatch: recs/last unused
         self.final = False  # the batch's last message
         self.src_arr: Optional[np.ndarray] = None  # batch messages: ``src`` as int64 rows
         self.pieces = 0  # pieces of a message without a table (a batch the posting thread completes itself)
@@ -83,7 +83,7 @@ class _OutMsg:
                 t = self.table if self.table is not None else np.frombuffer(self.rows, dtype=PIECE_DT)
                 b.error = RegionError(
                     f"peer {peer_id} refused write {int(t['wlen'][i])} B at 0x{int(t['waddr'][i]):x} rkey "
-                    f"0x{int(t['rkey'][i]):x} of batch wr_id={b.wr_id}: {_STATUS_TEXT.get(int(arr[i]), int(arr[i]))}")
+                    f"0x{int(t['rkey'][i]):x} of batch wr_id={b.wr_id}: {STATUS_TEXT.get(int(arr[i]), int(arr[i]))}")
             if b.error is None and not self.final:
                 return []
             b.reported = True
@@ -96,7 +96,7 @@ class _OutMsg:
                 elif st is not None and st[i]:
                     rec.error = RegionError(
                         f"peer {peer_id} refused wr_id={rec.wr_id}: {rec.length} B at 0x{rec.remote_addr:x} rkey "
-                        f"0x{rec.rkey:x}: {_STATUS_TEXT.get(st[i], st[i])}")
+                        f"0x{rec.rkey:x}: {STATUS_TEXT.get(st[i], st[i])}")
             if last and (rec.signaled or rec.error is not None):
                 out.append(Completion(rec.wr_id, rec.opcode, peer_id, rec.length, rec.imm, rec.error))
         return out
@@ -110,7 +110,7 @@ class _OutMsg:
         return int(self.table["len"].sum()) if self.table is not None else self.batch.length
 
 
-class _BatchRecord:
+class BatchRecord:
     """Sender-side state of one posted ``WriteBatch`` (its messages share it)."""
 
     __slots__ = ("wr_id", "length", "error", "reported")
@@ -122,7 +122,7 @@ class _BatchRecord:
         self.reported = False
 
 
-def batch_messages(b: WriteBatch, devices: np.ndarray, message_target, nsocks: int) -> List[_OutMsg]:
+def batch_messages(b: WriteBatch, devices: np.ndarray, message_target, nsocks: int) -> List[OutMsg]:
     """The messages of one checked batch (``devices``: each write's source device): writes larger than a message
     cut into pieces, then runs of pieces of about ``message_target(bytes, nsocks)`` (the fabric's payload bytes
     per message), all in numpy."""
@@ -141,14 +141,14 @@ def batch_messages(b: WriteBatch, devices: np.ndarray, message_target, nsocks: i
         wa, wl = ra, ln
     cum = np.cumsum(ln)
     n = int(ln.size)
-    msgs: List[_OutMsg] = []
-    rec = _BatchRecord(b)
+    msgs: List[OutMsg] = []
+    rec = BatchRecord(b)
     start = 0
     while start < n:
         base = int(cum[start - 1]) if start else 0
         end = max(int(np.searchsorted(cum, base + target, side="right")), start + 1)
         end = min(end, start + MAX_TABLE, n)
-        m = _OutMsg(0)
+        m = OutMsg(0)
         t = np.zeros(end - start, dtype=PIECE_DT)
         t["addr"], t["len"], t["waddr"], t["wlen"], t["rkey"] = (ra[start:end], ln[start:end], wa[start:end],
                                                                   wl[start:end], rk[start:end])
@@ -161,26 +161,26 @@ def batch_messages(b: WriteBatch, devices: np.ndarray, message_target, nsocks: i
     return msgs
 
 
-def write_messages(requests, mrs, message_target, nsocks: int) -> List[_OutMsg]:
+def write_messages(requests, mrs, message_target, nsocks: int) -> List[OutMsg]:
     """Cut checked writes (``mrs``: the local region of each) into messages of about ``message_target(bytes,
     nsocks)`` bytes; a write spanning a boundary becomes several pieces."""
     total = sum(r.length for r in requests)
     target = message_target(total, nsocks)
-    if len(requests) > _VECTOR_MIN and all(r.length <= target for r in requests):
+    if len(requests) > VECTOR_MIN and all(r.length <= target for r in requests):
         return _whole_messages(requests, mrs, target)
-    msgs: List[_OutMsg] = []
+    msgs: List[OutMsg] = []
     rows: List[tuple] = []
-    cur = _OutMsg(0)
+    cur = OutMsg(0)
     cur_bytes = 0
 
     def flush():
         nonlocal cur, rows, cur_bytes
         cur.table = np.array(rows, dtype=PIECE_DT)
         msgs.append(cur)
-        cur, rows, cur_bytes = _OutMsg(0), [], 0
+        cur, rows, cur_bytes = OutMsg(0), [], 0
 
     for r, mr in zip(requests, mrs):
-        rec = _WrRecord(r)
+        rec = WrRecord(r)
         flags = F_IMM if r.imm is not None else 0
         imm = r.imm or 0
         off = 0
@@ -203,7 +203,7 @@ def write_messages(requests, mrs, message_target, nsocks: int) -> List[_OutMsg]:
     return msgs
 
 
-def _whole_messages(requests, mrs, target: int) -> List[_OutMsg]:
+def _whole_messages(requests, mrs, target: int) -> List[OutMsg]:
     """``write_messages`` for writes that each fit a message: whole writes, in order, a message closed once
     it holds ``target`` bytes or ``MAX_TABLE`` pieces; the table built by numpy, not row by row."""
     n = len(requests)
@@ -224,7 +224,7 @@ def _whole_messages(requests, mrs, target: int) -> List[_OutMsg]:
     for a, b in zip(bounds[:-1], bounds[1:]):
         for lo in range(a, b, MAX_TABLE):
             hi = min(b, lo + MAX_TABLE)
-            m = _OutMsg(0)
+            m = OutMsg(0)
             part = requests[lo:hi]
             t = np.zeros(hi - lo, dtype=PIECE_DT)
             t["addr"] = t["waddr"] = ra[lo:hi]
@@ -233,7 +233,7 @@ def _whole_messages(requests, mrs, target: int) -> List[_OutMsg]:
             t["flags"] = [F_IMM if r.imm is not None else 0 for r in part]
             t["imm"] = [r.imm or 0 for r in part]
             m.table = t
-            m.recs = [_WrRecord(r) for r in part]
+            m.recs = [WrRecord(r) for r in part]
             m.last = [True] * (hi - lo)
             m.src = list(zip(la[lo:hi].tolist(), ln[lo:hi].tolist(), [mr.device for mr in mrs[lo:hi]]))
             msgs.append(m)

@@ -18,7 +18,7 @@ from transport.arrays import distinct
 from transport.errors import RegionError
 from transport.fabric.base import DEVICE_HOST, IMM_MAX, MemoryRegion, WriteBatch, WriteRequest, check_range
 from transport.fabric.memory import check_device, raw_view
-from transport.fabric.wire import _I64, ST_BAD_RKEY, ST_BOUNDS
+from transport.fabric.wire import I64, ST_BAD_RKEY, ST_BOUNDS
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class RegionBook:
                     break
 
     def set_landing_handler(self, mr: MemoryRegion, handler) -> None:
-        """Register ``handler`` for the host region ``mr`` (the contract: ``TcpLanding.set_landing_handler``)."""
+        """Register ``handler`` for the host region ``mr`` (the contract: ``TcpFabric.set_landing_handler``)."""
         with self.lock:
             if self.regions.get(mr.rkey) is not mr or mr.device != DEVICE_HOST:
                 raise RegionError(f"set_landing_handler: {mr!r} is not a host region registered with {self.owner}")
@@ -111,7 +111,7 @@ class RegionBook:
         return mr
 
     def validate_many(self, requests: Sequence[WriteRequest]) -> Optional[List[MemoryRegion]]:
-        """The checks of ``SocketFabric._validate`` for many requests in a few numpy calls (a Python step per request
+        """The checks of ``SocketFabric.validate`` for many requests in a few numpy calls (a Python step per request
         is most of a post of many writes). None when any request fails a check: the per-request loop then raises
         the error that names it."""
         cols = [(r.local_addr, r.length, r.remote_addr, r.rkey, r.lkey, 0 if r.imm is None else r.imm)
@@ -133,8 +133,8 @@ class RegionBook:
         """``(write, "value", what is wrong)`` for the first write with a bad value, in the order of the checks;
         None when every value is good."""
         checks = [(ln <= 0, "length must be positive"), (la < 0, "local address is negative"),
-                  (ra < 0, "remote address is negative"), (la > _I64 - ln, "local range overflows"),
-                  (ra > _I64 - ln, "remote range overflows"),
+                  (ra < 0, "remote address is negative"), (la > I64 - ln, "local range overflows"),
+                  (ra > I64 - ln, "remote range overflows"),
                   ((rk < 0) | (rk > 0xFFFFFFFF), "rkey is not a 32-bit unsigned int")]
         if imm is not None:
             checks.append(((imm < 0) | (imm > IMM_MAX), "imm is not a 32-bit unsigned int"))
@@ -153,8 +153,8 @@ class RegionBook:
             return int(np.flatnonzero(mask)[0])
 
         lmax, la_min = int(ln.max()), int(la.min())
-        if not (int(ln.min()) > 0 and la_min >= 0 and int(ra.min()) >= 0 and int(la.max()) + lmax <= _I64
-                and int(ra.max()) + lmax <= _I64 and int(rk.min()) >= 0 and int(rk.max()) <= 0xFFFFFFFF
+        if not (int(ln.min()) > 0 and la_min >= 0 and int(ra.min()) >= 0 and int(la.max()) + lmax <= I64
+                and int(ra.max()) + lmax <= I64 and int(rk.min()) >= 0 and int(rk.max()) <= 0xFFFFFFFF
                 and (imm is None or (int(imm.min()) >= 0 and int(imm.max()) <= IMM_MAX))):
             # some value may be bad (these extremes, fewer numpy calls than the masks, pass every good post):
             # the first write at fault, in the order of the checks
@@ -213,7 +213,7 @@ class RegionBook:
         return layout
 
     def validate_batch(self, b: WriteBatch) -> np.ndarray:
-        """The checks of ``SocketFabric._validate`` for a ``WriteBatch``, in whole-array numpy. Returns each write's
+        """The checks of ``SocketFabric.validate`` for a ``WriteBatch``, in whole-array numpy. Returns each write's
         source device. Raises ``ValueError`` / ``RegionError`` naming the first bad write."""
         la, ln, ra, rk = b.local_addr, b.length, b.remote_addr, b.rkey
         regions, k, problem = self.check_write_arrays(la, ln, ra, rk, b.lkey)

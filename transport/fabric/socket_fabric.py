@@ -2,11 +2,11 @@
 the connection set (``Connections``), the checks of a post and its cutting into messages, the sender threads, the
 receive loop that reads and checks every frame, and the in-order release of acks and RECV_IMM events.
 
-What a message does at the target is each fabric's own (``_on_message``: tcp places payload, ipc grants and
-copies), and so is how a queued message goes out (``_transmit``).
+What a message does at the target is each fabric's own (its landing strategy: tcp places payload; or its own
+``_on_message``: ipc grants and copies), and so is how a queued message goes out (``transmit``).
 
 Threads: one listener and one watchdog per fabric (one short-lived thread per connection while it authenticates),
-and what serves the sockets (``_start_endpoint``): by default (ipc) per socket one receiver thread (never blocks on
+and what serves the sockets (``start_endpoint``): by default (ipc) per socket one receiver thread (never blocks on
 sending) and one sender thread (owns all sends on the socket, control messages first), which rules out the
 cross-peer deadlock where both sides block sending while nobody drains; the tcp fabric instead serves every socket
 with a fixed number of I/O threads per fabric (``transport.fabric.tcp_io``), under the same rules.
@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 from hmac import compare_digest
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -30,12 +30,12 @@ from transport.fabric.base import (
 )
 from transport.fabric.connections import Connections
 from transport.fabric.endpoint import SocketEndpoint
-from transport.fabric.messages import _OutMsg, batch_messages, write_messages
+from transport.fabric.messages import OutMsg, batch_messages, write_messages
 from transport.fabric.region_book import RegionBook
-from transport.fabric.sockets import _Sock, recv_exact, send_ctrl_frames, send_now
+from transport.fabric.sockets import Sock, recv_exact, send_ctrl_frames, send_now
 from transport.fabric.wire import (
-    _TAIL, _VECTOR_MIN, F_IMM, H_NOACK, H_TOKEN, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE,
-    MAX_WHOLE, PIECE_DT, SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, _rx_head, ack_frame, check_token,
+    F_IMM, H_NOACK, H_TOKEN, H_WHOLE, HDR, MAGIC, MAX_CTRL_BODY, MAX_MESSAGE_BYTES, MAX_TABLE, MAX_WHOLE, PIECE_DT,
+    SMALL_MESSAGE, ST_OK, T_ACK, T_NOTIFY, T_REQ, T_WRITE, TAIL, VECTOR_MIN, ack_frame, check_token, rx_head,
 )
 
 log = logging.getLogger(__name__)
@@ -56,15 +56,20 @@ class SocketFabric(Fabric):
     incoming connection is taken only for a peer id announced by ``expect_peer``, and never replaces a live
     endpoint of that id unless announced again), ``max_peers_per_addr`` (live incoming endpoints per source
     address, default 256).
-    """
 
-    # a fabric that reads small WRITE messages whole through a look-ahead reader (tcp: ``_on_small_write``)
-    _small_writes = False
+    ``landing``: how WRITE messages land at this target, a strategy object the fabric builds from itself
+    (``landing(fabric)``, once its regions exist; tcp: ``transport.fabric.tcp_landing.TcpLanding``). It provides
+    ``on_message`` (a WRITE whose table ``read_one`` read and checked, its payload still on the socket) and
+    ``on_small_write`` (a WRITE of at most ``SMALL_MESSAGE`` bytes, read whole through the socket's look-ahead
+    reader), and acknowledges through the fabric's ``send_ctrl`` / ``finish_message``. None (ipc): the fabric's
+    own ``_on_message`` handles every message.
+    """
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: Optional[int] = None,
                  message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
                  ack_timeout: float = 30.0, secret=None, handshake_timeout: float = auth.HANDSHAKE_TIMEOUT,
-                 guard_claims: bool = False, max_peers_per_addr: int = 256, insecure: Optional[bool] = None):
+                 guard_claims: bool = False, max_peers_per_addr: int = 256, insecure: Optional[bool] = None,
+                 landing: Optional[Callable[["SocketFabric"], object]] = None):
         if connections_per_peer is None:
             # loopback on a 2-core box peaks at 2 sockets (more threads only contend); bigger hosts use 4
             connections_per_peer = max(2, min(4, (os.cpu_count() or 2) // 2))
@@ -99,6 +104,7 @@ class SocketFabric(Fabric):
         self._validate_pieces = book.validate_pieces
         self._validate_lists = book.validate_lists
         self._unpin = book.unpin
+        self.landing = landing(self) if landing is not None else None
 
     def _start(self) -> None:
         """Start listening and watching: the last step of a fabric's construction, once all its parts exist."""
@@ -110,12 +116,23 @@ class SocketFabric(Fabric):
     def local_id(self) -> str:
         return self._id
 
-    def _check_open(self) -> None:
+    @property
+    def book(self) -> RegionBook:
+        """The registered regions and their checks (``RegionBook``), shared with the fabric's sender and landing
+        parts."""
+        return self._book
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` began."""
+        return self._closed
+
+    def check_open(self) -> None:
         if self._closed:
             raise FabricClosed(f"{self.name} fabric {self._id} is closed")
 
     def register(self, addr: int, length: int, device: int = DEVICE_HOST) -> MemoryRegion:
-        self._check_open()
+        self.check_open()
         mr = self._book.register(addr, length, device)
         self._on_register(mr)
         return mr
@@ -124,11 +141,11 @@ class SocketFabric(Fabric):
         """Hook: ipc exports GPU regions."""
 
     def deregister(self, mr: MemoryRegion) -> None:
-        self._check_open()
+        self.check_open()
         self._book.deregister(mr)
 
     def descriptor(self) -> bytes:
-        self._check_open()
+        self.check_open()
         return json.dumps({"fabric": self.name, "id": self._id, "host": self.hostname, "port": self.port,
                            "message_bytes": self.message_bytes, **self._descriptor_extra()}).encode()
 
@@ -138,11 +155,11 @@ class SocketFabric(Fabric):
     def connect(self, peer_descriptor: bytes) -> Endpoint:
         return self._conns.connect(peer_descriptor)
 
-    def _check_peer(self, desc: dict) -> None:
+    def check_peer(self, desc: dict) -> None:
         """Hook: ipc refuses peers on another host."""
 
     def endpoint(self, peer_id: str) -> Endpoint:
-        self._check_open()
+        self.check_open()
         return self._conns.endpoint(peer_id)
 
     def expect_peer(self, peer_id: str, ttl: float = 60.0) -> None:
@@ -165,12 +182,14 @@ class SocketFabric(Fabric):
     def _all_eps(self) -> List[SocketEndpoint]:
         return self._conns.endpoints()
 
-    def _validate(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> List[MemoryRegion]:
-        self._check_open()
+    def validate(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> List[MemoryRegion]:
+        """The local checks of a post's plain writes (open fabric, live endpoint of this fabric, ranges, keys);
+        returns each write's source region."""
+        self.check_open()
         if not isinstance(ep, SocketEndpoint) or ep.fabric is not self:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {self.name} fabric {self._id}")
         ep.check_alive()
-        if len(requests) > _VECTOR_MIN:
+        if len(requests) > VECTOR_MIN:
             mrs = self._book.validate_many(requests)
             if mrs is not None:
                 return mrs
@@ -185,7 +204,7 @@ class SocketFabric(Fabric):
             mrs.append(self._book.lookup_local(r))
         return mrs
 
-    def _validate_batch(self, b: WriteBatch) -> np.ndarray:
+    def validate_batch(self, b: WriteBatch) -> np.ndarray:
         """The local checks of a ``WriteBatch`` (``RegionBook.validate_batch``): each write's source device."""
         return self._book.validate_batch(b)
 
@@ -195,29 +214,29 @@ class SocketFabric(Fabric):
         batches = [r for r in requests if isinstance(r, WriteBatch)]
         if batches:
             requests = [r for r in requests if not isinstance(r, WriteBatch)]
-        mrs = self._validate(ep, requests)
-        devices = [self._validate_batch(b) for b in batches]  # every check before anything is posted
-        msgs = write_messages(requests, mrs, self._message_target, len(ep.socks)) if requests else []
+        mrs = self.validate(ep, requests)
+        devices = [self.validate_batch(b) for b in batches]  # every check before anything is posted
+        msgs = write_messages(requests, mrs, self.message_target, len(ep.socks)) if requests else []
         for b, dev in zip(batches, devices):
-            msgs.extend(batch_messages(b, dev, self._message_target, len(ep.socks)))
+            msgs.extend(batch_messages(b, dev, self.message_target, len(ep.socks)))
         if msgs:
             self._send(ep, msgs)
 
-    def _message_target(self, total: int, nsocks: int) -> int:
+    def message_target(self, total: int, nsocks: int) -> int:
         """Payload bytes per message for a post of ``total`` bytes: a share per socket (each socket's sender thread
         streams its messages in parallel), at most ``message_bytes``."""
         return max(64 << 10, min(self.message_bytes, -(-total // nsocks)))
 
-    def _send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
+    def _send(self, ep: SocketEndpoint, msgs: List[OutMsg]) -> None:
         """Hand checked messages to the sockets' sender threads."""
         ep.enqueue(msgs)
 
-    def _transmit(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg) -> None:
+    def transmit(self, ep: SocketEndpoint, s: Sock, msg: OutMsg) -> None:
         """Send one queued message on socket ``s`` (the sender thread of ``s``)."""
         raise NotImplementedError
 
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
-        self._check_open()
+        self.check_open()
         return self._cq.take(max_n, timeout)
 
     def set_completion_handler(self, handler) -> None:
@@ -235,11 +254,11 @@ class SocketFabric(Fabric):
     def _on_close(self) -> None:
         """Hook for subclasses."""
 
-    def _push(self, comps: List[Completion]) -> None:
+    def push_completions(self, comps: List[Completion]) -> None:
         if comps:
             self._cq.push(comps)
 
-    def _start_endpoint(self, ep: SocketEndpoint) -> None:
+    def start_endpoint(self, ep: SocketEndpoint) -> None:
         """Serve the sockets of a new endpoint: here a receiver and a sender thread per socket."""
         for s in ep.socks:
             for fn, role in ((self._recv_loop, "recv"), (self._send_loop, "send")):
@@ -248,11 +267,11 @@ class SocketFabric(Fabric):
                 s.threads.append(t)
                 t.start()
 
-    def _stop_io(self) -> None:
+    def stop_io(self) -> None:
         """Stop the threads that serve sockets beyond each socket's own (``Connections.close``, once every endpoint
         failed and before the sockets close); none here."""
 
-    def _send_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
+    def _send_loop(self, ep: SocketEndpoint, s: Sock) -> None:
         try:
             while True:
                 with s.cv:
@@ -270,133 +289,163 @@ class SocketFabric(Fabric):
                     if ctrl:
                         send_ctrl_frames(s, ctrl)
                     if msg is not None:
-                        self._transmit(ep, s, msg)
+                        self.transmit(ep, s, msg)
         except Exception as e:  # noqa: BLE001 — any send failure means the link is gone
             if ep.alive and not self._closed:
                 log.debug("send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"send failed: {e}")
 
-    def _recv_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
+    def _recv_loop(self, ep: SocketEndpoint, s: Sock) -> None:
         """The receive thread of socket ``s``: one message after the other until the link fails."""
         st = self._receive_state(s)
         rx = st["rx"] = s.sock
         try:
             while True:
-                self._read_one(ep, s, rx, st)
+                self.read_one(ep, s, rx, st)
         except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
             if ep.alive and not self._closed:
                 log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"receive failed: {e}")
 
     @staticmethod
-    def _receive_state(s: _Sock) -> dict:
+    def _receive_state(s: Sock) -> dict:
         """A receive thread's buffers: piece tables, payload staging, the header."""
         hdr = bytearray(HDR.size)
         return {"table": bytearray(64 * 48), "stage": bytearray(1 << 20), "hdr": hdr, "hview": memoryview(hdr)}
 
-    def _read_one(self, ep: SocketEndpoint, s: _Sock, rx, st: dict) -> None:
+    def read_one(self, ep: SocketEndpoint, s: Sock, rx, st: dict) -> None:
         """Read and handle one message from socket ``s`` (through ``rx``, its look-ahead reader or the bare socket);
-        blocks until the whole message is read. Raises on EOF, a reset or a malformed stream."""
+        blocks until the whole message is read. Raises on EOF, a reset or a malformed stream. The header is read
+        and its tag check begun here; the rest is the message type's (``_read_ack``, ``_read_data``,
+        ``_read_other``)."""
         sess = s.sess
+        mac = tag = None
         if rx is not s.sock:
             magic, typ, hflags, _, count, seq, blen = rx.unpack(HDR)
             if sess is not None:  # the header is checked with what its tag covers, before anything acts on it
-                p = rx.pos - 48  # wire._rx_head, inline: this runs once per frame
+                p = rx.pos - 48  # wire.rx_head, inline: this runs once per frame
                 tag = rx.buf[p + 32:p + 48]
-                if hflags & H_TOKEN and typ == T_ACK:  # an ack token: no hash, no sequence number
-                    mac = None
-                else:
-                    _TAIL.pack_into(rx.buf, p + 32, sess.rx_n)  # consumed bytes: the tag's place, as when sealed
+                if not (hflags & H_TOKEN and typ == T_ACK):  # an ack token: no hash, no sequence number
+                    TAIL.pack_into(rx.buf, p + 32, sess.rx_n)  # consumed bytes: the tag's place, as when sealed
                     sess.rx_n += 1
-                    mac = sess._rx.copy()
+                    mac = sess.rx_hash.copy()
                     mac.update(rx.view[p:p + 48])
         else:
             recv_exact(rx, st["hview"])
             magic, typ, hflags, _, count, seq, blen = HDR.unpack(st["hdr"])
             if sess is not None:
                 if hflags & H_TOKEN and typ == T_ACK:
-                    mac, tag = None, bytes(st["hview"][32:48])
+                    tag = bytes(st["hview"][32:48])
                 else:
-                    mac, tag = _rx_head(sess, st["hdr"])
+                    mac, tag = rx_head(sess, st["hdr"])
         if magic != MAGIC:
             raise ValueError(f"bad magic {magic!r}")
         if typ == T_ACK:
-            if count > MAX_TABLE or blen != count:
-                raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
-            if rx is not s.sock:  # the statuses are usually in the look-ahead buffer already
-                body = bytes(rx.take(count, memoryview(st["stage"])))
-            else:
-                body = bytearray(count)
-                recv_exact(rx, memoryview(body))
-                body = bytes(body)
-            if sess is not None:
-                if mac is None:
-                    check_token(sess, seq, tag, body)  # raises, naming the connection
-                else:
-                    mac.update(body)
-                    if not compare_digest(mac.digest()[:16], tag):
-                        sess.rx_end(mac, tag)  # raises, naming the connection
-                    sess.acks.pop(seq, None)  # a refused piece: no token comes for that WRITE
-            ep.on_ack(seq, body)
+            self._read_ack(ep, s, rx, st, count, seq, blen, mac, tag)
         elif typ in (T_WRITE, T_REQ, T_NOTIFY):
-            if count > MAX_TABLE:
-                raise ValueError(f"piece count {count} above {MAX_TABLE}")
-            tb = count * PIECE_DT.itemsize
-            if blen < tb:
-                raise ValueError(f"body {blen} B shorter than its table {tb} B")
-            whole = hflags & H_WHOLE and typ == T_WRITE and count == 1
-            if blen - tb > (MAX_WHOLE if whole else ep.max_payload):
-                raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
-            if typ == T_WRITE and blen <= SMALL_MESSAGE and self._small_writes:
-                self._on_small_write(ep, s, seq, count, tb, blen, st, hflags, (mac, tag) if sess else None)
-                return
-            if len(st["table"]) < tb:
-                st["table"] = bytearray(tb)
-            tview = memoryview(st["table"])[:tb]
-            recv_exact(rx, tview)
-            if sess is not None:
-                mac.update(tview)
-                d = mac.digest()
-                if not compare_digest(d[:16], tag):
-                    sess.rx_end(mac, tag)
-                st["token"] = d[16:] if typ == T_WRITE and not hflags & H_NOACK else None
-            table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
-            if whole and blen - tb > ep.max_payload and not (
-                    table["addr"][0] == table["waddr"][0] and table["len"][0] == table["wlen"][0]):
-                raise ValueError(f"a message of {blen - tb} B above the peer's message size is not one whole "
-                                 f"write")
-            self._on_message(ep, s, typ, seq, table, blen - tb, st, ack=not hflags & H_NOACK)
+            self._read_data(ep, s, rx, st, typ, hflags, count, seq, blen, mac, tag)
         else:
-            if typ not in self._OTHER_TYPES:
-                raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
-            if count > MAX_TABLE or blen > count + MAX_CTRL_BODY:
-                raise ValueError(f"control message of {count} statuses in {blen} B is implausible")
-            body = bytearray(blen)
+            self._read_other(ep, s, rx, typ, count, seq, blen, mac, tag)
+
+    @staticmethod
+    def _read_ack(ep: SocketEndpoint, s: Sock, rx, st: dict, count: int, seq: int, blen: int, mac, tag) -> None:
+        """An ACK (header read): its statuses read and checked (the tag, or the ack token ``tag`` when ``mac`` is
+        None), then handed to the endpoint."""
+        if count > MAX_TABLE or blen != count:
+            raise ValueError(f"ack of {count} statuses in {blen} B (at most {MAX_TABLE})")
+        if rx is not s.sock:  # the statuses are usually in the look-ahead buffer already
+            body = bytes(rx.take(count, memoryview(st["stage"])))
+        else:
+            body = bytearray(count)
             recv_exact(rx, memoryview(body))
-            if sess is not None:
+            body = bytes(body)
+        sess = s.sess
+        if sess is not None:
+            if mac is None:
+                check_token(sess, seq, tag, body)  # raises, naming the connection
+            else:
                 mac.update(body)
                 if not compare_digest(mac.digest()[:16], tag):
                     sess.rx_end(mac, tag)  # raises, naming the connection
-            self._on_other(ep, s, typ, count, seq, bytes(body))
+                sess.acks.pop(seq, None)  # a refused piece: no token comes for that WRITE
+        ep.on_ack(seq, body)
+
+    def _read_data(self, ep: SocketEndpoint, s: Sock, rx, st: dict, typ: int, hflags: int, count: int, seq: int,
+                   blen: int, mac, tag) -> None:
+        """A WRITE / REQ / NOTIFY (header read): its size checked, then a small WRITE handed whole to the landing
+        strategy (``Landing.on_small_write``), any other message's table read and checked and the message handed
+        to ``_on_message`` with its payload still on the socket."""
+        if count > MAX_TABLE:
+            raise ValueError(f"piece count {count} above {MAX_TABLE}")
+        tb = count * PIECE_DT.itemsize
+        if blen < tb:
+            raise ValueError(f"body {blen} B shorter than its table {tb} B")
+        whole = hflags & H_WHOLE and typ == T_WRITE and count == 1
+        if blen - tb > (MAX_WHOLE if whole else ep.max_payload):
+            raise ValueError(f"payload {blen - tb} B above the peer's message size {ep.max_payload} B")
+        landing = self.landing
+        if typ == T_WRITE and blen <= SMALL_MESSAGE and landing is not None:
+            landing.on_small_write(ep, s, seq, count, tb, blen, st, hflags, (mac, tag) if s.sess else None)
+            return
+        if len(st["table"]) < tb:
+            st["table"] = bytearray(tb)
+        tview = memoryview(st["table"])[:tb]
+        recv_exact(rx, tview)
+        sess = s.sess
+        if sess is not None:
+            mac.update(tview)
+            d = mac.digest()
+            if not compare_digest(d[:16], tag):
+                sess.rx_end(mac, tag)
+            st["token"] = d[16:] if typ == T_WRITE and not hflags & H_NOACK else None
+        table = np.frombuffer(st["table"], dtype=PIECE_DT, count=count).copy()
+        if whole and blen - tb > ep.max_payload and not (
+                table["addr"][0] == table["waddr"][0] and table["len"][0] == table["wlen"][0]):
+            raise ValueError(f"a message of {blen - tb} B above the peer's message size is not one whole write")
+        self._on_message(ep, s, typ, seq, table, blen - tb, st, ack=not hflags & H_NOACK)
+
+    def _read_other(self, ep: SocketEndpoint, s: Sock, rx, typ: int, count: int, seq: int, blen: int, mac,
+                    tag) -> None:
+        """A message of a type only this fabric knows (``_OTHER_TYPES``; header read): its body read and checked,
+        then handed to ``_on_other``."""
+        if typ not in self._OTHER_TYPES:
+            raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
+        if count > MAX_TABLE or blen > count + MAX_CTRL_BODY:
+            raise ValueError(f"control message of {count} statuses in {blen} B is implausible")
+        body = bytearray(blen)
+        recv_exact(rx, memoryview(body))
+        sess = s.sess
+        if sess is not None:
+            mac.update(body)
+            if not compare_digest(mac.digest()[:16], tag):
+                sess.rx_end(mac, tag)  # raises, naming the connection
+        self._on_other(ep, s, typ, count, seq, bytes(body))
 
     _OTHER_TYPES: tuple = ()  # message types besides WRITE / REQ / ACK this fabric receives (ipc: GRANT, DONE)
 
-    def _on_other(self, ep: SocketEndpoint, s: _Sock, typ: int, count: int, seq: int, body: bytes) -> None:
+    def _on_other(self, ep: SocketEndpoint, s: Sock, typ: int, count: int, seq: int, body: bytes) -> None:
         raise ValueError(f"{self.name} fabric got unexpected message type {typ}")
 
-    def _send_ctrl(self, ep: SocketEndpoint, s: _Sock, payload: bytes) -> None:
+    def send_ctrl(self, ep: SocketEndpoint, s: Sock, payload: bytes) -> None:
         """Send a small control message (ack): at once when the socket is idle, else through its sender thread
         (the receiving thread that calls this never waits on a send)."""
         if not send_now(s, [payload]):
             ep.send_ctrl(s, payload)
 
-    def _on_message(self, ep: SocketEndpoint, s: _Sock, typ: int, seq: int, table: np.ndarray, payload: int,
+    def _on_message(self, ep: SocketEndpoint, s: Sock, typ: int, seq: int, table: np.ndarray, payload: int,
                     st: dict, ack: bool = True) -> None:
-        """Handle one WRITE / REQ / NOTIFY message whose table ``_read_one`` read and checked (its ``payload``
-        bytes still on the socket)."""
-        raise NotImplementedError
+        """Handle one WRITE / REQ / NOTIFY message whose table ``read_one`` read and checked (its ``payload``
+        bytes still on the socket): the landing strategy's (``landing.on_message``) unless the fabric overrides
+        this."""
+        self.landing.on_message(ep, s, typ, seq, table, payload, st, ack)
 
-    def _finish_message(self, ep: SocketEndpoint, s: _Sock, seq: int, table: np.ndarray, statuses,
+    def take_held_ack(self):
+        """The ACK this receiving thread holds while it delivers a landed write's RECV_IMM events
+        (``finish_message`` with ``hold``), taken: (endpoint, socket, frame) for the caller to send along with an
+        unacked write it posts, or None."""
+        return self._held.__dict__.pop("ack", None)
+
+    def finish_message(self, ep: SocketEndpoint, s: Sock, seq: int, table: np.ndarray, statuses,
                         ack: bool = True, hold: bool = False, token: Optional[bytes] = None) -> None:
         """Ack the sender (unless ``ack`` is False: it completed the message itself; with the WRITE's ack token
         ``token`` when every piece was placed, ``wire.ack_frame``), then release this message's RECV_IMM events
@@ -423,7 +472,7 @@ class SocketFabric(Fabric):
                     ep.deliver_in_order(seq, events)
                 finally:
                     if held.pop("ack", None) is not None:
-                        self._send_ctrl(ep, s, payload)
+                        self.send_ctrl(ep, s, payload)
                 return
-            self._send_ctrl(ep, s, payload)
+            self.send_ctrl(ep, s, payload)
         ep.deliver_in_order(seq, events)

@@ -1,5 +1,5 @@
 """The sockets of the socket fabrics (tcp, ipc): exact and scattered receives, gathered sends, the look-ahead
-reader (``_Rx``), one socket of an endpoint with its sender queue (``_Sock``), and the inline send of a small message
+reader (``Rx``), one socket of an endpoint with its sender queue (``Sock``), and the inline send of a small message
 by the thread that has it (``send_now``).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import threading
 from typing import Dict, List, Optional
 
 from transport.fabric.spin import AdaptiveSpin
-from transport.fabric.wire import _keyed, _seal, seal_frame
+from transport.fabric.wire import keyed, seal, seal_frame
 
 _EPOLLIN = getattr(select, "EPOLLIN", 1)
 
@@ -27,13 +27,13 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def recv_views(rx, views: List[memoryview]) -> None:
-    """Fill every view of ``views`` in order from ``rx`` (a socket, or an ``_Rx`` whose look-ahead bytes go first):
+    """Fill every view of ``views`` in order from ``rx`` (a socket, or an ``Rx`` whose look-ahead bytes go first):
     scattered receives (``recvmsg_into``, up to 1000 buffers a call) instead of one call per view."""
     i, n = 0, len(views)
-    while i < n and isinstance(rx, _Rx) and rx.end > rx.pos:  # bytes already read ahead
+    while i < n and isinstance(rx, Rx) and rx.end > rx.pos:  # bytes already read ahead
         recv_exact(rx, views[i])
         i += 1
-    sock = rx.sock if isinstance(rx, _Rx) else rx
+    sock = rx.sock if isinstance(rx, Rx) else rx
     while i < n:
         batch = views[i:i + 1000]
         got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
@@ -72,7 +72,7 @@ def send_buffers(sock: socket.socket, bufs: List) -> None:
             break
 
 
-class _Rx:
+class Rx:
     """A socket read through a look-ahead buffer: a header read takes whatever the kernel holds (a small message
     that arrived in one piece: one receive for its header and body instead of one per field); every other read
     goes straight into its destination once the buffered bytes are used up: a large payload read ahead in
@@ -154,7 +154,7 @@ class _Rx:
         return stage[:n]
 
 
-class _Sock:
+class Sock:
     """One socket of an endpoint with its sender queue. Queued work is announced by ``wake()`` (under ``cv``): by
     default it wakes the socket's own sender thread (ipc); the tcp fabric's I/O threads (``tcp_io.TcpIo``) put the
     socket in their send queue instead."""
@@ -164,13 +164,13 @@ class _Sock:
         self.index = index
         self.cv = threading.Condition()
         self.ctrl: collections.deque = collections.deque()  # small control messages, sent first
-        self.data: collections.deque = collections.deque()  # _OutMsg
+        self.data: collections.deque = collections.deque()  # OutMsg
         self.closed = False
         self.threads: List[threading.Thread] = []
         self.wake = self.cv.notify  # called under ``cv`` once a message was queued
         # tcp's I/O threads (``tcp_io.TcpIo``): served by them; in their send queue; out of their epoll set for good
         self.pooled = self.queued = self.dropped = False
-        self.rx: Optional[_Rx] = None  # tcp: the look-ahead reader, with the reading thread's buffer for its turn
+        self.rx: Optional[Rx] = None  # tcp: the look-ahead reader, with the reading thread's buffer for its turn
         # ipc uses these to hand a GRANT from the receiver thread to the waiting sender thread
         self.grant_cv = threading.Condition()
         self.grants: Dict[int, tuple] = {}
@@ -186,7 +186,7 @@ class _Sock:
         self.reader = threading.Lock()
         self.poller = None
         self.fd = sock.fileno()
-        self.sess = _keyed(sock)  # the connection's tags (None without a secret)
+        self.sess = keyed(sock)  # the connection's tags (None without a secret)
         self.own_reads = 0  # acks of small batches their waiting callers read themselves (counted under ``reader``)
         self.spin: Optional[AdaptiveSpin] = None  # the readers' spin after a small write here (``recv_spin``)
 
@@ -198,16 +198,16 @@ class _Sock:
         return any(t.is_alive() for t in self.threads)
 
 
-def send_ctrl_frames(s: _Sock, ctrl: List) -> None:
+def send_ctrl_frames(s: Sock, ctrl: List) -> None:
     """Send the control frames taken from ``s.ctrl`` (the caller holds ``s.wire_lock``): new frames get their tags
     now; a memoryview continues a frame that ``send_now`` began."""
     sess = s.sess
     if sess is not None:
-        ctrl = [c if type(c) is memoryview else _seal(sess, c) for c in ctrl]
+        ctrl = [c if type(c) is memoryview else seal(sess, c) for c in ctrl]
     send_buffers(s.sock, ctrl)
 
 
-def send_now(s: _Sock, bufs: List, write_seq: int = -1) -> bool:
+def send_now(s: Sock, bufs: List, write_seq: int = -1) -> bool:
     """Send ``bufs`` (one message) from this thread when no other thread is sending on the socket and the
     kernel takes at least its first byte without waiting; what it does not take goes to the head of the
     socket's queue, for the sender thread to send before anything else. False: nothing was sent (the socket
@@ -228,7 +228,7 @@ def send_now(s: _Sock, bufs: List, write_seq: int = -1) -> bool:
             # the tag takes the socket's next sequence number: only once the bytes are sure to go out now
             tx_n = sess.tx_n
             if write_seq < 0:
-                bufs = [_seal(sess, bufs[0]), *bufs[1:]]
+                bufs = [seal(sess, bufs[0]), *bufs[1:]]
             else:
                 seal_frame(sess, bufs[0], write_seq)
         try:

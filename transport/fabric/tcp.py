@@ -15,19 +15,19 @@ that while.
 from __future__ import annotations
 
 import select
-import threading
 from typing import Optional, Sequence
 
 from transport import auth
 from transport.config import EngineConfig
-from transport.fabric.base import Capabilities, Endpoint, WriteRequest, WriteRows
+from transport.fabric.base import Capabilities, Endpoint, MemoryRegion, WriteRequest, WriteRows
 from transport.fabric.endpoint import SocketEndpoint
-from transport.fabric.sockets import _Rx, _Sock, send_now
+from transport.fabric.messages import OutMsg
+from transport.fabric.sockets import Sock
 from transport.fabric.socket_fabric import SocketFabric, log
-from transport.fabric.tcp_io import TcpIo, reader_state
+from transport.fabric.spin import AdaptiveSpin
+from transport.fabric.tcp_io import TcpIo
 from transport.fabric.tcp_landing import TcpLanding
 from transport.fabric.tcp_posting import TcpPoster
-from transport.fabric.wire import SMALL_MESSAGE
 
 # seconds a thread reads its socket without sleeping before it blocks, at most (``AdaptiveSpin`` keeps it on only
 # while it pays): a waiting caller for its small batch's ack (``ack_spin``), a reader thread for the next message
@@ -38,7 +38,7 @@ SPIN = 150e-6
 TcpEndpoint = SocketEndpoint
 
 
-class TcpFabric(TcpLanding, SocketFabric):
+class TcpFabric(SocketFabric):
     """One-sided writes over TCP sockets.
 
     Options as ``SocketFabric`` (``message_bytes`` default 4 MiB: big enough to amortise the per-message Python
@@ -56,8 +56,8 @@ class TcpFabric(TcpLanding, SocketFabric):
 
     Its parts: the shared socket-message layer it builds on (``SocketFabric``: regions, connections, the reading
     of a message), its I/O threads (``TcpIo``, owned), its sender side (``TcpPoster``, owned), and its target side
-    (``TcpLanding``, mixed in: it runs once per message on the reading thread and acknowledges through
-    ``_send_ctrl``, which a hop to another object would lengthen by a step per message).
+    (``TcpLanding``, the landing strategy it gives ``SocketFabric``: it runs once per message on the reading thread
+    and acknowledges through ``send_ctrl`` / ``finish_message``).
     """
 
     name = "tcp"
@@ -74,10 +74,6 @@ class TcpFabric(TcpLanding, SocketFabric):
     # gather, landing slot and ack each add a thread hand-off; many pieces still pay off as a chunk, whose table
     # the receiver checks and scatters in whole-array steps
     config_defaults = {"direct_pieces": 64}
-
-    _small_writes = True  # small WRITE messages are read whole (``TcpLanding._on_small_write``)
-    # the inline send of a small message (``transport.fabric.sockets.send_now``)
-    _send_now = staticmethod(send_now)
 
     def __init__(self, hostname: str = "127.0.0.1", port: int = 0, connections_per_peer: Optional[int] = None,
                  message_bytes: int = 4 << 20, connect_timeout: float = 10.0, keepalive: float = 3.0,
@@ -101,57 +97,63 @@ class TcpFabric(TcpLanding, SocketFabric):
         super().__init__(hostname, port, connections_per_peer=connections_per_peer, message_bytes=message_bytes,
                          connect_timeout=connect_timeout, keepalive=keepalive, ack_timeout=ack_timeout, secret=secret,
                          handshake_timeout=handshake_timeout, guard_claims=guard_claims,
-                         max_peers_per_addr=max_peers_per_addr, insecure=insecure)
+                         max_peers_per_addr=max_peers_per_addr, insecure=insecure, landing=TcpLanding)
         # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: the reader
         # threads read every message
-        poster = self._poster = TcpPoster(self, bool(own_acks) and hasattr(select, "epoll"), self._spin)
-        # the poster's entry points bound onto the fabric: a post, and the sender threads' sends, reach it without
-        # an extra call
-        self.post_writes = poster.post_writes
-        self.await_rows = poster.await_rows
-        self._send = poster.send
-        self._transmit = poster.transmit
-        self._ack_spin = poster.ack_spin
+        self._poster = TcpPoster(self, self.book, bool(own_acks) and hasattr(select, "epoll"), self._spin)
         self._io = TcpIo(self, io_threads, self.ack_timeout, self._recv_spin)
         self._io.start(str(self.port))
-        self._caller = threading.local()  # a caller's reading state (``_caller_state``)
         self._start()
 
-    # Bound per instance to the poster's (above); these serve a call through the class.
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
-        self._poster.post_writes(ep, requests)
+        """Check every request and batch, then send or queue their messages (``TcpPoster.post_writes``; a lone
+        ``WriteRows``, the small batch whose Python steps are its latency, straight to ``TcpPoster.post_rows``)."""
+        if len(requests) == 1 and type(requests[0]) is WriteRows:
+            self._poster.post_rows(ep, requests[0])
+        else:
+            self._poster.post_writes(ep, requests)
 
     def await_rows(self, b: WriteRows, deadline: float) -> None:
         """For the thread that posted ``b`` with ``read_ack``: read its ack itself (``TcpPoster.await_rows``)."""
         self._poster.await_rows(b, deadline)
 
-    def _start_endpoint(self, ep: SocketEndpoint) -> None:
+    def transmit(self, ep: SocketEndpoint, s: Sock, msg: OutMsg) -> None:
+        """Send queued message ``msg`` on socket ``s`` (its sender thread; ``TcpPoster.transmit``)."""
+        self._poster.transmit(ep, s, msg)
+
+    @property
+    def ack_spin(self) -> AdaptiveSpin:
+        """The spin of a caller waiting for its small batch's ack (``ack_spin``; ``TcpPoster.ack_spin``)."""
+        return self._poster.ack_spin
+
+    def set_landing_handler(self, mr: MemoryRegion, handler) -> None:
+        """Capability ``landing_handlers``: let ``handler`` place writes with an immediate into the host region
+        ``mr`` (a receiver's landing slots) straight into their final destinations.
+
+        For such a write, checked as any write (rkey, whole write inside ``mr``) and carried whole in one message,
+        the receiving thread calls ``handler(peer_id, addr, length, imm, read)`` before placing anything;
+        ``read(n)`` receives the write's next ``n`` bytes into ``mr`` at their own place and returns a view of
+        them (a chunk's header and table). The handler returns None (the rest of the write lands in ``mr`` as
+        usual) or a plan: ``dsts``, ``lens``, ``offs`` (lists of ints: byte ``offs[i]`` of the write onwards,
+        ``lens[i]`` bytes, go to host address ``dsts[i]``, which the handler vouches for; offsets ascending, past
+        what it read, without overlap, inside the write) and ``done()``, called once every byte is placed. Bytes
+        of the write outside the plan land in ``mr``. The RECV_IMM of the write follows as for any write."""
+        self._book.set_landing_handler(mr, handler)
+
+    def start_endpoint(self, ep: SocketEndpoint) -> None:
         """Serve a new endpoint's sockets with the fabric's I/O threads (``TcpIo.add``)."""
         self._io.add(ep)
 
-    def _stop_io(self) -> None:
+    def stop_io(self) -> None:
         self._io.stop()
 
-    def _caller_state(self, s: _Sock) -> dict:
-        """The reading state of this thread (not a reader thread: a caller that reads its own ack), set up for
-        socket ``s``: its look-ahead reader with this thread's buffer."""
-        st = self._caller.__dict__.get("st")
-        if st is None:
-            st = self._caller.st = reader_state(SMALL_MESSAGE)
-        rx = s.rx
-        if rx is None:
-            rx = s.rx = _Rx(s.sock, 0)
-        rx.attach(st["rxbuf"], st["rxview"])
-        st["rx"] = rx
-        return st
-
-    def _recv_loop(self, ep: SocketEndpoint, s: _Sock) -> None:
+    def _recv_loop(self, ep: SocketEndpoint, s: Sock) -> None:
         """Read socket ``s`` on this thread, one message after the other, until the link fails (a test's or a
         fuzzer's stand-in for the reader threads, on an endpoint they do not serve)."""
-        st = self._caller_state(s)
+        st = self._poster.caller_state(s)
         try:
             while True:
-                self._read_one(ep, s, st["rx"], st)
+                self.read_one(ep, s, st["rx"], st)
         except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
             if ep.alive and not self._closed:
                 log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)

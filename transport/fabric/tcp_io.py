@@ -2,20 +2,20 @@
 
 * Readers (``threads`` of them) all wait in one epoll set that holds every socket of the fabric, each registered
   one-shot (``EPOLLONESHOT``): a socket that turns readable wakes one reader, which takes the socket's reader token
-  (``_Sock.reader``), reads what is there -- whole messages, each through ``SocketFabric._read_one`` -- and arms
+  (``Sock.reader``), reads what is there -- whole messages, each through ``SocketFabric.read_one`` -- and arms
   the socket again. So a socket is read by one thread at a time, its messages in order, and no thread waits on an
   idle socket. A reader that does not get the token leaves the socket alone: whoever holds it (another reader, or
   a caller reading its own ack, ``TcpPoster.await_rows``) arms the socket again after letting go, so no readiness
   is lost. After an acknowledged small write a reader keeps reading that socket without sleeping for a while
   (``recv_spin``, the socket's ``AdaptiveSpin``): the next small batch of a sender that waits for each ack comes
   within it.
-* Senders (``threads`` of them) serve a queue of sockets that have something to send (``_Sock.ctrl`` / ``data``):
-  a message queued on an idle socket puts the socket at the back of the queue (``_Sock.wake``); a sender takes
+* Senders (``threads`` of them) serve a queue of sockets that have something to send (``Sock.ctrl`` / ``data``):
+  a message queued on an idle socket puts the socket at the back of the queue (``Sock.wake``); a sender takes
   it, sends control messages first, then up to ``TURN`` messages, and puts it back behind the others while it
   has more. A socket is in the queue at most once, so its messages leave in order, one sender at a time.
 
 Staging buffers (the look-ahead buffer a header read fills, the payload staging, the piece tables) belong to the
-thread that reads, not to the socket: a socket's look-ahead reader (``_Rx``) borrows the reading thread's buffer
+thread that reads, not to the socket: a socket's look-ahead reader (``Rx``) borrows the reading thread's buffer
 for one turn, and leaves it empty. Memory per peer is then its sockets and their bookkeeping.
 
 A peer that stops reading, or stops in the middle of a message, holds a thread only for ``io_timeout`` seconds
@@ -24,8 +24,8 @@ fails the endpoint, as a hung peer's unacknowledged message does after the same 
 on a send (acks go out by ``send_now`` or through the senders), so two peers that both send cannot deadlock.
 
 An endpoint that fails (EOF, reset, a malformed stream, ``fail()``) has its sockets shut down: the reader that
-next touches one sees the end and takes the socket out of the epoll set (``_Sock.dropped``); only then, and once
-no sender holds it, may its file descriptor be closed (``_Sock.busy``).
+next touches one sees the end and takes the socket out of the epoll set (``Sock.dropped``); only then, and once
+no sender holds it, may its file descriptor be closed (``Sock.busy``).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Dict, List
 
-from transport.fabric.sockets import _Rx, _Sock, send_ctrl_frames
+from transport.fabric.sockets import Rx, Sock, send_ctrl_frames
 from transport.fabric.spin import AdaptiveSpin
 from transport.fabric.wire import HDR, SMALL_MESSAGE
 
@@ -49,7 +49,7 @@ _ARM = getattr(select, "EPOLLIN", 1) | getattr(select, "EPOLLONESHOT", 1 << 30)
 
 
 def reader_state(stage: int) -> dict:
-    """One reading thread's buffers: the look-ahead buffer its turns lend to a socket's ``_Rx``, the payload
+    """One reading thread's buffers: the look-ahead buffer its turns lend to a socket's ``Rx``, the payload
     staging (``stage`` bytes, grown on demand by large runs of small pieces), the piece tables, the header."""
     hdr = bytearray(HDR.size)
     buf = bytearray(HDR.size + SMALL_MESSAGE)
@@ -127,7 +127,7 @@ class TcpIo:
                     s.sock.setsockopt(socket.SOL_SOCKET, opt, tv)
                 except OSError:
                     pass
-            s.rx = _Rx(s.sock, 0)
+            s.rx = Rx(s.sock, 0)
             s.spin = AdaptiveSpin(self.recv_spin)
             s.pooled = True
             with s.cv:
@@ -143,7 +143,7 @@ class TcpIo:
                 s.poller = self
                 self._epoll.register(s.fd, _ARM)
 
-    def disarm(self, s: _Sock) -> bool:
+    def disarm(self, s: Sock) -> bool:
         """Keep the readers off socket ``s`` (for its reader token's holder, a caller reading its ack itself);
         False: the socket is out of the epoll set (its endpoint failed)."""
         with self._lock:
@@ -155,13 +155,13 @@ class TcpIo:
                 return False
             return True
 
-    def rearm(self, ep, s: _Sock) -> None:
+    def rearm(self, ep, s: Sock) -> None:
         """Let the readers see socket ``s`` again (after whoever held its reader token let go); a socket of a failed
         endpoint leaves the epoll set instead, for good."""
         with self._lock:
             if s.dropped:
                 return
-            if ep._alive and not self._stop:
+            if ep.alive and not self._stop:
                 try:
                     self._epoll.modify(s.fd, _ARM)
                     return
@@ -193,7 +193,7 @@ class TcpIo:
                     except Exception:  # noqa: BLE001 — a failing failure path must not take a shared thread along
                         log.exception("tcp reader: serving %s/%d failed", ent[0].peer_id, ent[1].index)
 
-    def _serve(self, ep, s: _Sock, st: dict) -> None:
+    def _serve(self, ep, s: Sock, st: dict) -> None:
         """One reader's turn on readable socket ``s``: every message there, then a spin after a small write."""
         token = s.reader
         if not token.acquire(False):
@@ -203,7 +203,7 @@ class TcpIo:
             rx = s.rx
             rx.attach(st["rxbuf"], st["rxview"])
             st["rx"] = rx
-            read_one = fab._read_one
+            read_one = fab.read_one
             spin = s.spin
             mono = time.monotonic
             n = self.READ_TURN
@@ -226,7 +226,7 @@ class TcpIo:
                         hit = rx.ready()
                     spin.done(hit)
         except Exception as e:  # noqa: BLE001 — EOF, reset, or a malformed stream: the link is unusable
-            if ep.alive and not fab._closed:
+            if ep.alive and not fab.closed:
                 log.debug("receive on %s/%d ended", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"receive failed: {e}")
         finally:
@@ -235,7 +235,7 @@ class TcpIo:
         self.rearm(ep, s)
 
     # --- senders ----------------------------------------------------------------------------------------------
-    def _waker(self, ep, s: _Sock):
+    def _waker(self, ep, s: Sock):
         """``s.wake`` for a served socket: called under ``s.cv`` once something was queued on it."""
         q, cv = self._tx_q, self._tx_cv
 
@@ -262,10 +262,10 @@ class TcpIo:
                     q.append((ep, s))
                     cv.notify()
 
-    def _drain(self, ep, s: _Sock) -> bool:
+    def _drain(self, ep, s: Sock) -> bool:
         """Send what socket ``s`` has queued, control messages first, ``TURN`` messages at most; True: more is
         queued (the socket stays in the queue)."""
-        transmit = self._fab._transmit
+        transmit = self._fab.transmit
         try:
             for _ in range(self.TURN):
                 # taken before the queues are read: the rest of a message that a thread began to send itself
@@ -286,7 +286,7 @@ class TcpIo:
         except Exception as e:  # noqa: BLE001 — any send failure (a timeout included) means the link is gone
             with s.cv:
                 s.queued = False
-            if ep.alive and not self._fab._closed:
+            if ep.alive and not self._fab.closed:
                 log.debug("send on %s/%d failed", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"send failed: {e}")
             return False

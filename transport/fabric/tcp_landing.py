@@ -25,34 +25,33 @@ from transport.fabric.base import DEVICE_HOST, Completion, MemoryRegion, Opcode
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
-from transport.fabric.sockets import _Sock, recv_exact, recv_views
-from transport.fabric.wire import (_STATUS_TEXT, F_IMM, H_NOACK, SMALL_PIECE, ST_FAILED, ST_OK, T_WRITE, _table_struct,
-                                   ack_frame)
+from transport.fabric.sockets import Sock, recv_exact, recv_views
+from transport.fabric.wire import (F_IMM, H_NOACK, SMALL_PIECE, ST_FAILED, ST_OK, STATUS_TEXT, T_WRITE, ack_frame,
+                                   table_struct)
 
 log = logging.getLogger(__name__)
 
 
 class TcpLanding:
-    """The target-side methods of ``TcpFabric``, on the reading threads (a part of that class, not a fabric of its
-    own: it runs once per message on the receiving thread, where reaching another object's methods and tables
-    would add a step per message). It reads the fabric's region tables (``SocketFabric._book`` and their aliases)
-    and acknowledges through ``_send_ctrl`` / ``_finish_message``."""
+    """How WRITE messages land at a tcp target: the landing strategy a ``TcpFabric`` gives its ``SocketFabric``
+    (``SocketFabric.landing``). It runs on the reading threads, once per message: ``on_small_write`` for a WRITE
+    read whole through the look-ahead reader, ``on_message`` for any other WRITE (its payload still on the
+    socket). It places into the fabric's registered regions (its ``RegionBook``, whose tables it binds once: no
+    attribute hop per message) and acknowledges through the fabric (``send_ctrl`` / ``finish_message``, looked up
+    per message: a test may wrap them on the fabric)."""
 
-    def set_landing_handler(self, mr: MemoryRegion, handler) -> None:
-        """Capability ``landing_handlers``: let ``handler`` place writes with an immediate into the host region
-        ``mr`` (a receiver's landing slots) straight into their final destinations.
+    def __init__(self, fabric):
+        self._fab = fabric
+        self._id = fabric.local_id
+        book = self._book = fabric.book
+        self._regions = book.regions
+        self._host_views = book.host_views
+        self._region_lock = book.region_lock
+        self._validate_pieces = book.validate_pieces
+        self._validate_lists = book.validate_lists
+        self._unpin = book.unpin
 
-        For such a write, checked as any write (rkey, whole write inside ``mr``) and carried whole in one message,
-        the receiving thread calls ``handler(peer_id, addr, length, imm, read)`` before placing anything;
-        ``read(n)`` receives the write's next ``n`` bytes into ``mr`` at their own place and returns a view of
-        them (a chunk's header and table). The handler returns None (the rest of the write lands in ``mr`` as
-        usual) or a plan: ``dsts``, ``lens``, ``offs`` (lists of ints: byte ``offs[i]`` of the write onwards,
-        ``lens[i]`` bytes, go to host address ``dsts[i]``, which the handler vouches for; offsets ascending, past
-        what it read, without overlap, inside the write) and ``done()``, called once every byte is placed. Bytes
-        of the write outside the plan land in ``mr``. The RECV_IMM of the write follows as for any write."""
-        self._book.set_landing_handler(mr, handler)
-
-    def _on_message(self, ep: SocketEndpoint, s: _Sock, typ: int, seq: int, table: np.ndarray, payload: int,
+    def on_message(self, ep: SocketEndpoint, s: Sock, typ: int, seq: int, table: np.ndarray, payload: int,
                     st: dict, ack: bool = True) -> None:
         """Receive one WRITE message (table read, payload still on the socket) and put its accepted pieces in
         place; ``ack`` False for an unacked write (header flag ``H_NOACK``), whose sender waits for no ACK."""
@@ -75,7 +74,8 @@ class TcpLanding:
                 self._place(st.get("rx", s.sock), table, lens, statuses, regions, st)
         finally:
             self._unpin(pinned)
-        self._finish_message(ep, s, seq, table, statuses, ack=ack, hold=landed and ack, token=st.pop("token", None))
+        self._fab.finish_message(ep, s, seq, table, statuses, ack=ack, hold=landed and ack,
+                                  token=st.pop("token", None))
 
     def _place_landed(self, ep: SocketEndpoint, sock, handler, mr: MemoryRegion, addr: int, length: int, imm: int,
                       st: dict) -> None:
@@ -148,12 +148,13 @@ class TcpLanding:
         if plan is not None:
             plan.done()
 
-    def _on_small_write(self, ep: SocketEndpoint, s: _Sock, seq: int, count: int, tb: int, blen: int,
-                        st: dict, hflags: int = 0, mac=None) -> None:
-        """``_on_message`` for a WRITE message of at most ``SMALL_MESSAGE`` bytes: table and payload taken in one
+    def on_small_write(self, ep: SocketEndpoint, s: Sock, seq: int, count: int, tb: int, blen: int,
+                       st: dict, hflags: int = 0, mac=None) -> None:
+        """``on_message`` for a WRITE message of at most ``SMALL_MESSAGE`` bytes: table and payload taken in one
         receive, the table read by one ``struct`` call, every accepted piece copied to its place from there. The
         checks are ``_validate_pieces``'s, before anything is placed; a table of whole writes into one host region
-        (what a ``WriteRows`` post sends) is checked by its extremes."""
+        (what a ``WriteRows`` post sends) is checked by its extremes and placed here, any other piece by piece
+        (``_place_pieces``). ``mac``: (the hash begun on the header, the tag it must give), or None."""
         view = st["rx"].take(blen, memoryview(st["stage"]))
         token = None
         if mac is not None:  # the header and table checked before the table is read
@@ -162,12 +163,11 @@ class TcpLanding:
             if not compare_digest(d[:16], mac[1]):
                 s.sess.rx_end(*mac)
             token = d[16:]
-        cols = _table_struct(count).unpack_from(view)
+        cols = table_struct(count).unpack_from(view)
         addrs, lens, waddrs, wlens = cols[0::8], cols[1::8], cols[2::8], cols[3::8]
         rkeys, flags = cols[4::8], cols[5::8]
-        payload = blen - tb
-        if sum(lens) != payload:
-            raise ValueError(f"payload {payload} B does not match the table's {sum(lens)} B")
+        if sum(lens) != blen - tb:
+            raise ValueError(f"payload {blen - tb} B does not match the table's {sum(lens)} B")
         statuses = None
         if count and addrs == waddrs and lens == wlens and rkeys.count(rkeys[0]) == count and min(lens) > 0:
             rk = rkeys[0]
@@ -188,30 +188,7 @@ class TcpLanding:
             if statuses is not None:
                 view.release()
         if statuses is None:
-            statuses, regions, pinned = self._validate_lists(addrs, lens, waddrs, wlens, rkeys)
-            try:
-                off = tb
-                gpu = []
-                views = self._host_views
-                for i, mr in enumerate(regions):
-                    k = lens[i]
-                    if mr is not None:
-                        ent = views.get(mr.rkey)
-                        if ent is not None and ent[0] is mr:  # the view of this very region (checked above)
-                            a = addrs[i] - mr.addr
-                            ent[1][a:a + k] = view[off:off + k]
-                        elif mr.device == DEVICE_HOST:  # deregistered meanwhile: still pinned, deregister waits
-                            raw_view(addrs[i], k, writable=True)[:] = view[off:off + k]
-                        else:
-                            gpu.append((i, off - tb, k))
-                    off += k
-                if gpu:  # GPU regions: staged through pinned memory, as ``_place`` does
-                    host = pinned_buffer(st, payload)
-                    raw_view(host.data_ptr(), payload, writable=True)[:] = view[tb:blen]
-                    self._place_gpu(host, gpu, addrs, regions, statuses, st)
-            finally:
-                view.release()
-                self._unpin(pinned)
+            statuses = self._place_pieces(view, tb, blen, addrs, lens, waddrs, wlens, rkeys, st)
         events = []
         if any(flags):
             imms = cols[6::8]
@@ -219,13 +196,44 @@ class TcpLanding:
                 if f & F_IMM and statuses[i] == ST_OK:
                     events.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wlens[i], imms[i]))
         if not hflags & H_NOACK:
-            self._send_ctrl(ep, s, ack_frame(seq, statuses, token))
+            self._fab.send_ctrl(ep, s, ack_frame(seq, statuses, token))
             st["small"] = True  # the reader may spin for the next one (``recv_spin``)
         elif statuses.count(0) != count:
             i = next(i for i, v in enumerate(statuses) if v)
             log.warning("%s: refused an unacked write from %s: %d B at 0x%x rkey 0x%x: %s", self._id, ep.peer_id,
-                        wlens[i], waddrs[i], rkeys[i], _STATUS_TEXT.get(statuses[i], statuses[i]))
+                        wlens[i], waddrs[i], rkeys[i], STATUS_TEXT.get(statuses[i], statuses[i]))
         ep.deliver_in_order(seq, events)
+
+    def _place_pieces(self, view: memoryview, tb: int, blen: int, addrs, lens, waddrs, wlens, rkeys,
+                      st: dict) -> bytearray:
+        """Every piece checked on its own (``_validate_lists``) and each accepted one placed from ``view`` (host
+        regions copied, GPU ones staged through pinned memory); returns the statuses and releases ``view``."""
+        statuses, regions, pinned = self._validate_lists(addrs, lens, waddrs, wlens, rkeys)
+        try:
+            off = tb
+            gpu = []
+            views = self._host_views
+            for i, mr in enumerate(regions):
+                k = lens[i]
+                if mr is not None:
+                    ent = views.get(mr.rkey)
+                    if ent is not None and ent[0] is mr:  # the view of this very region (checked above)
+                        a = addrs[i] - mr.addr
+                        ent[1][a:a + k] = view[off:off + k]
+                    elif mr.device == DEVICE_HOST:  # deregistered meanwhile: still pinned, deregister waits
+                        raw_view(addrs[i], k, writable=True)[:] = view[off:off + k]
+                    else:
+                        gpu.append((i, off - tb, k))
+                off += k
+            if gpu:  # GPU regions: staged through pinned memory, as ``_place`` does
+                payload = blen - tb
+                host = pinned_buffer(st, payload)
+                raw_view(host.data_ptr(), payload, writable=True)[:] = view[tb:blen]
+                self._place_gpu(host, gpu, addrs, regions, statuses, st)
+        finally:
+            view.release()
+            self._unpin(pinned)
+        return statuses
 
     def _place(self, sock: socket.socket, table, lens, statuses, regions, st: dict) -> None:
         """Read the message payload from ``sock`` and put each accepted piece at its address."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import select
+import threading
 import time
 from typing import Dict, List, Sequence
 
@@ -21,15 +22,17 @@ from transport.fabric.base import DEVICE_HOST, Endpoint, GatherWrite, MemoryRegi
 from transport.fabric.endpoint import SocketEndpoint
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
-from transport.fabric.messages import _BatchRecord, _OutMsg, _WrRecord, batch_messages, write_messages
-from transport.fabric.sockets import _Sock, send_buffers, send_now
+from transport.fabric.messages import BatchRecord, OutMsg, WrRecord, batch_messages, write_messages
+from transport.fabric.region_book import RegionBook
+from transport.fabric.sockets import Rx, Sock, send_buffers, send_now
 from transport.fabric.spin import AdaptiveSpin
-from transport.fabric.wire import (_I64, _ROW, F_IMM, H_NOACK, H_WHOLE, HDR, MAGIC, MAX_TABLE, PIECE_DT, T_WRITE,
-                                   UNACKED_MAX, _seal)
+from transport.fabric.tcp_io import reader_state
+from transport.fabric.wire import (F_IMM, H_NOACK, H_WHOLE, HDR, I64, MAGIC, MAX_TABLE, PIECE_DT, ROW, SMALL_MESSAGE,
+                                   T_WRITE, UNACKED_MAX, seal)
 
 log = logging.getLogger(__name__)
 
-_HEAD = bytearray(48)  # a WRITE header's place: ``_post_rows`` frames into ``_HEAD + rows``, a new bytearray
+_HEAD = bytearray(48)  # a WRITE header's place: ``post_rows`` frames into ``_HEAD + rows``, a new bytearray
 
 # A post of one message at most this large (pieces, bytes on the wire) is sent by the posting thread itself when
 # its socket is idle; larger ones go to the sender threads, which stream them over every socket in parallel.
@@ -38,7 +41,7 @@ INLINE_BYTES = 64 << 10
 
 
 class TcpPoster:
-    """The sender side of one ``TcpFabric``: it checks posts against the fabric's regions (``SocketFabric._validate``,
+    """The sender side of one ``TcpFabric``: it checks posts against the fabric's regions (``SocketFabric.validate``,
     its ``RegionBook``), makes their messages, sends a small one itself or queues them on the endpoint
     (``SocketEndpoint.enqueue``) for the sender threads, whose sends it also frames (``transmit``), and reads the
     ack of a small batch for the thread that waits for it (``await_rows``). It owns the spin of those waits.
@@ -47,31 +50,40 @@ class TcpPoster:
     sleeping, at most (see ``TcpFabric``). The fabric's tables and checks are bound here once: a post reaches them
     without a hop through the fabric."""
 
-    def __init__(self, fabric, own_acks: bool, ack_spin: float):
+    def __init__(self, fabric, book: RegionBook, own_acks: bool, ack_spin: float):
         self._fab = fabric
-        self._id = fabric._id
+        self._id = fabric.local_id
         self.message_bytes = fabric.message_bytes
-        self._book = fabric._book
-        self._regions = fabric._regions
-        self._host_views = fabric._host_views
-        self._held = fabric._held
-        self._validate = fabric._validate
-        self._validate_batch = fabric._validate_batch
-        self._message_target = fabric._message_target
-        self._read_one = fabric._read_one
-        self._caller_state = fabric._caller_state
-        # unacked writes need the receiving side of ``TcpLanding._on_small_write``, which every tcp peer has
+        # the region tables a post reads, bound once: no hop through the fabric per post
+        self._book = book
+        self._regions = book.regions
+        self._host_views = book.host_views
+        # unacked writes need the receiving side of ``TcpLanding.on_small_write``, which every tcp peer has
         self._unacked = fabric.capabilities.unacked_writes
         self._own_acks = own_acks
         # one for every caller of this fabric: the acks come from peers whose pace is the host's and the network's,
         # the same for each caller
         self.ack_spin = AdaptiveSpin(ack_spin)
+        self._caller = threading.local()  # a caller's reading state (``caller_state``)
+
+    def caller_state(self, s: Sock) -> dict:
+        """The reading state of this thread (not a reader thread: a caller that reads its own ack), set up for
+        socket ``s``: its look-ahead reader with this thread's buffer."""
+        st = self._caller.__dict__.get("st")
+        if st is None:
+            st = self._caller.st = reader_state(SMALL_MESSAGE)
+        rx = s.rx
+        if rx is None:
+            rx = s.rx = Rx(s.sock, 0)
+        rx.attach(st["rxbuf"], st["rxview"])
+        st["rx"] = rx
+        return st
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
         if len(requests) == 1:
             r = requests[0]
             if type(r) is WriteRows:
-                self._post_rows(ep, r)
+                self.post_rows(ep, r)
                 return
             if type(r) is WriteRequest and not r.acked and not r.signaled and self._unacked \
                     and self._post_unacked(ep, r):
@@ -80,8 +92,9 @@ class TcpPoster:
         batches = [r for r in requests if isinstance(r, WriteBatch)]
         if batches:
             requests = [r for r in requests if not isinstance(r, WriteBatch)]
-        mrs = self._validate(ep, requests)
-        devices = [self._validate_batch(b) for b in batches]  # every check before anything is posted
+        fab = self._fab
+        mrs = fab.validate(ep, requests)
+        devices = [fab.validate_batch(b) for b in batches]  # every check before anything is posted
         gathers = [self._check_gather(r, mr) for r, mr in zip(requests, mrs) if type(r) is GatherWrite]
         if gathers:
             msgs = []
@@ -89,37 +102,37 @@ class TcpPoster:
             for r, mr in zip(requests, mrs):  # posting order kept: plain runs between the gather writes
                 if type(r) is GatherWrite:
                     if plain:
-                        msgs.extend(write_messages(plain, plain_mrs, self._message_target, len(ep.socks)))
+                        msgs.extend(write_messages(plain, plain_mrs, fab.message_target, len(ep.socks)))
                         plain, plain_mrs = [], []
                     msgs.append(self._build_gather(r, mr, gathers.pop(0)))
                 else:
                     plain.append(r)
                     plain_mrs.append(mr)
             if plain:
-                msgs.extend(write_messages(plain, plain_mrs, self._message_target, len(ep.socks)))
+                msgs.extend(write_messages(plain, plain_mrs, fab.message_target, len(ep.socks)))
         else:
-            msgs = write_messages(requests, mrs, self._message_target, len(ep.socks)) if requests else []
+            msgs = write_messages(requests, mrs, fab.message_target, len(ep.socks)) if requests else []
         for b, dev in zip(batches, devices):
-            msgs.extend(batch_messages(b, dev, self._message_target, len(ep.socks)))
+            msgs.extend(batch_messages(b, dev, fab.message_target, len(ep.socks)))
         if msgs:
             self.send(ep, msgs)
 
     def _post_unacked(self, ep: Endpoint, r: WriteRequest) -> bool:
         """Post one unacked write (``WriteRequest.acked`` False) as a message with ``H_NOACK``: its bytes copied
         into the message now, a sequence number but no pending record, sent by this thread when the socket is idle
-        (else queued as a control message). With the ACK of a landed write held by this thread (``_finish_message``)
+        (else queued as a control message). With the ACK of a landed write held by this thread (``finish_message``)
         and ``ep`` that write's endpoint, both leave in one send on its socket. False: not posted (larger than
         ``UNACKED_MAX`` or not host memory); post it as an acknowledged write."""
         if not isinstance(r.length, int) or r.length > UNACKED_MAX:
             return False
-        mr, = self._validate(ep, [r])
+        mr, = self._fab.validate(ep, [r])
         if mr.device != DEVICE_HOST:
             return False
-        body = _ROW.pack(r.remote_addr, r.length, r.remote_addr, r.length, r.rkey,
+        body = ROW.pack(r.remote_addr, r.length, r.remote_addr, r.length, r.rkey,
                          0 if r.imm is None else F_IMM, r.imm or 0, 0) + raw_view(r.local_addr, r.length).tobytes()
-        held = self._held.__dict__.pop("ack", None)
+        held = self._fab.take_held_ack()
         if held is not None and held[0] is not ep:  # another endpoint's ACK: it goes out on its own, first
-            self._fab._send_ctrl(*held)
+            self._fab.send_ctrl(*held)
             held = None
         s, seq = ep.reserve(held[1] if held is not None else None)
         wire = HDR.pack(MAGIC, T_WRITE, H_NOACK, 0, 1, seq, len(body)) + body
@@ -136,7 +149,7 @@ class TcpPoster:
         return True
 
     def _check_gather(self, r: GatherWrite, mr: MemoryRegion) -> tuple:
-        """The local checks of a ``GatherWrite`` beyond ``_validate``'s (which checked its own range): the gather
+        """The local checks of a ``GatherWrite`` beyond ``validate``'s (which checked its own range): the gather
         arrays well formed, the replaced ranges ascending, without overlap and inside the write, every source inside
         a host region registered here. Returns (sources, replaced addresses, lengths) as lists and the source
         region's view when one region holds every source (else None)."""
@@ -152,7 +165,7 @@ class TcpPoster:
             raise ValueError(f"wr_id={r.wr_id}: gather arrays of sizes {src.size}, {loc.size}, {n}: need one size >= 1")
         ends = loc + ln
         if int(ln.min()) < 1 or int(loc[0]) < r.local_addr or int(ends[-1]) > r.local_addr + r.length or \
-                int(src.min()) < 0 or int(src.max()) > _I64 - int(ln.max()) or \
+                int(src.min()) < 0 or int(src.max()) > I64 - int(ln.max()) or \
                 (n > 1 and bool((loc[1:] < ends[:-1]).any())):
             raise ValueError(f"wr_id={r.wr_id}: gather ranges must have lengths >= 1 and lie in ascending order, "
                              f"without overlap, inside the write's local range 0x{r.local_addr:x}+{r.length}")
@@ -169,15 +182,15 @@ class TcpPoster:
                                   f"registered with {self._id}")
         return src, loc, ln, None
 
-    def _build_gather(self, r: GatherWrite, mr: MemoryRegion, checked: tuple) -> _OutMsg:
+    def _build_gather(self, r: GatherWrite, mr: MemoryRegion, checked: tuple) -> OutMsg:
         """One message for a checked ``GatherWrite``: one whole-write row, the payload as buffers in order (the
         write's own bytes between the gathered ranges, each gathered range from its source)."""
         src, loc, ln, region = checked
         flags = F_IMM if r.imm is not None else 0
-        m = _OutMsg(0)
+        m = OutMsg(0)
         m.table = np.array([(r.remote_addr, r.length, r.remote_addr, r.length, r.rkey, flags, r.imm or 0, 0)],
                            dtype=PIECE_DT)
-        m.recs = [_WrRecord(r)]
+        m.recs = [WrRecord(r)]
         m.last = [True]
         m.whole = True
         own = self._host_views[mr.rkey][1]
@@ -211,68 +224,37 @@ class TcpPoster:
         m.bufs = bufs
         return m
 
-    def _post_rows(self, ep: Endpoint, b: WriteRows) -> None:
-        """Post a ``WriteRows``: the checks of ``_validate_batch`` in Python, then one message (up to
-        ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path). A message of host sources
+    def post_rows(self, ep: Endpoint, b: WriteRows) -> None:
+        """Post a ``WriteRows``: the checks of ``validate_batch`` in Python (``_rows_sources``), then one message (up
+        to ``MAX_TABLE`` writes and ``message_bytes``; more go through the numpy path). A message of host sources
         small enough for an inline send is registered, framed and sent here in one step (what ``send``,
         ``enqueue``, ``_wire_buffers`` and ``send_now`` do for it), since its Python steps are its latency."""
         fab = self._fab
-        if fab._closed:
-            fab._check_open()
         if not isinstance(ep, SocketEndpoint) or ep.fabric is not fab:
+            fab.check_open()
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of {fab.name} fabric {self._id}")
-        la, ln, ra, rk, lk = b.local_addr, b.length, b.remote_addr, b.rkey, b.lkey
+        ln, ra, rk = b.length, b.remote_addr, b.rkey
         n = len(ln)
         nbytes = b.nbytes
         if n > MAX_TABLE or nbytes > self.message_bytes:
-            arrays = [np.asarray(v, dtype=np.int64) for v in (la, ln, ra)]
-            self.post_writes(ep, [WriteBatch(*arrays, np.full(n, rk, dtype=np.int64), np.full(n, lk, dtype=np.int64),
-                                             wr_id=b.wr_id)])
+            arrays = [np.asarray(v, dtype=np.int64) for v in (b.local_addr, ln, ra)]
+            self.post_writes(ep, [WriteBatch(*arrays, np.full(n, rk, dtype=np.int64),
+                                             np.full(n, b.lkey, dtype=np.int64), wr_id=b.wr_id)])
             return
-        if not ep._alive:
-            ep.check_alive()
-        if rk.__class__ is not int or lk.__class__ is not int or not (0 <= rk <= 0xFFFFFFFF and 0 <= lk <= 0xFFFFFFFF):
-            for name, v in (("rkey", rk), ("lkey", lk)):
-                if v.__class__ is not int or not 0 <= v <= 0xFFFFFFFF:
-                    raise ValueError(f"batch wr_id={b.wr_id}: {name} {v!r} is not a 32-bit unsigned int")
-        mr = self._regions.get(lk)
-        if mr is None:
-            raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
-        first, end = b.local_span  # the writes' own checks: WriteRows
-        base = mr.addr
-        if first < base or end > base + mr.length:
-            i = next(i for i, (a, k) in enumerate(zip(la, ln)) if a < mr.addr or a + k > mr.addr + mr.length)
-            raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{la[i]:x}+{ln[i]} lies outside the "
-                              f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
-        pack = _ROW.pack
-        m = _OutMsg(0)
+        mr, bufs = self._rows_sources(ep, b)
+        pack = ROW.pack
+        m = OutMsg(0)
         rows = m.rows = b"".join([pack(r, k, r, k, rk, 0, 0, 0) for r, k in zip(ra, ln)])
         m.pieces = n
-        m.batch = _BatchRecord(b)
+        m.batch = BatchRecord(b)
         m.final = True
         m.on_acked = b.on_acked
         if mr.device != DEVICE_HOST:  # GPU sources: staged through pinned memory by the sender (``_source_buffers``)
             m.table = np.frombuffer(m.rows, dtype=PIECE_DT)
             m.rows = None
-            m.src = [(a, k, mr.device) for a, k in zip(la, ln)]
+            m.src = [(a, k, mr.device) for a, k in zip(b.local_addr, ln)]
             self.send(ep, [m])
             return
-        # the sources as slices of one view of the region (the one kept since registration, else one of the
-        # span: a view per piece costs a ctypes call each), pieces that follow each other in memory as one buffer
-        ent = self._host_views.get(lk)
-        if ent is not None and ent[0] is mr:
-            span = ent[1]
-        else:
-            span, base = raw_view(first, end - first), first
-        bufs = []
-        start = end = -1
-        for a, k in zip(la, ln):
-            if a != end:
-                if end > start:
-                    bufs.append(span[start - base:end - base])
-                start = a
-            end = a + k
-        bufs.append(span[start - base:end - base])
         m.bufs = bufs
         if n > INLINE_PIECES or nbytes > INLINE_BYTES:
             ep.enqueue([m])
@@ -295,6 +277,48 @@ class TcpPoster:
             self.await_rows(b, 0.0)
             raise
 
+    def _rows_sources(self, ep: SocketEndpoint, b: WriteRows) -> tuple:
+        """The local side of a ``WriteRows`` of one message, checked: a live endpoint of an open fabric, 32-bit
+        keys, every source inside the region of ``lkey`` (by the writes' extremes). Returns that region and, for a
+        host region, the sources as slices of one view of it (the one kept since registration, else one of the
+        span: a view per piece costs a ctypes call each), pieces that follow each other in memory as one buffer
+        (None for a GPU region)."""
+        if not ep.alive:  # a closed fabric failed every endpoint: its error first
+            self._fab.check_open()
+            ep.check_alive()
+        rk, lk = b.rkey, b.lkey
+        if rk.__class__ is not int or lk.__class__ is not int or not (0 <= rk <= 0xFFFFFFFF and 0 <= lk <= 0xFFFFFFFF):
+            for name, v in (("rkey", rk), ("lkey", lk)):
+                if v.__class__ is not int or not 0 <= v <= 0xFFFFFFFF:
+                    raise ValueError(f"batch wr_id={b.wr_id}: {name} {v!r} is not a 32-bit unsigned int")
+        mr = self._regions.get(lk)
+        if mr is None:
+            raise RegionError(f"batch wr_id={b.wr_id}: lkey 0x{lk:x} is not a region registered with {self._id}")
+        la, ln = b.local_addr, b.length
+        first, end = b.local_span  # the writes' own checks: WriteRows
+        base = mr.addr
+        if first < base or end > base + mr.length:
+            i = next(i for i, (a, k) in enumerate(zip(la, ln)) if a < mr.addr or a + k > mr.addr + mr.length)
+            raise RegionError(f"batch wr_id={b.wr_id}, write {i}: local range 0x{la[i]:x}+{ln[i]} lies outside the "
+                              f"region of lkey 0x{lk:x} (0x{mr.addr:x}+{mr.length})")
+        if mr.device != DEVICE_HOST:
+            return mr, None
+        ent = self._host_views.get(lk)
+        if ent is not None and ent[0] is mr:
+            span = ent[1]
+        else:
+            span, base = raw_view(first, end - first), first
+        bufs = []
+        start = end = -1
+        for a, k in zip(la, ln):
+            if a != end:
+                if end > start:
+                    bufs.append(span[start - base:end - base])
+                start = a
+            end = a + k
+        bufs.append(span[start - base:end - base])
+        return mr, bufs
+
     def await_rows(self, b: WriteRows, deadline: float) -> None:
         """For the thread that posted ``b`` with ``read_ack`` and got its socket (``b.reader`` set): read that
         socket -- every message on it, whoever it is for -- until ``b``'s ack is handled, the endpoint failed or
@@ -308,7 +332,8 @@ class TcpPoster:
         ep, s, m = held
         st = {}
         try:
-            st = self._caller_state(s)
+            st = self.caller_state(s)
+            read_one = self._fab.read_one
             rx = st["rx"]
             wait = st.get("wait")
             if wait is None or st.get("wait_fd") != s.fd:
@@ -318,7 +343,7 @@ class TcpPoster:
             spin = self.ack_spin
             spin_until = spin.until(time.monotonic())
             spun = spin_until > 0.0  # reported to ``spin`` once: a hit when the ack is in before the spin ends
-            while not m.done and ep._alive:
+            while not m.done and ep.alive:
                 if rx.pos == rx.end:
                     now = time.monotonic()
                     if now < spin_until:
@@ -333,17 +358,17 @@ class TcpPoster:
                             break
                         if not wait.poll(left * 1000.0 + 1.0) or not rx.ready():
                             continue
-                self._read_one(ep, s, rx, st)
+                read_one(ep, s, rx, st)
             if spun:
                 spin.done(m.done)
             if m.done:
                 s.own_reads += 1
             # what the last receive took beyond the ack (another message, whole or in part) is read here: the
             # reader threads are woken by bytes still in the socket, never by bytes already in the buffer
-            while ep._alive and rx.pos < rx.end:
-                self._read_one(ep, s, rx, st)
+            while ep.alive and rx.pos < rx.end:
+                read_one(ep, s, rx, st)
         except Exception as e:  # noqa: BLE001 — as in the reader threads: the link is unusable
-            if ep.alive and not self._fab._closed:
+            if ep.alive and not self._fab.closed:
                 log.debug("receive on %s/%d by a waiting caller ended", ep.peer_id, s.index, exc_info=True)
             ep.fail(f"receive failed: {e}")
         finally:
@@ -354,7 +379,7 @@ class TcpPoster:
             if poller is not None:
                 poller.rearm(ep, s)
 
-    def send(self, ep: SocketEndpoint, msgs: List[_OutMsg]) -> None:
+    def send(self, ep: SocketEndpoint, msgs: List[OutMsg]) -> None:
         """Hand checked messages over: to the sockets' sender threads, except a post of one small message, which
         this thread sends itself when its socket is idle (``send_now``)."""
         m = msgs[0] if len(msgs) == 1 else None
@@ -366,7 +391,7 @@ class TcpPoster:
         s, = ep.enqueue(msgs, queue=False)
         self._send_inline(ep, s, m, self._wire_buffers(s, m))
 
-    def _send_inline(self, ep: SocketEndpoint, s: _Sock, m: _OutMsg, buffers, write_seq: int = -1) -> None:
+    def _send_inline(self, ep: SocketEndpoint, s: Sock, m: OutMsg, buffers, write_seq: int = -1) -> None:
         """Send message ``m`` (already numbered on socket ``s``) from the posting thread when the socket is free,
         else hand it to the socket's sender thread, behind what it holds. ``write_seq``: as ``send_now``'s."""
         try:
@@ -381,7 +406,7 @@ class TcpPoster:
             s.data.append(m)
             s.wake()
 
-    def _wire_buffers(self, s: _Sock, msg: _OutMsg) -> List:
+    def _wire_buffers(self, s: Sock, msg: OutMsg) -> List:
         """A WRITE message as buffers to send in order: header and table (one bytearray, which ``transmit`` seals
         in place), then each piece's source bytes."""
         if msg.rows is not None:
@@ -401,7 +426,7 @@ class TcpPoster:
         HDR.pack_into(head, 0, MAGIC, T_WRITE, 0, 0, len(table), msg.seq, table.nbytes + int(table["len"].sum()))
         return [head] + self._source_buffers(s, msg)
 
-    def _source_buffers(self, s: _Sock, msg: _OutMsg) -> List:
+    def _source_buffers(self, s: Sock, msg: OutMsg) -> List:
         srcs = msg.sources()
         gpu = [(i, a, n, d) for i, (a, n, d) in enumerate(srcs) if d != DEVICE_HOST]
         if not gpu:
@@ -436,9 +461,9 @@ class TcpPoster:
         return [raw_view(hbase + where[i], n) if d != DEVICE_HOST else raw_view(a, n)
                 for i, (a, n, d) in enumerate(srcs)]
 
-    def transmit(self, ep: SocketEndpoint, s: _Sock, msg: _OutMsg) -> None:
+    def transmit(self, ep: SocketEndpoint, s: Sock, msg: OutMsg) -> None:
         """Send queued message ``msg`` on socket ``s`` (its sender thread), its first frame tagged now."""
         bufs = self._wire_buffers(s, msg)
         if s.sess is not None:
-            bufs[0] = _seal(s.sess, bufs[0], own=True)
+            bufs[0] = seal(s.sess, bufs[0], own=True)
         send_buffers(s.sock, bufs)

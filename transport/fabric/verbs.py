@@ -20,7 +20,8 @@ GPU memory runs on the model's GPUDirect mode (dma-buf MRs over CUDA memory); it
 * **Work requests** are built once per QP and reused (``SendChain``): real pyverbs never frees them.
 * **Connection.** One RC QP (and its own CQ) per peer. QP number, PSN, GID, LID and MTU travel over a TCP
   socket that first proves the shared secret (``transport.auth``) and then stays open as a liveness channel:
-  its EOF fails the endpoint at once instead of after the QP's retries.
+  its EOF fails the endpoint at once instead of after the QP's retries. The QPs are made, brought up and
+  exchanged by ``verbs_qp.QpSetup``; one thread watches every channel (``verbs_endpoint.ChannelWatch``).
 * **Posting.** One ``post_send`` chain per ``post_writes`` call (split only where the send queue is full), with
   selective signalling: only the last work request of a chain is signalled, and the completions of the others
   are derived from it, since an RC send queue completes in order. Writes up to the QP's ``max_inline_data``
@@ -39,8 +40,6 @@ import contextlib
 import json
 import logging
 import os
-import random
-import selectors
 import socket
 import threading
 import time
@@ -54,8 +53,9 @@ from transport.fabric.base import (
     Capabilities, DEVICE_HOST, IMM_MAX, Completion, CompletionQueue, Endpoint, Fabric, MemoryRegion, Opcode, WriteBatch,
     WriteRequest, check_range,
 )
-from transport.fabric.verbs_endpoint import Posted, VerbsEndpoint, recv_json, send_json
+from transport.fabric.verbs_endpoint import ChannelWatch, Posted, VerbsEndpoint, recv_json, send_json
 from transport.fabric.verbs_gpu import DMABUF_MODULE, GpuFlush, register_gpu
+from transport.fabric.verbs_qp import RECV_WR_ID, QpSetup
 from transport.fabric.verbs_ports import (
     INSTALL_HINT, PortChoice, PortStatus, choose_port, gid_index_from_env, import_pyverbs, port_table, usable_port,
 )
@@ -72,8 +72,6 @@ MAX_MESSAGE = 0x7FFFFFFF
 ACK_TIMEOUT_EXP = 14
 """Default local ACK timeout exponent: 4.096 us x 2^14 = 67 ms per try; with ``retry_cnt`` 7 a peer that stopped
 acknowledging fails the endpoint within about 0.5 s (the liveness socket usually tells sooner)."""
-
-_RECV_WR_ID = 0  # receives; sends count from 1 per endpoint
 
 
 class VerbsFabric(Fabric):
@@ -125,8 +123,7 @@ class VerbsFabric(Fabric):
         self.access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
         # 64 host bytes (LOCAL_WRITE) where receives and the GPUDirect flush READs put their bytes
         self.scratch_mr = v["MR"](self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
-        self._recv_wr = v["RecvWR"](wr_id=_RECV_WR_ID, num_sge=1,
-                                    sg=[v["SGE"](self.scratch_mr.buf, 0, self.scratch_mr.lkey)])
+        self._qps = QpSetup(self)  # makes and connects the QPs
         self._lock = threading.RLock()
         self._built = threading.Condition(self._lock)  # _builders reached 0
         self._builders = 0  # threads inside _building()
@@ -138,7 +135,7 @@ class VerbsFabric(Fabric):
         self._retiring: "collections.deque[VerbsEndpoint]" = collections.deque()  # settled: to destroy
         self._claims = auth.RailClaims(guard_claims)
         self._connecting: Dict[str, threading.Lock] = {}  # peer id -> held while connecting to it
-        self._channels = selectors.DefaultSelector()  # every endpoint's liveness socket, read by one thread
+        self._watch = ChannelWatch(self._channel_lost, lambda: self._closed)  # every endpoint's liveness socket
         self._cq_out = CompletionQueue()
         self.counts = collections.Counter()  # what wire_counts() reports
         try:
@@ -162,12 +159,12 @@ class VerbsFabric(Fabric):
     def local_id(self) -> str:
         return self._id
 
-    def _check_open(self):
+    def check_open(self):
         if self._closed:
             raise FabricClosed(f"verbs fabric {self._id} is closed")
 
     def register(self, addr: int, length: int, device: int = DEVICE_HOST) -> MemoryRegion:
-        self._check_open()
+        self.check_open()
         check_range(addr, length, "register")
         if isinstance(device, bool) or not isinstance(device, int) or device < DEVICE_HOST:
             raise ValueError(f"device must be -1 (host) or a CUDA index, got {device!r}")
@@ -191,7 +188,7 @@ class VerbsFabric(Fabric):
         return region
 
     def deregister(self, mr: MemoryRegion) -> None:
-        self._check_open()
+        self.check_open()
         with self._lock:
             entry = self._regions.get(getattr(mr, "lkey", None))
             if entry is None or entry[0] != mr:
@@ -204,7 +201,7 @@ class VerbsFabric(Fabric):
 
     # --- connection -----------------------------------------------------------------------------------------
     def descriptor(self) -> bytes:
-        self._check_open()
+        self.check_open()
         return json.dumps({"fabric": "verbs", "id": self._id, "host": self.hostname, "port": self.port,
                            "gid": self.gid}).encode()
 
@@ -224,96 +221,17 @@ class VerbsFabric(Fabric):
                 self._builders -= 1
                 self._built.notify_all()
 
-    def _new_qp(self, max_send_wr: Optional[int] = None, max_recv_wr: Optional[int] = None,
-                inline: Optional[int] = None, access: Optional[int] = None):
-        """A QP in INIT with its own CQ (large enough for every work request and receive it can hold, so that a
-        flush cannot overrun it), and the ``max_inline_data`` the device granted. Called inside ``_building``."""
-        v, e = self.v, self.e
-        max_send_wr = self.max_send_wr if max_send_wr is None else max_send_wr
-        max_recv_wr = self.max_recv_wr if max_recv_wr is None else max_recv_wr
-        cq = v["CQ"](self.ctx, max_send_wr + max_recv_wr + 16, None, None, 0)
-        qp = None
-        for inline in dict.fromkeys((self.max_inline if inline is None else inline, 0)):
-            cap = v["QPCap"](max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=1,
-                             max_recv_sge=1, max_inline_data=inline)
-            init = v["QPInitAttr"](qp_type=e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
-            try:
-                qp = v["QP"](self.pd, init)
-                granted = int(init.cap.max_inline_data)
-                break
-            except Exception as ex:  # noqa: BLE001 — a device with a smaller inline limit: ask for none
-                error = ex
-        if qp is None:
-            cq.close()
-            raise FabricError(f"verbs: cannot create an RC QP on {self.device} port {self.port_num}: {error}")
-        attr = v["QPAttr"](port_num=self.port_num)
-        attr.qp_access_flags = self.access if access is None else access
-        attr.pkey_index = 0
-        try:
-            self._transition(qp, "INIT", qp.to_init, attr)
-        except FabricError:
-            qp.close()
-            cq.close()
-            raise
-        return qp, cq, granted
-
     def loopback_qp(self, access: int):
         """An RC QP connected to itself with a small CQ (``qp_access_flags`` ``access``): the GPUDirect flush READ's,
-        owned and closed by ``verbs_gpu.GpuFlush``."""
+        owned and closed by ``verbs_gpu.GpuFlush`` (``QpSetup.loopback``)."""
         with self._building():
-            qp, cq, _ = self._new_qp(max_send_wr=2, max_recv_wr=1, inline=0, access=access)
-            try:
-                psn = random.getrandbits(24)
-                self._bring_up(qp, self._local_info(qp, psn), psn, receives=0)
-            except BaseException:
-                qp.close()
-                cq.close()
-                raise
-        return qp, cq
+            return self._qps.loopback(access)
 
     def flush_gpu_writes(self, device: int) -> str:
         """Make peers' writes into cuda:``device`` memory, up to the completions seen so far, visible to that GPU
         (capability ``gpu_write_flush``); returns the method: ``"cuda"``, ``"read"`` or ``"none"``."""
-        self._check_open()
+        self.check_open()
         return self.gpu_flush.flush(device)
-
-    def _local_info(self, qp, psn):
-        pc = self.port_choice
-        return {"id": self._id, "qpn": qp.qp_num, "psn": psn, "gid": self.gid, "lid": pc.lid, "mtu": pc.mtu}
-
-    def _transition(self, qp, state: str, step, attr) -> None:
-        try:
-            step(attr)
-        except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError(errno)
-            raise FabricError(f"verbs: QP {qp.qp_num} on {self.device} port {self.port_num} GID index "
-                              f"{self.gid_index} ({self.gid}) could not go to {state}: {ex}") from ex
-
-    def _bring_up(self, qp, peer: dict, psn: int, receives: Optional[int] = None) -> None:
-        """INIT -> RTR -> RTS towards ``peer`` (its qpn, psn, gid, lid, mtu), then post ``receives`` receives
-        (default ``max_recv_wr``)."""
-        v = self.v
-        try:
-            dgid = v["GID"](str(peer["gid"]))
-            attr = v["QPAttr"](port_num=self.port_num)
-            attr.path_mtu = min(self.port_choice.mtu, int(peer["mtu"]))
-            attr.dest_qp_num = int(peer["qpn"])
-            attr.rq_psn = int(peer["psn"])
-            dlid = int(peer["lid"])
-        except (KeyError, TypeError, ValueError) as ex:
-            raise ValueError(f"malformed verbs peer description {peer!r}: {ex}") from ex
-        attr.max_dest_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        gr = v["GlobalRoute"](dgid=dgid, sgid_index=self.gid_index)
-        attr.ah_attr = v["AHAttr"](gr=gr, is_global=1, dlid=dlid, port_num=self.port_num)
-        self._transition(qp, "RTR", qp.to_rtr, attr)
-        attr.sq_psn = psn
-        attr.timeout = self.timeout_exp
-        attr.retry_cnt = self.retry_cnt
-        attr.rnr_retry = 7  # a receiver out of posted receives is slow, not dead
-        attr.max_rd_atomic = 1
-        self._transition(qp, "RTS", qp.to_rts, attr)
-        for _ in range(self.max_recv_wr if receives is None else receives):
-            qp.post_recv(self._recv_wr)
 
     def _register_ep(self, peer_id: str, qp, cq, inline: int, sock) -> VerbsEndpoint:
         ep = VerbsEndpoint(self, peer_id, qp, cq, sock)
@@ -326,12 +244,12 @@ class VerbsFabric(Fabric):
             self._eps[peer_id] = ep
             self._live.append(ep)
         if old is not None and old.alive:
-            self._fail(old, "replaced by a new connection from the same peer")
-        self._channels.register(sock, selectors.EVENT_READ, ep)
+            self.fail_endpoint(old, "replaced by a new connection from the same peer")
+        self._watch.add(ep)
         return ep
 
     def connect(self, peer_descriptor: bytes) -> Endpoint:
-        self._check_open()
+        self.check_open()
         try:
             d = json.loads(bytes(peer_descriptor))
             peer_id, host, port = d["id"], d["host"], int(d["port"])
@@ -347,25 +265,16 @@ class VerbsFabric(Fabric):
             return self._connect(peer_id, host, port)
 
     def _connect(self, peer_id: str, host: str, port: int) -> VerbsEndpoint:
-        psn = random.getrandbits(24)
-        sock = qp = cq = None
+        sock = None
         with self._building():
             try:
                 sock = socket.create_connection((host, port), timeout=self.connect_timeout)
                 session = auth.client_handshake(sock, self._secret, self.name, self.connect_timeout)
-                qp, cq, inline = self._new_qp()
-                send_json(sock, self._local_info(qp, psn), session)
-                peer = recv_json(sock, session)
-                if "error" in peer:
-                    raise ConnectionError(f"refused: {peer['error']}")
-                self._bring_up(qp, peer, psn)
-                send_json(sock, {"ready": True}, session)
-                recv_json(sock, session)
+                qp, cq, inline = self._qps.dial(sock, session)
                 sock.settimeout(None)
             except (OSError, ConnectionError, ValueError, FabricError, auth.AuthError) as ex:
-                for obj in (qp, cq, sock):
-                    if obj is not None:
-                        obj.close()
+                if sock is not None:
+                    sock.close()
                 if isinstance(ex, FabricClosed):
                     raise
                 raise PeerLost(f"verbs connect to {peer_id} ({host}:{port}) from {self.device} port "
@@ -402,16 +311,7 @@ class VerbsFabric(Fabric):
             send_json(sock, {"error": why}, session)
             return
         with self._building():
-            qp, cq, inline = self._new_qp()
-            try:
-                psn = random.getrandbits(24)
-                send_json(sock, self._local_info(qp, psn), session)
-                self._bring_up(qp, peer, psn)
-                recv_json(sock, session)
-            except BaseException:
-                qp.close()
-                cq.close()
-                raise
+            qp, cq, inline = self._qps.answer(sock, session, peer)
             # no timeout from here on (the handshake's would fail an idle QP pair): the watch thread reads the
             # channel for as long as the QP lives
             sock.settimeout(None)
@@ -420,45 +320,22 @@ class VerbsFabric(Fabric):
         send_json(sock, {"ready": True}, session)
 
     def _watch_loop(self) -> None:
-        """The endpoints' TCP channels carry nothing after the exchange; EOF on one means the peer process is gone
-        or failed its end of the QP pair. The QP is then flushed only after an ACK timeout, so that a write the
-        peer refused (which is why it closed the channel) completes with its own status rather than as a flush.
-        One thread watches every channel."""
-        while not self._closed:
-            try:
-                events = self._channels.select(timeout=0.2)
-            except (OSError, ValueError):  # the selector was closed
-                return
-            for key, _ in events:
-                ep = key.data
-                cause = None
-                try:
-                    while True:
-                        data = ep.sock.recv(4096, socket.MSG_DONTWAIT)
-                        if not data:
-                            cause = "peer closed its channel"
-                            break
-                except BlockingIOError:
-                    pass
-                except OSError as ex:
-                    cause = f"its channel to the peer failed ({ex})"
-                if cause is not None:
-                    self._unwatch(ep)
-                    self._fail(ep, cause, flush_after=self.ack_timeout_s)
+        """The watch thread: every endpoint's channel (``ChannelWatch.run``)."""
+        self._watch.run()
 
-    def _unwatch(self, ep: VerbsEndpoint) -> None:
-        try:
-            self._channels.unregister(ep.sock)
-        except (KeyError, ValueError, OSError):
-            pass
+    def _channel_lost(self, ep: VerbsEndpoint, cause: str) -> None:
+        """The watch thread found ``ep``'s channel closed or failed (``ChannelWatch``): the QP is flushed only after
+        an ACK timeout, so that a write the peer refused (which is why it closed the channel) completes with its
+        own status rather than as a flush."""
+        self.fail_endpoint(ep, cause, flush_after=self.ack_timeout_s)
 
-    def _fail(self, ep: VerbsEndpoint, cause: str, flush_after: float = 0.0) -> None:
+    def fail_endpoint(self, ep: VerbsEndpoint, cause: str, flush_after: float = 0.0) -> None:
         """Mark ``ep`` dead and close its channel, so the peer fails its end too; move its QP to ERR now or after
         ``flush_after`` seconds (what it had posted flushes and the progress thread completes it from there)."""
         with ep.lock:
-            if not ep._alive:
+            if not ep.alive:
                 return
-            ep._alive, ep.cause = False, cause
+            ep.alive, ep.cause = False, cause
             ep.room.notify_all()
         # a peer that closed with nothing in flight is routine; lost work is worth a warning
         log.log(logging.WARNING if ep.pending and not self._closed else logging.INFO,
@@ -490,7 +367,7 @@ class VerbsFabric(Fabric):
         timer.start()
 
     def endpoint(self, peer_id: str) -> Endpoint:
-        self._check_open()
+        self.check_open()
         with self._lock:
             ep = self._eps.get(peer_id)
         if ep is None:
@@ -506,7 +383,7 @@ class VerbsFabric(Fabric):
         """Post ``requests`` (``WriteRequest`` and ``WriteBatch`` items) as one chain of work requests, only its
         last one signalled; a chain longer than the send queue has room for is posted in parts as room frees.
         Every item is checked before anything is posted (see ``Fabric.post_writes``)."""
-        self._check_open()
+        self.check_open()
         if not isinstance(ep, VerbsEndpoint) or ep.fabric is not self:
             raise UnknownPeer(f"post_writes: {ep!r} is not an endpoint of verbs fabric {self._id}")
         if not ep.alive:
@@ -550,9 +427,9 @@ class VerbsFabric(Fabric):
         queued = 0  # records[:queued] are in ep.pending
         while done < writes:
             with ep.lock:
-                while ep._alive and ep.next_seq - 1 - ep.retired >= self.max_send_wr:
+                while ep.alive and ep.next_seq - 1 - ep.retired >= self.max_send_wr:
                     ep.room.wait(0.5)
-                if not ep._alive or ep.settled:
+                if not ep.alive or ep.settled:
                     raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause or 'its QP failed'})")
                 room = self.max_send_wr - (ep.next_seq - 1 - ep.retired)
             part = flat[done:done + room]
@@ -580,7 +457,7 @@ class VerbsFabric(Fabric):
                     n_imm += 1
             failure = None
             with ep.lock:
-                if not ep._alive or ep.settled:  # settled: nothing posted now would ever complete
+                if not ep.alive or ep.settled:  # settled: nothing posted now would ever complete
                     raise PeerLost(f"endpoint {ep.peer_id} died while posting ({ep.cause or 'its QP failed'})")
                 # the records go in before the post: the progress thread may see the completion at once
                 while queued < len(records) and records[queued].first <= last:
@@ -595,7 +472,7 @@ class VerbsFabric(Fabric):
                 # a failed chain may be posted in part (up to the bad work request): the endpoint is failed and
                 # what it holds completes from the flush, so that nothing is reported twice or never
                 cause = f"ibv_post_send to {ep.peer_id} failed: {failure}"
-                self._fail(ep, cause)
+                self.fail_endpoint(ep, cause)
                 raise FabricError(cause) from failure
             self.counts["post_send"] += 1
             self.counts["work_requests"] += len(part)
@@ -618,7 +495,7 @@ class VerbsFabric(Fabric):
                     n, wcs = ep.cq.poll(num_entries=self.cq_batch)
                 except Exception as ex:  # noqa: BLE001 — PyverbsRDMAError: a CQ overrun (EIO) fails the endpoint
                     if ep.alive:
-                        self._fail(ep, f"polling its CQ failed: {ex}")
+                        self.fail_endpoint(ep, f"polling its CQ failed: {ex}")
                     continue
                 if n:
                     busy = True
@@ -633,16 +510,16 @@ class VerbsFabric(Fabric):
         e = self.e
         out: List[Completion] = []
         for wc in wcs:
-            if wc.wr_id == _RECV_WR_ID:
+            if wc.wr_id == RECV_WR_ID:
                 if wc.status != e.IBV_WC_SUCCESS:
                     if ep.alive:  # a flushed receive: the QP went to error (the peer wrote outside our regions)
-                        self._fail(ep, f"its QP went to error (receive WC status {wc.status})")
+                        self.fail_endpoint(ep, f"its QP went to error (receive WC status {wc.status})")
                     continue
                 if wc.opcode == e.IBV_WC_RECV_RDMA_WITH_IMM:
                     out.append(Completion(0, Opcode.RECV_IMM, ep.peer_id, wc.byte_len, socket.ntohl(wc.imm_data)))
                     if ep.alive:
                         try:
-                            ep.qp.post_recv(self._recv_wr)
+                            ep.qp.post_recv(self._qps.recv_wr)
                         except Exception:  # noqa: BLE001 — the QP went to error meanwhile
                             log.debug("re-posting a receive to %s failed", ep.peer_id, exc_info=True)
                 continue
@@ -696,8 +573,8 @@ class VerbsFabric(Fabric):
         if settled:
             return
         if ep.alive:
-            self._fail(ep, str(first_error) if first_error is not None else f"WC status {status}")
-        self._unwatch(ep)
+            self.fail_endpoint(ep, str(first_error) if first_error is not None else f"WC status {status}")
+        self._watch.remove(ep)
         with self._lock:
             if ep in self._live:
                 self._live.remove(ep)
@@ -718,7 +595,7 @@ class VerbsFabric(Fabric):
         self._cq_out.set_handler(handler)
 
     def poll(self, max_n: int = 64, timeout: float = 0.0) -> List[Completion]:
-        self._check_open()
+        self.check_open()
         return self._cq_out.take(max_n, timeout)
 
     def wire_counts(self) -> dict:
@@ -741,12 +618,12 @@ class VerbsFabric(Fabric):
         except OSError:
             pass
         for ep in eps:
-            self._fail(ep, "fabric closed")
+            self.fail_endpoint(ep, "fabric closed")
         for t in self._threads:
             t.join(timeout=10.0)
         for ep in eps:
             self._settle(ep, None, None)
-        self._channels.close()
+        self._watch.close()
         self._cq_out.close()
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck or builders:

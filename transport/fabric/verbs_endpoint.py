@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import selectors
 import socket
 import struct
 import threading
@@ -40,6 +41,53 @@ def recv_json(sock: socket.socket, session: Optional["auth.Session"]):
     if session is not None and session.keyed:
         session.check(exact(auth.TAG_BYTES), head, data)  # AuthError before anything in it is used
     return json.loads(data)
+
+
+# ---- the channels' watch -----------------------------------------------------------------------------------------
+class ChannelWatch:
+    """The endpoints' TCP channels carry nothing after the exchange; EOF on one means the peer process is gone or
+    failed its end of the QP pair. One thread (``run``, until ``closed()`` or ``close``) watches every channel
+    added and, when one ends, stops watching it and calls ``on_lost(endpoint, cause)``."""
+
+    def __init__(self, on_lost, closed):
+        self._sel = selectors.DefaultSelector()
+        self._on_lost = on_lost
+        self._closed = closed
+
+    def add(self, ep: "VerbsEndpoint") -> None:
+        self._sel.register(ep.sock, selectors.EVENT_READ, ep)
+
+    def remove(self, ep: "VerbsEndpoint") -> None:
+        try:
+            self._sel.unregister(ep.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def close(self) -> None:
+        self._sel.close()
+
+    def run(self) -> None:
+        while not self._closed():
+            try:
+                events = self._sel.select(timeout=0.2)
+            except (OSError, ValueError):  # the selector was closed
+                return
+            for key, _ in events:
+                ep = key.data
+                cause = None
+                try:
+                    while True:
+                        data = ep.sock.recv(4096, socket.MSG_DONTWAIT)
+                        if not data:
+                            cause = "peer closed its channel"
+                            break
+                except BlockingIOError:
+                    pass
+                except OSError as ex:
+                    cause = f"its channel to the peer failed ({ex})"
+                if cause is not None:
+                    self.remove(ep)
+                    self._on_lost(ep, cause)
 
 
 # ---- endpoints ---------------------------------------------------------------------------------------------------
@@ -101,10 +149,13 @@ class VerbsEndpoint(Endpoint):
     ``lock`` and only while ``destroyed`` is false. So no pyverbs object is used after its ``close()``: on real
     pyverbs that dereferences a NULL handle (SIGSEGV)."""
 
+    alive: bool = True  # ``Endpoint.alive`` as a plain attribute (set in ``__init__``, cleared on failure)
+
     def __init__(self, fabric: Fabric, peer_id: str, qp, cq, sock: socket.socket):
         self.fabric, self.peer_id, self.qp, self.cq, self.sock = fabric, peer_id, qp, cq, sock
         self.qp_num = qp.qp_num
-        self._alive = True
+        # True until the QP failed (``VerbsFabric.fail_endpoint``): a plain attribute, read per post and completion
+        self.alive = True
         self.cause: Optional[str] = None
         self.lock = threading.Lock()  # the fields below
         self.post_lock = threading.Lock()  # one poster at a time: sequence order is posting order
@@ -117,13 +168,9 @@ class VerbsEndpoint(Endpoint):
         self.chain = SendChain(fabric.v)
         self.max_inline = 0
 
-    @property
-    def alive(self) -> bool:
-        return self._alive
-
     def abort(self) -> None:
         """Move the QP to the error state (its posted work flushes as ``PeerLost``) and drop the TCP channel."""
-        self.fabric._fail(self, "aborted locally")
+        self.fabric.fail_endpoint(self, "aborted locally")
 
     def destroy(self) -> None:
         """Close the QP, CQ and channel (the progress thread, or ``close`` once that thread has ended)."""
@@ -138,4 +185,4 @@ class VerbsEndpoint(Endpoint):
                     pass
 
     def __repr__(self):
-        return f"VerbsEndpoint({self.peer_id}, qp {self.qp_num}, {'alive' if self._alive else self.cause})"
+        return f"VerbsEndpoint({self.peer_id}, qp {self.qp_num}, {'alive' if self.alive else self.cause})"

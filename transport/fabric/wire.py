@@ -48,7 +48,7 @@ from transport import auth
 MAGIC = b"PXNT"
 T_HELLO, T_HELLO_ACK, T_WRITE, T_ACK, T_REQ, T_GRANT, T_DONE, T_NOTIFY = 1, 2, 3, 4, 5, 6, 7, 8
 # magic, type, flags, reserved, count, seq, body bytes (table/JSON + payload), then the 16-byte tag (packed as zeros;
-# ``_seal`` fills it at send time, when the frame's place in the socket's sequence is known)
+# ``seal`` fills it at send time, when the frame's place in the socket's sequence is known)
 HDR = struct.Struct("<4sBBHIQQ4x16x")
 assert HDR.size == 48
 _ACK_TOKEN = struct.Struct("<4sBBHIQQ4x16s")  # HDR with the ack token in its tag field
@@ -57,16 +57,16 @@ _TFCSB = struct.Struct("<4xBBxxIQQ")  # type, flags, count, sequence number, bod
 # What stands in a frame's tag field while its tag is computed: the frame's sequence number on the socket, 8 zero
 # bytes. Put there on both sides, it makes the header, the sequence number and the table one contiguous range, so
 # that a sender hashes each frame in one update and packs nothing else.
-_TAIL = struct.Struct("<Q8x")
+TAIL = struct.Struct("<Q8x")
 
 
-def _seal(sess, buf, own: bool = False):
+def seal(sess, buf, own: bool = False):
     """``buf`` (one or more frames back to back, each header and what its tag covers inside it; the last one's payload
     may follow in other buffers) as a new bytearray with every frame's tag filled in, in order, under ``sess`` (None:
     ``buf`` as is). ``own``: a bytearray ``buf`` was built for this one send and is sealed in place, not copied (a
     many-piece table is tens of KiB to MiBs). Call it where the frames go out, under the socket's send lock: each tag
     takes the next sequence number. A tag is the first half of keyed BLAKE2b over the header with the frame's
-    sequence number in its tag field (``_TAIL``), then the covered bytes, which follow it: one contiguous range. A
+    sequence number in its tag field (``TAIL``), then the covered bytes, which follow it: one contiguous range. A
     WRITE that asks for an ACK leaves the second half, its ack token, in ``sess.acks``; an ACK that carries a token
     (``H_TOKEN``) is left as it is and takes no sequence number."""
     if sess is None:
@@ -96,12 +96,12 @@ def _seal(sess, buf, own: bool = False):
 def seal_frame(sess, frame, ack_seq: int) -> None:
     """Tag one frame in place: ``frame`` is its header and what its tag covers (a bytearray built for this one send, or
     a writable view of one); its tag takes the next sequence number. ``ack_seq`` >= 0: the frame is the acknowledged
-    WRITE numbered so, whose ack token goes to ``sess.acks``. ``_seal`` calls it once it knows what the buffer holds;
-    a small batch sent by its caller (``TcpPoster._post_rows``) calls it directly, without those steps: they were a
+    WRITE numbered so, whose ack token goes to ``sess.acks``. ``seal`` calls it once it knows what the buffer holds;
+    a small batch sent by its caller (``TcpPoster.post_rows``) calls it directly, without those steps: they were a
     fifth of the smallest call's tag cost (``benchmarks/NOTES.md``)."""
-    _TAIL.pack_into(frame, 32, sess.tx_n)
+    TAIL.pack_into(frame, 32, sess.tx_n)
     sess.tx_n += 1
-    h = sess._tx.copy()
+    h = sess.tx_hash.copy()
     h.update(frame)
     d = h.digest()
     frame[32:48] = d[:16]
@@ -130,27 +130,27 @@ def check_token(sess, seq: int, token, statuses: bytes) -> None:
             f"(injected, replayed or reordered); closing the connection")
 
 
-def _rx_head(sess, hdr: bytearray, p: int = 0):
+def rx_head(sess, hdr: bytearray, p: int = 0):
     """Begin checking a received frame whose 48-byte header is ``hdr[p:p + 48]``, in a buffer of the receiver's
     own where those bytes are consumed: returns (the hash, to be updated with the covered bytes, and the tag it
-    must give). The tag field is overwritten with the expected sequence number (``_TAIL``), as it was sealed."""
+    must give). The tag field is overwritten with the expected sequence number (``TAIL``), as it was sealed."""
     tag = hdr[p + 32:p + 48]
-    _TAIL.pack_into(hdr, p + 32, sess.rx_n)
+    TAIL.pack_into(hdr, p + 32, sess.rx_n)
     sess.rx_n += 1
-    mac = sess._rx.copy()
+    mac = sess.rx_hash.copy()
     mac.update(memoryview(hdr)[p:p + 48])
     return mac, tag
 
 
-def _frame_check(sess, hdr, body) -> None:
+def frame_check(sess, hdr, body) -> None:
     """Check a whole received frame (``hdr`` 48 bytes, ``body`` what its tag covers); raises AuthError."""
     if sess is not None:
-        mac, tag = _rx_head(sess, bytearray(hdr[:48]))
+        mac, tag = rx_head(sess, bytearray(hdr[:48]))
         mac.update(body)
         sess.rx_end(mac, tag)
 
 
-def _keyed(sock):
+def keyed(sock):
     """The tagging session of a connected socket, None when its connection runs without a secret."""
     sess = auth.session_of(sock)
     return sess if sess is not None and sess.keyed else None
@@ -173,23 +173,23 @@ H_TOKEN = 4
 # payload bytes of an unacked write at most; larger ones go as acknowledged writes (the target receives unacked ones
 # in one piece, as a small message)
 UNACKED_MAX = 4096
-_ROW = struct.Struct("<QQQQIIII")  # one PIECE_DT row
-assert _ROW.size == PIECE_DT.itemsize
+ROW = struct.Struct("<QQQQIIII")  # one PIECE_DT row
+assert ROW.size == PIECE_DT.itemsize
 
 ST_OK, ST_BAD_RKEY, ST_BOUNDS, ST_FAILED = 0, 1, 2, 3
-_STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range outside the target's region",
+STATUS_TEXT = {ST_BAD_RKEY: "rkey unknown to the target", ST_BOUNDS: "range outside the target's region",
                 ST_FAILED: "target failed to place the bytes"}
 
 # Pieces under this size are received into a staging run and scattered by memmove: one recv per run instead of
 # one syscall per 64 B piece.
 SMALL_PIECE = 32 << 10
 # A WRITE message of at most this many bytes (table and payload) is received in one piece into the staging buffer
-# and placed from there (``_on_small_write``): one receive and no numpy call, where the bytes copied once more
+# and placed from there (``TcpLanding.on_small_write``): one receive and no numpy call, where the bytes copied once more
 # cost less than the steps saved.
 SMALL_MESSAGE = 64 << 10
 MAX_TABLE = 1 << 16  # pieces per message; a peer claiming more is broken or hostile
-_VECTOR_MIN = 16  # posts of more writes than this are checked and framed by numpy, not one write at a time
-_I64 = (1 << 63) - 1
+VECTOR_MIN = 16  # posts of more writes than this are checked and framed by numpy, not one write at a time
+I64 = (1 << 63) - 1
 MAX_HELLO = 1 << 16  # bytes of a HELLO body
 MAX_MESSAGE_BYTES = 1 << 30  # largest message_bytes a peer may announce
 MAX_CTRL_BODY = 1 << 20  # bytes of a control message body beyond its per-piece statuses (an ipc GRANT's JSON)
@@ -198,7 +198,7 @@ MAX_CTRL_BODY = 1 << 20  # bytes of a control message body beyond its per-piece 
 _TABLES: Dict[int, struct.Struct] = {}
 
 
-def _table_struct(count: int) -> struct.Struct:
+def table_struct(count: int) -> struct.Struct:
     """A ``struct.Struct`` of ``count`` rows of PIECE_DT (cached: small messages have at most
     ``SMALL_MESSAGE // PIECE_DT.itemsize`` rows)."""
     t = _TABLES.get(count)

@@ -133,20 +133,8 @@ class IpcFabric(SocketFabric):
         # Bumped by every deregister. A writer that holds a peer's region descriptions (from an earlier GRANT)
         # and finds this counter unmoved copies at once and sends one NOTIFY instead of a REQ / GRANT round trip.
         self._gen = GenerationCounter()
-        peers = self._peers = PeerRegions(self._regions, self._gen)
-        # its calls under the names the post paths use: bound once, no attribute hop per post
-        self._cuda_api = peers.cuda_api
-        self._gen_reader = peers.gen_reader
-        self._current_info = peers.current_info
-        self._mapped = peers.mapped
-        self._local_index = peers.local_index
-        self._remembered = peers.remembered
-        self._bounds_of = peers.bounds_of
-        self._shifts_on = peers.shifts_on
-        self._remember_target = peers.remember_target
-        self._bounded_target = peers.bounded_target
-        self._checked_spans = peers.checked_spans
-        self._ordered = OrderedPosts(self._id, self.bound_copies, self._mapped)
+        self._peers = PeerRegions(self._regions, self._gen)
+        self._ordered = OrderedPosts(self._id, self.bound_copies, self._peers.mapped)
         self._start()
 
     def _descriptor_extra(self) -> dict:
@@ -177,7 +165,7 @@ class IpcFabric(SocketFabric):
     def _on_register(self, mr: MemoryRegion) -> None:
         if mr.device >= 0:
             try:
-                self._exports[mr.rkey] = self._cuda_api().export(mr.addr, mr.length, mr.device)
+                self._exports[mr.rkey] = self._peers.cuda_api().export(mr.addr, mr.length, mr.device)
             except Exception:
                 self._book.drop(mr)
                 raise
@@ -213,11 +201,11 @@ class IpcFabric(SocketFabric):
     def map_gpu(self, access: dict, device: int) -> int:
         """Device pointer, valid in ``device``'s context, of the start of the peer allocation ``access``
         describes (``access["base"]``): opened once, cached until close."""
-        return self._mapped(access, device)
+        return self._peers.mapped(access, device)
 
     def local_device(self, uuid: str) -> int:
         """This process's index of the GPU with ``uuid``; FabricError when it is not visible here."""
-        return self._local_index(uuid)
+        return self._peers.local_index(uuid)
 
     def _describe(self, mr: MemoryRegion) -> dict:
         d = {"addr": mr.addr, "length": mr.length, "device": mr.device, "pid": self._pid}
@@ -355,7 +343,7 @@ class IpcFabric(SocketFabric):
         mr = self._bounded_local(bounds)
         if mr is None:
             return None
-        reg = self._bounded_target(ep, bounds, mr.device)
+        reg = self._peers.bounded_target(ep, bounds, mr.device)
         if reg is None:
             return None
         if mr.device == DEVICE_HOST:
@@ -375,7 +363,7 @@ class IpcFabric(SocketFabric):
         if not (spans.len_min > 0 and spans.local_min >= 0 and spans.remote_min >= 0 and spans.local_end <= I64
                 and spans.remote_end <= I64):
             return None
-        checked = self._checked_spans(ep, spans)
+        checked = self._peers.checked_spans(ep, spans)
         if checked is None:
             return None
         dev, shift = checked
@@ -403,7 +391,7 @@ class IpcFabric(SocketFabric):
         current stream of ``dev``), and wait for it, or not (``wait``: then the work ``BoundCopies.finish``
         returns). ``length_stats``: (sum, min, max) of ``length`` when known."""
         return self._copy_mapped(dev, local_addr, remote_addr, length, length_stats, wait, stream,
-                                 self._mapped(reg, dev) - reg["base"])
+                                 self._peers.mapped(reg, dev) - reg["base"])
 
     def _copy_mapped(self, dev: int, local_addr, dst, length, length_stats, wait: bool, stream,
                      dst_shift: int = 0) -> list:
@@ -452,12 +440,12 @@ class IpcFabric(SocketFabric):
         bd = getattr(batches[0], "bounds", None) if len(batches) == 1 else None
         if bd is not None:
             dev = int(devices[0][0])  # one local region holds every source: one device
-            reg = self._bounded_target(ep, bd, dev)
+            reg = self._peers.bounded_target(ep, bd, dev)
             return None if reg is None else (dev, reg)
         keys = distinct(batches[0].rkey) if len(batches) == 1 else distinct(np.concatenate([b.rkey for b in batches]))
         if len(keys) != 1:
             return None
-        info, _ = self._current_info(ep, None, keys)
+        info, _ = self._peers.current_info(ep, None, keys)
         if info is None:
             return None
         reg = info[keys[0]]
@@ -487,23 +475,23 @@ class IpcFabric(SocketFabric):
             lkey = (ep.peer_id, rk.tobytes())
             layout = self._peers.target_layouts.get(lkey)
             if layout is not None:
-                reader = self._gen_reader(ep)
+                reader = self._peers.gen_reader(ep)
                 if reader is None or layout[0] != (reader.read(), self._peers.changes):
                     layout = None
         if layout is None:
             keys = distinct(rk)
             changes = self._peers.changes  # before the descriptions are read: a GRANT after them retires the entry
-            info, gen = self._current_info(ep, None, keys)
+            info, gen = self._peers.current_info(ep, None, keys)
             if info is None:
                 return None
             regs = [info[key] for key in keys]
             if len(keys) == 1:
-                _, lo, hi, on_host = self._remembered(("bounds",), regs, self._bounds_of)
+                _, lo, hi, on_host = self._peers.remembered(("bounds",), regs, self._peers.bounds_of)
                 if not (on_host.all() if dev == DEVICE_HOST else not on_host.any()):
                     return None
                 ok = lo[0] <= int(b.remote_addr.min()) and int((b.remote_addr + b.length).max()) <= hi[0]
                 return (dev, regs, None, None) if ok else None
-            layout = self._remember_target(ep, rk, keys, regs, (gen, changes))
+            layout = self._peers.remember_target(ep, rk, keys, regs, (gen, changes))
         _, regs, k, lo, hi, on_host, shifts = layout
         if not (on_host if dev == DEVICE_HOST else on_host is False):
             return None  # regions on both sides of the host / GPU line, or on the other side than the sources
@@ -555,7 +543,7 @@ class IpcFabric(SocketFabric):
             else:
                 shift = shifts.get(dev)
                 if shift is None:  # each piece's shift into its region's mapping here: once per layout and GPU
-                    shift = shifts[dev] = self._shifts_on(regs, dev)[k]
+                    shift = shifts[dev] = self._peers.shifts_on(regs, dev)[k]
                 self._copy_mapped(dev, b.local_addr, b.remote_addr + shift, b.length, None, True, None)
         except Exception as e:  # noqa: BLE001 — a CUDA failure fails this batch, not the link
             log.error("ipc GPU copy of %d piece(s) to %s failed: %s", b.count, ep.peer_id, e)
@@ -567,7 +555,7 @@ class IpcFabric(SocketFabric):
         """When the peer's descriptions of every region involved are current, the copies and their NOTIFYs run in
         the posting thread (no hand-off to a socket's sender thread, no GRANT round trip); else the messages
         queue for the sender threads as on tcp."""
-        infos = [self._current_info(ep, m.table)[0] for m in msgs]
+        infos = [self._peers.current_info(ep, m.table)[0] for m in msgs]
         if any(info is None for info in infos):
             ep.enqueue(msgs)
             return
@@ -607,7 +595,7 @@ class IpcFabric(SocketFabric):
 
     def transmit(self, ep: SocketEndpoint, s: Sock, msg: OutMsg) -> None:
         table = msg.table
-        info, gen = self._current_info(ep, table)
+        info, gen = self._peers.current_info(ep, table)
         if info is not None:
             self._notify(ep, s, msg, info)
             return
@@ -656,7 +644,7 @@ class IpcFabric(SocketFabric):
         waddr, wlen, rkey = t["waddr"].astype(np.int64), t["wlen"].astype(np.int64), t["rkey"].astype(np.int64)
         keys = distinct(rkey)
         regs = [info.get(k) for k in keys]
-        known, lo, hi, on_host = self._remembered(("bounds",), regs, self._bounds_of)
+        known, lo, hi, on_host = self._peers.remembered(("bounds",), regs, self._peers.bounds_of)
         k = np.searchsorted(np.asarray(keys, dtype=np.int64), rkey) if len(keys) > 1 else np.zeros(n, np.int64)
         # defense in depth: the target granted it, and what it described must contain it too
         inside = (known[k] & (lo[k] <= waddr) & (waddr + wlen <= hi[k]) & (waddr <= addr)
@@ -729,7 +717,7 @@ class IpcFabric(SocketFabric):
         per lengths and replayed (``BoundCopies``), or a ``cudaMemcpyAsync`` per piece for a few pieces whose
         lengths were not seen before (a chunk, a relay slot); then one synchronise per source GPU."""
         import torch
-        dst_dev_of = [self._local_index(r["uuid"]) if r is not None and r["device"] != DEVICE_HOST else -1
+        dst_dev_of = [self._peers.local_index(r["uuid"]) if r is not None and r["device"] != DEVICE_HOST else -1
                       for r in regs]
         launched = []
         try:
@@ -738,7 +726,7 @@ class IpcFabric(SocketFabric):
                 if dev == DEVICE_HOST:  # host source -> remote GPU: rare (host staging of a GPU-less sender)
                     for i in sel.tolist():
                         r = regs[k[i]]
-                        dst = self._mapped(r, dst_dev_of[k[i]]) + (int(addr[i]) - r["base"])
+                        dst = self._peers.mapped(r, dst_dev_of[k[i]]) + (int(addr[i]) - r["base"])
                         stream = cuda_stream(s.tx_cache, dst_dev_of[k[i]])
                         with torch.cuda.device(dst_dev_of[k[i]]), torch.cuda.stream(stream):
                             host = torch.frombuffer(raw_view(int(s_addr[i]), int(ln[i]), writable=True),
@@ -748,7 +736,7 @@ class IpcFabric(SocketFabric):
                     continue
                 # the target's allocations mapped in the source GPU's context: it pushes (over NVLink between GPUs)
                 ks = k[sel]
-                shift = self._remembered(("shift", dev), regs, lambda rs: self._shifts_on(rs, dev))
+                shift = self._peers.remembered(("shift", dev), regs, lambda rs: self._peers.shifts_on(rs, dev))
                 dst = addr[sel] + shift[ks]
                 launched.append(self.bound_copies.copy(dev, s_addr[sel], dst, ln[sel]))
         finally:

@@ -147,6 +147,23 @@ def test_relayed_path_through_host_slots(peer, src, rng):
     assert st["paths"]["direct"]["units"] == 0
 
 
+def test_larger_coalesce_than_the_peers_landing_slots(src, rng):
+    """A sender that coalesces pieces up to 2 MiB into 4 MiB chunks, to a peer whose landing slots are 1 MiB: the
+    handshake succeeds, the pieces that fit the peer's chunks are coalesced, larger ones go direct, byte-exact."""
+    small = EnginePeer(64 * MB, fabric="tcp", relay_slot_bytes=MB)
+    try:
+        with TransferEngine(fabric="tcp", coalesce_bytes=2 * MB + 1, relay_slot_bytes=4 * MB) as eng:
+            eng.register(src)
+            lengths = [1, 63, 4096] + rng.integers(64, 64 * 1024, size=300).tolist() \
+                + rng.integers(MB - 256, 2 * MB, size=6).tolist() + [2 * MB]
+            run_case(eng, small, src, disjoint_offsets(rng, lengths, 150 * MB),
+                     disjoint_offsets(rng, lengths, small.size), lengths)
+            st = eng.stats()
+    finally:
+        small.close()
+    assert st["paths"]["coalesced"]["units"] >= 1 and st["paths"]["direct"]["units"] >= 1, st["paths"]
+
+
 # --- invalid destinations and bad input: named errors, nothing written --------------------------------------
 def test_destination_outside_registered_memory_writes_nothing(sender, peer, src, rng):
     peer.poison()

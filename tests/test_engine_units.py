@@ -101,8 +101,24 @@ def test_planner_stripes_large_blocks_and_relays_on_remote_rails():
 def test_planner_rejects_bad_config():
     with pytest.raises(ValueError, match="relay"):
         Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=MB, relay="sometimes"))
-    with pytest.raises(ValueError, match="cannot hold"):
-        Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=MB), chunk_bytes=32 * KB)
+    with pytest.raises(ValueError, match="cannot hold one piece of coalesce_bytes 1048576 B"):
+        Planner(EngineConfig(coalesce_bytes=MB, relay_slot_bytes=MB, stripe_bytes=MB))
+
+
+def test_planner_for_smaller_peer_slots_sends_what_cannot_fit_direct():
+    # a peer whose landing slots (32 KiB) cannot hold one piece of this engine's coalesce_bytes (64 KiB): pieces
+    # that fit one of its chunks are coalesced, larger ones go direct, and no chunk exceeds its slots
+    p = Planner(EngineConfig(coalesce_bytes=64 * KB, relay_slot_bytes=MB, stripe_bytes=MB), chunk_bytes=32 * KB)
+    assert 0 < p.coalesce_bytes < 32 * KB and p.chunk_bytes == 32 * KB
+    lengths = np.asarray([64, 4096, p.coalesce_bytes - 1, p.coalesce_bytes, 48 * KB, 63 * KB], dtype=np.int64)
+    srcs = np.cumsum(np.concatenate(([0], lengths[:-1]))) + 4096
+    dsts = srcs + (1 << 40)
+    devices = np.full(lengths.size, -1, dtype=np.int64)
+    units = p.plan(srcs, dsts, lengths, devices, {-1: [RailChoice(0, True, -1)]}, {})
+    coalesced = sorted(i for u in units if u.kind == COALESCED for i in u.items.tolist())
+    assert coalesced == [0, 1, 2], units
+    assert all(u.nbytes <= 32 * KB for u in units if u.kind == COALESCED)
+    _covered(units, srcs, dsts, lengths)
 
 
 def test_planner_turn_moves_with_each_plan_and_rewind_takes_it_back():

@@ -109,7 +109,7 @@ class Planner:
 
     coalesce_bytes: pieces strictly below this are coalesced into chunks.
     chunk_bytes: largest chunk (= landing slot size): ``cfg.relay_slot_bytes`` unless given (a peer whose landing
-        slots are smaller).
+        slots are smaller; pieces that cannot fit one of its chunks then go direct, whatever ``coalesce_bytes``).
     stripe_bytes: direct pieces above this are cut into pieces of this size to spread over rails.
     relay_slot_bytes: size of one relayed piece (= relay slot size).
     relay: "auto" (relay only where the rail is not local), "always" (every large piece through a slot; the
@@ -120,6 +120,7 @@ class Planner:
 
     def __init__(self, cfg, chunk_bytes: Optional[int] = None):
         coalesce_bytes, relay, direct_pieces = cfg.coalesce_bytes, cfg.relay, cfg.direct_pieces
+        peer_slots = chunk_bytes is not None
         chunk_bytes = cfg.relay_slot_bytes if chunk_bytes is None else chunk_bytes
         if relay not in ("auto", "always", "never"):
             raise ValueError(f"relay must be 'auto', 'always' or 'never', got {relay!r}")
@@ -127,10 +128,13 @@ class Planner:
             raise ValueError(f"coalesce_bytes must be >= 0, got {coalesce_bytes}")
         if isinstance(direct_pieces, bool) or not isinstance(direct_pieces, int) or direct_pieces < 0:
             raise ValueError(f"direct_pieces must be an int >= 0, got {direct_pieces!r}")
-        min_chunk = HEADER_BYTES + ENTRY_BYTES + PAYLOAD_ALIGN + coalesce_bytes + PAYLOAD_ALIGN
-        if coalesce_bytes and chunk_bytes < min_chunk:
-            raise ValueError(f"chunk (slot) size {chunk_bytes} B cannot hold one piece of coalesce_bytes "
-                             f"{coalesce_bytes} B; need >= {min_chunk}")
+        overhead = HEADER_BYTES + ENTRY_BYTES + 2 * PAYLOAD_ALIGN  # one piece's chunk beyond its own bytes
+        if coalesce_bytes and chunk_bytes < overhead + coalesce_bytes:
+            if not peer_slots:
+                raise ValueError(f"chunk (slot) size {chunk_bytes} B cannot hold one piece of coalesce_bytes "
+                                 f"{coalesce_bytes} B; need >= {overhead + coalesce_bytes}")
+            # a peer's smaller landing slots: pieces too large for one of its chunks go direct to it instead
+            coalesce_bytes = max(0, chunk_bytes - overhead)
         self.coalesce_bytes = int(coalesce_bytes)
         self.chunk_bytes = int(chunk_bytes)
         self.stripe_bytes = int(cfg.stripe_bytes)

@@ -202,8 +202,8 @@ def _validate(engine, session_id, local_dsts, remote_srcs, lengths):
 
 def _check_inside(engine, name: str, addrs: np.ndarray, ln: np.ndarray, outside: str, also=()) -> None:
     """Every length >= 1 (zero-length pieces are gone by now), every address (``addrs``, then each of ``also``:
-    (name, array) pairs) >= 0, every piece of ``addrs`` inside a region this engine registered; else ``InvalidTransfer`` naming the first bad piece
-    (``outside``: how a piece outside every region is told)."""
+    (name, array) pairs) >= 0, every piece of ``addrs`` inside a region this engine registered; else
+    ``InvalidTransfer`` naming the first bad piece (``outside``: how a piece outside every region is told)."""
     if int(ln.min()) < 1:
         i = int(np.argmin(ln))
         raise InvalidTransfer(f"lengths[{i}] = {int(ln[i])}: every length must be >= 0")

@@ -8,9 +8,10 @@ on the caller's lists of ints (a short array or tensor is made a list first: one
 types of its arguments), and the batch becomes the plan's own result for it (``Planner.direct_pieces``): one
 DIRECT unit on the least loaded rail, one ``WriteRows`` request, posted by the caller with ``Pipeline._post``'s
 bookkeeping done here in one lock section. ``RowsRoute`` is the first route a batch meets: it declines a batch
-with a piece that is not small before any check of its lists (that batch is checked once, by the general path). Its ack completes the batch straight away (``WriteRows.on_acked``,
-``Completions.rows_acked``) when nothing posted earlier on the endpoint is still waiting; otherwise it completes
-through the fabric's completions like any write.
+with a piece that is not small before any check of its lists (that batch is checked once, by the general path).
+Its ack completes the batch straight away (``WriteRows.on_acked``, ``Completions.rows_acked``) when nothing
+posted earlier on the endpoint is still waiting; otherwise it completes through the fabric's completions like any
+write.
 
 Anything else -- a non-int entry, a piece that is not small, a source or destination outside one region, an
 unknown or unconnected peer, no usable rail -- is left to the general path, which handshakes, refreshes the
@@ -92,8 +93,9 @@ class RowsRoute:
     Arguments: inflight: the ``transport.inflight.InFlight``; completions: the
     ``transport.completions.Completions`` (an attempt's end; its ``rows_acked`` completes a batch from its ack);
     failover: the ``transport.peers.Failover`` (a rail found dead when posting); regions: this engine's
-    ``RegionTable``; directory: the ``PeerDirectory``; fabrics, rail_stats: one per rail; counters, trace: the engine's telemetry; config: its ``EngineConfig`` (``direct_pieces``,
-    ``coalesce_bytes``); by_callback: the fabric's ``completion_callback``."""
+    ``RegionTable``; directory: the ``PeerDirectory``; fabrics, rail_stats: one per rail; counters, trace: the
+    engine's telemetry; config: its ``EngineConfig`` (``direct_pieces``, ``coalesce_bytes``); by_callback: the
+    fabric's ``completion_callback``."""
 
     def __init__(self, inflight, completions, failover, regions, directory, fabrics: list, rail_stats: list, counters,
                  trace, config, by_callback: bool):

@@ -664,14 +664,22 @@ def test_stats_and_trace(peer, src, tmp_path, rng):
             lens = [64] * 500 + [BLOCK_1K] * 4
             eng.batch_write(peer.session, [b + int(x) for x in disjoint_offsets(rng, lens, 32 * MB)],
                             [peer.base + int(x) for x in disjoint_offsets(rng, lens, 32 * MB)], lens)
-        st = eng.stats()
+
+        def posted_and_completed():
+            # a chunk's post is counted by the ring's copy thread after its post call returns, and the batch may
+            # complete before that thread runs again (a busy machine): the rail counters follow within a moment
+            st = eng.stats()
+            rails = st["rails"]
+            if sum(r.get("writes_posted", 0) for r in rails) >= 12 + 3 and \
+                    sum(r.get("bytes_completed", 0) for r in rails) >= 12 * BLOCK_1K:
+                return st
+            return None
+        st = wait_for(posted_and_completed, "12 direct writes and 3 chunks counted as posted, 12 blocks completed")
     assert st["batches"]["ok"] == 3 and st["batches"]["failed"] == 0
     lat = st["batches"]["latency"]
     assert lat["p50_ms"] <= lat["p90_ms"] <= lat["p99_ms"]
     # direct pieces of one batch and rail form one unit (one post, one completion), written one piece each
     assert st["paths"]["coalesced"]["chunks"] >= 3 and st["paths"]["direct"]["units"] >= 3
-    assert sum(r.get("writes_posted", 0) for r in st["rails"]) >= 12 + 3
-    assert sum(r.get("bytes_completed", 0) for r in st["rails"]) >= 12 * BLOCK_1K
     ring = st["rings"]["host/rail0"]
     assert ring["lanes"][0]["counts"]["filling"] + ring["lanes"][1]["counts"]["filling"] >= 1
     for key in ("validate", "plan", "dispatch", "wait", "fill"):

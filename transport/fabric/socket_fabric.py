@@ -97,12 +97,10 @@ class SocketFabric(Fabric):
         self.port = self._conns.port
         self._id = self._conns.owner
         book = self._book = RegionBook(self._id)
-        # the book's tables and checks under the names the receive path uses: no attribute hop per message
+        # the book's table and checks under the names the ipc fabric's message path uses: no attribute hop per
+        # message (the tcp landing strategy keeps its own)
         self._regions = book.regions
-        self._host_views = book.host_views
-        self._region_lock = book.region_lock
         self._validate_pieces = book.validate_pieces
-        self._validate_lists = book.validate_lists
         self._unpin = book.unpin
         self.landing = landing(self) if landing is not None else None
 

@@ -142,6 +142,41 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path, seed, fabric):
         assert p.returncode in (130, -signal.SIGINT), (delay, p.returncode)
 
 
+def test_ctrl_c_swallowed_by_a_callback_still_stops_the_run(tmp_path):
+    """CPython swallows an exception raised inside a weakref callback or ``__del__`` ("Exception ignored in: ..."):
+    a Ctrl-C that lands in one (the import system's module-lock callback, say) must still stop the run, with
+    the one line and no trace of the swallowed one. The subcommand here makes the interrupt land in a callback
+    every time, then works for a minute."""
+    (tmp_path / "pxn_spin_cmd.py").write_text(textwrap.dedent("""
+        import os, signal, time, weakref
+
+        def add_arguments(parser):
+            pass
+
+        def run(args):
+            class Thing:
+                pass
+            thing = Thing()
+            keep = weakref.ref(thing, lambda ref: os.kill(os.getpid(), signal.SIGINT))
+            del thing  # the callback runs here; the handler's KeyboardInterrupt is raised inside it
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            print("ran to the end", keep)
+            return 0
+    """))
+    start = ("import sys; from transport import cli; "
+             "cli.SUBCOMMANDS['spin'] = ('pxn_spin_cmd', 'a test subcommand'); sys.exit(cli.main(['spin']))")
+    began = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", start], cwd=REPO, env=_env(str(tmp_path)), capture_output=True,
+                       text=True, timeout=120)
+    took = time.monotonic() - began
+    assert "ran to the end" not in p.stdout, f"the interrupt was lost; stderr: {p.stderr}"
+    assert p.stderr.strip() == "pxn spin: interrupted", p.stderr
+    assert p.returncode == 130, (p.returncode, p.stderr)
+    assert took < 50, took
+
+
 # --- bounds ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("option,value,limit", [("--rails", 1000, "64"), ("--rails", 65, "64"),
                                                 ("--repeat", 10 ** 7, "1000000"), ("--layers", 1 << 17, "65536")])

@@ -19,6 +19,7 @@ import signal
 import stat
 import sys
 import threading
+import time
 
 from transport.errors import PxnError
 
@@ -43,6 +44,16 @@ def version() -> str:
     return __version__
 
 
+def _start_without_sigint(target, args, name: str) -> None:
+    """A daemon thread started with SIGINT blocked, which it keeps: a Ctrl-C goes to the main thread, which may
+    hold it back while it imports torch (``bench_cli._import_torch``)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        threading.Thread(target=target, args=args, name=name, daemon=True).start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class _StdoutWatch:
     """Notices a reader of stdout that went away (``pxn bench | head -1``) while the command is still working
     and has nothing to print, and interrupts the main thread at once instead of at the next line.
@@ -63,13 +74,7 @@ class _StdoutWatch:
             return  # not a real file (captured), or closed
         poller = select.poll()
         poller.register(fd, 0)  # POLLERR (the read end is closed) and POLLHUP are reported without asking
-        # started with SIGINT blocked, which it keeps: a Ctrl-C goes to the main thread, which may hold it back
-        # while it imports torch (``bench_cli._import_torch``)
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            threading.Thread(target=self._watch, args=(poller,), name="pxn-stdout-watch", daemon=True).start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _start_without_sigint(self._watch, (poller,), "pxn-stdout-watch")
 
     def _watch(self, poller) -> None:
         while not self.done.is_set():
@@ -95,40 +100,104 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [""])[0]
 
 
-def _interrupted(signum, frame):
-    """SIGINT: the run's teardown (peers closed while batches are in flight) is not news after a Ctrl-C, so
-    nothing is logged from here on; the one line is ``main``'s."""
-    logging.disable(logging.CRITICAL)
-    raise KeyboardInterrupt
+class _CtrlC:
+    """``main``'s Ctrl-C: one line, at any moment.
+
+    The handler raises ``KeyboardInterrupt`` wherever the main thread is, and CPython swallows an exception raised
+    inside a weakref callback or a ``__del__`` (it prints "Exception ignored in: ..." and goes on): a Ctrl-C that
+    lands in, say, the import system's module-lock callback would be lost, and the run would go on. While
+    installed, such a swallowed interrupt is not printed but sent again to the main thread, from another thread,
+    to be raised outside the callback."""
+
+    def __init__(self):
+        self.installed = False
+        self.caught = False  # main has the interrupt: a later swallowed one is teardown's, not to raise again
+        self._previous_hook = None
+        self._again = threading.Event()
+        self._closed = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return  # a program with its own Ctrl-C handling keeps it
+        _start_without_sigint(self._send_again, (), "pxn-ctrl-c-again")
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
+        signal.signal(signal.SIGINT, self._interrupted)
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """Puts Python's own behaviour back (``main`` called in-process, by a program or a test)."""
+        self._closed = True
+        self._again.set()
+        if self.installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            sys.unraisablehook = self._previous_hook
+            self.installed = False
+
+    @staticmethod
+    def _interrupted(signum, frame):
+        # the run's teardown (peers closed while batches are in flight) is not news after a Ctrl-C, so nothing
+        # is logged from here on; the one line is main's
+        logging.disable(logging.CRITICAL)
+        raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable) -> None:
+        # as little as possible here: a signal handled inside this hook would be swallowed (and printed) too
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            self._again.set()
+        else:
+            self._previous_hook(unraisable)
+
+    def _send_again(self) -> None:
+        while True:
+            self._again.wait()
+            if self._closed:
+                return
+            self._again.clear()
+            time.sleep(0.01)  # the main thread is out of the hook (and, most likely, out of the callback)
+            if not (self.caught or self._closed):
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 def main(argv=None) -> int:
-    prog, traceback_wanted, installed = "pxn", False, False
+    traceback_wanted, ctrl_c = False, None
     try:  # from the first line: a Ctrl-C at any moment is one line
         argv = sys.argv[1:] if argv is None else list(argv)
-        chosen = next((arg for arg in argv if not arg.startswith("-")), None)
-        prog = "pxn %s" % chosen if chosen in SUBCOMMANDS else "pxn"
         traceback_wanted = "--traceback" in argv
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _interrupted)
-            installed = True
-        return _main(argv, chosen)
+        ctrl_c = _CtrlC()
+        ctrl_c.install()
+        return _main(argv, _chosen(argv), ctrl_c)
     except KeyboardInterrupt:  # before a subcommand runs (its import, the parsing): one line too
-        print("%s: interrupted" % prog, file=sys.stderr)
+        if ctrl_c is not None:
+            ctrl_c.caught = True
+        print("%s: interrupted" % _prog(argv), file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the promise is one line, never a traceback
         if traceback_wanted:
             raise
-        print("%s: unexpected %s: %s (pxn --traceback ... shows where)" % (prog, type(e).__name__, _first_line(e)),
-              file=sys.stderr)
+        print("%s: unexpected %s: %s (pxn --traceback ... shows where)" % (_prog(argv), type(e).__name__,
+                                                                            _first_line(e)), file=sys.stderr)
         return 2
     finally:
-        if installed:  # main called in-process (a program or a test) leaves Python's own Ctrl-C behind it
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if ctrl_c is not None:
+            ctrl_c.uninstall()
 
 
-def _main(argv, chosen) -> int:
+def _chosen(argv: list):
+    """The subcommand named in ``argv`` (the first word that is not an option), or None."""
+    return next((arg for arg in argv if isinstance(arg, str) and not arg.startswith("-")), None)
+
+
+def _prog(argv) -> str:
+    """``pxn <subcommand>`` for messages, ``pxn`` when none is named (or ``argv`` is not a list of words: the
+    message then is about that)."""
+    words = sys.argv[1:] if argv is None else argv
+    chosen = _chosen(words) if isinstance(words, list) else None
+    return "pxn %s" % chosen if chosen in SUBCOMMANDS else "pxn"
+
+
+def _main(argv, chosen, ctrl_c: _CtrlC) -> int:
     parser = _Parser(prog="pxn", description="pxn: PXN relay for KV-cache transfer")
     parser.add_argument("--version", action="version", version="pxn " + version())
     parser.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected error")
@@ -155,6 +224,7 @@ def _main(argv, chosen) -> int:
         print("%s: output closed early (broken pipe)" % prog, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        ctrl_c.caught = True
         if watch.gone.is_set():
             _quiet_stdout()
             print("%s: output closed early (broken pipe)" % prog, file=sys.stderr)

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -70,6 +71,56 @@ def test_peer_process_ignores_sigint():
         assert peer.call("echo", x=7) == {"x": 7}
     assert not peer.proc.is_alive()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's own handler is back
+
+
+def test_ctrl_c_while_the_peer_process_starts_is_not_lost():
+    """A Ctrl-C that comes while the peer process is being made reaches the parent as a KeyboardInterrupt (it
+    used to be thrown away: SIGINT was set to ignored in the parent for that window)."""
+    from transport.peer_process import _start_without_sigint
+
+    class StartHit:
+        started = False
+
+        def start(self):  # the Ctrl-C lands inside the start
+            self.started = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    proc = StartHit()
+    with pytest.raises(KeyboardInterrupt):
+        _start_without_sigint(proc)
+        time.sleep(1.0)  # where another thread of the process took the signal, it is raised here at the latest
+    assert proc.started
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+def test_peer_process_starts_with_sigint_blocked_on_a_first_spawn(tmp_path):
+    """The child is made with SIGINT blocked, so a Ctrl-C during its interpreter's start cannot kill it with a
+    traceback. A process's first spawn also starts multiprocessing's resource tracker, which unblocks SIGINT
+    in the calling thread: hence a fresh process here."""
+    script = tmp_path / "first_spawn.py"
+    script.write_text(textwrap.dedent("""
+        import signal
+        from transport.peer_process import PeerProcess, serve
+
+        def _report(conn):
+            blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+            serve(conn, lambda: {"blocked": blocked, "ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN},
+                  lambda cmd, kw: kw, lambda: None)
+
+        if __name__ == "__main__":
+            with PeerProcess(_report, name="pxn-test-first-spawn") as peer:
+                print(peer.ready["blocked"], peer.ready["ignored"])
+            print(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set()))
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PXN_")}
+    env["PYTHONPATH"] = str(REPO)
+    p = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    child, parent = p.stdout.splitlines()
+    assert child == "True True", p.stdout
+    assert parent == "False", "the parent's thread kept SIGINT blocked after the start"
 
 
 @pytest.mark.slow

@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import signal
-import threading
 import time
 import traceback
+from multiprocessing import resource_tracker
 from typing import Callable, Optional, Tuple
 
 import numpy as np
@@ -96,21 +96,29 @@ def serve(conn, start: Callable[[], dict], handle: Callable[[str, dict], object]
 
 
 def _start_without_sigint(proc) -> None:
-    """Start ``proc`` with SIGINT ignored in it.
+    """Start ``proc`` with SIGINT blocked in it (and ignored from its first instruction, ``_child_main``).
 
     A Ctrl-C at a terminal goes to every process of the foreground group: the child would die with a
-    ``KeyboardInterrupt`` traceback of its own while the parent is still reporting the interruption. Ignored
-    at exec, SIGINT stays ignored in the new interpreter; the parent then closes (or kills) the child itself.
-    """
-    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if handler is None:  # not the main thread (signals cannot be changed there), or a handler set outside Python
-        proc.start()
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ``KeyboardInterrupt`` traceback of its own while the parent is still reporting the interruption. The
+    signal mask is inherited through fork and exec, so the child never sees the SIGINT; the parent then closes
+    (or kills) the child itself. The parent blocks SIGINT only in this thread and only while the child is
+    made: a Ctrl-C meanwhile is held, or taken by another of its threads, and raised as usual (setting SIGINT
+    to ignored here instead would throw away a Ctrl-C that comes in that window)."""
+    # multiprocessing starts its resource tracker at a process's first spawn and then unblocks SIGINT in the
+    # calling thread (``resource_tracker.ensure_running`` ends with SIG_UNBLOCK): started first, it leaves the
+    # block below alone
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         proc.start()
     finally:
-        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _child_main(target: Callable, conn, *args) -> None:
+    """The child's first call: SIGINT ignored (it came blocked, ``_start_without_sigint``), then ``target``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    target(conn, *args)
 
 
 class PeerProcess:
@@ -134,7 +142,7 @@ class PeerProcess:
         self.name = name
         self.call_timeout = call_timeout
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True, name=name)
+        self.proc = ctx.Process(target=_child_main, args=(target, child, *args), daemon=True, name=name)
         _start_without_sigint(self.proc)
         deadline = time.monotonic() + start_timeout
         while not self._conn.poll(0.2):  # a child that dies at start must not cost the whole timeout

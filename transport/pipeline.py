@@ -47,6 +47,21 @@ ROUTES = ("rows", "loadstore", "inline", "posted")
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
 
 
+_LISTS = (list, tuple)
+
+
+def _rows_may_take(lengths, limit: int, coalesce_bytes: int) -> bool:
+    """Whether the small-rows route (``RowsRoute.submit``) may take a batch of these lengths (a list or tuple): 1 to
+    ``limit`` pieces, each smaller than ``coalesce_bytes``; True when an entry is not comparable (the route
+    decides, and the general path names it)."""
+    if not 0 < len(lengths) <= limit:
+        return False
+    try:
+        return max(lengths) < coalesce_bytes
+    except TypeError:
+        return True
+
+
 def _group_direct(units: List[Unit]) -> List[Unit]:
     """One DIRECT unit per (rail, device) holding every direct piece planned for it (its runs concatenated): one
     attempt, one post and one completion (a ``WriteBatch``, or selective signaling), where one unit per piece cost
@@ -178,8 +193,10 @@ class Pipeline:
         """The connected peer of ``session_id``, handshaking first when there is none. Raises UnknownSession
         naming why the handshake failed."""
         peer = self.directory.peers.get(session_id) if session_id.__class__ is str else None
-        if peer is not None and peer.ready and not peer.retired and peer.connected():
-            return peer  # the common case, as ``ControlPlane.peer`` finds it, without the call
+        if peer is not None and peer.ready and not peer.retired:
+            for pr in peer.rails:  # ``Peer.connected``, read from the rails' flags without the call
+                if pr.alive and pr.ep.alive:
+                    return peer  # the common case, as ``ControlPlane.peer`` finds it, without the call
         while True:
             try:
                 return self.control.peer(session_id)
@@ -219,8 +236,10 @@ class Pipeline:
         while the caller waited, or nothing to write)."""
         self.check_open()
         rows = self._rows
-        if rows is not None:
-            # a few small pieces, given as lists, tuples, arrays or tensors alike: declined at once on a large one
+        if rows is not None and (lengths.__class__ not in _LISTS or _rows_may_take(lengths, self.direct_pieces,
+                                                                                   self.coalesce_bytes)):
+            # a few small pieces, given as lists, tuples, arrays or tensors alike (a list the route would decline
+            # by its size or a large piece is declined here, without the call: the route's own first tests)
             got = rows.submit(session_id, srcs, dsts, lengths, not async_)
             if got is not NOT_TAKEN:
                 return got
@@ -273,7 +292,7 @@ class Pipeline:
         writer = peer.loadstore
         if writer is not None and writer.stale():
             self._refresh_regions(peer)  # the peer deregistered something: never write by a stale list
-        lsnap = self.regions.snapshot()
+        lsnap = self.regions.snap
         idx, send = self._local_regions(lsnap, src, ln, smin, smax, lmin, lmax)
         rsnap, ridx, dend = self._peer_regions(peer, dst, ln, dmin, dmax, lmin, lmax)
         devices = lsnap.devices[idx]  # a scalar when one region holds every source
@@ -301,7 +320,7 @@ class Pipeline:
         every destination must lie in a region the peer advertised (refreshed once: it may have registered
         more since the handshake). Raises AddressNotRegistered naming the first that does not."""
         dend = dmax + lmax
-        rsnap = peer.regions.snapshot()
+        rsnap = peer.regions.snap
         ridx = span_region(rsnap, dmin, dmax, dend, lmax)
         if ridx is None and dend < 1 << 63:
             ridx, dend = self._locate_ends(rsnap, dst, ln, dmin, dmax, lmin, lmax, dend)
@@ -309,7 +328,7 @@ class Pipeline:
             ridx, ok = peer.regions.locate(dst, ln, rsnap)
             if not ok.all():
                 self._refresh_regions(peer)
-                rsnap = peer.regions.snapshot()
+                rsnap = peer.regions.snap
                 ridx, ok = peer.regions.locate(dst, ln, rsnap)
                 if not ok.all():
                     i = first_bad(ok)
@@ -481,7 +500,7 @@ class Pipeline:
         else one ``WriteRequest`` per piece, of which, with selective signaling, only each attempt's last
         completes on success."""
         parts = [a.unit.runs if a.unit.runs is not None else a.unit.arrays() for a in atts]  # runs: no call
-        lsnap, rsnap = self.regions.snapshot(), peer.regions.snapshot()
+        lsnap, rsnap = self.regions.snap, peer.regions.snap
         batch = atts[0].batch
         spans = batch.spans  # ``Batch.local_region`` / ``peer_region``, written out: this runs once per post
         if self._batches and spans is not None and spans[0] is lsnap and spans[2] is rsnap \
@@ -591,7 +610,7 @@ class Pipeline:
             for r in a.reqs:
                 if isinstance(r, WriteBatch):
                     nbytes += r.nbytes
-                    writes += r.count
+                    writes += len(r.length)  # its ``count``, without the property's call
                 else:
                     nbytes += r.length
                     writes += 1

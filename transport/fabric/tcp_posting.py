@@ -80,16 +80,8 @@ class TcpPoster:
         return st
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
-        if len(requests) == 1:
-            r = requests[0]
-            if type(r) is WriteRows:
-                self.post_rows(ep, r)
-                return
-            if type(r) is WriteRequest and not r.acked and not r.signaled and self._unacked \
-                    and self._post_unacked(ep, r):
-                return
-            if type(r) is WriteBatch and r.length.size == 1 and self._post_one_write(ep, r):
-                return
+        if len(requests) == 1 and self._post_alone(ep, requests[0]):
+            return
         requests = list(requests)
         batches = [r for r in requests if isinstance(r, WriteBatch)]
         if batches:
@@ -119,6 +111,18 @@ class TcpPoster:
         if msgs:
             self.send(ep, msgs)
 
+    def _post_alone(self, ep: Endpoint, r: WriteRequest) -> bool:
+        """Post a request posted alone that has a route of its own: a ``WriteRows`` (``post_rows``), an unacked
+        write (``_post_unacked``), a ``WriteBatch`` of one write (``_post_one_write``). False: nothing posted, the
+        general path takes it."""
+        cls = type(r)
+        if cls is WriteRows:
+            self.post_rows(ep, r)
+            return True
+        if cls is WriteRequest:
+            return not r.acked and not r.signaled and self._unacked and self._post_unacked(ep, r)
+        return cls is WriteBatch and r.length.size == 1 and self._post_one_write(ep, r)
+
     def _post_one_write(self, ep: Endpoint, b: WriteBatch) -> bool:
         """Post a ``WriteBatch`` of one write (a large piece, the engine's direct unit of one piece): the checks of
         ``validate`` and ``validate_batch`` on its five values (a live endpoint of this fabric, lengths, addresses
@@ -147,7 +151,10 @@ class TcpPoster:
             m.table, m.src_arr, m.batch = table[i:i + 1], src[i:i + 1], rec
             msgs.append(m)
         m.final = True
-        self.send(ep, msgs)
+        if len(msgs) > 1:
+            ep.enqueue(msgs)  # what ``send`` does with more than one message, without the call
+        else:
+            self.send(ep, msgs)
         return True
 
     def _post_unacked(self, ep: Endpoint, r: WriteRequest) -> bool:

@@ -19,10 +19,10 @@ import numpy as np
 
 from transport.errors import RegionError, UnknownPeer
 from transport.fabric.base import DEVICE_HOST, Endpoint, GatherWrite, MemoryRegion, WriteBatch, WriteRequest, WriteRows
-from transport.fabric.endpoint import SocketEndpoint
+from transport.fabric.endpoint import BatchRecord, OutMsg, SocketEndpoint, WrRecord
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
-from transport.fabric.messages import BatchRecord, OutMsg, WrRecord, batch_messages, write_messages
+from transport.fabric.messages import batch_messages, write_messages
 from transport.fabric.region_book import RegionBook
 from transport.fabric.sockets import Rx, Sock, send_buffers, send_now
 from transport.fabric.spin import AdaptiveSpin

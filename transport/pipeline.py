@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_right
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -44,6 +45,7 @@ log = logging.getLogger("transport.engine")  # one logger for the engine and its
 
 # the routes a submitted batch can take, in the order tried; each counts its batches as ``route_<name>``
 ROUTES = ("rows", "loadstore", "inline", "posted")
+_END_MAX = 1 << 62  # ``span_region``'s bound on a region's end: past it the pieces are looked up one by one
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
 
 
@@ -294,9 +296,15 @@ class Pipeline:
             self._refresh_regions(peer)  # the peer deregistered something: never write by a stale list
         lsnap, rsnap = self.regions.snap, peer.regions.snap
         send, dend = smax + lmax, dmax + lmax
-        # the common case, one region on each side, both looked up together; the others piece by piece
-        idx = span_region(lsnap, smin, smax, send, lmax)
-        ridx = span_region(rsnap, dmin, dmax, dend, lmax)
+        # the common case, one region on each side holding each side's span (``span_region`` on the snapshots'
+        # sorted lists: the region starting last at or before the span's start, its end past the span's; the
+        # starts are >= 0, checked above, and the lengths >= 1); the others piece by piece
+        idx = bisect_right(lsnap.start_list, smin) - 1
+        if idx < 0 or not send <= lsnap.end_list[idx] < _END_MAX:
+            idx = None
+        ridx = bisect_right(rsnap.start_list, dmin) - 1
+        if ridx < 0 or not dend <= rsnap.end_list[ridx] < _END_MAX:
+            ridx = None
         if idx is None:
             idx, send = self._local_regions(lsnap, src, ln, smin, smax, lmin, lmax, send)
         if ridx is None:

@@ -57,7 +57,8 @@ class Region:
 
 
 class _Snapshot:
-    __slots__ = ("regions", "starts", "ends", "devices", "starts_i64", "ends_i64", "start_list", "ends_after")
+    __slots__ = ("regions", "starts", "ends", "devices", "starts_i64", "ends_i64", "start_list", "end_list",
+                 "ends_after")
 
     def __init__(self, regions: List[Region]):
         self.regions = sorted(regions, key=lambda r: r.addr)
@@ -65,6 +66,7 @@ class _Snapshot:
         self.ends = np.array([r.end for r in self.regions], dtype=np.uint64)
         self.devices = np.array([r.device for r in self.regions], dtype=np.int64)
         self.start_list = [r.addr for r in self.regions]
+        self.end_list = [r.end for r in self.regions]
         # int64 copies for the sender's lookups (its arrays are int64 already: no conversions per batch)
         fits = not self.regions or int(self.ends.max()) < 1 << 63
         self.starts_i64 = self.starts.astype(np.int64) if fits else None

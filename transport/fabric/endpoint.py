@@ -274,6 +274,18 @@ class SocketEndpoint(Endpoint):
                         break
         return s
 
+    def queue_socket(self, s: Sock, q: collections.deque, cv: threading.Condition) -> None:
+        """``s.wake`` of this endpoint's socket ``s`` when a pool of sender threads serves it (``tcp_io.TcpIo``
+        binds it with its queue ``q`` and condition ``cv``): called under ``s.cv`` once something was queued on
+        ``s``, it puts (this endpoint, ``s``) at the back of the pool's queue and wakes a sender, unless ``s`` is
+        queued already or closed."""
+        if s.queued or s.closed:
+            return
+        s.queued = True
+        with cv:
+            q.append((self, s))
+            cv.notify()
+
     def small_busy(self, s: Sock) -> None:
         """The small message just given socket ``s`` had to wait for it (its sender thread was sending): the next
         small message tries the next socket."""

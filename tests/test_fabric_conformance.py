@@ -253,6 +253,39 @@ def test_write_batch_refused_piece_fails_it_once(case):
         WriteBatch([1, 2], [3], [4, 5], [1, 1], [1, 1])
 
 
+def test_write_batch_of_one_write(case):
+    """A WriteBatch of one write (the engine's direct unit of one large piece) of an odd size over several
+    messages: byte-exact, one completion with its length, nothing around it touched. One whose local range leaves
+    the local region, or whose rkey is not 32-bit, raises naming the write before anything is sent; one whose
+    remote range leaves the target's region completes once with a RegionError naming its address."""
+    _batches(case)
+    t = case.target
+    t.call("poison")
+    n = (9 << 20) + int(case.rng.integers(1, 4096))
+    data = case.fresh(n)
+    dst = 5 + int(case.rng.integers(0, 4096))
+
+    def one(la, ra, rkey, wr_id):
+        return WriteBatch(np.array([la]), np.array([n]), np.array([ra]), np.array([rkey]), np.array([case.mr.lkey]),
+                          wr_id=wr_id)
+
+    case.fab.post_writes(case.ep, [one(case.src.addr, t.addr + dst, t.rkey, 50)])
+    (c,) = wait_completions(case.fab, 1)
+    assert c.ok and c.wr_id == 50 and c.byte_len == n, c
+    assert t.call("hash", dst, n) == digest(data)
+    with pytest.raises(RegionError, match=f"write 0: local range 0x{case.src.addr + REGION - n + 1:x}"):
+        case.fab.post_writes(case.ep, [one(case.src.addr + REGION - n + 1, t.addr + dst, t.rkey, 51)])
+    with pytest.raises(ValueError, match="write 0 .*rkey 4294967296"):
+        case.fab.post_writes(case.ep, [one(case.src.addr, t.addr + dst, 1 << 32, 52)])
+    assert not case.fab.poll(16, timeout=0.2), "a refused post completed"
+    bad, nbad, nsmall = t.call("untouched", [(dst, n)])
+    assert nbad == 0 and nsmall == 0, f"bytes outside the write changed (first at region+{bad})"
+    case.fab.post_writes(case.ep, [one(case.src.addr, t.addr + REGION - n + 1, t.rkey, 53)])
+    (c,) = wait_completions(case.fab, 1)
+    assert c.wr_id == 53 and isinstance(c.error, RegionError), c
+    assert f"0x{t.addr + REGION - n + 1:x}" in str(c.error)
+
+
 def _bounded_batch(case, src_off, lens, dst_off, wr_id):
     """A WriteBatch with its ``bounds``: the true extremes of its arrays, as the engine gives them."""
     t = case.target

@@ -102,7 +102,7 @@ class BatchHandle:
 
 class Batch:
     __slots__ = ("id", "nbytes", "remaining", "event", "error", "t0", "lock", "srcs", "dsts", "lengths",
-                 "peer", "n_items", "pending", "path", "spans", "checked", "reader")
+                 "peer", "n_items", "pending", "path", "spans", "checked", "reader", "counts")
 
     def __init__(self, bid: int, peer: "Peer", srcs, dsts, lengths, nbytes: int, event=None):
         self.id = bid
@@ -122,6 +122,7 @@ class Batch:
         self.checked: Optional[Validated] = None  # the validation's record when one region on each side holds
         # every piece: a WriteBatch of these same arrays carries its extremes
         self.reader = None  # (fabric, WriteRows) whose ack the submitting thread reads itself in ``_wait``
+        self.counts = None  # counter updates of its submission, made with its wait's (``Pipeline.wait``)
 
     @property
     def failed(self) -> bool:

@@ -553,7 +553,8 @@ class TransferEngine:
             RemoteRejected: the peer refused a chunk or write; TransferTimeout; TransferError with ``causes`` when
             every rail failed.
         """
-        timeout = batch_timeout(timeout, self.config.timeout)
+        # the default without the call; any other value is checked (``batch_timeout``)
+        timeout = self.config.timeout if timeout is None else batch_timeout(timeout, self.config.timeout)
         pipe = self._pipe
         batch = pipe.submit(session_id, srcs, dsts, lengths)
         if batch is not None:

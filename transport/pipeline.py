@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_right
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -34,7 +35,7 @@ from transport.fabric.gpu_copy import BoundCopies
 from transport.inflight import InFlight
 from transport.inline import InlineRoute
 from transport.peers import Failover, PeerDirectory, Peer, all_rails_failed
-from transport.planner import COALESCED, DIRECT, RELAYED, Planner, Unit
+from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, Unit
 from transport.regions import first_bad, locate_inside, span_region
 from transport.relay import RelayRing
 from transport.smallbatch import RowsRoute
@@ -44,7 +45,23 @@ log = logging.getLogger("transport.engine")  # one logger for the engine and its
 
 # the routes a submitted batch can take, in the order tried; each counts its batches as ``route_<name>``
 ROUTES = ("rows", "loadstore", "inline", "posted")
+_END_MAX = 1 << 62  # ``span_region``'s bound on a region's end: past it the pieces are looked up one by one
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
+
+
+_LISTS = (list, tuple)
+
+
+def _rows_may_take(lengths, limit: int, coalesce_bytes: int) -> bool:
+    """Whether the small-rows route (``RowsRoute.submit``) may take a batch of these lengths (a list or tuple): 1 to
+    ``limit`` pieces, each smaller than ``coalesce_bytes``; True when an entry is not comparable (the route
+    decides, and the general path names it)."""
+    if not 0 < len(lengths) <= limit:
+        return False
+    try:
+        return max(lengths) < coalesce_bytes
+    except TypeError:
+        return True
 
 
 def _group_direct(units: List[Unit]) -> List[Unit]:
@@ -178,8 +195,10 @@ class Pipeline:
         """The connected peer of ``session_id``, handshaking first when there is none. Raises UnknownSession
         naming why the handshake failed."""
         peer = self.directory.peers.get(session_id) if session_id.__class__ is str else None
-        if peer is not None and peer.ready and not peer.retired and peer.connected():
-            return peer  # the common case, as ``ControlPlane.peer`` finds it, without the call
+        if peer is not None and peer.ready and not peer.retired:
+            for pr in peer.rails:  # ``Peer.connected``, read from the rails' flags without the call
+                if pr.alive and pr.ep.alive:
+                    return peer  # the common case, as ``ControlPlane.peer`` finds it, without the call
         while True:
             try:
                 return self.control.peer(session_id)
@@ -219,8 +238,10 @@ class Pipeline:
         while the caller waited, or nothing to write)."""
         self.check_open()
         rows = self._rows
-        if rows is not None:
-            # a few small pieces, given as lists, tuples, arrays or tensors alike: declined at once on a large one
+        if rows is not None and (lengths.__class__ not in _LISTS or _rows_may_take(lengths, self.direct_pieces,
+                                                                                   self.coalesce_bytes)):
+            # a few small pieces, given as lists, tuples, arrays or tensors alike (a list the route would decline
+            # by its size or a large piece is declined here, without the call: the route's own first tests)
             got = rows.submit(session_id, srcs, dsts, lengths, not async_)
             if got is not NOT_TAKEN:
                 return got
@@ -273,20 +294,32 @@ class Pipeline:
         writer = peer.loadstore
         if writer is not None and writer.stale():
             self._refresh_regions(peer)  # the peer deregistered something: never write by a stale list
-        lsnap = self.regions.snapshot()
-        idx, send = self._local_regions(lsnap, src, ln, smin, smax, lmin, lmax)
-        rsnap, ridx, dend = self._peer_regions(peer, dst, ln, dmin, dmax, lmin, lmax)
+        lsnap, rsnap = self.regions.snap, peer.regions.snap
+        send, dend = smax + lmax, dmax + lmax
+        # the common case, one region on each side holding each side's span (``span_region`` on the snapshots'
+        # sorted lists: the region starting last at or before the span's start, its end past the span's; the
+        # starts are >= 0, checked above, and the lengths >= 1); the others piece by piece
+        idx = bisect_right(lsnap.start_list, smin) - 1
+        if idx < 0 or not send <= lsnap.end_list[idx] < _END_MAX:
+            idx = None
+        ridx = bisect_right(rsnap.start_list, dmin) - 1
+        if ridx < 0 or not dend <= rsnap.end_list[ridx] < _END_MAX:
+            ridx = None
+        if idx is None:
+            idx, send = self._local_regions(lsnap, src, ln, smin, smax, lmin, lmax, send)
+        if ridx is None:
+            rsnap, ridx, dend = self._peer_regions(peer, dst, ln, dmin, dmax, lmin, lmax, dend)
         devices = lsnap.devices[idx]  # a scalar when one region holds every source
         return Validated(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx,
                          lmin * n if lmin == lmax else int(ln.sum()), lmin, lmax, smin, send, dmin, dend,
                          getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0, t0, now_ns(), async_)
 
-    def _local_regions(self, lsnap, src, ln, smin: int, smax: int, lmin: int, lmax: int) -> tuple:
+    def _local_regions(self, lsnap, src, ln, smin: int, smax: int, lmin: int, lmax: int, send: int) -> tuple:
         """(region index, or one per piece; the sources' largest end) of a batch whose every source must lie in a
-        region of ``lsnap``, this engine's table. Raises AddressNotRegistered naming the first that does not."""
-        send = smax + lmax
-        idx = span_region(lsnap, smin, smax, send, lmax)
-        if idx is None and send < 1 << 63:  # no end wraps in int64: src + ln holds every true end
+        region of ``lsnap``, this engine's table, and whose span (``send``: largest start + longest length) is not
+        inside one. Raises AddressNotRegistered naming the first that does not."""
+        idx = None
+        if send < 1 << 63:  # no end wraps in int64: src + ln holds every true end
             idx, send = self._locate_ends(lsnap, src, ln, smin, smax, lmin, lmax, send)
         if idx is None:
             idx, ok = self.regions.locate(src, ln, lsnap)
@@ -296,20 +329,20 @@ class Pipeline:
                                            f"inside a region registered with this engine")
         return idx, send
 
-    def _peer_regions(self, peer: Peer, dst, ln, dmin: int, dmax: int, lmin: int, lmax: int) -> tuple:
+    def _peer_regions(self, peer: Peer, dst, ln, dmin: int, dmax: int, lmin: int, lmax: int, dend: int) -> tuple:
         """(the peer's table, region index or one per piece, the destinations' largest end) of a batch whose
         every destination must lie in a region the peer advertised (refreshed once: it may have registered
-        more since the handshake). Raises AddressNotRegistered naming the first that does not."""
-        dend = dmax + lmax
-        rsnap = peer.regions.snapshot()
-        ridx = span_region(rsnap, dmin, dmax, dend, lmax)
-        if ridx is None and dend < 1 << 63:
+        more since the handshake), and whose span (``dend``) is not inside one. Raises AddressNotRegistered
+        naming the first that does not."""
+        rsnap = peer.regions.snap
+        ridx = None
+        if dend < 1 << 63:
             ridx, dend = self._locate_ends(rsnap, dst, ln, dmin, dmax, lmin, lmax, dend)
         if ridx is None:
             ridx, ok = peer.regions.locate(dst, ln, rsnap)
             if not ok.all():
                 self._refresh_regions(peer)
-                rsnap = peer.regions.snapshot()
+                rsnap = peer.regions.snap
                 ridx, ok = peer.regions.locate(dst, ln, rsnap)
                 if not ok.all():
                     i = first_bad(ok)
@@ -358,22 +391,29 @@ class Pipeline:
         them (direct units posted by this thread, chunks and relayed pieces through the relay rings); returns
         the ``Batch`` its completions finish."""
         peer, devices, ln = v.peer, v.devices, v.ln
-        batch = Batch(self.inflight.new_batch_id(), peer, v.src, v.dst, ln, v.nbytes)
-        if v.one_region:
-            batch.spans = (v.lsnap, int(v.idx), v.rsnap, int(v.ridx))
-            batch.checked = v
         if getattr(devices, "ndim", 0) == 0:
             device_list = [int(devices)]
             devices = None  # the planner reads one device from device_list
         else:
             device_list = distinct(devices)
-        self._await_sources(device_list)
+        if device_list[-1] >= 0:  # sorted: some source is on a GPU
+            self._await_sources(device_list)
         rails_of = {}
+        routed = self.directory.routes is not None
         for dev in device_list:
-            rails_of[dev] = self.directory.rail_choices(dev, peer)
-            if not rails_of[dev]:
+            if routed and dev >= 0:
+                choices = self.directory.rail_choices(dev, peer)
+            else:  # ``PeerDirectory.rail_choices`` of a device without routes: every usable rail, as it is
+                choices = []
+                for i, pr in enumerate(peer.rails):
+                    if pr.alive and pr.ep.alive:
+                        choices.append(RailChoice(i, True, dev))
+            if not choices:
                 raise all_rails_failed(peer, f"no usable rail to {peer.session} for device {dev}")
-        load = {pr.rail: pr.bytes_in_flight for pr in peer.rails}
+            rails_of[dev] = choices
+        load = {}  # a loop, not a comprehension: a frame fewer on every batch
+        for pr in peer.rails:
+            load[pr.rail] = pr.bytes_in_flight
         dst_devices = None
         if peer.forward is not None and v.lmax >= self.coalesce_bytes:
             dst_devices = v.rsnap.devices[v.ridx]
@@ -381,15 +421,25 @@ class Pipeline:
                 dst_devices = np.full(ln.size, int(dst_devices), dtype=np.int64)
         # a peer whose landing slots are smaller than our chunks has its own planner, which cuts them to fit
         planner = peer.planner or self.planner
-        units = _group_direct(planner.plan(v.src, v.dst, ln, devices, rails_of, load, device_list, dst_devices,
-                                           peer.forward, (v.nbytes, v.lmax, v.lmin)))
+        batch = Batch(self.inflight.new_batch_id(), peer, v.src, v.dst, ln, v.nbytes)
+        if v.one_region:
+            batch.spans = (v.lsnap, int(v.idx), v.rsnap, int(v.ridx))
+            batch.checked = v
+        units = planner.plan(v.src, v.dst, ln, devices, rails_of, load, device_list, dst_devices, peer.forward,
+                             (v.nbytes, v.lmax, v.lmin))
+        if len(units) > 1:
+            units = _group_direct(units)
         t2 = now_ns()
         batch.remaining = len(units)
         self.dispatch(batch, units)
         t3 = now_ns()
-        self.counters.add_many((("batches_submitted", 1), ("route_posted", 1), ("items", int(ln.size)),
-                                ("bytes", batch.nbytes), ("time_validate_s", (v.t1 - v.t0) / 1e9),
-                                ("time_plan_s", (t2 - v.t1) / 1e9), ("time_dispatch_s", (t3 - t2) / 1e9)))
+        counts = (("batches_submitted", 1), ("route_posted", 1), ("items", int(ln.size)), ("bytes", batch.nbytes),
+                  ("time_validate_s", (v.t1 - v.t0) / 1e9), ("time_plan_s", (t2 - v.t1) / 1e9),
+                  ("time_dispatch_s", (t3 - t2) / 1e9))
+        if v.async_:
+            self.counters.add_many(counts)
+        else:  # the caller waits next (``wait``): counted with the wait's time, in one update
+            batch.counts = counts
         return batch
 
     @staticmethod
@@ -481,7 +531,7 @@ class Pipeline:
         else one ``WriteRequest`` per piece, of which, with selective signaling, only each attempt's last
         completes on success."""
         parts = [a.unit.runs if a.unit.runs is not None else a.unit.arrays() for a in atts]  # runs: no call
-        lsnap, rsnap = self.regions.snapshot(), peer.regions.snapshot()
+        lsnap, rsnap = self.regions.snap, peer.regions.snap
         batch = atts[0].batch
         spans = batch.spans  # ``Batch.local_region`` / ``peer_region``, written out: this runs once per post
         if self._batches and spans is not None and spans[0] is lsnap and spans[2] is rsnap \
@@ -591,7 +641,7 @@ class Pipeline:
             for r in a.reqs:
                 if isinstance(r, WriteBatch):
                     nbytes += r.nbytes
-                    writes += r.count
+                    writes += len(r.length)  # its ``count``, without the property's call
                 else:
                     nbytes += r.length
                     writes += 1
@@ -643,7 +693,12 @@ class Pipeline:
         if not b.event.wait(timeout):
             self.accounts.fail(b, TransferTimeout(f"batch {b.id} ({b.n_items} pieces, {b.nbytes} B) to "
                                                   f"{b.peer.session} did not finish within {timeout} s"))
-        self.counters.add("time_wait_s", (now_ns() - t0) / 1e9)
+        counts = b.counts
+        if counts is None:
+            self.counters.add("time_wait_s", (now_ns() - t0) / 1e9)
+        else:  # a batch the caller waited for as it submitted it: its submission's counts too (``_submit_posted``)
+            b.counts = None
+            self.counters.add_many(counts + (("time_wait_s", (now_ns() - t0) / 1e9),))
         if b.error is not None:
             # cancel what is still queued so the rings do not work for a dead batch
             raise b.error

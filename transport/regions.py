@@ -57,7 +57,8 @@ class Region:
 
 
 class _Snapshot:
-    __slots__ = ("regions", "starts", "ends", "devices", "starts_i64", "ends_i64", "start_list", "ends_after")
+    __slots__ = ("regions", "starts", "ends", "devices", "starts_i64", "ends_i64", "start_list", "end_list",
+                 "ends_after")
 
     def __init__(self, regions: List[Region]):
         self.regions = sorted(regions, key=lambda r: r.addr)
@@ -65,6 +66,7 @@ class _Snapshot:
         self.ends = np.array([r.end for r in self.regions], dtype=np.uint64)
         self.devices = np.array([r.device for r in self.regions], dtype=np.int64)
         self.start_list = [r.addr for r in self.regions]
+        self.end_list = [r.end for r in self.regions]
         # int64 copies for the sender's lookups (its arrays are int64 already: no conversions per batch)
         fits = not self.regions or int(self.ends.max()) < 1 << 63
         self.starts_i64 = self.starts.astype(np.int64) if fits else None
@@ -79,45 +81,47 @@ class RegionTable:
 
     def __init__(self, regions: Iterable[Region] = ()):
         self._lock = threading.Lock()
-        self._snap = _Snapshot(list(regions))
+        # the current immutable snapshot, replaced (never edited) on every change: a batch reads it as an
+        # attribute, and the same object later means nothing changed since
+        self.snap = _Snapshot(list(regions))
 
     def __len__(self) -> int:
-        return len(self._snap.regions)
+        return len(self.snap.regions)
 
     def regions(self) -> List[Region]:
-        return list(self._snap.regions)
+        return list(self.snap.regions)
 
     def add(self, region: Region) -> Region:
         """Add ``region``. The same (addr, length) again returns the region already there; a region
         overlapping another raises ``ValueError`` naming both (lookups must be unambiguous)."""
         with self._lock:
-            for r in self._snap.regions:
+            for r in self.snap.regions:
                 if r.addr == region.addr and r.length == region.length:
                     return r
                 if region.addr < r.end and r.addr < region.end:
                     raise ValueError(f"region 0x{region.addr:x}+{region.length} overlaps the registered region "
                                      f"0x{r.addr:x}+{r.length}; register disjoint ranges")
-            self._snap = _Snapshot(self._snap.regions + [region])
+            self.snap = _Snapshot(self.snap.regions + [region])
         return region
 
     def replace_all(self, regions: Iterable[Region]) -> None:
         snap = _Snapshot(list(regions))
         with self._lock:
-            self._snap = snap
+            self.snap = snap
 
     def remove(self, addr: int) -> Region:
         """Remove the region starting at ``addr``; ``KeyError`` naming the address when there is none."""
         with self._lock:
-            keep = [r for r in self._snap.regions if r.addr != addr]
-            if len(keep) == len(self._snap.regions):
+            keep = [r for r in self.snap.regions if r.addr != addr]
+            if len(keep) == len(self.snap.regions):
                 raise KeyError(f"no registered region starts at 0x{addr:x}")
-            gone = next(r for r in self._snap.regions if r.addr == addr)
-            self._snap = _Snapshot(keep)
+            gone = next(r for r in self.snap.regions if r.addr == addr)
+            self.snap = _Snapshot(keep)
         return gone
 
     def find(self, addr: int, length: int = 1) -> Optional[Region]:
         """The region holding ``[addr, addr + length)``, or None."""
-        snap = self._snap
+        snap = self.snap
         if not snap.regions or addr < 0:
             return None
         i = int(np.searchsorted(snap.starts, np.uint64(addr), side="right")) - 1
@@ -134,7 +138,7 @@ class RegionTable:
         Arguments are int64/uint64 arrays of equal length; lengths must already be known positive. ``snap``: the
         snapshot to search (default: the current one), so that indices match a snapshot the caller holds.
         """
-        snap = self._snap if snap is None else snap
+        snap = self.snap if snap is None else snap
         n = len(addrs)
         if not snap.regions:
             return np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
@@ -155,7 +159,7 @@ class RegionTable:
 
     def snapshot(self) -> _Snapshot:
         """The current immutable snapshot (``regions``, ``starts``, ``ends``, ``devices``)."""
-        return self._snap
+        return self.snap
 
 
 def span_region(snap: _Snapshot, lo: int, hi_start: int, hi_end: int, max_length: int) -> Optional[int]:

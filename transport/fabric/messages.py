@@ -1,125 +1,17 @@
-"""What the sender of a socket fabric keeps of its posts: one record per posted write, per posted batch, and per
-message on the wire (``OutMsg``), and the cutting of posts into messages of about the fabric's message size.
+"""The cutting of a socket fabric's posts into messages of about the fabric's message size (the records they
+make, ``OutMsg`` and one per posted write or batch, are the endpoint's: ``transport.fabric.endpoint``).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 
-from transport.errors import RegionError
-from transport.fabric.base import Completion, Opcode, WriteBatch, WriteRequest
-from transport.fabric.wire import F_IMM, MAX_TABLE, PIECE_DT, STATUS_TEXT, VECTOR_MIN
+from transport.fabric.base import WriteBatch
+from transport.fabric.endpoint import BatchRecord, OutMsg, WrRecord
+from transport.fabric.wire import F_IMM, MAX_TABLE, PIECE_DT, VECTOR_MIN
 
-
-class WrRecord:
-    """Sender-side state of one posted write (possibly cut into several pieces)."""
-
-    __slots__ = ("wr_id", "opcode", "length", "imm", "remote_addr", "rkey", "error", "signaled")
-
-    def __init__(self, r: WriteRequest):
-        self.wr_id = r.wr_id
-        self.signaled = r.signaled
-        self.opcode = Opcode.WRITE if r.imm is None else Opcode.WRITE_WITH_IMM
-        self.length = r.length
-        self.imm = r.imm
-        self.remote_addr = r.remote_addr
-        self.rkey = r.rkey
-        self.error: Optional[BaseException] = None
-
-
-class OutMsg:
-    """One WRITE message on the wire: its pieces and where each piece's bytes come from."""
-
-    __slots__ = ("seq", "table", "recs", "last", "src", "statuses", "done", "posted_at", "batch", "final", "src_arr",
-                 "pieces", "rows", "bufs", "whole", "on_acked")
-
-    def __init__(self, seq: int):
-        self.seq = seq
-        self.posted_at = 0.0
-        self.table: Optional[np.ndarray] = None
-        self.recs: List[WrRecord] = []  # per piece
-        self.last: List[bool] = []  # per piece: is this the write's final piece
-        self.src: List[tuple] = []  # per piece: (local_addr, length, device)
-        self.statuses: Optional[bytes] = None
-        self.done = False
-        self.batch: Optional[BatchRecord] = None  # a message carrying (part of) a WriteBatch: recs/last unused
-        self.final = False  # the batch's last message
-        self.src_arr: Optional[np.ndarray] = None  # batch messages: ``src`` as int64 rows
-        self.pieces = 0  # pieces of a message without a table (a batch the posting thread completes itself)
-        self.rows: Optional[bytes] = None  # a WriteRows message: its table as wire bytes (``table`` stays None) ...
-        self.bufs: Optional[list] = None  # ... and its payload as buffers of host memory, in order
-        self.whole = False  # a GatherWrite: one whole write, ``table`` its one row and ``bufs`` its payload
-        self.on_acked = None  # a WriteRows message: its request's ``on_acked``
-
-    def source_array(self) -> np.ndarray:
-        """``src`` as an int64 array of rows (local_addr, length, device)."""
-        if self.src_arr is not None:
-            return self.src_arr
-        if not self.src:
-            return np.empty((0, 3), dtype=np.int64)
-        return np.array(self.src, dtype=np.int64).reshape(-1, 3)
-
-    def sources(self) -> List[tuple]:
-        """``src`` as (local_addr, length, device) tuples."""
-        if self.src_arr is not None and not self.src:
-            self.src = [tuple(r) for r in self.src_arr.tolist()]
-        return self.src
-
-    def completions(self, peer_id: str, cause: Optional[BaseException] = None) -> List[Completion]:
-        """What this message completes once the peer acked it (``statuses`` set) or, with ``cause``, once it is
-        lost: per write whose final piece it carries (unsignaled successes stay silent), or for a batch one
-        completion, at its first failing message or its last."""
-        st = self.statuses
-        if self.batch is not None:
-            b = self.batch
-            if b.reported:
-                return []
-            if cause is not None and b.error is None:
-                b.error = cause
-            elif st is not None and b.error is None and st.count(0) != len(st):  # any(st) steps per byte
-                arr = np.frombuffer(st, dtype=np.uint8)
-                i = int(np.flatnonzero(arr)[0])
-                t = self.table if self.table is not None else np.frombuffer(self.rows, dtype=PIECE_DT)
-                b.error = RegionError(
-                    f"peer {peer_id} refused write {int(t['wlen'][i])} B at 0x{int(t['waddr'][i]):x} rkey "
-                    f"0x{int(t['rkey'][i]):x} of batch wr_id={b.wr_id}: {STATUS_TEXT.get(int(arr[i]), int(arr[i]))}")
-            if b.error is None and not self.final:
-                return []
-            b.reported = True
-            return [Completion(b.wr_id, Opcode.WRITE, peer_id, b.length, None, b.error)]
-        out = []
-        for i, (rec, last) in enumerate(zip(self.recs, self.last)):
-            if rec.error is None:
-                if cause is not None:
-                    rec.error = cause
-                elif st is not None and st[i]:
-                    rec.error = RegionError(
-                        f"peer {peer_id} refused wr_id={rec.wr_id}: {rec.length} B at 0x{rec.remote_addr:x} rkey "
-                        f"0x{rec.rkey:x}: {STATUS_TEXT.get(st[i], st[i])}")
-            if last and (rec.signaled or rec.error is not None):
-                out.append(Completion(rec.wr_id, rec.opcode, peer_id, rec.length, rec.imm, rec.error))
-        return out
-
-    def __len__(self) -> int:
-        return len(self.table) if self.table is not None else self.pieces
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes of the message (a message without a table carries its whole batch)."""
-        return int(self.table["len"].sum()) if self.table is not None else self.batch.length
-
-
-class BatchRecord:
-    """Sender-side state of one posted ``WriteBatch`` (its messages share it)."""
-
-    __slots__ = ("wr_id", "length", "error", "reported")
-
-    def __init__(self, b: WriteBatch):
-        self.wr_id = b.wr_id
-        self.length = b.nbytes
-        self.error: Optional[BaseException] = None
-        self.reported = False
+__all__ = ["BatchRecord", "OutMsg", "WrRecord", "batch_messages", "write_messages"]  # the records: re-exported
 
 
 def batch_messages(b: WriteBatch, devices: np.ndarray, message_target, nsocks: int) -> List[OutMsg]:

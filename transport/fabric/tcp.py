@@ -101,6 +101,9 @@ class TcpFabric(SocketFabric):
         # a caller waiting for a small batch it posted reads the ack itself (``await_rows``); False: the reader
         # threads read every message
         self._poster = TcpPoster(self, self.book, bool(own_acks) and hasattr(select, "epoll"), self._spin)
+        # the poster's own method, bound on the instance: a post reaches it without a hop through this class
+        # (``post_writes`` below says what it does)
+        self.post_writes = self._poster.post_writes
         self._io = TcpIo(self, io_threads, self.ack_timeout, self._recv_spin)
         self._io.start(str(self.port))
         self._start()

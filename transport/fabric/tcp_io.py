@@ -30,6 +30,7 @@ no sender holds it, may its file descriptor be closed (``Sock.busy``).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import select
@@ -131,7 +132,8 @@ class TcpIo:
             s.spin = AdaptiveSpin(self.recv_spin)
             s.pooled = True
             with s.cv:
-                s.wake = self._waker(ep, s)
+                # the endpoint's own method, bound to this socket and the queue: no call of ours around it
+                s.wake = functools.partial(ep.queue_socket, s, self._tx_q, self._tx_cv)
                 if s.ctrl or s.data:
                     s.wake()
         with self._lock:
@@ -235,19 +237,6 @@ class TcpIo:
         self.rearm(ep, s)
 
     # --- senders ----------------------------------------------------------------------------------------------
-    def _waker(self, ep, s: Sock):
-        """``s.wake`` for a served socket: called under ``s.cv`` once something was queued on it."""
-        q, cv = self._tx_q, self._tx_cv
-
-        def wake() -> None:
-            if s.queued or s.closed:
-                return
-            s.queued = True
-            with cv:
-                q.append((ep, s))
-                cv.notify()
-        return wake
-
     def _send_loop(self) -> None:
         q, cv = self._tx_q, self._tx_cv
         while True:

@@ -19,10 +19,10 @@ import numpy as np
 
 from transport.errors import RegionError, UnknownPeer
 from transport.fabric.base import DEVICE_HOST, Endpoint, GatherWrite, MemoryRegion, WriteBatch, WriteRequest, WriteRows
-from transport.fabric.endpoint import SocketEndpoint
+from transport.fabric.endpoint import BatchRecord, OutMsg, SocketEndpoint, WrRecord
 from transport.fabric.memory import (BIG_GPU_PIECE, cuda_stream, device_scratch, gpu_batch_copy, memcpy_async,
                                      pinned_buffer, raw_view)
-from transport.fabric.messages import BatchRecord, OutMsg, WrRecord, batch_messages, write_messages
+from transport.fabric.messages import batch_messages, write_messages
 from transport.fabric.region_book import RegionBook
 from transport.fabric.sockets import Rx, Sock, send_buffers, send_now
 from transport.fabric.spin import AdaptiveSpin
@@ -80,14 +80,8 @@ class TcpPoster:
         return st
 
     def post_writes(self, ep: Endpoint, requests: Sequence[WriteRequest]) -> None:
-        if len(requests) == 1:
-            r = requests[0]
-            if type(r) is WriteRows:
-                self.post_rows(ep, r)
-                return
-            if type(r) is WriteRequest and not r.acked and not r.signaled and self._unacked \
-                    and self._post_unacked(ep, r):
-                return
+        if len(requests) == 1 and self._post_alone(ep, requests[0]):
+            return
         requests = list(requests)
         batches = [r for r in requests if isinstance(r, WriteBatch)]
         if batches:
@@ -116,6 +110,52 @@ class TcpPoster:
             msgs.extend(batch_messages(b, dev, fab.message_target, len(ep.socks)))
         if msgs:
             self.send(ep, msgs)
+
+    def _post_alone(self, ep: Endpoint, r: WriteRequest) -> bool:
+        """Post a request posted alone that has a route of its own: a ``WriteRows`` (``post_rows``), an unacked
+        write (``_post_unacked``), a ``WriteBatch`` of one write (``_post_one_write``). False: nothing posted, the
+        general path takes it."""
+        cls = type(r)
+        if cls is WriteRows:
+            self.post_rows(ep, r)
+            return True
+        if cls is WriteRequest:
+            return not r.acked and not r.signaled and self._unacked and self._post_unacked(ep, r)
+        return cls is WriteBatch and r.length.size == 1 and self._post_one_write(ep, r)
+
+    def _post_one_write(self, ep: Endpoint, b: WriteBatch) -> bool:
+        """Post a ``WriteBatch`` of one write (a large piece, the engine's direct unit of one piece): the checks of
+        ``validate`` and ``validate_batch`` on its five values (a live endpoint of this fabric, lengths, addresses
+        and ends inside 63 bits, a 32-bit rkey, the whole local range inside the region of its lkey), then its
+        messages made here: the write cut into parts of about the fabric's share per socket (``message_target``),
+        one part per message. False, with nothing sent, when a check fails: the general path checks the batch
+        again and names what is wrong."""
+        mr = self._regions.get(int(b.lkey[0]))
+        if mr is None or not isinstance(ep, SocketEndpoint) or ep.fabric is not self._fab or not ep.alive:
+            return False
+        la, ln, ra, rk = int(b.local_addr[0]), int(b.length[0]), int(b.remote_addr[0]), int(b.rkey[0])
+        if not (ln >= 1 and mr.addr <= la and la + ln <= min(mr.addr + mr.length, I64) and 0 <= ra <= I64 - ln
+                and 0 <= rk <= 0xFFFFFFFF):
+            return False  # (a local range inside a region cannot be negative nor wrap: the region's bounds hold it)
+        target = max(64 << 10, min(self.message_bytes, -(-ln // len(ep.socks))))  # ``message_target``
+        off = np.arange(0, ln, target, dtype=np.int64)
+        part = np.minimum(ln - off, target)
+        table = np.zeros(off.size, dtype=PIECE_DT)
+        table["addr"], table["len"], table["waddr"], table["wlen"], table["rkey"] = ra + off, part, ra, ln, rk
+        src = np.empty((off.size, 3), dtype=np.int64)
+        src[:, 0], src[:, 1], src[:, 2] = la + off, part, mr.device
+        rec = BatchRecord(b)
+        msgs = []
+        for i in range(off.size):
+            m = OutMsg(0)
+            m.table, m.src_arr, m.batch = table[i:i + 1], src[i:i + 1], rec
+            msgs.append(m)
+        m.final = True
+        if len(msgs) > 1:
+            ep.enqueue(msgs)  # what ``send`` does with more than one message, without the call
+        else:
+            self.send(ep, msgs)
+        return True
 
     def _post_unacked(self, ep: Endpoint, r: WriteRequest) -> bool:
         """Post one unacked write (``WriteRequest.acked`` False) as a message with ``H_NOACK``: its bytes copied

@@ -539,7 +539,7 @@ def _spins(socks):
 
 
 def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
-    """The target answers every small batch 2 ms late, far past the 150 us spin: after one miss more than a window
+    """The target answers every small batch 20 ms late, far past the 150 us spin: after one miss more than a window
     allows, the waiting callers stop spinning (``AdaptiveSpin``) for the rest of the run; every batch lands
     byte-exact all the same."""
     from transport.fabric.spin import AdaptiveSpin
@@ -547,8 +547,8 @@ def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
     try:
         base = dst.ctypes.data
         assert all(f.ack_spin.on and f.ack_spin.budget == T.SPIN for f in eng.fabrics)
-        _delay_acks(tgt, 0.002)
-        n = 30  # fewer than a window's misses plus the shortest pause: off until the end
+        _delay_acks(tgt, 0.02)
+        n = 30  # fewer than a window's spins (no window closes) and than the shortest pause: off until the end
         for _ in range(n):
             dst[:] = 0xA5
             so, do, s_l, d_l = _aux_lists(rng, src, base, 2 * MB)
@@ -556,10 +556,10 @@ def test_slow_acks_turn_the_waiting_callers_spin_off(src, rng):
             assert np.array_equal(dst, _expect(len(dst), src, so, do))
         spins = [f.ack_spin for f in eng.fabrics]
         assert _own_reads(eng) > AdaptiveSpin.MISSES + 1
-        # a caller descheduled past the 2 ms delay (a busy machine) may find an ack while it spins: a hit, which
-        # adds a spin without moving the switch-off
+        # a caller descheduled past the delay (a busy machine) may find an ack while it spins: a hit, which adds a
+        # spin without moving the switch-off (how many depends on the machine's load, so only their effect is
+        # checked: with fewer spins than a window, only misses turn the spin off)
         hits = sum(sp.hits for sp in spins)
-        assert hits <= AdaptiveSpin.MISSES, hits
         assert sum(sp.spins for sp in spins) == sum(sp.offs for sp in spins) * (AdaptiveSpin.MISSES + 1) + hits
         assert sum(sp.offs for sp in spins) >= 1 and not all(sp.on for sp in spins)
         assert not eng.stats()["inflight"]

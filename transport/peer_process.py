@@ -8,8 +8,11 @@ starts with a clean CUDA and thread state.
 from __future__ import annotations
 
 import hashlib
+import logging
 import multiprocessing as mp
+import os
 import signal
+import threading
 import time
 import traceback
 from multiprocessing import resource_tracker
@@ -96,28 +99,67 @@ def serve(conn, start: Callable[[], dict], handle: Callable[[str, dict], object]
 
 
 def _start_without_sigint(proc) -> None:
-    """Start ``proc`` with SIGINT blocked in it (and ignored from its first instruction, ``_child_main``).
+    """Start ``proc`` with SIGINT blocked in it until its first call (``_child_main``) says what SIGINT does there.
 
     A Ctrl-C at a terminal goes to every process of the foreground group: the child would die with a
     ``KeyboardInterrupt`` traceback of its own while the parent is still reporting the interruption. The
-    signal mask is inherited through fork and exec, so the child never sees the SIGINT; the parent then closes
-    (or kills) the child itself. The parent blocks SIGINT only in this thread and only while the child is
-    made: a Ctrl-C meanwhile is held, or taken by another of its threads, and raised as usual (setting SIGINT
-    to ignored here instead would throw away a Ctrl-C that comes in that window)."""
+    signal mask is inherited through fork and exec, so the child's interpreter starts with SIGINT held; the
+    parent then closes (or kills) the child itself.
+
+    The parent holds a Ctrl-C that comes while the child is made and raises it once ``start`` has returned:
+    raised inside it, between the spawn and the hand-over of the child's start data, the child would die with
+    a traceback ("EOFError: Ran out of input"); setting SIGINT to ignored instead would throw it away."""
     # multiprocessing starts its resource tracker at a process's first spawn and then unblocks SIGINT in the
     # calling thread (``resource_tracker.ensure_running`` ends with SIG_UNBLOCK): started first, it leaves the
     # block below alone
     resource_tracker.ensure_running()
+    held = []
+    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    # (another thread: the handler runs in the main thread, never inside this start; a handler set outside
+    # Python, or none, is left alone)
+    swap = handler is not None and handler is not signal.SIG_IGN
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    if swap:
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         proc.start()
     finally:
+        if swap:
+            signal.signal(signal.SIGINT, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if held:  # the parent's own handler now, as if the Ctrl-C came at this moment (it wins over an error)
+            signal.raise_signal(signal.SIGINT)
+
+
+def _quiet_after_ctrl_c(signum, frame) -> None:
+    """SIGINT in the child: the Ctrl-C reached its parent too, which reports it (one line) and closes the child.
+    What the child would log from here on (a connection its parent dropped mid-handshake, a batch cut short) is
+    not news, so its logging stops; the child goes on serving until it is closed."""
+    logging.disable(logging.CRITICAL)
+
+
+def _quiet_when_woken(fd: int) -> None:
+    """The child's watch of SIGINT: the signal's C handler writes to ``fd`` at once, even while the main thread
+    is inside a long C call (where the Python handler waits), and this thread turns the logging off before
+    another thread of the child can log what the parent's interruption causes."""
+    try:
+        if os.read(fd, 64):
+            logging.disable(logging.CRITICAL)
+    except OSError:
+        pass
 
 
 def _child_main(target: Callable, conn, *args) -> None:
-    """The child's first call: SIGINT ignored (it came blocked, ``_start_without_sigint``), then ``target``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """The child's first call: SIGINT, held since the start (``_start_without_sigint``), silences the child's
+    logging and stops nothing (``_quiet_after_ctrl_c``, ``_quiet_when_woken``); then ``target``."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGINT, _quiet_after_ctrl_c)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    # started while SIGINT is still held here, which the watch keeps: the kernel hands the signal to the main
+    # thread, whose C handler writes the wake-up byte
+    threading.Thread(target=_quiet_when_woken, args=(wake_r,), name="pxn-peer-ctrl-c", daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     target(conn, *args)
 
 

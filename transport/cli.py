@@ -44,7 +44,7 @@ def version() -> str:
     return __version__
 
 
-def _start_without_sigint(target, args, name: str) -> None:
+def _start_thread_without_sigint(target, args, name: str) -> None:
     """A daemon thread started with SIGINT blocked, which it keeps: a Ctrl-C goes to the main thread, which may
     hold it back while it imports torch (``bench_cli._import_torch``)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -74,7 +74,7 @@ class _StdoutWatch:
             return  # not a real file (captured), or closed
         poller = select.poll()
         poller.register(fd, 0)  # POLLERR (the read end is closed) and POLLHUP are reported without asking
-        _start_without_sigint(self._watch, (poller,), "pxn-stdout-watch")
+        _start_thread_without_sigint(self._watch, (poller,), "pxn-stdout-watch")
 
     def _watch(self, poller) -> None:
         while not self.done.is_set():
@@ -120,7 +120,7 @@ class _CtrlC:
         if threading.current_thread() is not threading.main_thread() or \
                 signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             return  # a program with its own Ctrl-C handling keeps it
-        _start_without_sigint(self._send_again, (), "pxn-ctrl-c-again")
+        _start_thread_without_sigint(self._send_again, (), "pxn-ctrl-c-again")
         self._previous_hook = sys.unraisablehook
         sys.unraisablehook = self._unraisable
         signal.signal(signal.SIGINT, self._interrupted)

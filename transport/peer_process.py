@@ -131,17 +131,18 @@ def _start_without_sigint(proc) -> None:
             signal.raise_signal(signal.SIGINT)
 
 
-def _quiet_after_ctrl_c(signum, frame) -> None:
-    """SIGINT in the child: the Ctrl-C reached its parent too, which reports it (one line) and closes the child.
-    What the child would log from here on (a connection its parent dropped mid-handshake, a batch cut short) is
-    not news, so its logging stops; the child goes on serving until it is closed."""
-    logging.disable(logging.CRITICAL)
+def _wake_only(signum, frame) -> None:
+    """The child's Python handler of SIGINT: stops nothing. It exists because the wake-up fd is written only for
+    a signal Python handles (one set to ignored is thrown away by the kernel); the watch on that fd
+    (``_quiet_when_woken``) does what a Ctrl-C means here."""
 
 
 def _quiet_when_woken(fd: int) -> None:
-    """The child's watch of SIGINT: the signal's C handler writes to ``fd`` at once, even while the main thread
-    is inside a long C call (where the Python handler waits), and this thread turns the logging off before
-    another thread of the child can log what the parent's interruption causes."""
+    """The child's answer to SIGINT: the Ctrl-C reached its parent too, which reports it (one line) and closes the
+    child, so what the child would log from here on (a connection its parent dropped mid-handshake, a batch cut
+    short) is not news. The signal's C handler writes to ``fd`` at once, even while the main thread is inside a
+    long C call (where a Python handler would wait), and this thread turns the logging off before another thread
+    of the child can log what the parent's interruption causes. The child goes on serving until it is closed."""
     try:
         if os.read(fd, 64):
             logging.disable(logging.CRITICAL)
@@ -151,10 +152,10 @@ def _quiet_when_woken(fd: int) -> None:
 
 def _child_main(target: Callable, conn, *args) -> None:
     """The child's first call: SIGINT, held since the start (``_start_without_sigint``), silences the child's
-    logging and stops nothing (``_quiet_after_ctrl_c``, ``_quiet_when_woken``); then ``target``."""
+    logging and stops nothing (``_wake_only``, ``_quiet_when_woken``); then ``target``."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGINT, _quiet_after_ctrl_c)
+    signal.signal(signal.SIGINT, _wake_only)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     # started while SIGINT is still held here, which the watch keeps: the kernel hands the signal to the main
     # thread, whose C handler writes the wake-up byte

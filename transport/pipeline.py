@@ -36,20 +36,16 @@ from transport.inflight import InFlight
 from transport.inline import InlineRoute
 from transport.peers import Failover, PeerDirectory, Peer, all_rails_failed
 from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, Unit
-from transport.regions import first_bad, locate_inside, span_region
+from transport.regions import END_MAX, first_bad, locate_inside, span_region
 from transport.relay import RelayRing
-from transport.smallbatch import RowsRoute
+from transport.smallbatch import LISTS, RowsRoute
 from transport.telemetry import POSTED, now_ns
 
 log = logging.getLogger("transport.engine")  # one logger for the engine and its data path
 
 # the routes a submitted batch can take, in the order tried; each counts its batches as ``route_<name>``
 ROUTES = ("rows", "loadstore", "inline", "posted")
-_END_MAX = 1 << 62  # ``span_region``'s bound on a region's end: past it the pieces are looked up one by one
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
-
-
-_LISTS = (list, tuple)
 
 
 def _rows_may_take(lengths, limit: int, coalesce_bytes: int) -> bool:
@@ -238,7 +234,7 @@ class Pipeline:
         while the caller waited, or nothing to write)."""
         self.check_open()
         rows = self._rows
-        if rows is not None and (lengths.__class__ not in _LISTS or _rows_may_take(lengths, self.direct_pieces,
+        if rows is not None and (lengths.__class__ not in LISTS or _rows_may_take(lengths, self.direct_pieces,
                                                                                    self.coalesce_bytes)):
             # a few small pieces, given as lists, tuples, arrays or tensors alike (a list the route would decline
             # by its size or a large piece is declined here, without the call: the route's own first tests)
@@ -300,10 +296,10 @@ class Pipeline:
         # sorted lists: the region starting last at or before the span's start, its end past the span's; the
         # starts are >= 0, checked above, and the lengths >= 1); the others piece by piece
         idx = bisect_right(lsnap.start_list, smin) - 1
-        if idx < 0 or not send <= lsnap.end_list[idx] < _END_MAX:
+        if idx < 0 or not send <= lsnap.end_list[idx] < END_MAX:
             idx = None
         ridx = bisect_right(rsnap.start_list, dmin) - 1
-        if ridx < 0 or not dend <= rsnap.end_list[ridx] < _END_MAX:
+        if ridx < 0 or not dend <= rsnap.end_list[ridx] < END_MAX:
             ridx = None
         if idx is None:
             idx, send = self._local_regions(lsnap, src, ln, smin, smax, lmin, lmax, send)

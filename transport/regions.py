@@ -18,6 +18,9 @@ from typing import Iterable, List, Optional, Tuple
 import numpy as np
 
 DEVICE_HOST = -1
+# regions ending at or past this are not looked up as one span (``span_region``): an int64 start + length stays
+# clear of wrapping below it; pieces there are looked up one by one
+END_MAX = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -171,14 +174,14 @@ def span_region(snap: _Snapshot, lo: int, hi_start: int, hi_end: int, max_length
     that span contains them all; ``hi_start`` and ``max_length`` guard the int64 sum against wrapping (a
     wrapped end would be negative and hide from the maximum).
     """
-    if not snap.regions or lo < 0 or max_length >= 1 << 62:
+    if not snap.regions or lo < 0 or max_length >= END_MAX:
         return None
     i = bisect.bisect_right(snap.start_list, lo) - 1
     if i < 0:
         return None
     r = snap.regions[i]
     end = r.addr + r.length
-    return i if hi_start < end and hi_end <= end and end < 1 << 62 else None
+    return i if hi_start < end and hi_end <= end and end < END_MAX else None
 
 
 def locate_inside(snap: _Snapshot, addrs: np.ndarray, ends: np.ndarray) -> Optional[np.ndarray]:

@@ -27,12 +27,10 @@ from transport.batches import NOT_TAKEN, Attempt, Batch
 from transport.errors import FabricError, InvalidTransfer, PeerLost, RegionError, RemoteRejected
 from transport.fabric.base import DEVICE_HOST, WriteRows
 from transport.planner import DIRECT, Unit
-from transport.regions import span_region
+from transport.regions import END_MAX, span_region
 from transport.telemetry import now_ns
 
-_END_MAX = 1 << 62  # span_region's bound on region ends; pieces past it take the general path
-
-_LISTS = (list, tuple)
+LISTS = (list, tuple)  # argument types taken as they are (an array or tensor is made a list first)
 
 
 class Signal:
@@ -77,7 +75,7 @@ def _short(values, limit: int):
     arrays for the general path costs several); else None. So a batch takes this route by its size and
     values, whatever the type of its arguments."""
     cls = values.__class__
-    if cls in _LISTS:
+    if cls in LISTS:
         return values
     try:
         if values.ndim != 1 or values.shape[0] > limit:  # shape, not len(): a tensor's len() costs microseconds
@@ -175,7 +173,7 @@ class RowsRoute:
         """(local table, region, peer's table, region): the one host region holding every source of ``req`` and
         the one peer region holding every destination; None when there are no such two."""
         (smin, send), (dmin, dend) = req.local_span, req.remote_span
-        if send >= _END_MAX or dend >= _END_MAX:
+        if send >= END_MAX or dend >= END_MAX:  # span_region's bound; pieces past it take the general path
             return None
         lmax = req.max_length
         lsnap = self.regions.snapshot()

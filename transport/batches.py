@@ -37,6 +37,8 @@ def batch_timeout(timeout, default: float, poll: bool = False) -> float:
     0 is allowed too (a handle's ``wait(0)`` looks without waiting)."""
     if timeout is None:
         return default
+    if timeout.__class__ is float and 0.0 < timeout < math.inf:
+        return timeout  # the common case (the Mooncake API passes its rule's seconds), without the ABC test
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout) \
             or not (timeout >= 0 if poll else timeout > 0):
         raise InvalidTransfer(f"timeout must be a finite number of seconds {'>=' if poll else '>'} 0, "

@@ -17,8 +17,10 @@ GPU 1 to GPU 0).
 For every (fabric, topology) a sender engine and a receiving engine in a spawned process are made; for every
 shape the receiver's buffer (with guards) is poisoned, the shape written once and compared with the expected
 image, then timed: wall time of ``batch_write`` calls, median of ``--repeat``. Each row carries the engine's
-``stats()`` time breakdown per call, and the streamed columns: ms per batch with ``--inflight`` batches submitted
-before waiting (``batch_write_async``), where host work overlaps earlier batches' copies.
+``stats()`` time breakdown per call, the ipc rows their floor (``copy_alone_ms``: the same pieces through the
+fabric's bound GPU copy alone, in the sender's process), and the streamed columns: ms per batch with
+``--inflight`` batches submitted before waiting (``batch_write_async``), where host work overlaps earlier
+batches' copies.
 
 With one GPU visible, only the direct and loadstore rows are measured (both processes on that GPU, both NICs
 next to it) and the files are named ``-x1`` instead of ``-x2``, plus ``relay_x1``: the direct topology with the
@@ -187,6 +189,11 @@ def run_pair(fabric: str, topology: str, all_shapes: dict, repeat: int, rng, arg
                                receiver_per_call=_receiver_breakdown(rx_before, rx_after, n_rep))
                     if args.inflight > 1:
                         row.update(streamed(eng, peer.session, srcs, dsts, lens, args.inflight, n_rep))
+                    if fabric == "ipc" and not args.no_copy_floor:
+                        try:
+                            row.update(copy_alone(args.data_gpu, srcs, d_off, lens, n_rep))
+                        except Exception as e:  # noqa: BLE001 — the floor is a yardstick: the row stands without it
+                            row["copy_alone_error"] = f"{type(e).__name__}: {e}"[:300]
                 except Exception as e:  # noqa: BLE001 — a failing row is reported, the run goes on
                     row.update(error=f"{type(e).__name__}: {e}"[:500], byte_exact=False)
                     traceback.print_exc()
@@ -219,6 +226,27 @@ def streamed(eng, session: str, srcs, dsts, lens, inflight: int, repeat: int) ->
         times.append((time.perf_counter() - t0) / inflight)
     ms = float(np.median(times[1:])) * 1e3
     return {"inflight": inflight, "ms_streamed": round(ms, 4), "gbps_streamed": round(nbytes / ms / 1e6, 3)}
+
+
+def copy_alone(dev: int, srcs, d_off, lens, repeat: int) -> dict:
+    """The floor of a row on the ipc fabric: the same pieces copied by what the fabric's inline GPU write runs
+    (``BoundCopies``: descriptors staged, one bound launch, the stream synchronised), alone, in this process, into
+    a scratch buffer on the sources' GPU; no checks, no plan, no engine. ``copy_alone_ms`` (median of ``repeat``)
+    against the row's ``ms`` is what the engine adds on top of its one launch and one wait."""
+    import torch
+    from transport.fabric.gpu_copy import BoundCopies
+    scratch = torch.empty(BUFFER, dtype=torch.uint8, device=f"cuda:{dev}")
+    dsts = (scratch.data_ptr() + d_off).astype(np.int64)
+    stats = (int(lens.sum()), int(lens.min()), int(lens.max()))
+    copies = BoundCopies()
+    times = []
+    for i in range(repeat + 3):
+        t0 = time.perf_counter()
+        copies.finish([copies.copy(dev, srcs, dsts, lens, stats)], wait=True)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    del scratch
+    return {"copy_alone_ms": round(float(np.median(times)) * 1e3, 4)}
 
 
 def nvlink_rows(all_shapes: dict, repeat: int) -> list:
@@ -274,6 +302,8 @@ def main(argv=None) -> int:
                          "there, relayed and coalesced ones in the rings' threads)")
     ap.add_argument("--forward-large", action="store_true",
                     help="receivers forward large pieces too (TransferEngine(forward_large=True))")
+    ap.add_argument("--no-copy-floor", action="store_true",
+                    help="ipc rows: skip copy_alone_ms (the same pieces through the fabric's bound GPU copy alone)")
     ap.add_argument("--no-topology", action="store_true",
                     help="engines without a topology (trivial rails): for trees without receive-side PXN")
     ap.add_argument("--enable-peers", action="store_true",
@@ -340,11 +370,12 @@ def main(argv=None) -> int:
             json.dump({**meta, "rows": subset}, f, indent=1)
     print(f"wrote {out}/{names[0]} and {out}/{names[1]}", file=sys.stderr)
     print(f"{'fabric':6s} {'topology':11s} {'shape':14s} {'ms':>9s} {'GB/s':>9s} exact {'streamed ms':>11s} "
-          f"{'GB/s':>9s}")
+          f"{'GB/s':>9s} {'copy alone ms':>13s}")
     for r in rows:
         print(f"{r['fabric']:6s} {r['topology']:11s} {r['shape']:14s} {r.get('ms', float('nan')):9.3f} "
               f"{r.get('gbps', float('nan')):9.2f} {str(r.get('byte_exact')):5s} "
-              f"{r.get('ms_streamed', float('nan')):11.3f} {r.get('gbps_streamed', float('nan')):9.2f}")
+              f"{r.get('ms_streamed', float('nan')):11.3f} {r.get('gbps_streamed', float('nan')):9.2f} "
+              f"{r.get('copy_alone_ms', float('nan')):13.4f}")
     return 0 if all(r.get("byte_exact") for r in rows) else 1
 
 

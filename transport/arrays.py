@@ -30,6 +30,7 @@ def distinct(a: np.ndarray) -> list:
 _PACKERS: dict = {}  # entries -> struct.Struct of that many int64s; a batch's shapes repeat, so few are made
 _PACKERS_MAX = 512  # shapes kept; past that a packer is made per call (a few microseconds)
 _I64 = 1 << 63
+_INT64 = np.dtype(np.int64)  # numpy's one native int64 dtype: an identity test is the cheapest check of an array
 _BOOL_SCAN = 64  # up to this many entries a list is searched for True / False; past it its array's minimum decides
 
 
@@ -69,7 +70,7 @@ def as_array(name: str, values) -> np.ndarray:
     of its own: this function now takes 0.4-0.55 of its former time for 11 to 4096 entries (benchmarks/NOTES.md);
     the entries ``_packed`` refuses, and the bools it lets pass, are then named. A CPU tensor is read through
     ``numpy()``, without a list in between."""
-    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+    if type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1:
         return values  # the common case of callers with many pieces: nothing to convert or check
     cls = values.__class__
     if cls is list or cls is tuple:
@@ -140,7 +141,9 @@ def as_arrays(*named) -> tuple:
     naming them and their lengths."""
     arrays = tuple([as_array(name, values) for name, values in named])
     n = arrays[0].size
-    if any(a.size != n for a in arrays):
+    for a in arrays:
+        if a.size == n:
+            continue
         names = [name for name, _ in named]
         raise InvalidTransfer(f"{', '.join(names[:-1])} and {names[-1]} must have the same length, got "
                               f"{', '.join(str(a.size) for a in arrays)}")

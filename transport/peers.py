@@ -188,11 +188,11 @@ class PeerDirectory:
             for r in self.routes.rails(device):
                 idx = keys.index(r.key) if r.key in keys else -1
                 if idx >= 0 and peer.rails[idx].usable():
-                    out.append(RailChoice(idx, r.relay_gpu == device, r.relay_gpu))
+                    out.append(rail_choice(idx, r.relay_gpu == device, r.relay_gpu))
             return out
         for i, pr in enumerate(peer.rails):
             if pr.usable():
-                out.append(RailChoice(i, True, device))
+                out.append(rail_choice(i, True, device))
         return out
 
     def close(self) -> None:
@@ -205,6 +205,19 @@ class PeerDirectory:
                     peer.ctrl.close()
                 except OSError:
                     pass
+
+
+_RAIL_CHOICES: Dict[tuple, RailChoice] = {}  # (rail, local, relay device) -> its one RailChoice
+
+
+def rail_choice(rail: int, local: bool, relay_device: int) -> RailChoice:
+    """The ``RailChoice`` of these values, made once: it is frozen, and a frozen dataclass's constructor costs
+    about a microsecond, which every batch paid per rail (a handful of rails times devices exist)."""
+    key = (rail, local, relay_device)
+    choice = _RAIL_CHOICES.get(key)
+    if choice is None:
+        choice = _RAIL_CHOICES.setdefault(key, RailChoice(rail, local, relay_device))
+    return choice
 
 
 def all_rails_failed(peer: Peer, what: str) -> PeerGone:

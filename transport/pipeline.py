@@ -276,11 +276,13 @@ class Pipeline:
         if n <= _FEW_FOR_BUILTINS:
             sl, dl, ll = src.tolist(), dst.tolist(), ln.tolist()
             smin, smax, dmin, dmax, lmin, lmax = min(sl), max(sl), min(dl), max(dl), min(ll), max(ll)
+            nbytes = sum(ll)
         else:
             rows = np.empty((3, n), dtype=np.int64)
             rows[0], rows[1], rows[2] = src, dst, ln
             smin, dmin, lmin = rows.min(axis=1).tolist()
             smax, dmax, lmax = rows.max(axis=1).tolist()
+            nbytes = lmin * n if lmin == lmax else None  # summed once the checks below have passed
         if lmin < 1:
             i = int(np.argmin(ln))
             if lmin < 0:
@@ -313,7 +315,7 @@ class Pipeline:
             rsnap, ridx, dend = self._peer_regions(peer, dst, ln, dmin, dmax, lmin, lmax, dend)
         devices = lsnap.devices[idx]  # a scalar when one region holds every source
         return Validated(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx,
-                         lmin * n if lmin == lmax else int(ln.sum()), lmin, lmax, smin, send, dmin, dend,
+                         int(ln.sum()) if nbytes is None else nbytes, lmin, lmax, smin, send, dmin, dend,
                          getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0, t0, now_ns(), async_)
 
     def _local_regions(self, lsnap, src, ln, smin: int, smax: int, lmin: int, lmax: int, send: int) -> tuple:

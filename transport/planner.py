@@ -263,7 +263,7 @@ class Planner:
             return None
         if lmax > self.stripe_bytes and not (count == 1 and lmax - self.stripe_bytes < self.stripe_bytes // 4):
             return None  # striped (a lone piece keeps a tail under a quarter stripe, as ``_plan_large`` does)
-        all_local = all(c.local for c in choices)
+        all_local = choices[0].local if len(choices) == 1 else all(c.local for c in choices)
         if self.coalesce_bytes and lmin < self.coalesce_bytes and not (
                 count <= self.direct_pieces and device < 0 and self.relay != "always" and all_local):
             return None
@@ -272,6 +272,8 @@ class Planner:
         if count > 1 and len(choices) > 1 and nbytes >= 2 * MIN_RUN_BYTES:
             return None  # runs on several rails (``_plan_direct_runs``)
         self._rotate += 1
+        if len(choices) == 1:
+            return choices[0]  # one rail (a NIC per host, the common case): no load to compare
         r = self._rotate % len(choices)
         best = None
         for c in list(choices[r:]) + list(choices[:r]):  # the first of the least loaded, as ``plan`` picks

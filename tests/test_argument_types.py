@@ -112,6 +112,49 @@ def test_the_c_packer_stops_at_the_first_entry_it_does_not_take_and_checks_its_b
         pack([1], b"\0" * 8)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 11, 24, 25, 4097])
+@pytest.mark.parametrize("way", ["c", "numpy"])
+def test_a_batchs_extremes_and_total_are_exact(n, way, rng):
+    if way == "c" and arrays_module.extremes_and_total is arrays_module.numpy_extremes_and_total:
+        pytest.skip("transport._intpack is not built here (pip install -e . builds it where a C compiler is found)")
+    f = arrays_module.extremes_and_total if way == "c" else arrays_module.numpy_extremes_and_total
+    lo, hi = -(1 << 63), (1 << 63) - 1
+    cols = [rng.integers(lo, hi, n, dtype=np.int64, endpoint=True) for _ in range(3)]
+    cols[2] = rng.integers(0, 1 << 40, n, dtype=np.int64)  # lengths: their sum must not wrap to compare with numpy
+    for col in cols[:2]:  # the int64 bounds themselves, at random places
+        col[rng.integers(n)] = lo
+        col[rng.integers(n)] = hi
+    want = []
+    for col in cols:
+        want += [int(col.min()), int(col.max())]
+    assert f(*cols) == (*want, int(cols[2].sum()))
+
+
+def test_a_strided_view_is_read_by_numpy(rng):
+    base = rng.integers(0, 1 << 40, 64, dtype=np.int64)
+    view = base[::2]
+    f = arrays_module.extremes_and_total
+    if f is not arrays_module.numpy_extremes_and_total:
+        with pytest.raises(ValueError, match="C-contiguous"):
+            f(view, view, view)
+    assert arrays_module.numpy_extremes_and_total(view, view, view)[:2] == (int(view.min()), int(view.max()))
+
+
+def test_strided_int64_arrays_are_written_byte_exact(peer, src, rng):
+    lengths = [100] * 65  # past the rows route: the batch is validated on its arrays
+    srcs, dsts, exp = _batch(rng, src, peer, lengths)
+    cols = []
+    for values in (srcs, dsts, lengths):
+        wide = np.full(2 * len(values), -1, dtype=np.int64)  # every other entry poison: a view must skip them
+        wide[::2] = values
+        cols.append(wide[::2])
+    with TransferEngine(fabric="tcp") as eng:
+        eng.register(src)
+        peer.poison()
+        eng.batch_write(peer.session, *cols)
+    peer.check(exp)
+
+
 @pytest.mark.parametrize("kind", ["array", "tensor"])
 def test_a_bad_entry_of_an_array_or_tensor_is_named(kind):
     # an array of floats or bools: its first entry is not an int

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from transport.arrays import as_arrays, distinct
+from transport.arrays import as_arrays, distinct, extremes_and_total, numpy_extremes_and_total
 from transport.batches import NOT_TAKEN, Accounts, Attempt, Batch, Validated
 from transport.completions import Completions
 from transport.fills import SlotFills, write_keys
@@ -45,8 +45,6 @@ log = logging.getLogger("transport.engine")  # one logger for the engine and its
 
 # the routes a submitted batch can take, in the order tried; each counts its batches as ``route_<name>``
 ROUTES = ("rows", "loadstore", "inline", "posted")
-_FEW_FOR_BUILTINS = 24  # pieces up to which a batch's six extremes cost less as builtins over lists than as two
-# numpy axis reductions (about half at 11 pieces on the 2-core machine; the same near 30)
 _READ_MAX = 3600.0  # seconds a caller reads its own ack at most without a timeout (then it waits as any other)
 
 
@@ -266,23 +264,16 @@ class Pipeline:
         if n == 0:
             self.peer(session_id)  # an unknown session is an error even for an empty batch
             return None
-        # One pass of reductions serves the argument checks and the common case of the region lookups below
-        # (every source in one registered buffer, every destination in one of the peer's): per-call host time
-        # is the cost that matters for small batches, and each numpy call has a fixed cost of its own.
-        # rows: src, dst, lengths; two axis reductions instead of six whole-array ones. Each side's pieces lie in
+        # One pass over the three columns (in C where the install built it) serves the argument checks and the
+        # common case of the region lookups below (every source in one registered buffer, every destination in one
+        # of the peer's): per-call host time is the cost that matters for small batches. Each side's pieces lie in
         # [smallest start, largest start + longest length): a span holding all of them, the exact one when the
         # lengths are equal, which is what the one-region lookups below need; the ends themselves are summed only
         # when that span is not inside one region (two passes over the batch fewer in the common case).
-        if n <= _FEW_FOR_BUILTINS:
-            sl, dl, ll = src.tolist(), dst.tolist(), ln.tolist()
-            smin, smax, dmin, dmax, lmin, lmax = min(sl), max(sl), min(dl), max(dl), min(ll), max(ll)
-            nbytes = sum(ll)
-        else:
-            rows = np.empty((3, n), dtype=np.int64)
-            rows[0], rows[1], rows[2] = src, dst, ln
-            smin, dmin, lmin = rows.min(axis=1).tolist()
-            smax, dmax, lmax = rows.max(axis=1).tolist()
-            nbytes = lmin * n if lmin == lmax else None  # summed once the checks below have passed
+        try:
+            smin, smax, dmin, dmax, lmin, lmax, nbytes = extremes_and_total(src, dst, ln)
+        except ValueError:  # a strided view of an int64 array ("not C-contiguous"): numpy reads it
+            smin, smax, dmin, dmax, lmin, lmax, nbytes = numpy_extremes_and_total(src, dst, ln)
         if lmin < 1:
             i = int(np.argmin(ln))
             if lmin < 0:
@@ -315,7 +306,7 @@ class Pipeline:
             rsnap, ridx, dend = self._peer_regions(peer, dst, ln, dmin, dmax, lmin, lmax, dend)
         devices = lsnap.devices[idx]  # a scalar when one region holds every source
         return Validated(peer, src, dst, ln, devices, lsnap, idx, rsnap, ridx,
-                         int(ln.sum()) if nbytes is None else nbytes, lmin, lmax, smin, send, dmin, dend,
+                         nbytes, lmin, lmax, smin, send, dmin, dend,
                          getattr(idx, "ndim", 0) == 0 and getattr(ridx, "ndim", 0) == 0, t0, now_ns(), async_)
 
     def _local_regions(self, lsnap, src, ln, smin: int, smax: int, lmin: int, lmax: int, send: int) -> tuple:

@@ -40,10 +40,10 @@ def rng(seed, request):
 def packer(request, monkeypatch):
     """Each conversion case twice: lists packed by the C extension (``transport._intpack``, built at install where
     a compiler is found) and by ``struct``, the fallback without it."""
-    if request.param == "c" and arrays_module._pack_exact_ints is None:
+    if request.param == "c" and arrays_module.pack_exact_ints is None:
         pytest.skip("transport._intpack is not built here (pip install -e . builds it where a C compiler is found)")
     if request.param == "struct":
-        monkeypatch.setattr(arrays_module, "_pack_exact_ints", None)
+        monkeypatch.setattr(arrays_module, "pack_exact_ints", None)
     return request.param
 
 
@@ -94,7 +94,7 @@ def test_a_bad_entry_of_a_list_is_named(bad, text, container, n, rng, packer):
 
 
 def test_the_c_packer_stops_at_the_first_entry_it_does_not_take_and_checks_its_buffer(rng):
-    pack = arrays_module._pack_exact_ints
+    pack = arrays_module.pack_exact_ints
     if pack is None:
         pytest.skip("transport._intpack is not built here (pip install -e . builds it where a C compiler is found)")
     values = rng.integers(-(1 << 62), 1 << 62, 257).tolist() + [(1 << 63) - 1, -(1 << 63)]

@@ -7,7 +7,9 @@ import numpy as np
 
 from transport.errors import InvalidTransfer
 
-__all__ = ["as_array", "as_arrays", "distinct", "extremes_and_total", "numpy_extremes_and_total"]
+__all__ = ["as_array", "as_arrays", "distinct", "extremes_and_total", "numpy_extremes_and_total", "pack_exact_ints"]
+
+_FEW_FOR_BUILTINS = 24  # entries up to which numpy_extremes_and_total reads lists
 
 
 def numpy_extremes_and_total(src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -> tuple:
@@ -25,13 +27,11 @@ def numpy_extremes_and_total(src: np.ndarray, dst: np.ndarray, ln: np.ndarray) -
     return smin, smax, dmin, dmax, lmin, lmax, lmin * n if lmin == lmax else int(ln.sum())
 
 
-_FEW_FOR_BUILTINS = 24  # entries up to which numpy_extremes_and_total reads lists
-
 try:  # built by `pip install` where a C compiler is found (setup.py: optional); else struct and numpy do the work
     from transport._intpack import extremes_and_total
-    from transport._intpack import pack_int64 as _pack_exact_ints
+    from transport._intpack import pack_int64 as pack_exact_ints
 except ImportError:
-    _pack_exact_ints = None
+    pack_exact_ints = None  # not built: lists go through struct
     extremes_and_total = numpy_extremes_and_total
 
 
@@ -86,10 +86,10 @@ def as_array(name: str, values) -> np.ndarray:
     """int64 array of a sequence of ints (list, tuple, numpy array, CPU tensor); anything else (floats,
     bools, strings, nested lists) raises InvalidTransfer naming the first bad entry.
 
-    Lists and tuples are packed in one C pass (``_packed``), where ``np.asarray`` first inferred a type in a pass
-    of its own: this function now takes 0.4-0.55 of its former time for 11 to 4096 entries (benchmarks/NOTES.md);
-    the entries ``_packed`` refuses, and the bools it lets pass, are then named. A CPU tensor is read through
-    ``numpy()``, without a list in between."""
+    Lists and tuples of exact ints are packed by the C extension (``transport._intpack``, about 6 ns per entry on
+    the 2-core machine), others in one pass of ``struct`` (``_packed``, about 37 ns), where ``np.asarray`` first
+    inferred a type in a pass of its own (benchmarks/NOTES.md); the entries ``_packed`` refuses, and the bools it
+    lets pass, are then named. A CPU tensor is read through ``numpy()``, without a list in between."""
     if type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1:
         return values  # the common case of callers with many pieces: nothing to convert or check
     cls = values.__class__
@@ -109,9 +109,9 @@ def _from_list(name: str, values) -> np.ndarray:
     among the entries named."""
     if not values:
         return np.zeros(0, dtype=np.int64)
-    if _pack_exact_ints is not None:
+    if pack_exact_ints is not None:
         arr = np.empty(len(values), dtype=np.int64)
-        if _pack_exact_ints(values, arr) < 0:
+        if pack_exact_ints(values, arr) < 0:
             return arr
     try:
         arr = _packed(values)

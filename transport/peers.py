@@ -207,16 +207,18 @@ class PeerDirectory:
                     pass
 
 
-_RAIL_CHOICES: Dict[tuple, RailChoice] = {}  # (rail, local, relay device) -> its one RailChoice
+RAIL_CHOICES: Dict[tuple, RailChoice] = {}
+"""(rail, local, relay device) -> its one ``RailChoice`` (``rail_choice``): read directly where a batch's path
+must not leave its module, and filled through ``rail_choice`` on a miss."""
 
 
 def rail_choice(rail: int, local: bool, relay_device: int) -> RailChoice:
     """The ``RailChoice`` of these values, made once: it is frozen, and a frozen dataclass's constructor costs
     about a microsecond, which every batch paid per rail (a handful of rails times devices exist)."""
     key = (rail, local, relay_device)
-    choice = _RAIL_CHOICES.get(key)
+    choice = RAIL_CHOICES.get(key)
     if choice is None:
-        choice = _RAIL_CHOICES.setdefault(key, RailChoice(rail, local, relay_device))
+        choice = RAIL_CHOICES.setdefault(key, RailChoice(rail, local, relay_device))
     return choice
 
 

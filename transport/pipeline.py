@@ -34,8 +34,8 @@ from transport.fabric.base import DEVICE_HOST, WriteBatch, WriteBounds, WriteReq
 from transport.fabric.gpu_copy import BoundCopies
 from transport.inflight import InFlight
 from transport.inline import InlineRoute
-from transport.peers import Failover, PeerDirectory, Peer, all_rails_failed
-from transport.planner import COALESCED, DIRECT, RELAYED, Planner, RailChoice, Unit
+from transport.peers import RAIL_CHOICES, Failover, PeerDirectory, Peer, all_rails_failed, rail_choice
+from transport.planner import COALESCED, DIRECT, RELAYED, Planner, Unit
 from transport.regions import END_MAX, first_bad, locate_inside, span_region
 from transport.relay import RelayRing
 from transport.smallbatch import LISTS, RowsRoute
@@ -401,8 +401,8 @@ class Pipeline:
             else:  # ``PeerDirectory.rail_choices`` of a device without routes: every usable rail, as it is
                 choices = []
                 for i, pr in enumerate(peer.rails):
-                    if pr.alive and pr.ep.alive:
-                        choices.append(RailChoice(i, True, dev))
+                    if pr.alive and pr.ep.alive:  # the made-once choice, read without a call once it exists
+                        choices.append(RAIL_CHOICES.get((i, True, dev)) or rail_choice(i, True, dev))
             if not choices:
                 raise all_rails_failed(peer, f"no usable rail to {peer.session} for device {dev}")
             rails_of[dev] = choices

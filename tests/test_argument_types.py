@@ -112,6 +112,27 @@ def test_the_c_packer_stops_at_the_first_entry_it_does_not_take_and_checks_its_b
         pack([1], b"\0" * 8)
 
 
+def test_the_c_packer_reads_ints_of_every_width_exactly(rng):
+    """Ints of up to two 30-bit digits are read from their digits where CPython's layout is known
+    (``READS_DIGITS``), wider ones through the C API: every width from 0 to 63 bits, both signs, and the values
+    where the digit count changes, each at a random place of a poisoned buffer."""
+    pack = arrays_module.pack_exact_ints
+    if pack is None:
+        pytest.skip("transport._intpack is not built here (pip install -e . builds it where a C compiler is found)")
+    edges = [0, 1, -1, 2, (1 << 30) - 1, 1 << 30, (1 << 30) + 1, (1 << 60) - 1, 1 << 60, (1 << 60) + 1,
+             (1 << 63) - 1, 0x7F3A_1000_0040]
+    edges += [-v for v in edges] + [-(1 << 63)]
+    widths = [int(rng.integers(1 << (w - 1), 1 << w, dtype=np.uint64)) for w in range(1, 64)]
+    values = edges + widths + [-v for v in widths]
+    values = [values[i] for i in rng.permutation(len(values))]
+    out = np.full(len(values), 0x5A5A5A5A5A5A5A5A, dtype=np.int64)
+    assert pack(values, out) == -1
+    assert out.tolist() == values, [(i, v, w) for i, (v, w) in enumerate(zip(values, out.tolist())) if v != w][:5]
+    for bad in (1 << 63, (1 << 64) - 1, -(1 << 63) - 1, 1 << 90, -(1 << 90)):
+        i = int(rng.integers(len(values)))
+        assert pack(values[:i] + [bad] + values[i + 1:], out) == i, bad
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 11, 24, 25, 4097])
 @pytest.mark.parametrize("way", ["c", "numpy"])
 def test_a_batchs_extremes_and_total_are_exact(n, way, rng):

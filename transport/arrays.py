@@ -86,7 +86,7 @@ def as_array(name: str, values) -> np.ndarray:
     """int64 array of a sequence of ints (list, tuple, numpy array, CPU tensor); anything else (floats,
     bools, strings, nested lists) raises InvalidTransfer naming the first bad entry.
 
-    Lists and tuples of exact ints are packed by the C extension (``transport._intpack``, about 6 ns per entry on
+    Lists and tuples of exact ints are packed by the C extension (``transport._intpack``, about 2 ns per entry on
     the 2-core machine), others in one pass of ``struct`` (``_packed``, about 37 ns), where ``np.asarray`` first
     inferred a type in a pass of its own (benchmarks/NOTES.md); the entries ``_packed`` refuses, and the bools it
     lets pass, are then named. A CPU tensor is read through ``numpy()``, without a list in between."""

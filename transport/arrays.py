@@ -87,9 +87,10 @@ def as_array(name: str, values) -> np.ndarray:
     bools, strings, nested lists) raises InvalidTransfer naming the first bad entry.
 
     Lists and tuples of exact ints are packed by the C extension (``transport._intpack``, about 2 ns per entry on
-    the 2-core machine), others in one pass of ``struct`` (``_packed``, about 37 ns), where ``np.asarray`` first
-    inferred a type in a pass of its own (benchmarks/NOTES.md); the entries ``_packed`` refuses, and the bools it
-    lets pass, are then named. A CPU tensor is read through ``numpy()``, without a list in between."""
+    the 2-core machine under Python 3.11-3.13, 5-6 ns under others), others in one pass of ``struct`` (``_packed``,
+    about 37 ns), where ``np.asarray`` first inferred a type in a pass of its own (benchmarks/NOTES.md); the
+    entries ``_packed`` refuses, and the bools it lets pass, are then named. A CPU tensor is read through
+    ``numpy()``, without a list in between."""
     if type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1:
         return values  # the common case of callers with many pieces: nothing to convert or check
     cls = values.__class__

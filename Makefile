@@ -19,12 +19,17 @@ endif
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_OPTIONS ?=
 
-# pxn counts as installed when its distribution points at this checkout (editable) and its dependencies and
-# test extra are there: then `make test` starts the tests at once instead of re-running pip (about 15 s).
-# Metadata and find_spec only: importing torch alone would cost seconds.
-INSTALLED_HERE = $(PYTHON) -c "import json, os, sys, importlib.metadata as m, importlib.util as u; \
+# pxn counts as installed when its distribution points at this checkout (editable), its dependencies and test
+# extra are there, and, where a C compiler and Python's headers are found, its extension is built in this checkout
+# (a `git clean -x` removes it and leaves the rest): then `make test` starts the tests at once instead of re-running
+# pip (about 15 s). Metadata, find_spec and file tests only: importing torch alone would cost seconds.
+INSTALLED_HERE = $(PYTHON) -c "import glob, json, os, shutil, sys, sysconfig as c; \
+	import importlib.metadata as m, importlib.util as u; \
 	urls = [json.loads(d.read_text('direct_url.json') or '{}').get('url') for d in m.distributions(name='pxn-relay')]; \
-	sys.exit('file://' + os.path.realpath('.') not in urls or \
+	can_build = shutil.which((c.get_config_var('CC') or 'cc').split()[0]) is not None and \
+	os.path.exists(os.path.join(c.get_paths()['include'], 'Python.h')); \
+	built = glob.glob('transport/_intpack*' + (c.get_config_var('EXT_SUFFIX') or '.so')); \
+	sys.exit('file://' + os.path.realpath('.') not in urls or (can_build and not built) or \
 	not all(u.find_spec(n) for n in ('torch', 'triton', 'numpy', 'pytest', 'etcd3gw', 'matplotlib')))" 2>/dev/null
 
 .PHONY: install bench test venv

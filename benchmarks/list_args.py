@@ -289,6 +289,16 @@ def _versions(trees: dict) -> dict:
     return v
 
 
+def _intpack_build() -> str:
+    """How this tree's lists are converted: the C extension reading ints from their digits
+    (``_intpack.READS_DIGITS``), the extension through the C API, or ``struct`` where it is not built."""
+    try:
+        from transport import _intpack
+    except ImportError:
+        return "not built (struct)"
+    return "reads digits" if getattr(_intpack, "READS_DIGITS", 0) else "C API (PyLong_AsLongLongAndOverflow)"
+
+
 def _machine(device: int) -> dict:
     m = {"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor() or None}
     if device >= 0:
@@ -340,12 +350,13 @@ def main(argv=None) -> int:
         import transport.arrays
         tree = os.path.dirname(os.path.dirname(os.path.abspath(transport.arrays.__file__)))
         doc = {"benchmark": "list_args --conversions", "date": _now(), "note": args.note, "machine": _machine(-1),
-               "versions": _versions({"transport.arrays": tree}), "rows": rows}
+               "versions": _versions({"transport.arrays": tree}), "intpack": _intpack_build(), "rows": rows}
         out = args.out or os.path.join(tempfile.mkdtemp(prefix="pxn-list-args-"), "conversions.json")
         with open(out, "w") as f:
             json.dump(doc, f, indent=1)
         for r in rows:
             print(f"{r['entries']:6d}  {r['candidate']:40s} {r['us']:10.2f} us  {r['ns_per_entry']:8.2f} ns/entry")
+        print(f"transport._intpack: {doc['intpack']}")
         print(f"written to {out}")
         return 0
     if args.child:
